@@ -1,0 +1,179 @@
+"""Cross-layer budget allocation: how many experts each layer keeps.
+
+Each layer has a cost curve ``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` and a set of
+feasible counts (per-layer ratio bounds, at least ``top_k``, equal counts per router group).
+``uniform`` keeps the same fraction everywhere, ``waterfill`` is the paper's greedy, and
+``optimal`` solves the same separable problem exactly by dynamic programming.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALLOCATIONS = ("uniform", "waterfill", "optimal")
+
+
+class InfeasibleBudgetError(ValueError):
+    """The requested pruning ratio cannot be met under the per-layer constraints."""
+
+
+@dataclass(frozen=True)
+class LayerChoices:
+    """Feasible kept-expert counts ``low, low + step, ..., high`` of one layer."""
+
+    name: str
+    num_experts: int
+    low: int
+    high: int
+    step: int
+
+    def counts(self) -> range:
+        return range(self.low, self.high + 1, self.step)
+
+
+def allocation_cost(residual: torch.Tensor, coverage: torch.Tensor, risk_weight: float, zeta: float) -> np.ndarray:
+    """``F(k)`` for ``k = 0..N`` from the residual and routing-coverage curves."""
+    r = residual.to(torch.float64).cpu().numpy()
+    c = coverage.to(torch.float64).cpu().numpy()
+    return r + risk_weight * -np.log(np.clip(c, 0.0, None) + zeta)
+
+
+def minimum_kept(num_experts: int, top_k: int, num_groups: int, topk_group: int, group_score_topk: int) -> int:
+    """Fewest experts a layer can keep while its native router still works."""
+    if num_groups == 1:
+        return top_k
+    per_group = max(math.ceil(top_k / topk_group), group_score_topk, 1)
+    return per_group * num_groups
+
+
+def layer_choices(
+    name: str,
+    routing: dict[str, int],
+    min_ratio: float,
+    max_ratio: float,
+) -> LayerChoices:
+    """Feasible counts of one layer; ``low > high`` means the bounds leave nothing feasible."""
+    n, step = routing["num_experts"], routing["num_groups"]
+    floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
+    low = max(math.ceil(min_ratio * n - 1e-9), floor)
+    low = step * math.ceil(low / step)
+    high = step * math.floor(min(math.floor(max_ratio * n + 1e-9), n) / step)
+    return LayerChoices(name=name, num_experts=n, low=low, high=high, step=step)
+
+
+def target_kept(num_experts: Sequence[int], ratio: float) -> int:
+    """Total experts kept when a fraction ``ratio`` of all routed experts is removed."""
+    if not 0.0 <= ratio < 1.0:
+        raise InfeasibleBudgetError(
+            f"ratio={ratio} is outside [0, 1): it is the fraction of routed experts removed "
+            "(0.5 removes half)."
+        )
+    return round((1.0 - ratio) * sum(num_experts))
+
+
+def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_ratio: float, max_ratio: float) -> int:
+    """Return the kept-expert budget or explain which ratios and bounds would work."""
+    total = sum(c.num_experts for c in choices)
+    for c in choices:
+        if c.low > c.high:
+            raise InfeasibleBudgetError(
+                f"Layer {c.name} ({c.num_experts} experts) has no feasible kept count between "
+                f"min_ratio={min_ratio} and max_ratio={max_ratio} that its router accepts (needs at "
+                f"least {c.low} experts in multiples of {c.step}); raise max_ratio to at least "
+                f"{c.low / c.num_experts:.3f}."
+            )
+    budget = target_kept([c.num_experts for c in choices], ratio)
+    step = math.gcd(*[c.step for c in choices])
+    budget = step * round(budget / step)
+    low, high = sum(c.low for c in choices), sum(c.high for c in choices)
+    if not low <= budget <= high:
+        lo_ratio, hi_ratio = 1.0 - high / total, 1.0 - low / total
+        hint = (
+            f"lower min_ratio below {1.0 - ratio:.3f} to prune more"
+            if budget < low
+            else f"raise max_ratio above {1.0 - ratio:.3f} to prune less"
+        )
+        raise InfeasibleBudgetError(
+            f"ratio={ratio} keeps {budget} of {total} experts, but min_ratio={min_ratio}, "
+            f"max_ratio={max_ratio} and the routers' top-k allow keeping {low} to {high}: use a ratio "
+            f"in [{lo_ratio:.4f}, {hi_ratio:.4f}] or {hint}."
+        )
+    return budget
+
+
+def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: float) -> list[int]:
+    """Keep the same fraction ``1 - ratio`` of every layer (rounded to whole router groups)."""
+    counts = []
+    for name, routing in routings:
+        n, step = routing["num_experts"], routing["num_groups"]
+        keep = step * round((1.0 - ratio) * n / step)
+        floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
+        if keep < floor:
+            raise InfeasibleBudgetError(
+                f"Uniform ratio={ratio} keeps {keep} of {n} experts in layer {name}, but its router needs at "
+                f"least {floor} (top_k={routing['top_k']}); use a ratio of at most {1.0 - floor / n:.4f}."
+            )
+        counts.append(keep)
+    return counts
+
+
+def waterfill_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerChoices], budget: int) -> list[int]:
+    """The paper's discrete water-filling: start every layer at its lowest count, then repeatedly
+    give one more expert (one per group for grouped routers) to the layer whose cost drops most per expert."""
+    counts = [c.low for c in choices]
+    remaining = budget - sum(counts)
+    heap: list[tuple[float, int]] = []
+
+    def push(layer: int) -> None:
+        c, k = choices[layer], counts[layer]
+        if k + c.step <= c.high:
+            drop = (costs[layer][k] - costs[layer][k + c.step]) / c.step
+            heapq.heappush(heap, (-drop, layer))
+
+    for layer in range(len(choices)):
+        push(layer)
+    while remaining > 0 and heap:
+        _, layer = heapq.heappop(heap)
+        if choices[layer].step > remaining:
+            continue
+        counts[layer] += choices[layer].step
+        remaining -= choices[layer].step
+        push(layer)
+    if remaining:
+        raise InfeasibleBudgetError(f"Water-filling could not place {remaining} experts; budget {budget}.")
+    return counts
+
+
+def optimal_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerChoices], budget: int) -> list[int]:
+    """Exact minimum of ``sum_l F_l(k_l)`` with ``sum_l k_l = budget`` by dynamic programming."""
+    extra = budget - sum(c.low for c in choices)
+    best = np.full(extra + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for cost, c in zip(costs, choices):
+        new = np.full(extra + 1, np.inf)
+        pick = np.zeros(extra + 1, dtype=np.int64)
+        for offset in range(0, min(c.high - c.low, extra) + 1, c.step):
+            candidate = best[: extra + 1 - offset] + cost[c.low + offset]
+            better = candidate < new[offset:]
+            new[offset:][better] = candidate[better]
+            pick[offset:][better] = offset
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[extra]):
+        raise InfeasibleBudgetError(f"No allocation reaches exactly {budget} kept experts.")
+    counts, left = [], extra
+    for c, pick in zip(reversed(choices), reversed(picks)):
+        counts.append(c.low + int(pick[left]))
+        left -= int(pick[left])
+    return counts[::-1]
+
+
+def total_cost(costs: Sequence[np.ndarray], counts: Sequence[int]) -> float:
+    return float(sum(cost[k] for cost, k in zip(costs, counts)))

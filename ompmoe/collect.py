@@ -1,0 +1,234 @@
+"""One forward pass that streams per-layer statistics, running every expert FFN exactly once.
+
+Each MoE layer's fused ``experts`` module is called once per batch with its top-k slots
+flattened to one (token, expert) pair per row and unit weights. That reuses whatever experts
+implementation the model is configured with (``eager``, ``grouped_mm``, ``batched_mm``, custom
+gates such as GPT-OSS's clamped SwiGLU) and exposes ``F_e(x)`` for every routed pair; the block
+then gets back exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from .adapters import MoELayer, architecture_of, find_moe_layers
+from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
+
+PairCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d))``."""
+
+
+@contextmanager
+def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Iterator[None]:
+    """Within the context, every expert call reports unweighted per-pair outputs to ``callback``."""
+    patched: list[nn.Module] = []
+    try:
+        for index, layer in enumerate(layers):
+            layer.experts.forward = _flattened_forward(layer.experts.forward, index, callback)
+            patched.append(layer.experts)
+        yield
+    finally:
+        for experts in patched:
+            del experts.forward  # the class forward (and its implementation dispatch) is back
+
+
+def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
+        unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+        outputs = native_forward(pairs_hidden, top_k_index.reshape(-1, 1), unit_weights)
+        callback(index, top_k_index, top_k_weights, outputs)
+        weighted = outputs.view(num_tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(outputs.dtype)
+        return weighted.sum(dim=1).to(hidden_states.dtype)
+
+    return forward
+
+
+class MoEStatsMetric(Metric):
+    """Sum-reduced torchmetrics states for every MoE layer, so DDP/FSDP ranks merge exactly.
+
+    Call :meth:`update` with one layer's routed pairs; ``token_weight`` (one value per token,
+    0 for padding or for samples a distributed sampler duplicated) scales every sum.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.routing = [(layer.name, layer.routing) for layer in layers]
+        for i, layer in enumerate(layers):
+            n = layer.num_experts
+            self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
+            for key in PER_EXPERT_SUMS:
+                self.add_state(f"{key}_{i}", torch.zeros(n, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.token_weight: torch.Tensor | None = None
+
+    def set_token_weight(self, attention_mask: torch.Tensor | None, num_tokens: int) -> None:
+        """Weights for the next forward pass; tokens are flattened batch-major as in the MoE blocks."""
+        if attention_mask is None:
+            self.token_weight = None
+            self.num_tokens += num_tokens
+        else:
+            self.token_weight = attention_mask.reshape(-1).to(self.num_tokens.device, torch.float64)
+            self.num_tokens += self.token_weight.sum()
+
+    def update(
+        self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor
+    ) -> None:
+        num_tokens, top_k = top_k_index.shape
+        n = self.routing[index][1]["num_experts"]
+        device = getattr(self, f"gram_{index}").device
+        expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device, torch.float32)
+        gates = top_k_weights.detach().to(device, torch.float32)
+        ids = top_k_index.to(device)
+        atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
+        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+        sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
+        norm = sq_norm.sqrt()
+        gates64 = gates.to(torch.float64)
+        weight = self.token_weight
+        if weight is not None:
+            if weight.numel() != num_tokens:
+                raise ValueError(
+                    f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
+                    f"routed {num_tokens}; pass masks shaped like input_ids."
+                )
+            weight = weight.to(device)
+            pair_products = pair_products * weight.view(-1, 1, 1)
+        per_pair = weight.view(-1, 1).expand(num_tokens, top_k) if weight is not None else torch.ones_like(gates64)
+        flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
+        getattr(self, f"gram_{index}").view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
+        flat_ids = ids.reshape(-1)
+        sums = {
+            "routing_mass": gates64 * per_pair,
+            "token_count": per_pair,
+            "sq_norm_sum": sq_norm * per_pair,
+            "norm_sum": norm * per_pair,
+            "weighted_norm_sum": gates64 * norm * per_pair,
+        }
+        for key, values in sums.items():
+            getattr(self, f"{key}_{index}").index_add_(0, flat_ids, values.reshape(-1))
+
+    def compute(self) -> list[LayerStats]:
+        return [
+            LayerStats(
+                name=name,
+                **routing,
+                gram=getattr(self, f"gram_{i}").clone(),
+                **{key: getattr(self, f"{key}_{i}").clone() for key in PER_EXPERT_SUMS},
+            )
+            for i, (name, routing) in enumerate(self.routing)
+        ]
+
+
+def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Accept an input-id tensor or a dict for ``model(**batch)``; move tensors to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        batch = {"input_ids": batch if batch.dim() == 2 else batch.unsqueeze(0)}
+    if not isinstance(batch, Mapping) or "input_ids" not in batch and "inputs_embeds" not in batch:
+        raise TypeError(
+            "Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
+            f"for model(**batch); got {type(batch).__name__}."
+        )
+    keep = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+    return {key: value.to(device) for key, value in batch.items() if key in keep and value is not None}
+
+
+class StatisticsCollector:
+    """Instruments a model so every forward pass adds to its statistics; usable outside a loop.
+
+    ``collect_stats`` drives it over an iterable; the Lightning callback drives it from a fit.
+    """
+
+    def __init__(self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None) -> None:
+        architecture_of(model)
+        self.model = model
+        self.layers = find_moe_layers(model)
+        self.metric = MoEStatsMetric(self.layers)
+        self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
+        self.sources = list(sources or [])
+        self._context: Any = None
+
+    def __enter__(self) -> StatisticsCollector:
+        self._context = expose_expert_outputs(self.layers, self.metric.update)
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+        self._context = None
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """Run the model once on ``inputs`` (inside the context) and account its tokens."""
+        mask = inputs.get("attention_mask")
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        self.metric.set_token_weight(mask, num_tokens=int(ids.shape[0] * ids.shape[1]))
+        try:
+            return self.model(**inputs, use_cache=False)
+        finally:
+            self.metric.token_weight = None
+
+    def result(self) -> MoEStats:
+        """The statistics so far (after any distributed sync the caller performed)."""
+        layers = self.metric.compute()
+        num_tokens = int(round(float(self.metric.num_tokens)))
+        if num_tokens == 0:
+            raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
+        return MoEStats(
+            layers=layers,
+            num_tokens=num_tokens,
+            fingerprint=model_fingerprint(self.model),
+            model_id=self.model_id,
+            model_type=self.model.config.model_type,
+            sources=self.sources,
+        )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def collect_stats(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    model_id: str | None = None,
+    source: str | None = None,
+    progress: bool = False,
+) -> MoEStats:
+    """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
+
+    ``batches`` yields input-id tensors or dicts for ``model(**batch)``; padding marked by an
+    ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
+    others add jitter in train mode) and is put back in its previous mode afterwards.
+    """
+    collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None)
+    device = _model_device(model)
+    collector.metric.to(device)
+    was_training = model.training
+    model.eval()
+    iterator: Iterable[Any] = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(batches, desc="ompmoe statistics", unit="batch")
+    try:
+        with collector:
+            for batch in iterator:
+                collector.forward(as_model_inputs(batch, device))
+    finally:
+        model.train(was_training)
+    return collector.result()

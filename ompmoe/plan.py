@@ -1,0 +1,186 @@
+"""From statistics to a pruning plan: per-layer orderings, curves, allocation and kept experts."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .allocation import (
+    ALLOCATIONS,
+    allocation_cost,
+    check_feasible,
+    layer_choices,
+    optimal_allocation,
+    total_cost,
+    uniform_allocation,
+    waterfill_allocation,
+)
+from .io import atomic_path
+from .selection import greedy_pursuit, prefix_residual, routing_coverage
+from .statistics import LayerStats, MoEStats
+
+Ranking = Callable[[Sequence[LayerStats]], list[torch.Tensor]]
+
+
+def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+    """Greedy binary pursuit on each layer's Gram, batched over layers of the same shape."""
+    orders: list[torch.Tensor | None] = [None] * len(layers)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, layer in enumerate(layers):
+        shapes.setdefault((layer.num_experts, layer.num_groups), []).append(i)
+    for (_, num_groups), indices in shapes.items():
+        grams = torch.stack([layers[i].gram for i in indices])
+        result = greedy_pursuit(grams, num_groups=num_groups)
+        for row, i in enumerate(indices):
+            orders[i] = result.order[row]
+    return orders  # type: ignore[return-value]
+
+
+METHODS: dict[str, Ranking] = {"omp": omp_orderings}
+"""Expert-ranking methods by name; each returns a full ordering per layer (best first)."""
+
+
+@dataclass
+class LayerPlan:
+    """What one MoE layer keeps, and the curves the decision was made from."""
+
+    name: str
+    num_experts: int
+    order: list[int]
+    residual: list[float]
+    coverage: list[float]
+    kept: list[int]
+    """Original expert ids kept, ascending (the router's new id ``i`` is ``kept[i]``)."""
+    top_k: int = 0
+    num_groups: int = 1
+
+    @property
+    def num_kept(self) -> int:
+        return len(self.kept)
+
+
+@dataclass
+class PruningPlan:
+    """A complete, serializable pruning decision for one model."""
+
+    layers: list[LayerPlan]
+    ratio: float
+    method: str
+    allocation: str
+    risk_weight: float
+    min_ratio: float
+    max_ratio: float
+    zeta: float
+    fingerprint: str
+    model_id: str | None = None
+    num_tokens: int = 0
+    cost: float = 0.0
+    library_version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def achieved_ratio(self) -> float:
+        """Fraction of routed experts actually removed (group rounding may move it off ``ratio``)."""
+        total = sum(layer.num_experts for layer in self.layers)
+        return 1.0 - sum(layer.num_kept for layer in self.layers) / total
+
+    @property
+    def is_uniform(self) -> bool:
+        return len({layer.num_kept for layer in self.layers}) == 1
+
+    def kept_by_layer(self) -> dict[str, list[int]]:
+        return {layer.name: layer.kept for layer in self.layers}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["achieved_ratio"] = self.achieved_ratio
+        return data
+
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+        with atomic_path(path, overwrite=overwrite) as tmp:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PruningPlan:
+        data = json.loads(Path(path).read_text())
+        data.pop("achieved_ratio", None)
+        data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
+        return cls(**data)
+
+
+def plan_pruning(
+    stats: MoEStats,
+    ratio: float,
+    method: str = "omp",
+    allocation: str = "waterfill",
+    risk_weight: float = 3.0,
+    min_ratio: float = 0.375,
+    max_ratio: float = 0.875,
+    zeta: float = 1e-6,
+) -> PruningPlan:
+    """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
+
+    ``min_ratio``/``max_ratio`` bound the fraction of experts each layer keeps under
+    ``waterfill`` and ``optimal``; ``uniform`` keeps ``1 - ratio`` of every layer.
+    """
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"Unknown allocation {allocation!r}; choose one of {list(ALLOCATIONS)}.")
+    if not 0.0 < min_ratio <= max_ratio <= 1.0:
+        raise ValueError(f"Need 0 < min_ratio <= max_ratio <= 1; got min_ratio={min_ratio}, max_ratio={max_ratio}.")
+    routings = [(layer.name, layer.routing) for layer in stats.layers]
+    choices = [layer_choices(name, routing, min_ratio, max_ratio) for name, routing in routings]
+    budget = None if allocation == "uniform" else check_feasible(choices, ratio, min_ratio, max_ratio)
+    if allocation == "uniform":
+        uniform_allocation(routings, ratio)  # validate before ranking
+    for layer in stats.layers:
+        if layer.signal_energy <= 0.0:
+            raise ValueError(f"Layer {layer.name} saw no routed tokens; calibrate on more text.")
+
+    orders = METHODS[method](stats.layers)
+    residuals = [prefix_residual(layer.gram, order) for layer, order in zip(stats.layers, orders)]
+    coverages = [routing_coverage(layer.routing_mass, order) for layer, order in zip(stats.layers, orders)]
+    costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
+    if allocation == "uniform":
+        counts = uniform_allocation(routings, ratio)
+    elif allocation == "waterfill":
+        counts = waterfill_allocation(costs, choices, budget)
+    else:
+        counts = optimal_allocation(costs, choices, budget)
+
+    layers = [
+        LayerPlan(
+            name=layer.name,
+            num_experts=layer.num_experts,
+            order=order.tolist(),
+            residual=residual.tolist(),
+            coverage=coverage.tolist(),
+            kept=sorted(order[:count].tolist()),
+            top_k=layer.top_k,
+            num_groups=layer.num_groups,
+        )
+        for layer, order, residual, coverage, count in zip(stats.layers, orders, residuals, coverages, counts)
+    ]
+    return PruningPlan(
+        layers=layers,
+        ratio=ratio,
+        method=method,
+        allocation=allocation,
+        risk_weight=risk_weight,
+        min_ratio=min_ratio,
+        max_ratio=max_ratio,
+        zeta=zeta,
+        fingerprint=stats.fingerprint,
+        model_id=stats.model_id,
+        num_tokens=stats.num_tokens,
+        cost=total_cost(costs, counts),
+        library_version=stats.library_version,
+    )
