@@ -16,6 +16,7 @@ from .plan import LayerPlan, PruningPlan, plan_pruning
 from .pruning import load_pruned, prune, pruning_info, save_pruned
 from .selection import greedy_pursuit
 from .statistics import FingerprintMismatchError, LayerStats, MoEStats, model_fingerprint
+from .strategies import OMPStrategy, PruningStrategy
 
 __all__ = [
     "ARCHITECTURES",
@@ -25,8 +26,10 @@ __all__ = [
     "LayerStats",
     "MoELayer",
     "MoEStats",
+    "OMPStrategy",
     "OutputExistsError",
     "PruningPlan",
+    "PruningStrategy",
     "StatisticsCollector",
     "UnsupportedModelError",
     "collect_stats",
@@ -41,3 +44,25 @@ __all__ = [
     "supported_model_types",
     "__version__",
 ]
+
+# Lightning-based classes, imported on first access so that ``import ompmoe`` never needs lightning.
+# Add an entry ``name -> submodule`` here to expose another one the same way.
+_LAZY_ATTRIBUTES: dict[str, str] = {
+    "CalibrationDataModule": ".calibration_data",
+    "CalibrationModule": ".calibration_module",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY_ATTRIBUTES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_ATTRIBUTES})

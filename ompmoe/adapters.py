@@ -88,6 +88,15 @@ class MoELayer:
         }
 
 
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Module-path segments added by FSDP1, activation checkpointing and torch.compile wrappers."""
+
+
+def clean_module_name(name: str) -> str:
+    """The module path as in the unwrapped model, so names match across wrappers and processes."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
 def supported_model_types() -> list[str]:
     return sorted(ARCHITECTURES)
 
@@ -131,7 +140,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         topk_group = int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1
         layers.append(
             MoELayer(
-                name=name,
+                name=clean_module_name(name),
                 block=module,
                 router=router,
                 experts=experts,

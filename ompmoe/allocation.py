@@ -109,6 +109,7 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_ratio: flo
 
 def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: float) -> list[int]:
     """Keep the same fraction ``1 - ratio`` of every layer (rounded to whole router groups)."""
+    target_kept([routing["num_experts"] for _, routing in routings], ratio)  # rejects ratios outside [0, 1)
     counts = []
     for name, routing in routings:
         n, step = routing["num_experts"], routing["num_groups"]
@@ -153,6 +154,8 @@ def waterfill_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerCho
 def optimal_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerChoices], budget: int) -> list[int]:
     """Exact minimum of ``sum_l F_l(k_l)`` with ``sum_l k_l = budget`` by dynamic programming."""
     extra = budget - sum(c.low for c in choices)
+    if extra < 0:
+        raise InfeasibleBudgetError(f"No allocation reaches exactly {budget} kept experts.")
     best = np.full(extra + 1, np.inf)
     best[0] = 0.0
     picks = []

@@ -73,13 +73,17 @@ class MoEStatsMetric(Metric):
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.token_weight: torch.Tensor | None = None
 
-    def set_token_weight(self, attention_mask: torch.Tensor | None, num_tokens: int) -> None:
-        """Weights for the next forward pass; tokens are flattened batch-major as in the MoE blocks."""
-        if attention_mask is None:
+    def set_token_weight(self, weight: torch.Tensor | None, num_tokens: int) -> None:
+        """Per-token weights for the next forward pass (flattened batch-major, as in the MoE blocks).
+
+        ``weight`` is an attention mask, possibly times a per-sample weight; ``None`` counts all
+        ``num_tokens`` tokens once.
+        """
+        if weight is None:
             self.token_weight = None
             self.num_tokens += num_tokens
         else:
-            self.token_weight = attention_mask.reshape(-1).to(self.num_tokens.device, torch.float64)
+            self.token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
             self.num_tokens += self.token_weight.sum()
 
     def update(
@@ -91,11 +95,6 @@ class MoEStatsMetric(Metric):
         expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device, torch.float32)
         gates = top_k_weights.detach().to(device, torch.float32)
         ids = top_k_index.to(device)
-        atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
-        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
-        sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
-        norm = sq_norm.sqrt()
-        gates64 = gates.to(torch.float64)
         weight = self.token_weight
         if weight is not None:
             if weight.numel() != num_tokens:
@@ -103,9 +102,18 @@ class MoEStatsMetric(Metric):
                     f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
                     f"routed {num_tokens}; pass masks shaped like input_ids."
                 )
-            weight = weight.to(device)
+            # Drop padding outright (its hidden states may even be non-finite), keep the weights.
+            keep = weight.to(device) > 0
+            expert_out, gates, ids, weight = expert_out[keep], gates[keep], ids[keep], weight.to(device)[keep]
+        atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
+        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+        sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
+        norm = sq_norm.sqrt()
+        gates64 = gates.to(torch.float64)
+        per_pair = torch.ones_like(gates64)
+        if weight is not None:
             pair_products = pair_products * weight.view(-1, 1, 1)
-        per_pair = weight.view(-1, 1).expand(num_tokens, top_k) if weight is not None else torch.ones_like(gates64)
+            per_pair = per_pair * weight.view(-1, 1)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
         getattr(self, f"gram_{index}").view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         flat_ids = ids.reshape(-1)
@@ -119,8 +127,9 @@ class MoEStatsMetric(Metric):
         for key, values in sums.items():
             getattr(self, f"{key}_{index}").index_add_(0, flat_ids, values.reshape(-1))
 
-    def compute(self) -> list[LayerStats]:
-        return [
+    def compute(self) -> tuple[list[LayerStats], int]:
+        """Per-layer statistics and the token count, summed over ranks when distributed."""
+        layers = [
             LayerStats(
                 name=name,
                 **routing,
@@ -129,6 +138,7 @@ class MoEStatsMetric(Metric):
             )
             for i, (name, routing) in enumerate(self.routing)
         ]
+        return layers, int(round(float(self.num_tokens)))
 
 
 def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -141,7 +151,10 @@ def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]
             f"for model(**batch); got {type(batch).__name__}."
         )
     keep = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
-    return {key: value.to(device) for key, value in batch.items() if key in keep and value is not None}
+    inputs = {key: value.to(device) for key, value in batch.items() if key in keep and value is not None}
+    if inputs.get("input_ids") is not None and inputs["input_ids"].dim() == 1:  # one unbatched sequence
+        inputs = {key: value.unsqueeze(0) for key, value in inputs.items()}
+    return inputs
 
 
 class StatisticsCollector:
@@ -180,8 +193,7 @@ class StatisticsCollector:
 
     def result(self) -> MoEStats:
         """The statistics so far (after any distributed sync the caller performed)."""
-        layers = self.metric.compute()
-        num_tokens = int(round(float(self.metric.num_tokens)))
+        layers, num_tokens = self.metric.compute()
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
         return MoEStats(

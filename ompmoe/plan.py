@@ -13,6 +13,7 @@ import torch
 
 from .allocation import (
     ALLOCATIONS,
+    LayerChoices,
     allocation_cost,
     check_feasible,
     layer_choices,
@@ -36,7 +37,7 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
         shapes.setdefault((layer.num_experts, layer.num_groups), []).append(i)
     for (_, num_groups), indices in shapes.items():
         grams = torch.stack([layers[i].gram for i in indices])
-        result = greedy_pursuit(grams, num_groups=num_groups)
+        result = greedy_pursuit(grams, num_groups=num_groups, with_gains=False)
         for row, i in enumerate(indices):
             orders[i] = result.order[row]
     return orders  # type: ignore[return-value]
@@ -115,6 +116,31 @@ class PruningPlan:
         return cls(**data)
 
 
+def validate_budget(
+    routings: Sequence[tuple[str, dict[str, int]]],
+    ratio: float,
+    allocation: str = "waterfill",
+    min_ratio: float = 0.375,
+    max_ratio: float = 0.875,
+) -> tuple[list[LayerChoices], int | None]:
+    """Check a ratio against the layers' routing before any expensive work.
+
+    ``routings`` pairs layer names with :attr:`MoELayer.routing` (from a model) or
+    :attr:`LayerStats.routing` (from statistics). Returns the feasible counts per layer and the
+    kept-expert budget (``None`` for ``uniform``); raises :class:`InfeasibleBudgetError` naming
+    the values that would work.
+    """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"Unknown allocation {allocation!r}; choose one of {list(ALLOCATIONS)}.")
+    if not 0.0 < min_ratio <= max_ratio <= 1.0:
+        raise ValueError(f"Need 0 < min_ratio <= max_ratio <= 1; got min_ratio={min_ratio}, max_ratio={max_ratio}.")
+    choices = [layer_choices(name, routing, min_ratio, max_ratio) for name, routing in routings]
+    if allocation == "uniform":
+        uniform_allocation(routings, ratio)
+        return choices, None
+    return choices, check_feasible(choices, ratio, min_ratio, max_ratio)
+
+
 def plan_pruning(
     stats: MoEStats,
     ratio: float,
@@ -132,15 +158,8 @@ def plan_pruning(
     """
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"Unknown allocation {allocation!r}; choose one of {list(ALLOCATIONS)}.")
-    if not 0.0 < min_ratio <= max_ratio <= 1.0:
-        raise ValueError(f"Need 0 < min_ratio <= max_ratio <= 1; got min_ratio={min_ratio}, max_ratio={max_ratio}.")
     routings = [(layer.name, layer.routing) for layer in stats.layers]
-    choices = [layer_choices(name, routing, min_ratio, max_ratio) for name, routing in routings]
-    budget = None if allocation == "uniform" else check_feasible(choices, ratio, min_ratio, max_ratio)
-    if allocation == "uniform":
-        uniform_allocation(routings, ratio)  # validate before ranking
+    choices, budget = validate_budget(routings, ratio, allocation, min_ratio, max_ratio)
     for layer in stats.layers:
         if layer.signal_energy <= 0.0:
             raise ValueError(f"Layer {layer.name} saw no routed tokens; calibrate on more text.")

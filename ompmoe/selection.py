@@ -20,53 +20,63 @@ class PursuitResult:
     """Expert ids in selection order ``pi`` (..., N)."""
     residual: torch.Tensor
     """Normalized residual ``r(k) = ||R_k||^2 / ||Y||^2`` for ``k = 0..N`` (..., N + 1)."""
-    gains: torch.Tensor
-    """``gains[..., t, e]`` = ``Delta_e`` at step ``t``; ``-inf`` for experts not eligible then."""
+    gains: torch.Tensor | None
+    """``gains[..., t, e]`` = ``Delta_e`` at step ``t``; ``-inf`` for experts not eligible then
+    (``None`` when the pursuit ran with ``with_gains=False``)."""
 
 
-def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1) -> PursuitResult:
+def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = True) -> PursuitResult:
     """Order every expert by the greedy binary pursuit on ``gram`` (``(N, N)`` or ``(L, N, N)``).
 
     With ``num_groups > 1`` the pursuit is group-constrained: a step may only pick from the
     groups (contiguous id blocks) that have been picked least so far, so every prefix whose
     length is a multiple of ``num_groups`` keeps the same count in each group and a
     group-limited native router still works after pruning. Ties go to the lowest id.
+    ``with_gains=False`` skips recording the ``(..., N, N)`` gains (``result.gains`` is then
+    ``None``); the ordering and residual curve are the same.
     """
     squeeze = gram.dim() == 2
     g = (gram.unsqueeze(0) if squeeze else gram).to(torch.float64)
     batch, n, _ = g.shape
     if n % num_groups:
         raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
+    group_size = n // num_groups
     rows = torch.arange(batch, device=g.device)
+    row_start = rows * n
+    gram_rows = g.reshape(batch * n, n)
     correlation = g.sum(dim=1)  # <Y, V_e> = sum_f G[f, e]
-    atom_energy = g.diagonal(dim1=1, dim2=2)
+    atom_energy = g.diagonal(dim1=1, dim2=2).contiguous()
     signal_energy = g.sum(dim=(1, 2))
-    eligible = torch.ones(batch, n, dtype=torch.bool, device=g.device)
-    group_of = torch.arange(n, device=g.device) // (n // num_groups)
-    group_count = torch.zeros(batch, num_groups, dtype=torch.long, device=g.device)
-    order = torch.empty(batch, n, dtype=torch.long, device=g.device)
-    gains = torch.full((batch, n, n), float("-inf"), dtype=torch.float64, device=g.device)
-    residual = torch.empty(batch, n + 1, dtype=torch.float64, device=g.device)
-    residual[:, 0] = signal_energy
+    # ``taken``: already selected. ``blocked``: not selectable at this step, i.e. taken or, for a
+    # grouped pursuit, in a group already picked in the current round of ``num_groups`` steps
+    # (exactly the groups not picked least so far).
+    taken = torch.zeros(batch, n, dtype=torch.bool, device=g.device)
+    blocked = taken
+    energy = signal_energy
+    orders: list[torch.Tensor] = []
+    energies = [signal_energy]
+    step_gains: list[torch.Tensor] = []
     for step in range(n):
-        allowed = eligible
+        if num_groups > 1 and step % num_groups == 0:
+            blocked = taken.clone()
+        gain = (2.0 * correlation - atom_energy).masked_fill_(blocked, float("-inf"))
+        best, chosen = gain.max(dim=1)  # first maximum: ties go to the lowest id
+        energy = energy - best
+        correlation = correlation - gram_rows.index_select(0, row_start + chosen)
+        taken[rows, chosen] = True
         if num_groups > 1:
-            least = group_count.min(dim=1, keepdim=True).values
-            allowed = eligible & (group_count == least).gather(1, group_of.expand(batch, n))
-        gain = (2.0 * correlation - atom_energy).masked_fill(~allowed, float("-inf"))
-        chosen = gain.argmax(dim=1)
-        gains[:, step] = gain
-        order[:, step] = chosen
-        residual[:, step + 1] = residual[:, step] - gain[rows, chosen]
-        correlation = correlation - g[rows, chosen]
-        eligible[rows, chosen] = False
-        if num_groups > 1:
-            group_count[rows, group_of[chosen]] += 1
+            blocked.view(batch, num_groups, group_size)[rows, chosen // group_size] = True
+        orders.append(chosen)
+        energies.append(energy)
+        if with_gains:
+            step_gains.append(gain)
+    order = torch.stack(orders, dim=1) if orders else torch.empty(batch, 0, dtype=torch.long, device=g.device)
+    residual = torch.stack(energies, dim=1)
     residual = residual / signal_energy.clamp(min=torch.finfo(torch.float64).tiny).unsqueeze(1)
-    result = PursuitResult(order=order, residual=residual, gains=gains)
+    gains = torch.stack(step_gains, dim=1) if step_gains else g.new_empty(batch, n, n) if with_gains else None
     if squeeze:
-        result = PursuitResult(order=order[0], residual=residual[0], gains=gains[0])
-    return result
+        return PursuitResult(order=order[0], residual=residual[0], gains=None if gains is None else gains[0])
+    return PursuitResult(order=order, residual=residual, gains=gains)
 
 
 def prefix_residual(gram: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -75,10 +85,14 @@ def prefix_residual(gram: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     ``||Y - sum_{first k} V||^2`` equals the energy of the atoms left out, ``1_U^T G 1_U``.
     """
     g = gram.to(torch.float64)
-    permuted = g[order][:, order]
     n = order.numel()
-    # Energy of the suffix order[k:], for k = 0..N, from a reversed 2-D cumulative sum.
-    suffix = permuted.flip(0, 1).cumsum(0).cumsum(1).diagonal().flip(0)
+    # Energy of the suffix order[k:], for k = 0..N: the diagonal of the 2-D cumulative sum of
+    # the permuted Gram with rows and columns reversed. Both running sums go along contiguous
+    # rows (much faster than along columns), hence the transposed copies.
+    reverse = order.flip(0)
+    flipped_t = g.index_select(0, reverse).t().contiguous().index_select(0, reverse)
+    column_sums = flipped_t.cumsum(1).t().contiguous()
+    suffix = column_sums.cumsum(1).diagonal().flip(0)
     energies = torch.cat([suffix, suffix.new_zeros(1)])
     total = energies[0].clamp(min=torch.finfo(torch.float64).tiny)
     return energies[: n + 1] / total

@@ -1,0 +1,268 @@
+r"""
+OMPMoEPruning
+^^^^^^^^^^^^^
+
+A Lightning callback that turns a calibration ``fit`` into an expert-pruning run: it streams
+OMP-MoE statistics during training batches on every rank, merges them exactly across ranks,
+hands them to a pruning strategy at the end of the fit and prunes the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from ompmoe.adapters import ARCHITECTURES, find_moe_layers
+from ompmoe.collect import StatisticsCollector
+from ompmoe.io import atomic_path, check_writable
+from ompmoe.plan import PruningPlan
+from ompmoe.pruning import prune, save_pruned
+from ompmoe.statistics import MoEStats
+from ompmoe.strategies import OMPStrategy, PruningStrategy
+
+log = logging.getLogger(__name__)
+
+STATS_FILE = "stats.safetensors"
+PLAN_FILE = "plan.json"
+MODEL_DIR = "model"
+
+
+def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Module:
+    """The Hugging Face MoE model held by ``pl_module`` (``attribute``, ``.model``, or any child)."""
+    if attribute is not None:
+        model = getattr(pl_module, attribute, None)
+        if model is None:
+            raise AttributeError(f"{type(pl_module).__name__} has no attribute {attribute!r} holding the MoE model.")
+        return model
+    candidates = [getattr(pl_module, "model", None)] + [child for _, child in pl_module.named_children()]
+    for candidate in candidates:
+        if getattr(getattr(candidate, "config", None), "model_type", None) in ARCHITECTURES:
+            return candidate
+    raise AttributeError(
+        f"OMPMoEPruning found no Hugging Face MoE model on {type(pl_module).__name__}: store it as "
+        "`self.model` (or pass `model_attribute=`), e.g. use ompmoe.CalibrationModule. Supported "
+        f"model types: {', '.join(sorted(ARCHITECTURES))}."
+    )
+
+
+class OMPMoEPruning(Callback):
+    """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
+
+    Statistics are taken in training batches only (not in sanity checks or validation), with
+    padding tokens and the duplicate samples a ``DistributedSampler`` pads uneven datasets
+    with left out. They are summed across ranks before the strategy sees them.
+
+    Args:
+        strategy: What to prune; defaults to ``OMPStrategy()`` (ratio 0.5, waterfill).
+        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/``
+            (atomically). ``None`` writes nothing.
+        overwrite: Replace an existing ``output_dir``.
+        save_model: Also save the pruned model (and its tokenizer) under ``output_dir/model``.
+        model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
+        extra_ratios: More ratios to plan from the same statistics, written as
+            ``plan-<ratio>.json`` (prune them later with ``ompmoe prune``).
+    """
+
+    def __init__(
+        self,
+        strategy: PruningStrategy | None = None,
+        output_dir: str | None = None,
+        overwrite: bool = False,
+        save_model: bool = True,
+        model_attribute: str | None = None,
+        extra_ratios: list[float] | None = None,
+    ) -> None:
+        self.strategy = strategy if strategy is not None else OMPStrategy()
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.overwrite = overwrite
+        self.save_model = save_model
+        self.model_attribute = model_attribute
+        self.extra_ratios = list(extra_ratios or [])
+        self.stats: MoEStats | None = None
+        self.plan: PruningPlan | None = None
+        self.pruned_model: nn.Module | None = None
+        self._collector: StatisticsCollector | None = None
+        self._restored: dict[str, Any] | None = None
+        self._batch_size = 1
+        self._real_samples: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(output_dir=str(self.output_dir), strategy=repr(self.strategy))
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.output_dir is not None:
+            check_writable(self.output_dir, self.overwrite)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = find_hf_model(pl_module, self.model_attribute)
+        layers = find_moe_layers(model)
+        routings = [(layer.name, layer.routing) for layer in layers]
+        for strategy in [self.strategy, *self._extra_strategies()]:
+            strategy.validate(routings)
+        datamodule = getattr(trainer, "datamodule", None)
+        describe = getattr(datamodule, "describe", None)
+        self._collector = StatisticsCollector(
+            model,
+            model_id=getattr(pl_module, "model_name_or_path", None),
+            sources=[describe()] if callable(describe) else None,
+        )
+        self._collector.metric.to(pl_module.device)
+        if self._restored is not None:
+            self._load_metric_state(self._restored)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._real_samples = None
+        loader = trainer.train_dataloader
+        self._batch_size = int(getattr(loader, "batch_size", None) or 1)
+        if self._restored is not None and not isinstance(loader, _Stateful):
+            rank_zero_warn(
+                "Resuming a calibration fit with a DataLoader that has no state_dict: Lightning restarts "
+                "it from its first batch, so some batches are counted twice and others never. Use "
+                "ompmoe.CalibrationDataModule (its loader is resumable) or a stateful DataLoader."
+            )
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+            # DistributedSampler pads with samples from the start; on each rank they come last.
+            self._real_samples = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+
+    # --------------------------------------------------------------- gathering
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
+        first_sample = batch_idx * self._batch_size  # position on this rank, also after a resume
+        weight = inputs.get("attention_mask")
+        if self._real_samples is not None and first_sample + num_samples > self._real_samples:
+            real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < self._real_samples
+            sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
+            weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
+        assert self._collector is not None
+        self._collector.metric.set_token_weight(weight, num_tokens=num_samples * seq_len)
+        self._collector.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._collector is not None and self._collector._context is not None:
+            self._collector.__exit__(None, None, None)
+            self._collector.metric.token_weight = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._collector is not None and self._collector._context is not None:
+            self._collector.__exit__(None, None, None)
+
+    # ----------------------------------------------------------------- pruning
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._collector is not None
+        stats = self._collector.result()  # torchmetrics sums the states over ranks here
+        plan = self.strategy.plan(stats)
+        model = _unsharded(self._collector.model, trainer.is_global_zero)
+        self.stats, self.plan = stats, plan
+        if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
+            prune(model, plan)
+            self.pruned_model = model
+        self._log(trainer, plan)
+        if trainer.is_global_zero and self.output_dir is not None:
+            self._write(pl_module, model, stats, plan)
+        trainer.strategy.barrier("ompmoe-pruning-written")
+
+    def _extra_strategies(self) -> list[PruningStrategy]:
+        if self.extra_ratios and not hasattr(self.strategy, "ratio"):
+            raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
+        return [dataclasses.replace(self.strategy, ratio=ratio) for ratio in self.extra_ratios]
+
+    def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
+        assert self.output_dir is not None
+        with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True) as tmp:
+            stats.save(tmp / STATS_FILE)
+            plan.save(tmp / PLAN_FILE)
+            for strategy in self._extra_strategies():
+                strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")
+            if self.save_model:
+                save_pruned(model, tmp / MODEL_DIR, tokenizer=_load_tokenizer(pl_module))
+        rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
+
+    def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
+        metrics: dict[str, float] = {"ompmoe/achieved_ratio": plan.achieved_ratio, "ompmoe/cost": plan.cost}
+        for layer in plan.layers:
+            metrics[f"ompmoe/{layer.name}/kept"] = float(layer.num_kept)
+            metrics[f"ompmoe/{layer.name}/residual"] = float(layer.residual[layer.num_kept])
+            metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        kept = ", ".join(f"{layer.name}={layer.num_kept}/{layer.num_experts}" for layer in plan.layers)
+        rank_zero_info(f"ompmoe: removed {plan.achieved_ratio:.3f} of routed experts ({kept})")
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Statistics summed over all ranks so far; on resume rank 0 carries them on."""
+        if self._collector is None:
+            return dict(self._restored or {})
+        metric = self._collector.metric
+        with metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
+            states = {name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults}
+        return {"states": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict
+        if self._collector is not None:
+            self._load_metric_state(state_dict)
+
+    def _load_metric_state(self, state: dict[str, Any]) -> None:
+        assert self._collector is not None
+        metric = self._collector.metric
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        for name, value in state.get("states", {}).items():
+            current = getattr(metric, name)
+            # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
+            setattr(metric, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+
+
+def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
+    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0.
+
+    Gathering is a collective, so every rank must call this; ranks other than 0 get ``None``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_global_zero:
+        return None
+    dtype = next(iter(state.values())).dtype
+    full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    full.load_state_dict(state)
+    return full.eval()
+
+
+def _load_tokenizer(pl_module: pl.LightningModule) -> Any | None:
+    tokenizer = getattr(pl_module, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
+    name = getattr(pl_module, "tokenizer_name", None)
+    if not name or name == "bytes" or str(name).startswith("tiny:"):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+__all__ = ["OMPMoEPruning", "find_hf_model"]

@@ -1,0 +1,3 @@
+from .quickstart import main
+
+main()

@@ -1,0 +1,106 @@
+"""A forward-only LightningModule that holds the Hugging Face MoE model being calibrated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+TINY_PREFIX = "tiny:"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'.")
+    return resolved
+
+
+def shard_model(model: nn.Module, device_mesh: Any) -> None:
+    """FSDP2 (``fully_shard``) each decoder layer, then the root, for ``ModelParallelStrategy``."""
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = getattr(getattr(model, "model", model), "layers", None)
+    for layer in decoder or []:
+        fully_shard(layer, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+
+
+class CalibrationModule(pl.LightningModule):
+    """Runs the model forward on calibration batches; no loss, no optimizer, always in eval mode.
+
+    Pair it with :class:`ompmoe.callbacks.OMPMoEPruning` (which gathers statistics and prunes)
+    and :class:`ompmoe.CalibrationDataModule`.
+
+    Args:
+        model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
+            model (offline tests and demos), or a model instance.
+        dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
+            checkpoint's.
+        tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``
+            (``bytes`` for tiny models).
+        trust_remote_code: Passed to ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module = "tiny:qwen3_moe",
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.torch_dtype = resolve_dtype(dtype)
+        self.trust_remote_code = trust_remote_code
+        if isinstance(model, nn.Module):
+            self.model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+            self.model: nn.Module | None = model
+        else:
+            self.model_name_or_path = model
+            self.model = None
+        is_tiny = isinstance(self.model_name_or_path, str) and self.model_name_or_path.startswith(TINY_PREFIX)
+        self.tokenizer_name = tokenizer or ("bytes" if is_tiny else self.model_name_or_path)
+
+    def configure_model(self) -> None:
+        """Load the model lazily so strategies such as FSDP can shard it as it is created."""
+        if self.model is None:
+            self.model = self._load_model()
+        self.model.eval()
+        if self.device_mesh is not None:
+            shard_model(self.model, self.device_mesh)
+
+    def _load_model(self) -> nn.Module:
+        name = self.model_name_or_path
+        if name is None:
+            raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
+        if name.startswith(TINY_PREFIX):
+            from .tiny import tiny_model
+
+            return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=self.torch_dtype or "auto", trust_remote_code=self.trust_remote_code
+        )
+
+    def train(self, mode: bool = True) -> CalibrationModule:
+        # Lightning switches modules to train mode during fit; routers (Mixtral) jitter there.
+        super().train(mode)
+        if self.model is not None:
+            self.model.eval()
+        return self
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs, use_cache=False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        with torch.no_grad():
+            self(**batch)
+
+    def configure_optimizers(self) -> None:
+        return None

@@ -1,0 +1,108 @@
+"""The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
+
+- ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
+- ``ompmoe prune --stats run/stats.safetensors --ratio 0.25 0.5 --output_dir plans``: new plans
+  (and, with ``--model``, pruned models) at other ratios without re-running calibration.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .io import atomic_path, check_writable
+from .statistics import MoEStats
+from .strategies import OMPStrategy
+
+
+def replan(
+    *,
+    stats: str,
+    ratio: list[float],
+    output_dir: str,
+    allocation: str = "waterfill",
+    risk_weight: float = 3.0,
+    min_ratio: float = 0.375,
+    max_ratio: float = 0.875,
+    model: str | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
+
+    Args:
+        stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
+        ratio: Fractions of routed experts to remove, one plan each.
+        output_dir: Receives ``plan-<ratio>.json`` (and ``model-<ratio>/``) per ratio.
+        allocation: ``uniform``, ``waterfill`` or ``optimal``.
+        risk_weight: Lambda of the routing-risk term.
+        min_ratio: Fewest experts a layer may keep, as a fraction of its experts.
+        max_ratio: Most experts a layer may keep, as a fraction of its experts.
+        model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
+        overwrite: Replace an existing ``output_dir``.
+    """
+    check_writable(output_dir, overwrite)
+    statistics = MoEStats.load(stats)
+    strategies = [OMPStrategy(r, allocation, risk_weight, min_ratio, max_ratio) for r in ratio]
+    routings = [(layer.name, layer.routing) for layer in statistics.layers]
+    for strategy in strategies:
+        strategy.validate(routings)
+    if model is not None:
+        _load_model(model, statistics)  # refuse a mismatched model before writing anything
+    written = []
+    with atomic_path(output_dir, overwrite=overwrite, directory=True) as tmp:
+        for strategy in strategies:
+            plan = strategy.plan(statistics)
+            name = f"{strategy.ratio:g}"
+            plan.save(tmp / f"plan-{name}.json")
+            written.append(Path(output_dir) / f"plan-{name}.json")
+            if model is not None:
+                from .pruning import prune, save_pruned
+
+                pruned = prune(_load_model(model, statistics), plan)
+                save_pruned(pruned, tmp / f"model-{name}")
+                written.append(Path(output_dir) / f"model-{name}")
+            print(f"ratio {strategy.ratio}: kept {[layer.num_kept for layer in plan.layers]} -> {written[-1]}")
+    return written
+
+
+def _load_model(name: str, statistics: MoEStats):
+    from .calibration_module import CalibrationModule
+
+    module = CalibrationModule(name)
+    module.configure_model()
+    statistics.check_compatible(module.model)
+    return module.model
+
+
+def lightning_cli(args: list[str] | None = None) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from .calibration_data import CalibrationDataModule
+    from .calibration_module import CalibrationModule
+
+    LightningCLI(
+        CalibrationModule,
+        CalibrationDataModule,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+COMMANDS = {"prune": replan}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in COMMANDS:
+            from jsonargparse import auto_cli
+
+            auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}")
+        else:
+            lightning_cli(argv)
+    except (ValueError, FileExistsError, FileNotFoundError, AttributeError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

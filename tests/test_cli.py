@@ -1,0 +1,91 @@
+"""The `ompmoe` command: `fit -c configs/*.yaml` and re-planning from a statistics file."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import ompmoe
+from ompmoe.cli import main
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def tiny_config(tmp_path: Path, **changes) -> Path:
+    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = str(tmp_path / "run")
+    config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
+    config["data"].update(num_blocks=4, seq_len=64)
+    for key, value in changes.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fit_with_the_tiny_config_writes_a_loadable_pruned_model(tmp_path):
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == ["model", "plan.json", "stats.safetensors"]
+    stats = ompmoe.MoEStats.load(run / "stats.safetensors")
+    assert stats.num_tokens == 4 * 64
+    assert stats.sources == ["shipped:ompmoe/data/calibration.txt"]
+    plan = ompmoe.PruningPlan.load(run / "plan.json")
+    assert plan.achieved_ratio == pytest.approx(0.5)
+    model = ompmoe.load_pruned(run / "model")
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]
+    with torch.no_grad():
+        assert model(torch.arange(10)[None]).logits.shape == (1, 10, 256)
+
+
+def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
+    stats_file = tmp_path / "run" / "stats.safetensors"
+    main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
+          "--model", "tiny:qwen3_moe"])
+    stats = ompmoe.MoEStats.load(stats_file)
+    for ratio in (0.25, 0.5):
+        plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
+        assert plan == ompmoe.plan_pruning(stats, ratio)
+        model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
+        assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
+    # The 0.5 plan equals the one the calibration fit made.
+    assert ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.5.json") == ompmoe.PruningPlan.load(
+        tmp_path / "run" / "plan.json"
+    )
+
+
+def test_cli_errors_name_the_fix(tmp_path, capsys):
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
+    stats_file = str(tmp_path / "run" / "stats.safetensors")
+    with pytest.raises(SystemExit) as error:
+        main(["prune", "--stats", stats_file, "--ratio", "[0.9]", "--output_dir", str(tmp_path / "p")])
+    assert str(error.value).startswith("error: ratio=0.9 keeps 3 of 32 experts")
+    with pytest.raises(SystemExit) as error:
+        main(["prune", "--stats", stats_file, "--ratio", "[0.25]", "--output_dir", str(tmp_path / "p"),
+              "--model", "tiny:mixtral"])
+    assert "These statistics were collected on a different model" in str(error.value)
+    assert not (tmp_path / "p").exists()
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:llama"}))])
+    assert str(error.value) == (
+        "error: No tiny config for 'llama'; available: ['deepseek_v2', 'deepseek_v3', 'glm4_moe', "
+        "'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']."
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "mixtral-8x7b"])
+def test_paper_configs_parse_with_the_papers_settings(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "-c", str(CONFIGS / f"{name}.yaml"), "--print_config"])
+    assert done.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    callback = config["trainer"]["callbacks"][0]
+    assert callback["class_path"] == "ompmoe.callbacks.OMPMoEPruning"
+    assert callback["init_args"]["strategy"]["init_args"]["risk_weight"] == 3.0
+    assert config["model"]["dtype"] == "bfloat16"
+    assert (config["data"]["source"], config["data"]["seq_len"], config["data"]["num_blocks"]) == ("wikitext2", 4096, 64)
+    assert config["trainer"]["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert callback["init_args"]["extra_ratios"] == [0.25]
