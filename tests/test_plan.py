@@ -13,6 +13,7 @@ import torch
 
 from ompmoe import InfeasibleBudgetError, OutputExistsError, PruningPlan, collect_stats, plan_pruning
 from ompmoe.allocation import allocation_cost, layer_choices, total_cost
+from ompmoe.plan import METHODS
 from ompmoe.selection import greedy_pursuit, prefix_residual, routing_coverage
 from ompmoe.statistics import LayerStats, MoEStats
 from ompmoe.tiny import tiny_model
@@ -261,8 +262,9 @@ def test_grouped_plan_round_trip(grouped_stats, tmp_path):
 
 def test_unknown_method_and_allocation(qwen_stats):
     with pytest.raises(ValueError) as info:
-        plan_pruning(qwen_stats, 0.5, method="magnitude")
-    assert str(info.value) == "Unknown method 'magnitude'; choose one of ['omp']."
+        plan_pruning(qwen_stats, 0.5, method="no_such_method")
+    assert "omp" in METHODS
+    assert str(info.value) == f"Unknown method 'no_such_method'; choose one of {sorted(METHODS)}."
     with pytest.raises(ValueError) as info:
         plan_pruning(qwen_stats, 0.5, allocation="greedy")
     assert str(info.value) == "Unknown allocation 'greedy'; choose one of ['uniform', 'waterfill', 'optimal']."
