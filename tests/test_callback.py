@@ -86,7 +86,7 @@ def test_fit_gathers_the_same_statistics_as_collect_stats_and_prunes(tmp_path):
         torch.testing.assert_close(module.model(probe).logits, reference(probe).logits, rtol=0, atol=0)
         loaded = ompmoe.load_pruned(tmp_path / "run" / "model")
         torch.testing.assert_close(loaded(probe).logits, reference(probe).logits, rtol=0, atol=0)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "plan.json", "stats.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "plan.json", "plots", "stats.safetensors"]
     assert ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json") == callback.plan
     assert not module.model.training
 
@@ -245,3 +245,21 @@ def test_fsdp2_model_parallel_strategy_prunes_the_gathered_model(tmp_path, one_t
     probe = token_blocks(byte_tokens(shipped_text()), 32, 1)
     with torch.no_grad():
         torch.testing.assert_close(ompmoe.load_pruned(out / "model")(probe).logits, model(probe).logits)
+
+
+def test_the_tokenizer_is_saved_with_the_pruned_model(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{chr(c): i + 1 for i, c in enumerate(range(97, 123))}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+
+    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
+    module = CalibrationModule("tiny:qwen3_moe", tokenizer=str(tmp_path / "tok"))
+    trainer([callback]).fit(module, DataLoader(batches(2)))
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
+    assert saved("abc")["input_ids"] == [1, 2, 3]
+    loaded = ompmoe.load_pruned(tmp_path / "run" / "model")
+    assert ompmoe.pruning_info(loaded)["kept_experts"] == callback.plan.kept_by_layer()
