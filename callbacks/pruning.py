@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 STATS_FILE = "stats.safetensors"
 PLAN_FILE = "plan.json"
 MODEL_DIR = "model"
+PLOTS_DIR = "plots"
 
 
 def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Module:
@@ -71,6 +72,12 @@ class OMPMoEPruning(Callback):
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
         extra_ratios: More ratios to plan from the same statistics, written as
             ``plan-<ratio>.json`` (prune them later with ``ompmoe prune``).
+        plots: Also write reconstruction-gain heatmaps, residual/risk curves and the
+            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.plots`; needs matplotlib).
+        adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon
+            and the calibration alphas (mapped to the kept experts); the saved model carries it
+            and ``ompmoe.load_pruned`` re-applies it. Log its counters with
+            :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
     """
 
     def __init__(
@@ -81,13 +88,19 @@ class OMPMoEPruning(Callback):
         save_model: bool = True,
         model_attribute: str | None = None,
         extra_ratios: list[float] | None = None,
+        plots: bool = True,
+        adaptive_epsilon: float | None = None,
     ) -> None:
+        if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
+            raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
         self.strategy = strategy if strategy is not None else OMPStrategy()
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.overwrite = overwrite
         self.save_model = save_model
         self.model_attribute = model_attribute
         self.extra_ratios = list(extra_ratios or [])
+        self.plots = plots
+        self.adaptive_epsilon = adaptive_epsilon
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -104,6 +117,14 @@ class OMPMoEPruning(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.output_dir is not None:
             check_writable(self.output_dir, self.overwrite)
+            if self.plots:
+                try:
+                    import matplotlib  # noqa: F401
+                except ImportError:
+                    raise ImportError(
+                        "OMPMoEPruning(plots=True) writes PNG plots with matplotlib, which is not installed: "
+                        "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
+                    ) from None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = find_hf_model(pl_module, self.model_attribute)
@@ -174,6 +195,10 @@ class OMPMoEPruning(Callback):
         self.stats, self.plan = stats, plan
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             prune(model, plan)
+            if self.adaptive_epsilon is not None:
+                from ompmoe.adaptive import enable_adaptive
+
+                enable_adaptive(model, stats, self.adaptive_epsilon)
             self.pruned_model = model
         self._log(trainer, plan)
         if trainer.is_global_zero and self.output_dir is not None:
@@ -192,6 +217,10 @@ class OMPMoEPruning(Callback):
             plan.save(tmp / PLAN_FILE)
             for strategy in self._extra_strategies():
                 strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")
+            if self.plots:
+                from ompmoe.plots import write_plots
+
+                write_plots(stats, tmp / PLOTS_DIR, plan=plan)
             if self.save_model:
                 save_pruned(model, tmp / MODEL_DIR, tokenizer=_load_tokenizer(pl_module))
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")

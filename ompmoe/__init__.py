@@ -9,17 +9,48 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 __version__ = "0.1.0"
 
 from .adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
+from .adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
 from .allocation import InfeasibleBudgetError
 from .collect import StatisticsCollector, collect_stats
+from .finetune import load_balancing_loss
 from .io import OutputExistsError
 from .plan import LayerPlan, PruningPlan, plan_pruning
 from .pruning import load_pruned, prune, pruning_info, save_pruned
+from .quantization import QuantizedModelError, quantization_summary, quantize_experts
 from .selection import greedy_pursuit
 from .statistics import FingerprintMismatchError, LayerStats, MoEStats, model_fingerprint
-from .strategies import OMPStrategy, PruningStrategy
+from .strategies import (
+    STRATEGIES,
+    EANStrategy,
+    ExactStrategy,
+    FrequencyStrategy,
+    OMPStrategy,
+    OMPSwapStrategy,
+    PruningStrategy,
+    RandomStrategy,
+    REAPStrategy,
+    RoutingMassStrategy,
+    StaticEnergyStrategy,
+    TokenNormalizedOMPStrategy,
+    strategy_for,
+)
 
 __all__ = [
+    "QuantizedModelError",
+    "load_balancing_loss",
+    "quantization_summary",
+    "quantize_experts",
     "ARCHITECTURES",
+    "EANStrategy",
+    "ExactStrategy",
+    "FrequencyStrategy",
+    "OMPSwapStrategy",
+    "REAPStrategy",
+    "RandomStrategy",
+    "RoutingMassStrategy",
+    "STRATEGIES",
+    "StaticEnergyStrategy",
+    "TokenNormalizedOMPStrategy",
     "FingerprintMismatchError",
     "InfeasibleBudgetError",
     "LayerPlan",
@@ -32,7 +63,10 @@ __all__ = [
     "PruningStrategy",
     "StatisticsCollector",
     "UnsupportedModelError",
+    "adaptive_report",
     "collect_stats",
+    "disable_adaptive",
+    "enable_adaptive",
     "find_moe_layers",
     "greedy_pursuit",
     "load_pruned",
@@ -40,7 +74,9 @@ __all__ = [
     "plan_pruning",
     "prune",
     "pruning_info",
+    "reset_adaptive_counters",
     "save_pruned",
+    "strategy_for",
     "supported_model_types",
     "__version__",
 ]
@@ -50,6 +86,8 @@ __all__ = [
 _LAZY_ATTRIBUTES: dict[str, str] = {
     "CalibrationDataModule": ".calibration_data",
     "CalibrationModule": ".calibration_module",
+    "write_plots": ".plots",  # needs matplotlib
+    "FinetuneModule": ".finetune_module",
 }
 
 

@@ -3,6 +3,8 @@
 - ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
 - ``ompmoe prune --stats run/stats.safetensors --ratio 0.25 0.5 --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
+- ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
+  curves and the high-contribution table (:mod:`ompmoe.plots`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from .io import atomic_path, check_writable
 from .statistics import MoEStats
-from .strategies import OMPStrategy
+from .strategies import strategy_for
 
 
 def replan(
@@ -26,6 +28,7 @@ def replan(
     max_ratio: float = 0.875,
     model: str | None = None,
     overwrite: bool = False,
+    method: str = "omp",
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -39,10 +42,15 @@ def replan(
         max_ratio: Most experts a layer may keep, as a fraction of its experts.
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
+        method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
     """
     check_writable(output_dir, overwrite)
     statistics = MoEStats.load(stats)
-    strategies = [OMPStrategy(r, allocation, risk_weight, min_ratio, max_ratio) for r in ratio]
+    strategies = [
+        strategy_for(method, ratio=r, allocation=allocation, risk_weight=risk_weight, min_ratio=min_ratio,
+                     max_ratio=max_ratio)
+        for r in ratio
+    ]
     routings = [(layer.name, layer.routing) for layer in statistics.layers]
     for strategy in strategies:
         strategy.validate(routings)
@@ -62,6 +70,28 @@ def replan(
                 save_pruned(pruned, tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
             print(f"ratio {strategy.ratio}: kept {[layer.num_kept for layer in plan.layers]} -> {written[-1]}")
+    return written
+
+
+def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False) -> list[Path]:
+    """Write reconstruction-gain heatmaps, residual/risk curves and the high-contribution table.
+
+    Args:
+        stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
+        output_dir: Receives the PNG files and ``high_contribution.md`` / ``.csv``.
+        plan: A ``plan.json`` made from these statistics, to mark each layer's kept count.
+        overwrite: Replace an existing ``output_dir``.
+    """
+    from .plan import PruningPlan
+    from .plots import write_plots
+
+    check_writable(output_dir, overwrite)
+    statistics = MoEStats.load(stats)
+    pruning_plan = PruningPlan.load(plan) if plan is not None else None
+    with atomic_path(output_dir, overwrite=overwrite, directory=True) as tmp:
+        written = [Path(output_dir) / path.name for path in write_plots(statistics, tmp, plan=pruning_plan)]
+    for path in written:
+        print(path)
     return written
 
 
@@ -88,7 +118,7 @@ def lightning_cli(args: list[str] | None = None) -> None:
     )
 
 
-COMMANDS = {"prune": replan}
+COMMANDS = {"prune": replan, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> None:

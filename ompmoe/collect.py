@@ -20,6 +20,10 @@ from torchmetrics import Metric
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
+CANCELLED_TOKEN = 1e-6
+"""A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
+cancel to within float32 rounding) gets no weight in the token-normalized Gram."""
+
 PairCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d))``."""
 
@@ -68,6 +72,7 @@ class MoEStatsMetric(Metric):
         for i, layer in enumerate(layers):
             n = layer.num_experts
             self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_state(f"gram_normalized_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
             for key in PER_EXPERT_SUMS:
                 self.add_state(f"{key}_{i}", torch.zeros(n, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
@@ -107,6 +112,11 @@ class MoEStatsMetric(Metric):
             expert_out, gates, ids, weight = expert_out[keep], gates[keep], ids[keep], weight.to(device)[keep]
         atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
         pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+        # Token-normalized Gram: each token's products divided by ||Y_x||^2 = sum of its products.
+        output_energy = pair_products.sum(dim=(1, 2))
+        atom_energy = pair_products.diagonal(dim1=1, dim2=2).sum(-1)
+        valid = output_energy > CANCELLED_TOKEN * atom_energy
+        inverse_energy = torch.where(valid, 1.0 / torch.where(valid, output_energy, 1.0), 0.0)
         sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
         norm = sq_norm.sqrt()
         gates64 = gates.to(torch.float64)
@@ -116,6 +126,8 @@ class MoEStatsMetric(Metric):
             per_pair = per_pair * weight.view(-1, 1)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
         getattr(self, f"gram_{index}").view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
+        normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
+        getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
         flat_ids = ids.reshape(-1)
         sums = {
             "routing_mass": gates64 * per_pair,
@@ -135,6 +147,7 @@ class MoEStatsMetric(Metric):
                 **routing,
                 gram=getattr(self, f"gram_{i}").clone(),
                 **{key: getattr(self, f"{key}_{i}").clone() for key in PER_EXPERT_SUMS},
+                gram_normalized=getattr(self, f"gram_normalized_{i}").clone(),
             )
             for i, (name, routing) in enumerate(self.routing)
         ]

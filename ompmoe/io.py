@@ -35,12 +35,20 @@ def atomic_path(path: str | os.PathLike, overwrite: bool = False, directory: boo
         tmp = Path(name)
     try:
         yield tmp
+        _default_permissions(tmp, directory)
         if path.exists():
             _remove(path)
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _default_permissions(path: Path, directory: bool) -> None:
+    """mkstemp/mkdtemp create private (0600/0700) entries; give the result the usual umask permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask)
 
 
 def _remove(path: Path) -> None:

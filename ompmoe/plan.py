@@ -22,11 +22,14 @@ from .allocation import (
     uniform_allocation,
     waterfill_allocation,
 )
+from .baselines import BASELINES, SubsetSelection
 from .io import atomic_path
 from .selection import greedy_pursuit, prefix_residual, routing_coverage
 from .statistics import LayerStats, MoEStats
 
-Ranking = Callable[[Sequence[LayerStats]], list[torch.Tensor]]
+Ranking = Callable[..., list[torch.Tensor] | list[SubsetSelection]]
+"""``method(layers, **method_options)``: a full ordering (best first) or a
+:class:`~ompmoe.baselines.SubsetSelection` (a kept set per count) for each layer."""
 
 
 def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
@@ -43,8 +46,8 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
     return orders  # type: ignore[return-value]
 
 
-METHODS: dict[str, Ranking] = {"omp": omp_orderings}
-"""Expert-ranking methods by name; each returns a full ordering per layer (best first)."""
+METHODS: dict[str, Ranking] = {"omp": omp_orderings, **BASELINES}
+"""Expert-selection methods by name: ``omp`` and the baselines of :mod:`ompmoe.baselines`."""
 
 
 @dataclass
@@ -150,11 +153,14 @@ def plan_pruning(
     min_ratio: float = 0.375,
     max_ratio: float = 0.875,
     zeta: float = 1e-6,
+    method_options: dict[str, Any] | None = None,
 ) -> PruningPlan:
     """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
 
     ``min_ratio``/``max_ratio`` bound the fraction of experts each layer keeps under
     ``waterfill`` and ``optimal``; ``uniform`` keeps ``1 - ratio`` of every layer.
+    ``method_options`` go to the method (``seed`` for ``random``, ``max_subsets`` for
+    ``exact``) and are recorded in ``plan.extra``.
     """
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
@@ -164,9 +170,15 @@ def plan_pruning(
         if layer.signal_energy <= 0.0:
             raise ValueError(f"Layer {layer.name} saw no routed tokens; calibrate on more text.")
 
-    orders = METHODS[method](stats.layers)
-    residuals = [prefix_residual(layer.gram, order) for layer, order in zip(stats.layers, orders)]
-    coverages = [routing_coverage(layer.routing_mass, order) for layer, order in zip(stats.layers, orders)]
+    selections = METHODS[method](stats.layers, **(method_options or {}))
+    residuals = [
+        s.residual(layer.gram) if isinstance(s, SubsetSelection) else prefix_residual(layer.gram, s)
+        for layer, s in zip(stats.layers, selections)
+    ]
+    coverages = [
+        s.coverage(layer.routing_mass) if isinstance(s, SubsetSelection) else routing_coverage(layer.routing_mass, s)
+        for layer, s in zip(stats.layers, selections)
+    ]
     costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
     if allocation == "uniform":
         counts = uniform_allocation(routings, ratio)
@@ -175,6 +187,8 @@ def plan_pruning(
     else:
         counts = optimal_allocation(costs, choices, budget)
 
+    # A per-count selection lists its kept set first, so ``kept == sorted(order[:count])`` always.
+    orders = [s.order_at(k) if isinstance(s, SubsetSelection) else s for s, k in zip(selections, counts)]
     layers = [
         LayerPlan(
             name=layer.name,
@@ -202,4 +216,5 @@ def plan_pruning(
         num_tokens=stats.num_tokens,
         cost=total_cost(costs, counts),
         library_version=stats.library_version,
+        extra={"method_options": dict(method_options)} if method_options else {},
     )

@@ -24,6 +24,7 @@ from torch import nn
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .io import atomic_path
 from .plan import PruningPlan
+from .quantization import check_not_quantized, check_savable
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 CONFIG_KEY = "ompmoe"
@@ -55,11 +56,15 @@ def _record_counts(model: nn.Module, kept: dict[str, list[int]], original: dict[
     setattr(model.config, spec.expert_count_key, count)
     if getattr(model, "num_experts", None) is not None:
         model.num_experts = count
-    setattr(
-        model.config,
-        CONFIG_KEY,
-        {"kept_experts": kept, "original_num_experts": original, "uniform": len(counts) == 1},
-    )
+    record = {"kept_experts": kept, "original_num_experts": original, "uniform": len(counts) == 1}
+    if len(counts) > 1 and getattr(model.config, "output_router_logits", False):
+        # transformers' load-balancing loss needs one expert count for all layers; a non-uniform
+        # model would fail every forward. ompmoe's FinetuneModule uses a per-layer loss instead.
+        model.config.output_router_logits = False
+        record["router_aux_loss"] = True
+    elif (pruning_info(model) or {}).get("router_aux_loss"):
+        record["router_aux_loss"] = True
+    setattr(model.config, CONFIG_KEY, record)
 
 
 def pruning_info(model_or_config: Any) -> dict[str, Any] | None:
@@ -69,7 +74,12 @@ def pruning_info(model_or_config: Any) -> dict[str, Any] | None:
 
 
 def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
-    """Remove the experts ``plan`` drops, in place, and return ``model``."""
+    """Remove the experts ``plan`` drops, in place, and return ``model``.
+
+    A quantized model is refused before anything changes (:class:`ompmoe.quantization.QuantizedModelError`):
+    prune first, then quantize.
+    """
+    check_not_quantized(model)
     layers = find_moe_layers(model)
     actual = model_fingerprint(model)
     if actual != plan.fingerprint:
@@ -98,7 +108,12 @@ def save_pruned(
     overwrite: bool = False,
     **save_kwargs: Any,
 ) -> Path:
-    """``save_pretrained`` into ``path`` atomically (with the tokenizer, if given)."""
+    """``save_pretrained`` into ``path`` atomically (with the tokenizer, if given).
+
+    Models quantized after loading (:func:`ompmoe.quantize_experts`, torchao tensors) are refused:
+    save the full-precision model and quantize after loading.
+    """
+    check_savable(model)
     with atomic_path(path, overwrite=overwrite, directory=True) as tmp:
         model.save_pretrained(tmp, **save_kwargs)
         if tokenizer is not None:
@@ -126,13 +141,14 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """Load a model saved after :func:`prune`, whatever number of experts each layer kept.
 
     Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...). A model that
-    was never pruned loads as usual.
+    was never pruned loads as usual. Adaptive inference saved with the model (OMP-MoE+,
+    ``config.ompmoe_adaptive``) is switched back on.
     """
     config = transformers.AutoConfig.from_pretrained(path)
     base = _causal_lm_class(config)
     record = pruning_info(config)
     if record is None:
-        return base.from_pretrained(path, config=config, **from_pretrained_kwargs)
+        return _with_adaptive(base.from_pretrained(path, config=config, **from_pretrained_kwargs))
 
     def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
         base.__init__(self, config, *args, **kwargs)
@@ -141,6 +157,14 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     sized = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
     model = sized.from_pretrained(path, config=config, **from_pretrained_kwargs)
     model.__class__ = base
+    return _with_adaptive(model)
+
+
+def _with_adaptive(model: nn.Module) -> nn.Module:
+    """Re-apply OMP-MoE+ adaptive inference saved in ``config.ompmoe_adaptive``, if any."""
+    from .adaptive import restore_adaptive
+
+    restore_adaptive(model)
     return model
 
 

@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from .io import atomic_path
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
+OPTIONAL_TENSORS = ("gram_normalized",)
+"""Tensors that statistics files written by older versions may lack (``None`` when absent)."""
 ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 1
 
@@ -53,6 +55,11 @@ class LayerStats:
     """Sum of ``||F_e(x)||`` over routed tokens (EAN baseline)."""
     weighted_norm_sum: torch.Tensor
     """Sum of ``g_e(x) ||F_e(x)||`` over routed tokens (REAP baseline)."""
+    gram_normalized: torch.Tensor | None = None
+    """Token-normalized Gram ``sum_x <V_e(x), V_f(x)> / ||Y_x||^2`` (``Y_x = sum_e V_e(x)``, the
+    token's routed output; tokens whose atoms cancel to ``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``
+    are left out), the objective of the ``omp_normalized`` baseline. ``None`` for statistics
+    written before it was collected."""
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -74,12 +81,16 @@ class LayerStats:
         return {key: getattr(self, key) for key in ROUTING_KEYS}
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
+        tensors = {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
+        tensors.update({key: getattr(self, key) for key in OPTIONAL_TENSORS if getattr(self, key) is not None})
+        return tensors
 
     def merge(self, other: LayerStats) -> LayerStats:
+        """Exact sum; an optional tensor survives only if both sides have it."""
         if (self.name, self.routing) != (other.name, other.routing):
             raise ValueError(f"Cannot merge statistics of different layers: {self.name!r} vs {other.name!r}.")
-        summed = {key: a + b for (key, a), b in zip(self.tensors().items(), other.tensors().values())}
+        mine, theirs = self.tensors(), other.tensors()
+        summed = {key: value + theirs[key] for key, value in mine.items() if key in theirs}
         return LayerStats(name=self.name, **self.routing, **summed)
 
 
@@ -182,6 +193,7 @@ class MoEStats:
                 **{key: info[key] for key in ROUTING_KEYS},
                 gram=tensors[f"layers.{i}.gram"],
                 **{key: tensors[f"layers.{i}.{key}"] for key in PER_EXPERT_SUMS},
+                **{key: tensors.get(f"layers.{i}.{key}") for key in OPTIONAL_TENSORS},
             )
             for i, info in enumerate(meta["layers"])
         ]

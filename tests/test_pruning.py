@@ -555,3 +555,15 @@ def test_handmade_plans_respect_router_constraints():
             assert len(set(per_group)) == 1, (case_id, layer.name, per_group)
             assert layer.kept == sorted(set(layer.kept)) and 0 <= layer.kept[0] and layer.kept[-1] < layer.num_experts
             assert layer.num_kept >= layer.top_k
+
+
+def test_non_uniform_pruning_turns_off_the_pooled_router_aux_loss():
+    model = tiny_model("qwen3_moe", output_router_logits=True)
+    stats = ompmoe.collect_stats(model, [torch.randint(0, 256, (2, 12))])
+    plan = ompmoe.plan_pruning(stats, 0.5)
+    plan.layers[0].kept = plan.layers[0].order[:9]
+    plan.layers[1].kept = plan.layers[1].order[:7]
+    ompmoe.prune(model, plan)
+    assert model.config.output_router_logits is False
+    assert ompmoe.pruning_info(model)["router_aux_loss"] is True  # FinetuneModule keeps a per-layer aux loss
+    model(torch.randint(0, 256, (1, 8)))  # the pooled aux loss would fail on 9 vs 7 experts

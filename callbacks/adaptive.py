@@ -1,0 +1,149 @@
+r"""
+AdaptiveInferenceMonitor
+^^^^^^^^^^^^^^^^^^^^^^^^
+
+A Lightning callback that logs OMP-MoE+ adaptive-inference counters (average experts per token,
+skip ratio, routed-expert FLOPs ratio; overall and per MoE layer) at the end of every
+validation and test epoch. It can also switch adaptive inference on, from a statistics file or
+from the settings saved with the model, which is how ``--trainer.callbacks`` turns it on from
+the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from ompmoe.adaptive import (
+    adaptive_histograms,
+    adaptive_info,
+    adaptive_totals,
+    enable_adaptive,
+    is_adaptive,
+    layer_counts,
+    reset_adaptive_counters,
+    restore_adaptive,
+)
+from ompmoe.statistics import MoEStats
+
+from .pruning import find_hf_model
+
+
+class AdaptiveInferenceMonitor(Callback):
+    """Log OMP-MoE+ counters at the end of validation and test epochs (sanity checks excluded).
+
+    Logged (through ``LightningModule.log``, so they reach every logger and ``trainer.validate``'s
+    results): ``<stage>/adaptive/avg_experts_per_token``, ``skip_ratio`` and ``flops_ratio`` over all
+    MoE layers, and with ``per_layer`` the same three per layer as
+    ``<stage>/adaptive/<layer name>/<counter>``; ``<stage>`` is ``val`` or ``test``. Counters are
+    summed over ranks before the ratios are taken. The last report is kept in ``self.report``.
+
+    Args:
+        epsilon: Switch adaptive inference on (or change its epsilon) when validation or testing
+            starts. ``None`` leaves the model as it is: a model loaded with ``ompmoe.load_pruned``
+            already carries its saved setting, and one loaded with plain ``from_pretrained``
+            gets it re-applied.
+        stats: A ``stats.safetensors`` (or :class:`ompmoe.MoEStats`) giving the alphas when
+            ``epsilon`` is set; defaults to the alphas saved with the model. Statistics of the
+            unpruned model work for a pruned one.
+        per_layer: Also log per-layer counters.
+        model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
+    """
+
+    def __init__(
+        self,
+        epsilon: float | None = None,
+        stats: str | None = None,
+        per_layer: bool = True,
+        model_attribute: str | None = None,
+    ) -> None:
+        if epsilon is not None and not 0.0 <= float(epsilon) <= 1.0:
+            raise ValueError(f"epsilon must lie in [0, 1]; got {epsilon}.")
+        self.epsilon = epsilon
+        self.stats = stats
+        self.per_layer = per_layer
+        self.model_attribute = model_attribute
+        self.report: dict[str, dict[str, Any]] = {}
+        self._warned = False
+
+    # ---------------------------------------------------------------- switching on
+    def _model(self, pl_module: pl.LightningModule) -> nn.Module:
+        return find_hf_model(pl_module, self.model_attribute)
+
+    def _switch_on(self, pl_module: pl.LightningModule) -> bool:
+        model = self._model(pl_module)
+        if self.epsilon is not None:
+            if self.stats is not None:
+                if not isinstance(self.stats, MoEStats):
+                    self.stats = MoEStats.load(Path(self.stats))  # read once
+                source: Any = self.stats
+            else:
+                record = adaptive_info(model)
+                if not record:
+                    raise ValueError(
+                        "AdaptiveInferenceMonitor(epsilon=...) needs `stats` (a stats.safetensors of this model "
+                        "or of the model it was pruned from) unless the model was saved with adaptive inference."
+                    )
+                source = record["alphas"]
+            enable_adaptive(model, source, float(self.epsilon))
+            rank_zero_info(f"ompmoe: adaptive inference on (epsilon={float(self.epsilon):g})")
+        elif not is_adaptive(model) and not restore_adaptive(model):
+            if not self._warned:
+                rank_zero_warn(
+                    "AdaptiveInferenceMonitor: adaptive inference is off and the model carries no saved setting; "
+                    "pass `epsilon` (and `stats`) to switch it on. Nothing will be logged."
+                )
+                self._warned = True
+            return False
+        return True
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.epsilon is not None or not is_adaptive(self._model(pl_module)):
+            self._switch_on(pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_validation_start(trainer, pl_module)
+
+    # -------------------------------------------------------------------- logging
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reset_adaptive_counters(self._model(pl_module))
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reset_adaptive_counters(self._model(pl_module))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._log(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module, "test")
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        model = self._model(pl_module)
+        histograms = adaptive_histograms(model)
+        if not histograms:
+            return
+        report: dict[str, dict[str, Any]] = {}
+        for name, (histogram, top_k) in histograms.items():
+            summed = trainer.strategy.reduce(histogram.to(pl_module.device, torch.float64), reduce_op="sum")
+            report[name] = layer_counts(summed.round().to(torch.long), top_k)
+        self.report = report
+        totals = adaptive_totals(report)
+        if not totals["tokens"]:
+            return
+        prefix = f"{stage}/adaptive"
+        keys = ("avg_experts_per_token", "skip_ratio", "flops_ratio")
+        metrics = {f"{prefix}/{key}": float(totals[key]) for key in keys}
+        if self.per_layer:
+            for name, counts in report.items():
+                metrics.update({f"{prefix}/{name}/{key}": float(counts[key]) for key in keys})
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False)
+
+
+__all__ = ["AdaptiveInferenceMonitor"]
