@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -115,7 +116,15 @@ class OMPMoEPruning(Callback):
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.output_dir is not None:
+        if stage != "fit":
+            return
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                "OMPMoEPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
+                "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
+                "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
+            )
+        if self.output_dir is not None:
             check_writable(self.output_dir, self.overwrite)
             if self.plots:
                 try:

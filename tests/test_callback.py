@@ -263,3 +263,14 @@ def test_the_tokenizer_is_saved_with_the_pruned_model(tmp_path):
     assert saved("abc")["input_ids"] == [1, 2, 3]
     loaded = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert ompmoe.pruning_info(loaded)["kept_experts"] == callback.plan.kept_by_layer()
+
+
+def test_fsdp1_strategy_is_refused_with_the_fsdp2_alternative():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    fake_trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ValueError, match=r"use ModelParallelStrategy\(data_parallel_size=N"):
+        OMPMoEPruning().setup(fake_trainer, None, "fit")
+    OMPMoEPruning().setup(fake_trainer, None, "validate")  # only calibration fits are affected
