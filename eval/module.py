@@ -1,0 +1,254 @@
+"""``EvalModule``: runs an LMEvalDataModule's batches through a Hugging Face causal LM.
+
+Forward-only (``trainer.validate`` / ``trainer.test``). Score batches: one forward pass, the
+log-probabilities (float32 log-softmax) of each continuation's tokens and whether greedy decoding
+would produce them. Generate batches: ``model.generate`` with the request's kwargs and lm-eval's stop
+sequences (left-padded contexts, as ``HFLM``). At the end of the epoch the results of all ranks are
+gathered, rank 0 has the datamodule score them with lm-eval and write the JSON, and every rank logs
+the same metrics.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..calibration_module import TINY_PREFIX, CalibrationModule
+from .requests import SCORE
+
+__all__ = ["EvalModule"]
+
+
+class EvalModule(CalibrationModule):
+    """A Hugging Face causal LM (original or pruned) evaluated by :class:`ompmoe.eval.LMEvalDataModule`.
+
+    Args:
+        model: Hub id, local path (pruned models saved by ompmoe load with their per-layer expert
+            counts), ``tiny:<model_type>``, or a model instance.
+        dtype: Weights dtype when loading (``bfloat16`` for the paper's models).
+        tokenizer: Tokenizer id or path; defaults to ``model`` (``bytes`` for tiny models).
+        trust_remote_code: Passed to ``from_pretrained``.
+        label: Row label in reports (default: the model name, with the pruned fraction).
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module = "tiny:qwen3_moe",
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(model=model, dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+        self.label = label
+        self._tokenizer: Any = None
+        self._results: dict[int, Any] = {}
+        self._logits_to_keep: bool | None = None
+        self.eval_results: dict[str, Any] | None = None  # rank 0: lm-eval's results of the last epoch
+        self.eval_metrics: dict[str, float] = {}  # every rank: the logged metrics
+
+    # ----------------------------------------------------------------------------- model side
+    def _load_model(self) -> nn.Module:
+        name = self.model_name_or_path
+        if name is None or not os.path.isdir(name):  # hub ids, tiny:..., other named models
+            return super()._load_model()
+        from ..pruning import load_pruned
+
+        # A local directory may hold a model pruned by ompmoe with different expert counts per layer.
+        kwargs: dict[str, Any] = {"dtype": self.torch_dtype or "auto"}
+        if self.trust_remote_code:
+            kwargs["trust_remote_code"] = True
+        return load_pruned(name, **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer named by ``tokenizer`` (loaded once)."""
+        if self._tokenizer is None:
+            from .tokenization import BYTES, load_tokenizer
+
+            name = self.tokenizer_name
+            if name is None or (isinstance(name, str) and os.path.isdir(name) and not _has_tokenizer_files(name)):
+                # Tiny models (instances, or pruned and saved by ompmoe) have no tokenizer: their vocabulary is bytes.
+                if getattr(self.model_config(), "vocab_size", None) == 256:
+                    name = BYTES
+            if name is None:
+                raise ValueError("EvalModule needs tokenizer=... (a hub id or path) for a model instance without a name.")
+            self._tokenizer = load_tokenizer(name, trust_remote_code=self.trust_remote_code)
+        return self._tokenizer
+
+    def model_config(self) -> Any:
+        """The model's config without loading weights (for the context length)."""
+        if self.model is not None:
+            return self.model.config
+        name = self.model_name_or_path
+        if name is None:
+            return None
+        if name.startswith(TINY_PREFIX):
+            from ..tiny import tiny_config
+
+            return tiny_config(name.removeprefix(TINY_PREFIX))
+        from transformers import AutoConfig
+
+        try:  # named models shipped with ompmoe ("shipped:<name>"), where supported
+            from ..data import resolve_shipped
+
+            name = resolve_shipped(name)
+        except ImportError:
+            pass
+        return AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code)
+
+    def model_info(self) -> dict[str, Any]:
+        from ..pruning import pruning_info
+
+        name = self.model_name_or_path or type(self.model).__name__
+        info: dict[str, Any] = {"model": name}
+        record = pruning_info(self.model) if self.model is not None else None
+        if record:
+            original = record.get("original_num_experts", {})
+            kept = record.get("kept_experts", {})
+            total = sum(int(v) for v in original.values())
+            kept_total = sum(len(kept.get(layer, range(int(n)))) for layer, n in original.items())
+            info["pruning"] = {
+                "experts": total,
+                "kept_experts": kept_total,
+                "removed_fraction": 1 - kept_total / total if total else 0.0,
+                "kept_per_layer": [len(kept.get(layer, range(int(n)))) for layer, n in original.items()],
+            }
+        try:
+            info["dtype"] = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        except (StopIteration, AttributeError):
+            pass
+        base = os.path.basename(str(name).rstrip("/")) or str(name)
+        if self.label:
+            info["label"] = self.label
+        elif record:
+            info["label"] = f"{base} (-{info['pruning']['removed_fraction']:.0%} experts)"
+        else:
+            info["label"] = base
+        return info
+
+    # ----------------------------------------------------------------------------- steps
+    def on_validation_epoch_start(self) -> None:
+        self._results = {}
+
+    def on_test_epoch_start(self) -> None:
+        self._results = {}
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        self._results.update(self.run_batch(batch))
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+        self._results.update(self.run_batch(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._finish("validate")
+
+    def on_test_epoch_end(self) -> None:
+        self._finish("test")
+
+    @torch.no_grad()
+    def run_batch(self, batch: Mapping[str, Any]) -> dict[int, Any]:
+        """``{item id: result}`` of one batch: ``(logprob, is_greedy)`` or the generated token ids."""
+        if batch["kind"] == SCORE:
+            return self._score(batch)
+        return self._generate(batch)
+
+    def _accepts_logits_to_keep(self) -> bool:
+        if self._logits_to_keep is None:
+            try:
+                self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+            except (TypeError, ValueError):
+                self._logits_to_keep = False
+        return self._logits_to_keep
+
+    def _score(self, batch: Mapping[str, Any]) -> dict[int, Any]:
+        input_ids, lengths = batch["input_ids"], batch["lengths"]
+        rows, tokens, counts = batch["target_rows"], batch["target_tokens"], batch["target_lengths"]
+        width = input_ids.shape[1]
+        starts = lengths[rows] - counts  # first logit position that predicts a continuation token
+        kwargs: dict[str, Any] = {}
+        if self._accepts_logits_to_keep():
+            kwargs["logits_to_keep"] = int(width - starts.min())  # lm_head only where continuations are scored
+        # Right padding and no attention mask, as HFLM: causal attention keeps padding out of every scored position.
+        logits = self.model(input_ids=input_ids, use_cache=False, **kwargs).logits
+        offset = width - logits.shape[1]
+        logprobs, greedy = [], []
+        for row in torch.unique(rows).tolist():
+            row_lp = torch.log_softmax(logits[row].float(), dim=-1)
+            row_argmax = row_lp.argmax(dim=-1)
+            for target in (rows == row).nonzero().flatten().tolist():
+                start, count = int(starts[target]) - offset, int(counts[target])
+                wanted = tokens[target, :count]
+                picked = row_lp[start:start + count].gather(-1, wanted[:, None]).squeeze(-1)
+                logprobs.append(picked.sum())
+                greedy.append((row_argmax[start:start + count] == wanted).all())
+        order = torch.cat([(rows == row).nonzero().flatten() for row in torch.unique(rows).tolist()])
+        items = batch["target_items"][order].tolist()
+        values = torch.stack(logprobs).tolist()
+        flags = torch.stack(greedy).tolist()
+        return {item: (value, flag) for item, value, flag in zip(items, values, flags)}
+
+    def _generate(self, batch: Mapping[str, Any]) -> dict[int, Any]:
+        from lm_eval.models.utils_hf import stop_sequences_criteria
+
+        tokenizer = self._data().tokenizer_
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        width = input_ids.shape[1]
+        kwargs = dict(batch["generate_kwargs"])
+        if self.device_mesh is not None and self.trainer is not None and self.trainer.world_size > 1:
+            kwargs["synced_gpus"] = True  # sharded weights: every rank steps until all are done
+        stopping = stop_sequences_criteria(tokenizer, list(batch["until"]), width, input_ids.shape[0])
+        output = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_length=width + int(batch["max_gen_toks"]),
+            stopping_criteria=stopping, pad_token_id=tokenizer.pad_token_id, use_cache=True, **kwargs,
+        )
+        generated = output[:, width:].tolist()
+        return {item: tokens for item, tokens in zip(batch["items"].tolist(), generated)}
+
+    # ----------------------------------------------------------------------------- scoring
+    def _data(self) -> Any:
+        from .datamodule import LMEvalDataModule
+
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if not isinstance(datamodule, LMEvalDataModule):
+            raise TypeError("EvalModule needs an ompmoe.eval.LMEvalDataModule: trainer.validate(module, datamodule=...).")
+        return datamodule
+
+    def _finish(self, stage: str) -> None:
+        datamodule = self._data()
+        strategy = self.trainer.strategy
+        results = self._results
+        distributed = self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, results)
+            results = {key: value for part in gathered for key, value in part.items()}
+        payload: Any = None
+        if self.trainer.is_global_zero:
+            try:
+                scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage})
+                datamodule.write(scored)
+                self.eval_results = scored
+                payload = datamodule.flat_metrics(scored)
+            except Exception as error:  # let the other ranks fail too instead of waiting forever
+                payload = error
+                if not distributed:
+                    raise
+        if distributed:
+            payload = strategy.broadcast(payload, src=0)
+        if isinstance(payload, Exception):
+            raise RuntimeError(f"Scoring on rank 0 failed: {payload!r}") from payload
+        self.eval_metrics = dict(payload)
+        for name, value in self.eval_metrics.items():
+            # Every rank logs rank 0's values; "max" of equal values keeps them exact (and Lightning quiet).
+            self.log(name, value, sync_dist=distributed, reduce_fx="max")
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.exists(os.path.join(directory, name)) for name in names)

@@ -1,0 +1,122 @@
+"""Where lm-eval tasks read their data sets: the hub, its local cache, or local copies.
+
+lm-eval tasks load their data with ``datasets.load_dataset(dataset_path, dataset_name, ...)`` when
+they are built. :func:`dataset_access` wraps that for the duration of task loading:
+
+- ``dataset_overrides`` (keys: a task name, a data set path, or ``path:name``) point a task at a
+  local copy: a string is a local directory (for example a hub snapshot made with
+  ``huggingface-cli download --repo-type dataset <path> --local-dir <dir>``) used in place of the
+  hub path; a dict may set ``dataset_path``, ``dataset_name`` and ``dataset_kwargs`` (merged), e.g.
+  ``{"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "/data/arc/test.jsonl"}}}``.
+- ``data_dir``: a directory of such snapshots laid out as ``<data_dir>/<owner>/<name>`` (the hub
+  path); a task whose data set has a copy there reads it instead of the hub.
+- Offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or a hub that does not answer one
+  HEAD request, is detected *first*; then only the local ``datasets`` cache is read and a data set
+  that is not there raises :class:`DatasetUnavailableError` at once, naming the task, the data set
+  and both ways to supply a local copy (no download is attempted, so no retry loop).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..calibration_data import HubUnavailableError, _hub_offline, _hub_reachable, _offline
+
+PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
+
+
+class DatasetUnavailableError(HubUnavailableError):
+    """A task's data set is neither local nor downloadable (offline, or the hub is unreachable)."""
+
+
+def _is_local(path: str | None) -> bool:
+    return bool(path) and (path in PACKAGED_BUILDERS or os.path.exists(os.path.expanduser(path)))
+
+
+class _Access:
+    def __init__(self, data_dir: str | None, overrides: Mapping[str, Any] | None) -> None:
+        self.data_dir = Path(data_dir).expanduser() if data_dir else None
+        if self.data_dir is not None and not self.data_dir.is_dir():
+            raise FileNotFoundError(f"data_dir {str(self.data_dir)!r} is not a directory.")
+        self.overrides = dict(overrides or {})
+        self._hub_state: str | None = None  # None: not probed yet; "" online; else why offline
+        self.used: dict[str, str] = {}  # task -> where its data came from
+
+    def offline_reason(self) -> str:
+        if self._hub_state is None:
+            if _offline():
+                self._hub_state = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+            elif not _hub_reachable():
+                self._hub_state = "the Hugging Face hub cannot be reached"
+            else:
+                self._hub_state = ""
+        return self._hub_state
+
+    def resolve(self, task: str, path: str | None, name: str | None, kwargs: dict[str, Any]) -> tuple:
+        override = None
+        for key in (task, f"{path}:{name}", path):
+            if key in self.overrides:
+                override = self.overrides[key]
+                break
+        if isinstance(override, str):
+            return str(Path(override).expanduser()), name, kwargs
+        if isinstance(override, Mapping):
+            extra = dict(override.get("dataset_kwargs") or {})
+            return (override.get("dataset_path", path), override.get("dataset_name", name), {**kwargs, **extra})
+        if override is not None:
+            raise ValueError(f"dataset_overrides[{task!r}] must be a local path or a dict, got {override!r}.")
+        if self.data_dir is not None and path and not _is_local(path) and (self.data_dir / path).is_dir():
+            return str(self.data_dir / path), name, kwargs
+        return path, name, kwargs
+
+    def message(self, task: str, path: str | None, name: str | None, reason: str) -> str:
+        dataset = f"{path!r}" + (f" (config {name!r})" if name else "")
+        return (
+            f"Task {task!r} needs the data set {dataset}, which is not in the local datasets cache, and it cannot "
+            f"be downloaded: {reason}. Where there is internet, run `huggingface-cli download --repo-type dataset "
+            f"{path} --local-dir <data_dir>/{path}` (or load it once to fill the cache), then pass "
+            f"data_dir=<data_dir> (CLI: --data.data_dir), or point this task at a local copy with "
+            f"dataset_overrides={{{task!r}: '/path/to/copy'}}."
+        )
+
+
+@contextmanager
+def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | None = None) -> Iterator[_Access]:
+    """Route lm-eval tasks' data set loading through local copies and the offline check (see module doc)."""
+    from lm_eval.api.task import ConfigurableTask
+
+    access = _Access(data_dir, overrides)
+    original = ConfigurableTask.download
+
+    def download(task_self: Any, dataset_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        config = task_self.config
+        task = str(config.task)
+        if callable(config.custom_dataset):
+            access.used[task] = "custom_dataset"
+            return original(task_self, dataset_kwargs, **kwargs)
+        path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME, dict(dataset_kwargs or {}))
+        task_self.DATASET_PATH, task_self.DATASET_NAME = path, name
+        if _is_local(path):
+            access.used[task] = str(path)
+            return original(task_self, merged, **kwargs)
+        reason = access.offline_reason()
+        if not reason:
+            access.used[task] = f"hub:{path}"
+            return original(task_self, merged, **kwargs)
+        try:
+            with _hub_offline():
+                result = original(task_self, merged, **kwargs)
+        except Exception as error:
+            raise DatasetUnavailableError(access.message(task, path, name, reason)) from error
+        access.used[task] = f"cache:{path}"
+        return result
+
+    ConfigurableTask.download = download
+    try:
+        yield access
+    finally:
+        ConfigurableTask.download = original

@@ -1,0 +1,479 @@
+"""lm-eval requests -> token-level work items -> batches; model results -> lm-eval responses.
+
+lm-eval's ``Instance`` objects carry text (``(context, continuation)``, ``(text,)`` or
+``(context, gen_kwargs)``). :class:`RequestEncoder` tokenizes them exactly as lm-eval's ``HFLM``
+does (same special-token rules, empty-context prefix token, left truncation, rolling windows,
+generation kwargs and stop sequences), so metrics equal ``HFLM``'s on the same model.
+:class:`WorkPlan` turns the encoded requests into model work:
+
+- *score items* ``(model input, continuation)``: the log-probability of the continuation's tokens
+  and whether greedy decoding would produce them (loglikelihood requests, and each window of a
+  rolling-loglikelihood request). Items sharing a model input share one row of a batch (multiple
+  choice questions whose answers are one token, identical windows), like ``HFLM``'s logits cache.
+- *generate items*: greedy or sampled continuations of a context with a request's generation kwargs.
+
+Batches are built once, sorted by length (longest first) and homogeneous (score rows, or generate
+rows with identical generation kwargs), so a ``DistributedSampler`` can deal them to ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SCORE = "score"
+GENERATE = "generate"
+ROLLING = "loglikelihood_rolling"
+LOGLIKELIHOOD = "loglikelihood"
+GENERATE_UNTIL = "generate_until"
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither the config nor the tokenizer says
+DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
+
+
+def _lm_base() -> type:
+    from lm_eval.api.model import TemplateLM
+
+    return TemplateLM
+
+
+def resolve_max_length(config: Any, tokenizer: Any = None, default: int = DEFAULT_MAX_LENGTH) -> int:
+    """The model's context length as ``HFLM`` resolves it: config, then tokenizer, then ``default``."""
+    config = getattr(config, "text_config", None) or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    model_max_length = getattr(tokenizer, "model_max_length", None)
+    if model_max_length is not None and model_max_length < int(1e29):  # transformers' "unset" sentinel
+        return int(model_max_length)
+    return default
+
+
+class RequestEncoder:
+    """The tokenizer side of lm-eval's ``HFLM``: builds requests' contexts and token ids, runs no model.
+
+    Instances are ``lm_eval.api.model.TemplateLM`` objects (created by :meth:`create`), so lm-eval
+    can also use them to apply chat templates while building requests.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        max_length: Context length in tokens (``HFLM``'s ``max_length``).
+        max_gen_toks: Default generation length when a task does not set one.
+        add_bos_token: ``HFLM``'s ``add_bos_token`` (``None``: the tokenizer's default).
+        prefix_token_id: Token that conditions empty contexts and rolling windows; default BOS,
+            else EOS (as ``HFLM``).
+        chat_template_args: Extra keyword arguments of ``tokenizer.apply_chat_template``
+            (``{"enable_thinking": False}`` for Qwen3).
+        think_end_token: Strip generations up to this token (string or id), as ``HFLM``.
+        truncation: Passed to the tokenizer when encoding generation contexts.
+    """
+
+    @staticmethod
+    def create(tokenizer: Any, max_length: int, **kwargs: Any) -> Any:
+        cls = type("RequestEncoderLM", (_EncoderMixin, _lm_base()), {})
+        return cls(tokenizer, max_length, **kwargs)
+
+
+class _EncoderMixin:
+    backend = "causal"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        *,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        chat_template_args: Mapping[str, Any] | None = None,
+        think_end_token: str | int | None = None,
+        truncation: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self._max_length = int(max_length)
+        self._max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self.chat_template_args = dict(chat_template_args or {})
+        self.think_end_token = think_end_token
+        self.truncation = truncation
+
+    # --------------------------------------------------------------- HFLM's tokenizer properties
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs: Any) -> list[int]:
+        kwargs = {}
+        if add_special_tokens is not None:
+            kwargs["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            kwargs["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None and _has_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            kwargs["add_special_tokens"] = False
+        encoding = self.tokenizer.encode(string, **kwargs)
+        if left_truncate_len:
+            encoding = encoding[-left_truncate_len:]
+        return encoding
+
+    def context_tokens(self, context: str, max_ctx_len: int) -> list[int]:
+        """A generation context as ``HFLM.tok_batch_encode`` encodes it (one string, no padding)."""
+        kwargs: dict[str, Any] = {}
+        if _has_prefix(context, getattr(self.tokenizer, "bos_token", None)):
+            kwargs["add_special_tokens"] = False
+        elif self.add_bos_token is not None:
+            kwargs["add_special_tokens"] = self.add_bos_token
+        ids = self.tokenizer(context, truncation=self.truncation, **kwargs)["input_ids"]
+        return list(ids[-max_ctx_len:]) if max_ctx_len else list(ids)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=not add_generation_prompt, **self.chat_template_args)
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except jinja2.exceptions.TemplateError:  # as HFLM: retry without the system turn
+            chat_history = [message for message in chat_history if message["role"] != "system"]
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+
+    # -------------------------------------------------------------------------- request encoding
+    def _loglikelihood_tokens(self, requests: list, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
+        # TemplateLM.loglikelihood tokenizes (context, continuation) pairs and calls this with
+        # ((context, continuation), context_enc, continuation_enc): keep the encodings.
+        return [(list(context), list(continuation)) for _, context, continuation in requests]
+
+    def encode_loglikelihood(self, instances: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+        """``(context_enc, continuation_enc)`` per loglikelihood request, as ``HFLM`` encodes them."""
+        return self.loglikelihood(list(instances), disable_tqdm=True)
+
+    def encode_rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
+        """The disjoint ``(context, prediction)`` windows of a rolling-loglikelihood request."""
+        from lm_eval import utils
+
+        windows = utils.get_rolling_token_windows(
+            token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+            context_len=1,
+        )
+        return [tuple(map(list, utils.make_disjoint_window(window))) for window in windows]
+
+    def generation_spec(self, gen_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Normalized generation kwargs (``until`` with EOS, ``max_gen_toks``, HF generate kwargs)."""
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+        kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks))
+        eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_gen_toks = int(kwargs.pop("max_gen_toks"))
+        kwargs.pop("max_length", None)
+        if kwargs.get("do_sample") is False and kwargs.get("temperature", 0.0) == 0.0:
+            kwargs.pop("temperature", None)
+        return {"until": until, "max_gen_toks": max_gen_toks, "generate_kwargs": kwargs}
+
+    def encode_generation(self, context: str, gen_kwargs: Mapping[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        spec = self.generation_spec(gen_kwargs)
+        max_ctx_len = self.max_length - spec["max_gen_toks"]
+        if max_ctx_len <= 0:
+            raise ValueError(
+                f"Generation asks for {spec['max_gen_toks']} new tokens but the model's context is only "
+                f"{self.max_length} tokens; raise max_length or lower max_gen_toks."
+            )
+        return self.context_tokens(context, max_ctx_len), spec
+
+    def decode_generation(self, tokens: Sequence[int], until: Sequence[str]) -> str:
+        """Generated token ids -> the response lm-eval scores (``HFLM``'s post-processing)."""
+        from lm_eval.models.utils import postprocess_generated_text
+
+        tokens = list(tokens)
+        if isinstance(self.think_end_token, int):
+            positions = [i for i, token in enumerate(tokens) if token == self.think_end_token]
+            if positions:
+                tokens = tokens[positions[-1] + 1:]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if isinstance(self.think_end_token, int):
+            text = text.lstrip()
+        return postprocess_generated_text(
+            generation=text, stop=list(until),
+            think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
+        )
+
+    # lm-eval's abstract model calls: this object never runs a model.
+    def loglikelihood_rolling(self, requests: Any, disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError("RequestEncoder only encodes requests; the EvalModule runs the model.")
+
+    def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("RequestEncoder only encodes requests; the EvalModule runs the model.")
+
+
+def _has_prefix(text: str, prefix: str | None) -> bool:
+    return bool(prefix) and text.startswith(prefix)
+
+
+def make_replay_lm(responses: Mapping[int, list[Any]], encoder: Any = None) -> Any:
+    """An lm-eval ``LM`` that answers each request with the responses computed for it, in order.
+
+    ``responses`` maps ``id(instance)`` to that instance's responses, one per repeat; ``encoder``
+    (the requests' :class:`RequestEncoder`) answers lm-eval's chat-template questions.
+    """
+    from lm_eval.api.model import LM
+
+    class ReplayLM(LM):
+        def __init__(self) -> None:
+            super().__init__()
+            self._queues = {key: list(values) for key, values in responses.items()}
+
+        @property
+        def tokenizer_name(self) -> str:
+            return encoder.tokenizer_name if encoder is not None else ""
+
+        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+            return encoder.apply_chat_template(chat_history, add_generation_prompt)
+
+        def chat_template(self, chat_template: bool | str = False) -> str | None:
+            return encoder.chat_template(chat_template) if encoder is not None else ""
+
+        def _replay(self, requests: list[Any]) -> list[Any]:
+            out = []
+            for instance in requests:
+                queue = self._queues.get(id(instance))
+                if not queue:
+                    raise RuntimeError(
+                        f"No response was computed for a {instance.request_type} request of task "
+                        f"{instance.task_name!r} (doc {instance.doc_id}); the request plan and lm-eval disagree."
+                    )
+                out.append(queue.pop(0))
+            return out
+
+        def loglikelihood(self, requests: list[Any]) -> list[Any]:
+            return self._replay(requests)
+
+        def loglikelihood_rolling(self, requests: list[Any]) -> list[Any]:
+            return self._replay(requests)
+
+        def generate_until(self, requests: list[Any]) -> list[Any]:
+            return self._replay(requests)
+
+    return ReplayLM()
+
+
+@dataclass
+class Request:
+    """One response lm-eval expects: an ``Instance`` (once per repeat) and the items that answer it."""
+
+    group: int  # index of the request group (suite) the instance belongs to
+    instance: Any
+    items: list[int]
+    num_tokens: int = 0  # predicted tokens of a rolling request (token-level perplexity)
+    generation_until: list[str] | None = None  # stop sequences of a generate request (for decoding)
+
+
+@dataclass
+class WorkPlan:
+    """All model work of an evaluation: score and generate items, and the requests they answer.
+
+    Item ids are positions in :attr:`items`; the plan is deterministic given the instances, so every
+    rank that builds it from the same tasks gets the same ids.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    items: list[tuple] = field(default_factory=list)  # (SCORE, input, continuation) | (GENERATE, context, spec)
+    _index: dict[Any, int] = field(default_factory=dict)
+
+    def _item(self, key: tuple, dedupe: bool = True) -> int:
+        if dedupe and key in self._index:
+            return self._index[key]
+        self.items.append(key)
+        index = len(self.items) - 1
+        if dedupe:
+            self._index[key] = index
+        return index
+
+    def _score_item(self, context: list[int], continuation: list[int], max_length: int) -> int:
+        if not context or not continuation:
+            raise ValueError("A scored request needs a non-empty context and continuation.")
+        if len(continuation) > max_length:
+            raise ValueError(f"A continuation of {len(continuation)} tokens exceeds max_length={max_length}.")
+        model_input = tuple((context + continuation)[-(max_length + 1):][:-1])
+        return self._item((SCORE, model_input, tuple(continuation)))
+
+    def add(self, group: int, instances: Sequence[Any], encoder: Any) -> None:
+        """Encode ``instances`` (one request type or mixed) and add their requests, in order."""
+        loglikelihood = [inst for inst in instances if inst.request_type == LOGLIKELIHOOD]
+        encoded = iter(encoder.encode_loglikelihood(loglikelihood)) if loglikelihood else iter(())
+        for instance in instances:
+            kind = instance.request_type
+            if kind == LOGLIKELIHOOD:
+                context, continuation = next(encoded)
+                items = [self._score_item(context, continuation, encoder.max_length)]
+                tokens = 0
+            elif kind == ROLLING:
+                windows = encoder.encode_rolling(instance.args[0])
+                items = [self._score_item(context, prediction, encoder.max_length) for context, prediction in windows]
+                tokens = sum(len(prediction) for _, prediction in windows)
+            elif kind == GENERATE_UNTIL:
+                context, gen_kwargs = instance.args[0], instance.args[1]
+                tokens_in, spec = encoder.encode_generation(context, gen_kwargs)
+                spec_key = json.dumps(spec, sort_keys=True, default=str)
+                sampled = bool(spec["generate_kwargs"].get("do_sample"))
+                tokens = 0
+            else:
+                raise ValueError(f"Unsupported lm-eval request type {kind!r} (task {instance.task_name!r}).")
+            for _ in range(max(1, int(instance.repeats or 1))):
+                until = None
+                if kind == GENERATE_UNTIL:
+                    items = [self._item((GENERATE, tuple(tokens_in), spec_key), dedupe=not sampled)]
+                    until = list(spec["until"])
+                self.requests.append(Request(group, instance, list(items), tokens, until))
+
+    # ------------------------------------------------------------------------------- batching
+    def batches(self, batch_size: int, max_batch_tokens: int | None = None, pad_token_id: int = 0,
+                world_size: int = 1) -> list[dict]:
+        """Homogeneous batches, longest first: score rows (one per distinct model input), then
+        generation rows grouped by generation kwargs.
+
+        With ``world_size`` > 1 each segment (score batches; generate batches of one kwargs) is padded
+        with repeats of its last batch to a multiple of ``world_size``, so that a ``DistributedSampler``
+        (which deals index ``i`` to rank ``i % world_size``) gives all ranks the same kind of batch at
+        every step: sharded models (FSDP) run their collectives in lockstep, and generation can use
+        ``synced_gpus``. Repeated batches produce identical results, merged away.
+        """
+        rows: dict[tuple, list[tuple[int, tuple]]] = defaultdict(list)
+        generate: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
+        for index, item in enumerate(self.items):
+            if item[0] == SCORE:
+                rows[item[1]].append((index, item[2]))
+            else:
+                generate[item[2]].append((index, item[1]))
+        out: list[dict] = []
+
+        def extend(segment: list[dict]) -> None:
+            if segment and world_size > 1:
+                segment = segment + [segment[-1]] * (-len(segment) % world_size)
+            out.extend(segment)
+
+        score_rows = sorted(rows.items(), key=lambda row: (-len(row[0]), row[0]))
+        extend([_score_batch(chunk, pad_token_id)
+                for chunk in _chunks(score_rows, batch_size, max_batch_tokens, lambda row: len(row[0]))])
+        for spec_key in sorted(generate):
+            spec = json.loads(spec_key)
+            entries = sorted(generate[spec_key], key=lambda entry: (-len(entry[1]), entry[1], entry[0]))
+            extend([_generate_batch(chunk, spec, pad_token_id)
+                    for chunk in _chunks(entries, batch_size, max_batch_tokens,
+                                         lambda entry: len(entry[1]) + spec["max_gen_toks"])])
+        return out
+
+    # ------------------------------------------------------------------------------- results
+    def responses(self, results: Mapping[int, Any]) -> list[Any]:
+        """Per request, the response lm-eval expects, from the items' results."""
+        missing = [index for index in range(len(self.items)) if index not in results]
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(self.items)} work items have no result (e.g. item {missing[0]}).")
+        out = []
+        for request in self.requests:
+            kind = request.instance.request_type
+            if kind == LOGLIKELIHOOD:
+                logprob, greedy = results[request.items[0]]
+                out.append((float(logprob), bool(greedy)))
+            elif kind == ROLLING:
+                out.append(float(sum(results[index][0] for index in request.items)))
+            else:
+                out.append(results[request.items[0]])
+        return out
+
+    def counts(self) -> dict[str, int]:
+        kinds = defaultdict(int)
+        for request in self.requests:
+            kinds[request.instance.request_type] += 1
+        score = sum(1 for item in self.items if item[0] == SCORE)
+        return {"requests": len(self.requests), **{f"requests_{k}": v for k, v in sorted(kinds.items())},
+                "score_items": score, "score_rows": len({item[1] for item in self.items if item[0] == SCORE}),
+                "generate_items": len(self.items) - score}
+
+
+def _chunks(entries: list, batch_size: int, max_batch_tokens: int | None, length) -> list[list]:
+    chunks: list[list] = []
+    current: list = []
+    width = 0
+    for entry in entries:
+        width_if_added = max(width, length(entry))
+        full = len(current) >= batch_size or (
+            max_batch_tokens is not None and current and width_if_added * (len(current) + 1) > max_batch_tokens
+        )
+        if full:
+            chunks.append(current)
+            current, width_if_added = [], length(entry)
+        current.append(entry)
+        width = width_if_added
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _score_batch(rows: list[tuple[tuple, list[tuple[int, tuple]]]], pad_token_id: int) -> dict[str, Any]:
+    width = max(len(tokens) for tokens, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    targets = [(row, index, continuation) for row, (_, entries) in enumerate(rows) for index, continuation in entries]
+    cont_width = max(len(continuation) for _, _, continuation in targets)
+    target_tokens = torch.full((len(targets), cont_width), -1, dtype=torch.long)
+    for row, (tokens, _) in enumerate(rows):
+        input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)  # right padding, as HFLM
+        lengths[row] = len(tokens)
+    for position, (_, _, continuation) in enumerate(targets):
+        target_tokens[position, :len(continuation)] = torch.tensor(continuation, dtype=torch.long)
+    return {
+        "kind": SCORE,
+        "input_ids": input_ids,
+        "lengths": lengths,
+        "target_items": torch.tensor([index for _, index, _ in targets], dtype=torch.long),
+        "target_rows": torch.tensor([row for row, _, _ in targets], dtype=torch.long),
+        "target_tokens": target_tokens,
+        "target_lengths": torch.tensor([len(continuation) for _, _, continuation in targets], dtype=torch.long),
+    }
+
+
+def _generate_batch(entries: list[tuple[int, tuple]], spec: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    width = max(len(tokens) for _, tokens in entries)
+    input_ids = torch.full((len(entries), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(entries), width), dtype=torch.long)
+    for row, (_, tokens) in enumerate(entries):
+        if tokens:
+            input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)  # left padding
+            attention_mask[row, width - len(tokens):] = 1
+    return {
+        "kind": GENERATE,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "items": torch.tensor([index for index, _ in entries], dtype=torch.long),
+        "until": list(spec["until"]),
+        "max_gen_toks": int(spec["max_gen_toks"]),
+        "generate_kwargs": dict(spec["generate_kwargs"]),
+    }

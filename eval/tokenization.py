@@ -1,0 +1,90 @@
+"""Tokenizers for evaluation: the byte-level tokenizer of the tiny models as a Hugging Face tokenizer.
+
+lm-eval needs a Hugging Face tokenizer (encode, decode, chat templates, stop sequences); the tiny
+models of :mod:`ompmoe.tiny` read UTF-8 bytes as token ids (:func:`ompmoe.data.byte_tokens`).
+:func:`byte_tokenizer` is that mapping as a ``PreTrainedTokenizerFast``: text encodes to exactly its
+UTF-8 bytes, ids 0, 1 and 2 are the ``<pad>``, ``<s>`` and ``</s>`` tokens of the tiny configs (the
+control bytes 0x00-0x02 do not occur in text and cannot be encoded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BYTES = "bytes"
+"""Tokenizer name of the tiny models (as in :class:`ompmoe.CalibrationDataModule`)."""
+
+SPECIAL_TOKENS = {0: "<pad>", 1: "<s>", 2: "</s>"}
+
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A minimal chat template (for byte-level test models, which have none)."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what the ByteLevel decoder inverts)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def byte_tokenizer(chat_template: str | None = None, model_max_length: int | None = None) -> Any:
+    """A ``PreTrainedTokenizerFast`` whose ids are UTF-8 bytes (vocabulary 256), for the tiny models.
+
+    Args:
+        chat_template: Jinja chat template to attach (default: none, like a base model);
+            :data:`SIMPLE_CHAT_TEMPLATE` is a minimal one.
+        model_max_length: Recorded as the tokenizer's ``model_max_length``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    vocab = {table[byte]: byte for byte in range(256) if byte not in SPECIAL_TOKENS}
+    vocab.update({token: index for index, token in SPECIAL_TOKENS.items()})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    kwargs: dict[str, Any] = {}
+    if model_max_length is not None:
+        kwargs["model_max_length"] = model_max_length
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        name_or_path=BYTES,
+        split_special_tokens=True,  # text always encodes to its own bytes, "<s>" included
+        **kwargs,
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def load_tokenizer(name: str | Any, trust_remote_code: bool = False) -> Any:
+    """A tokenizer instance from ``bytes`` (:func:`byte_tokenizer`), a hub id or a local path.
+
+    Tokenizer instances are returned as they are.
+    """
+    if not isinstance(name, str):
+        return name
+    if name == BYTES:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"Could not load a tokenizer from {name!r} ({error}). Pass the tokenizer explicitly "
+            "(a hub id or local path; 'bytes' for the tiny byte-level models), e.g. --model.tokenizer."
+        ) from error
