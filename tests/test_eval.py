@@ -347,3 +347,21 @@ def test_eval_module_scores_like_a_plain_forward():
             wanted = batch["target_tokens"][target, :count]
             expected = logprobs[length - count:length].gather(-1, wanted[:, None]).sum()
             assert results[item][0] == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_cli_validate_switches_on_adaptive_inference_and_logs_its_counters(tmp_path):
+    # Wider init than the default tiny model: its alphas then dominate zeta and tokens really skip experts.
+    model = tiny_model("qwen3_moe", initializer_range=0.5)
+    stats = ompmoe.collect_stats(model, token_blocks(byte_tokens(shipped_text()), 64, 4))
+    ompmoe.save_pruned(model, tmp_path / "model")
+    stats.save(tmp_path / "stats.safetensors")
+    main(["validate", "-c", str(HERE.parent / "configs" / "eval" / "tiny.yaml"), "--data.include_path", TASKS_DIR,
+          "--model.model", str(tmp_path / "model"), "--data.output_path", str(tmp_path / "out.json"),
+          "--data.tasks", "[tiny_mc]", "--data.limit", "4", "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+          "--trainer.callbacks+=ompmoe.callbacks.AdaptiveInferenceMonitor", "--trainer.callbacks.epsilon=0.3",
+          f"--trainer.callbacks.stats={tmp_path / 'stats.safetensors'}"])
+    header, values = next((tmp_path / "logs").rglob("metrics.csv")).read_text().splitlines()[:2]
+    logged = dict(zip(header.split(","), values.split(",")))
+    assert 1.0 <= float(logged["val/adaptive/avg_experts_per_token"]) < 4.0  # top-4 router, some experts skipped
+    assert float(logged["val/adaptive/skip_ratio"]) == pytest.approx(1 - float(logged["val/adaptive/avg_experts_per_token"]) / 4)
+    assert json.loads((tmp_path / "out.json").read_text())["results"]["tiny_mc"]["sample_len"] == 4
