@@ -167,12 +167,7 @@ def test_results_file_and_summary(single):
     assert work["score_rows"] < work["score_items"]
 
 
-@pytest.mark.parametrize("mode", [
-    "ddp",
-    # FSDP2 (ModelParallelStrategy, generation with synced_gpus): another ~15 s, so opt-in.
-    pytest.param("fsdp2", marks=pytest.mark.skipif(not os.environ.get("OMPMOE_TEST_FSDP"),
-                                                   reason="set OMPMOE_TEST_FSDP=1")),
-])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])  # fsdp2: ModelParallelStrategy, generation with synced_gpus
 def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
     results, _, _ = single
     output = tmp_path / f"{mode}.json"
