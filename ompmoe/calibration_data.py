@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .data import byte_tokens, shipped_text, token_blocks
+from .data import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
 
 __all__ = ["PRESETS", "CalibrationBlocks", "CalibrationDataModule", "HubUnavailableError"]
 
@@ -131,6 +131,9 @@ PRESETS: dict[str, Preset] = {
 """Hub presets of ``source``; ``shipped`` (offline, :func:`ompmoe.data.shipped_text`) is the other."""
 
 SHIPPED = "shipped"
+SHIPPED_CORPUS = {f"shipped:{name}": name for name in (*CORPUS_DOMAINS, "mix")}
+"""``shipped:prose``, ``shipped:code``, ``shipped:mix``: the calibration split of the shipped two-domain
+corpus (:func:`ompmoe.data.corpus_documents`); ``mix`` takes half of the blocks from each domain."""
 
 
 def _local_format(path: str) -> str | None:
@@ -258,6 +261,11 @@ class CalibrationDataModule(pl.LightningDataModule):
             (``allenai/tulu-3-sft-personas-math``, shuffled with seed 42; messages' contents as raw
             text), ``evol-code`` (``theblackcat102/evol-codealpaca-v1``, shuffled with seed 42;
             instruction + output) or ``shipped`` (Python docs text shipped with ompmoe, offline).
+            Or the calibration split of the shipped two-domain corpus (offline; the text the shipped
+            ``shipped:tiny-moe`` model was *not* trained on): ``shipped:prose`` (Python/IDLE
+            documentation), ``shipped:code`` (standard-library source) or ``shipped:mix`` (the first
+            ``ceil(num_blocks / 2)`` prose blocks and ``floor(num_blocks / 2)`` code blocks,
+            interleaved prose, code, prose, ...).
             Or any hub data set as ``owner/name`` (field ``text_field``). Or a local file: ``.txt``
             (the whole file is one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz``
             (one document per record, field ``text_field``) or ``.parquet`` (same).
@@ -322,6 +330,11 @@ class CalibrationDataModule(pl.LightningDataModule):
             if self.data_files:
                 raise ValueError("source='shipped' takes no data_files; give the files as source instead.")
             return {"kind": SHIPPED}
+        if source in SHIPPED_CORPUS:
+            if self.data_files:
+                raise ValueError(f"source={source!r} takes no data_files; give the files as source instead.")
+            name = SHIPPED_CORPUS[source]
+            return {"kind": "corpus", "domains": list(CORPUS_DOMAINS) if name == "mix" else [name]}
         if source in PRESETS or self._looks_like_hub_name(source):
             preset = PRESETS.get(source)
             local = [os.path.exists(path) for path in self.data_files]
@@ -378,6 +391,8 @@ class CalibrationDataModule(pl.LightningDataModule):
         suffix = f":seed{seed}" if seed is not None else ""
         if plan["kind"] == SHIPPED:
             return "shipped:ompmoe/data/calibration.txt"
+        if plan["kind"] == "corpus":
+            return ",".join(f"shipped:ompmoe/data/corpus/{domain}-calibration" for domain in plan["domains"])
         if plan["kind"] == "local":
             prefix = f"{self.source}:" if plan["preset"] is not None else ""
             return f"{prefix}file:{','.join(plan['files'])}{suffix}"
@@ -465,6 +480,10 @@ class CalibrationDataModule(pl.LightningDataModule):
         if kind == SHIPPED:
             yield shipped_text()
             return
+        if kind == "corpus":
+            for domain in self._plan["domains"]:
+                yield from (doc["text"] for doc in corpus_documents(domain, "calibration"))
+            return
         if kind == "local":
             loaded = self._load_local(self._plan["files"])
             if isinstance(loaded, list):
@@ -496,15 +515,18 @@ class CalibrationDataModule(pl.LightningDataModule):
             return (lambda texts: [byte_tokens(text).tolist() for text in texts]), None, name
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(name))
 
         def encode(texts: list[str]) -> list[list[int]]:
             return list(tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])
 
         return encode, tokenizer.eos_token_id, name
 
-    def token_stream(self, needed: int) -> torch.Tensor:
-        """The first ``needed`` tokens of the stream (fewer if the text runs out), as a 1-D LongTensor."""
+    def token_stream(self, needed: int, documents: Iterable[str] | None = None) -> torch.Tensor:
+        """The first ``needed`` tokens of the stream (fewer if the text runs out), as a 1-D LongTensor.
+
+        ``documents`` replaces :meth:`documents` as the text read (``shipped:mix`` reads each domain).
+        """
         encode, eos, _ = self._encoder()
         ids: list[int] = []
         first = True
@@ -521,7 +543,7 @@ class CalibrationDataModule(pl.LightningDataModule):
                     return True
             return False
 
-        for text in self.documents():
+        for text in self.documents() if documents is None else documents:
             if not text or not text.strip():
                 continue
             batch.append(text)
@@ -542,9 +564,23 @@ class CalibrationDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Tokenize and cut the blocks (once); raises if the text is too short."""
+        if self._blocks is None and self._plan["kind"] == "corpus" and len(self._plan["domains"]) > 1:
+            self._blocks = self._mixed_blocks()
         if self._blocks is None:
             needed = self.seq_len * self.num_blocks
             self._blocks = token_blocks(self.token_stream(needed), self.seq_len, self.num_blocks)
+
+    def _mixed_blocks(self) -> torch.Tensor:
+        """``shipped:mix``: blocks cut from each domain's own stream, interleaved (prose first)."""
+        domains = self._plan["domains"]
+        counts = [self.num_blocks // len(domains) + (i < self.num_blocks % len(domains)) for i in range(len(domains))]
+        parts = []
+        for domain, count in zip(domains, counts):
+            if count:
+                texts = (doc["text"] for doc in corpus_documents(domain, "calibration"))
+                parts.append(token_blocks(self.token_stream(self.seq_len * count, texts), self.seq_len, count))
+        order = sorted(((j, i) for i, part in enumerate(parts) for j in range(part.shape[0])))
+        return torch.stack([parts[i][j] for j, i in order])
 
     @property
     def blocks(self) -> torch.Tensor:

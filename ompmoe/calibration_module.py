@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from .data import resolve_shipped
+
 TINY_PREFIX = "tiny:"
 
 
@@ -38,11 +40,12 @@ class CalibrationModule(pl.LightningModule):
 
     Args:
         model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
-            model (offline tests and demos), or a model instance.
+            model (offline tests and demos), ``shipped:tiny-moe`` for the small Qwen3-MoE trained
+            on Python docs and source that ships with ompmoe (offline), or a model instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
-            checkpoint's.
+            checkpoint's (float32 for ``shipped:tiny-moe``, whose weights are stored in bf16).
         tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``
-            (``bytes`` for tiny models).
+            (``bytes`` for tiny models; ``shipped:<model>`` resolves to the shipped directory).
         trust_remote_code: Passed to ``from_pretrained``.
     """
 
@@ -64,7 +67,7 @@ class CalibrationModule(pl.LightningModule):
             self.model_name_or_path = model
             self.model = None
         is_tiny = isinstance(self.model_name_or_path, str) and self.model_name_or_path.startswith(TINY_PREFIX)
-        self.tokenizer_name = tokenizer or ("bytes" if is_tiny else self.model_name_or_path)
+        self.tokenizer_name = resolve_shipped(tokenizer or ("bytes" if is_tiny else self.model_name_or_path))
 
     def configure_model(self) -> None:
         """Load the model lazily so strategies such as FSDP can shard it as it is created."""
@@ -84,8 +87,10 @@ class CalibrationModule(pl.LightningModule):
             return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
         from transformers import AutoModelForCausalLM
 
+        path = resolve_shipped(name)
+        default = torch.float32 if path != name else "auto"  # shipped weights are bf16 for size only
         return AutoModelForCausalLM.from_pretrained(
-            name, dtype=self.torch_dtype or "auto", trust_remote_code=self.trust_remote_code
+            path, dtype=self.torch_dtype or default, trust_remote_code=self.trust_remote_code
         )
 
     def train(self, mode: bool = True) -> CalibrationModule:

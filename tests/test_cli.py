@@ -31,20 +31,22 @@ def test_fit_with_the_tiny_config_writes_a_loadable_pruned_model(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["model", "plan.json", "plots", "stats.safetensors"]
     stats = ompmoe.MoEStats.load(run / "stats.safetensors")
     assert stats.num_tokens == 4 * 64
-    assert stats.sources == ["shipped:ompmoe/data/calibration.txt"]
+    assert stats.sources == ["shipped:ompmoe/data/corpus/prose-calibration,shipped:ompmoe/data/corpus/code-calibration"]
+    assert stats.model_id == "shipped:tiny-moe"
     plan = ompmoe.PruningPlan.load(run / "plan.json")
     assert plan.achieved_ratio == pytest.approx(0.5)
     model = ompmoe.load_pruned(run / "model")
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]
     with torch.no_grad():
-        assert model(torch.arange(10)[None]).logits.shape == (1, 10, 256)
+        assert model(torch.arange(10)[None]).logits.shape == (1, 10, 4096)
+    assert (run / "model" / "tokenizer.json").is_file()  # the shipped tokenizer is saved with the pruned model
 
 
 def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
     stats_file = tmp_path / "run" / "stats.safetensors"
     main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
-          "--model", "tiny:qwen3_moe"])
+          "--model", "shipped:tiny-moe"])
     stats = ompmoe.MoEStats.load(stats_file)
     for ratio in (0.25, 0.5):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
@@ -62,7 +64,7 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
     stats_file = str(tmp_path / "run" / "stats.safetensors")
     with pytest.raises(SystemExit) as error:
         main(["prune", "--stats", stats_file, "--ratio", "[0.9]", "--output_dir", str(tmp_path / "p")])
-    assert str(error.value).startswith("error: ratio=0.9 keeps 3 of 32 experts")
+    assert str(error.value).startswith("error: ratio=0.9 keeps 10 of 96 experts")
     with pytest.raises(SystemExit) as error:
         main(["prune", "--stats", stats_file, "--ratio", "[0.25]", "--output_dir", str(tmp_path / "p"),
               "--model", "tiny:mixtral"])

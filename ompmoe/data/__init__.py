@@ -1,8 +1,11 @@
-"""Calibration text: cut a token stream into the paper's non-overlapping fixed-length blocks."""
+"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -34,3 +37,58 @@ def token_blocks(token_ids: torch.Tensor, seq_len: int, num_blocks: int) -> torc
             f"add text, or lower num_blocks to {found // seq_len} or seq_len to {found // num_blocks}."
         )
     return token_ids.reshape(-1)[:needed].view(num_blocks, seq_len)
+
+
+# ------------------------------------------------------------------------ two-domain corpus
+CORPUS_DIR = "corpus"
+CORPUS_DOMAINS = ("prose", "code")
+"""Domains of the shipped corpus: ``prose`` (Python/IDLE documentation), ``code`` (stdlib source)."""
+CORPUS_SPLITS = ("train", "calibration", "heldout")
+"""Fixed splits of each domain (by whole documents; see ``corpus/README.md``)."""
+SHIPPED_PREFIX = "shipped:"
+SHIPPED_MODELS = ("tiny-moe",)
+"""Models shipped in this directory, named ``shipped:<name>`` as a model or tokenizer spec."""
+
+
+def corpus_path(domain: str, split: str) -> Path:
+    """Path of ``corpus/<domain>-<split>.jsonl.gz`` (one ``{"id", "text"}`` record per document)."""
+    if domain not in CORPUS_DOMAINS or split not in CORPUS_SPLITS:
+        raise ValueError(f"Unknown corpus part {domain!r}/{split!r}; domains {CORPUS_DOMAINS}, splits {CORPUS_SPLITS}.")
+    return Path(str(resources.files(__name__).joinpath(CORPUS_DIR, f"{domain}-{split}.jsonl.gz")))
+
+
+def corpus_documents(domain: str, split: str) -> list[dict[str, str]]:
+    """The documents of one split of one domain, in their fixed order, as ``{"id", "text"}`` dicts."""
+    with gzip.open(corpus_path(domain, split), "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def shipped_model_path(name: str = "tiny-moe") -> Path:
+    """Directory of a model shipped with ompmoe (config, safetensors weights, tokenizer, card)."""
+    name = name.removeprefix(SHIPPED_PREFIX)
+    if name not in SHIPPED_MODELS:
+        raise ValueError(f"Unknown shipped model {name!r}; available: {', '.join(SHIPPED_PREFIX + m for m in SHIPPED_MODELS)}.")
+    return Path(str(resources.files(__name__).joinpath(name)))
+
+
+def resolve_shipped(spec: str) -> str:
+    """``shipped:<model>`` -> its local directory; any other model/tokenizer spec is returned as is."""
+    if isinstance(spec, str) and spec.startswith(SHIPPED_PREFIX) and spec.removeprefix(SHIPPED_PREFIX) in SHIPPED_MODELS:
+        return str(shipped_model_path(spec))
+    return spec
+
+
+def corpus_token_stream(tokenizer, domain: str, split: str, max_tokens: int | None = None) -> torch.Tensor:
+    """One split of one domain as a token stream, built like :class:`ompmoe.CalibrationDataModule`'s:
+    documents tokenized on their own (no special tokens), the tokenizer's eos token between them."""
+    texts = [doc["text"] for doc in corpus_documents(domain, split)]
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for start in range(0, len(texts), 32):
+        for tokens in tokenizer(texts[start : start + 32], add_special_tokens=False)["input_ids"]:
+            if ids and eos is not None:
+                ids.append(eos)
+            ids.extend(tokens)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)

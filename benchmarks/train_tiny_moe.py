@@ -1,0 +1,539 @@
+"""Train the tiny Qwen3-MoE shipped as ``shipped:tiny-moe`` (``ompmoe/data/tiny-moe/``), with Lightning.
+
+    python benchmarks/train_tiny_moe.py                         # CPU, 2 threads, about 15-30 minutes
+    python benchmarks/train_tiny_moe.py --accelerator gpu       # the same run on a GPU (bf16-mixed)
+    python benchmarks/train_tiny_moe.py --steps 20 --output_dir /tmp/tiny-moe   # smoke test
+
+Steps (all seeded, ``--seed 0``):
+
+1. Tokenizer: byte-level BPE (``tokenizers``; GPT-2 pre-tokenization, no normalization, so
+   ``decode(encode(text)) == text``) with ``--vocab_size`` entries including the single special
+   token ``<|endoftext|>`` (end of document and padding), trained on the *train* split of both
+   domains of the shipped corpus (``ompmoe/data/corpus/``), saved as a ``PreTrainedTokenizerFast``.
+2. Data: each domain's train split as one token stream (documents tokenized on their own,
+   ``<|endoftext|>`` between them, as :class:`ompmoe.CalibrationDataModule` builds its stream);
+   every training sample is a window of ``--seq_len`` tokens at a uniformly random offset of a
+   domain drawn with probability ``--prose_fraction`` for prose (the windows are drawn up front
+   from ``torch.Generator().manual_seed(seed)``).
+3. Model: ``Qwen3MoeForCausalLM`` from scratch (every layer sparse, ``--num_experts`` routed
+   experts, top ``--top_k``, normalized top-k weights, tied embeddings), trained on the causal LM
+   loss plus the native load-balancing loss (``output_router_logits=True``,
+   ``router_aux_loss_coef``) with AdamW, linear warm-up and cosine decay, gradient clipping 1.0,
+   fp32 on CPU (``bf16-mixed`` on GPU).
+4. Checkpoint: weights cast to ``--save_dtype`` (bfloat16 by default: the fp32 weights would not
+   fit the 25 MB budget), ``model.safetensors`` + config + tokenizer in ``--output_dir``.
+5. Evaluation of the *saved* checkpoint (loaded back in float32): perplexity of each domain's
+   held-out split (all of it, in non-overlapping ``--seq_len`` blocks, every token after the first
+   of a block predicted) and of the first ``--gap_tokens`` tokens of its calibration and train
+   splits; expert usage from :func:`ompmoe.collect_stats` on the calibration splits (routed-token
+   share per expert, normalized entropy, prose-vs-code divergence). Written to
+   ``metrics.json`` and the model card ``README.md`` in ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Passive OpenMP waiting: on a CPU shared with other jobs, spinning threads stall each other (4x slower).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "ompmoe" / "data" / "tiny-moe"
+EOS = "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+def train_tokenizer(vocab_size: int, max_length: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ompmoe.data import CORPUS_DOMAINS, corpus_documents
+
+    texts = [doc["text"] for domain in CORPUS_DOMAINS for doc in corpus_documents(domain, "train")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def domain_stream(tokenizer: Any, domain: str, split: str) -> torch.Tensor:
+    from ompmoe.data import corpus_token_stream
+
+    return corpus_token_stream(tokenizer, domain, split)
+
+
+# ----------------------------------------------------------------------------------------- data
+class RandomWindows(torch.utils.data.Dataset):
+    """``num_samples`` windows of ``seq_len`` tokens, each from a random domain at a random offset."""
+
+    def __init__(self, streams: list[torch.Tensor], weights: list[float], num_samples: int, seq_len: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.streams = streams
+        self.seq_len = seq_len
+        self.domains = torch.multinomial(torch.tensor(weights, dtype=torch.float64), num_samples, replacement=True,
+                                         generator=generator)
+        highs = torch.tensor([stream.numel() - seq_len for stream in streams], dtype=torch.float64)
+        self.offsets = (torch.rand(num_samples, generator=generator, dtype=torch.float64) * (highs[self.domains] + 1)).long()
+
+    def __len__(self) -> int:
+        return int(self.domains.numel())
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        stream = self.streams[int(self.domains[index])]
+        start = int(self.offsets[index])
+        return {"input_ids": stream[start : start + self.seq_len]}
+
+
+# ---------------------------------------------------------------------------------------- model
+def build_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,  # dense MLP size; unused, every layer is sparse
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=2 * args.seq_len,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=args.aux_loss_coef,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+
+
+def make_module(config: Any, args: argparse.Namespace) -> Any:
+    import lightning.pytorch as pl
+    from transformers import AutoModelForCausalLM
+
+    class TinyMoETraining(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = AutoModelForCausalLM.from_config(config, experts_implementation=args.experts_implementation)
+            self.history: list[dict[str, float]] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            ids = batch["input_ids"]
+            out = self.model(input_ids=ids, labels=ids, use_cache=False)
+            aux = out.aux_loss.detach().float()
+            lm = out.loss.detach().float() - config.router_aux_loss_coef * aux
+            self.log_dict({"lm_loss": lm, "aux_loss": aux}, prog_bar=True)
+            step = self.global_step + 1
+            if step % args.log_every == 0 or step == 1:
+                entry = {"step": step, "lm_loss": round(float(lm), 4), "aux_loss": round(float(aux), 4),
+                         "lr": self.lr_schedulers().get_last_lr()[0], "elapsed_s": round(time.perf_counter() - START[0], 1)}
+                self.history.append(entry)
+                print(json.dumps(entry), flush=True)
+            return out.loss
+
+        def configure_optimizers(self) -> Any:
+            decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+            no_decay = [p for n, p in self.model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+            optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+            )
+
+            def schedule(step: int) -> float:
+                if step < args.warmup_steps:
+                    return (step + 1) / args.warmup_steps
+                progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+                return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return TinyMoETraining()
+
+
+START = [0.0]
+
+
+# ----------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def perplexity(model: Any, stream: torch.Tensor, seq_len: int, batch_size: int = 8, max_tokens: int | None = None) -> dict[str, float]:
+    """Perplexity over non-overlapping ``seq_len`` blocks of ``stream`` (the remainder is dropped)."""
+    from ompmoe.data import token_blocks
+
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    blocks = token_blocks(stream, seq_len, stream.numel() // seq_len)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for batch in blocks.split(batch_size):
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += float(nll)
+        count += batch[:, 1:].numel()
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
+
+
+def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int) -> dict[str, Any]:
+    """Routed-token share per expert and layer on each domain's calibration split (ompmoe statistics)."""
+    import ompmoe
+    from ompmoe.data import token_blocks
+
+    usage: dict[str, Any] = {}
+    shares: dict[str, list[torch.Tensor]] = {}
+    for domain in ("prose", "code"):
+        blocks = token_blocks(domain_stream(tokenizer, domain, "calibration"), seq_len, num_blocks)
+        stats = ompmoe.collect_stats(model, blocks.split(8), model_id="shipped:tiny-moe", source=f"shipped:{domain}")
+        shares[domain] = [layer.token_count.double() / layer.token_count.double().sum() for layer in stats.layers]
+        usage.setdefault("layers", [layer.name for layer in stats.layers])
+        usage.setdefault("calibration_tokens", {})[domain] = stats.num_tokens
+    rows = []
+    for index, name in enumerate(usage["layers"]):
+        prose, code = shares["prose"][index], shares["code"][index]
+        both = (prose + code) / 2
+        entropy = float(-(both * both.clamp(min=1e-12).log()).sum() / math.log(both.numel()))
+        def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+            used = p > 0  # 0 log 0 = 0; q > 0 wherever p > 0 since q is the mean of p and another
+            return float((p[used] * (p[used] / q[used]).log()).sum())
+
+        js = 0.5 * (kl(prose, both) + kl(code, both))
+        rows.append({
+            "layer": name,
+            "share_mix": [round(float(x), 4) for x in both],
+            "share_prose": [round(float(x), 4) for x in prose],
+            "share_code": [round(float(x), 4) for x in code],
+            "normalized_entropy": round(entropy, 4),
+            "max_share": round(float(both.max()), 4),
+            "min_share": round(float(both.min()), 4),
+            "js_prose_code_bits": round(js / math.log(2), 4),
+        })
+    usage["per_layer"] = rows
+    return usage
+
+
+# ----------------------------------------------------------------------------------- model card
+def model_card(metrics: dict[str, Any]) -> str:
+    cfg = metrics["config"]
+    ppl = metrics["perplexity"]
+    usage = metrics["expert_usage"]
+    train = metrics["training"]
+    lines = [
+        "---",
+        "license: apache-2.0",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [qwen3_moe, mixture-of-experts, ompmoe, tiny]",
+        "---",
+        "",
+        "# tiny-moe: a small Qwen3-MoE trained here on Python documentation and source",
+        "",
+        "The embedded default model of ompmoe (`shipped:tiny-moe`, `configs/tiny.yaml`): a real Mixture-of-Experts",
+        "language model whose experts learned something, small enough to ship in the repository and to calibrate",
+        "and prune on a CPU in seconds. Trained from scratch by `benchmarks/train_tiny_moe.py` (Lightning, seed "
+        f"{train['seed']}) on the train split of the shipped two-domain corpus (`ompmoe/data/corpus/`: English",
+        "documentation prose and Python standard-library source, both from CPython 3.11, PSF License).",
+        "",
+        "## Architecture",
+        "",
+        f"`Qwen3MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers, all sparse; hidden size {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} key/value heads, head dim {cfg['head_dim']}); "
+        f"**{cfg['num_experts']} routed experts per layer, top-{cfg['num_experts_per_tok']}** (softmax router, normalized "
+        f"top-k weights), expert intermediate size {cfg['moe_intermediate_size']}; no shared expert; tied input/output "
+        f"embeddings; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the same train split, "
+        f"`<|endoftext|>` ends documents and pads); trained context {train['seq_len']} tokens.",
+        "",
+        f"Parameters: **{metrics['parameters']['total'] / 1e6:.2f} M** in all, "
+        f"{metrics['parameters']['experts'] / 1e6:.2f} M of them in routed experts; "
+        f"{metrics['parameters']['active_per_token'] / 1e6:.2f} M active per token. Weights stored in "
+        f"**{metrics['save_dtype']}** (`model.safetensors`, {metrics['checkpoint_bytes'] / 1e6:.1f} MB; float32 would "
+        "not fit the repository's 25 MB budget); load with `dtype=torch.float32` on a CPU (ompmoe does so for "
+        "`shipped:tiny-moe`). All numbers below are measured on the saved bf16 weights loaded in float32.",
+        "",
+        "## Training",
+        "",
+        f"{train['steps']} steps of {train['batch_size']} x {train['seq_len']} tokens ({train['tokens'] / 1e6:.2f} M tokens; "
+        f"windows at random offsets, prose with probability {train['prose_fraction']}, code otherwise), AdamW "
+        f"(lr {train['lr']}, betas 0.9/0.95, weight decay {train['weight_decay']}), {train['warmup_steps']} warm-up steps then "
+        f"cosine decay to {train['min_lr_ratio']} x lr, gradient clipping 1.0; loss = causal LM loss + "
+        f"{cfg['router_aux_loss_coef']} x the native load-balancing loss (`output_router_logits=True`). "
+        f"Training took {train['train_seconds'] / 60:.1f} min ({train['total_seconds'] / 60:.1f} min with tokenizer and "
+        f"evaluation) on {train['device']} ({train['threads']} threads, {train['experts_implementation']} experts, "
+        f"torch {train['torch']}, transformers {train['transformers']}). Final training LM loss "
+        f"{train['final_lm_loss']:.3f} (mean of the last {train['final_window']} logged steps), load-balancing loss "
+        f"{train['final_aux_loss']:.3f} (transformers' `load_balancing_loss_func`, over the router logits of all layers "
+        f"together; {cfg['num_experts_per_tok']}.0, the top-k, at perfectly balanced routing).",
+        "",
+        "## Held-out perplexity",
+        "",
+        "Per domain, on the whole held-out split (`ompmoe/data/corpus/<domain>-heldout.jsonl.gz`; documents never seen in",
+        f"training), non-overlapping blocks of {train['seq_len']} tokens, every token after the first of a block predicted.",
+        f"The calibration and train columns use the first {train.get('gap_tokens', 16384):,} tokens of those splits (for the generalization gap).",
+        "",
+        "| domain | held-out perplexity | held-out tokens | calibration split | train split |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for domain in ("prose", "code"):
+        p = ppl[domain]
+        lines.append(
+            f"| {domain} | {p['heldout']['perplexity']:.2f} | {p['heldout']['tokens']:,} | "
+            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} |"
+        )
+    passes = {d: train["tokens"] * (train["prose_fraction"] if d == "prose" else 1 - train["prose_fraction"])
+              / train["train_tokens"][d] for d in ("prose", "code")}
+    lines += [
+        "",
+        f"Training made {passes['prose']:.1f} passes over the prose train split and {passes['code']:.1f} over the code "
+        "train split (sampling both domains equally); the gap between the train and held-out columns is how much of "
+        "its training text the model memorized, far more for code than for prose.",
+        "The calibration and held-out splits are different documents, hence their different perplexities.",
+        "",
+        "## How the experts are used",
+        "",
+        "Share of routed token slots per expert (each token counts once for each of its top-"
+        f"{cfg['num_experts_per_tok']} experts), from `ompmoe.collect_stats` (`LayerStats.token_count`) on the calibration",
+        f"splits ({usage['calibration_tokens']['prose']:,} prose + {usage['calibration_tokens']['code']:,} code tokens). "
+        "Entropy is normalized by log(number of experts) (1.0: perfectly uniform load); JS is the Jensen-Shannon",
+        "divergence in bits between the prose and the code load (0: the domains use the experts alike, 1: disjoint).",
+        "",
+        "The native loss balances the load summed over all layers, not each layer, so single layers keep rarely used",
+        f"experts: {sum(r['min_share'] < 0.005 for r in usage['per_layer'])} of {len(usage['per_layer'])} layers have an expert "
+        "with under 0.5% of the slots, while the busiest expert of a layer takes "
+        f"{min(r['max_share'] for r in usage['per_layer']):.0%} to {max(r['max_share'] for r in usage['per_layer']):.0%} "
+        f"(uniform: {1 / cfg['num_experts']:.1%}).",
+        "",
+        "| layer | normalized entropy | min share | max share | JS(prose, code) bits |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in usage["per_layer"]:
+        lines.append(
+            f"| {row['layer']} | {row['normalized_entropy']:.3f} | {row['min_share']:.3f} | {row['max_share']:.3f} | "
+            f"{row['js_prose_code_bits']:.3f} |"
+        )
+    lines += [
+        "",
+        "Load histogram (percent of routed slots per expert 0..N-1, prose and code calibration splits together):",
+        "",
+        "| layer | " + " | ".join(str(e) for e in range(cfg["num_experts"])) + " |",
+        "|---|" + "---:|" * cfg["num_experts"],
+    ]
+    for row in usage["per_layer"]:
+        lines.append(f"| {row['layer'].split('.')[2] if row['layer'].count('.') >= 2 else row['layer']} | "
+                     + " | ".join(f"{100 * x:.1f}" for x in row["share_mix"]) + " |")
+    lines += [
+        "",
+        "Per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_prose` / `share_code`).",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "import ompmoe, torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from ompmoe.data import shipped_model_path",
+        "",
+        "path = shipped_model_path('tiny-moe')",
+        "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)",
+        "tokenizer = AutoTokenizer.from_pretrained(path)",
+        "```",
+        "",
+        "or `ompmoe fit -c configs/tiny.yaml` (`model: shipped:tiny-moe`, calibration `source: shipped:mix`).",
+        "",
+        "## License and data",
+        "",
+        "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
+        "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
+        "`ompmoe/data/corpus/README.md` for what is in each split.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="Train the shipped tiny Qwen3-MoE (see the module docstring).")
+    parser.add_argument("--output_dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "auto"])
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=560)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--prose_fraction", type=float, default=0.5)
+    parser.add_argument("--vocab_size", type=int, default=4096)
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_layers", type=int, default=6)
+    parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--num_kv_heads", type=int, default=2)
+    parser.add_argument("--num_experts", type=int, default=16)
+    parser.add_argument("--top_k", type=int, default=4)
+    parser.add_argument("--moe_intermediate_size", type=int, default=128)
+    parser.add_argument("--aux_loss_coef", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--min_lr_ratio", type=float, default=0.1)
+    parser.add_argument("--warmup_steps", type=int, default=30)
+    parser.add_argument("--weight_decay", type=float, default=0.1)
+    parser.add_argument("--experts_implementation", default=None,
+                        help="transformers experts kernel; default eager on CPU (2-3x faster there than grouped_mm), "
+                             "grouped_mm on GPU")
+    parser.add_argument("--save_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--log_every", type=int, default=10)
+    parser.add_argument("--eval_batch_size", type=int, default=8)
+    parser.add_argument("--gap_tokens", type=int, default=16384, help="tokens of the calibration/train splits evaluated")
+    parser.add_argument("--usage_blocks", type=int, default=32, help="calibration blocks per domain for expert usage")
+    parser.add_argument("--card_only", action="store_true", help="rewrite README.md from --output_dir/metrics.json")
+    parser.add_argument("--eval_only", action="store_true",
+                        help="re-evaluate the checkpoint in --output_dir (keeping metrics.json's training record)")
+    args = parser.parse_args(argv)
+    if args.card_only:
+        metrics = json.loads((Path(args.output_dir) / "metrics.json").read_text(encoding="utf-8"))
+        (Path(args.output_dir) / "README.md").write_text(model_card(metrics), encoding="utf-8")
+        return metrics
+
+    import lightning.pytorch as pl
+    import transformers
+
+    START[0] = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    pl.seed_everything(args.seed, workers=True)
+    gpu = args.accelerator in ("gpu", "cuda") or (args.accelerator == "auto" and torch.cuda.is_available())
+    args.experts_implementation = args.experts_implementation or ("grouped_mm" if gpu else "eager")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.eval_only:
+        from transformers import AutoTokenizer
+
+        training = json.loads((out / "metrics.json").read_text(encoding="utf-8"))["training"]
+        return evaluate(out, AutoTokenizer.from_pretrained(out), args, gpu, training)
+
+    tokenizer = train_tokenizer(args.vocab_size, 2 * args.seq_len)
+    streams = [domain_stream(tokenizer, domain, "train") for domain in ("prose", "code")]
+    print(f"tokenizer: {len(tokenizer)} entries; train tokens prose {streams[0].numel():,}, code {streams[1].numel():,}", flush=True)
+    dataset = RandomWindows(streams, [args.prose_fraction, 1 - args.prose_fraction], args.steps * args.batch_size,
+                            args.seq_len, args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=0)
+
+    config = build_config(args, tokenizer)
+    module = make_module(config, args)
+    trainer = pl.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        max_steps=args.steps,
+        precision="bf16-mixed" if gpu else "32-true",
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=False,
+        default_root_dir=tempfile.mkdtemp(prefix="tiny-moe-lightning-"),
+    )
+    fit_start = time.perf_counter()
+    trainer.fit(module, loader)
+    train_seconds = time.perf_counter() - fit_start
+
+    model = module.model.cpu().eval()
+    model.config.output_router_logits = False  # inference default; training set it on
+    save_dtype = getattr(torch, args.save_dtype)
+    model.to(save_dtype).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+    history = module.history
+    window = history[-5:]
+    training = {
+        "seed": args.seed, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "tokens": args.steps * args.batch_size * args.seq_len, "prose_fraction": args.prose_fraction,
+        "train_tokens": {"prose": streams[0].numel(), "code": streams[1].numel()},
+        "lr": args.lr, "min_lr_ratio": args.min_lr_ratio, "warmup_steps": args.warmup_steps,
+        "weight_decay": args.weight_decay, "train_seconds": round(train_seconds, 1),
+        "device": torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.machine()})",
+        "threads": args.threads, "experts_implementation": args.experts_implementation,
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+        "final_lm_loss": sum(h["lm_loss"] for h in window) / len(window),
+        "final_aux_loss": sum(h["aux_loss"] for h in window) / len(window),
+        "final_window": len(window),
+        "history": history,
+    }
+    return evaluate(out, tokenizer, args, gpu, training)
+
+
+def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, training: dict[str, Any]) -> dict[str, Any]:
+    """Measure the saved checkpoint (bf16 weights loaded in float32); write metrics.json and the model card."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if gpu else "cpu")
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device).eval()
+    ppl: dict[str, Any] = {}
+    for domain in ("prose", "code"):
+        heldout = domain_stream(tokenizer, domain, "heldout")
+        ppl[domain] = {
+            "heldout": perplexity(saved, heldout, args.seq_len, args.eval_batch_size),
+            "calibration": perplexity(saved, domain_stream(tokenizer, domain, "calibration"), args.seq_len,
+                                      args.eval_batch_size, max_tokens=args.gap_tokens),
+            "train": perplexity(saved, domain_stream(tokenizer, domain, "train"), args.seq_len, args.eval_batch_size,
+                                max_tokens=args.gap_tokens),
+        }
+        print(f"{domain}: held-out perplexity {ppl[domain]['heldout']['perplexity']:.3f}", flush=True)
+    usage = expert_usage(saved.cpu(), tokenizer, args.seq_len, args.usage_blocks)
+
+    expert_params = sum(p.numel() for n, p in saved.named_parameters() if ".experts." in n)
+    total_params = sum(p.numel() for p in saved.parameters())
+    config = saved.config
+    metrics = {
+        "config": {k: getattr(saved.config, k) for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef", "tie_word_embeddings")},
+        "parameters": {
+            "total": total_params,
+            "experts": expert_params,
+            "active_per_token": total_params - expert_params + expert_params * config.num_experts_per_tok // config.num_experts,
+        },
+        "save_dtype": args.save_dtype,
+        "checkpoint_bytes": (out / "model.safetensors").stat().st_size,
+        "perplexity": ppl,
+        "expert_usage": usage,
+        "training": {**training, "gap_tokens": args.gap_tokens},
+    }
+    if not args.eval_only:
+        metrics["training"]["total_seconds"] = round(time.perf_counter() - START[0], 1)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(model_card(metrics), encoding="utf-8")
+    print(f"wrote {out} in {metrics['training']['total_seconds'] / 60:.1f} min", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
