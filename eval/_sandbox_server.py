@@ -114,27 +114,52 @@ def _confine(config: dict, uid: int | None, timeout: float) -> None:
         os.setuid(uid)
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process whose real uid is ``uid`` (leftovers that left the process group)."""
-    for _ in range(100):
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/status") as status:
-                    fields = dict(line.split(":", 1) for line in status if ":" in line)
-            except OSError:
-                continue
-            if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-                found = True
+def _uid_processes(uid: int) -> list[tuple[int, bool]]:
+    """(pid, is_zombie) of every process whose real uid is ``uid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            found.append((int(entry), fields.get("State", "").strip().startswith("Z")))
+    return found
+
+
+def _reap_orphans() -> None:
+    """Reap exited children (orphaned grandchildren come to this subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _kill_uid(uid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL every process of ``uid`` (leftovers that left the process group) until none, zombies included.
+
+    Zombies still count against RLIMIT_NPROC, so this waits until they are reaped (by this subreaper,
+    or by init for processes orphaned before).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        processes = _uid_processes(uid)
+        if not processes or time.monotonic() > deadline:
+            return
+        for pid, zombie in processes:
+            if not zombie:
                 try:
-                    os.kill(int(entry), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        if not found:
-            return
-        time.sleep(0.01)
+        _reap_orphans()
+        time.sleep(0.005)
 
 
 def _verdict(output: bytes, nonce: str, returncode: int | None, timed_out: bool) -> str:
@@ -160,7 +185,7 @@ def run_python(program: str, timeout: float, config: dict, slot: int = 0) -> str
         if uid is not None:
             _kill_uid(uid)  # an earlier program's leftovers would count against RLIMIT_NPROC
             os.chown(workdir, uid, uid)
-        env = {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir}
+        env = {"PATH": SANDBOX_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         process = subprocess.Popen(
             [config["python"], "-I", "-S", "-B", "-c", HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, cwd=workdir, env=env, close_fds=True, pass_fds=(), start_new_session=True,
@@ -179,6 +204,9 @@ def run_python(program: str, timeout: float, config: dict, slot: int = 0) -> str
             _kill_uid(uid)
         process.wait()
         process.stdout.close()
+        if uid is not None:
+            _kill_uid(uid)
+        _reap_orphans()
         return _verdict(output, nonce, process.returncode if returncode is None else returncode, timed_out)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -230,6 +258,8 @@ def main() -> None:
         print(int(probe_network_isolation()))
         return
     slot, config = int(args[0]), json.loads(args[1])
+    PR_SET_CHILD_SUBREAPER = 36  # orphaned grandchildren of programs become ours, so we reap them
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for line in sys.stdin:
         job = json.loads(line)
         sys.stdout.write(json.dumps(run(job["problem"], job["completion"], float(job["timeout"]), config, slot)) + "\n")
