@@ -46,7 +46,7 @@ def prune_tiny_model(
         batch_size: Blocks per forward pass.
         overwrite: Replace an existing ``output_dir``.
     """
-    out = check_writable(output_dir, overwrite)
+    out = check_writable(output_dir, overwrite, directory=True)
     blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)
     model = tiny_model(model_type)
     validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_ratio, max_ratio)
