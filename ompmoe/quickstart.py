@@ -14,7 +14,7 @@ import torch
 from . import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune, save_pruned
 from .plan import validate_budget
 from .data import byte_tokens, shipped_text, token_blocks
-from .io import atomic_path, check_writable
+from .io import OutputNotWritableError, atomic_path, check_writable
 from .tiny import tiny_model
 
 
@@ -88,7 +88,7 @@ def main() -> None:
 
     try:
         auto_cli(prune_tiny_model, description=__doc__)
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError, OutputNotWritableError) as error:
         raise SystemExit(f"error: {error}") from None
 
 

@@ -85,7 +85,7 @@ def test_prune_into_the_working_directory_is_refused_and_deletes_nothing(tmp_pat
     assert names(tmp_path / "theirs") == ["a.txt"]
 
 
-def test_save_pruned_and_callback_refuse_a_foreign_directory(tmp_path, monkeypatch):
+def test_save_pruned_refuses_a_foreign_directory_and_replaces_its_own(tmp_path, monkeypatch):
     model = tiny_model("qwen3_moe")
     target = tmp_path / "out"
     target.mkdir()
@@ -104,6 +104,24 @@ def test_save_pruned_and_callback_refuse_a_foreign_directory(tmp_path, monkeypat
     ompmoe.save_pruned(model, tmp_path / "empty", overwrite=True)
     assert (tmp_path / "empty" / "config.json").is_file()
     assert names(tmp_path) == ["empty", "mine", "out"]
+
+
+def test_callback_refuses_a_foreign_directory_before_calibration(tmp_path):
+    from test_callback import ForwardCounter, batches, trainer
+    from torch.utils.data import DataLoader
+
+    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.callbacks import OMPMoEPruning
+
+    foreign = tmp_path / "data"
+    foreign.mkdir()
+    (foreign / "corpus.txt").write_text("precious")
+    counter = ForwardCounter()
+    with pytest.raises(OutputNotReplaceableError, match=r"data is not an ompmoe output .*Choose a new output directory"):
+        trainer([counter, OMPMoEPruning(output_dir=str(foreign), overwrite=True)]).fit(
+            CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
+        )
+    assert counter.calls == 0 and names(foreign) == ["corpus.txt"]
 
 
 def test_single_file_output_replaces_only_a_regular_file(tmp_path):
@@ -162,8 +180,14 @@ def test_read_only_file_system_is_reported_before_any_work(tmp_path, monkeypatch
     assert loads == [] and names(tmp_path) == []
     from ompmoe.quickstart import prune_tiny_model
 
+    from ompmoe.quickstart import main as demo_main
+
     with pytest.raises(OutputNotWritableError, match="Read-only file system"):
         prune_tiny_model(output_dir=str(tmp_path / "demo"))
+    monkeypatch.setattr(sys, "argv", ["ompmoe-demo", "--output_dir", str(tmp_path / "demo")])
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*demo: Read-only file system"):
+        demo_main()
+    assert names(tmp_path) == []
 
 
 def test_leftovers_of_dead_runs_are_cleaned_and_live_ones_kept(tmp_path):
