@@ -89,10 +89,13 @@ def clean_leftovers(path: str | os.PathLike) -> list[Path]:
         match = pattern.match(entry.name)
         if match is None or _alive(match["host"], int(match["pid"])):
             continue
-        if match["kind"] == "old" and not os.path.lexists(path):
-            os.rename(entry, path)  # killed between "old -> aside" and "new -> target": bring the old one back
-        else:
-            _remove(entry)
+        try:  # other ranks of the same job may clean concurrently: losing that race is fine
+            if match["kind"] == "old" and not os.path.lexists(path):
+                os.rename(entry, path)  # killed between "old -> aside" and "new -> target": bring the old one back
+            else:
+                _remove(entry)
+        except FileNotFoundError:
+            continue
         handled.append(entry)
     return handled
 
@@ -281,4 +284,4 @@ def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
-        path.unlink()
+        path.unlink(missing_ok=True)
