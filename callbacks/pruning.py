@@ -125,7 +125,7 @@ class OMPMoEPruning(Callback):
                 "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
             )
         if self.output_dir is not None:
-            check_writable(self.output_dir, self.overwrite)
+            check_writable(self.output_dir, self.overwrite, directory=True)
             if self.plots:
                 try:
                     import matplotlib  # noqa: F401

@@ -11,10 +11,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from .io import atomic_path, check_writable
+from .io import OutputNotWritableError, atomic_path, check_writable
 from .statistics import MoEStats
 from .strategies import strategy_for
 
@@ -46,7 +47,8 @@ def replan(
         overwrite: Replace an existing ``output_dir``.
         method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
     """
-    check_writable(output_dir, overwrite)
+    inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
+    check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
     strategies = [
         strategy_for(method, ratio=r, allocation=allocation, risk_weight=risk_weight, min_ratio=min_ratio,
@@ -59,7 +61,7 @@ def replan(
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
     written = []
-    with atomic_path(output_dir, overwrite=overwrite, directory=True) as tmp:
+    with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         for strategy in strategies:
             plan = strategy.plan(statistics)
             name = f"{strategy.ratio:g}"
@@ -87,10 +89,11 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     from .plan import PruningPlan
     from .plots import write_plots
 
-    check_writable(output_dir, overwrite)
+    inputs = [stats] + ([plan] if plan is not None else [])
+    check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
     pruning_plan = PruningPlan.load(plan) if plan is not None else None
-    with atomic_path(output_dir, overwrite=overwrite, directory=True) as tmp:
+    with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         written = [Path(output_dir) / path.name for path in write_plots(statistics, tmp, plan=pruning_plan)]
     for path in written:
         print(path)
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
             auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}")
         else:
             lightning_cli(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, AttributeError, ConnectionError, PermissionError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError, AttributeError, ConnectionError, PermissionError,
+            OutputNotWritableError) as error:
         raise SystemExit(f"error: {error}") from None
 
 

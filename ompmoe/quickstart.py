@@ -14,7 +14,7 @@ import torch
 from . import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune, save_pruned
 from .plan import validate_budget
 from .data import byte_tokens, shipped_text, token_blocks
-from .io import atomic_path, check_writable
+from .io import OutputNotWritableError, atomic_path, check_writable
 from .tiny import tiny_model
 
 
@@ -46,7 +46,7 @@ def prune_tiny_model(
         batch_size: Blocks per forward pass.
         overwrite: Replace an existing ``output_dir``.
     """
-    out = check_writable(output_dir, overwrite)
+    out = check_writable(output_dir, overwrite, directory=True)
     blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)
     model = tiny_model(model_type)
     validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_ratio, max_ratio)
@@ -88,7 +88,7 @@ def main() -> None:
 
     try:
         auto_cli(prune_tiny_model, description=__doc__)
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError, OutputNotWritableError) as error:
         raise SystemExit(f"error: {error}") from None
 
 

@@ -86,7 +86,9 @@ def test_fit_gathers_the_same_statistics_as_collect_stats_and_prunes(tmp_path):
         torch.testing.assert_close(module.model(probe).logits, reference(probe).logits, rtol=0, atol=0)
         loaded = ompmoe.load_pruned(tmp_path / "run" / "model")
         torch.testing.assert_close(loaded(probe).logits, reference(probe).logits, rtol=0, atol=0)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model", "plan.json", "plots", "stats.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ".ompmoe-output", "model", "plan.json", "plots", "stats.safetensors"
+    ]
     assert ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json") == callback.plan
     assert not module.model.training
 

@@ -28,7 +28,7 @@ def tiny_config(tmp_path: Path, **changes) -> Path:
 def test_fit_with_the_tiny_config_writes_a_loadable_pruned_model(tmp_path):
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.iterdir()) == ["model", "plan.json", "plots", "stats.safetensors"]
+    assert sorted(p.name for p in run.iterdir()) == [".ompmoe-output", "model", "plan.json", "plots", "stats.safetensors"]
     stats = ompmoe.MoEStats.load(run / "stats.safetensors")
     assert stats.num_tokens == 4 * 64
     assert stats.sources == ["shipped:ompmoe/data/corpus/prose-calibration,shipped:ompmoe/data/corpus/code-calibration"]

@@ -136,7 +136,7 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
     callback = OMPMoEPruning(ompmoe.FrequencyStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), save_model=False)
     trainer(callbacks=[callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     run = tmp_path / "run"
-    assert sorted(p.name for p in run.iterdir()) == ["plan.json", "plots", "stats.safetensors"]
+    assert sorted(p.name for p in run.iterdir()) == [".ompmoe-output", "plan.json", "plots", "stats.safetensors"]
     assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(PLOT_FILES)
     for name in PLOT_FILES:
         if name.endswith(".png"):
@@ -145,14 +145,14 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
 
     quiet = OMPMoEPruning(output_dir=str(tmp_path / "quiet"), save_model=False, plots=False)
     trainer(callbacks=[quiet]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
-    assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == ["plan.json", "stats.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == [".ompmoe-output", "plan.json", "stats.safetensors"]
 
 
 def test_cli_plot_command(stats, tmp_path, capsys):
     stats_file = stats.save(tmp_path / "stats.safetensors")
     plan_file = plan_pruning(stats, 0.5).save(tmp_path / "plan.json")
     main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots"), "--plan", str(plan_file)])
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(PLOT_FILES)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted([".ompmoe-output", *PLOT_FILES])
     assert str(tmp_path / "plots" / "heatmaps.png") in capsys.readouterr().out
     with pytest.raises(SystemExit) as error:
         main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots")])

@@ -496,6 +496,11 @@ def test_save_refuses_existing_directory_without_overwrite(tmp_path):
     assert (target / "keep.txt").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
+    # overwrite=True never deletes a directory ompmoe did not write (issue 15); its own output is replaced.
+    with pytest.raises(ompmoe.io.OutputNotReplaceableError, match=r"out is not an ompmoe output"):
+        ompmoe.save_pruned(model, target, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    (target / ompmoe.io.MARKER).write_text("{}")
     ompmoe.save_pruned(model, target, overwrite=True)
     assert not (target / "keep.txt").exists()
     assert json.loads((target / "config.json").read_text())["ompmoe"] == ompmoe.pruning_info(model)
@@ -532,9 +537,10 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
     # With overwrite=True a failed save keeps the previous output intact.
     target.mkdir()
     (target / "keep.txt").write_text("previous")
+    (target / ompmoe.io.MARKER).write_text("{}")  # an earlier ompmoe output
     with pytest.raises(RuntimeError, match="disk full"):
         ompmoe.save_pruned(model, target, tokenizer=ExplodingTokenizer(), overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [ompmoe.io.MARKER, "keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
     # A working tokenizer is saved next to the model.

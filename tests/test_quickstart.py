@@ -36,7 +36,7 @@ def test_shipped_text_is_real_text():
 def test_main_job_writes_stats_plan_and_a_model_that_reloads(tmp_path):
     out = tmp_path / "run"
     result = prune_tiny_model(output_dir=str(out), seq_len=64, num_blocks=4, batch_size=2)
-    assert sorted(p.name for p in out.iterdir()) == ["model", "plan.json", "stats.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".ompmoe-output", "model", "plan.json", "stats.safetensors"]
     plan = ompmoe.PruningPlan.load(out / "plan.json")
     stats = ompmoe.MoEStats.load(out / "stats.safetensors")
     assert stats.num_tokens == 4 * 64

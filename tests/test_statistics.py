@@ -295,7 +295,9 @@ def test_save_refuses_to_overwrite(tmp_path):
     before = path.read_bytes()
     with pytest.raises(OutputExistsError) as info:
         second.save(path)
-    assert str(info.value) == f"{path} already exists; pass overwrite=True (CLI: --overwrite) to replace it."
+    assert str(info.value) == (
+        f"{path} already exists; pass overwrite=True (CLI: --overwrite true) to replace it, or choose another output path."
+    )
     assert isinstance(info.value, FileExistsError)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.safetensors"]
