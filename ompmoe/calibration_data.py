@@ -524,10 +524,11 @@ class CalibrationDataModule(pl.LightningDataModule):
         datasets = _require_datasets()
         builder = _local_format(files[0])
         from datasets.exceptions import DatasetGenerationError
+        from pyarrow import ArrowException
 
         try:
             return datasets.load_dataset(builder, data_files=files, split="train")
-        except DatasetGenerationError as error:
+        except (DatasetGenerationError, ArrowException) as error:  # malformed file: name it, say the fix
             raise _malformed(files, builder, error) from error
 
     def _rows_to_text(self, rows: Any) -> Iterator[str]:
