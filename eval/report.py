@@ -29,6 +29,12 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _cell(text: Any) -> str:
+    """Text as one Markdown table cell: ``|`` escaped and line breaks made spaces, so a label,
+    task or metric name cannot end its row or add columns."""
+    return " ".join(str(text).replace("|", "\\|").splitlines())
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
         return None
@@ -76,18 +82,18 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
     base_average = averages[base]
 
     header = ["Model", *columns, "Average", "Retained (%)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" + "---:|" * (len(header) - 1)]
+    lines = ["| " + " | ".join(_cell(name) for name in header) + " |", "|" + "---|" + "---:|" * (len(header) - 1)]
     for name, values, average in zip(names, table, averages):
         retained = 100 * average / base_average if average is not None and base_average else None
         formatted = [MISSING if v is None else f"{v:.{digits}f}" for v in values]
         formatted += [MISSING if average is None else f"{average:.{digits}f}",
                       MISSING if retained is None else f"{retained:.1f}"]
-        lines.append("| " + " | ".join([name, *formatted]) + " |")
+        lines.append("| " + " | ".join([_cell(name), *formatted]) + " |")
     notes = [
         f"Scores in %, except {', '.join(n for n, c in columns.items() if not c.get('higher_is_better', True))} (lower is better)"
         if any(not c.get("higher_is_better", True) for c in columns.values()) else "Scores in %",
         f"Average over {', '.join(averaged)}" if averaged else "No column is averaged",
-        f"Retained: Average as a percentage of {names[base]}'s",
+        f"Retained: Average as a percentage of {_cell(names[base])}'s",
     ]
     return "\n".join(lines) + "\n\n" + ". ".join(notes) + ".\n"
 

@@ -44,6 +44,8 @@ LOCAL_SUFFIXES: dict[str, str] = {
 """Extension of a local calibration file -> how it is read (see :class:`CalibrationDataModule`)."""
 
 _TOKENIZE_BATCH = 32  # documents tokenized per tokenizer call while streaming
+_TEXT_CHUNK = 64 * 1024  # characters of a .txt file read (and tokenized) at a time
+_TEXT_WINDOW_MAX = 16 * _TEXT_CHUNK  # a window without a cut point is cut here regardless
 _PROBE_TIMEOUT_S = 5.0  # one HEAD request to the hub before any download, no retries
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -107,6 +109,74 @@ def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
     text = "".join(article)
     if text.strip():
         yield text
+
+
+def _cut(text: str, force: bool) -> int:
+    """Where to end a piece of text so tokenizing the pieces gives the whole text's tokens: before a
+    space that follows a non-space (a pre-tokenizer boundary of byte-level BPE and SentencePiece
+    tokenizers). 0: no such point (read more), unless ``force``: then the whole window."""
+    end = len(text)
+    while True:
+        at = text.rfind(" ", 1, end)
+        if at == -1:
+            return len(text) if force else 0
+        if not text[at - 1].isspace():
+            return at
+        end = at
+
+
+def _utf8_error(path: str) -> ValueError:
+    """Where the first invalid UTF-8 sequence of ``path`` is (byte offset and line), and the fix."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0
+    detail = "invalid UTF-8"
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_TEXT_CHUNK):
+            buffered = len(decoder.getstate()[0])  # bytes of a split sequence, already counted
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                offset += error.start - buffered
+                newlines += chunk[: max(error.start - buffered, 0)].count(b"\n")
+                detail = f"{error.reason} (byte {error.object[error.start:error.end]!r})"
+                break
+            offset += len(chunk)
+            newlines += chunk.count(b"\n")
+    return ValueError(
+        f"Calibration file {path} is not UTF-8 text: {detail} at byte offset {offset} (line {newlines + 1}). "
+        "Give a UTF-8 .txt file (e.g. convert it with `iconv -f <encoding> -t UTF-8`), or a "
+        ".jsonl/.parquet file for other data."
+    )
+
+
+class TextFile:
+    """A ``.txt`` calibration file: one document, read and tokenized in pieces of about
+    ``_TEXT_CHUNK`` characters cut at spaces, so a large file is never read or tokenized whole."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def chunks(self) -> Iterator[str]:
+        """The file's text in order, as pieces whose tokens concatenate to the whole text's."""
+        try:
+            with open(self.path, encoding="utf-8") as handle:  # universal newlines, like read_text
+                pending = ""
+                while data := handle.read(_TEXT_CHUNK):
+                    pending += data
+                    cut = _cut(pending, len(pending) >= _TEXT_WINDOW_MAX)
+                    if cut:
+                        yield pending[:cut]
+                        pending = pending[cut:]
+                if pending:
+                    yield pending
+        except UnicodeDecodeError:
+            raise _utf8_error(self.path) from None
+
+    def read(self) -> str:
+        """The whole text (for :meth:`CalibrationDataModule.documents`)."""
+        return "".join(self.chunks())
 
 
 @dataclass(frozen=True)
@@ -446,14 +516,20 @@ class CalibrationDataModule(pl.LightningDataModule):
 
     def _load_local(self, files: list[str]) -> Any:
         if _local_format(files[0]) == "text":
-            texts = [Path(file).read_text(encoding="utf-8") for file in files]
+            texts = [TextFile(file) for file in files]
             seed = self._effective_seed()
             if seed is not None:
                 random.Random(seed).shuffle(texts)
             return texts
         datasets = _require_datasets()
         builder = _local_format(files[0])
-        return datasets.load_dataset(builder, data_files=files, split="train")
+        from datasets.exceptions import DatasetGenerationError
+        from pyarrow import ArrowException
+
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train")
+        except (DatasetGenerationError, ArrowException) as error:  # malformed file: name it, say the fix
+            raise _malformed(files, builder, error) from error
 
     def _rows_to_text(self, rows: Any) -> Iterator[str]:
         """Documents of a ``datasets.Dataset``: shuffled if a seed applies, then formatted."""
@@ -476,6 +552,17 @@ class CalibrationDataModule(pl.LightningDataModule):
 
     def documents(self) -> Iterator[str]:
         """The raw-text documents in reading order (lazily, as the stream consumes them)."""
+        for item in self._read_documents():
+            yield item.read() if isinstance(item, TextFile) else item
+
+    def _items(self) -> Iterator[str | TextFile]:
+        """:meth:`documents`, with ``.txt`` files left unread (:meth:`token_stream` reads them in pieces)."""
+        if self._plan["kind"] == "local" and _local_format(self._plan["files"][0]) == "text":
+            yield from self._read_documents()
+        else:
+            yield from self.documents()
+
+    def _read_documents(self) -> Iterator[str | TextFile]:
         kind = self._plan["kind"]
         if kind == SHIPPED:
             yield shipped_text()
@@ -532,6 +619,24 @@ class CalibrationDataModule(pl.LightningDataModule):
         first = True
         batch: list[str] = []
 
+        def consume_file(chunks: Iterable[str]) -> bool:
+            """One document given in pieces: eos before it, none between its pieces."""
+            nonlocal first
+            lead = ""  # leading whitespace-only pieces, kept until the document proves non-blank
+            for chunk in chunks:
+                if lead is not None:
+                    if not chunk.strip():
+                        lead += chunk
+                        continue
+                    chunk, lead = lead + chunk, None
+                    if not first and eos is not None:
+                        ids.append(eos)
+                    first = False
+                ids.extend(encode([chunk])[0])
+                if len(ids) >= needed:
+                    return True
+            return False
+
         def consume(texts: list[str]) -> bool:
             nonlocal first
             for tokens in encode(texts):
@@ -543,17 +648,25 @@ class CalibrationDataModule(pl.LightningDataModule):
                     return True
             return False
 
-        for text in self.documents() if documents is None else documents:
+        done = False
+        for text in self._items() if documents is None else documents:
+            if isinstance(text, TextFile):
+                done = bool(batch) and consume(batch)
+                batch = []
+                if done or consume_file(text.chunks()):
+                    done = True
+                    break
+                continue
             if not text or not text.strip():
                 continue
             batch.append(text)
             if len(batch) == _TOKENIZE_BATCH:
                 if consume(batch):
+                    done = True
                     break
                 batch = []
-        else:
-            if batch:
-                consume(batch)
+        if not done and batch:
+            consume(batch)
         return torch.tensor(ids[:needed], dtype=torch.long)
 
     # ------------------------------------------------------------------------------- lightning
@@ -609,6 +722,42 @@ class CalibrationDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """The same batches as :meth:`train_dataloader`, for ``Trainer.predict``."""
         return self.train_dataloader()
+
+
+def _malformed(files: list[str], builder: str, error: Exception) -> ValueError:
+    """A clear error for a json/parquet calibration file ``datasets`` could not read: for json, the
+    first file and line that is not a JSON record (found by reading the files, on this error path only)."""
+    cause = error.__cause__ or error.__context__ or error
+    if builder == "json":
+        import gzip
+        import json
+
+        for file in files:
+            opener = gzip.open if file.endswith(".gz") else open
+            with opener(file, "rb") as handle:
+                for number, raw in enumerate(handle, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                        if line.strip():
+                            json.loads(line.rstrip("\r\n"))
+                    except UnicodeDecodeError as bad:
+                        return ValueError(
+                            f"Calibration file {file} line {number} is not UTF-8: {bad.reason} at byte "
+                            f"{bad.start} of the line. Save the file as UTF-8 (one JSON record per line)."
+                        )
+                    except json.JSONDecodeError as bad:
+                        if file.endswith((".json", ".json.gz")) and number == 1:
+                            break  # maybe one JSON document over many lines: report datasets' reason
+                        return ValueError(
+                            f"Calibration file {file} line {number} is not a JSON record: {bad.msg} "
+                            f"(column {bad.pos + 1}). Fix or remove that line: each line must be one JSON "
+                            'object with the text in a field, e.g. {"text": "..."}.'
+                        )
+    return ValueError(
+        f"Cannot read calibration file(s) {', '.join(files)} as {builder}: {type(cause).__name__}: {cause}. "
+        f"Check that each is a valid {builder} file (json: one object per line with a text field; "
+        "parquet: a table with a text column), or give the text as a UTF-8 .txt file."
+    )
 
 
 def _iter_column(rows: Any, field: str) -> Iterator[Any]:

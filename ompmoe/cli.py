@@ -1,7 +1,7 @@
 """The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
 
 - ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
-- ``ompmoe prune --stats run/stats.safetensors --ratio 0.25 0.5 --output_dir plans``: new plans
+- ``ompmoe prune --stats run/stats.safetensors --ratio [0.25,0.5] --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
   curves and the high-contribution table (:mod:`ompmoe.plots`).
@@ -11,19 +11,55 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+from argparse import ArgumentError
 import sys
 from pathlib import Path
+from typing import Any
 
 from .io import OutputNotWritableError, atomic_path, check_writable
 from .statistics import MoEStats
 from .strategies import strategy_for
 
 
+def _ratios(ratio: Any) -> list[float]:
+    """``ratio`` as a list of distinct plain floats, refused before any work when it cannot be one.
+
+    One number (Python, NumPy or a one-element torch tensor) counts as a list of one; strings and
+    booleans are refused rather than guessed at; two ratios with the same plan file name
+    (``plan-<ratio:g>.json``) are refused, since the second would overwrite the first.
+    """
+    if hasattr(ratio, "tolist") and not isinstance(ratio, (str, bytes)):  # numpy array/scalar, torch tensor
+        ratio = ratio.tolist()
+    values = list(ratio) if isinstance(ratio, (list, tuple)) else [ratio]
+    if not values:
+        raise ValueError("give at least one ratio, e.g. --ratio [0.5]")
+    result: list[float] = []
+    for value in values:
+        if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+            value = value.tolist()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise ValueError(
+                f"ratio must be numbers between 0 and 1, e.g. --ratio [0.5]; got {value!r} "
+                f"({type(value).__name__})"
+            )
+        result.append(float(value))
+    names = [f"{value:g}" for value in result]
+    repeated = sorted({name for name in names if names.count(name) > 1}, key=names.index)
+    if repeated:
+        raise ValueError(
+            f"ratio {', '.join(repeated)} is given more than once ({values}); each ratio writes "
+            f"plan-<ratio>.json, so give each once, e.g. --ratio {sorted(set(result))}"
+        )
+    return result
+
+
 def replan(
     *,
     stats: str,
-    ratio: list[float],
+    ratio: float | list[float],
     output_dir: str,
     allocation: str = "waterfill",
     risk_weight: float = 3.0,
@@ -37,7 +73,8 @@ def replan(
 
     Args:
         stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
-        ratio: Fractions of routed experts to remove, one plan each.
+        ratio: Fractions of routed experts to remove, one plan each (distinct; one number counts as
+            a list of one).
         output_dir: Receives ``plan-<ratio>.json`` (and ``model-<ratio>/``) per ratio.
         allocation: ``uniform``, ``waterfill`` or ``optimal``.
         risk_weight: Lambda of the routing-risk term.
@@ -47,6 +84,7 @@ def replan(
         overwrite: Replace an existing ``output_dir``.
         method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
     """
+    ratio = _ratios(ratio)
     inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
@@ -131,6 +169,15 @@ def lightning_cli(args: list[str] | None = None) -> None:
 COMMANDS = {"prune": replan, "plot": plot}
 
 
+def _one_line(message: str, command: str) -> str:
+    """A jsonargparse error as one line; a bad ``--ratio`` as what to type instead."""
+    if message.startswith('Parser key "ratio"'):
+        given = message.rsplit("Given value:", 1)[-1] if "Given value:" in message else message.rsplit("value:", 1)[-1]
+        return (f"ratio must be a number between 0 and 1 or a list of them, e.g. --ratio 0.5 or "
+                f"--ratio [0.25,0.5]; got {given.strip()}")
+    return f"{' '.join(message.split())} (see ompmoe {command} --help)"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -141,11 +188,15 @@ def main(argv: list[str] | None = None) -> None:
         elif argv and argv[0] in COMMANDS:
             from jsonargparse import auto_cli
 
-            auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}")
+            try:
+                auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}", exit_on_error=False)
+            except ArgumentError as error:  # jsonargparse's multi-line message, as one line
+                raise ValueError(_one_line(str(error), argv[0])) from None
         else:
             lightning_cli(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, AttributeError, ConnectionError, PermissionError,
+    except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
             OutputNotWritableError) as error:
+        # Not AttributeError: that is how a bug shows itself, and its traceback must stay visible.
         raise SystemExit(f"error: {error}") from None
 
 

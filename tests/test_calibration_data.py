@@ -247,7 +247,7 @@ def test_too_little_text_error(tmp_path):
     dm = CalibrationDataModule(str(file), tokenizer="bytes", seq_len=4, num_blocks=2)
     message = (
         "Calibration text has 3 tokens but 2 blocks of 4 need 8: "
-        "add text, or lower num_blocks to 0 or seq_len to 1."
+        "add text, or lower seq_len to 1."
     )
     with pytest.raises(ValueError) as info:
         dm.setup("fit")

@@ -32,10 +32,10 @@ def token_blocks(token_ids: torch.Tensor, seq_len: int, num_blocks: int) -> torc
     needed = seq_len * num_blocks
     found = int(token_ids.numel())
     if found < needed:
-        raise ValueError(
-            f"Calibration text has {found} tokens but {num_blocks} blocks of {seq_len} need {needed}: "
-            f"add text, or lower num_blocks to {found // seq_len} or seq_len to {found // num_blocks}."
-        )
+        # Only suggest values that are allowed (positive); with none, say how much text is missing.
+        lower = [f"{name} to {value}" for name, value in (("num_blocks", found // seq_len), ("seq_len", found // num_blocks)) if value > 0]
+        hint = f"add text, or lower {' or '.join(lower)}" if lower else f"add text ({needed - found} more tokens)"
+        raise ValueError(f"Calibration text has {found} tokens but {num_blocks} blocks of {seq_len} need {needed}: {hint}.")
     return token_ids.reshape(-1)[:needed].view(num_blocks, seq_len)
 
 
