@@ -257,7 +257,7 @@ def _check_record_ids(record: dict[str, Any], layers: list[MoELayer]) -> None:
 def _causal_lm_class(config: Any) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    expected = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config)) if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
     names = getattr(config, "architectures", None) or []
     if not isinstance(names, (list, tuple)):
         names = [names]
