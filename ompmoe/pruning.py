@@ -128,7 +128,7 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
         floor = minimum_kept(layer.num_experts, r["top_k"], r["num_groups"], r["topk_group"], r["group_score_topk"])
         if len(kept) < floor:
             raise PlanMismatchError(
-                f"{where} keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
+                f"{where}: keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
                 f"{layer.num_groups} groups) needs at least {floor}. {fix}"
             )
         if layer.num_groups > 1:
@@ -136,7 +136,7 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
             per_group = [sum(1 for e in kept if e // size == g) for g in range(layer.num_groups)]
             if len(set(per_group)) != 1:
                 raise PlanMismatchError(
-                    f"{where} keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
+                    f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
                     f"router needs the same count in every group. {fix}"
                 )
     _check_record(pruning_info(model), layers, "this model's config.ompmoe")
@@ -263,14 +263,15 @@ def _causal_lm_class(config: Any) -> type:
         names = [names]
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class"):
-            if expected is not None and cls is not expected and not issubclass(cls, expected):
-                raise PlanMismatchError(
-                    f"config.json names architectures={list(names)}, but {name} is not a causal-LM class for "
-                    f"model_type={config.model_type!r}; ompmoe loads {expected.__name__}. Set "
-                    f'"architectures": ["{expected.__name__}"] in config.json.'
-                )
+        fits = isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")
+        if fits and (expected is None or issubclass(cls, expected)):
             return cls
+        if expected is not None:
+            raise PlanMismatchError(
+                f"config.json names architectures={list(names)}, but {name} is not a causal-LM class for "
+                f"model_type={config.model_type!r}; ompmoe loads {expected.__name__}. Set "
+                f'"architectures": ["{expected.__name__}"] in config.json.'
+            )
     if expected is None:
         raise PlanMismatchError(
             f"config.json (model_type={getattr(config, 'model_type', None)!r}, architectures={list(names)}) "
