@@ -89,7 +89,14 @@ class MoEStatsMetric(Metric):
             self.token_weight = None
             self.num_tokens += num_tokens
         else:
-            self.token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
+            token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
+            if not bool(((token_weight == 0) | (token_weight == 1)).all()):
+                odd = token_weight[(token_weight != 0) & (token_weight != 1)][0].item()
+                raise CalibrationInputError(
+                    f"Token weights (attention_mask) must be 0 or 1; found {odd}. Pass the tokenizer's 0/1 "
+                    "mask (a weighted mask would scale every statistic)."
+                )
+            self.token_weight = token_weight
             self.num_tokens += self.token_weight.sum()
 
     def update(

@@ -150,10 +150,17 @@ class PruningPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PruningPlan:
-        data = json.loads(Path(path).read_text())
-        data.pop("achieved_ratio", None)
-        data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
-        return cls(**data)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No plan file at {path}; create one with ompmoe.plan_pruning(...).save(path).")
+        fix = "Re-create it with ompmoe.plan_pruning(stats, ratio).save(path)."
+        try:
+            data = json.loads(path.read_text())
+            data.pop("achieved_ratio", None)
+            data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
+            return cls(**data)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise PlanMismatchError(f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}") from None
 
 
 def validate_budget(

@@ -402,3 +402,24 @@ def test_bool_and_float_masks_accepted():
         other = collect_stats(qwen(), [{"input_ids": ids, "attention_mask": variant}])
         assert other.num_tokens == reference.num_tokens == 29
         assert torch.equal(other.layers[0].gram, reference.layers[0].gram)
+
+
+def test_token_weights_must_be_0_or_1():
+    # The Lightning callback hands masks (times 0/1 sample weights) straight to the metric.
+    from ompmoe.collect import MoEStatsMetric
+
+    metric = MoEStatsMetric(ompmoe.find_moe_layers(qwen()))
+    with pytest.raises(CalibrationInputError, match=re.escape("Token weights (attention_mask) must be 0 or 1; found 0.5.")):
+        metric.set_token_weight(torch.tensor([[1.0, 0.5]]), num_tokens=2)
+    assert float(metric.num_tokens) == 0.0
+    metric.set_token_weight(torch.tensor([[1, 0, 1]]), num_tokens=3)
+    assert float(metric.num_tokens) == 2.0
+
+
+def test_plan_file_that_is_not_a_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"layers": [{"name": "x"}]}))
+    with pytest.raises(PlanMismatchError, match=re.escape(f"{path} is not a valid ompmoe plan (TypeError: ")):
+        PruningPlan.load(path)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"No plan file at {tmp_path / 'none.json'}")):
+        PruningPlan.load(tmp_path / "none.json")
