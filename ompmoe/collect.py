@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+import warnings
 
 import torch
 from torch import nn
@@ -88,7 +89,14 @@ class MoEStatsMetric(Metric):
             self.token_weight = None
             self.num_tokens += num_tokens
         else:
-            self.token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
+            token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
+            if not bool(((token_weight == 0) | (token_weight == 1)).all()):
+                odd = token_weight[(token_weight != 0) & (token_weight != 1)][0].item()
+                raise CalibrationInputError(
+                    f"Token weights (attention_mask) must be 0 or 1; found {odd}. Pass the tokenizer's 0/1 "
+                    "mask (a weighted mask would scale every statistic)."
+                )
+            self.token_weight = token_weight
             self.num_tokens += self.token_weight.sum()
 
     def update(
@@ -170,6 +178,83 @@ def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]
     return inputs
 
 
+class CalibrationInputError(ValueError):
+    """A calibration batch cannot give correct statistics (empty, ids outside the vocabulary, bad mask)."""
+
+
+def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> None:
+    """Refuse, before the forward, a batch whose statistics would be wrong rather than fail.
+
+    Masks must be 0/1 (a mask of 7s would count tokens seven times, -1s negatively), token ids
+    must index the embedding, and the batch must hold at least one row and one position.
+    """
+    ids = inputs.get("input_ids")
+    source = ids if ids is not None else inputs.get("inputs_embeds")
+    key = "input_ids" if ids is not None else "inputs_embeds"
+    if source is None or source.dim() < 2 or source.shape[0] == 0 or source.shape[1] == 0:
+        shape = None if source is None else tuple(source.shape)
+        raise CalibrationInputError(
+            f"Calibration batch {key} has shape {shape}; it needs at least one row and one token, "
+            "(batch >= 1, seq >= 1). Drop empty batches."
+        )
+    if ids is not None:
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise CalibrationInputError(f"input_ids must be integer token ids; got dtype {ids.dtype}.")
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab is not None and high >= vocab):
+            bad = low if low < 0 else high
+            raise CalibrationInputError(
+                f"input_ids hold token id {bad} (min {low}, max {high}) but the model's vocabulary has "
+                f"{vocab} tokens (valid ids 0..{vocab - 1 if vocab else '?'}); tokenize with this model's tokenizer."
+            )
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        if tuple(mask.shape) != tuple(source.shape[:2]):
+            raise CalibrationInputError(
+                f"attention_mask has shape {tuple(mask.shape)} but {key} has {tuple(source.shape[:2])}; "
+                "pass masks shaped like input_ids."
+            )
+        if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+            odd = mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()
+            raise CalibrationInputError(
+                f"attention_mask must hold only 0 and 1 (padding and real tokens); found {odd}. "
+                "Pass the tokenizer's 0/1 mask (a weighted mask would scale every statistic)."
+            )
+
+
+@contextmanager
+def adaptive_paused(model: nn.Module) -> Iterator[bool]:
+    """Detach OMP-MoE+ adaptive hooks for the duration (settings and counters kept); yields whether any were on.
+
+    Statistics are defined on the full top-k routing; adaptive skipping would silently drop pairs.
+    """
+    from .adaptive import STATE_ATTR, _AdaptiveState, _post_hook, _pre_hook
+
+    paused = [m for m in model.modules() if isinstance(getattr(m, STATE_ATTR, None), _AdaptiveState)]
+    for module in paused:
+        state = getattr(module, STATE_ATTR)
+        for handle in state.handles:
+            handle.remove()
+        state.handles = []
+    try:
+        yield bool(paused)
+    finally:
+        for module in paused:
+            state = getattr(module, STATE_ATTR)
+            state.handles = [
+                module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                module.register_forward_hook(_post_hook, with_kwargs=True),
+            ]
+
+
+ADAPTIVE_WARNING = (
+    "Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
+    "they cover the full top-k routing, and switched back on afterwards."
+)
+
+
 class StatisticsCollector:
     """Instruments a model so every forward pass adds to its statistics; usable outside a loop.
 
@@ -184,18 +269,38 @@ class StatisticsCollector:
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
         self._context: Any = None
+        self._paused: Any = None
+        self._warned = False
 
     def __enter__(self) -> StatisticsCollector:
-        self._context = expose_expert_outputs(self.layers, self.metric.update)
-        self._context.__enter__()
+        self._paused = adaptive_paused(self.model)
+        if self._paused.__enter__() and not self._warned:
+            warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
+            self._warned = True
+        try:
+            self._context = expose_expert_outputs(self.layers, self.metric.update)
+            self._context.__enter__()
+        except BaseException:
+            self._paused.__exit__(None, None, None)
+            self._paused = None
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._context.__exit__(*exc)
-        self._context = None
+        try:
+            self._context.__exit__(*exc)
+        finally:
+            self._context = None
+            if self._paused is not None:
+                self._paused.__exit__(None, None, None)
+                self._paused = None
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """Run the model once on ``inputs`` (inside the context) and account its tokens."""
+        """Run the model once on ``inputs`` (inside the context) and account its tokens.
+
+        The batch is checked first (:func:`check_calibration_inputs`), so nothing is counted for a bad one.
+        """
+        check_calibration_inputs(self.model, inputs)
         mask = inputs.get("attention_mask")
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
         self.metric.set_token_weight(mask, num_tokens=int(ids.shape[0] * ids.shape[1]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,41 @@ from .baselines import BASELINES, SubsetSelection
 from .io import atomic_path
 from .selection import greedy_pursuit, prefix_residual, routing_coverage
 from .statistics import LayerStats, MoEStats
+
+class PlanMismatchError(ValueError):
+    """A pruning plan (or a saved pruning record) does not fit the model it is applied to."""
+
+
+def real_number(name: str, value: Any) -> float:
+    """``value`` as a finite float: Python/NumPy reals and 0-d tensors pass; str, bool, NaN and inf do not."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number; got a tensor of shape {tuple(value.shape)} ({value.dtype}).")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (e.g. 0.5); got {type(value).__name__} {value!r}.")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number; got {value}.")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: NumPy/torch scalars become Python numbers (so plans always save)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
 
 Ranking = Callable[..., list[torch.Tensor] | list[SubsetSelection]]
 """``method(layers, **method_options)``: a full ordering (best first) or a
@@ -102,8 +139,8 @@ class PruningPlan:
         return {layer.name: layer.kept for layer in self.layers}
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["achieved_ratio"] = self.achieved_ratio
+        data = _plain(asdict(self))
+        data["achieved_ratio"] = float(self.achieved_ratio)
         return data
 
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -113,10 +150,17 @@ class PruningPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PruningPlan:
-        data = json.loads(Path(path).read_text())
-        data.pop("achieved_ratio", None)
-        data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
-        return cls(**data)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No plan file at {path}; create one with ompmoe.plan_pruning(...).save(path).")
+        fix = "Re-create it with ompmoe.plan_pruning(stats, ratio).save(path)."
+        try:
+            data = json.loads(path.read_text())
+            data.pop("achieved_ratio", None)
+            data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
+            return cls(**data)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise PlanMismatchError(f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}") from None
 
 
 def validate_budget(
@@ -144,6 +188,27 @@ def validate_budget(
     return choices, check_feasible(choices, ratio, min_ratio, max_ratio)
 
 
+def check_plan_arguments(
+    ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_ratio: Any = 0.375, max_ratio: Any = 0.875
+) -> tuple[float, float, float, float, float]:
+    """Plain floats for the planning knobs, refused before any work if one would give a NaN plan.
+
+    ``zeta`` must be > 0: with ``zeta = 0`` the cost of keeping no expert (coverage 0) is
+    ``-log 0 = inf``, and ``0 * inf`` is NaN when ``risk_weight = 0``; the paper uses 1e-6.
+    """
+    ratio = real_number("ratio", ratio)
+    # The range [0, 1) is checked by validate_budget (InfeasibleBudgetError); 0 keeps every expert.
+    risk_weight = real_number("risk_weight", risk_weight)
+    if risk_weight < 0:
+        raise ValueError(f"risk_weight={risk_weight} must be >= 0 (0 ignores routing risk; the paper uses 3).")
+    zeta = real_number("zeta", zeta)
+    if zeta <= 0:
+        raise ValueError(f"zeta={zeta} must be > 0 (the stabilizer inside log(C(k) + zeta); the paper uses 1e-6).")
+    min_ratio = real_number("min_ratio", min_ratio)
+    max_ratio = real_number("max_ratio", max_ratio)
+    return ratio, risk_weight, zeta, min_ratio, max_ratio
+
+
 def plan_pruning(
     stats: MoEStats,
     ratio: float,
@@ -164,6 +229,9 @@ def plan_pruning(
     """
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+    ratio, risk_weight, zeta, min_ratio, max_ratio = check_plan_arguments(
+        ratio, risk_weight, zeta, min_ratio, max_ratio
+    )
     routings = [(layer.name, layer.routing) for layer in stats.layers]
     choices, budget = validate_budget(routings, ratio, allocation, min_ratio, max_ratio)
     for layer in stats.layers:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .baselines import EXACT_MAX_SUBSETS, check_exact_size
-from .plan import PruningPlan, plan_pruning, validate_budget
+from .plan import PruningPlan, check_plan_arguments, plan_pruning, validate_budget
 from .statistics import MoEStats
 
 
@@ -53,6 +53,7 @@ class OMPStrategy:
         return {}
 
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
+        check_plan_arguments(self.ratio, self.risk_weight, self.zeta, self.min_ratio, self.max_ratio)
         validate_budget(routings, self.ratio, self.allocation, self.min_ratio, self.max_ratio)
 
     def plan(self, stats: MoEStats) -> PruningPlan:
