@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ompmoe.adapters import ARCHITECTURES, find_moe_layers
-from ompmoe.collect import StatisticsCollector
+from ompmoe.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.io import atomic_path, check_writable
 from ompmoe.plan import PruningPlan
 from ompmoe.pruning import prune, save_pruned
@@ -39,18 +39,22 @@ MODEL_DIR = "model"
 PLOTS_DIR = "plots"
 
 
+class MissingModelError(AttributeError, ValueError):
+    """The LightningModule holds no supported Hugging Face MoE model (a user error, not a bug)."""
+
+
 def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Module:
     """The Hugging Face MoE model held by ``pl_module`` (``attribute``, ``.model``, or any child)."""
     if attribute is not None:
         model = getattr(pl_module, attribute, None)
         if model is None:
-            raise AttributeError(f"{type(pl_module).__name__} has no attribute {attribute!r} holding the MoE model.")
+            raise MissingModelError(f"{type(pl_module).__name__} has no attribute {attribute!r} holding the MoE model.")
         return model
     candidates = [getattr(pl_module, "model", None)] + [child for _, child in pl_module.named_children()]
     for candidate in candidates:
         if getattr(getattr(candidate, "config", None), "model_type", None) in ARCHITECTURES:
             return candidate
-    raise AttributeError(
+    raise MissingModelError(
         f"OMPMoEPruning found no Hugging Face MoE model on {type(pl_module).__name__}: store it as "
         "`self.model` (or pass `model_attribute=`), e.g. use ompmoe.CalibrationModule. Supported "
         f"model types: {', '.join(sorted(ARCHITECTURES))}."
@@ -172,6 +176,8 @@ class OMPMoEPruning(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
+        assert self._collector is not None
+        check_calibration_inputs(self._collector.model, inputs)  # before the forward: no wrong sums
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
         num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
         first_sample = batch_idx * self._batch_size  # position on this rank, also after a resume
@@ -180,7 +186,6 @@ class OMPMoEPruning(Callback):
             real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < self._real_samples
             sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
             weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
-        assert self._collector is not None
         self._collector.metric.set_token_weight(weight, num_tokens=num_samples * seq_len)
         self._collector.__enter__()
 

@@ -11,14 +11,14 @@ __version__ = "0.1.0"
 from .adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
 from .adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
 from .allocation import InfeasibleBudgetError
-from .collect import StatisticsCollector, collect_stats
+from .collect import CalibrationInputError, StatisticsCollector, collect_stats
 from .finetune import load_balancing_loss
-from .io import OutputExistsError
-from .plan import LayerPlan, PruningPlan, plan_pruning
+from .io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
+from .plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
 from .pruning import load_pruned, prune, pruning_info, save_pruned
 from .quantization import QuantizedModelError, quantization_summary, quantize_experts
 from .selection import greedy_pursuit
-from .statistics import FingerprintMismatchError, LayerStats, MoEStats, model_fingerprint
+from .statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
 from .strategies import (
     STRATEGIES,
     EANStrategy,
@@ -59,6 +59,11 @@ __all__ = [
     "MoEStats",
     "OMPStrategy",
     "OutputExistsError",
+    "OutputNotReplaceableError",
+    "OutputNotWritableError",
+    "PlanMismatchError",
+    "StatsFileError",
+    "CalibrationInputError",
     "PruningPlan",
     "PruningStrategy",
     "StatisticsCollector",

@@ -276,3 +276,28 @@ def test_fsdp1_strategy_is_refused_with_the_fsdp2_alternative():
     with pytest.raises(ValueError, match=r"use ModelParallelStrategy\(data_parallel_size=N"):
         OMPMoEPruning().setup(fake_trainer, None, "fit")
     OMPMoEPruning().setup(fake_trainer, None, "validate")  # only calibration fits are affected
+
+
+@pytest.mark.parametrize(
+    "bad_batch, message",
+    [
+        ({"input_ids": torch.full((2, 8), 300)}, "input_ids hold token id 300"),
+        ({"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.full((2, 8), 7)},
+         "attention_mask must hold only 0 and 1"),
+    ],
+)
+def test_callback_refuses_bad_batches_before_the_forward(tmp_path, bad_batch, message):
+    counter = ForwardCounter()
+    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=None)
+    with pytest.raises(ompmoe.CalibrationInputError, match=message):
+        trainer(callbacks=[counter, callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader([bad_batch], batch_size=None))
+    assert counter.calls == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_model_is_a_user_error_with_one_line_in_the_cli():
+    from ompmoe.callbacks.pruning import MissingModelError, find_hf_model
+
+    with pytest.raises(MissingModelError, match="found no Hugging Face MoE model") as caught:
+        find_hf_model(torch.nn.Linear(2, 2))
+    assert isinstance(caught.value, ValueError)  # `ompmoe fit` prints it as one `error:` line
