@@ -83,6 +83,9 @@ class OMPMoEPruning(Callback):
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
             :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
+        loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.loss_stats` (one backward of
+            the next-token loss per batch to the MoE outputs; no weight gradients). The module's
+            forward must run with gradients enabled (``CalibrationModule`` does when asked).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class OMPMoEPruning(Callback):
         extra_ratios: list[float] | None = None,
         plots: bool = True,
         adaptive_epsilon: float | None = None,
+        loss_aware: bool = False,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -106,6 +110,7 @@ class OMPMoEPruning(Callback):
         self.extra_ratios = list(extra_ratios or [])
         self.plots = plots
         self.adaptive_epsilon = adaptive_epsilon
+        self.loss_aware = loss_aware
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -151,8 +156,13 @@ class OMPMoEPruning(Callback):
             model,
             model_id=getattr(pl_module, "model_name_or_path", None),
             sources=[describe()] if callable(describe) else None,
+            loss_aware=self.loss_aware,
         )
         self._collector.metric.to(pl_module.device)
+        if self._collector.loss_metric is not None:
+            self._collector.loss_metric.to(pl_module.device)
+            if hasattr(pl_module, "needs_gradients"):
+                pl_module.needs_gradients = True
         if self._restored is not None:
             self._load_metric_state(self._restored)
 
@@ -258,6 +268,10 @@ class OMPMoEPruning(Callback):
         metric = self._collector.metric
         with metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
             states = {name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults}
+        loss_metric = self._collector.loss_metric
+        if loss_metric is not None:
+            with loss_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
+                states.update({f"loss.{name}": getattr(loss_metric, name).detach().cpu().clone() for name in loss_metric._defaults})
         return {"states": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -270,9 +284,14 @@ class OMPMoEPruning(Callback):
         metric = self._collector.metric
         rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         for name, value in state.get("states", {}).items():
-            current = getattr(metric, name)
+            target = metric
+            if name.startswith("loss."):
+                if self._collector.loss_metric is None:
+                    continue
+                target, name = self._collector.loss_metric, name.removeprefix("loss.")
+            current = getattr(target, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
-            setattr(metric, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+            setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))
 
 
 def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
