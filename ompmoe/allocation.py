@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ALLOCATIONS = ("uniform", "waterfill", "optimal")
+ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")  # loss*: ompmoe.loss_aware
 
 
 class InfeasibleBudgetError(ValueError):

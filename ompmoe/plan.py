@@ -26,6 +26,7 @@ from .allocation import (
 )
 from .baselines import BASELINES, SubsetSelection
 from .io import atomic_path
+from .loss_aware import LOSS_ALLOCATIONS, LOSS_METHODS, loss_allocation_costs
 from .selection import greedy_pursuit, prefix_residual, routing_coverage
 from .statistics import LayerStats, MoEStats
 
@@ -83,7 +84,7 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
     return orders  # type: ignore[return-value]
 
 
-METHODS: dict[str, Ranking] = {"omp": omp_orderings, **BASELINES}
+METHODS: dict[str, Ranking] = {"omp": omp_orderings, **BASELINES, **LOSS_METHODS}
 """Expert-selection methods by name: ``omp`` and the baselines of :mod:`ompmoe.baselines`."""
 
 
@@ -248,6 +249,8 @@ def plan_pruning(
         for layer, s in zip(stats.layers, selections)
     ]
     costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
+    if allocation in LOSS_ALLOCATIONS:  # loss units, allocated by the same exact DP as "optimal"
+        costs = loss_allocation_costs(stats.layers, selections, coverages, stats.num_tokens, allocation, risk_weight, zeta)
     if allocation == "uniform":
         counts = uniform_allocation(routings, ratio)
     elif allocation == "waterfill":

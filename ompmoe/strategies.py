@@ -31,7 +31,8 @@ class OMPStrategy:
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        allocation: ``uniform``, ``waterfill`` (the paper's greedy) or ``optimal``.
+        allocation: ``uniform``, ``waterfill`` (the paper's greedy), ``optimal``, or ``loss`` / ``loss_risk``
+            (loss units, :mod:`ompmoe.loss_aware`; need loss-aware statistics).
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_ratio: Fewest experts a layer may keep, as a fraction of its experts.
         max_ratio: Most experts a layer may keep, as a fraction of its experts.
@@ -150,11 +151,41 @@ class TokenNormalizedOMPStrategy(OMPStrategy):
     method = "omp_normalized"
 
 
+# Loss-aware methods (ompmoe.loss_aware): need statistics collected with loss_aware=True.
+@dataclass
+class LossOMPStrategy(OMPStrategy):
+    """Greedy pursuit on the rank-1 loss Gram ``sum_x a_e(x) a_f(x)``, ``a_e(x) = <dL/dY_x, V_e(x)>``."""
+
+    method = "omp_loss"
+
+
+@dataclass
+class GradOMPStrategy(OMPStrategy):
+    """Greedy pursuit on the Gram weighted per token by ``||dL/dY_x||^2``."""
+
+    method = "omp_grad"
+
+
+@dataclass
+class FisherOMPStrategy(OMPStrategy):
+    """Greedy pursuit on the per-token diagonal-Fisher Gram."""
+
+    method = "omp_fisher"
+
+
+@dataclass
+class LossNewtonStrategy(OMPStrategy):
+    """Greedy minimization of the second-order loss estimate with its first-order term."""
+
+    method = "loss_newton"
+
+
 STRATEGIES: dict[str, type[OMPStrategy]] = {
     cls.method: cls
     for cls in (
         OMPStrategy, FrequencyStrategy, RoutingMassStrategy, EANStrategy, REAPStrategy, RandomStrategy,
         StaticEnergyStrategy, ExactStrategy, OMPSwapStrategy, TokenNormalizedOMPStrategy,
+        LossOMPStrategy, GradOMPStrategy, FisherOMPStrategy, LossNewtonStrategy,
     )
 }
 """Strategy class per method name of :data:`ompmoe.plan.METHODS`."""

@@ -19,6 +19,7 @@ from ompmoe.baselines import (
     swap_refine,
 )
 from ompmoe.collect import CANCELLED_TOKEN
+from ompmoe.loss_aware import LOSS_METHODS
 from ompmoe.plan import METHODS
 from ompmoe.selection import greedy_pursuit
 from ompmoe.statistics import LayerStats
@@ -34,7 +35,8 @@ SCORE_METHODS = ("frequency", "routing_mass", "ean", "reap", "static_energy")
 def _stats(model_type: str, seed: int = 0, **overrides) -> MoEStats:
     model = tiny_model(model_type, seed=seed, num_hidden_layers=4, **overrides)
     generator = torch.Generator().manual_seed(seed)
-    return collect_stats(model, [torch.randint(3, 256, (2, 32), generator=generator) for _ in range(2)])
+    batches = [torch.randint(3, 256, (2, 32), generator=generator) for _ in range(2)]
+    return collect_stats(model, batches, loss_aware=True)  # loss-aware sums too, for the ompmoe.loss_aware methods
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +346,7 @@ def test_statistics_without_the_normalized_gram_still_load_and_plan(qwen_stats, 
 @pytest.mark.parametrize("stats_name", ["qwen_stats", "deepseek_stats"])
 def test_every_method_plans_with_every_allocation(stats_name, request):
     stats = request.getfixturevalue(stats_name)
-    assert set(METHODS) == {"omp", *BASELINES} and set(STRATEGIES) == set(METHODS)
+    assert set(METHODS) == {"omp", *BASELINES, *LOSS_METHODS} and set(STRATEGIES) == set(METHODS)
     for method in sorted(METHODS):
         costs = {}
         for allocation in ALLOCATIONS:
