@@ -17,7 +17,9 @@ Methods (keys of :data:`LOSS_METHODS`, usable as ``plan_pruning(method=...)``):
 - ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term.
 
 Allocations (keys of :data:`LOSS_ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
-``loss_risk`` (the same plus the routing-risk term ``lambda * -log(C_l(k) + zeta)``).
+``loss_risk``: the paper's per-layer cost ``r_l(k) + lambda * -log(C_l(k) + zeta)`` measured in loss
+units, i.e. ``dL_l(k) + lambda * dL_l(0) * -log(C_l(k) + zeta)`` (``dL_l(0)``, the estimate for
+removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs by its loss scale).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def loss_allocation_costs(
     risk_weight: float,
     zeta: float,
 ) -> list[np.ndarray]:
-    """Cost curves of a loss allocation: the loss estimate, plus the routing risk for ``loss_risk``.
+    """Cost curves of a loss allocation: the loss estimate, plus for ``loss_risk`` the routing risk
+    scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``.
 
     The allocation itself is the exact dynamic program of
     :func:`~ompmoe.allocation.optimal_allocation` over these curves.
@@ -155,4 +158,4 @@ def loss_allocation_costs(
     if allocation == "loss":
         return curves
     risks = [-np.log(np.clip(c.to(torch.float64).cpu().numpy(), 0.0, None) + zeta) for c in coverages]
-    return [curve + risk_weight * risk for curve, risk in zip(curves, risks)]
+    return [curve + risk_weight * max(float(curve[0]), 0.0) * risk for curve, risk in zip(curves, risks)]

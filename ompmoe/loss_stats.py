@@ -90,21 +90,25 @@ class LossStatsMetric(Metric):
             weight = token_weight.to(device, torch.float64)[keep]
         else:
             weight = None
-        projection = torch.einsum("tkd,td->tk", atoms, grad).to(torch.float64)  # a_e(x)
-        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)
-        fisher_products = torch.bmm(atoms * grad.square().unsqueeze(1), atoms.transpose(1, 2)).to(torch.float64)
+        top_k = atoms.shape[1]
+        # One batched product gives <V_e, V_f> (rows :k), sum_i d_i^2 V_e,i V_f,i (rows k:) and a_e (last column).
+        left = torch.cat([atoms, atoms * grad.square().unsqueeze(1)], dim=1)  # (T, 2k, d)
+        right = torch.cat([atoms, grad.unsqueeze(1)], dim=1).transpose(1, 2)  # (T, d, k + 1)
+        products = torch.bmm(left, right).to(torch.float64)  # (T, 2k, k + 1)
+        projection = products[:, :top_k, top_k]  # a_e(x) = <V_e(x), d_x>
         grad_energy = grad.square().sum(-1).to(torch.float64)
-        per_pair = {
-            "gram_grad": pair_products * grad_energy.view(-1, 1, 1),
-            "gram_loss": projection.unsqueeze(-1) * projection.unsqueeze(-2),
-            "gram_fisher": fisher_products,
-        }
+        per_pair = torch.stack([
+            products[:, :top_k, :top_k] * grad_energy.view(-1, 1, 1),  # gram_grad
+            projection.unsqueeze(-1) * projection.unsqueeze(-2),  # gram_loss
+            products[:, top_k:, :top_k],  # gram_fisher
+        ])  # (3, T, k, k)
         if weight is not None:
-            per_pair = {key: value * weight.view(-1, 1, 1) for key, value in per_pair.items()}
+            per_pair = per_pair * weight.view(1, -1, 1, 1)
             projection = projection * weight.view(-1, 1)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
-        for key, value in per_pair.items():
-            getattr(self, f"{key}_{index}").view(-1).index_add_(0, flat_gram_index, value.reshape(-1))
+        sums = per_pair.new_zeros(3, n * n).index_add_(1, flat_gram_index, per_pair.reshape(3, -1))
+        for key, value in zip(("gram_grad", "gram_loss", "gram_fisher"), sums):
+            getattr(self, f"{key}_{index}").view(-1).add_(value)
         getattr(self, f"loss_first_order_{index}").index_add_(0, ids.reshape(-1), projection.reshape(-1))
 
     def add_loss(self, loss: torch.Tensor) -> None:
