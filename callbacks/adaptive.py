@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ompmoe.adaptive import (
+from ompmoe.engine.adaptive import (
     adaptive_histograms,
     adaptive_info,
     adaptive_totals,
@@ -30,7 +30,7 @@ from ompmoe.adaptive import (
     reset_adaptive_counters,
     restore_adaptive,
 )
-from ompmoe.statistics import MoEStats
+from ompmoe.engine.statistics import MoEStats
 
 from .pruning import find_hf_model
 

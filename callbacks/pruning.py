@@ -23,13 +23,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from ompmoe.adapters import ARCHITECTURES, find_moe_layers
-from ompmoe.collect import StatisticsCollector, check_calibration_inputs
-from ompmoe.io import atomic_path, check_writable
-from ompmoe.plan import PruningPlan
-from ompmoe.pruning import prune, save_pruned
-from ompmoe.statistics import MoEStats
-from ompmoe.strategies import OMPStrategy, PruningStrategy
+from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
+from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
+from ompmoe.engine.io import atomic_path, check_writable
+from ompmoe.engine.plan import PruningPlan
+from ompmoe.engine.pruning import prune, save_pruned
+from ompmoe.engine.statistics import MoEStats
+from ompmoe.engine.strategies import OMPStrategy, PruningStrategy
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class OMPMoEPruning(Callback):
         extra_ratios: More ratios to plan from the same statistics, written as
             ``plan-<ratio>.json`` (prune them later with ``ompmoe prune``).
         plots: Also write reconstruction-gain heatmaps, residual/risk curves and the
-            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.plots`; needs matplotlib).
+            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.recipes.plots`; needs matplotlib).
         adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
@@ -210,7 +210,7 @@ class OMPMoEPruning(Callback):
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             prune(model, plan)
             if self.adaptive_epsilon is not None:
-                from ompmoe.adaptive import enable_adaptive
+                from ompmoe.engine.adaptive import enable_adaptive
 
                 enable_adaptive(model, stats, self.adaptive_epsilon)
             self.pruned_model = model
@@ -232,7 +232,7 @@ class OMPMoEPruning(Callback):
             for strategy in self._extra_strategies():
                 strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")
             if self.plots:
-                from ompmoe.plots import write_plots
+                from ompmoe.recipes.plots import write_plots
 
                 write_plots(stats, tmp / PLOTS_DIR, plan=plan)
             if self.save_model:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calibration_module import TINY_PREFIX, CalibrationModule
+from ..lightning.calibration_module import TINY_PREFIX, CalibrationModule
 from .requests import SCORE
 
 __all__ = ["EvalModule"]
@@ -57,7 +57,7 @@ class EvalModule(CalibrationModule):
         name = self.model_name_or_path
         if name is None or not os.path.isdir(name):  # hub ids, tiny:..., other named models
             return super()._load_model()
-        from ..pruning import load_pruned
+        from ..engine.pruning import load_pruned
 
         # A local directory may hold a model pruned by ompmoe with different expert counts per layer.
         kwargs: dict[str, Any] = {"dtype": self.torch_dtype or "auto"}
@@ -88,7 +88,7 @@ class EvalModule(CalibrationModule):
         if name is None:
             return None
         if name.startswith(TINY_PREFIX):
-            from ..tiny import tiny_config
+            from ..engine.tiny import tiny_config
 
             return tiny_config(name.removeprefix(TINY_PREFIX))
         from transformers import AutoConfig
@@ -102,7 +102,7 @@ class EvalModule(CalibrationModule):
         return AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
-        from ..pruning import pruning_info
+        from ..engine.pruning import pruning_info
 
         name = self.model_name_or_path or type(self.model).__name__
         info: dict[str, Any] = {"model": name}

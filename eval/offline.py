@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..calibration_data import HubUnavailableError, _hub_offline, _hub_reachable, _offline
+from ..lightning.calibration_data import HubUnavailableError, _hub_offline, _hub_reachable, _offline
 
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
 

@@ -8,18 +8,19 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 
 __version__ = "0.1.0"
 
-from .adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
-from .adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
-from .allocation import InfeasibleBudgetError
-from .collect import CalibrationInputError, StatisticsCollector, collect_stats
-from .finetune import load_balancing_loss
-from .io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
-from .plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
-from .pruning import load_pruned, prune, pruning_info, save_pruned
-from .quantization import QuantizedModelError, quantization_summary, quantize_experts
-from .selection import greedy_pursuit
-from .statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
-from .strategies import (
+from .engine.adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
+from .engine.adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from .engine.allocation import InfeasibleBudgetError
+from .engine.collect import CalibrationInputError, StatisticsCollector, collect_stats
+from .recipes.finetune import load_balancing_loss
+from .engine.io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
+from .engine.plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
+from .engine.pruning import load_pruned, prune, pruning_info, save_pruned
+from .engine.quantized import QuantizedModelError
+from .recipes.quantization import quantization_summary, quantize_experts
+from .engine.selection import greedy_pursuit
+from .engine.statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
+from .engine.strategies import (
     STRATEGIES,
     EANStrategy,
     ExactStrategy,
@@ -89,13 +90,16 @@ __all__ = [
 # Lightning-based classes, imported on first access so that ``import ompmoe`` never needs lightning.
 # Add an entry ``name -> submodule`` here to expose another one the same way.
 _LAZY_ATTRIBUTES: dict[str, str] = {
-    "CalibrationDataModule": ".calibration_data",
-    "CalibrationModule": ".calibration_module",
-    "write_plots": ".plots",  # needs matplotlib
-    "FinetuneModule": ".finetune_module",
+    "CalibrationDataModule": ".lightning.calibration_data",
+    "CalibrationModule": ".lightning.calibration_module",
+    "write_plots": ".recipes.plots",  # needs matplotlib
+    "FinetuneModule": ".lightning.finetune_module",
 }
 
 
+from ._compat import install as _install_moved_modules  # noqa: E402
 from ._lazy import lazy_attributes  # noqa: E402
+
+_install_moved_modules()
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES)

@@ -4,7 +4,7 @@
 - ``ompmoe prune --stats run/stats.safetensors --ratio [0.25,0.5] --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
-  curves and the high-contribution table (:mod:`ompmoe.plots`).
+  curves and the high-contribution table (:mod:`ompmoe.recipes.plots`).
 - ``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``): the lm-eval suite (:mod:`ompmoe.eval`).
 - ``ompmoe report original.json pruned.json``: Markdown table of evaluation results.
 """
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .io import OutputNotWritableError, atomic_path, check_writable
-from .statistics import MoEStats
-from .strategies import strategy_for
+from .engine.io import OutputNotWritableError, atomic_path, check_writable
+from .engine.statistics import MoEStats
+from .engine.strategies import strategy_for
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -82,7 +82,7 @@ def replan(
         max_ratio: Most experts a layer may keep, as a fraction of its experts.
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
-        method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
+        method: ``omp`` or a baseline of :mod:`ompmoe.engine.baselines` (``frequency``, ``reap``, ...).
     """
     ratio = _ratios(ratio)
     inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
@@ -106,7 +106,7 @@ def replan(
             plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if model is not None:
-                from .pruning import prune, save_pruned
+                from .engine.pruning import prune, save_pruned
 
                 pruned = prune(_load_model(model, statistics), plan)
                 save_pruned(pruned, tmp / f"model-{name}")
@@ -124,8 +124,8 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
         plan: A ``plan.json`` made from these statistics, to mark each layer's kept count.
         overwrite: Replace an existing ``output_dir``.
     """
-    from .plan import PruningPlan
-    from .plots import write_plots
+    from .engine.plan import PruningPlan
+    from .recipes.plots import write_plots
 
     inputs = [stats] + ([plan] if plan is not None else [])
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
@@ -139,7 +139,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
 
 
 def _load_model(name: str, statistics: MoEStats):
-    from .calibration_module import CalibrationModule
+    from .lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule(name)
     module.configure_model()
@@ -155,8 +155,8 @@ def lightning_cli(args: list[str] | None = None) -> None:
     if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
         return eval_cli(args)
 
-    from .calibration_data import CalibrationDataModule
-    from .calibration_module import CalibrationModule
+    from .lightning.calibration_data import CalibrationDataModule
+    from .lightning.calibration_module import CalibrationModule
 
     LightningCLI(
         CalibrationModule,

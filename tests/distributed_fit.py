@@ -9,10 +9,10 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from ompmoe.calibration_module import CalibrationModule
+from ompmoe.lightning.calibration_module import CalibrationModule
 from ompmoe.callbacks import OMPMoEPruning
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.strategies import OMPStrategy
+from ompmoe.engine.strategies import OMPStrategy
 
 
 def calibration_batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ import transformers
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.adaptive import (
+from ompmoe.engine.adaptive import (
     CONFIG_KEY,
     ZETA,
     adaptive_info,
@@ -346,7 +346,7 @@ def text_batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Ten
 
 
 def evaluating_module(model):
-    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
 
     class Evaluating(CalibrationModule):
         def validation_step(self, batch, batch_idx):
@@ -397,7 +397,7 @@ def test_monitor_switches_adaptive_on_and_logs_the_counters(tmp_path):
 
 def test_pruning_callback_switches_adaptive_on_and_saves_it(tmp_path):
     from ompmoe.callbacks import AdaptiveInferenceMonitor, OMPMoEPruning
-    from ompmoe.strategies import OMPStrategy
+    from ompmoe.engine.strategies import OMPStrategy
 
     data = text_batches(4)
     callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), adaptive_epsilon=EPSILON)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ompmoe.allocation import (
+from ompmoe.engine.allocation import (
     InfeasibleBudgetError,
     LayerChoices,
     allocation_cost,

@@ -1,4 +1,4 @@
-"""Baselines (ompmoe.baselines) against literal implementations, brute force and the plan machinery."""
+"""Baselines (ompmoe.engine.baselines) against literal implementations, brute force and the plan machinery."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import ompmoe
 from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
-from ompmoe.baselines import (
+from ompmoe.engine.baselines import (
     BASELINES,
     SubsetSelection,
     TooManySubsetsError,
@@ -18,12 +18,12 @@ from ompmoe.baselines import (
     score_order,
     swap_refine,
 )
-from ompmoe.collect import CANCELLED_TOKEN
-from ompmoe.plan import METHODS
-from ompmoe.selection import greedy_pursuit
-from ompmoe.statistics import LayerStats
-from ompmoe.strategies import STRATEGIES, ExactStrategy, RandomStrategy, strategy_for
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.collect import CANCELLED_TOKEN
+from ompmoe.engine.plan import METHODS
+from ompmoe.engine.selection import greedy_pursuit
+from ompmoe.engine.statistics import LayerStats
+from ompmoe.engine.strategies import STRATEGIES, ExactStrategy, RandomStrategy, strategy_for
+from ompmoe.engine.tiny import tiny_model
 
 from conftest import assert_gram_close, make_model, random_ids
 
@@ -133,7 +133,7 @@ def test_score_order_ties_go_to_the_lowest_id():
 
 def test_reap_is_the_mean_gate_weighted_norm_over_routed_tokens(collected):
     """REAP from the statistics equals mean over routed tokens of g ||F|| from the literal atoms."""
-    from ompmoe.baselines import reap_scores
+    from ompmoe.engine.baselines import reap_scores
 
     for layer, literal in zip(collected.stats.layers, collected.literal):
         routed = literal.token_count > 0
@@ -262,7 +262,7 @@ def test_set_methods_on_tiny_model_stats(stats_name, request):
     for layer, order, ex, sw in zip(stats.layers, omp, exact, swap):
         assert isinstance(ex, SubsetSelection) and isinstance(sw, SubsetSelection)
         assert torch.equal(ex.reference, order) and torch.equal(sw.reference, order)
-        from ompmoe.selection import prefix_residual
+        from ompmoe.engine.selection import prefix_residual
 
         greedy = prefix_residual(layer.gram, order)
         r_exact, r_swap = ex.residual(layer.gram), sw.residual(layer.gram)

@@ -12,14 +12,14 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.allocation import InfeasibleBudgetError
-from ompmoe.calibration_data import ResumableDataLoader
-from ompmoe.calibration_module import CalibrationModule
+from ompmoe.engine.allocation import InfeasibleBudgetError
+from ompmoe.lightning.calibration_data import ResumableDataLoader
+from ompmoe.lightning.calibration_module import CalibrationModule
 from ompmoe.callbacks import OMPMoEPruning
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.io import OutputExistsError
-from ompmoe.strategies import OMPStrategy
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.io import OutputExistsError
+from ompmoe.engine.strategies import OMPStrategy
+from ompmoe.engine.tiny import tiny_model
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ompmoe import InfeasibleBudgetError, OutputExistsError, PruningPlan, collect_stats, plan_pruning
-from ompmoe.allocation import allocation_cost, layer_choices, total_cost
-from ompmoe.plan import METHODS
-from ompmoe.selection import greedy_pursuit, prefix_residual, routing_coverage
-from ompmoe.statistics import LayerStats, MoEStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.allocation import allocation_cost, layer_choices, total_cost
+from ompmoe.engine.plan import METHODS
+from ompmoe.engine.selection import greedy_pursuit, prefix_residual, routing_coverage
+from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.tiny import tiny_model
 
 ALLOCATIONS = ("uniform", "waterfill", "optimal")
 

@@ -1,4 +1,4 @@
-"""ompmoe.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
+"""ompmoe.recipes.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from torch.utils.data import DataLoader
 import ompmoe
 from ompmoe import MoEStats, OutputExistsError, collect_stats, plan_pruning
 from ompmoe.cli import main
-from ompmoe.plots import (
+from ompmoe.recipes.plots import (
     PLOT_FILES,
     high_contribution_experts,
     high_contribution_table,
     layer_index,
     write_plots,
 )
-from ompmoe.statistics import LayerStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.statistics import LayerStats
+from ompmoe.engine.tiny import tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -130,7 +130,7 @@ def test_layer_index_from_module_names():
 def test_callback_writes_plots_inside_its_output_directory(tmp_path):
     from test_callback import batches, trainer
 
-    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
     from ompmoe.callbacks import OMPMoEPruning
 
     callback = OMPMoEPruning(ompmoe.FrequencyStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), save_model=False)

@@ -15,12 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ompmoe
-from ompmoe.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
+from ompmoe.engine.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
 from ompmoe import MoEStats, collect_stats, plan_pruning, prune
-from ompmoe.collect import ADAPTIVE_WARNING, CalibrationInputError
-from ompmoe.plan import PlanMismatchError, PruningPlan
-from ompmoe.pruning import load_pruned, save_pruned
-from ompmoe.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
+from ompmoe.engine.collect import ADAPTIVE_WARNING, CalibrationInputError
+from ompmoe.engine.plan import PlanMismatchError, PruningPlan
+from ompmoe.engine.pruning import load_pruned, save_pruned
+from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
 
 from conftest import make_model, random_ids
 
@@ -406,7 +406,7 @@ def test_bool_and_float_masks_accepted():
 
 def test_token_weights_must_be_0_or_1():
     # The Lightning callback hands masks (times 0/1 sample weights) straight to the metric.
-    from ompmoe.collect import MoEStatsMetric
+    from ompmoe.engine.collect import MoEStatsMetric
 
     metric = MoEStatsMetric(ompmoe.find_moe_layers(qwen()))
     with pytest.raises(CalibrationInputError, match=re.escape("Token weights (attention_mask) must be 0 or 1; found 0.5.")):

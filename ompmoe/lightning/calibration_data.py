@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .data import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
+from ..data import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
 
 __all__ = ["PRESETS", "CalibrationBlocks", "CalibrationDataModule", "HubUnavailableError"]
 

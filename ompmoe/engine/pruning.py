@@ -26,7 +26,7 @@ from .adapters import MoELayer, architecture_of, find_moe_layers
 from .io import atomic_path
 from .allocation import minimum_kept
 from .plan import PlanMismatchError, PruningPlan
-from .quantization import check_not_quantized, check_savable
+from .quantized import check_not_quantized, check_savable
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 CONFIG_KEY = "ompmoe"
@@ -175,7 +175,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
 
     The whole plan is checked against the model first (:func:`validate_plan`), so a plan that
     does not fit raises :class:`PlanMismatchError` with the model untouched.
-    A quantized model is refused before anything changes (:class:`ompmoe.quantization.QuantizedModelError`):
+    A quantized model is refused before anything changes (:class:`ompmoe.QuantizedModelError`):
     prune first, then quantize.
     """
     check_not_quantized(model)

@@ -115,7 +115,7 @@ class MoEStats:
 
     def __post_init__(self) -> None:
         if not self.library_version:
-            from . import __version__
+            from .. import __version__
 
             self.library_version = __version__
 

@@ -1,8 +1,8 @@
 """Baseline expert-selection methods, computed from the same statistics as OMP-MoE.
 
-Every method is registered in :data:`ompmoe.plan.METHODS` and combines with every allocation
+Every method is registered in :data:`ompmoe.engine.plan.METHODS` and combines with every allocation
 (``uniform``, ``waterfill``, ``optimal``): ``plan_pruning(stats, ratio, method=NAME)``. A
-method maps the layers' :class:`~ompmoe.statistics.LayerStats` to, per layer, either
+method maps the layers' :class:`~ompmoe.engine.statistics.LayerStats` to, per layer, either
 
 - a full **ordering** (best first; a layer keeping ``k`` experts keeps the first ``k``), or
 - a :class:`SubsetSelection`: one kept set per count ``k = 0..N`` that need not be nested
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .selection import greedy_pursuit
 from .statistics import LayerStats
 
 EXACT_MAX_SUBSETS = 2_000_000
@@ -322,7 +321,7 @@ BASELINES = {
     "omp_swap": omp_swap_selections,
     "omp_normalized": omp_normalized_orderings,
 }
-"""Baseline methods by name (registered in :data:`ompmoe.plan.METHODS` next to ``omp``)."""
+"""Baseline methods by name (registered in :data:`ompmoe.engine.plan.METHODS` next to ``omp``)."""
 
 __all__ = [
     "BASELINES",

@@ -66,7 +66,7 @@ def _plain(value: Any) -> Any:
 
 Ranking = Callable[..., list[torch.Tensor] | list[SubsetSelection]]
 """``method(layers, **method_options)``: a full ordering (best first) or a
-:class:`~ompmoe.baselines.SubsetSelection` (a kept set per count) for each layer."""
+:class:`~ompmoe.engine.baselines.SubsetSelection` (a kept set per count) for each layer."""
 
 
 def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
@@ -84,7 +84,7 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
 
 
 METHODS: dict[str, Ranking] = {"omp": omp_orderings, **BASELINES}
-"""Expert-selection methods by name: ``omp`` and the baselines of :mod:`ompmoe.baselines`."""
+"""Expert-selection methods by name: ``omp`` and the baselines of :mod:`ompmoe.engine.baselines`."""
 
 
 @dataclass

@@ -46,7 +46,7 @@ class OMPStrategy:
     zeta: float = 1e-6
 
     method = "omp"
-    """Name in :data:`ompmoe.plan.METHODS`; the baseline strategies below only change this."""
+    """Name in :data:`ompmoe.engine.plan.METHODS`; the baseline strategies below only change this."""
 
     def method_options(self) -> dict[str, Any]:
         """Extra arguments of the method (recorded in ``plan.extra``)."""
@@ -70,7 +70,7 @@ class OMPStrategy:
         )
 
 
-# Baselines (ompmoe.baselines): the same fields, statistics and allocations as OMPStrategy.
+# Baselines (ompmoe.engine.baselines): the same fields, statistics and allocations as OMPStrategy.
 @dataclass
 class FrequencyStrategy(OMPStrategy):
     """Baseline: keep the experts routed the most calibration tokens (fields as :class:`OMPStrategy`)."""
@@ -157,7 +157,7 @@ STRATEGIES: dict[str, type[OMPStrategy]] = {
         StaticEnergyStrategy, ExactStrategy, OMPSwapStrategy, TokenNormalizedOMPStrategy,
     )
 }
-"""Strategy class per method name of :data:`ompmoe.plan.METHODS`."""
+"""Strategy class per method name of :data:`ompmoe.engine.plan.METHODS`."""
 
 
 def strategy_for(method: str, **kwargs: Any) -> OMPStrategy:

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .data import resolve_shipped
+from ..data import resolve_shipped
 
 TINY_PREFIX = "tiny:"
 
@@ -82,7 +82,7 @@ class CalibrationModule(pl.LightningModule):
         if name is None:
             raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
         if name.startswith(TINY_PREFIX):
-            from .tiny import tiny_model
+            from ..engine.tiny import tiny_model
 
             return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
         from transformers import AutoModelForCausalLM
