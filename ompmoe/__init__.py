@@ -8,19 +8,26 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 
 __version__ = "0.1.0"
 
-from .engine.adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
+from .engine.adapters import (
+    ARCHITECTURES,
+    ArchitectureSpec,
+    MoELayer,
+    UnsupportedModelError,
+    find_moe_layers,
+    register_architecture,
+    supported_model_types,
+)
 from .engine.adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
-from .engine.allocation import InfeasibleBudgetError
+from .engine.allocation import ALLOCATIONS, AllocationProblem, InfeasibleBudgetError, register_allocation
 from .engine.collect import CalibrationInputError, StatisticsCollector, collect_stats
-from .recipes.finetune import load_balancing_loss
 from .engine.io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
 from .engine.plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
 from .engine.pruning import load_pruned, prune, pruning_info, save_pruned
 from .engine.quantized import QuantizedModelError
-from .recipes.quantization import quantization_summary, quantize_experts
 from .engine.selection import greedy_pursuit
 from .engine.statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
-from .engine.strategies import (
+from .engine.methods import METHODS, SelectionMethod, SubsetSelection, get_method, register_method
+from .engine.strategy import (
     STRATEGIES,
     EANStrategy,
     ExactStrategy,
@@ -32,11 +39,23 @@ from .engine.strategies import (
     REAPStrategy,
     RoutingMassStrategy,
     StaticEnergyStrategy,
+    Strategy,
     TokenNormalizedOMPStrategy,
     strategy_for,
 )
 
 __all__ = [
+    "ALLOCATIONS",
+    "ArchitectureSpec",
+    "register_architecture",
+    "AllocationProblem",
+    "METHODS",
+    "SelectionMethod",
+    "Strategy",
+    "SubsetSelection",
+    "get_method",
+    "register_allocation",
+    "register_method",
     "QuantizedModelError",
     "load_balancing_loss",
     "quantization_summary",
@@ -94,6 +113,10 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
     "CalibrationModule": ".lightning.calibration_module",
     "write_plots": ".recipes.plots",  # needs matplotlib
     "FinetuneModule": ".lightning.finetune_module",
+    # Recipes, so that ``import ompmoe`` loads the engine only.
+    "load_balancing_loss": ".recipes.finetune",
+    "quantization_summary": ".recipes.quantization",
+    "quantize_experts": ".recipes.quantization",
 }
 
 

@@ -15,14 +15,15 @@ import warnings
 from types import ModuleType
 
 MOVED_MODULES: dict[str, str] = {
-    **{name: "engine" for name in (
-        "adapters", "adaptive", "allocation", "baselines", "collect", "io", "plan", "pruning",
-        "selection", "statistics", "strategies", "tiny",
+    **{name: f"ompmoe.engine.{name}" for name in (
+        "adapters", "adaptive", "allocation", "collect", "io", "plan", "pruning", "selection", "statistics", "tiny",
     )},
-    **{name: "lightning" for name in ("calibration_data", "calibration_module", "finetune_module")},
-    **{name: "recipes" for name in ("quantization", "finetune", "plots", "quickstart")},
+    "baselines": "ompmoe.engine.methods",
+    "strategies": "ompmoe.engine.strategy",
+    **{name: f"ompmoe.lightning.{name}" for name in ("calibration_data", "calibration_module", "finetune_module")},
+    **{name: f"ompmoe.recipes.{name}" for name in ("quantization", "finetune", "plots", "quickstart")},
 }
-"""Old module name under ``ompmoe`` -> the subpackage it now lives in."""
+"""Old module name under ``ompmoe`` -> the module that now holds its contents."""
 
 
 class _MovedModuleLoader(importlib.abc.Loader):
@@ -48,7 +49,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         package, _, name = fullname.rpartition(".")
         if package != "ompmoe" or name not in MOVED_MODULES:
             return None
-        new_name = f"ompmoe.{MOVED_MODULES[name]}.{name}"
+        new_name = MOVED_MODULES[name]
         return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(new_name))
 
 

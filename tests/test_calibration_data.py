@@ -305,8 +305,8 @@ def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(module, "_offline", lambda: False)
-    monkeypatch.setattr(module, "_hub_reachable", lambda: False)  # never touch the network in tests
+    monkeypatch.setattr(module, "offline_mode", lambda: False)
+    monkeypatch.setattr(module, "hub_reachable", lambda: False)  # never touch the network in tests
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     start = time.perf_counter()
     with pytest.raises(HubUnavailableError, match="'allenai/c4'.*unreachable"):

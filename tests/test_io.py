@@ -111,14 +111,14 @@ def test_callback_refuses_a_foreign_directory_before_calibration(tmp_path):
     from torch.utils.data import DataLoader
 
     from ompmoe.lightning.calibration_module import CalibrationModule
-    from ompmoe.callbacks import OMPMoEPruning
+    from ompmoe.callbacks import ExpertPruning
 
     foreign = tmp_path / "data"
     foreign.mkdir()
     (foreign / "corpus.txt").write_text("precious")
     counter = ForwardCounter()
     with pytest.raises(OutputNotReplaceableError, match=r"data is not an ompmoe output .*Choose a new output directory"):
-        trainer([counter, OMPMoEPruning(output_dir=str(foreign), overwrite=True)]).fit(
+        trainer([counter, ExpertPruning(output_dir=str(foreign), overwrite=True)]).fit(
             CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
         )
     assert counter.calls == 0 and names(foreign) == ["corpus.txt"]

@@ -131,9 +131,9 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
     from test_callback import batches, trainer
 
     from ompmoe.lightning.calibration_module import CalibrationModule
-    from ompmoe.callbacks import OMPMoEPruning
+    from ompmoe.callbacks import ExpertPruning
 
-    callback = OMPMoEPruning(ompmoe.FrequencyStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), save_model=False)
+    callback = ExpertPruning(ompmoe.PruningStrategy(ratio=0.5, method="frequency"), output_dir=str(tmp_path / "run"), save_model=False)
     trainer(callbacks=[callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == [".ompmoe-output", "plan.json", "plots", "stats.safetensors"]
@@ -143,7 +143,7 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
             png_size(run / "plots" / name)
     assert callback.plan.method == "frequency"
 
-    quiet = OMPMoEPruning(output_dir=str(tmp_path / "quiet"), save_model=False, plots=False)
+    quiet = ExpertPruning(output_dir=str(tmp_path / "quiet"), save_model=False, plots=False)
     trainer(callbacks=[quiet]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == [".ompmoe-output", "plan.json", "stats.safetensors"]
 

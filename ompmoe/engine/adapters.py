@@ -4,14 +4,17 @@ Every supported architecture shares one layout: a sparse block with a router (``
 ``.router`` in GPT-OSS) that returns ``(logits, top_k_weights, top_k_index)`` and a fused
 ``.experts`` module whose parameters are 3-D tensors indexed by expert on their first axis.
 The per-architecture hooks below only describe what differs: where the router lives, which
-config key stores the expert count, and whether routing is group-limited.
+config key stores the expert count, whether routing is group-limited, the names of the experts'
+forward arguments, and a tiny config for tests. Every architecture fact lives in its
+:class:`ArchitectureSpec`; :func:`register_architecture` adds one in one place.
 Shared experts and dense layers are never matched, so they are left alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -32,6 +35,12 @@ class ArchitectureSpec:
     """Whether the router first picks groups of experts and then experts inside them."""
     group_score_topk: int = 1
     """How many experts per group score a group (DeepSeek-V3 sums its top-2)."""
+    experts_arguments: tuple[str, str, str] = ("hidden_states", "top_k_index", "top_k_weights")
+    """Names of the fused experts' ``forward`` arguments (GPT-OSS: ``router_indices``, ``routing_weights``)."""
+    count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
+    """Attributes of the router and experts modules that hold the expert count (updated by pruning)."""
+    tiny_config: tuple[str, dict[str, Any]] | None = field(default=None, compare=False)
+    """``(transformers config class name, overrides)`` of a tiny random test model (:mod:`ompmoe.engine.tiny`)."""
 
 
 def _never(router: nn.Module) -> bool:
@@ -46,17 +55,71 @@ def _always_grouped(router: nn.Module) -> bool:
     return True
 
 
-ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "qwen3_moe": ArchitectureSpec("gate", "num_experts", _never),
-    "qwen2_moe": ArchitectureSpec("gate", "num_experts", _never),
-    "mixtral": ArchitectureSpec("gate", "num_local_experts", _never),
-    "olmoe": ArchitectureSpec("gate", "num_experts", _never),
-    "deepseek_v2": ArchitectureSpec("gate", "n_routed_experts", _deepseek_v2_grouped),
-    "deepseek_v3": ArchitectureSpec("gate", "n_routed_experts", _always_grouped, group_score_topk=2),
-    "glm4_moe": ArchitectureSpec("gate", "n_routed_experts", _always_grouped, group_score_topk=2),
-    "gpt_oss": ArchitectureSpec("router", "num_local_experts", _never),
-}
-"""Supported ``config.model_type`` values and their router hooks."""
+ARCHITECTURES: dict[str, ArchitectureSpec] = {}
+"""Supported ``config.model_type`` values and their specs (add one with :func:`register_architecture`)."""
+
+
+def register_architecture(model_type: str, spec: ArchitectureSpec) -> ArchitectureSpec:
+    """Support ``config.model_type == model_type``: statistics, selection, pruning, loading, adaptive inference."""
+    if not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"register_architecture needs an ArchitectureSpec; got {type(spec).__name__}.")
+    existing = ARCHITECTURES.get(model_type)
+    if existing is not None and existing != spec:
+        raise ValueError(f"model_type {model_type!r} is already registered with another spec.")
+    ARCHITECTURES[model_type] = spec
+    return spec
+
+
+register_architecture("qwen3_moe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("Qwen3MoeConfig", dict(
+        head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[0])),
+))
+register_architecture("qwen2_moe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("Qwen2MoeConfig", dict(
+        intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1)),
+))
+register_architecture("mixtral", ArchitectureSpec(
+    "gate", "num_local_experts", _never,
+    tiny_config=("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
+))
+register_architecture("olmoe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("OlmoeConfig", dict(intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
+))
+register_architecture("deepseek_v2", ArchitectureSpec(
+    "gate", "n_routed_experts", _deepseek_v2_grouped,
+    tiny_config=("DeepseekV2Config", dict(
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, topk_method="greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.0)),
+))
+register_architecture("deepseek_v3", ArchitectureSpec(
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2,
+    tiny_config=("DeepseekV3Config", dict(
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True)),
+))
+register_architecture("glm4_moe", ArchitectureSpec(
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2,
+    tiny_config=("Glm4MoeConfig", dict(
+        head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        norm_topk_prob=True)),
+))
+register_architecture("gpt_oss", ArchitectureSpec(
+    "router", "num_local_experts", _never,
+    experts_arguments=("hidden_states", "router_indices", "routing_weights"),
+    tiny_config=("GptOssConfig", dict(
+        head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+        swiglu_limit=7.0)),
+))
 
 
 @dataclass
@@ -120,6 +183,25 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return has_count and has_3d_weight
 
 
+def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.Module]]:
+    """``(name, block, router, experts)`` of every module with a router and an ``.experts`` child.
+
+    Found by attribute only, so it also finds blocks whose experts are quantized or otherwise not
+    fused 3-D weights (:func:`find_moe_layers` keeps the prunable ones). Empty for an
+    unsupported architecture.
+    """
+    spec = ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if spec is None:
+        return []
+    blocks = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        router = getattr(module, spec.router_attr, None)
+        if isinstance(experts, nn.Module) and isinstance(router, nn.Module):
+            blocks.append((name, module, router, experts))
+    return blocks
+
+
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     """List the routed-expert blocks of ``model`` in module order.
 
@@ -127,11 +209,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     """
     spec = architecture_of(model)
     layers: list[MoELayer] = []
-    for name, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        router = getattr(module, spec.router_attr, None)
-        if not isinstance(experts, nn.Module) or not isinstance(router, nn.Module):
-            continue
+    for name, module, router, experts in sparse_blocks(model):
         if not _is_fused_experts(experts):
             continue
         num_experts = int(experts.num_experts)

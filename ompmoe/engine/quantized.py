@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .adapters import ARCHITECTURES
+from .adapters import ARCHITECTURES, sparse_blocks
 
 class QuantizedModelError(ValueError):
     """The model is already quantized, and pruning a quantized model is not supported."""
@@ -41,22 +41,11 @@ def _is_quantized_tensor(tensor: torch.Tensor) -> bool:
 
 
 def _sparse_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module, nn.Module]]:
-    """``(name, router attribute, router, experts)`` of the sparse blocks, found by attribute only.
-
-    Unlike :func:`ompmoe.find_moe_layers` this does not look at the expert weights, so it also
-    finds blocks whose experts are quantized.
-    """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None:
+    """``(name, router attribute, router, experts)`` of the sparse blocks, quantized experts included."""
+    if not sparse_blocks(model):
         return []
-    blocks = []
-    for name, module in model.named_modules():
-        router = getattr(module, spec.router_attr, None)
-        experts = getattr(module, "experts", None)
-        if isinstance(router, nn.Module) and isinstance(experts, nn.Module):
-            blocks.append((name, spec.router_attr, router, experts))
-    return blocks
+    router_attr = ARCHITECTURES[model.config.model_type].router_attr
+    return [(name, router_attr, router, experts) for name, _, router, experts in sparse_blocks(model)]
 
 
 def _describe(tensor: torch.Tensor) -> str:

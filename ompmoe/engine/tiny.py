@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import transformers
 
+from .adapters import ARCHITECTURES
+
 _COMMON: dict[str, Any] = dict(
     vocab_size=256,
     hidden_size=32,
@@ -26,55 +28,22 @@ _COMMON: dict[str, Any] = dict(
 )
 
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=16,
-             num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[0]),
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-             num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1),
-    ),
-    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
-    "olmoe": (
-        "OlmoeConfig",
-        dict(intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False),
-    ),
-    "deepseek_v2": (
-        "DeepseekV2Config",
-        dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
-             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
-             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, topk_method="greedy",
-             n_group=4, topk_group=2, routed_scaling_factor=1.0),
-    ),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
-             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2,
-             routed_scaling_factor=2.5, norm_topk_prob=True),
-    ),
-    "glm4_moe": (
-        "Glm4MoeConfig",
-        dict(head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16,
-             num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-             topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True),
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        dict(head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
-             sliding_window=16, swiglu_limit=7.0),
-    ),
+    model_type: spec.tiny_config for model_type, spec in ARCHITECTURES.items() if spec.tiny_config is not None
 }
-"""``model_type -> (config class, overrides)`` of the tiny test models."""
+"""``model_type -> (config class, overrides)`` of the built-in architectures' tiny models (from their specs)."""
+
+
+def tiny_model_types() -> list[str]:
+    """Registered architectures that have a tiny config."""
+    return sorted(name for name, spec in ARCHITECTURES.items() if spec.tiny_config is not None)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedConfig:
     """A small config of ``model_type`` (see :data:`TINY_CONFIGS`), with ``overrides`` applied."""
-    if model_type not in TINY_CONFIGS:
-        raise ValueError(f"No tiny config for {model_type!r}; available: {sorted(TINY_CONFIGS)}.")
-    class_name, arch = TINY_CONFIGS[model_type]
+    available = tiny_model_types()
+    if model_type not in available:
+        raise ValueError(f"No tiny config for {model_type!r}; available: {available}.")
+    class_name, arch = ARCHITECTURES[model_type].tiny_config  # type: ignore[misc]
     kwargs = {**_COMMON, **arch, **overrides}
     return getattr(transformers, class_name)(**kwargs)
 

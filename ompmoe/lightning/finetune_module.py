@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .calibration_module import TINY_PREFIX, resolve_dtype
+from .models import default_tokenizer, load_model, resolve_dtype
 from ..recipes.finetune import LossParts, causal_lm_loss, moe_routers, router_aux_coef
 
 
@@ -117,8 +117,7 @@ class FinetuneModule(pl.LightningModule):
         else:
             self.model_name_or_path = str(model)
             self.model = None
-        is_tiny = isinstance(self.model_name_or_path, str) and self.model_name_or_path.startswith(TINY_PREFIX)
-        self.tokenizer_name = tokenizer or ("bytes" if is_tiny else self.model_name_or_path)
+        self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
         self._routers: list[tuple[nn.Module, int]] | None = None
         self._set_hf_model(None)
         self._merged = False
@@ -143,13 +142,7 @@ class FinetuneModule(pl.LightningModule):
         name = self.model_name_or_path
         if not name:
             raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model instance.")
-        if name.startswith(TINY_PREFIX):
-            from ..engine.tiny import tiny_model
-
-            return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
-        from ..engine.pruning import load_pruned
-
-        return load_pruned(name, dtype=self.torch_dtype or "auto", trust_remote_code=self.trust_remote_code)
+        return load_model(name, self.torch_dtype, self.trust_remote_code)
 
     def _with_lora(self, model: nn.Module) -> nn.Module:
         try:
