@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ompmoe import MoELayer, MoEStats, collect_stats, find_moe_layers
-from ompmoe.tiny import TINY_CONFIGS, tiny_model
+from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 # The tiny models are far too small to gain from intra-op threads; spinning worker threads only
 # slow the suite down (by several times on a busy 2-core machine).

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from ompmoe import ARCHITECTURES, UnsupportedModelError, collect_stats, find_moe_layers, supported_model_types
-from ompmoe.tiny import TINY_CONFIGS, tiny_model
+from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 from conftest import ARCH_CASES, ARCH_IDS, make_model
 

@@ -19,7 +19,7 @@ import transformers
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.adaptive import (
+from ompmoe.engine.adaptive import (
     CONFIG_KEY,
     ZETA,
     adaptive_info,
@@ -346,7 +346,7 @@ def text_batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Ten
 
 
 def evaluating_module(model):
-    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
 
     class Evaluating(CalibrationModule):
         def validation_step(self, batch, batch_idx):
@@ -396,11 +396,11 @@ def test_monitor_switches_adaptive_on_and_logs_the_counters(tmp_path):
 
 
 def test_pruning_callback_switches_adaptive_on_and_saves_it(tmp_path):
-    from ompmoe.callbacks import AdaptiveInferenceMonitor, OMPMoEPruning
-    from ompmoe.strategies import OMPStrategy
+    from ompmoe.callbacks import AdaptiveInferenceMonitor, ExpertPruning
+    from ompmoe import PruningStrategy
 
     data = text_batches(4)
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), adaptive_epsilon=EPSILON)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), adaptive_epsilon=EPSILON)
     module = evaluating_module(scaled_model("qwen2_moe"))
     monitor = AdaptiveInferenceMonitor()
     quiet_trainer([callback, monitor], num_sanity_val_steps=0, limit_val_batches=0).fit(
@@ -430,7 +430,7 @@ def test_cli_accepts_the_monitor_and_adaptive_epsilon(tmp_path):
     from ompmoe.cli import main
 
     config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text())
-    pruning = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("OMPMoEPruning"))
+    pruning = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ExpertPruning"))
     pruning["init_args"].update(output_dir=str(tmp_path / "run"), adaptive_epsilon=0.05)
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
     config["data"].update(num_blocks=4, seq_len=64)

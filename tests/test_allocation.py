@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ompmoe.allocation import (
+from ompmoe.engine.allocation import (
     InfeasibleBudgetError,
     LayerChoices,
     allocation_cost,
@@ -209,7 +209,7 @@ def test_waterfill_grouped_steps_are_whole_groups():
 def test_layer_choices_plain_router():
     c = layer_choices("l", routing(16, 4), 0.375, 0.875)
     assert (c.low, c.high, c.step) == (6, 14, 1)
-    assert layer_choices("l", routing(16, 8), 0.375, 0.875).low == 8  # top_k wins over min_ratio
+    assert layer_choices("l", routing(16, 8), 0.375, 0.875).low == 8  # top_k wins over min_kept_fraction
     assert layer_choices("l", routing(128, 8), 0.25, 0.5).counts() == range(32, 65)
     # ratio bounds that land exactly on an integer are not rounded away by float error
     c = layer_choices("l", routing(10, 1), 0.3, 0.7)
@@ -279,10 +279,10 @@ def test_infeasible_ratio_message_gives_the_working_interval():
     with pytest.raises(InfeasibleBudgetError) as info:
         check_feasible(choices, 0.9, 0.375, 0.875)
     assert str(info.value) == (
-        "ratio=0.9 keeps 3 of 32 experts, but min_ratio=0.375, max_ratio=0.875 and the routers' top-k allow "
-        "keeping 12 to 28: use a ratio in [0.1250, 0.6250] or lower min_ratio below 0.100 to prune more."
+        "ratio=0.9 keeps 3 of 32 experts, but min_kept_fraction=0.375, max_kept_fraction=0.875 and the routers' top-k allow "
+        "keeping 12 to 28: use a ratio in [0.1250, 0.6250] or lower min_kept_fraction below 0.100 to prune more."
     )
-    with pytest.raises(InfeasibleBudgetError, match=r"use a ratio in \[0\.1250, 0\.6250\] or raise max_ratio above 0\.950"):
+    with pytest.raises(InfeasibleBudgetError, match=r"use a ratio in \[0\.1250, 0\.6250\] or raise max_kept_fraction above 0\.950"):
         check_feasible(choices, 0.05, 0.375, 0.875)
 
 
@@ -308,8 +308,8 @@ def test_layer_without_feasible_count():
     with pytest.raises(InfeasibleBudgetError) as info:
         check_feasible(choices, 0.7, 0.1, 0.4)
     assert str(info.value) == (
-        "Layer model.layers.1.mlp (16 experts) has no feasible kept count between min_ratio=0.1 and "
-        "max_ratio=0.4 that its router accepts (needs at least 8 experts in multiples of 1); raise max_ratio "
+        "Layer model.layers.1.mlp (16 experts) has no feasible kept count between min_kept_fraction=0.1 and "
+        "max_kept_fraction=0.4 that its router accepts (needs at least 8 experts in multiples of 1); raise max_kept_fraction "
         "to at least 0.500."
     )
 

@@ -13,7 +13,7 @@ pytest.importorskip("lightning")
 datasets = pytest.importorskip("datasets")
 
 import ompmoe  # noqa: E402
-from ompmoe.calibration_data import (  # noqa: E402
+from ompmoe.lightning.calibration_data import (  # noqa: E402
     CalibrationDataModule,
     HubUnavailableError,
     evol_code_text,
@@ -114,7 +114,7 @@ def test_core_package_imports_without_lightning(monkeypatch):
     import ompmoe as fresh
 
     assert fresh is not ompmoe
-    assert "ompmoe.calibration_data" not in sys.modules
+    assert "ompmoe.lightning.calibration_data" not in sys.modules
     with pytest.raises(ImportError):
         fresh.CalibrationDataModule  # noqa: B018
 
@@ -301,12 +301,12 @@ def test_hub_source_offline_fails_fast_and_clearly(offline_empty_cache, source, 
 
 
 def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
-    import ompmoe.calibration_data as module
+    import ompmoe.lightning.calibration_data as module
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(module, "_offline", lambda: False)
-    monkeypatch.setattr(module, "_hub_reachable", lambda: False)  # never touch the network in tests
+    monkeypatch.setattr(module, "offline_mode", lambda: False)
+    monkeypatch.setattr(module, "hub_reachable", lambda: False)  # never touch the network in tests
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     start = time.perf_counter()
     with pytest.raises(HubUnavailableError, match="'allenai/c4'.*unreachable"):

@@ -1,4 +1,4 @@
-"""OMPMoEPruning in a plain Trainer, under DDP and FSDP2 on CPU, and across checkpoints."""
+"""ExpertPruning in a plain Trainer, under DDP and FSDP2 on CPU, and across checkpoints."""
 
 import os
 import subprocess
@@ -12,14 +12,14 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.allocation import InfeasibleBudgetError
-from ompmoe.calibration_data import ResumableDataLoader
-from ompmoe.calibration_module import CalibrationModule
-from ompmoe.callbacks import OMPMoEPruning
+from ompmoe.engine.allocation import InfeasibleBudgetError
+from ompmoe.lightning.calibration_data import ResumableDataLoader
+from ompmoe.lightning.calibration_module import CalibrationModule
+from ompmoe.callbacks import ExpertPruning
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.io import OutputExistsError
-from ompmoe.strategies import OMPStrategy
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.io import OutputExistsError
+from ompmoe import PruningStrategy
+from ompmoe.engine.tiny import tiny_model
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -70,7 +70,7 @@ class WithValidation(CalibrationModule):
 
 def test_fit_gathers_the_same_statistics_as_collect_stats_and_prunes(tmp_path):
     data = batches(6)
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
     module = WithValidation("tiny:olmoe")
     # Validation (sanity check and a run after every batch) must not add to the statistics.
     trainer(callbacks=[callback], num_sanity_val_steps=2, val_check_interval=1).fit(module, DataLoader(data, batch_size=2))
@@ -97,7 +97,7 @@ def test_padding_tokens_are_not_counted():
     block = batches(1, seq_len=48)[0]
     padded = {"input_ids": block["input_ids"].clone(), "attention_mask": block["attention_mask"].clone()}
     padded["attention_mask"][40:] = 0
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5))
+    callback = ExpertPruning(PruningStrategy(ratio=0.5))
     trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader([padded], batch_size=1))
     expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), [block["input_ids"][:40]])
     assert_stats_equal(callback.stats, expected, rtol=1e-5)
@@ -113,7 +113,7 @@ def test_metrics_reach_the_logger():
             self.logged.update(metrics)
 
     logger = Recorder()
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5))
+    callback = ExpertPruning(PruningStrategy(ratio=0.5))
     trainer(callbacks=[callback], logger=logger).fit(CalibrationModule("tiny:mixtral"), DataLoader(batches(2)))
     plan = callback.plan
     assert logger.logged["ompmoe/achieved_ratio"] == pytest.approx(plan.achieved_ratio)
@@ -127,11 +127,11 @@ def test_bad_input_stops_before_the_calibration_pass(tmp_path):
     existing.mkdir()
     counter = ForwardCounter()
     with pytest.raises(OutputExistsError, match="already exists; pass overwrite=True"):
-        trainer([OMPMoEPruning(output_dir=str(existing)), counter]).fit(
+        trainer([ExpertPruning(output_dir=str(existing)), counter]).fit(
             CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
         )
     with pytest.raises(InfeasibleBudgetError, match=r"use a ratio in \[0.1250, 0.6250\]"):
-        trainer([counter, OMPMoEPruning(OMPStrategy(ratio=0.9), output_dir=str(tmp_path / "new"))]).fit(
+        trainer([counter, ExpertPruning(PruningStrategy(ratio=0.9), output_dir=str(tmp_path / "new"))]).fit(
             CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
         )
     assert counter.calls == 0
@@ -148,8 +148,8 @@ def test_bad_input_stops_before_the_calibration_pass(tmp_path):
         def configure_optimizers(self):
             return None
 
-    with pytest.raises(AttributeError, match="OMPMoEPruning found no Hugging Face MoE model on NoModel"):
-        trainer([OMPMoEPruning()]).fit(NoModel(), DataLoader(batches(2)))
+    with pytest.raises(AttributeError, match="ExpertPruning found no Hugging Face MoE model on NoModel"):
+        trainer([ExpertPruning()]).fit(NoModel(), DataLoader(batches(2)))
 
 
 class CheckpointThenCrash(pl.Callback):
@@ -165,18 +165,18 @@ class CheckpointThenCrash(pl.Callback):
 
 def test_statistics_survive_checkpoint_and_resume(tmp_path):
     data = ResumableDataLoader(batches(6), batch_size=1)
-    full = OMPMoEPruning(OMPStrategy(ratio=0.5))
+    full = ExpertPruning(PruningStrategy(ratio=0.5))
     trainer([full]).fit(CalibrationModule("tiny:qwen2_moe"), data)
 
     ckpt = tmp_path / "mid.ckpt"
-    first = OMPMoEPruning(OMPStrategy(ratio=0.5))
+    first = ExpertPruning(PruningStrategy(ratio=0.5))
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer([first, CheckpointThenCrash(ckpt, save_after=2)]).fit(
             CalibrationModule("tiny:qwen2_moe"), ResumableDataLoader(batches(6), batch_size=1)
         )
     assert first.stats is None  # the crashed fit never pruned
 
-    resumed = OMPMoEPruning(OMPStrategy(ratio=0.5))
+    resumed = ExpertPruning(PruningStrategy(ratio=0.5))
     trainer([resumed]).fit(
         CalibrationModule("tiny:qwen2_moe"), ResumableDataLoader(batches(6), batch_size=1), ckpt_path=str(ckpt)
     )
@@ -187,11 +187,11 @@ def test_statistics_survive_checkpoint_and_resume(tmp_path):
 def test_resuming_with_a_plain_dataloader_warns(tmp_path):
     ckpt = tmp_path / "mid.ckpt"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer([OMPMoEPruning(), CheckpointThenCrash(ckpt, save_after=0)]).fit(
+        trainer([ExpertPruning(), CheckpointThenCrash(ckpt, save_after=0)]).fit(
             CalibrationModule("tiny:mixtral"), DataLoader(batches(3))
         )
     with pytest.warns(UserWarning, match="Resuming a calibration fit with a DataLoader that has no state_dict"):
-        trainer([OMPMoEPruning()]).fit(CalibrationModule("tiny:mixtral"), DataLoader(batches(3)), ckpt_path=str(ckpt))
+        trainer([ExpertPruning()]).fit(CalibrationModule("tiny:mixtral"), DataLoader(batches(3)), ckpt_path=str(ckpt))
 
 
 def run_distributed(tmp_path: Path, mode: str, num_blocks: int, model_type: str, loss_aware: bool = False) -> Path:
@@ -233,7 +233,7 @@ def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     got = ompmoe.MoEStats.load(out / "stats.safetensors")
     assert got.num_tokens == 7 * 32
     assert_stats_equal(got, expected, rtol=1e-12)
-    plan = ompmoe.plan_pruning(expected, 0.5, min_ratio=0.25)
+    plan = ompmoe.plan_pruning(expected, 0.5, min_kept_fraction=0.25)
     assert ompmoe.PruningPlan.load(out / "plan.json").kept_by_layer() == plan.kept_by_layer()
 
 
@@ -248,7 +248,7 @@ def test_ddp_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
 
 def test_loss_aware_fit_equals_collect_stats():
     data = batches(4)
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), loss_aware=True)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), loss_aware=True)
     module = CalibrationModule("tiny:qwen3_moe")
     trainer(callbacks=[callback]).fit(module, DataLoader(data, batch_size=2))
     expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), DataLoader(data, batch_size=2), loss_aware=True)
@@ -262,7 +262,7 @@ def test_fsdp2_model_parallel_strategy_prunes_the_gathered_model(tmp_path, one_t
     model, expected = reference_stats(6, "qwen3_moe")
     got = ompmoe.MoEStats.load(out / "stats.safetensors")
     assert_stats_equal(got, expected, rtol=1e-6)
-    plan = ompmoe.plan_pruning(expected, 0.5, min_ratio=0.25)
+    plan = ompmoe.plan_pruning(expected, 0.5, min_kept_fraction=0.25)
     assert ompmoe.PruningPlan.load(out / "plan.json").kept_by_layer() == plan.kept_by_layer()
     ompmoe.prune(model, plan)
     probe = token_blocks(byte_tokens(shipped_text()), 32, 1)
@@ -279,7 +279,7 @@ def test_the_tokenizer_is_saved_with_the_pruned_model(tmp_path):
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
 
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
     module = CalibrationModule("tiny:qwen3_moe", tokenizer=str(tmp_path / "tok"))
     trainer([callback]).fit(module, DataLoader(batches(2)))
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
@@ -295,8 +295,8 @@ def test_fsdp1_strategy_is_refused_with_the_fsdp2_alternative():
 
     fake_trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(ValueError, match=r"use ModelParallelStrategy\(data_parallel_size=N"):
-        OMPMoEPruning().setup(fake_trainer, None, "fit")
-    OMPMoEPruning().setup(fake_trainer, None, "validate")  # only calibration fits are affected
+        ExpertPruning().setup(fake_trainer, None, "fit")
+    ExpertPruning().setup(fake_trainer, None, "validate")  # only calibration fits are affected
 
 
 @pytest.mark.parametrize(
@@ -309,7 +309,7 @@ def test_fsdp1_strategy_is_refused_with_the_fsdp2_alternative():
 )
 def test_callback_refuses_bad_batches_before_the_forward(tmp_path, bad_batch, message):
     counter = ForwardCounter()
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5), output_dir=None)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), output_dir=None)
     with pytest.raises(ompmoe.CalibrationInputError, match=message):
         trainer(callbacks=[counter, callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader([bad_batch], batch_size=None))
     assert counter.calls == 0

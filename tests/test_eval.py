@@ -28,7 +28,7 @@ from ompmoe.data import byte_tokens, shipped_text, token_blocks  # noqa: E402
 from ompmoe.eval import SUITES, EvalModule, LMEvalDataModule, byte_tokenizer  # noqa: E402
 from ompmoe.eval.requests import GENERATE, SCORE  # noqa: E402
 from ompmoe.eval.suites import resolve_suites  # noqa: E402
-from ompmoe.tiny import tiny_model  # noqa: E402
+from ompmoe.engine.tiny import tiny_model  # noqa: E402
 
 HERE = Path(__file__).parent
 TASKS_DIR = str(HERE / "eval_tasks")

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ompmoe.io import OutputExistsError, atomic_path
+from ompmoe.engine.io import OutputExistsError, atomic_path
 
 
 def test_atomic_file_and_directory_get_umask_permissions(tmp_path):
@@ -48,11 +48,11 @@ from pathlib import Path
 import torch
 
 import ompmoe
-import ompmoe.io as io
+import ompmoe.engine.io as io
 from ompmoe import collect_stats
 from ompmoe.cli import main
-from ompmoe.io import MARKER, OutputNotReplaceableError, OutputNotWritableError, check_writable, clean_leftovers
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.io import MARKER, OutputNotReplaceableError, OutputNotWritableError, check_writable, clean_leftovers
+from ompmoe.engine.tiny import tiny_model
 
 
 def write_stats(path: Path) -> Path:
@@ -110,15 +110,15 @@ def test_callback_refuses_a_foreign_directory_before_calibration(tmp_path):
     from test_callback import ForwardCounter, batches, trainer
     from torch.utils.data import DataLoader
 
-    from ompmoe.calibration_module import CalibrationModule
-    from ompmoe.callbacks import OMPMoEPruning
+    from ompmoe.lightning.calibration_module import CalibrationModule
+    from ompmoe.callbacks import ExpertPruning
 
     foreign = tmp_path / "data"
     foreign.mkdir()
     (foreign / "corpus.txt").write_text("precious")
     counter = ForwardCounter()
     with pytest.raises(OutputNotReplaceableError, match=r"data is not an ompmoe output .*Choose a new output directory"):
-        trainer([counter, OMPMoEPruning(output_dir=str(foreign), overwrite=True)]).fit(
+        trainer([counter, ExpertPruning(output_dir=str(foreign), overwrite=True)]).fit(
             CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
         )
     assert counter.calls == 0 and names(foreign) == ["corpus.txt"]
@@ -178,9 +178,9 @@ def test_read_only_file_system_is_reported_before_any_work(tmp_path, monkeypatch
         with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*Read-only file system"):
             main([*command, "--output_dir", str(tmp_path / "out")])
     assert loads == [] and names(tmp_path) == []
-    from ompmoe.quickstart import prune_tiny_model
+    from ompmoe.recipes.quickstart import prune_tiny_model
 
-    from ompmoe.quickstart import main as demo_main
+    from ompmoe.recipes.quickstart import main as demo_main
 
     with pytest.raises(OutputNotWritableError, match="Read-only file system"):
         prune_tiny_model(output_dir=str(tmp_path / "demo"))
@@ -210,10 +210,10 @@ def test_leftovers_of_dead_runs_are_cleaned_and_live_ones_kept(tmp_path):
 KILLER = r"""
 import os, shutil, signal, sys, types
 target, point, exchange, package = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
-stub = types.ModuleType("ompmoe")  # import ompmoe.io alone (seconds faster than torch)
+stub = types.ModuleType("ompmoe")  # import ompmoe.engine.io alone (seconds faster than torch)
 stub.__path__, stub.__version__ = [package], "test"
 sys.modules["ompmoe"] = stub
-import ompmoe.io as io
+import ompmoe.engine.io as io
 if not exchange:
     real = io._renameat2
     io._renameat2 = lambda s, t, f: False if f == io._RENAME_EXCHANGE else real(s, t, f)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ompmoe import InfeasibleBudgetError, OutputExistsError, PruningPlan, collect_stats, plan_pruning
-from ompmoe.allocation import allocation_cost, layer_choices, total_cost
-from ompmoe.plan import METHODS
-from ompmoe.selection import greedy_pursuit, prefix_residual, routing_coverage
-from ompmoe.statistics import LayerStats, MoEStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.allocation import allocation_cost, layer_choices, total_cost
+from ompmoe.engine.methods import METHODS
+from ompmoe.engine.selection import greedy_pursuit, prefix_residual, routing_coverage
+from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.tiny import tiny_model
 
 ALLOCATIONS = ("uniform", "waterfill", "optimal")
 
@@ -95,8 +95,8 @@ def test_plan_structure(qwen_stats, allocation, ratio):
     else:
         assert sum(layer.num_kept for layer in plan.layers) == round((1 - ratio) * total)
         for layer in plan.layers:
-            assert math.ceil(plan.min_ratio * layer.num_experts) <= layer.num_kept
-            assert layer.num_kept <= math.floor(plan.max_ratio * layer.num_experts)
+            assert math.ceil(plan.min_kept_fraction * layer.num_experts) <= layer.num_kept
+            assert layer.num_kept <= math.floor(plan.max_kept_fraction * layer.num_experts)
 
 
 def test_plan_curves_come_from_the_statistics(qwen_stats):
@@ -137,7 +137,7 @@ def test_optimal_plan_matches_brute_force(qwen_stats):
         allocation_cost(torch.tensor(layer.residual, dtype=torch.float64), torch.tensor(layer.coverage, dtype=torch.float64), risk_weight, plan.zeta)
         for layer in plan.layers
     ]
-    choices = [layer_choices(s.name, s.routing, plan.min_ratio, plan.max_ratio) for s in qwen_stats.layers]
+    choices = [layer_choices(s.name, s.routing, plan.min_kept_fraction, plan.max_kept_fraction) for s in qwen_stats.layers]
     budget = round((1 - ratio) * sum(s.num_experts for s in qwen_stats.layers))
     best = min(
         total_cost(costs, counts)
@@ -172,10 +172,10 @@ def test_risk_weight_zero_minimises_the_residual(qwen_stats):
 
 def test_ratio_zero_keeps_everything_when_allowed(qwen_stats):
     for allocation in ALLOCATIONS:
-        plan = plan_pruning(qwen_stats, 0.0, allocation=allocation, max_ratio=1.0)
+        plan = plan_pruning(qwen_stats, 0.0, allocation=allocation, max_kept_fraction=1.0)
         assert plan.achieved_ratio == 0.0
         assert all(layer.kept == list(range(layer.num_experts)) for layer in plan.layers)
-    with pytest.raises(InfeasibleBudgetError, match=r"raise max_ratio above 1\.000"):
+    with pytest.raises(InfeasibleBudgetError, match=r"raise max_kept_fraction above 1\.000"):
         plan_pruning(qwen_stats, 0.0)
 
 
@@ -264,16 +264,19 @@ def test_unknown_method_and_allocation(qwen_stats):
     with pytest.raises(ValueError) as info:
         plan_pruning(qwen_stats, 0.5, method="no_such_method")
     assert "omp" in METHODS
-    assert str(info.value) == f"Unknown method 'no_such_method'; choose one of {sorted(METHODS)}."
+    assert str(info.value) == f"Unknown method 'no_such_method'; choose one of {sorted(METHODS)} or register one with ompmoe.register_method."
     with pytest.raises(ValueError) as info:
         plan_pruning(qwen_stats, 0.5, allocation="greedy")
-    assert str(info.value) == "Unknown allocation 'greedy'; choose one of ['uniform', 'waterfill', 'optimal']."
+    assert str(info.value) == (
+        "Unknown allocation 'greedy'; choose one of ['uniform', 'waterfill', 'optimal'] or register one with "
+        "ompmoe.register_allocation."
+    )
 
 
 @pytest.mark.parametrize("bounds", [(0.0, 0.5), (0.6, 0.5), (0.375, 1.2)])
 def test_bad_ratio_bounds(qwen_stats, bounds):
-    with pytest.raises(ValueError, match="Need 0 < min_ratio <= max_ratio <= 1"):
-        plan_pruning(qwen_stats, 0.5, min_ratio=bounds[0], max_ratio=bounds[1])
+    with pytest.raises(ValueError, match="Need 0 < min_kept_fraction <= max_kept_fraction <= 1"):
+        plan_pruning(qwen_stats, 0.5, min_kept_fraction=bounds[0], max_kept_fraction=bounds[1])
 
 
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
@@ -288,8 +291,8 @@ def test_infeasible_ratio_names_the_working_interval(qwen_stats):
     with pytest.raises(InfeasibleBudgetError) as info:
         plan_pruning(qwen_stats, 0.9)
     assert str(info.value) == (
-        "ratio=0.9 keeps 5 of 48 experts, but min_ratio=0.375, max_ratio=0.875 and the routers' top-k allow "
-        "keeping 18 to 42: use a ratio in [0.1250, 0.6250] or lower min_ratio below 0.100 to prune more."
+        "ratio=0.9 keeps 5 of 48 experts, but min_kept_fraction=0.375, max_kept_fraction=0.875 and the routers' top-k allow "
+        "keeping 18 to 42: use a ratio in [0.1250, 0.6250] or lower min_kept_fraction below 0.100 to prune more."
     )
     with pytest.raises(InfeasibleBudgetError) as info:
         plan_pruning(qwen_stats, 0.8, allocation="uniform")

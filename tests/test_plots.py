@@ -1,4 +1,4 @@
-"""ompmoe.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
+"""ompmoe.recipes.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from torch.utils.data import DataLoader
 import ompmoe
 from ompmoe import MoEStats, OutputExistsError, collect_stats, plan_pruning
 from ompmoe.cli import main
-from ompmoe.plots import (
+from ompmoe.recipes.plots import (
     PLOT_FILES,
     high_contribution_experts,
     high_contribution_table,
     layer_index,
     write_plots,
 )
-from ompmoe.statistics import LayerStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.statistics import LayerStats
+from ompmoe.engine.tiny import tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -130,10 +130,10 @@ def test_layer_index_from_module_names():
 def test_callback_writes_plots_inside_its_output_directory(tmp_path):
     from test_callback import batches, trainer
 
-    from ompmoe.calibration_module import CalibrationModule
-    from ompmoe.callbacks import OMPMoEPruning
+    from ompmoe.lightning.calibration_module import CalibrationModule
+    from ompmoe.callbacks import ExpertPruning
 
-    callback = OMPMoEPruning(ompmoe.FrequencyStrategy(ratio=0.5), output_dir=str(tmp_path / "run"), save_model=False)
+    callback = ExpertPruning(ompmoe.PruningStrategy(ratio=0.5, method="frequency"), output_dir=str(tmp_path / "run"), save_model=False)
     trainer(callbacks=[callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == [".ompmoe-output", "plan.json", "plots", "stats.safetensors"]
@@ -143,7 +143,7 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
             png_size(run / "plots" / name)
     assert callback.plan.method == "frequency"
 
-    quiet = OMPMoEPruning(output_dir=str(tmp_path / "quiet"), save_model=False, plots=False)
+    quiet = ExpertPruning(output_dir=str(tmp_path / "quiet"), save_model=False, plots=False)
     trainer(callbacks=[quiet]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == [".ompmoe-output", "plan.json", "stats.safetensors"]
 

@@ -25,7 +25,7 @@ import transformers
 from torch import nn
 
 import ompmoe
-from ompmoe.tiny import TINY_CONFIGS, tiny_model
+from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 ATOL = RTOL = 1e-5
 NEG_INF = float("-inf")
@@ -497,10 +497,10 @@ def test_save_refuses_existing_directory_without_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
     # overwrite=True never deletes a directory ompmoe did not write (issue 15); its own output is replaced.
-    with pytest.raises(ompmoe.io.OutputNotReplaceableError, match=r"out is not an ompmoe output"):
+    with pytest.raises(ompmoe.engine.io.OutputNotReplaceableError, match=r"out is not an ompmoe output"):
         ompmoe.save_pruned(model, target, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
-    (target / ompmoe.io.MARKER).write_text("{}")
+    (target / ompmoe.engine.io.MARKER).write_text("{}")
     ompmoe.save_pruned(model, target, overwrite=True)
     assert not (target / "keep.txt").exists()
     assert json.loads((target / "config.json").read_text())["ompmoe"] == ompmoe.pruning_info(model)
@@ -537,10 +537,10 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
     # With overwrite=True a failed save keeps the previous output intact.
     target.mkdir()
     (target / "keep.txt").write_text("previous")
-    (target / ompmoe.io.MARKER).write_text("{}")  # an earlier ompmoe output
+    (target / ompmoe.engine.io.MARKER).write_text("{}")  # an earlier ompmoe output
     with pytest.raises(RuntimeError, match="disk full"):
         ompmoe.save_pruned(model, target, tokenizer=ExplodingTokenizer(), overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == [ompmoe.io.MARKER, "keep.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [ompmoe.engine.io.MARKER, "keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
     # A working tokenizer is saved next to the model.

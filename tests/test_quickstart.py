@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.allocation import InfeasibleBudgetError
+from ompmoe.engine.allocation import InfeasibleBudgetError
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.io import OutputExistsError
-from ompmoe.quickstart import prune_tiny_model
+from ompmoe.engine.io import OutputExistsError
+from ompmoe.recipes.quickstart import prune_tiny_model
 
 
 def test_token_blocks_are_the_first_non_overlapping_blocks():

@@ -11,9 +11,9 @@ from safetensors import safe_open
 
 import ompmoe
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.finetune import capture_router_logits, causal_lm_loss, load_balancing_loss
-from ompmoe.quantization import QuantizedModelError, model_size_bytes, quantization_summary, tensor_nbytes
-from ompmoe.tiny import TINY_CONFIGS, tiny_model
+from ompmoe.recipes.finetune import capture_router_logits, causal_lm_loss, load_balancing_loss
+from ompmoe.recipes.quantization import QuantizedModelError, model_size_bytes, quantization_summary, tensor_nbytes
+from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -129,7 +129,7 @@ def test_finetune_lowers_loss_then_save_and_reload(stats, blocks, tmp_path, allo
 
 
 def test_finetune_cli_continues_from_pruned_checkpoint(stats, tmp_path):
-    from ompmoe.finetune_module import main
+    from ompmoe.lightning.finetune_module import main
 
     ompmoe.save_pruned(pruned_model(stats, "waterfill"), tmp_path / "pruned")
     main([

@@ -122,8 +122,8 @@ def test_held_out_perplexity_is_close_to_the_model_card(model, tokenizer):
 
 
 def test_calibration_sources_and_module_resolve_the_shipped_model():
-    from ompmoe.calibration_data import CalibrationDataModule
-    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.lightning.calibration_data import CalibrationDataModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule("shipped:tiny-moe")
     assert module.tokenizer_name == str(MODEL_DIR)

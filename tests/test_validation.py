@@ -15,12 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ompmoe
-from ompmoe.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
+from ompmoe.engine.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
 from ompmoe import MoEStats, collect_stats, plan_pruning, prune
-from ompmoe.collect import ADAPTIVE_WARNING, CalibrationInputError
-from ompmoe.plan import PlanMismatchError, PruningPlan
-from ompmoe.pruning import load_pruned, save_pruned
-from ompmoe.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
+from ompmoe.engine.collect import ADAPTIVE_WARNING, CalibrationInputError
+from ompmoe.engine.plan import PlanMismatchError, PruningPlan
+from ompmoe.engine.pruning import load_pruned, save_pruned
+from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
 
 from conftest import make_model, random_ids
 
@@ -135,7 +135,7 @@ def test_valid_plan_still_prunes_and_a_repruned_record_is_checked(plan):
     model = prune(qwen(), plan)
     assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
     model.config.ompmoe["kept_experts"][LAYERS[0]] = [0] * len(plan.layers[0].kept)
-    second = plan_pruning(collect_stats(model, [random_ids(seed=3)]), 0.25, allocation="uniform", min_ratio=0.25)
+    second = plan_pruning(collect_stats(model, [random_ids(seed=3)]), 0.25, allocation="uniform", min_kept_fraction=0.25)
     with pytest.raises(PlanMismatchError, match=re.escape(
         f"this model's config.ompmoe, layer {LAYERS[0]}: expert id 0 is listed twice."
     )):
@@ -153,14 +153,14 @@ def test_valid_plan_still_prunes_and_a_repruned_record_is_checked(plan):
         (dict(ratio=0.5, risk_weight=-1), ValueError, "risk_weight=-1.0 must be >= 0"),
         (dict(ratio=0.5, zeta=-1e-6), ValueError, "zeta=-1e-06 must be > 0"),
         (dict(ratio=0.5, zeta=0), ValueError, "zeta=0.0 must be > 0 (the stabilizer inside log(C(k) + zeta); the paper uses 1e-6)."),
-        (dict(ratio=0.5, max_ratio=float("inf")), ValueError, "max_ratio must be a finite number; got inf."),
+        (dict(ratio=0.5, max_kept_fraction=float("inf")), ValueError, "max_kept_fraction must be a finite number; got inf."),
     ],
 )
 def test_plan_arguments_refused(stats, kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
         plan_pruning(stats, **kwargs)
     with pytest.raises(error, match=re.escape(message)):
-        ompmoe.OMPStrategy(**kwargs).validate([(layer.name, layer.routing) for layer in stats.layers])
+        ompmoe.PruningStrategy(**kwargs).validate([(layer.name, layer.routing) for layer in stats.layers])
 
 
 @pytest.mark.parametrize("ratio", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), 0.5])
@@ -406,7 +406,7 @@ def test_bool_and_float_masks_accepted():
 
 def test_token_weights_must_be_0_or_1():
     # The Lightning callback hands masks (times 0/1 sample weights) straight to the metric.
-    from ompmoe.collect import MoEStatsMetric
+    from ompmoe.engine.collect import MoEStatsMetric
 
     metric = MoEStatsMetric(ompmoe.find_moe_layers(qwen()))
     with pytest.raises(CalibrationInputError, match=re.escape("Token weights (attention_mask) must be 0 or 1; found 0.5.")):

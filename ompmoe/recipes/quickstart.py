@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from . import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune, save_pruned
-from .plan import validate_budget
-from .data import byte_tokens, shipped_text, token_blocks
-from .io import OutputNotWritableError, atomic_path, check_writable
-from .tiny import tiny_model
+from .. import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune, save_pruned
+from ..engine.plan import validate_budget
+from ..data import byte_tokens, shipped_text, token_blocks
+from ..engine.io import OutputNotWritableError, atomic_path, check_writable
+from ..engine.tiny import tiny_model
 
 
 def prune_tiny_model(
@@ -52,7 +52,7 @@ def prune_tiny_model(
     validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_ratio, max_ratio)
 
     start = time.perf_counter()
-    stats = collect_stats(model, blocks.split(batch_size), model_id=f"ompmoe.tiny:{model_type}", source="shipped:python-docs")
+    stats = collect_stats(model, blocks.split(batch_size), model_id=f"ompmoe.engine.tiny:{model_type}", source="shipped:python-docs")
     plan = plan_pruning(
         stats, ratio, allocation=allocation, risk_weight=risk_weight, min_ratio=min_ratio, max_ratio=max_ratio
     )

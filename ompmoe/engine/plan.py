@@ -6,7 +6,8 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,21 +15,20 @@ from typing import Any
 import torch
 
 from .allocation import (
-    ALLOCATIONS,
+    AllocationProblem,
     LayerChoices,
     allocation_cost,
     check_feasible,
+    get_allocation,
     layer_choices,
-    optimal_allocation,
     total_cost,
     uniform_allocation,
-    waterfill_allocation,
 )
-from .baselines import BASELINES, SubsetSelection
 from .io import atomic_path
-from .loss_aware import LOSS_ALLOCATIONS, LOSS_METHODS, loss_allocation_costs
-from .selection import greedy_pursuit, prefix_residual, routing_coverage
-from .statistics import LayerStats, MoEStats
+from .methods import SelectionMethod, SubsetSelection, get_method
+from .selection import prefix_residual, routing_coverage
+from .statistics import MoEStats
+
 
 class PlanMismatchError(ValueError):
     """A pruning plan (or a saved pruning record) does not fit the model it is applied to."""
@@ -65,29 +65,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-Ranking = Callable[..., list[torch.Tensor] | list[SubsetSelection]]
-"""``method(layers, **method_options)``: a full ordering (best first) or a
-:class:`~ompmoe.baselines.SubsetSelection` (a kept set per count) for each layer."""
-
-
-def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-    """Greedy binary pursuit on each layer's Gram, batched over layers of the same shape."""
-    orders: list[torch.Tensor | None] = [None] * len(layers)
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for i, layer in enumerate(layers):
-        shapes.setdefault((layer.num_experts, layer.num_groups), []).append(i)
-    for (_, num_groups), indices in shapes.items():
-        grams = torch.stack([layers[i].gram for i in indices])
-        result = greedy_pursuit(grams, num_groups=num_groups, with_gains=False)
-        for row, i in enumerate(indices):
-            orders[i] = result.order[row]
-    return orders  # type: ignore[return-value]
-
-
-METHODS: dict[str, Ranking] = {"omp": omp_orderings, **BASELINES, **LOSS_METHODS}
-"""Expert-selection methods by name: ``omp`` and the baselines of :mod:`ompmoe.baselines`."""
-
-
 @dataclass
 class LayerPlan:
     """What one MoE layer keeps, and the curves the decision was made from."""
@@ -116,8 +93,10 @@ class PruningPlan:
     method: str
     allocation: str
     risk_weight: float
-    min_ratio: float
-    max_ratio: float
+    min_kept_fraction: float
+    """Fewest experts a layer may keep, as a fraction of its experts (``waterfill``/``optimal``)."""
+    max_kept_fraction: float
+    """Most experts a layer may keep, as a fraction of its experts."""
     zeta: float
     fingerprint: str
     model_id: str | None = None
@@ -131,6 +110,18 @@ class PruningPlan:
         """Fraction of routed experts actually removed (group rounding may move it off ``ratio``)."""
         total = sum(layer.num_experts for layer in self.layers)
         return 1.0 - sum(layer.num_kept for layer in self.layers) / total
+
+    @property
+    def min_ratio(self) -> float:
+        """Deprecated name of :attr:`min_kept_fraction`."""
+        warnings.warn("PruningPlan.min_ratio is now min_kept_fraction.", DeprecationWarning, stacklevel=2)
+        return self.min_kept_fraction
+
+    @property
+    def max_ratio(self) -> float:
+        """Deprecated name of :attr:`max_kept_fraction`."""
+        warnings.warn("PruningPlan.max_ratio is now max_kept_fraction.", DeprecationWarning, stacklevel=2)
+        return self.max_kept_fraction
 
     @property
     def is_uniform(self) -> bool:
@@ -158,6 +149,9 @@ class PruningPlan:
         try:
             data = json.loads(path.read_text())
             data.pop("achieved_ratio", None)
+            for old, new in (("min_ratio", "min_kept_fraction"), ("max_ratio", "max_kept_fraction")):
+                if old in data:  # plans written before the rename
+                    data[new] = data.pop(old)
             data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
@@ -168,8 +162,8 @@ def validate_budget(
     routings: Sequence[tuple[str, dict[str, int]]],
     ratio: float,
     allocation: str = "waterfill",
-    min_ratio: float = 0.375,
-    max_ratio: float = 0.875,
+    min_kept_fraction: float = 0.375,
+    max_kept_fraction: float = 0.875,
 ) -> tuple[list[LayerChoices], int | None]:
     """Check a ratio against the layers' routing before any expensive work.
 
@@ -178,19 +172,21 @@ def validate_budget(
     kept-expert budget (``None`` for ``uniform``); raises :class:`InfeasibleBudgetError` naming
     the values that would work.
     """
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"Unknown allocation {allocation!r}; choose one of {list(ALLOCATIONS)}.")
-    if not 0.0 < min_ratio <= max_ratio <= 1.0:
-        raise ValueError(f"Need 0 < min_ratio <= max_ratio <= 1; got min_ratio={min_ratio}, max_ratio={max_ratio}.")
-    choices = [layer_choices(name, routing, min_ratio, max_ratio) for name, routing in routings]
-    if allocation == "uniform":
-        uniform_allocation(routings, ratio)
+    spec = get_allocation(allocation)
+    if not 0.0 < min_kept_fraction <= max_kept_fraction <= 1.0:
+        raise ValueError(
+            "Need 0 < min_kept_fraction <= max_kept_fraction <= 1; got "
+            f"min_kept_fraction={min_kept_fraction}, max_kept_fraction={max_kept_fraction}."
+        )
+    choices = [layer_choices(name, routing, min_kept_fraction, max_kept_fraction) for name, routing in routings]
+    if not spec.bounded:
+        uniform_allocation(routings, ratio)  # the same checks: ratio in [0, 1), every layer keeps its router's minimum
         return choices, None
-    return choices, check_feasible(choices, ratio, min_ratio, max_ratio)
+    return choices, check_feasible(choices, ratio, min_kept_fraction, max_kept_fraction)
 
 
 def check_plan_arguments(
-    ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_ratio: Any = 0.375, max_ratio: Any = 0.875
+    ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_kept_fraction: Any = 0.375, max_kept_fraction: Any = 0.875
 ) -> tuple[float, float, float, float, float]:
     """Plain floats for the planning knobs, refused before any work if one would give a NaN plan.
 
@@ -205,41 +201,65 @@ def check_plan_arguments(
     zeta = real_number("zeta", zeta)
     if zeta <= 0:
         raise ValueError(f"zeta={zeta} must be > 0 (the stabilizer inside log(C(k) + zeta); the paper uses 1e-6).")
-    min_ratio = real_number("min_ratio", min_ratio)
-    max_ratio = real_number("max_ratio", max_ratio)
-    return ratio, risk_weight, zeta, min_ratio, max_ratio
+    min_kept_fraction = real_number("min_kept_fraction", min_kept_fraction)
+    max_kept_fraction = real_number("max_kept_fraction", max_kept_fraction)
+    return ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
+
+
+def renamed_bounds(
+    min_kept_fraction: Any, max_kept_fraction: Any, min_ratio: Any = None, max_ratio: Any = None
+) -> tuple[Any, Any]:
+    """Accept the deprecated ``min_ratio``/``max_ratio`` (fractions kept, despite the name) with a warning."""
+    for old, new, value in (("min_ratio", "min_kept_fraction", min_ratio), ("max_ratio", "max_kept_fraction", max_ratio)):
+        if value is not None:
+            warnings.warn(
+                f"{old} is now called {new} (it is a fraction of experts kept; ratio is the fraction removed).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+    return (
+        min_kept_fraction if min_ratio is None else min_ratio,
+        max_kept_fraction if max_ratio is None else max_ratio,
+    )
 
 
 def plan_pruning(
     stats: MoEStats,
     ratio: float,
-    method: str = "omp",
+    method: str | SelectionMethod = "omp",
     allocation: str = "waterfill",
     risk_weight: float = 3.0,
-    min_ratio: float = 0.375,
-    max_ratio: float = 0.875,
+    min_kept_fraction: float = 0.375,
+    max_kept_fraction: float = 0.875,
     zeta: float = 1e-6,
     method_options: dict[str, Any] | None = None,
+    *,
+    min_ratio: float | None = None,
+    max_ratio: float | None = None,
 ) -> PruningPlan:
     """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
 
-    ``min_ratio``/``max_ratio`` bound the fraction of experts each layer keeps under
-    ``waterfill`` and ``optimal``; ``uniform`` keeps ``1 - ratio`` of every layer.
-    ``method_options`` go to the method (``seed`` for ``random``, ``max_subsets`` for
-    ``exact``) and are recorded in ``plan.extra``.
+    ``method`` is a name registered in :data:`ompmoe.METHODS` (its options in ``method_options``,
+    e.g. ``{"seed": 3}`` for ``random``) or a method instance; ``allocation`` a name in
+    :data:`ompmoe.ALLOCATIONS`. ``min_kept_fraction``/``max_kept_fraction`` bound the fraction
+    of experts each layer keeps under bounded allocations (``waterfill``, ``optimal``);
+    ``uniform`` keeps ``1 - ratio`` of every layer. The method's options are recorded in
+    ``plan.extra["method_options"]``. ``min_ratio``/``max_ratio`` are the deprecated names of
+    the bounds.
     """
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
-    ratio, risk_weight, zeta, min_ratio, max_ratio = check_plan_arguments(
-        ratio, risk_weight, zeta, min_ratio, max_ratio
+    min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
+    selection_method = get_method(method, method_options)
+    ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction = check_plan_arguments(
+        ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
     )
     routings = [(layer.name, layer.routing) for layer in stats.layers]
-    choices, budget = validate_budget(routings, ratio, allocation, min_ratio, max_ratio)
+    choices, budget = validate_budget(routings, ratio, allocation, min_kept_fraction, max_kept_fraction)
+    selection_method.validate(routings)
     for layer in stats.layers:
         if layer.signal_energy <= 0.0:
             raise ValueError(f"Layer {layer.name} saw no routed tokens; calibrate on more text.")
 
-    selections = METHODS[method](stats.layers, **(method_options or {}))
+    selections = selection_method.select(stats.layers)
     residuals = [
         s.residual(layer.gram) if isinstance(s, SubsetSelection) else prefix_residual(layer.gram, s)
         for layer, s in zip(stats.layers, selections)
@@ -249,14 +269,9 @@ def plan_pruning(
         for layer, s in zip(stats.layers, selections)
     ]
     costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
-    if allocation in LOSS_ALLOCATIONS:  # loss units, allocated by the same exact DP as "optimal"
-        costs = loss_allocation_costs(stats.layers, selections, coverages, stats.num_tokens, allocation, risk_weight, zeta)
-    if allocation == "uniform":
-        counts = uniform_allocation(routings, ratio)
-    elif allocation == "waterfill":
-        counts = waterfill_allocation(costs, choices, budget)
-    else:
-        counts = optimal_allocation(costs, choices, budget)
+    counts = get_allocation(allocation).allocate(
+        AllocationProblem(routings, ratio, costs, choices, budget, stats, selections, coverages, risk_weight, zeta)
+    )
 
     # A per-count selection lists its kept set first, so ``kept == sorted(order[:count])`` always.
     orders = [s.order_at(k) if isinstance(s, SubsetSelection) else s for s, k in zip(selections, counts)]
@@ -273,19 +288,20 @@ def plan_pruning(
         )
         for layer, order, residual, coverage, count in zip(stats.layers, orders, residuals, coverages, counts)
     ]
+    options = selection_method.options()
     return PruningPlan(
         layers=layers,
         ratio=ratio,
-        method=method,
+        method=selection_method.name,
         allocation=allocation,
         risk_weight=risk_weight,
-        min_ratio=min_ratio,
-        max_ratio=max_ratio,
+        min_kept_fraction=min_kept_fraction,
+        max_kept_fraction=max_kept_fraction,
         zeta=zeta,
         fingerprint=stats.fingerprint,
         model_id=stats.model_id,
         num_tokens=stats.num_tokens,
         cost=total_cost(costs, counts),
         library_version=stats.library_version,
-        extra={"method_options": dict(method_options)} if method_options else {},
+        extra={"method_options": options} if options else {},
     )

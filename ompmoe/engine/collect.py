@@ -360,7 +360,7 @@ def collect_stats(
     ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
     others add jitter in train mode) and is put back in its previous mode afterwards.
     ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
-    blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.loss_stats`.
+    blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None, loss_aware=loss_aware)
     if loss_aware:

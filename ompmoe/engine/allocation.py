@@ -4,20 +4,23 @@ Each layer has a cost curve ``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` a
 feasible counts (per-layer ratio bounds, at least ``top_k``, equal counts per router group).
 ``uniform`` keeps the same fraction everywhere, ``waterfill`` is the paper's greedy, and
 ``optimal`` solves the same separable problem exactly by dynamic programming.
+
+Allocations live in one registry (:data:`ALLOCATIONS`): a function of an
+:class:`AllocationProblem` registered with :func:`register_allocation` is usable everywhere
+(``plan_pruning(allocation=...)``, strategies, callback, CLI) without other edits.
 """
 
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-
-ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")  # loss*: ompmoe.loss_aware
-
 
 class InfeasibleBudgetError(ValueError):
     """The requested pruning ratio cannot be met under the per-layer constraints."""
@@ -55,15 +58,15 @@ def minimum_kept(num_experts: int, top_k: int, num_groups: int, topk_group: int,
 def layer_choices(
     name: str,
     routing: dict[str, int],
-    min_ratio: float,
-    max_ratio: float,
+    min_kept_fraction: float,
+    max_kept_fraction: float,
 ) -> LayerChoices:
     """Feasible counts of one layer; ``low > high`` means the bounds leave nothing feasible."""
     n, step = routing["num_experts"], routing["num_groups"]
     floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
-    low = max(math.ceil(min_ratio * n - 1e-9), floor)
+    low = max(math.ceil(min_kept_fraction * n - 1e-9), floor)
     low = step * math.ceil(low / step)
-    high = step * math.floor(min(math.floor(max_ratio * n + 1e-9), n) / step)
+    high = step * math.floor(min(math.floor(max_kept_fraction * n + 1e-9), n) / step)
     return LayerChoices(name=name, num_experts=n, low=low, high=high, step=step)
 
 
@@ -77,15 +80,15 @@ def target_kept(num_experts: Sequence[int], ratio: float) -> int:
     return round((1.0 - ratio) * sum(num_experts))
 
 
-def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_ratio: float, max_ratio: float) -> int:
+def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fraction: float, max_kept_fraction: float) -> int:
     """Return the kept-expert budget or explain which ratios and bounds would work."""
     total = sum(c.num_experts for c in choices)
     for c in choices:
         if c.low > c.high:
             raise InfeasibleBudgetError(
                 f"Layer {c.name} ({c.num_experts} experts) has no feasible kept count between "
-                f"min_ratio={min_ratio} and max_ratio={max_ratio} that its router accepts (needs at "
-                f"least {c.low} experts in multiples of {c.step}); raise max_ratio to at least "
+                f"min_kept_fraction={min_kept_fraction} and max_kept_fraction={max_kept_fraction} that its router "
+                f"accepts (needs at least {c.low} experts in multiples of {c.step}); raise max_kept_fraction to at least "
                 f"{c.low / c.num_experts:.3f}."
             )
     budget = target_kept([c.num_experts for c in choices], ratio)
@@ -95,13 +98,13 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_ratio: flo
     if not low <= budget <= high:
         lo_ratio, hi_ratio = 1.0 - high / total, 1.0 - low / total
         hint = (
-            f"lower min_ratio below {1.0 - ratio:.3f} to prune more"
+            f"lower min_kept_fraction below {1.0 - ratio:.3f} to prune more"
             if budget < low
-            else f"raise max_ratio above {1.0 - ratio:.3f} to prune less"
+            else f"raise max_kept_fraction above {1.0 - ratio:.3f} to prune less"
         )
         raise InfeasibleBudgetError(
-            f"ratio={ratio} keeps {budget} of {total} experts, but min_ratio={min_ratio}, "
-            f"max_ratio={max_ratio} and the routers' top-k allow keeping {low} to {high}: use a ratio "
+            f"ratio={ratio} keeps {budget} of {total} experts, but min_kept_fraction={min_kept_fraction}, "
+            f"max_kept_fraction={max_kept_fraction} and the routers' top-k allow keeping {low} to {high}: use a ratio "
             f"in [{lo_ratio:.4f}, {hi_ratio:.4f}] or {hint}."
         )
     return budget
@@ -180,3 +183,88 @@ def optimal_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerChoic
 
 def total_cost(costs: Sequence[np.ndarray], counts: Sequence[int]) -> float:
     return float(sum(cost[k] for cost, k in zip(costs, counts)))
+
+
+# ------------------------------------------------------------------------------------ registry
+@dataclass(frozen=True)
+class AllocationProblem:
+    """What an allocation chooses from: one entry per MoE layer, in model order."""
+
+    routings: Sequence[tuple[str, dict[str, int]]]
+    """``(layer name, routing facts)`` (:attr:`ompmoe.MoELayer.routing`)."""
+    ratio: float
+    """Fraction of all routed experts to remove."""
+    costs: Sequence[np.ndarray]
+    """``F_l(k)``, ``k = 0..N_l``: residual plus weighted routing risk of the method's choice at each count."""
+    choices: Sequence[LayerChoices]
+    """Feasible counts per layer under the kept-fraction bounds and the routers' minimum."""
+    budget: int | None
+    """Total kept experts (``None`` for allocations that ignore the bounds, such as ``uniform``)."""
+    stats: Any = None
+    """The :class:`~ompmoe.MoEStats` planned from (allocations in other units, e.g. ``loss``, read them)."""
+    selections: Sequence[Any] | None = None
+    """The method's selection per layer (ordering or kept set per count)."""
+    coverages: Sequence[torch.Tensor] | None = None
+    """Routing coverage ``C_l(k)`` of each layer's selection."""
+    risk_weight: float = 3.0
+    zeta: float = 1e-6
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A registered allocation: ``allocate(problem)`` returns the kept count of every layer."""
+
+    name: str
+    allocate: Callable[[AllocationProblem], list[int]]
+    bounded: bool = True
+    """Whether the per-layer kept-fraction bounds and the global budget apply (``uniform``: no)."""
+
+    @property
+    def summary(self) -> str:
+        return inspect.cleandoc(self.allocate.__doc__ or "").split("\n", 1)[0].rstrip(".")
+
+
+ALLOCATIONS: dict[str, Allocation] = {}
+"""Registered allocations by name."""
+
+
+def register_allocation(name: str, *, bounded: bool = True) -> Callable[[Callable[[AllocationProblem], list[int]]], Callable[[AllocationProblem], list[int]]]:
+    """Decorator: register ``allocate(problem) -> counts`` under ``name`` (``bounded``: see :class:`Allocation`)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"Allocation names must be identifier-like; got {name!r}.")
+
+    def decorate(allocate: Callable[[AllocationProblem], list[int]]) -> Callable[[AllocationProblem], list[int]]:
+        existing = ALLOCATIONS.get(name)
+        if existing is not None and existing.allocate.__qualname__ != allocate.__qualname__:
+            raise ValueError(f"An allocation named {name!r} is already registered ({existing.allocate.__qualname__}).")
+        ALLOCATIONS[name] = Allocation(name, allocate, bounded)
+        return allocate
+
+    return decorate
+
+
+def get_allocation(name: str) -> Allocation:
+    """The registered allocation ``name``, or an error listing the registered names."""
+    if not isinstance(name, str) or name not in ALLOCATIONS:
+        raise ValueError(f"Unknown allocation {name!r}; choose one of {list(ALLOCATIONS)} or register one with ompmoe.register_allocation.")
+    return ALLOCATIONS[name]
+
+
+@register_allocation("uniform", bounded=False)
+def _uniform(problem: AllocationProblem) -> list[int]:
+    """the same fraction `1 - ratio` kept in every layer (rounded to whole router groups)"""
+    return uniform_allocation(problem.routings, problem.ratio)
+
+
+@register_allocation("waterfill")
+def _waterfill(problem: AllocationProblem) -> list[int]:
+    """the paper's greedy water-filling of `F_l(k)` under the kept-fraction bounds"""
+    assert problem.budget is not None
+    return waterfill_allocation(problem.costs, problem.choices, problem.budget)
+
+
+@register_allocation("optimal")
+def _optimal(problem: AllocationProblem) -> list[int]:
+    """the exact minimum of `sum_l F_l(k_l)` under the same bounds, by dynamic programming (never worse than `waterfill`)"""
+    assert problem.budget is not None
+    return optimal_allocation(problem.costs, problem.choices, problem.budget)

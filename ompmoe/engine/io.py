@@ -262,7 +262,7 @@ def atomic_path(
     try:
         yield tmp
         if directory:
-            from . import __version__
+            from .. import __version__
 
             (tmp / MARKER).write_text(json.dumps({"tool": "ompmoe", "version": __version__}))
         _default_permissions(tmp, directory)

@@ -3,13 +3,13 @@
 The fine-tuning counterpart of :class:`ompmoe.CalibrationModule`: the same Trainer and
 ``CalibrationDataModule`` (any of its sources as training text) continue from a pruned model::
 
-    python -m ompmoe.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \\
+    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \\
         --data.source shipped --data.tokenizer bytes --data.seq_len 256 --data.num_blocks 16 \\
         --data.batch_size 4 --trainer.max_steps 40 --trainer.accelerator cpu --trainer.logger false
 
-The loss is :func:`ompmoe.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
+The loss is :func:`ompmoe.recipes.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
 model's config sets ``output_router_logits`` (or ``aux_loss_coef`` is given), the per-layer
-load-balancing loss of :func:`ompmoe.finetune.load_balancing_loss`, which unlike transformers'
+load-balancing loss of :func:`ompmoe.recipes.finetune.load_balancing_loss`, which unlike transformers'
 own aux loss works when layers kept different numbers of experts.
 
 LoRA (``lora_rank > 0``, needs ``peft``) adapts every ``nn.Linear`` of the attention blocks
@@ -30,8 +30,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .calibration_module import TINY_PREFIX, resolve_dtype
-from .finetune import LossParts, causal_lm_loss, moe_routers, router_aux_coef
+from .models import default_tokenizer, load_model, resolve_dtype
+from ..recipes.finetune import LossParts, causal_lm_loss, moe_routers, router_aux_coef
 
 
 def attention_linear_names(model: nn.Module) -> list[str]:
@@ -46,7 +46,7 @@ def attention_linear_names(model: nn.Module) -> list[str]:
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Suffixes ``experts.<name>`` of the fused 3-D routed-expert weights (PEFT ``target_parameters``)."""
-    from .adapters import find_moe_layers
+    from ..engine.adapters import find_moe_layers
 
     names = {
         f"experts.{name}"
@@ -117,8 +117,7 @@ class FinetuneModule(pl.LightningModule):
         else:
             self.model_name_or_path = str(model)
             self.model = None
-        is_tiny = isinstance(self.model_name_or_path, str) and self.model_name_or_path.startswith(TINY_PREFIX)
-        self.tokenizer_name = tokenizer or ("bytes" if is_tiny else self.model_name_or_path)
+        self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
         self._routers: list[tuple[nn.Module, int]] | None = None
         self._set_hf_model(None)
         self._merged = False
@@ -143,13 +142,7 @@ class FinetuneModule(pl.LightningModule):
         name = self.model_name_or_path
         if not name:
             raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model instance.")
-        if name.startswith(TINY_PREFIX):
-            from .tiny import tiny_model
-
-            return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
-        from .pruning import load_pruned
-
-        return load_pruned(name, dtype=self.torch_dtype or "auto", trust_remote_code=self.trust_remote_code)
+        return load_model(name, self.torch_dtype, self.trust_remote_code)
 
     def _with_lora(self, model: nn.Module) -> nn.Module:
         try:
@@ -191,7 +184,7 @@ class FinetuneModule(pl.LightningModule):
 
     def save_pruned(self, path: str | os.PathLike, overwrite: bool = False, tokenizer: Any | None = None) -> None:
         """Merge LoRA (if any) and write the model with :func:`ompmoe.save_pruned`."""
-        from .pruning import save_pruned
+        from ..engine.pruning import save_pruned
 
         save_pruned(self.merged_model(), path, tokenizer=tokenizer, overwrite=overwrite)
 
@@ -233,13 +226,13 @@ class FinetuneModule(pl.LightningModule):
             return
         model = self.merged_model()
         if self.trainer.is_global_zero:
-            from .pruning import save_pruned
+            from ..engine.pruning import save_pruned
 
             save_pruned(model, self.save_dir, overwrite=self.overwrite)
 
 
 def main(args: list[str] | None = None) -> None:
-    """``python -m ompmoe.finetune_module fit ...``: LightningCLI of FinetuneModule + CalibrationDataModule."""
+    """``python -m ompmoe.lightning.finetune_module fit ...``: LightningCLI of FinetuneModule + CalibrationDataModule."""
     from lightning.pytorch.cli import LightningCLI
 
     from .calibration_data import CalibrationDataModule

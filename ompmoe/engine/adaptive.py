@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import MoELayer, find_moe_layers
+from .adapters import ARCHITECTURES, MoELayer, find_moe_layers
+from .record import pruning_info
 from .statistics import MoEStats
 
 CONFIG_KEY = "ompmoe_adaptive"
@@ -43,7 +44,14 @@ CONFIG_KEY = "ompmoe_adaptive"
 ZETA = 1e-6
 STATE_ATTR = "_ompmoe_adaptive"
 
-_ARG_NAMES = (("hidden_states",), ("top_k_index", "router_indices"), ("top_k_weights", "routing_weights"))
+
+
+def _argument_names() -> tuple[tuple[str, ...], ...]:
+    """Per position, the names the registered architectures give the experts' forward arguments."""
+    return tuple(
+        tuple(dict.fromkeys(spec.experts_arguments[position] for spec in ARCHITECTURES.values()))
+        for position in range(3)
+    )
 
 
 # --------------------------------------------------------------------------------------- the rule
@@ -110,14 +118,15 @@ class _AdaptiveState:
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values = list(args[:3])
-    for names in _ARG_NAMES[len(values) :]:
+    argument_names = _argument_names()
+    for names in argument_names[len(values) :]:
         for name in names:
             if name in kwargs:
                 values.append(kwargs[name])
                 break
         else:
             raise TypeError(f"ompmoe adaptive inference: experts module called without {names[0]!r}.")
-    if len(args) > 3 or any(key not in {n for names in _ARG_NAMES for n in names} for key in kwargs):
+    if len(args) > 3 or any(key not in {n for names in argument_names for n in names} for key in kwargs):
         raise TypeError("ompmoe adaptive inference: unexpected extra arguments to the experts module.")
     return values[0], values[1], values[2]
 
@@ -195,8 +204,6 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoEL
     model, pruned or not). On a pruned model, alphas with one entry per ORIGINAL expert (statistics
     of the model before pruning) are indexed with the kept ids recorded in ``config.ompmoe``.
     """
-    from .pruning import pruning_info
-
     layers = list(layers) if layers is not None else find_moe_layers(model)
     source = _as_alpha_source(stats_or_alphas, model)
     unknown = sorted(set(source) - {layer.name for layer in layers})

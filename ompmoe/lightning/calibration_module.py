@@ -8,18 +8,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .data import resolve_shipped
+from .models import TINY_PREFIX, default_tokenizer, load_model, resolve_dtype
 
-TINY_PREFIX = "tiny:"
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'.")
-    return resolved
+__all__ = ["TINY_PREFIX", "CalibrationModule", "resolve_dtype", "shard_model"]
 
 
 def shard_model(model: nn.Module, device_mesh: Any) -> None:
@@ -35,7 +26,7 @@ def shard_model(model: nn.Module, device_mesh: Any) -> None:
 class CalibrationModule(pl.LightningModule):
     """Runs the model forward on calibration batches; no loss, no optimizer, always in eval mode.
 
-    Pair it with :class:`ompmoe.callbacks.OMPMoEPruning` (which gathers statistics and prunes)
+    Pair it with :class:`ompmoe.callbacks.ExpertPruning` (which gathers statistics and prunes)
     and :class:`ompmoe.CalibrationDataModule`.
 
     Args:
@@ -68,8 +59,7 @@ class CalibrationModule(pl.LightningModule):
         else:
             self.model_name_or_path = model
             self.model = None
-        is_tiny = isinstance(self.model_name_or_path, str) and self.model_name_or_path.startswith(TINY_PREFIX)
-        self.tokenizer_name = resolve_shipped(tokenizer or ("bytes" if is_tiny else self.model_name_or_path))
+        self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
 
     def configure_model(self) -> None:
         """Load the model lazily so strategies such as FSDP can shard it as it is created."""
@@ -83,17 +73,7 @@ class CalibrationModule(pl.LightningModule):
         name = self.model_name_or_path
         if name is None:
             raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
-        if name.startswith(TINY_PREFIX):
-            from .tiny import tiny_model
-
-            return tiny_model(name.removeprefix(TINY_PREFIX), dtype=self.torch_dtype or torch.float32)
-        from transformers import AutoModelForCausalLM
-
-        path = resolve_shipped(name)
-        default = torch.float32 if path != name else "auto"  # shipped weights are bf16 for size only
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.torch_dtype or default, trust_remote_code=self.trust_remote_code
-        )
+        return load_model(name, self.torch_dtype, self.trust_remote_code)
 
     def train(self, mode: bool = True) -> CalibrationModule:
         # Lightning switches modules to train mode during fit; routers (Mixtral) jitter there.

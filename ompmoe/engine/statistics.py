@@ -70,7 +70,7 @@ class LayerStats:
     are left out), the objective of the ``omp_normalized`` baseline. ``None`` for statistics
     written before it was collected."""
     gram_grad: torch.Tensor | None = None
-    """Loss-aware (``collect_stats(..., loss_aware=True)``; see :mod:`ompmoe.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
+    """Loss-aware (``collect_stats(..., loss_aware=True)``; see :mod:`ompmoe.engine.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
     gram_loss: torch.Tensor | None = None
     """Loss-aware: rank-1 projection Gram ``sum_x a_e(x) a_f(x)``, ``a_e(x) = <d_x, V_e(x)>``."""
     gram_fisher: torch.Tensor | None = None
@@ -125,7 +125,7 @@ class MoEStats:
 
     def __post_init__(self) -> None:
         if not self.library_version:
-            from . import __version__
+            from .. import __version__
 
             self.library_version = __version__
 

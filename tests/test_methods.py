@@ -1,4 +1,4 @@
-"""Baselines (ompmoe.baselines) against literal implementations, brute force and the plan machinery."""
+"""Selection methods (ompmoe.engine.methods) against literal implementations, brute force and the plan machinery."""
 
 from __future__ import annotations
 
@@ -10,33 +10,32 @@ import torch
 
 import ompmoe
 from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
-from ompmoe.baselines import (
-    BASELINES,
+from ompmoe.engine.methods import (
+    METHODS,
     SubsetSelection,
+    get_method,
     TooManySubsetsError,
     exact_subsets,
     score_order,
     swap_refine,
 )
-from ompmoe.collect import CANCELLED_TOKEN
-from ompmoe.loss_aware import LOSS_METHODS
-from ompmoe.plan import METHODS
-from ompmoe.selection import greedy_pursuit
-from ompmoe.statistics import LayerStats
-from ompmoe.strategies import STRATEGIES, ExactStrategy, RandomStrategy, strategy_for
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.collect import CANCELLED_TOKEN
+from ompmoe.engine.selection import greedy_pursuit
+from ompmoe.engine.statistics import LayerStats
+from ompmoe.engine.strategy import PruningStrategy, strategy_for
+from ompmoe.engine.tiny import tiny_model
 
 from conftest import assert_gram_close, make_model, random_ids
 
 ALLOCATIONS = ("uniform", "waterfill", "optimal")
+BUILT_IN = ("omp", "omp_normalized", "frequency", "routing_mass", "ean", "reap", "random", "static_energy", "exact", "omp_swap")
 SCORE_METHODS = ("frequency", "routing_mass", "ean", "reap", "static_energy")
 
 
 def _stats(model_type: str, seed: int = 0, **overrides) -> MoEStats:
     model = tiny_model(model_type, seed=seed, num_hidden_layers=4, **overrides)
     generator = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(3, 256, (2, 32), generator=generator) for _ in range(2)]
-    return collect_stats(model, batches, loss_aware=True)  # loss-aware sums too, for the ompmoe.loss_aware methods
+    return collect_stats(model, [torch.randint(3, 256, (2, 32), generator=generator) for _ in range(2)])
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +110,9 @@ def literal_scores(layer: LayerStats, method: str) -> list[float]:
 
 @pytest.mark.parametrize("method", SCORE_METHODS)
 def test_score_rankings_equal_literal_sorts(method, qwen_stats, deepseek_stats):
-    for layer, order in zip(qwen_stats.layers, METHODS[method](qwen_stats.layers)):
+    for layer, order in zip(qwen_stats.layers, get_method(method).select(qwen_stats.layers)):
         assert order.tolist() == literal_ranking(literal_scores(layer, method))
-    for layer, order in zip(deepseek_stats.layers, METHODS[method](deepseek_stats.layers)):
+    for layer, order in zip(deepseek_stats.layers, get_method(method).select(deepseek_stats.layers)):
         assert layer.num_groups == 4
         assert order.tolist() == literal_grouped_ranking(literal_scores(layer, method), layer.num_groups)
     # Through plan_pruning: a uniform plan keeps the literal top of the ranking.
@@ -135,7 +134,7 @@ def test_score_order_ties_go_to_the_lowest_id():
 
 def test_reap_is_the_mean_gate_weighted_norm_over_routed_tokens(collected):
     """REAP from the statistics equals mean over routed tokens of g ||F|| from the literal atoms."""
-    from ompmoe.baselines import reap_scores
+    from ompmoe.engine.methods import reap_scores
 
     for layer, literal in zip(collected.stats.layers, collected.literal):
         routed = literal.token_count > 0
@@ -146,9 +145,9 @@ def test_reap_is_the_mean_gate_weighted_norm_over_routed_tokens(collected):
 
 def test_random_is_seeded_and_reproducible(qwen_stats, deepseek_stats):
     for stats in (qwen_stats, deepseek_stats):
-        first = RandomStrategy(ratio=0.5, seed=3).plan(stats)
-        again = RandomStrategy(ratio=0.5, seed=3).plan(stats)
-        other = RandomStrategy(ratio=0.5, seed=4).plan(stats)
+        first = PruningStrategy(ratio=0.5, method="random", method_options={"seed": 3}).plan(stats)
+        again = PruningStrategy(ratio=0.5, method="random", method_options={"seed": 3}).plan(stats)
+        other = PruningStrategy(ratio=0.5, method="random", method_options={"seed": 4}).plan(stats)
         assert first == again
         assert first.extra == {"method_options": {"seed": 3}}
         assert [layer.order for layer in first.layers] != [layer.order for layer in other.layers]
@@ -162,7 +161,7 @@ def test_random_is_seeded_and_reproducible(qwen_stats, deepseek_stats):
     # The registered default is seed 0.
     default = plan_pruning(qwen_stats, 0.5, method="random")
     assert default.layers == plan_pruning(qwen_stats, 0.5, method="random", method_options={"seed": 0}).layers
-    assert default.layers == RandomStrategy(ratio=0.5).plan(qwen_stats).layers
+    assert default.layers == PruningStrategy(ratio=0.5, method="random").plan(qwen_stats).layers
 
 
 # ------------------------------------------------------------------------- exact optimum
@@ -217,10 +216,10 @@ def test_exact_refuses_large_layers(qwen_stats):
     # A lower limit refuses the 16-expert tiny layers, in planning and before calibration.
     routings = [(layer.name, layer.routing) for layer in qwen_stats.layers]
     with pytest.raises(TooManySubsetsError, match=r"2\^16 = 65,536 expert subsets in layer model\.layers\.1\.mlp"):
-        ExactStrategy(ratio=0.5, max_subsets=1000).validate(routings)
+        PruningStrategy(ratio=0.5, method="exact", method_options={"max_subsets": 1000}).validate(routings)
     with pytest.raises(TooManySubsetsError, match="max_subsets=1,000"):
         plan_pruning(qwen_stats, 0.5, method="exact", method_options={"max_subsets": 1000})
-    ExactStrategy(ratio=0.5).validate(routings)
+    PruningStrategy(ratio=0.5, method="exact").validate(routings)
 
 
 # ----------------------------------------------------------------------- swap refinement
@@ -258,13 +257,13 @@ def test_swap_refinement_is_never_worse_than_omp_and_one_swap_optimal():
 @pytest.mark.parametrize("stats_name", ["qwen_stats", "deepseek_stats"])
 def test_set_methods_on_tiny_model_stats(stats_name, request):
     stats = request.getfixturevalue(stats_name)
-    omp = METHODS["omp"](stats.layers)
-    exact = METHODS["exact"](stats.layers)
-    swap = METHODS["omp_swap"](stats.layers)
+    omp = get_method("omp").select(stats.layers)
+    exact = get_method("exact").select(stats.layers)
+    swap = get_method("omp_swap").select(stats.layers)
     for layer, order, ex, sw in zip(stats.layers, omp, exact, swap):
         assert isinstance(ex, SubsetSelection) and isinstance(sw, SubsetSelection)
         assert torch.equal(ex.reference, order) and torch.equal(sw.reference, order)
-        from ompmoe.selection import prefix_residual
+        from ompmoe.engine.selection import prefix_residual
 
         greedy = prefix_residual(layer.gram, order)
         r_exact, r_swap = ex.residual(layer.gram), sw.residual(layer.gram)
@@ -299,7 +298,7 @@ def test_token_normalized_gram_equals_literal_per_token_computation(collected):
 
 def test_token_normalized_omp_is_omp_on_the_normalized_gram(qwen_stats, deepseek_stats):
     for stats in (qwen_stats, deepseek_stats):
-        orders = METHODS["omp_normalized"](stats.layers)
+        orders = get_method("omp_normalized").select(stats.layers)
         for layer, order in zip(stats.layers, orders):
             assert order.tolist() == greedy_pursuit(layer.gram_normalized, layer.num_groups).order.tolist()
 
@@ -346,13 +345,13 @@ def test_statistics_without_the_normalized_gram_still_load_and_plan(qwen_stats, 
 @pytest.mark.parametrize("stats_name", ["qwen_stats", "deepseek_stats"])
 def test_every_method_plans_with_every_allocation(stats_name, request):
     stats = request.getfixturevalue(stats_name)
-    assert set(METHODS) == {"omp", *BASELINES, *LOSS_METHODS} and set(STRATEGIES) == set(METHODS)
-    for method in sorted(METHODS):
+    assert set(BUILT_IN) <= set(METHODS)
+    for method in BUILT_IN:
         costs = {}
         for allocation in ALLOCATIONS:
             plan = strategy_for(method, ratio=0.5, allocation=allocation).plan(stats)
             assert plan == plan_pruning(stats, 0.5, method=method, allocation=allocation,
-                                        method_options=strategy_for(method).method_options() or None)
+                                        method_options=strategy_for(method).method_options or None)
             assert plan.method == method and plan.allocation == allocation
             assert sum(layer.num_kept for layer in plan.layers) == 24
             for layer, planned in zip(stats.layers, plan.layers):
@@ -386,10 +385,10 @@ def test_exact_and_swap_plans_are_never_worse_than_omp_at_the_same_counts(qwen_s
 def test_baseline_strategies_in_the_callback_interface(qwen_stats):
     import lightning  # noqa: F401  (the callback's extra_ratios use dataclasses.replace)
 
-    strategy = ompmoe.REAPStrategy(ratio=0.5, allocation="optimal")
-    assert isinstance(strategy, ompmoe.PruningStrategy)
+    strategy = ompmoe.PruningStrategy(ratio=0.5, method="reap", allocation="optimal")
+    assert isinstance(strategy, ompmoe.Strategy)
     assert dataclasses.replace(strategy, ratio=0.25).plan(qwen_stats).method == "reap"
-    assert ompmoe.ExactStrategy(max_subsets=10**6).method_options() == {"max_subsets": 10**6}
+    assert strategy_for("exact", max_subsets=10**6).method_options == {"max_subsets": 10**6}
     with pytest.raises(ValueError, match="Unknown method 'magnitude'"):
         strategy_for("magnitude")
 
@@ -398,7 +397,7 @@ def test_group_balance_for_grouped_routers_of_other_architectures():
     for model_type, overrides in (("glm4_moe", {}), ("deepseek_v2", {"topk_method": "group_limited_greedy"})):
         stats = _stats(model_type, **overrides)
         assert all(layer.num_groups > 1 for layer in stats.layers)
-        for method in sorted(METHODS):
+        for method in BUILT_IN:
             plan = plan_pruning(stats, 0.5, method=method, allocation="optimal")
             for layer, planned in zip(stats.layers, plan.layers):
                 size = layer.num_experts // layer.num_groups

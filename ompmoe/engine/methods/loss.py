@@ -1,4 +1,4 @@
-"""Selection and allocation in loss units, from the loss-aware sums of :mod:`ompmoe.loss_stats`.
+"""Selection and allocation in loss units, from the loss-aware sums of :mod:`ompmoe.engine.loss_stats`.
 
 Removing the experts ``U`` of a layer (indicator ``u``) changes the calibration loss by about
 
@@ -9,14 +9,14 @@ increase. Unlike the paper's normalized residual ``r_l(k)`` these estimates are 
 units in every layer, so they add up across layers without normalization, and the budget goes
 where the summed estimate is smallest (exact dynamic program under the usual per-layer bounds).
 
-Methods (keys of :data:`LOSS_METHODS`, usable as ``plan_pruning(method=...)``):
+Methods (registered in :data:`ompmoe.METHODS`, usable as ``plan_pruning(method=...)``):
 
 - ``omp_loss``: greedy pursuit on ``gram_loss`` (the paper's Algorithm 1 in the loss metric),
 - ``omp_grad``: greedy pursuit on ``gram_grad`` (per-token weight ``||d_x||^2``),
 - ``omp_fisher``: greedy pursuit on ``gram_fisher`` (per-token diagonal Fisher),
 - ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term.
 
-Allocations (keys of :data:`LOSS_ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
+Allocations (registered in :data:`ompmoe.ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
 ``loss_risk``: the paper's per-layer cost ``r_l(k) + lambda * -log(C_l(k) + zeta)`` measured in loss
 units, i.e. ``dL_l(k) + lambda * dL_l(0) * -log(C_l(k) + zeta)`` (``dL_l(0)``, the estimate for
 removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs by its loss scale).
@@ -25,12 +25,16 @@ removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from .selection import greedy_pursuit
-from .statistics import LayerStats
+from ..allocation import AllocationProblem, optimal_allocation, register_allocation
+from ..selection import greedy_pursuit
+from ..statistics import LayerStats
+from .registry import Selection, SelectionMethod, register_method
 
 LOSS_ALLOCATIONS = ("loss", "loss_risk")
 
@@ -78,35 +82,59 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
     return torch.tensor(order, dtype=torch.long)
 
 
-def _pursuit_on(key: str, method: str):
-    def orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        require_loss_tensors(layers, key, f"Method {method!r}")
-        return [greedy_pursuit(getattr(layer, key), num_groups=layer.num_groups, with_gains=False).order for layer in layers]
-
-    orderings.__name__ = f"{method}_orderings"
-    orderings.__doc__ = f"Greedy binary pursuit on each layer's ``{key}`` (see :mod:`ompmoe.loss_aware`)."
-    return orderings
+def _pursuit_on(layers: Sequence[LayerStats], key: str, method: str) -> list[Selection]:
+    require_loss_tensors(layers, key, f"Method {method!r}")
+    return [greedy_pursuit(getattr(layer, key), num_groups=layer.num_groups, with_gains=False).order for layer in layers]
 
 
-omp_loss_orderings = _pursuit_on("gram_loss", "omp_loss")
-omp_grad_orderings = _pursuit_on("gram_grad", "omp_grad")
-omp_fisher_orderings = _pursuit_on("gram_fisher", "omp_fisher")
+@register_method
+@dataclass
+class OMPLoss(SelectionMethod):
+    """greedy pursuit on the rank-1 loss Gram `sum_x a_e(x) a_f(x)`, `a_e(x) = <dL/dY_x, V_e(x)>` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_loss"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_loss", self.name)
 
 
-def loss_newton_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-    """Greedy minimization of the second-order loss estimate with its first-order term, per layer."""
-    require_loss_tensors(layers, "gram_loss", "Method 'loss_newton'")
-    require_loss_tensors(layers, "loss_first_order", "Method 'loss_newton'")
-    return [greedy_quadratic(layer.gram_loss, layer.loss_first_order, layer.num_groups) for layer in layers]
+@register_method
+@dataclass
+class OMPGrad(SelectionMethod):
+    """greedy pursuit on the Gram weighted per token by `||dL/dY_x||^2` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_grad"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_grad", self.name)
 
 
-LOSS_METHODS = {
-    "omp_loss": omp_loss_orderings,
-    "omp_grad": omp_grad_orderings,
-    "omp_fisher": omp_fisher_orderings,
-    "loss_newton": loss_newton_orderings,
-}
-"""Loss-aware expert-selection methods by name (registered in :data:`ompmoe.plan.METHODS`)."""
+@register_method
+@dataclass
+class OMPFisher(SelectionMethod):
+    """greedy pursuit on the per-token diagonal-Fisher Gram `sum_x sum_i d_{x,i}^2 V_e,i V_f,i` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_fisher"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_fisher", self.name)
+
+
+@register_method
+@dataclass
+class LossNewton(SelectionMethod):
+    """greedy minimum of the second-order loss estimate `-s^T u + u^T G_loss u / 2` with its first-order term (loss-aware statistics)"""
+
+    name: ClassVar[str] = "loss_newton"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        require_loss_tensors(layers, "gram_loss", f"Method {self.name!r}")
+        require_loss_tensors(layers, "loss_first_order", f"Method {self.name!r}")
+        return [greedy_quadratic(layer.gram_loss, layer.loss_first_order, layer.num_groups) for layer in layers]
+
+
+LOSS_METHODS = ("omp_loss", "omp_grad", "omp_fisher", "loss_newton")
+"""The loss-aware methods (they need statistics collected with ``loss_aware=True``)."""
 
 
 def kept_masks(selection: torch.Tensor | object, num_experts: int) -> torch.Tensor:
@@ -159,3 +187,25 @@ def loss_allocation_costs(
         return curves
     risks = [-np.log(np.clip(c.to(torch.float64).cpu().numpy(), 0.0, None) + zeta) for c in coverages]
     return [curve + risk_weight * max(float(curve[0]), 0.0) * risk for curve, risk in zip(curves, risks)]
+
+
+def _loss_problem_costs(problem: AllocationProblem, allocation: str) -> list[np.ndarray]:
+    if problem.stats is None or problem.selections is None or problem.coverages is None:
+        raise ValueError(f"Allocation {allocation!r} needs the statistics and selections (use ompmoe.plan_pruning).")
+    stats = problem.stats
+    return loss_allocation_costs(stats.layers, problem.selections, problem.coverages, stats.num_tokens, allocation,
+                                 problem.risk_weight, problem.zeta)
+
+
+@register_allocation("loss")
+def _loss(problem: AllocationProblem) -> list[int]:
+    """the exact minimum (dynamic program) of the summed per-token loss estimates `sum_l dL_l(k_l)` under the kept-fraction bounds (loss-aware statistics)"""
+    assert problem.budget is not None
+    return optimal_allocation(_loss_problem_costs(problem, "loss"), problem.choices, problem.budget)
+
+
+@register_allocation("loss_risk")
+def _loss_risk(problem: AllocationProblem) -> list[int]:
+    """as `loss`, plus the routing risk `lambda dL_l(0) -log(C_l(k) + zeta)` (the paper's per-layer cost in loss units)"""
+    assert problem.budget is not None
+    return optimal_allocation(_loss_problem_costs(problem, "loss_risk"), problem.choices, problem.budget)

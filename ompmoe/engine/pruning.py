@@ -26,14 +26,14 @@ from .adapters import MoELayer, architecture_of, find_moe_layers
 from .io import atomic_path
 from .allocation import minimum_kept
 from .plan import PlanMismatchError, PruningPlan
-from .quantization import check_not_quantized, check_savable
+from .quantized import check_not_quantized, check_savable
+from .adaptive import restore_adaptive
+from .record import CONFIG_KEY, pruning_info
 from .statistics import FingerprintMismatchError, model_fingerprint
 
-CONFIG_KEY = "ompmoe"
-COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
-def _slice_layer(layer: MoELayer, index: torch.Tensor) -> None:
+def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
     """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
     old = layer.num_experts
     for module in (layer.router, layer.experts):
@@ -44,7 +44,7 @@ def _slice_layer(layer: MoELayer, index: torch.Tensor) -> None:
         for name, tensor in list(module.named_buffers(recurse=False)):
             if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
                 module._buffers[name] = tensor.index_select(0, index.to(tensor.device))
-        for attr in COUNT_ATTRIBUTES:
+        for attr in count_attributes:
             if getattr(module, attr, None) == old:
                 setattr(module, attr, int(index.numel()))
     layer.num_experts = int(index.numel())
@@ -67,12 +67,6 @@ def _record_counts(model: nn.Module, kept: dict[str, list[int]], original: dict[
     elif (pruning_info(model) or {}).get("router_aux_loss"):
         record["router_aux_loss"] = True
     setattr(model.config, CONFIG_KEY, record)
-
-
-def pruning_info(model_or_config: Any) -> dict[str, Any] | None:
-    """The ``ompmoe`` record of a pruned model or config, or ``None`` if it was never pruned."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return getattr(config, CONFIG_KEY, None)
 
 
 def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
@@ -175,7 +169,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
 
     The whole plan is checked against the model first (:func:`validate_plan`), so a plan that
     does not fit raises :class:`PlanMismatchError` with the model untouched.
-    A quantized model is refused before anything changes (:class:`ompmoe.quantization.QuantizedModelError`):
+    A quantized model is refused before anything changes (:class:`ompmoe.QuantizedModelError`):
     prune first, then quantize.
     """
     check_not_quantized(model)
@@ -196,7 +190,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         earlier = previous.get("kept_experts", {}).get(layer.name, list(range(layer.num_experts)))
         original_counts.setdefault(layer.name, layer.num_experts)
         kept_original[layer.name] = [earlier[i] for i in kept]
-        _slice_layer(layer, torch.tensor(kept, dtype=torch.long))
+        _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
     _record_counts(model, kept_original, original_counts)
     return model
 
@@ -224,10 +218,11 @@ def save_pruned(
 def _resize_to_record(model: nn.Module, record: dict[str, Any]) -> None:
     layers = find_moe_layers(model)
     _check_record_ids(record, layers)
+    count_attributes = architecture_of(model).count_attributes
     for layer in layers:
         count = len(record["kept_experts"][layer.name])
         if layer.num_experts != count:
-            _slice_layer(layer, torch.arange(count))
+            _slice_layer(layer, torch.arange(count), count_attributes)
 
 
 def _check_record_ids(record: dict[str, Any], layers: list[MoELayer]) -> None:
@@ -315,10 +310,5 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
 
 def _with_adaptive(model: nn.Module) -> nn.Module:
     """Re-apply OMP-MoE+ adaptive inference saved in ``config.ompmoe_adaptive``, if any."""
-    from .adaptive import restore_adaptive
-
     restore_adaptive(model)
     return model
-
-
-

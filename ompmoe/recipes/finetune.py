@@ -13,7 +13,7 @@ layer's own expert count and top-k, and averages over layers (``per_layer=True``
 ``per_layer=False`` reproduces transformers' pooled value exactly (uniform counts only).
 :func:`causal_lm_loss` runs the model with ``output_router_logits=False``, takes the router
 logits from hooks on the routers instead, and adds the auxiliary term itself, so it works for
-every plan. No Lightning here: :class:`ompmoe.finetune_module.FinetuneModule` wraps it.
+every plan. No Lightning here: :class:`ompmoe.lightning.finetune_module.FinetuneModule` wraps it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import find_moe_layers
+from ..engine.adapters import find_moe_layers
 
 IGNORE_INDEX = -100
 """Label value that the causal-LM loss ignores (padding)."""

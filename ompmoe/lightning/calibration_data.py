@@ -9,7 +9,7 @@ seed 42 first.
 
 This module imports :mod:`lightning`; the core package does not (``ompmoe.CalibrationDataModule``
 is resolved lazily). :mod:`datasets` is only imported when a hub data set or a json/parquet file is
-read (``pip install 'ompmoe[data]'``).
+read (``pip install 'ompmoe[lightning]'``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .data import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
+from ..data import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
 
 __all__ = ["PRESETS", "CalibrationBlocks", "CalibrationDataModule", "HubUnavailableError"]
 
@@ -214,7 +214,7 @@ def _local_format(path: str) -> str | None:
     return None
 
 
-def _offline() -> bool:
+def offline_mode() -> bool:
     """Offline mode as the environment says *now* (or as the hub libraries read it at import)."""
     if any(os.environ.get(var, "").upper() in _TRUE for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return True
@@ -226,7 +226,7 @@ def _offline() -> bool:
         return False
 
 
-def _hub_reachable() -> bool:
+def hub_reachable() -> bool:
     """One HEAD request to the hub endpoint (proxies honoured), no retries."""
     try:
         from huggingface_hub import constants, get_session
@@ -238,7 +238,7 @@ def _hub_reachable() -> bool:
 
 
 @contextmanager
-def _hub_offline() -> Iterator[None]:
+def hub_offline() -> Iterator[None]:
     """Force ``datasets``/``huggingface_hub`` offline (cache only, no network, no retries) for a call.
 
     Both libraries read ``HF_HUB_OFFLINE`` once, at import; this makes an offline environment set
@@ -261,7 +261,7 @@ def _require_datasets() -> Any:
     except ImportError as error:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "Reading hub data sets and json/parquet calibration files needs the `datasets` package: "
-            "pip install 'ompmoe[data]'. Offline alternatives: source='shipped' or a .txt file."
+            "pip install 'ompmoe[lightning]'. Offline alternatives: source='shipped' or a .txt file."
         ) from error
     return datasets
 
@@ -492,11 +492,11 @@ class CalibrationDataModule(pl.LightningDataModule):
             kwargs["data_files"] = files
         if self._hub_rows is not None:
             return self._hub_rows
-        offline = _offline()
-        if offline or not _hub_reachable():
+        offline = offline_mode()
+        if offline or not hub_reachable():
             reason = "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if offline else "the hub is unreachable"
             try:
-                with _hub_offline():
+                with hub_offline():
                     self._hub_rows = datasets.load_dataset(path, **kwargs)
             except Exception as error:
                 raise self._unavailable(path, reason) from error

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .io import atomic_path, check_writable
-from .plan import PruningPlan
-from .selection import PursuitResult, greedy_pursuit, routing_coverage
-from .statistics import LayerStats, MoEStats
+from ..engine.io import atomic_path, check_writable
+from ..engine.plan import PruningPlan
+from ..engine.selection import PursuitResult, greedy_pursuit, routing_coverage
+from ..engine.statistics import LayerStats, MoEStats
 
 HEATMAPS = "heatmaps.png"
 RESIDUAL_CURVES = "residual_curves.png"
