@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import ompmoe  # noqa: E402
 from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
+from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
 
 import quality_report  # noqa: E402  (benchmarks/quality_report.py)
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--calibrations", nargs="*", default=list(CALIBRATIONS))
     parser.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
     parser.add_argument("--model", default="shipped:tiny-moe")
+    parser.add_argument("--sequential", nargs="*", default=[], metavar="METHOD/ALLOCATION",
+                        help="also plan these pairs with sequential calibration (rows named METHOD_seq)")
     parser.add_argument("--timing_repeats", type=int, default=5)
     parser.add_argument("--from_csv", action="store_true", help="rebuild quality.md and quality.png from quality.csv")
     args = parser.parse_args(argv)
@@ -199,12 +202,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     cache: dict[tuple, dict[str, float]] = {}
     rows = []
+    jobs = [(m, a, False) for m in args.methods for a in args.allocations]
+    jobs += [(*pair.split("/"), True) for pair in args.sequential]
+    num_layers = len(next(iter(stats.values())).layers)
     for calibration in args.calibrations:
         for ratio in args.ratios:
-            for method in args.methods:
-                for allocation in args.allocations:
+            for method, allocation, sequential in jobs:
                     strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_ratio=min_ratio_for(ratio))
                     plan = strategy.plan(stats[calibration])
+                    loss_aware = bool({method, allocation} & LOSS_AWARE)
+                    if sequential:  # one more statistics pass per MoE layer after the first
+                        plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan, loss_aware=loss_aware)
                     kept = plan.kept_by_layer()
                     key = tuple(tuple(kept[name]) for name in sorted(kept))
                     if key not in cache:
@@ -215,7 +223,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         del pruned
                     ppl = cache[key]
                     row = {
-                        "calibration": calibration, "ratio": ratio, "method": method, "allocation": allocation,
+                        "calibration": calibration, "ratio": ratio, "method": method + ("_seq" if sequential else ""),
+                        "allocation": allocation,
                         "min_ratio": min_ratio_for(ratio), "achieved_ratio": round(plan.achieved_ratio, 4),
                         "kept_per_layer": "/".join(str(len(kept[layer.name])) for layer in plan.layers),
                         "recon_calib": reconstruction(stats[calibration], kept),
@@ -225,8 +234,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "ppl_mean": math.sqrt(ppl["prose"] * ppl["code"]),
                         "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
                         "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
-                        "calib_cost": cost["loss_stats"] / cost["stats"]
-                        if {method, allocation} & LOSS_AWARE else 1.0,
+                        "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
+                        * (num_layers if sequential else 1),
                     }
                     rows.append(row)
                     print(f"{calibration:<6}{ratio:<6}{method:<16}{allocation:<10} kept {row['kept_per_layer']:<18} "
