@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import ompmoe  # noqa: E402
 from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
+from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
 
@@ -252,14 +253,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   "ppl_mean": math.sqrt(base["prose"] * base["code"]), "kl_prose": 0.0, "kl_code": 0.0,
                   "kl_mean": 0.0, "calib_cost": 0.0}]
     csv_path = out / "quality.csv"
-    with ompmoe.io.atomic_path(csv_path, overwrite=True) as tmp, open(tmp, "w", newline="") as handle:
+    with atomic_path(csv_path, overwrite=True) as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in base_rows + rows)
     timing = {"model": args.model, **{f"seconds_{k}": round(v, 4) for k, v in cost.items()},
               "loss_stats_over_forward_backward": cost["loss_stats"] / cost["forward_backward"],
               "stats_over_forward": cost["stats"] / cost["forward"], "loss_stats_over_stats": cost["loss_stats"] / cost["stats"]}
-    with ompmoe.io.atomic_path(out / "timing.json", overwrite=True) as tmp:
+    with atomic_path(out / "timing.json", overwrite=True) as tmp:
         tmp.write_text(__import__("json").dumps(timing, indent=1))
     write_reports(base_rows + rows, args)
     print(f"wrote {out} in {(time.perf_counter() - start) / 60:.1f} min")
@@ -298,9 +299,9 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
         "## Summary per cell", "", "```", quality_report.summary(rows), "```", "",
         "## All results", "", quality_report.cell_tables(rows),
     ])
-    with ompmoe.io.atomic_path(out / "quality.md", overwrite=True) as tmp:
+    with atomic_path(out / "quality.md", overwrite=True) as tmp:
         tmp.write_text(text + "\n", encoding="utf-8")
-    with ompmoe.io.atomic_path(out / "quality.png", overwrite=True) as tmp:
+    with atomic_path(out / "quality.png", overwrite=True) as tmp:
         quality_report.figure(rows, tmp.with_suffix(".png"))
         tmp.with_suffix(".png").replace(tmp)
     print(quality_report.ranking_table(rows))

@@ -116,7 +116,7 @@ def figure(rows: list[dict[str, Any]], path: Path, top: int = 6) -> None:
     for extra in (PAPER, ("omp", "optimal"), ("reap", "waterfill")):
         if extra not in chosen and any((*c, *extra) in index for c in all_cells):
             chosen.append(extra)
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(all_cells)), 5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(all_cells)), 6))
     width = 0.8 / len(chosen)
     cmap = plt.get_cmap("tab10")
     for i, pair in enumerate(chosen):
@@ -125,11 +125,14 @@ def figure(rows: list[dict[str, Any]], path: Path, top: int = 6) -> None:
         ax.bar([x + (i - len(chosen) / 2 + 0.5) * width for x in range(len(all_cells))], ys, width,
                color=cmap(i % 10), label="/".join(pair))
     ax.axhline(1.0, color="black", lw=1)
+    values = [index[(*c, *pair)]["ppl_mean"] / index[(*c, *PAPER)]["ppl_mean"]
+              for c in all_cells for pair in chosen if (*c, *pair) in index]
+    ax.set_ylim(0.95 * min(values), 1.05 * max(values))
     ax.set_xticks(range(len(all_cells)))
     ax.set_xticklabels([f"cal {c}\nratio {r}" for c, r in all_cells], fontsize=8)
     ax.set_ylabel("geo-mean held-out ppl / omp+waterfill")
     ax.set_title("quality benchmark: best method x allocation pairs vs the paper (lower is better)")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=min(len(chosen), 5), loc="upper center", bbox_to_anchor=(0.5, -0.15))
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
