@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     plan = strategy.plan(stats[calibration])
                     loss_aware = bool({method, allocation} & LOSS_AWARE)
                     if sequential:  # one more statistics pass per MoE layer after the first
-                        plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan, loss_aware=loss_aware)
+                        plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan,
+                                               loss_aware=method in LOSS_AWARE)
                     kept = plan.kept_by_layer()
                     key = tuple(tuple(kept[name]) for name in sorted(kept))
                     if key not in cache:
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
                         "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
                         "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
-                        * (num_layers if sequential else 1),
+                        + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if method in LOSS_AWARE else 1.0)
+                        * sequential,
                     }
                     rows.append(row)
                     print(f"{calibration:<6}{ratio:<6}{method:<16}{allocation:<10} kept {row['kept_per_layer']:<18} "
