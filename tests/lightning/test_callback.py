@@ -21,7 +21,7 @@ from ompmoe.engine.io import OutputExistsError
 from ompmoe import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 
@@ -225,6 +225,8 @@ def reference_stats(num_blocks: int, model_type: str) -> tuple[torch.nn.Module, 
     return model, ompmoe.collect_stats(model, calibration_batches(num_blocks))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     # 7 blocks on 2 ranks: DistributedSampler pads one duplicate block, which must not count.
     out = run_distributed(tmp_path, "ddp", 7, "deepseek_v3")
@@ -236,6 +238,8 @@ def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     assert ompmoe.PruningPlan.load(out / "plan.json").kept_by_layer() == plan.kept_by_layer()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp2_model_parallel_strategy_prunes_the_gathered_model(tmp_path, one_thread):
     out = run_distributed(tmp_path, "fsdp2", 6, "qwen3_moe")
     model, expected = reference_stats(6, "qwen3_moe")
