@@ -25,7 +25,7 @@ import lightning.pytorch as pl  # noqa: E402
 from ompmoe.data import resolve_shipped  # noqa: E402
 from ompmoe.eval import SUITES, EvalModule, LMEvalDataModule  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import make_eval_fixtures as fixtures  # noqa: E402
 
 MODEL = "shipped:tiny-moe"
@@ -35,6 +35,8 @@ LIMIT = 1  # documents per task (MMLU: per subject, 57; BBH: per subtask, 27; Lo
 MAX_LENGTH = 1024  # the tiny model's 512 positions leave no context for LongBench's 512-token summaries
 BATCH_SIZE = 8
 DTYPE = "float32"  # the shipped weights are bf16; in float32 the bridge equals HFLM exactly (docs of LMEvalDataModule)
+
+pytestmark = pytest.mark.slow  # the real lm-eval suites: minutes on 2 CPU cores
 
 
 @pytest.fixture(scope="module")

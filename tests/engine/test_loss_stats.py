@@ -9,7 +9,7 @@ from ompmoe import MoEStats, collect_stats, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector
 from ompmoe.engine.loss_stats import LOSS_TENSORS, LossAwareError
 
-from conftest import capture_block_inputs, literal_layer, make_model, random_ids
+from reference import capture_block_inputs, literal_layer, make_model, random_ids
 
 CASES = ["qwen3_moe", "deepseek_v2_grouped"]
 

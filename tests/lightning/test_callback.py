@@ -21,7 +21,7 @@ from ompmoe.engine.io import OutputExistsError
 from ompmoe import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 
@@ -226,6 +226,8 @@ def reference_stats(num_blocks: int, model_type: str, loss_aware: bool = False) 
     return model, ompmoe.collect_stats(model, calibration_batches(num_blocks), loss_aware=loss_aware)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     # 7 blocks on 2 ranks: DistributedSampler pads one duplicate block, which must not count.
     out = run_distributed(tmp_path, "ddp", 7, "deepseek_v3")
@@ -237,6 +239,8 @@ def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     assert ompmoe.PruningPlan.load(out / "plan.json").kept_by_layer() == plan.kept_by_layer()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
     """The loss-aware sums merge across two ranks exactly like one process (padding duplicate left out)."""
     out = run_distributed(tmp_path, "ddp", 5, "qwen3_moe", loss_aware=True)
@@ -257,6 +261,8 @@ def test_loss_aware_fit_equals_collect_stats():
     assert all(p.grad is None for p in module.parameters())
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp2_model_parallel_strategy_prunes_the_gathered_model(tmp_path, one_thread):
     out = run_distributed(tmp_path, "fsdp2", 6, "qwen3_moe")
     model, expected = reference_stats(6, "qwen3_moe")

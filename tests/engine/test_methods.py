@@ -25,7 +25,7 @@ from ompmoe.engine.statistics import LayerStats
 from ompmoe.engine.strategy import PruningStrategy, strategy_for
 from ompmoe.engine.tiny import tiny_model
 
-from conftest import assert_gram_close, make_model, random_ids
+from reference import assert_gram_close, make_model, random_ids
 
 ALLOCATIONS = ("uniform", "waterfill", "optimal")
 BUILT_IN = ("omp", "omp_normalized", "frequency", "routing_mass", "ean", "reap", "random", "static_energy", "exact", "omp_swap")

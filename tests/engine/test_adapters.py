@@ -9,7 +9,7 @@ import transformers
 from ompmoe import ARCHITECTURES, UnsupportedModelError, collect_stats, find_moe_layers, supported_model_types
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
-from conftest import ARCH_CASES, ARCH_IDS, make_model
+from reference import ARCH_CASES, ARCH_IDS, make_model
 
 # case -> (indices of the sparse decoder layers, num_experts, top_k, num_groups, topk_group, group_score_topk)
 EXPECTED = {

@@ -21,9 +21,9 @@ from ompmoe import collect_stats, plan_pruning
 from ompmoe.engine.allocation import ALLOCATIONS
 from ompmoe.engine.methods import METHODS, SelectionMethod, get_method, method_table, register_method, score_order
 
-from conftest import make_model, random_ids
+from reference import make_model, random_ids
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

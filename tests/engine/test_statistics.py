@@ -21,7 +21,7 @@ from ompmoe import (
 from ompmoe.engine.statistics import PER_EXPERT_SUMS
 from ompmoe.engine.tiny import tiny_model
 
-from conftest import ARCH_IDS, assert_gram_close, capture_block_inputs, literal_layer, make_model, random_ids
+from reference import ARCH_IDS, assert_gram_close, capture_block_inputs, literal_layer, make_model, random_ids
 
 
 def assert_stats_close(a: MoEStats, b: MoEStats, rtol: float, exact_counts: bool = True) -> None:

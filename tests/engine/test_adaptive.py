@@ -34,7 +34,7 @@ from ompmoe.engine.adaptive import (
     restore_adaptive,
 )
 
-from conftest import ARCH_IDS, make_model, random_ids
+from reference import ARCH_IDS, make_model, random_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:ompmoe adaptive inference:UserWarning")
 
@@ -429,7 +429,7 @@ def test_cli_accepts_the_monitor_and_adaptive_epsilon(tmp_path):
 
     from ompmoe.cli import main
 
-    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny.yaml").read_text())
     pruning = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ExpertPruning"))
     pruning["init_args"].update(output_dir=str(tmp_path / "run"), adaptive_epsilon=0.05)
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")

@@ -30,7 +30,7 @@ from ompmoe.eval.requests import GENERATE, SCORE  # noqa: E402
 from ompmoe.eval.suites import resolve_suites  # noqa: E402
 from ompmoe.engine.tiny import tiny_model  # noqa: E402
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 TASKS_DIR = str(HERE / "eval_tasks")
 TASKS = ["tiny_group", "tiny_gen", "tiny_ppl"]
 BATCH_SIZE = 3
@@ -167,6 +167,8 @@ def test_results_file_and_summary(single):
     assert work["score_rows"] < work["score_items"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])  # fsdp2: ModelParallelStrategy, generation with synced_gpus
 def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
     results, _, _ = single

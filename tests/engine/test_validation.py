@@ -22,7 +22,7 @@ from ompmoe.engine.plan import PlanMismatchError, PruningPlan
 from ompmoe.engine.pruning import load_pruned, save_pruned
 from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
 
-from conftest import make_model, random_ids
+from reference import make_model, random_ids
 
 LAYERS = ["model.layers.1.mlp", "model.layers.2.mlp", "model.layers.3.mlp"]
 FIX = "Make the plan with ompmoe.plan_pruning on statistics of this model."
