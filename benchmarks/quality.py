@@ -305,7 +305,8 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
         tmp.write_text(text + "\n", encoding="utf-8")
     with atomic_path(out / "quality.png", overwrite=True) as tmp:
         quality_report.figure(rows, tmp.with_suffix(".png"))
-        tmp.with_suffix(".png").replace(tmp)
+        if tmp.with_suffix(".png").is_file():
+            tmp.with_suffix(".png").replace(tmp)
     print(quality_report.ranking_table(rows))
     print(quality_report.summary(rows))
     return rows

@@ -112,6 +112,8 @@ def figure(rows: list[dict[str, Any]], path: Path, top: int = 6) -> None:
 
     index = {(r["calibration"], r["ratio"], r["method"], r["allocation"]): r for r in rows}
     all_cells = [c for c in cells(rows) if (*c, *PAPER) in index]
+    if not all_cells:  # a sweep without the paper's pair has nothing to compare against
+        return
     chosen = [(r["method"], r["allocation"]) for r in ranking(rows)[:top]]
     for extra in (PAPER, ("omp", "optimal"), ("reap", "waterfill")):
         if extra not in chosen and any((*c, *extra) in index for c in all_cells):
