@@ -366,7 +366,7 @@ def collect_stats(
     if loss_aware:
         collector.loss_recorder.retain_graph = False
         collector.loss_metric.to(_model_device(model))
-        frozen = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if p.requires_grad] if loss_aware else []
     device = _model_device(model)
     collector.metric.to(device)
     was_training = model.training
@@ -384,6 +384,6 @@ def collect_stats(
                 collector.forward(as_model_inputs(batch, device))
     finally:
         model.train(was_training)
-        for parameter in frozen if loss_aware else []:
+        for parameter in frozen:
             parameter.requires_grad_(True)
     return collector.result()

@@ -22,9 +22,9 @@ from .io import atomic_path
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
 OPTIONAL_TENSORS = ("gram_normalized", "gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
+"""Tensors that statistics files written by older versions may lack (``None`` when absent)."""
 SIGNED_TENSORS = ("loss_first_order",)
 """Optional tensors whose values may be negative (first-order loss terms)."""
-"""Tensors that statistics files written by older versions may lack (``None`` when absent)."""
 ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 2
 """2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""

@@ -50,7 +50,7 @@ class CalibrationModule(pl.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.needs_gradients = False
-        """Set by ``OMPMoEPruning(loss_aware=True)``: run the forward with gradients enabled (no optimizer step)."""
+        """Set by ``ExpertPruning(loss_aware=True)``: run the forward with gradients enabled (no optimizer step)."""
         self.torch_dtype = resolve_dtype(dtype)
         self.trust_remote_code = trust_remote_code
         if isinstance(model, nn.Module):
