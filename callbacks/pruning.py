@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
+from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.io import atomic_path, check_writable
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.pruning import prune, save_pruned
@@ -154,6 +155,8 @@ class ExpertPruning(Callback):
         routings = [(layer.name, layer.routing) for layer in layers]
         for strategy in [self.strategy, *self._extra_strategies()]:
             strategy.validate(routings)
+            if not self.loss_aware:
+                check_loss_aware_not_needed(strategy)
         datamodule = getattr(trainer, "datamodule", None)
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(

@@ -250,6 +250,17 @@ def test_ddp_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
     assert_stats_equal(got, expected, rtol=1e-9)
 
 
+def test_loss_strategy_without_loss_aware_statistics_is_refused_before_calibration():
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, method="omp_normalized", allocation="loss"))
+    with pytest.raises(ValueError) as error:
+        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2), batch_size=2))
+    assert str(error.value) == (
+        "The strategy's allocation 'loss' needs loss-aware statistics, which this calibration would not collect: "
+        "pass ExpertPruning(..., loss_aware=True)."
+    )
+    assert callback.stats is None
+
+
 def test_loss_aware_fit_equals_collect_stats():
     data = batches(4)
     callback = ExpertPruning(PruningStrategy(ratio=0.5), loss_aware=True)

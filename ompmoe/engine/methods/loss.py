@@ -50,6 +50,19 @@ def require_loss_tensors(layers: Sequence[LayerStats], key: str, what: str) -> N
         )
 
 
+def check_loss_aware_not_needed(strategy: object) -> None:
+    """Refuse, before calibration, a strategy whose method or allocation needs loss-aware statistics."""
+    method, allocation = getattr(strategy, "method", None), getattr(strategy, "allocation", None)
+    needs = ([f"method {method!r}"] if method in LOSS_METHODS else []) + (
+        [f"allocation {allocation!r}"] if allocation in LOSS_ALLOCATIONS else []
+    )
+    if needs:
+        raise ValueError(
+            f"The strategy's {' and '.join(needs)} needs loss-aware statistics, which this calibration would not "
+            "collect: pass ExpertPruning(..., loss_aware=True)."
+        )
+
+
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
     """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most.
 
@@ -178,7 +191,7 @@ def loss_allocation_costs(
     scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``.
 
     The allocation itself is the exact dynamic program of
-    :func:`~ompmoe.allocation.optimal_allocation` over these curves.
+    :func:`~ompmoe.engine.allocation.optimal_allocation` over these curves.
     """
     if allocation not in LOSS_ALLOCATIONS:
         raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of {list(LOSS_ALLOCATIONS)}.")
