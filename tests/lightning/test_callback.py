@@ -250,6 +250,17 @@ def test_ddp_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
     assert_stats_equal(got, expected, rtol=1e-9)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
+    """Under FSDP2 the backward to the routed outputs runs on sharded layers; the sums still equal one process."""
+    out = run_distributed(tmp_path, "fsdp2", 6, "qwen3_moe", loss_aware=True)
+    _, expected = reference_stats(6, "qwen3_moe", loss_aware=True)
+    got = ompmoe.MoEStats.load(out / "stats.safetensors")
+    assert got.layers[0].gram_loss is not None
+    assert_stats_equal(got, expected, rtol=1e-9)
+
+
 def test_loss_strategy_without_loss_aware_statistics_is_refused_before_calibration():
     callback = ExpertPruning(PruningStrategy(ratio=0.5, method="omp_normalized", allocation="loss"))
     with pytest.raises(ValueError) as error:
