@@ -57,6 +57,8 @@ ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")
 CALIBRATIONS = ("prose", "code", "mix")
 LOSS_AWARE = {"omp_loss", "omp_grad", "omp_fisher", "loss_newton", "loss", "loss_risk"}
 """Methods and allocations that need the loss-aware statistics pass (ompmoe.engine.loss_stats)."""
+REROUTE = {"omp_reroute"}
+"""Methods that need the rerouting-aware statistics (ompmoe.engine.reroute_stats, collected with reroute=True)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -129,6 +131,7 @@ def calibration_cost(model: torch.nn.Module, blocks: torch.Tensor, repeats: int)
         "forward_backward": forward_backward,
         "stats": lambda: ompmoe.collect_stats(model, blocks.split(8)),
         "loss_stats": lambda: ompmoe.collect_stats(model, blocks.split(8), loss_aware=True),
+        "reroute_stats": lambda: ompmoe.collect_stats(model, blocks.split(8), reroute=True),
     }
     samples: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         args.seq_len, args.eval_blocks)
         for d in CORPUS_DOMAINS
     }
-    stats = {c: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"shipped:{c}", loss_aware=True)
+    stats = {c: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"shipped:{c}", loss_aware=True,
+                                  reroute=bool(REROUTE & set(args.methods)))
              for c, b in calib_blocks.items()}
     cost = calibration_cost(model, calib_blocks[args.calibrations[-1]], args.timing_repeats)
     print("calibration cost (s, median of {} interleaved runs, {} x {} tokens): {}; loss-aware stats / (forward + "
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
                         "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
                         "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
+                        + (cost["reroute_stats"] / cost["stats"] - 1.0 if method in REROUTE else 0.0)
                         + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if method in LOSS_AWARE else 1.0)
                         * sequential,
                     }
@@ -261,7 +266,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in base_rows + rows)
     timing = {"model": args.model, **{f"seconds_{k}": round(v, 4) for k, v in cost.items()},
               "loss_stats_over_forward_backward": cost["loss_stats"] / cost["forward_backward"],
-              "stats_over_forward": cost["stats"] / cost["forward"], "loss_stats_over_stats": cost["loss_stats"] / cost["stats"]}
+              "stats_over_forward": cost["stats"] / cost["forward"], "loss_stats_over_stats": cost["loss_stats"] / cost["stats"],
+              "reroute_stats_over_stats": cost["reroute_stats"] / cost["stats"]}
     with atomic_path(out / "timing.json", overwrite=True) as tmp:
         tmp.write_text(__import__("json").dumps(timing, indent=1))
     write_reports(base_rows + rows, args)

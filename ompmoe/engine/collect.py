@@ -20,6 +20,7 @@ from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .loss_stats import LossGradientRecorder, LossStatsMetric, recording_callback, with_loss_tensors
+from .reroute_stats import RerouteRecorder, RerouteStatsMetric, with_reroute_tensors
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
@@ -263,7 +264,8 @@ class StatisticsCollector:
     """
 
     def __init__(
-        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False
+        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False,
+        reroute: bool = False,
     ) -> None:
         architecture_of(model)
         self.model = model
@@ -273,6 +275,11 @@ class StatisticsCollector:
         self.loss_recorder = (
             LossGradientRecorder(model, self.layers, self.loss_metric, lambda: self.metric.token_weight)
             if self.loss_metric is not None else None
+        )
+        self.reroute_metric: RerouteStatsMetric | None = RerouteStatsMetric(self.layers) if reroute else None
+        self.reroute_recorder = (
+            RerouteRecorder(self.layers, self.reroute_metric, lambda: self.metric.token_weight)
+            if self.reroute_metric is not None else None
         )
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
@@ -286,8 +293,11 @@ class StatisticsCollector:
             warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
             self._warned = True
         try:
-            self._context = expose_expert_outputs(self.layers, recording_callback(self.metric.update, self.loss_recorder))
+            update = self.metric.update if self.reroute_recorder is None else self.reroute_recorder.callback(self.metric.update)
+            self._context = expose_expert_outputs(self.layers, recording_callback(update, self.loss_recorder))
             self._context.__enter__()
+            if self.reroute_recorder is not None:
+                self.reroute_recorder.attach()
             if self.loss_recorder is not None:
                 self.loss_recorder.attach()
         except BaseException:
@@ -299,6 +309,8 @@ class StatisticsCollector:
     def __exit__(self, *exc: Any) -> None:
         if self.loss_recorder is not None:
             self.loss_recorder.detach()
+        if self.reroute_recorder is not None:
+            self.reroute_recorder.detach()
         try:
             self._context.__exit__(*exc)
         finally:
@@ -326,6 +338,8 @@ class StatisticsCollector:
         layers, num_tokens = self.metric.compute()
         if self.loss_metric is not None:
             layers = with_loss_tensors(layers, self.loss_metric)
+        if self.reroute_metric is not None:
+            layers = with_reroute_tensors(layers, self.reroute_metric)
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
         return MoEStats(
@@ -353,6 +367,7 @@ def collect_stats(
     source: str | None = None,
     progress: bool = False,
     loss_aware: bool = False,
+    reroute: bool = False,
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
 
@@ -361,14 +376,18 @@ def collect_stats(
     others add jitter in train mode) and is put back in its previous mode afterwards.
     ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
     blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
+    ``reroute=True`` also collects the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats`.
     """
-    collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None, loss_aware=loss_aware)
+    collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,
+                                    loss_aware=loss_aware, reroute=reroute)
     if loss_aware:
         collector.loss_recorder.retain_graph = False
         collector.loss_metric.to(_model_device(model))
     frozen = [p for p in model.parameters() if p.requires_grad] if loss_aware else []
     device = _model_device(model)
     collector.metric.to(device)
+    if reroute:
+        collector.reroute_metric.to(device)
     was_training = model.training
     model.eval()
     iterator: Iterable[Any] = batches

@@ -21,7 +21,10 @@ from safetensors.torch import load_file, save_file
 from .io import atomic_path
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
-OPTIONAL_TENSORS = ("gram_normalized", "gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
+OPTIONAL_TENSORS = (
+    "gram_normalized", "gram_grad", "gram_loss", "gram_fisher", "loss_first_order", "gram_reroute",
+    "gram_reroute_normalized",
+)
 """Tensors that statistics files written by older versions may lack (``None`` when absent)."""
 SIGNED_TENSORS = ("loss_first_order",)
 """Optional tensors whose values may be negative (first-order loss terms)."""
@@ -77,6 +80,11 @@ class LayerStats:
     """Loss-aware: diagonal-Fisher Gram ``sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)``."""
     loss_first_order: torch.Tensor | None = None
     """Loss-aware: first-order term ``sum_x a_e(x)`` per expert (may be negative)."""
+    gram_reroute: torch.Tensor | None = None
+    """Rerouting-aware (``collect_stats(..., reroute=True)``; see :mod:`ompmoe.engine.reroute_stats`):
+    ``sum_x <D_e(x), D_f(x)>``, ``D_e(x)`` the output change when ``e`` is removed and the router re-routes."""
+    gram_reroute_normalized: torch.Tensor | None = None
+    """Rerouting-aware: ``sum_x <D_e(x), D_f(x)> / ||Y_x||^2``."""
 
     @property
     def alpha(self) -> torch.Tensor:

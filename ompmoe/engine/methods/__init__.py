@@ -6,6 +6,7 @@ Add a method in one file: a ``@register_method`` ``@dataclass`` subclass of :cla
 
 from . import omp, scores, subsets  # noqa: F401 - importing registers the built-in methods
 from . import loss  # noqa: F401,I001 - loss-aware methods and allocations, listed after the others
+from . import reroute  # noqa: F401,I001 - rerouting-aware method (statistics collected with reroute=True)
 from .registry import (
     METHODS,
     Selection,

@@ -1,0 +1,215 @@
+"""Rerouting-aware statistics: what each token's output becomes when one of its experts is pruned.
+
+After pruning, the native router picks each token's top-k among the kept experts and renormalizes
+their weights, so removing a top-k expert ``e`` of token ``x`` does not just drop ``V_e(x)``: the
+token's next expert by routing score ``n(x)`` (rank ``k + 1``) takes the free slot. With
+``Y'_e(x)`` the routed output after that single removal (weights as the router gives them),
+``D_e(x) = Y_x - Y'_e(x)`` is the change the removal really causes, and
+
+- ``gram_reroute[e, f]            = sum_x <D_e(x), D_f(x)>``,
+- ``gram_reroute_normalized[e, f] = sum_x <D_e(x), D_f(x)> / ||Y_x||^2``
+
+replace the paper's Gram (``D_e = V_e``) in ``u^T G u``: exact for a token losing one of its
+experts while its next expert is kept, a linear approximation otherwise. Both are plain sums (merge
+exactly across batches and ranks). Collecting them costs one more router call with ``top_k + 1``
+and one expert evaluation per token (``F_n(x)``), in the same forward pass.
+
+Weights after the removal: when the router normalizes its top-k weights (``norm_topk_prob``,
+Mixtral, GPT-OSS), ``w'_i = s * w_i^+ / sum_{S} w^+`` over the new set ``S``, with ``w^+`` the
+weights of the ``top_k + 1`` call and ``s`` the sum of the native weights (the routed scaling
+factor); otherwise the weights are kept as they are (softmax over all experts is not renormalized,
+so the change of its denominator by pruning is ignored). Which of the two a layer does is read from
+the router's own outputs (the ``top_k + 1`` call gives the native experts the same weights iff
+nothing is renormalized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from .adapters import MoELayer
+
+REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
+"""Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
+CANCELLED_TOKEN = 1e-6  # as ompmoe.engine.collect.CANCELLED_TOKEN (not imported: collect imports this module)
+
+
+class RerouteError(ValueError):
+    """Rerouting-aware statistics cannot be collected on this model."""
+
+
+def check_reroutable(layers: list[MoELayer]) -> None:
+    """Refuse layers whose router has no ``top_k`` attribute or no expert left to take over."""
+    for layer in layers:
+        if not isinstance(getattr(layer.router, "top_k", None), int):
+            raise RerouteError(
+                f"reroute=True needs a router with an integer `top_k` attribute; the router of {layer.name} "
+                f"({type(layer.router).__name__}) has none. Collect without reroute."
+            )
+        if layer.num_experts <= layer.top_k:
+            raise RerouteError(
+                f"reroute=True needs more experts than top_k in every layer; {layer.name} has "
+                f"{layer.num_experts} experts and top_k {layer.top_k}. Collect without reroute."
+            )
+
+
+def removal_deltas(
+    expert_out: torch.Tensor,
+    gates: torch.Tensor,
+    ids: torch.Tensor,
+    ext_ids: torch.Tensor,
+    ext_weights: torch.Tensor,
+    next_out: torch.Tensor,
+) -> torch.Tensor:
+    """``D (T, k, d)``: ``D[x, j] = Y_x - Y'_j(x)``, the output change when slot ``j``'s expert is removed.
+
+    ``expert_out`` ``(T, k, d)`` = ``F`` of the native slots, ``gates`` ``(T, k)`` their weights,
+    ``ids`` ``(T, k)``; ``ext_ids``/``ext_weights`` ``(T, k + 1)`` the router's ``top_k + 1`` call;
+    ``next_out`` ``(T, d)`` = ``F_n`` of the one expert in ``ext_ids`` not in ``ids``.
+    """
+    matches = ids.unsqueeze(-1) == ext_ids.unsqueeze(-2)  # (T, k, k + 1)
+    ext_native = (ext_weights.unsqueeze(1) * matches).sum(-1)  # w^+ of the native slots, (T, k)
+    next_weight = (ext_weights * ~matches.any(1)).sum(-1)  # w^+ of the next expert, (T,)
+    renormalized = bool(((ext_native - gates).abs() > 1e-6 * gates.abs().sum(-1, keepdim=True)).any())
+    outputs = gates.unsqueeze(-1) * expert_out
+    full = outputs.sum(1)  # Y_x
+    if renormalized:
+        scale = gates.sum(-1, keepdim=True)  # sum of the native weights (routed scaling factor)
+        denominator = ext_native.sum(-1, keepdim=True) - ext_native + next_weight.unsqueeze(-1)  # (T, k)
+        factor = scale / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+        kept_part = (ext_native.unsqueeze(-1) * expert_out).sum(1, keepdim=True) - ext_native.unsqueeze(-1) * expert_out
+        rerouted = factor.unsqueeze(-1) * (kept_part + (next_weight.unsqueeze(-1) * next_out).unsqueeze(1))
+    else:
+        rerouted = full.unsqueeze(1) - outputs + (next_weight.unsqueeze(-1) * next_out).unsqueeze(1)
+    return full.unsqueeze(1) - rerouted
+
+
+class RerouteStatsMetric(Metric):
+    """Sum-reduced rerouting-aware Grams of every MoE layer (merge exactly across batches and ranks)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.num_experts = [layer.num_experts for layer in layers]
+        for i, n in enumerate(self.num_experts):
+            for key in REROUTE_TENSORS:
+                self.add_state(f"{key}_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
+               token_weight: torch.Tensor | None) -> None:
+        """Add one layer's batch: ``deltas`` ``(T, k, d)`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``.
+
+        Tokens whose atoms cancel (``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``) get no weight in the
+        normalized Gram, as in the token-normalized Gram of the statistics.
+        """
+        n = self.num_experts[index]
+        device = getattr(self, f"gram_reroute_{index}").device
+        deltas, atoms, ids = deltas.to(device, torch.float32), atoms.to(device, torch.float32), ids.to(device)
+        products = torch.bmm(deltas, deltas.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+        energy = atoms.sum(1).square().sum(-1).to(torch.float64)
+        atom_energy = atoms.square().sum((1, 2)).to(torch.float64)
+        valid = energy > CANCELLED_TOKEN * atom_energy
+        inverse = torch.where(valid, 1.0 / torch.where(valid, energy, 1.0), 0.0)
+        if token_weight is not None:
+            products = products * token_weight.to(device, torch.float64).view(-1, 1, 1)
+        flat = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
+        getattr(self, f"gram_reroute_{index}").view(-1).index_add_(0, flat, products.reshape(-1))
+        normalized = (products * inverse.view(-1, 1, 1)).reshape(-1)
+        getattr(self, f"gram_reroute_normalized_{index}").view(-1).index_add_(0, flat, normalized)
+
+    def compute(self) -> list[dict[str, torch.Tensor]]:
+        return [{key: getattr(self, f"{key}_{i}").clone() for key in REROUTE_TENSORS} for i in range(len(self.num_experts))]
+
+
+class RerouteRecorder:
+    """Hooks that add each layer's rerouting-aware sums during the statistics forward.
+
+    A forward hook on each router re-runs it with ``top_k + 1`` (its own code: softmax or sigmoid,
+    groups, bias and scaling as the model does them); a forward pre-hook on the experts keeps their
+    input; :meth:`callback` (chained with the statistics callback) evaluates the next expert ``F_n``
+    with the experts' class forward and adds :func:`removal_deltas` to the metric.
+    """
+
+    def __init__(self, layers: list[MoELayer], metric: RerouteStatsMetric,
+                 token_weight: Callable[[], torch.Tensor | None]) -> None:
+        check_reroutable(layers)
+        self.layers = layers
+        self.metric = metric
+        self.token_weight = token_weight
+        self._extended: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.router.register_forward_hook(self._router_hook(index)))
+            self._handles.append(layer.experts.register_forward_pre_hook(self._experts_pre_hook(index), with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._extended, self._hidden = [], {}, {}
+
+    def _router_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            module.top_k += 1
+            try:
+                with torch.no_grad():
+                    extended = module.forward(*args)
+            finally:
+                module.top_k -= 1
+            self._extended[index] = (extended[-1].detach(), extended[-2].detach())
+
+        return hook
+
+    def _experts_pre_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            self._hidden[index] = (args[0] if args else next(iter(kwargs.values()))).detach()
+
+        return hook
+
+    def callback(self, update: Callable[..., None]) -> Callable[..., None]:
+        """``update`` (the statistics callback), then this layer's rerouting-aware sums."""
+
+        def chained(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor) -> None:
+            update(index, top_k_index, top_k_weights, outputs)
+            self.add(index, top_k_index, top_k_weights, outputs)
+
+        return chained
+
+    @torch.no_grad()
+    def add(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor) -> None:
+        ext_ids, ext_weights = self._extended.pop(index)
+        hidden = self._hidden.pop(index)
+        num_tokens, top_k = top_k_index.shape
+        ids = top_k_index.detach()
+        outside = ~(ext_ids.unsqueeze(-1) == ids.unsqueeze(-2)).any(-1)  # (T, k + 1): the next expert's slot
+        next_ids = (ext_ids * outside).sum(-1)
+        experts = self.layers[index].experts
+        unit = torch.ones(num_tokens, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+        next_out = type(experts).forward(experts, hidden, next_ids.view(-1, 1), unit)
+        expert_out = outputs.detach().view(num_tokens, top_k, -1).float()
+        weight = self.token_weight()
+        gates, ext_w, next_out = top_k_weights.detach().float(), ext_weights.float(), next_out.float()
+        if weight is not None:
+            keep = weight.to(ids.device) > 0
+            expert_out, gates, ids, ext_ids, ext_w, next_out = (
+                t[keep] for t in (expert_out, gates, ids, ext_ids, ext_w, next_out))
+            weight = weight.to(ids.device)[keep]
+        deltas = removal_deltas(expert_out, gates, ids, ext_ids, ext_w, next_out)
+        self.metric.update(index, ids, deltas, gates.unsqueeze(-1) * expert_out, weight)
+
+
+def with_reroute_tensors(layers: list[Any], metric: RerouteStatsMetric) -> list[Any]:
+    """``layers`` with the rerouting-aware sums of ``metric`` filled in."""
+    import dataclasses
+
+    return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, metric.compute())]
