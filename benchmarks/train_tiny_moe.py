@@ -318,6 +318,20 @@ def perplexity(model: Any, stream: torch.Tensor, seq_len: int, batch_size: int =
     return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
 
 
+def unigram_perplexity(tokenizer: Any, seq_len: int) -> dict[str, float]:
+    """Per domain, the held-out perplexity of an add-one-smoothed unigram model of the train split (both domains),
+    on the tokens :func:`perplexity` predicts: the baseline a trained model must beat clearly."""
+    vocab = len(tokenizer)
+    counts = sum(torch.bincount(domain_stream(tokenizer, d, "train"), minlength=vocab).double() for d in ("prose", "code"))
+    log_p = ((counts + 1) / (counts.sum() + vocab)).log()
+    result = {}
+    for domain in ("prose", "code"):
+        stream = domain_stream(tokenizer, domain, "heldout")
+        blocks = stream[: stream.numel() // seq_len * seq_len].view(-1, seq_len)
+        result[domain] = math.exp(-float(log_p[blocks[:, 1:]].mean()))
+    return result
+
+
 def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int, model_id: str = "shipped:tiny-moe") -> dict[str, Any]:
     """Routed-token share per expert and layer on each domain's calibration split (ompmoe statistics)."""
     import ompmoe
@@ -570,15 +584,31 @@ def glm4_moe_card(metrics: dict[str, Any]) -> str:
         f"training), non-overlapping blocks of {train['seq_len']} tokens, every token after the first of a block predicted.",
         f"The calibration and train columns use the first {train.get('gap_tokens', 16384):,} tokens of those splits (for the generalization gap).",
         "",
-        "| domain | held-out perplexity | held-out tokens | calibration split | train split |",
-        "|---|---:|---:|---:|---:|",
+        "The unigram column is the baseline: an add-one-smoothed unigram model of the train split (both domains) on",
+        "the same held-out tokens.",
+        "",
+        "| domain | held-out perplexity | held-out tokens | calibration split | train split | unigram baseline |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    unigram = metrics["unigram_heldout_perplexity"]
     for domain in ("prose", "code"):
         p = ppl[domain]
         lines.append(
             f"| {domain} | {p['heldout']['perplexity']:.2f} | {p['heldout']['tokens']:,} | "
-            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} |"
+            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} | {unigram[domain]:.1f} |"
         )
+    curve = train.get("heldout_curve", [])
+    if curve:
+        lines += [
+            "",
+            f"Held-out perplexity during training (first {train['curve_blocks']} blocks of {train['seq_len']} tokens of each",
+            "held-out split, so not the same numbers as the whole-split table):",
+            "",
+            "| step | " + " | ".join(str(point["step"]) for point in curve) + " |",
+            "|---|" + "---:|" * len(curve),
+        ]
+        for domain in ("prose", "code"):
+            lines.append(f"| {domain} | " + " | ".join(f"{point[domain]:.1f}" for point in curve) + " |")
     lines += [
         "",
         "## How the experts are used",
@@ -695,6 +725,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.output_dir = args.output_dir or str(DEFAULT_OUT.parent / args.name)
     if args.card_only:
         metrics = json.loads((Path(args.output_dir) / "metrics.json").read_text(encoding="utf-8"))
+        if args.architecture == "glm4_moe" and "unigram_heldout_perplexity" not in metrics:
+            from transformers import AutoTokenizer
+
+            unigram = unigram_perplexity(AutoTokenizer.from_pretrained(args.output_dir), metrics["training"]["seq_len"])
+            metrics["unigram_heldout_perplexity"] = unigram
+            (Path(args.output_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
         (Path(args.output_dir) / "README.md").write_text(model_card(metrics), encoding="utf-8")
         return metrics
 
@@ -826,6 +862,8 @@ def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, tra
         "save_dtype": args.save_dtype,
         "checkpoint_bytes": (out / "model.safetensors").stat().st_size,
         "perplexity": ppl,
+        **({"unigram_heldout_perplexity": unigram_perplexity(tokenizer, args.seq_len)}
+           if args.architecture == "glm4_moe" else {}),
         "expert_usage": usage,
         "training": {**training, "gap_tokens": args.gap_tokens},
     }
