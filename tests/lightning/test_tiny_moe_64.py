@@ -133,8 +133,8 @@ def test_statistics_pruning_and_load_pruned_round_trip_keep_groups_balanced(mode
 
 
 def test_calibration_module_and_data_resolve_the_shipped_name():
-    from ompmoe.calibration_data import CalibrationDataModule
-    from ompmoe.calibration_module import CalibrationModule
+    from ompmoe.lightning.calibration_data import CalibrationDataModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule("shipped:tiny-moe-64")
     assert module.tokenizer_name == str(MODEL_DIR)
@@ -152,7 +152,7 @@ def test_cli_fit_calibrates_and_prunes_the_shipped_model(tmp_path):
 
     from ompmoe.cli import main
 
-    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "tiny.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = str(tmp_path / "run")
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
     config["data"].update(num_blocks=4, seq_len=64)
