@@ -608,7 +608,7 @@ def glm4_moe_card(metrics: dict[str, Any]) -> str:
             "|---|" + "---:|" * len(curve),
         ]
         for domain in ("prose", "code"):
-            lines.append(f"| {domain} | " + " | ".join(f"{point[domain]:.1f}" for point in curve) + " |")
+            lines.append(f"| {domain} (subset) | " + " | ".join(f"{point[domain]:.1f}" for point in curve) + " |")
     lines += [
         "",
         "## How the experts are used",
