@@ -1,6 +1,12 @@
-"""Train the tiny Qwen3-MoE shipped as ``shipped:tiny-moe`` (``ompmoe/data/tiny-moe/``), with Lightning.
+"""Train the tiny MoE models shipped with ompmoe, with Lightning.
+
+``--architecture qwen3_moe`` (the default) trains ``shipped:tiny-moe`` (``ompmoe/data/tiny-moe/``);
+``--architecture glm4_moe`` trains ``shipped:tiny-moe-64`` (``ompmoe/data/tiny-moe-64/``), the fine-grained
+model: 64 small routed experts, top-6, one shared expert, group-limited sigmoid routing (8 groups, 4 kept
+per token) and a dense first layer, as in DeepSeek-V3 / GLM-4.5.
 
     python benchmarks/train_tiny_moe.py                         # CPU, 2 threads, about 15-30 minutes
+    python benchmarks/train_tiny_moe.py --architecture glm4_moe # shipped:tiny-moe-64, about 30-40 minutes
     python benchmarks/train_tiny_moe.py --accelerator gpu       # the same run on a GPU (bf16-mixed)
     python benchmarks/train_tiny_moe.py --steps 20 --output_dir /tmp/tiny-moe   # smoke test
 
@@ -19,7 +25,12 @@ Steps (all seeded, ``--seed 0``):
    experts, top ``--top_k``, normalized top-k weights, tied embeddings), trained on the causal LM
    loss plus the native load-balancing loss (``output_router_logits=True``,
    ``router_aux_loss_coef``) with AdamW, linear warm-up and cosine decay, gradient clipping 1.0,
-   fp32 on CPU (``bf16-mixed`` on GPU).
+   fp32 on CPU (``bf16-mixed`` on GPU). With ``--architecture glm4_moe``: ``Glm4MoeForCausalLM``
+   (``--first_k_dense`` dense layers, then sparse ones with ``--n_shared_experts`` shared expert,
+   sigmoid router limited to ``--topk_group`` of ``--n_group`` groups), trained on the LM loss alone
+   and balanced as DeepSeek-V3 does without an auxiliary loss: after every optimizer step each
+   router's ``e_score_correction_bias`` moves by ``--bias_update_speed`` towards the mean load
+   (down for experts that got more than their share of the step's tokens, up for the others).
 4. Checkpoint: weights cast to ``--save_dtype`` (bfloat16 by default: the fp32 weights would not
    fit the 25 MB budget), ``model.safetensors`` + config + tokenizer in ``--output_dir``.
 5. Evaluation of the *saved* checkpoint (loaded back in float32): perplexity of each domain's
@@ -52,6 +63,11 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "ompmoe" / "data" / "tiny-moe"
 EOS = "<|endoftext|>"
+ARCHITECTURES = {
+    "qwen3_moe": {"name": "tiny-moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128},
+    "glm4_moe": {"name": "tiny-moe-64", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32},
+}
+"""Per-architecture defaults: the shipped model's name (``shipped:<name>``, ``ompmoe/data/<name>``) and expert shape."""
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -113,6 +129,8 @@ class RandomWindows(torch.utils.data.Dataset):
 def build_config(args: argparse.Namespace, tokenizer: Any) -> Any:
     from transformers import Qwen3MoeConfig
 
+    if args.architecture == "glm4_moe":
+        return build_glm4_moe_config(args, tokenizer)
     return Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
@@ -139,7 +157,69 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> Any:
     )
 
 
-def make_module(config: Any, args: argparse.Namespace) -> Any:
+def build_glm4_moe_config(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """GLM-4.5-style fine-grained MoE: dense first layers, shared expert, group-limited sigmoid routing."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.dense_intermediate_size,  # the dense first layer(s)
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        n_routed_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
+        n_shared_experts=args.n_shared_experts,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+        first_k_dense_replace=args.first_k_dense,
+        routed_scaling_factor=args.routed_scaling_factor,
+        norm_topk_prob=True,
+        num_mtp_layers=0,
+        max_position_embeddings=2 * args.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+
+
+class BiasBalancer:
+    """DeepSeek-V3's auxiliary-loss-free balancing: count each router's top-k picks during a step, then move
+    ``e_score_correction_bias`` by ``speed`` towards the mean load (down when overloaded, up otherwise)."""
+
+    def __init__(self, model: torch.nn.Module, speed: float) -> None:
+        self.speed = speed
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        self.counts = [torch.zeros(r.e_score_correction_bias.numel()) for r in self.routers]
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int) -> Any:
+        def count(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            if module.training:
+                top_k_index = output[2]
+                self.counts[index] += torch.bincount(top_k_index.reshape(-1).cpu(), minlength=self.counts[index].numel())
+        return count
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Update the biases from the counts of the last step and reset them; return the worst max-load/mean-load."""
+        worst = 0.0
+        for router, counts in zip(self.routers, self.counts):
+            mean = counts.mean()
+            if mean > 0:
+                worst = max(worst, float(counts.max() / mean))
+                router.e_score_correction_bias += self.speed * torch.sign(mean - counts).to(router.e_score_correction_bias)
+            counts.zero_()
+        return worst
+
+
+def make_module(config: Any, args: argparse.Namespace, curve_streams: dict[str, torch.Tensor] | None = None) -> Any:
     import lightning.pytorch as pl
     from transformers import AutoModelForCausalLM
 
@@ -148,16 +228,46 @@ def make_module(config: Any, args: argparse.Namespace) -> Any:
             super().__init__()
             self.model = AutoModelForCausalLM.from_config(config, experts_implementation=args.experts_implementation)
             self.history: list[dict[str, float]] = []
+            self.balancer = BiasBalancer(self.model, args.bias_update_speed) if args.architecture == "glm4_moe" else None
+            self.max_violation = 0.0
+            self.curve: list[dict[str, float]] = []
+
+        def on_train_start(self) -> None:
+            if curve_streams and args.eval_every:
+                self.curve_point()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.balancer is not None:  # after the optimizer step, as DeepSeek-V3 updates its biases
+                self.max_violation = self.balancer.step()
+            if curve_streams and args.eval_every and self.global_step % args.eval_every == 0:
+                self.curve_point()
+
+        def curve_point(self) -> None:
+            """Held-out perplexity of the first ``--curve_blocks`` blocks of each domain, now."""
+            self.model.eval()
+            point = {"step": self.global_step, **{
+                domain: round(perplexity(self.model, stream, args.seq_len, args.eval_batch_size,
+                                         max_tokens=args.curve_blocks * args.seq_len)["perplexity"], 3)
+                for domain, stream in curve_streams.items()}}
+            self.model.train()
+            self.curve.append(point)
+            print(json.dumps({"heldout_curve": point}), flush=True)
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             ids = batch["input_ids"]
             out = self.model(input_ids=ids, labels=ids, use_cache=False)
-            aux = out.aux_loss.detach().float()
-            lm = out.loss.detach().float() - config.router_aux_loss_coef * aux
-            self.log_dict({"lm_loss": lm, "aux_loss": aux}, prog_bar=True)
+            if self.balancer is None:
+                aux = out.aux_loss.detach().float()
+                lm = out.loss.detach().float() - config.router_aux_loss_coef * aux
+                self.log_dict({"lm_loss": lm, "aux_loss": aux}, prog_bar=True)
+            else:
+                lm = out.loss.detach().float()
+                self.log_dict({"lm_loss": lm}, prog_bar=True)
             step = self.global_step + 1
             if step % args.log_every == 0 or step == 1:
-                entry = {"step": step, "lm_loss": round(float(lm), 4), "aux_loss": round(float(aux), 4),
+                balance = ({"aux_loss": round(float(aux), 4)} if self.balancer is None
+                           else {"max_load_over_mean": round(self.max_violation, 3)})  # of the previous step
+                entry = {"step": step, "lm_loss": round(float(lm), 4), **balance,
                          "lr": self.lr_schedulers().get_last_lr()[0], "elapsed_s": round(time.perf_counter() - START[0], 1)}
                 self.history.append(entry)
                 print(json.dumps(entry), flush=True)
@@ -208,7 +318,21 @@ def perplexity(model: Any, stream: torch.Tensor, seq_len: int, batch_size: int =
     return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
 
 
-def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int) -> dict[str, Any]:
+def unigram_perplexity(tokenizer: Any, seq_len: int) -> dict[str, float]:
+    """Per domain, the held-out perplexity of an add-one-smoothed unigram model of the train split (both domains),
+    on the tokens :func:`perplexity` predicts: the baseline a trained model must beat clearly."""
+    vocab = len(tokenizer)
+    counts = sum(torch.bincount(domain_stream(tokenizer, d, "train"), minlength=vocab).double() for d in ("prose", "code"))
+    log_p = ((counts + 1) / (counts.sum() + vocab)).log()
+    result = {}
+    for domain in ("prose", "code"):
+        stream = domain_stream(tokenizer, domain, "heldout")
+        blocks = stream[: stream.numel() // seq_len * seq_len].view(-1, seq_len)
+        result[domain] = math.exp(-float(log_p[blocks[:, 1:]].mean()))
+    return result
+
+
+def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int, model_id: str = "shipped:tiny-moe") -> dict[str, Any]:
     """Routed-token share per expert and layer on each domain's calibration split (ompmoe statistics)."""
     import ompmoe
     from ompmoe.data import token_blocks
@@ -217,7 +341,7 @@ def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int) -> d
     shares: dict[str, list[torch.Tensor]] = {}
     for domain in ("prose", "code"):
         blocks = token_blocks(domain_stream(tokenizer, domain, "calibration"), seq_len, num_blocks)
-        stats = ompmoe.collect_stats(model, blocks.split(8), model_id="shipped:tiny-moe", source=f"shipped:{domain}")
+        stats = ompmoe.collect_stats(model, blocks.split(8), model_id=model_id, source=f"shipped:{domain}")
         shares[domain] = [layer.token_count.double() / layer.token_count.double().sum() for layer in stats.layers]
         usage.setdefault("layers", [layer.name for layer in stats.layers])
         usage.setdefault("calibration_tokens", {})[domain] = stats.num_tokens
@@ -247,6 +371,8 @@ def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int) -> d
 
 # ----------------------------------------------------------------------------------- model card
 def model_card(metrics: dict[str, Any]) -> str:
+    if metrics.get("architecture", "qwen3_moe") == "glm4_moe":
+        return glm4_moe_card(metrics)
     cfg = metrics["config"]
     ppl = metrics["perplexity"]
     usage = metrics["expert_usage"]
@@ -381,10 +507,174 @@ def model_card(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def glm4_moe_card(metrics: dict[str, Any]) -> str:
+    """Model card of ``shipped:tiny-moe-64`` (same sections as ``tiny-moe``'s; load shown per router group)."""
+    cfg = metrics["config"]
+    ppl = metrics["perplexity"]
+    usage = metrics["expert_usage"]
+    train = metrics["training"]
+    n, groups = cfg["n_routed_experts"], cfg["n_group"]
+    per_group = n // groups
+    lines = [
+        "---",
+        "license: apache-2.0",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [glm4_moe, mixture-of-experts, fine-grained-experts, ompmoe, tiny]",
+        "---",
+        "",
+        "# tiny-moe-64: a small fine-grained GLM-4.5-style MoE trained here on Python documentation and source",
+        "",
+        "The second model shipped with ompmoe (`shipped:tiny-moe-64`), closer to the models users prune than",
+        "`shipped:tiny-moe`: many small routed experts, a shared expert, group-limited sigmoid routing with a",
+        "load-balancing bias, and a dense first layer, as in DeepSeek-V3 and GLM-4.5. Trained from scratch by",
+        f"`benchmarks/train_tiny_moe.py --architecture glm4_moe` (Lightning, seed {train['seed']}) on the train split of",
+        "the shipped two-domain corpus (`ompmoe/data/corpus/`: English documentation prose and Python standard-library",
+        "source, both from CPython 3.11, PSF License), with the same tokenizer and data as `shipped:tiny-moe`.",
+        "",
+        "## Architecture",
+        "",
+        f"`Glm4MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers: the first {cfg['first_k_dense_replace']} dense "
+        f"(MLP width {cfg['intermediate_size']}), the other {cfg['num_hidden_layers'] - cfg['first_k_dense_replace']} sparse; "
+        f"hidden size {cfg['hidden_size']}, {cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} "
+        f"key/value heads, head dim {cfg['head_dim']}, rotary on half of each head). Each sparse layer: "
+        f"**{n} routed experts of width {cfg['moe_intermediate_size']}, top-{cfg['num_experts_per_tok']}**, plus "
+        f"{cfg['n_shared_experts']} shared expert of the same width that every token uses. Router: sigmoid scores plus a "
+        f"per-expert correction bias (`e_score_correction_bias`, used for choosing experts only); the {n} experts form "
+        f"**{groups} groups of {per_group}**, each token first keeps the {cfg['topk_group']} groups with the largest sum of "
+        f"their top-2 biased scores, then its top-{cfg['num_experts_per_tok']} experts inside them; the chosen sigmoid "
+        f"scores are normalized to sum 1 and scaled by {cfg['routed_scaling_factor']}. Tied input/output embeddings; "
+        f"vocabulary {cfg['vocab_size']} (the byte-level BPE of `shipped:tiny-moe`); trained context {train['seq_len']} tokens.",
+        "",
+        "For pruning, the groups matter: ompmoe keeps the same number of experts in every group of a layer (at least",
+        "2, which the top-2 group score needs), so a layer keeps a multiple of "
+        f"{groups} experts, at least {2 * groups} of {n}.",
+        "",
+        f"Parameters: **{metrics['parameters']['total'] / 1e6:.2f} M** in all, "
+        f"{metrics['parameters']['experts'] / 1e6:.2f} M of them in routed experts; "
+        f"{metrics['parameters']['active_per_token'] / 1e6:.2f} M active per token. Weights stored in "
+        f"**{metrics['save_dtype']}** (`model.safetensors`, {metrics['checkpoint_bytes'] / 1e6:.1f} MB; the routing biases "
+        "in float32); load with `dtype=torch.float32` on a CPU (ompmoe does so for `shipped:` models). All numbers below "
+        "are measured on the saved weights loaded in float32.",
+        "",
+        "## Training",
+        "",
+        f"{train['steps']} steps of {train['batch_size']} x {train['seq_len']} tokens ({train['tokens'] / 1e6:.2f} M tokens; "
+        f"windows at random offsets, prose with probability {train['prose_fraction']}, code otherwise), AdamW "
+        f"(lr {train['lr']}, betas 0.9/0.95, weight decay {train['weight_decay']}), {train['warmup_steps']} warm-up steps then "
+        f"cosine decay to {train['min_lr_ratio']} x lr, gradient clipping 1.0; loss = causal LM loss only. Load balance "
+        "without an auxiliary loss, as in DeepSeek-V3: after every optimizer step each router's correction bias moves by "
+        f"{train['bias_update_speed']} per expert towards the mean load (down for experts that took more than their share "
+        f"of the step's routed slots, up for the others). Training took {train['train_seconds'] / 60:.1f} min "
+        f"({train['total_seconds'] / 60:.1f} min with tokenizer and evaluation) on {train['device']} ({train['threads']} "
+        f"threads, {train['experts_implementation']} experts, torch {train['torch']}, transformers {train['transformers']}). "
+        f"Final training LM loss {train['final_lm_loss']:.3f} (mean of the last {train['final_window']} logged steps); "
+        f"busiest expert's load over the mean load in the worst layer, per step: {train['final_max_load_over_mean']:.2f} "
+        "(1.0 is perfect balance).",
+        "",
+        "Training curve (LM loss on the training batch; `metrics.json` has every logged step):",
+        "",
+        "| step | " + " | ".join(str(h["step"]) for h in train["history"][:: max(1, len(train["history"]) // 10)]) + " |",
+        "|---|" + "---:|" * len(train["history"][:: max(1, len(train["history"]) // 10)]),
+        "| LM loss | " + " | ".join(f"{h['lm_loss']:.2f}" for h in train["history"][:: max(1, len(train["history"]) // 10)]) + " |",
+        "",
+        "## Held-out perplexity",
+        "",
+        "Per domain, on the whole held-out split (`ompmoe/data/corpus/<domain>-heldout.jsonl.gz`; documents never seen in",
+        f"training), non-overlapping blocks of {train['seq_len']} tokens, every token after the first of a block predicted.",
+        f"The calibration and train columns use the first {train.get('gap_tokens', 16384):,} tokens of those splits (for the generalization gap).",
+        "",
+        "The unigram column is the baseline: an add-one-smoothed unigram model of the train split (both domains) on",
+        "the same held-out tokens.",
+        "",
+        "| domain | held-out perplexity | held-out tokens | calibration split | train split | unigram baseline |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    unigram = metrics["unigram_heldout_perplexity"]
+    for domain in ("prose", "code"):
+        p = ppl[domain]
+        lines.append(
+            f"| {domain} | {p['heldout']['perplexity']:.2f} | {p['heldout']['tokens']:,} | "
+            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} | {unigram[domain]:.1f} |"
+        )
+    curve = train.get("heldout_curve", [])
+    if curve:
+        lines += [
+            "",
+            f"Held-out perplexity during training (first {train['curve_blocks']} blocks of {train['seq_len']} tokens of each",
+            "held-out split, so not the same numbers as the whole-split table):",
+            "",
+            "| step | " + " | ".join(str(point["step"]) for point in curve) + " |",
+            "|---|" + "---:|" * len(curve),
+        ]
+        for domain in ("prose", "code"):
+            lines.append(f"| {domain} (subset) | " + " | ".join(f"{point[domain]:.1f}" for point in curve) + " |")
+    lines += [
+        "",
+        "## How the experts are used",
+        "",
+        "Share of routed token slots per expert (each token counts once for each of its top-"
+        f"{cfg['num_experts_per_tok']} experts), from `ompmoe.collect_stats` (`LayerStats.token_count`) on the calibration",
+        f"splits ({usage['calibration_tokens']['prose']:,} prose + {usage['calibration_tokens']['code']:,} code tokens). "
+        "Entropy is normalized by log(number of experts) (1.0: perfectly uniform load); JS is the Jensen-Shannon",
+        "divergence in bits between the prose and the code load (0: the domains use the experts alike, 1: disjoint).",
+        f"Uniform load is {1 / n:.2%} per expert.",
+        "",
+        "| layer | normalized entropy | min share | max share | experts under 0.5% | JS(prose, code) bits |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in usage["per_layer"]:
+        lines.append(
+            f"| {row['layer']} | {row['normalized_entropy']:.3f} | {row['min_share']:.4f} | {row['max_share']:.4f} | "
+            f"{sum(x < 0.005 for x in row['share_mix'])} | {row['js_prose_code_bits']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Load per router group (percent of routed slots in experts {per_group}g..{per_group}g+{per_group - 1}, both "
+        "calibration splits together):",
+        "",
+        "| layer | " + " | ".join(f"group {g}" for g in range(groups)) + " |",
+        "|---|" + "---:|" * groups,
+    ]
+    for row in usage["per_layer"]:
+        shares = row["share_mix"]
+        lines.append(f"| {row['layer']} | "
+                     + " | ".join(f"{100 * sum(shares[g * per_group:(g + 1) * per_group]):.1f}" for g in range(groups)) + " |")
+    lines += [
+        "",
+        "Per-expert and per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_mix` /",
+        "`share_prose` / `share_code`).",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "import ompmoe, torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from ompmoe.data import shipped_model_path",
+        "",
+        "path = shipped_model_path('tiny-moe-64')",
+        "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)",
+        "tokenizer = AutoTokenizer.from_pretrained(path)",
+        "```",
+        "",
+        "or `ompmoe fit -c configs/tiny.yaml --model.model shipped:tiny-moe-64` (calibration `source: shipped:mix`).",
+        "",
+        "## License and data",
+        "",
+        "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
+        "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
+        "`ompmoe/data/corpus/README.md` for what is in each split.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description="Train the shipped tiny Qwen3-MoE (see the module docstring).")
-    parser.add_argument("--output_dir", default=str(DEFAULT_OUT))
+    parser = argparse.ArgumentParser(description="Train a shipped tiny MoE (see the module docstring).")
+    parser.add_argument("--architecture", default="qwen3_moe", choices=sorted(ARCHITECTURES),
+                        help="qwen3_moe: shipped:tiny-moe; glm4_moe: shipped:tiny-moe-64")
+    parser.add_argument("--output_dir", default=None, help="default ompmoe/data/<shipped name of the architecture>")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -397,10 +687,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num_layers", type=int, default=6)
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--num_kv_heads", type=int, default=2)
-    parser.add_argument("--num_experts", type=int, default=16)
-    parser.add_argument("--top_k", type=int, default=4)
-    parser.add_argument("--moe_intermediate_size", type=int, default=128)
-    parser.add_argument("--aux_loss_coef", type=float, default=0.01)
+    parser.add_argument("--num_experts", type=int, default=None, help="routed experts per layer (16 / 64)")
+    parser.add_argument("--top_k", type=int, default=None, help="experts per token (4 / 6)")
+    parser.add_argument("--moe_intermediate_size", type=int, default=None, help="expert width (128 / 32)")
+    parser.add_argument("--aux_loss_coef", type=float, default=0.01, help="qwen3_moe load-balancing loss weight")
+    parser.add_argument("--n_group", type=int, default=8, help="glm4_moe: router groups")
+    parser.add_argument("--topk_group", type=int, default=4, help="glm4_moe: groups kept per token")
+    parser.add_argument("--n_shared_experts", type=int, default=1, help="glm4_moe: shared experts")
+    parser.add_argument("--first_k_dense", type=int, default=1, help="glm4_moe: leading dense layers")
+    parser.add_argument("--dense_intermediate_size", type=int, default=1024, help="glm4_moe: dense MLP width")
+    parser.add_argument("--routed_scaling_factor", type=float, default=2.5, help="glm4_moe: routed output scale")
+    parser.add_argument("--bias_update_speed", type=float, default=0.002,
+                        help="glm4_moe: step of the loss-free balancing bias per optimizer step (DeepSeek-V3's gamma)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--min_lr_ratio", type=float, default=0.1)
     parser.add_argument("--warmup_steps", type=int, default=30)
@@ -413,12 +711,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval_batch_size", type=int, default=8)
     parser.add_argument("--gap_tokens", type=int, default=16384, help="tokens of the calibration/train splits evaluated")
     parser.add_argument("--usage_blocks", type=int, default=32, help="calibration blocks per domain for expert usage")
+    parser.add_argument("--eval_every", type=int, default=0,
+                        help="every N steps, held-out perplexity of the first --curve_blocks blocks per domain (0: off)")
+    parser.add_argument("--curve_blocks", type=int, default=8)
+    parser.add_argument("--init_from", default=None, help="start from the weights of this saved checkpoint")
     parser.add_argument("--card_only", action="store_true", help="rewrite README.md from --output_dir/metrics.json")
     parser.add_argument("--eval_only", action="store_true",
                         help="re-evaluate the checkpoint in --output_dir (keeping metrics.json's training record)")
     args = parser.parse_args(argv)
+    for key, value in ARCHITECTURES[args.architecture].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.output_dir = args.output_dir or str(DEFAULT_OUT.parent / args.name)
     if args.card_only:
         metrics = json.loads((Path(args.output_dir) / "metrics.json").read_text(encoding="utf-8"))
+        if args.architecture == "glm4_moe" and "unigram_heldout_perplexity" not in metrics:
+            from transformers import AutoTokenizer
+
+            unigram = unigram_perplexity(AutoTokenizer.from_pretrained(args.output_dir), metrics["training"]["seq_len"])
+            metrics["unigram_heldout_perplexity"] = unigram
+            (Path(args.output_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
         (Path(args.output_dir) / "README.md").write_text(model_card(metrics), encoding="utf-8")
         return metrics
 
@@ -447,7 +759,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=0)
 
     config = build_config(args, tokenizer)
-    module = make_module(config, args)
+    curve_streams = ({domain: domain_stream(tokenizer, domain, "heldout") for domain in ("prose", "code")}
+                     if args.eval_every else None)
+    module = make_module(config, args, curve_streams)
+    if args.init_from:  # continue training a saved checkpoint (same architecture arguments)
+        from transformers import AutoModelForCausalLM
+
+        module.model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32).state_dict())
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=1,
@@ -468,7 +786,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = module.model.cpu().eval()
     model.config.output_router_logits = False  # inference default; training set it on
     save_dtype = getattr(torch, args.save_dtype)
-    model.to(save_dtype).save_pretrained(out, safe_serialization=True)
+    model.to(save_dtype)
+    for router in model.modules():  # routing biases stay float32 (transformers keeps them so when loading)
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
     history = module.history
@@ -483,11 +805,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads, "experts_implementation": args.experts_implementation,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
         "final_lm_loss": sum(h["lm_loss"] for h in window) / len(window),
-        "final_aux_loss": sum(h["aux_loss"] for h in window) / len(window),
+        **({"final_aux_loss": sum(h["aux_loss"] for h in window) / len(window)} if args.architecture == "qwen3_moe"
+           else {"bias_update_speed": args.bias_update_speed,
+                 "final_max_load_over_mean": sum(h["max_load_over_mean"] for h in window) / len(window)}),
         "final_window": len(window),
+        **({"init_from": str(args.init_from)} if args.init_from else {}),
+        **({"heldout_curve": module.curve, "curve_blocks": args.curve_blocks} if args.eval_every else {}),
         "history": history,
     }
     return evaluate(out, tokenizer, args, gpu, training)
+
+
+CONFIG_KEYS = {
+    "qwen3_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef",
+                  "tie_word_embeddings"),
+    "glm4_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                 "n_group", "topk_group", "first_k_dense_replace", "intermediate_size", "routed_scaling_factor",
+                 "norm_topk_prob", "tie_word_embeddings"),
+}
+"""Config fields recorded in ``metrics.json`` (and checked against the model card by the tests)."""
 
 
 def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, training: dict[str, Any]) -> dict[str, Any]:
@@ -507,23 +845,25 @@ def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, tra
                                 max_tokens=args.gap_tokens),
         }
         print(f"{domain}: held-out perplexity {ppl[domain]['heldout']['perplexity']:.3f}", flush=True)
-    usage = expert_usage(saved.cpu(), tokenizer, args.seq_len, args.usage_blocks)
+    usage = expert_usage(saved.cpu(), tokenizer, args.seq_len, args.usage_blocks, f"shipped:{args.name}")
 
-    expert_params = sum(p.numel() for n, p in saved.named_parameters() if ".experts." in n)
+    expert_params = sum(p.numel() for n, p in saved.named_parameters() if ".experts." in n)  # routed only
     total_params = sum(p.numel() for p in saved.parameters())
     config = saved.config
+    num_experts = config.num_experts if args.architecture == "qwen3_moe" else config.n_routed_experts
     metrics = {
-        "config": {k: getattr(saved.config, k) for k in (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef", "tie_word_embeddings")},
+        "architecture": args.architecture,
+        "config": {k: getattr(saved.config, k) for k in CONFIG_KEYS[args.architecture]},
         "parameters": {
             "total": total_params,
             "experts": expert_params,
-            "active_per_token": total_params - expert_params + expert_params * config.num_experts_per_tok // config.num_experts,
+            "active_per_token": total_params - expert_params + expert_params * config.num_experts_per_tok // num_experts,
         },
         "save_dtype": args.save_dtype,
         "checkpoint_bytes": (out / "model.safetensors").stat().st_size,
         "perplexity": ppl,
+        **({"unigram_heldout_perplexity": unigram_perplexity(tokenizer, args.seq_len)}
+           if args.architecture == "glm4_moe" else {}),
         "expert_usage": usage,
         "training": {**training, "gap_tokens": args.gap_tokens},
     }

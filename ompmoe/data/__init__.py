@@ -46,7 +46,7 @@ CORPUS_DOMAINS = ("prose", "code")
 CORPUS_SPLITS = ("train", "calibration", "heldout")
 """Fixed splits of each domain (by whole documents; see ``corpus/README.md``)."""
 SHIPPED_PREFIX = "shipped:"
-SHIPPED_MODELS = ("tiny-moe",)
+SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64")
 """Models shipped in this directory, named ``shipped:<name>`` as a model or tokenizer spec."""
 
 

@@ -32,7 +32,8 @@ class CalibrationModule(pl.LightningModule):
     Args:
         model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
             model (offline tests and demos), ``shipped:tiny-moe`` for the small Qwen3-MoE trained
-            on Python docs and source that ships with ompmoe (offline), or a model instance.
+            on Python docs and source that ships with ompmoe (offline), ``shipped:tiny-moe-64`` for
+            the fine-grained GLM-4.5-style one (64 experts, grouped sigmoid routing), or a model instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
             checkpoint's (float32 for ``shipped:tiny-moe``, whose weights are stored in bf16).
         tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``
