@@ -26,6 +26,7 @@ from typing_extensions import override
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.engine.methods.loss import check_loss_aware_not_needed
+from ompmoe.engine.methods.reroute import check_reroute_not_needed
 from ompmoe.engine.io import atomic_path, check_writable
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.pruning import prune, save_pruned
@@ -88,6 +89,8 @@ class ExpertPruning(Callback):
         loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward of
             the next-token loss per batch to the MoE outputs; no weight gradients). The module's
             forward must run with gradients enabled (``CalibrationModule`` does when asked).
+        reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (needed by
+            ``omp_reroute``; one more router call and one expert evaluation per token).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ExpertPruning(Callback):
         plots: bool = True,
         adaptive_epsilon: float | None = None,
         loss_aware: bool = False,
+        reroute: bool = False,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -113,6 +117,7 @@ class ExpertPruning(Callback):
         self.plots = plots
         self.adaptive_epsilon = adaptive_epsilon
         self.loss_aware = loss_aware
+        self.reroute = reroute
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -157,6 +162,8 @@ class ExpertPruning(Callback):
             strategy.validate(routings)
             if not self.loss_aware:
                 check_loss_aware_not_needed(strategy)
+            if not self.reroute:
+                check_reroute_not_needed(strategy)
         datamodule = getattr(trainer, "datamodule", None)
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(
@@ -164,7 +171,10 @@ class ExpertPruning(Callback):
             model_id=getattr(pl_module, "model_name_or_path", None),
             sources=[describe()] if callable(describe) else None,
             loss_aware=self.loss_aware,
+            reroute=self.reroute,
         )
+        if self._collector.reroute_metric is not None:
+            self._collector.reroute_metric.to(pl_module.device)
         self._collector.metric.to(pl_module.device)
         if self._collector.loss_metric is not None:
             self._collector.loss_metric.to(pl_module.device)
@@ -285,6 +295,11 @@ class ExpertPruning(Callback):
         if loss_metric is not None:
             with loss_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
                 states.update({f"loss.{name}": getattr(loss_metric, name).detach().cpu().clone() for name in loss_metric._defaults})
+        reroute_metric = self._collector.reroute_metric
+        if reroute_metric is not None:
+            with reroute_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
+                states.update({f"reroute.{name}": getattr(reroute_metric, name).detach().cpu().clone()
+                               for name in reroute_metric._defaults})
         return {"states": states}
 
     @override
@@ -303,6 +318,10 @@ class ExpertPruning(Callback):
                 if self._collector.loss_metric is None:
                     continue
                 target, name = self._collector.loss_metric, name.removeprefix("loss.")
+            elif name.startswith("reroute."):
+                if self._collector.reroute_metric is None:
+                    continue
+                target, name = self._collector.reroute_metric, name.removeprefix("reroute.")
             current = getattr(target, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
             setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))

@@ -20,6 +20,15 @@ from .omp import omp_orderings
 from .registry import Selection, SelectionMethod, register_method
 
 
+def check_reroute_not_needed(strategy: object) -> None:
+    """Refuse, before calibration, a strategy whose method needs rerouting-aware statistics."""
+    if getattr(strategy, "method", None) == OMPReroute.name:
+        raise ValueError(
+            "The strategy's method 'omp_reroute' needs rerouting-aware statistics, which this calibration would "
+            "not collect: pass ExpertPruning(..., reroute=True)."
+        )
+
+
 @register_method
 @dataclass
 class OMPReroute(SelectionMethod):
