@@ -19,6 +19,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
+from .replay import replayable
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
@@ -44,7 +45,14 @@ def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Ite
 
 
 def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
+    experts = getattr(native_forward, "__self__", None)
+    replay = replayable(experts) if experts is not None else None
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if replay is not None:  # the module's own grouped computation: no flattened copy, same output bits
+            output, outputs = replay(experts, hidden_states, top_k_index, top_k_weights)
+            callback(index, top_k_index, top_k_weights, outputs)
+            return output
         num_tokens, top_k = top_k_index.shape
         pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
         unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
@@ -102,11 +110,13 @@ class MoEStatsMetric(Metric):
     def update(
         self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor
     ) -> None:
+        """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major."""
         num_tokens, top_k = top_k_index.shape
         n = self.routing[index][1]["num_experts"]
-        device = getattr(self, f"gram_{index}").device
-        expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device, torch.float32)
-        gates = top_k_weights.detach().to(device, torch.float32)
+        gram = getattr(self, f"gram_{index}")
+        device = gram.device
+        expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device)
+        gates = top_k_weights.detach().to(device, torch.float64)
         ids = top_k_index.to(device)
         weight = self.token_weight
         if weight is not None:
@@ -115,35 +125,36 @@ class MoEStatsMetric(Metric):
                     f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
                     f"routed {num_tokens}; pass masks shaped like input_ids."
                 )
-            # Drop padding outright (its hidden states may even be non-finite), keep the weights.
+            # Drop padding outright (its hidden states may even be non-finite). Weights are 0/1
+            # (set_token_weight checks), so every token left weighs exactly 1.
             keep = weight.to(device) > 0
-            expert_out, gates, ids, weight = expert_out[keep], gates[keep], ids[keep], weight.to(device)[keep]
-        atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
-        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+            if not bool(keep.all()):
+                expert_out, gates, ids = expert_out[keep], gates[keep], ids[keep]
+        # One batched product of F per token gives the k x k block <F_i, F_j> (its diagonal is
+        # ||F||^2); the gates enter in float64, where everything is summed: <V_i, V_j> = g_i g_j <F_i, F_j>.
+        if expert_out.dtype not in (torch.float32, torch.float64):
+            expert_out = expert_out.float()
+        products = torch.bmm(expert_out, expert_out.transpose(1, 2)).to(torch.float64)  # (T, k, k)
+        sq_norm = products.diagonal(dim1=1, dim2=2).clone()  # ||F||^2 per pair, (T, k)
+        pair_products = products.mul_(gates.unsqueeze(-1)).mul_(gates.unsqueeze(-2))
         # Token-normalized Gram: each token's products divided by ||Y_x||^2 = sum of its products.
         output_energy = pair_products.sum(dim=(1, 2))
-        atom_energy = pair_products.diagonal(dim1=1, dim2=2).sum(-1)
+        atom_energy = gates.square().mul(sq_norm).sum(-1)
         valid = output_energy > CANCELLED_TOKEN * atom_energy
         inverse_energy = torch.where(valid, 1.0 / torch.where(valid, output_energy, 1.0), 0.0)
-        sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
-        norm = sq_norm.sqrt()
-        gates64 = gates.to(torch.float64)
-        per_pair = torch.ones_like(gates64)
-        if weight is not None:
-            pair_products = pair_products * weight.view(-1, 1, 1)
-            per_pair = per_pair * weight.view(-1, 1)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
-        getattr(self, f"gram_{index}").view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
+        gram.view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
-        flat_ids = ids.reshape(-1)
+        norm = sq_norm.sqrt()
         sums = {
-            "routing_mass": gates64 * per_pair,
-            "token_count": per_pair,
-            "sq_norm_sum": sq_norm * per_pair,
-            "norm_sum": norm * per_pair,
-            "weighted_norm_sum": gates64 * norm * per_pair,
+            "routing_mass": gates,
+            "token_count": torch.ones_like(gates),
+            "sq_norm_sum": sq_norm,
+            "norm_sum": norm,
+            "weighted_norm_sum": gates * norm,
         }
+        flat_ids = ids.reshape(-1)
         for key, values in sums.items():
             getattr(self, f"{key}_{index}").index_add_(0, flat_ids, values.reshape(-1))
 
