@@ -151,7 +151,7 @@ def print_table(results: list[dict], top_k: int) -> None:
             label = f"{r['epsilon']:g}"
             avg, skip, flops = f"{c['avg_experts_per_token']:.3f}", f"{c['skip_ratio']:.3f}", f"{c['flops_ratio']:.3f}"
         timing = r["counters"] if r["epsilon"] is not None else None
-        overhead = f"{r['moe'] / base['moe'] - timing['flops_ratio']:+.3f}" if timing else ""
+        overhead = f"{r['moe_cpu'] / base['moe_cpu'] - timing['flops_ratio']:+.3f}" if timing else ""
         print(
             f"{label:>8} {avg:>11} {skip:>6} {flops:>6} {r['moe'] * 1e3:>7.1f} {base['moe'] / r['moe']:>6.2f} "
             f"{base['moe_cpu'] / r['moe_cpu']:>9.2f} {r['wall'] * 1e3:>7.1f} {base['wall'] / r['wall']:>6.2f} "

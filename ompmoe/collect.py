@@ -82,8 +82,8 @@ class MoEStatsMetric(Metric):
             n = layer.num_experts
             self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
             self.add_state(f"gram_normalized_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
-            for key in PER_EXPERT_SUMS:
-                self.add_state(f"{key}_{i}", torch.zeros(n, dtype=torch.float64), dist_reduce_fx="sum")
+            # One stacked state for the per-expert sums, in PER_EXPERT_SUMS order: one index_add_ per batch.
+            self.add_state(f"expert_sums_{i}", torch.zeros(len(PER_EXPERT_SUMS), n, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.token_weight: torch.Tensor | None = None
 
@@ -154,9 +154,8 @@ class MoEStatsMetric(Metric):
             "norm_sum": norm,
             "weighted_norm_sum": gates * norm,
         }
-        flat_ids = ids.reshape(-1)
-        for key, values in sums.items():
-            getattr(self, f"{key}_{index}").index_add_(0, flat_ids, values.reshape(-1))
+        stacked = torch.stack([sums[key] for key in PER_EXPERT_SUMS]).reshape(len(PER_EXPERT_SUMS), -1)
+        getattr(self, f"expert_sums_{index}").index_add_(1, ids.reshape(-1), stacked)
 
     def compute(self) -> tuple[list[LayerStats], int]:
         """Per-layer statistics and the token count, summed over ranks when distributed."""
@@ -165,7 +164,7 @@ class MoEStatsMetric(Metric):
                 name=name,
                 **routing,
                 gram=getattr(self, f"gram_{i}").clone(),
-                **{key: getattr(self, f"{key}_{i}").clone() for key in PER_EXPERT_SUMS},
+                **{key: getattr(self, f"expert_sums_{i}")[row].clone() for row, key in enumerate(PER_EXPERT_SUMS)},
                 gram_normalized=getattr(self, f"gram_normalized_{i}").clone(),
             )
             for i, (name, routing) in enumerate(self.routing)
