@@ -308,12 +308,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of (d)")
     parser.add_argument("--deepseek_tokens", type=int, default=128, help="tokens of the DeepSeek-V3 layer in (d)")
     parser.add_argument("--qwen_tokens", type=int, default=512, help="tokens of the Qwen3-30B-A3B layer in (d)")
+    parser.add_argument("--real_shapes", nargs="+", default=["qwen3", "deepseek"], choices=["qwen3", "deepseek"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, medians of {args.repeats} runs")
     if "d" not in args.skip:
         bench_real_shapes(args.repeats, torch.device(args.device), getattr(torch, args.dtype), args.deepseek_tokens,
-                          args.qwen_tokens)
+                          args.qwen_tokens, tuple(args.real_shapes))
     if "a" not in args.skip:
         bench_stats_pass(args.repeats)
     if "b" not in args.skip:
