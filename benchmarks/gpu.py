@@ -39,8 +39,8 @@ from search import measure_pair, peak_bytes, stats_bytes, synchronized  # noqa: 
 from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS, build_model, describe  # noqa: E402
 
 import ompmoe  # noqa: E402
-import ompmoe.replay as replay_module  # noqa: E402
-from ompmoe.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive  # noqa: E402
+import ompmoe.engine.replay as replay_module  # noqa: E402
+from ompmoe.engine.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive  # noqa: E402
 
 GiB = 2**30
 

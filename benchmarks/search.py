@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.selection import greedy_pursuit, pursuit_on_atoms
-from ompmoe.statistics import LayerStats, MoEStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.selection import greedy_pursuit, pursuit_on_atoms
+from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.tiny import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, build_model, describe  # noqa: E402
