@@ -9,7 +9,7 @@ Run ``python benchmarks/adaptive.py`` (a few minutes on one CPU thread). For eps
   by hooks on the sparse blocks) and of the whole forward pass, with speedups relative to
   epsilon = 0 measured in the same run (median over repeats, settings interleaved so background
   load hits all alike), in wall-clock and in process CPU time (which other processes disturb less);
-- the overhead ``o = t_MoE(eps) / t_MoE(0) - FLOPs ratio`` (rule plus compaction, as a share of
+- the overhead ``o = t_MoE(eps) / t_MoE(0) - FLOPs ratio`` (CPU time; rule plus compaction, as a share of
   the epsilon = 0 MoE time): adaptive inference breaks even once the skip ratio exceeds ``o``;
 - held-out perplexity.
 
@@ -17,7 +17,7 @@ Two models, sections ``--models``:
 
 ``shipped``  the trained ``shipped:tiny-moe`` (Qwen3-MoE, 6 layers x 16 experts, top-4, d = 256),
              alphas from 16 x 256 tokens of the shipped corpus' calibration split (prose and code),
-             perplexity on 8 x 256 tokens of each domain's held-out split; timing on 4 x 256 tokens.
+             perplexity on 8 x 256 tokens of the held-out splits (4 per domain); timing on 4 x 256 tokens.
 ``real``     one decoder layer at the Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, width
              768), random weights with routers ``normal(0, 0.05)`` (peaked gates like trained
              routers; the default 0.02 makes top-k weights nearly uniform), alphas from 2 x 512
@@ -171,7 +171,7 @@ def main() -> None:
     started = time.perf_counter()
     print("experts/tok, skip and FLOPs (= E[m]/K, routed experts) are counted on the held-out tokens (real shape: "
           "the timing batch); x = speedup vs epsilon=0 (wall clock; 'x cpu' from process CPU time); overhead = "
-          "MoE time / MoE time at epsilon 0 - FLOPs ratio (break-even skip ratio)\n")
+          "MoE CPU time / MoE CPU time at epsilon 0 - FLOPs ratio (break-even skip ratio)\n")
     if "shipped" in args.models:
         model, calibration, held_out = shipped_model()
         stats = ompmoe.collect_stats(model, calibration.split(args.batch))
