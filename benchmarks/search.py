@@ -1,8 +1,8 @@
 """Search-cost benchmark of OMP-MoE: statistics pass, selection at model scale, Gram vs cached atoms.
 
-Run ``python benchmarks/search.py`` (under a minute on a 2-core CPU). Everything runs on one
-CPU thread; each figure is the median over repeats, and each ratio compares numbers measured in
-this run. Times are CPU seconds of this process (``time.process_time``, robust to other load on the
+Run ``python benchmarks/search.py`` (about 4 minutes on a 2-core CPU, most of it (d); ``--skip d``
+for the quick ones). Everything runs on one CPU thread; each figure is the median over repeats,
+and each ratio compares numbers measured in this run. Times are CPU seconds of this process (``time.process_time``, robust to other load on the
 machine; with one thread they equal wall time on an idle machine); wall-clock medians are shown too.
 
 (a) statistics pass / plain forward on the same batches, tiny Qwen3-MoE-shaped models (target <= 1.10)
