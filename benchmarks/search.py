@@ -2,8 +2,9 @@
 
 Run ``python benchmarks/search.py`` (about 4 minutes on a 2-core CPU, most of it (d); ``--skip d``
 for the quick ones). Everything runs on one CPU thread; each figure is the median over repeats,
-and each ratio compares numbers measured in this run. Times are CPU seconds of this process (``time.process_time``, robust to other load on the
-machine; with one thread they equal wall time on an idle machine); wall-clock medians are shown too.
+and each ratio compares numbers measured in this run. Times are CPU seconds of this process
+(``time.process_time``, robust to other load on the machine; with one thread they equal wall time
+on an idle machine); wall-clock medians are shown too.
 
 (a) statistics pass / plain forward on the same batches, tiny Qwen3-MoE-shaped models (target <= 1.10)
 (b) plan_pruning of all layers at one ratio from synthetic Grams, Qwen3-30B-A3B and DeepSeek-V3
