@@ -26,8 +26,9 @@ CANCELLED_TOKEN = 1e-6
 """A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
 cancel to within float32 rounding) gets no weight in the token-normalized Gram."""
 
-PairCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d))``."""
+PairCallback = Callable[..., None]
+"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
+``atoms`` (``g * F`` as the experts computed them) is passed when the experts were replayed."""
 
 
 @contextmanager
@@ -50,8 +51,8 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if replay is not None:  # the module's own grouped computation: no flattened copy, same output bits
-            output, outputs = replay(experts, hidden_states, top_k_index, top_k_weights)
-            callback(index, top_k_index, top_k_weights, outputs)
+            output, outputs, atoms = replay(experts, hidden_states, top_k_index, top_k_weights)
+            callback(index, top_k_index, top_k_weights, outputs, atoms)
             return output
         num_tokens, top_k = top_k_index.shape
         pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
@@ -108,15 +109,26 @@ class MoEStatsMetric(Metric):
             self.num_tokens += self.token_weight.sum()
 
     def update(
-        self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor
+        self,
+        index: int,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        outputs: torch.Tensor,
+        atoms: torch.Tensor | None = None,
     ) -> None:
-        """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major."""
+        """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major.
+
+        ``atoms``, if given, are ``g * F`` as the experts computed them; they are used when they
+        are exactly the float32 atoms this method would form (float32 outputs and weights).
+        """
         num_tokens, top_k = top_k_index.shape
         n = self.routing[index][1]["num_experts"]
         gram = getattr(self, f"gram_{index}")
         device = gram.device
-        expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device)
-        gates = top_k_weights.detach().to(device, torch.float64)
+        expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device, torch.float32)
+        gates = top_k_weights.detach().to(device, torch.float32)
+        exact = atoms is not None and outputs.dtype == top_k_weights.dtype == atoms.dtype == torch.float32
+        atoms = atoms.detach().view(num_tokens, top_k, -1).to(device) if exact else None
         ids = top_k_index.to(device)
         weight = self.token_weight
         if weight is not None:
@@ -130,29 +142,28 @@ class MoEStatsMetric(Metric):
             keep = weight.to(device) > 0
             if not bool(keep.all()):
                 expert_out, gates, ids = expert_out[keep], gates[keep], ids[keep]
-        # One batched product of F per token gives the k x k block <F_i, F_j> (its diagonal is
-        # ||F||^2); the gates enter in float64, where everything is summed: <V_i, V_j> = g_i g_j <F_i, F_j>.
-        if expert_out.dtype not in (torch.float32, torch.float64):
-            expert_out = expert_out.float()
-        products = torch.bmm(expert_out, expert_out.transpose(1, 2)).to(torch.float64)  # (T, k, k)
-        sq_norm = products.diagonal(dim1=1, dim2=2).clone()  # ||F||^2 per pair, (T, k)
-        pair_products = products.mul_(gates.unsqueeze(-1)).mul_(gates.unsqueeze(-2))
+                atoms = atoms[keep] if atoms is not None else None
+        if atoms is None:
+            atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
+        pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
         # Token-normalized Gram: each token's products divided by ||Y_x||^2 = sum of its products.
         output_energy = pair_products.sum(dim=(1, 2))
-        atom_energy = gates.square().mul(sq_norm).sum(-1)
+        atom_energy = pair_products.diagonal(dim1=1, dim2=2).sum(-1)
         valid = output_energy > CANCELLED_TOKEN * atom_energy
         inverse_energy = torch.where(valid, 1.0 / torch.where(valid, output_energy, 1.0), 0.0)
+        sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
+        norm = sq_norm.sqrt()
+        gates64 = gates.to(torch.float64)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
         gram.view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
-        norm = sq_norm.sqrt()
         sums = {
-            "routing_mass": gates,
-            "token_count": torch.ones_like(gates),
+            "routing_mass": gates64,
+            "token_count": torch.ones_like(gates64),
             "sq_norm_sum": sq_norm,
             "norm_sum": norm,
-            "weighted_norm_sum": gates * norm,
+            "weighted_norm_sum": gates64 * norm,
         }
         stacked = torch.stack([sums[key] for key in PER_EXPERT_SUMS]).reshape(len(PER_EXPERT_SUMS), -1)
         getattr(self, f"expert_sums_{index}").index_add_(1, ids.reshape(-1), stacked)

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - older or newer transformers without th
 REQUIRED_ATTRS = ("has_gate", "has_bias", "is_transposed", "_apply_gate")
 
 
-def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """The replay matching ``experts``' configured implementation, or ``None`` to use the flattened call."""
     config = getattr(experts, "config", None)
     implementation = getattr(config, "_experts_implementation", None)
@@ -41,8 +41,8 @@ def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Te
 
 def replay_grouped_mm(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(module output, F)`` with ``F`` the unweighted expert outputs, ``(tokens * top_k, d)`` token-major.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(module output, F, g * F)``: unweighted and weighted expert outputs, ``(tokens * top_k, d)`` token-major.
 
     Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without
     expert parallelism), so the output equals the native call's bit for bit.
@@ -75,7 +75,7 @@ def replay_grouped_mm(
     del projected
     weighted = pair_outputs * top_k_weights.reshape(-1).unsqueeze(-1)
     output = weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
-    return output, pair_outputs
+    return output, pair_outputs, weighted
 
 
 __all__ = ["replay_grouped_mm", "replayable"]

@@ -26,8 +26,9 @@ def test_replay_matches_native_output_bits_and_literal_pairs(case):
         assert replayable(layer.experts) is replay_grouped_mm
         with torch.no_grad():
             native = layer.experts(hidden, index, weights)
-            output, pairs = replay_grouped_mm(layer.experts, hidden, index, weights)
+            output, pairs, weighted = replay_grouped_mm(layer.experts, hidden, index, weights)
             assert torch.equal(output, native)
+            assert torch.equal(weighted, pairs * weights.reshape(-1, 1))
             assert output.dtype == native.dtype
             assert pairs.shape == (index.numel(), hidden.shape[1])
             for row, (t, slot) in enumerate((t, s) for t in range(index.shape[0]) for s in range(index.shape[1])):
@@ -67,6 +68,24 @@ def test_grouped_kernels_run_the_same_rows_as_the_plain_forward(case, monkeypatc
     collect_stats(model, [batch])
     assert len(plain) == 2 * len(find_moe_layers(model))
     assert calls == plain
+
+
+@pytest.mark.parametrize("case", ARCH_IDS)
+def test_replayed_statistics_equal_the_flattened_grouped_mm_call_bit_for_bit(case, monkeypatch):
+    """Same experts implementation, with and without the replay: identical statistics, every bit."""
+    batches = [random_ids(seed=16), random_ids(seed=17)]
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: the padded path too
+    batches.append({"input_ids": random_ids(seed=18), "attention_mask": mask})
+    replayed = collect_stats(make_model(case), batches)
+    monkeypatch.setattr(replay_module, "_grouped_linear", None)
+    model = make_model(case)
+    assert all(replayable(layer.experts) is None for layer in find_moe_layers(model))
+    flattened = collect_stats(model, batches)
+    assert replayed.num_tokens == flattened.num_tokens == 3 * 32 - 5
+    for a, b in zip(replayed.layers, flattened.layers, strict=True):
+        for key, value in a.tensors().items():
+            assert torch.equal(value, b.tensors()[key]), key
 
 
 @pytest.mark.parametrize("case", ARCH_IDS)
