@@ -179,8 +179,9 @@ class RerouteRecorder:
     def callback(self, update: Callable[..., None]) -> Callable[..., None]:
         """``update`` (the statistics callback), then this layer's rerouting-aware sums."""
 
-        def chained(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor) -> None:
-            update(index, top_k_index, top_k_weights, outputs)
+        def chained(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                    *atoms: torch.Tensor) -> None:
+            update(index, top_k_index, top_k_weights, outputs, *atoms)
             self.add(index, top_k_index, top_k_weights, outputs)
 
         return chained
