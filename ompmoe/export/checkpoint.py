@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 
 from ..adapters import architecture_of
+from .config import count_json_key
 from .hub_code import write_remote_code
 from .model_card import model_card
 
@@ -144,7 +145,7 @@ def save_checkpoint(
         spec = architecture_of(model)
         write_remote_code(
             directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
-            spec.expert_count_key, spec.router_attr,
+            spec.expert_count_key, spec.router_attr, alias=count_json_key(config["model_type"]),
         )
     info = {
         "dtype": str(config.get("dtype", "")).removeprefix("torch."),

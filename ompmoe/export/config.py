@@ -11,14 +11,21 @@ from ..adapters import ARCHITECTURES
 from .hub_code import stock_config_dict
 
 
+def count_json_key(model_type: str) -> str:
+    """The ``config.json`` key of the routed-expert count (Qwen3-MoE stores ``num_experts`` as ``num_local_experts``)."""
+    key = ARCHITECTURES[model_type].expert_count_key
+    return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
+
+
 def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
     """The stock transformers config of ``path``; a non-uniform checkpoint's count marker becomes the largest count.
 
     Checkpoints written before the remote code existed (an int count) load through ``AutoConfig`` as before.
     """
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
-    spec = ARCHITECTURES.get(config_dict.get("model_type"))
-    if spec is not None and isinstance(config_dict.get(spec.expert_count_key), dict):
-        config_class = transformers.CONFIG_MAPPING[config_dict["model_type"]]
-        return config_class.from_dict(stock_config_dict(config_dict, spec.expert_count_key), name_or_path=str(path))
+    model_type = config_dict.get("model_type")
+    key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
+    if key is not None and isinstance(config_dict.get(key), dict):
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        return config_class.from_dict(stock_config_dict(config_dict, key), name_or_path=str(path))
     return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -38,6 +38,7 @@ turns it back into the largest count, and the model class sizes each layer from 
 from transformers import {base_config} as _BaseConfig
 
 COUNT_KEY = {count_key!r}
+ALIAS = {alias!r}  # the key save_pretrained writes the count under, dropped so the marker is the only count
 HOW_TO_LOAD = {how_to_load!r}
 
 
@@ -62,6 +63,8 @@ class {config_class}(_BaseConfig):
         output = super().to_dict()
         per_layer = _per_layer(self)
         if per_layer and len(set(per_layer.values())) > 1:
+            if ALIAS != COUNT_KEY:
+                output.pop(ALIAS, None)
             output[COUNT_KEY] = {{"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}}
         return output
 '''
@@ -128,10 +131,16 @@ def count_marker(per_layer: dict[str, int]) -> dict[str, Any]:
     return {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": dict(per_layer)}
 
 
-def write_remote_code(directory: str | Path, base_config: str, base_model: str, count_key: str, router_attr: str) -> None:
+def write_remote_code(
+    directory: str | Path, base_config: str, base_model: str, count_key: str, router_attr: str, alias: str | None = None
+) -> None:
     """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
 
     ``config.json`` must hold the ``ompmoe`` record (per-layer kept ids) written by ``save_pretrained``.
+    ``count_key`` is the config attribute of the expert count; ``alias`` the key ``save_pretrained``
+    stored it under when the config maps one to the other (Qwen3-MoE: ``num_local_experts``). The
+    alias is removed, so the marker under ``count_key`` is the only count and reaches the stock
+    config's type check first.
     """
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -140,10 +149,12 @@ def write_remote_code(directory: str | Path, base_config: str, base_model: str, 
     config_class, model_class = class_names(base_model)
     values = dict(
         base_config=base_config, base_model=base_model, count_key=count_key, router_attr=router_attr,
-        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD,
+        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD, alias=alias or count_key,
     )
     (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
     (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
+    if alias is not None and alias != count_key:
+        config.pop(alias, None)
     config[count_key] = count_marker(per_layer)
     config["auto_map"] = {
         "AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.{config_class}",
