@@ -67,12 +67,12 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
     for candidate in candidates:
         if candidate == "bytes" or candidate.startswith("tiny:"):
             continue
-        from ..calibration_data import resolve_shipped
+        from ..data import resolve_shipped
 
         path = resolve_shipped(candidate)
         try:
             return transformers.AutoTokenizer.from_pretrained(path, local_files_only=not _is_hub_id(path))
-        except (OSError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
             if isinstance(tokenizer, (str, os.PathLike)):
                 raise ValueError(
                     f"tokenizer={tokenizer!r} could not be loaded ({error}); pass a hub id, a local "
@@ -90,10 +90,14 @@ def _cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
     keep = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
         getattr(model, "_keep_in_fp32_modules_strict", None) or []
     )
-    state = {}
+    state: dict[str, torch.Tensor] = {}
+    cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}  # tied weights stay one tensor
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not any(part in name.split(".") for part in keep):
-            tensor = tensor.to(dtype)
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+            if key not in cast:
+                cast[key] = tensor.to(dtype)
+            tensor = cast[key]
         state[name] = tensor
     return state
 
@@ -119,12 +123,10 @@ def save_checkpoint(
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if target is not None and current is not None and target != current and "state_dict" not in save_kwargs:
         save_kwargs["state_dict"] = _cast_state_dict(model, target)
-        previous = getattr(model.config, "dtype", None)
-        model.config.dtype = target
-        try:
-            model.save_pretrained(directory, **save_kwargs)
-        finally:
-            model.config.dtype = previous
+        model.save_pretrained(directory, **save_kwargs)
+        config = json.loads((directory / "config.json").read_text())
+        config["dtype"] = str(target).removeprefix("torch.")  # save_pretrained records the in-memory dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     else:
         model.save_pretrained(directory, **save_kwargs)
     written_tokenizer = resolve_tokenizer(tokenizer, model)
