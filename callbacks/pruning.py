@@ -83,6 +83,11 @@ class OMPMoEPruning(Callback):
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
             :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
+        tokenizer: Tokenizer (hub id or path) saved with the model. Default: the LightningModule's
+            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's
+            source; a warning names this argument when none is found.
+        dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the
+            source checkpoint's, even when calibration ran in float32.
     """
 
     def __init__(
@@ -95,6 +100,8 @@ class OMPMoEPruning(Callback):
         extra_ratios: list[float] | None = None,
         plots: bool = True,
         adaptive_epsilon: float | None = None,
+        tokenizer: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -106,6 +113,9 @@ class OMPMoEPruning(Callback):
         self.extra_ratios = list(extra_ratios or [])
         self.plots = plots
         self.adaptive_epsilon = adaptive_epsilon
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self._datamodule: Any | None = None
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -146,6 +156,7 @@ class OMPMoEPruning(Callback):
         for strategy in [self.strategy, *self._extra_strategies()]:
             strategy.validate(routings)
         datamodule = getattr(trainer, "datamodule", None)
+        self._datamodule = datamodule
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(
             model,
@@ -236,7 +247,10 @@ class OMPMoEPruning(Callback):
 
                 write_plots(stats, tmp / PLOTS_DIR, plan=plan)
             if self.save_model:
-                save_pruned(model, tmp / MODEL_DIR, tokenizer=_load_tokenizer(pl_module))
+                save_pruned(
+                    model, tmp / MODEL_DIR, tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule),
+                    dtype=self.dtype, calibration="; ".join(stats.sources) or None,
+                )
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
     def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
@@ -296,16 +310,21 @@ def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
     return full.eval()
 
 
-def _load_tokenizer(pl_module: pl.LightningModule) -> Any | None:
-    tokenizer = getattr(pl_module, "tokenizer", None)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        return tokenizer
-    name = getattr(pl_module, "tokenizer_name", None)
-    if not name or name == "bytes" or str(name).startswith("tiny:"):
-        return None
-    from transformers import AutoTokenizer
+def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamodule: Any | None) -> Any | None:
+    """The tokenizer to save: the argument, the module's, the data module's (object or name), or ``None``.
 
-    return AutoTokenizer.from_pretrained(name)
+    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
+    """
+    if explicit is not None:
+        return explicit
+    for owner, attributes in ((pl_module, ("tokenizer", "tokenizer_name")), (datamodule, ("tokenizer",))):
+        for attribute in attributes:
+            value = getattr(owner, attribute, None)
+            if value is not None and hasattr(value, "save_pretrained"):
+                return value
+            if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
+                return value
+    return None
 
 
 __all__ = ["OMPMoEPruning", "find_hf_model"]

@@ -68,6 +68,8 @@ def replan(
     model: str | None = None,
     overwrite: bool = False,
     method: str = "omp",
+    tokenizer: str | None = None,
+    dtype: str | None = None,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -83,6 +85,9 @@ def replan(
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
         method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
+        tokenizer: Tokenizer (hub id or path) saved with each model; default: ``model``'s own
+            (a warning names this option when none is found).
+        dtype: Weights dtype of the saved models; default: the source checkpoint's.
     """
     ratio = _ratios(ratio)
     inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
@@ -109,7 +114,10 @@ def replan(
                 from .pruning import prune, save_pruned
 
                 pruned = prune(_load_model(model, statistics), plan)
-                save_pruned(pruned, tmp / f"model-{name}")
+                save_pruned(
+                    pruned, tmp / f"model-{name}", tokenizer=tokenizer, dtype=dtype,
+                    calibration="; ".join(statistics.sources) or None,
+                )
                 written.append(Path(output_dir) / f"model-{name}")
             print(f"ratio {strategy.ratio}: kept {[layer.num_kept for layer in plan.layers]} -> {written[-1]}")
     return written

@@ -235,7 +235,10 @@ class FinetuneModule(pl.LightningModule):
         if self.trainer.is_global_zero:
             from .pruning import save_pruned
 
-            save_pruned(model, self.save_dir, overwrite=self.overwrite)
+            # The data module's tokenizer, else save_pruned takes the source checkpoint's (or warns).
+            tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+            tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer != "bytes" else None
+            save_pruned(model, self.save_dir, overwrite=self.overwrite, tokenizer=tokenizer)
 
 
 def main(args: list[str] | None = None) -> None:
