@@ -99,6 +99,10 @@ class EvalModule(CalibrationModule):
             name = resolve_shipped(name)
         except ImportError:
             pass
+        if os.path.isdir(name):  # a pruned checkpoint, maybe non-uniform (its config.json refuses AutoConfig)
+            from ..export.config import load_stock_config
+
+            return load_stock_config(name, trust_remote_code=self.trust_remote_code)
         return AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:

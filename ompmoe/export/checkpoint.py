@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 from ..adapters import architecture_of
-from .config import count_json_key
+from .config import count_json_key, load_tokenizer
 from .hub_code import write_remote_code
 from .model_card import model_card
 
@@ -71,7 +71,7 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
 
         path = resolve_shipped(candidate)
         try:
-            return transformers.AutoTokenizer.from_pretrained(path, local_files_only=not _is_hub_id(path))
+            return load_tokenizer(path, local_files_only=not _is_hub_id(path))
         except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
             if isinstance(tokenizer, (str, os.PathLike)):
                 raise ValueError(
