@@ -89,6 +89,12 @@ class CalibrationModule(pl.LightningModule):
 
         path = resolve_shipped(name)
         default = torch.float32 if path != name else "auto"  # shipped weights are bf16 for size only
+        from .export.config import non_uniform_config
+
+        if non_uniform_config(path) is not None:  # pruned by ompmoe with per-layer counts: prune it further
+            from .pruning import load_pruned
+
+            return load_pruned(path, dtype=self.torch_dtype or default, trust_remote_code=self.trust_remote_code)
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=self.torch_dtype or default, trust_remote_code=self.trust_remote_code
         )

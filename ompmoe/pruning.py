@@ -7,8 +7,9 @@ are exactly the original ones over the kept experts.
 
 The saved ``config.json`` records the kept original ids per layer under ``ompmoe``. A uniform
 plan also sets the config's expert count, so plain ``AutoModelForCausalLM.from_pretrained``
-loads it; non-uniform plans need :func:`load_pruned`, which builds each layer at its own size
-before transformers loads (and converts) the weights.
+loads it; a non-uniform checkpoint carries its own modeling code (:mod:`ompmoe.export.hub_code`,
+``trust_remote_code=True``) and loads with :func:`load_pruned`, which builds each layer at its own
+size before transformers loads (and converts) the weights.
 """
 
 from __future__ import annotations
