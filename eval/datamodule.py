@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .requests import ROLLING, RequestEncoder, WorkPlan, make_replay_lm, resolve_max_length
 from .suites import TASKS_DIR, Column, Suite, headline_columns, resolve_suites
+from .comparability import tokenizer_fingerprint
 from .tokenization import load_tokenizer
 
 __all__ = ["LMEvalDataModule"]
@@ -455,6 +456,7 @@ class LMEvalDataModule(pl.LightningDataModule):
             "torch_seed": self.seeds[2],
             "fewshot_seed": self.fewshot_random_seed,
             "tokenizer": str(getattr(self.tokenizer_, "name_or_path", self.tokenizer_)),
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer_),
             "data_sources": dict(self.data_sources),
             "work": self.plan.counts() if self.plan is not None else {},
             "date": time.time(),

@@ -263,7 +263,7 @@ def test_cli_test_subcommand_runs_the_suite_from_a_config(tmp_path):
           "--data.output_path", str(output), "--data.tasks", "[tiny_mc, tiny_gen]", "--data.limit", "4",
           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
     results = json.loads(output.read_text())
-    assert results["ompmoe"]["label"] == "original"
+    assert results["ompmoe"]["label"] == "original (shipped:tiny-moe)"
     assert results["results"]["tiny_mc"]["sample_len"] == 4
     metrics = next((tmp_path / "logs").rglob("metrics.csv")).read_text()
     assert "tiny_mc/acc" in metrics.splitlines()[0]
