@@ -348,19 +348,19 @@ def test_own_module_saves_the_data_modules_or_the_explicit_tokenizer_and_warns_w
     from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
 
     tok = word_tokenizer(tmp_path / "tok")
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "from-data"),
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "from-data"),
                              plots=False)
     trainer([callback]).fit(OwnModule(), datamodule=OwnData(tokenizer=str(tok)))
     assert AutoTokenizer.from_pretrained(tmp_path / "from-data" / "model")("abc")["input_ids"] == [1, 2, 3]
 
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "explicit"),
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "explicit"),
                              plots=False, tokenizer=str(tok))
     trainer([callback]).fit(OwnModule(), datamodule=OwnData())
     assert AutoTokenizer.from_pretrained(tmp_path / "explicit" / "model")("cab")["input_ids"] == [3, 1, 2]
 
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "none"),
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "none"),
                              plots=False)
-    with pytest.warns(MissingTokenizerWarning, match=r"callback: OMPMoEPruning\(tokenizer=\.\.\.\)"):
+    with pytest.warns(MissingTokenizerWarning, match=r"callback: ExpertPruning\(tokenizer=\.\.\.\)"):
         trainer([callback]).fit(OwnModule(), datamodule=OwnData())
     assert not (tmp_path / "none" / "model" / "tokenizer.json").exists()
     assert (tmp_path / "none" / "model" / "README.md").is_file()

@@ -25,7 +25,7 @@ from .model_card import model_card
 
 TOKENIZER_HINT = (
     "pass tokenizer=<hub id, path or tokenizer> to save_pruned (CLI: ompmoe prune --tokenizer ...; "
-    "callback: OMPMoEPruning(tokenizer=...))"
+    "callback: ExpertPruning(tokenizer=...))"
 )
 
 
