@@ -54,7 +54,7 @@ def model_card(
     lines.append(f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe")
     lines.append("")
     if model_id and not _is_hub_id(model_id):
-        lines += [f"Base model: `{model_id}` (local path).", ""]
+        lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
     lines += [
         "| | |",
         "|---|---|",
