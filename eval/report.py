@@ -119,7 +119,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
             "allow_mismatch=True (CLI: --allow-mismatch) to print them marked, without a retained percentage."
         )
     sources = {name: column for name, column in columns.items()}
-    counts = {name: [item_count(row, column["source"]) for row in rows] for name, column in sources.items()}
+    counts = {name: [item_count(row, column.get("source", name)) for row in rows] for name, column in sources.items()}
     noisy = {name: min(c for c in values if c is not None) for name, values in counts.items()
              if any(c is not None for c in values) and min(c for c in values if c is not None) < noisy_items}
 
@@ -136,7 +136,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
                 formatted.append(MISSING)
                 continue
             column = columns[column_name]
-            error = stderr_of(rows[index], column["source"], column["metric"])
+            error = stderr_of(rows[index], column.get("source", column_name), column.get("metric", ""))
             if error is not None:
                 any_stderr = True
                 error = 100 * error if column.get("higher_is_better", True) else error
