@@ -64,7 +64,9 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     with safe_open(str(written / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     card = (written / "README.md").read_text()
-    assert "| Method | omp |" in card and "| Requested ratio (experts removed) | 0.25 |" in card
+    written_plan = ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.25.json")
+    assert f"| Method | {written_plan.method} |" in card and "| Requested ratio (experts removed) | 0.25 |" in card
+    assert f"| Allocation | {written_plan.allocation} |" in card
     assert f"| Calibration data | {stats.sources[0]} |" in card
     assert f"| Calibration tokens | {stats.num_tokens} |" in card
     # The 0.5 plan equals the one the calibration fit made.
