@@ -507,21 +507,14 @@ def test_humaneval_right_program_scores_one_and_wrong_zero(chat_run):
     assert _stub_tokens(chat_run, program("first"))[key] == 1 / CHAT_LIMIT
 
 
-@pytest.mark.parametrize("multiturn", [False, True])
-def test_chat_prompts_equal_hflms_with_and_without_fewshot_as_multiturn(data_root, chat_tokenizer, multiturn):
-    """Prompt building alone (no generation): the bridge's GSM8K chat requests equal the ones ``simple_evaluate``
-    hands to ``HFLM``, with the few-shot examples as chat turns and as one user message."""
+def test_chat_prompts_equal_hflms_without_fewshot_as_multiturn(data_root, chat_tokenizer):
+    """Prompt building alone (no generation): with ``fewshot_as_multiturn=False`` the bridge's GSM8K chat requests
+    equal the ones ``simple_evaluate`` hands to ``HFLM`` (the few-shot examples inside one user message). The
+    multi-turn form is compared, generations included, by ``test_chat_template_runs_equal_hflms``."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
-
-    settings = dict(num_fewshot=5, apply_chat_template=True, fewshot_as_multiturn=multiturn, system_instruction=SYSTEM,
-                    limit=CHAT_LIMIT)
-    data = LMEvalDataModule(tasks=["gsm8k"], data_dir=str(data_root), max_length=CHAT_MAX_LENGTH, **settings)
-    data.build(AutoTokenizer.from_pretrained(chat_tokenizer))
-    ours = [[request.instance.args[0], request.instance.args[1]]
-            for request in sorted(data.plan.requests, key=lambda request: request.instance.doc_id)]
 
     class PromptsOnly(HFLM):
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -529,14 +522,22 @@ def test_chat_prompts_equal_hflms_with_and_without_fewshot_as_multiturn(data_roo
 
     lm = PromptsOnly(pretrained=resolve_shipped(MODEL), tokenizer=str(chat_tokenizer), device="cpu",
                      max_length=CHAT_MAX_LENGTH, dtype=DTYPE)
-    with _hub_from(data_root):
-        out = simple_evaluate(model=lm, tasks=["gsm8k"], bootstrap_iters=0, log_samples=True,
-                              task_manager=TaskManager(), **settings)
-    samples = sorted((sample for sample in out["samples"]["gsm8k"] if sample["filter"] == "strict-match"),
-                     key=lambda sample: sample["doc_id"])  # one sample per doc and filter
-    theirs = [[sample["arguments"][0][0], sample["arguments"][0][1]] for sample in samples]  # one request per doc
-    assert len(ours) == CHAT_LIMIT and ours == theirs
-    for context, _ in ours:
-        assert context.startswith(f"<|system|>\n{SYSTEM}\n<|user|>\n") and context.count("Question:") == 6
-        turns = 6 if multiturn else 1  # few-shot examples as user/assistant turns, or inside the one user message
-        assert context.count("<|user|>\n") == turns and context.count("<|assistant|>\n") == turns
+    manager = TaskManager()
+    for multiturn in (False,):
+        settings = dict(num_fewshot=5, apply_chat_template=True, fewshot_as_multiturn=multiturn,
+                        system_instruction=SYSTEM, limit=CHAT_LIMIT)
+        data = LMEvalDataModule(tasks=["gsm8k"], data_dir=str(data_root), max_length=CHAT_MAX_LENGTH, **settings)
+        data.build(AutoTokenizer.from_pretrained(chat_tokenizer))
+        ours = [[request.instance.args[0], request.instance.args[1]]
+                for request in sorted(data.plan.requests, key=lambda request: request.instance.doc_id)]
+        with _hub_from(data_root):
+            out = simple_evaluate(model=lm, tasks=["gsm8k"], bootstrap_iters=0, log_samples=True, task_manager=manager,
+                                  **settings)
+        samples = sorted((sample for sample in out["samples"]["gsm8k"] if sample["filter"] == "strict-match"),
+                         key=lambda sample: sample["doc_id"])  # one sample per doc and filter
+        theirs = [[sample["arguments"][0][0], sample["arguments"][0][1]] for sample in samples]  # one request per doc
+        assert len(ours) == CHAT_LIMIT and ours == theirs, multiturn
+        for context, _ in ours:
+            assert context.startswith(f"<|system|>\n{SYSTEM}\n<|user|>\n") and context.count("Question:") == 6
+            turns = 6 if multiturn else 1  # few-shot examples as user/assistant turns, or inside one user message
+            assert context.count("<|user|>\n") == turns and context.count("<|assistant|>\n") == turns
