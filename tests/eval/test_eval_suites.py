@@ -523,21 +523,19 @@ def test_chat_prompts_equal_hflms_without_fewshot_as_multiturn(data_root, chat_t
     lm = PromptsOnly(pretrained=resolve_shipped(MODEL), tokenizer=str(chat_tokenizer), device="cpu",
                      max_length=CHAT_MAX_LENGTH, dtype=DTYPE)
     manager = TaskManager()
-    for multiturn in (False,):
-        settings = dict(num_fewshot=5, apply_chat_template=True, fewshot_as_multiturn=multiturn,
-                        system_instruction=SYSTEM, limit=CHAT_LIMIT)
-        data = LMEvalDataModule(tasks=["gsm8k"], data_dir=str(data_root), max_length=CHAT_MAX_LENGTH, **settings)
-        data.build(AutoTokenizer.from_pretrained(chat_tokenizer))
-        ours = [[request.instance.args[0], request.instance.args[1]]
-                for request in sorted(data.plan.requests, key=lambda request: request.instance.doc_id)]
-        with _hub_from(data_root):
-            out = simple_evaluate(model=lm, tasks=["gsm8k"], bootstrap_iters=0, log_samples=True, task_manager=manager,
-                                  **settings)
-        samples = sorted((sample for sample in out["samples"]["gsm8k"] if sample["filter"] == "strict-match"),
-                         key=lambda sample: sample["doc_id"])  # one sample per doc and filter
-        theirs = [[sample["arguments"][0][0], sample["arguments"][0][1]] for sample in samples]  # one request per doc
-        assert len(ours) == CHAT_LIMIT and ours == theirs, multiturn
-        for context, _ in ours:
-            assert context.startswith(f"<|system|>\n{SYSTEM}\n<|user|>\n") and context.count("Question:") == 6
-            turns = 6 if multiturn else 1  # few-shot examples as user/assistant turns, or inside one user message
-            assert context.count("<|user|>\n") == turns and context.count("<|assistant|>\n") == turns
+    settings = dict(num_fewshot=5, apply_chat_template=True, fewshot_as_multiturn=False,
+                    system_instruction=SYSTEM, limit=CHAT_LIMIT)
+    data = LMEvalDataModule(tasks=["gsm8k"], data_dir=str(data_root), max_length=CHAT_MAX_LENGTH, **settings)
+    data.build(AutoTokenizer.from_pretrained(chat_tokenizer))
+    ours = [[request.instance.args[0], request.instance.args[1]]
+            for request in sorted(data.plan.requests, key=lambda request: request.instance.doc_id)]
+    with _hub_from(data_root):
+        out = simple_evaluate(model=lm, tasks=["gsm8k"], bootstrap_iters=0, log_samples=True, task_manager=manager,
+                              **settings)
+    samples = sorted((sample for sample in out["samples"]["gsm8k"] if sample["filter"] == "strict-match"),
+                     key=lambda sample: sample["doc_id"])  # one sample per doc and filter
+    theirs = [[sample["arguments"][0][0], sample["arguments"][0][1]] for sample in samples]  # one request per doc
+    assert len(ours) == CHAT_LIMIT and ours == theirs
+    for context, _ in ours:
+        assert context.startswith(f"<|system|>\n{SYSTEM}\n<|user|>\n") and context.count("Question:") == 6
+        assert context.count("<|user|>\n") == 1 and context.count("<|assistant|>\n") == 1  # shots in one message
