@@ -19,6 +19,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
+from .loss_stats import LossGradientRecorder, LossStatsMetric, recording_callback, with_loss_tensors
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
@@ -261,11 +262,18 @@ class StatisticsCollector:
     ``collect_stats`` drives it over an iterable; the Lightning callback drives it from a fit.
     """
 
-    def __init__(self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False
+    ) -> None:
         architecture_of(model)
         self.model = model
         self.layers = find_moe_layers(model)
         self.metric = MoEStatsMetric(self.layers)
+        self.loss_metric: LossStatsMetric | None = LossStatsMetric(self.layers) if loss_aware else None
+        self.loss_recorder = (
+            LossGradientRecorder(model, self.layers, self.loss_metric, lambda: self.metric.token_weight)
+            if self.loss_metric is not None else None
+        )
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
         self._context: Any = None
@@ -278,8 +286,10 @@ class StatisticsCollector:
             warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
             self._warned = True
         try:
-            self._context = expose_expert_outputs(self.layers, self.metric.update)
+            self._context = expose_expert_outputs(self.layers, recording_callback(self.metric.update, self.loss_recorder))
             self._context.__enter__()
+            if self.loss_recorder is not None:
+                self.loss_recorder.attach()
         except BaseException:
             self._paused.__exit__(None, None, None)
             self._paused = None
@@ -287,6 +297,8 @@ class StatisticsCollector:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.loss_recorder is not None:
+            self.loss_recorder.detach()
         try:
             self._context.__exit__(*exc)
         finally:
@@ -312,6 +324,8 @@ class StatisticsCollector:
     def result(self) -> MoEStats:
         """The statistics so far (after any distributed sync the caller performed)."""
         layers, num_tokens = self.metric.compute()
+        if self.loss_metric is not None:
+            layers = with_loss_tensors(layers, self.loss_metric)
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
         return MoEStats(
@@ -338,14 +352,21 @@ def collect_stats(
     model_id: str | None = None,
     source: str | None = None,
     progress: bool = False,
+    loss_aware: bool = False,
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
 
     ``batches`` yields input-id tensors or dicts for ``model(**batch)``; padding marked by an
     ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
     others add jitter in train mode) and is put back in its previous mode afterwards.
+    ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
+    blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
     """
-    collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None)
+    collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None, loss_aware=loss_aware)
+    if loss_aware:
+        collector.loss_recorder.retain_graph = False
+        collector.loss_metric.to(_model_device(model))
+    frozen = [p for p in model.parameters() if p.requires_grad] if loss_aware else []
     device = _model_device(model)
     collector.metric.to(device)
     was_training = model.training
@@ -356,9 +377,13 @@ def collect_stats(
 
         iterator = tqdm(batches, desc="ompmoe statistics", unit="batch")
     try:
-        with collector:
+        with collector, torch.set_grad_enabled(loss_aware):
+            if loss_aware:
+                model.requires_grad_(False)
             for batch in iterator:
                 collector.forward(as_model_inputs(batch, device))
     finally:
         model.train(was_training)
+        for parameter in frozen:
+            parameter.requires_grad_(True)
     return collector.result()
