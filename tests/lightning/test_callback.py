@@ -21,27 +21,10 @@ from ompmoe.engine.io import OutputExistsError
 from ompmoe import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
 
+from reference import ForwardCounter, batches, trainer
+
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-
-
-def batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:
-    blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)
-    return [{"input_ids": block, "attention_mask": torch.ones_like(block)} for block in blocks]
-
-
-def trainer(callbacks, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
 
 
 def assert_stats_equal(a: ompmoe.MoEStats, b: ompmoe.MoEStats, rtol: float = 1e-12) -> None:
@@ -49,14 +32,6 @@ def assert_stats_equal(a: ompmoe.MoEStats, b: ompmoe.MoEStats, rtol: float = 1e-
     for la, lb in zip(a.layers, b.layers, strict=True):
         for key, value in la.tensors().items():
             torch.testing.assert_close(value, lb.tensors()[key], rtol=rtol, atol=rtol * float(value.abs().max()))
-
-
-class ForwardCounter(pl.Callback):
-    def __init__(self):
-        self.calls = 0
-
-    def on_fit_start(self, trainer, pl_module):
-        pl_module.model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
 
 class WithValidation(CalibrationModule):

@@ -128,7 +128,7 @@ def test_layer_index_from_module_names():
 
 
 def test_callback_writes_plots_inside_its_output_directory(tmp_path):
-    from test_callback import batches, trainer
+    from reference import batches, trainer
 
     from ompmoe.lightning.calibration_module import CalibrationModule
     from ompmoe.callbacks import ExpertPruning
