@@ -27,9 +27,11 @@ from ompmoe.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.io import atomic_path, check_writable
 from ompmoe.plan import PruningPlan
+from ompmoe.progress import progress
 from ompmoe.pruning import prune, save_pruned
 from ompmoe.statistics import MoEStats
 from ompmoe.strategies import OMPStrategy, PruningStrategy
+from ompmoe.summary import kept_summary
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ class OMPMoEPruning(Callback):
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
+        self._progress: bool | None = False
 
     @property
     def state_key(self) -> str:
@@ -204,6 +207,8 @@ class OMPMoEPruning(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._collector is not None
         stats = self._collector.result()  # torchmetrics sums the states over ranks here
+        # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
+        self._progress = None if trainer.progress_bar_callback is not None else False
         plan = self.strategy.plan(stats)
         model = _unsharded(self._collector.model, trainer.is_global_zero)
         self.stats, self.plan = stats, plan
@@ -227,6 +232,9 @@ class OMPMoEPruning(Callback):
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
         with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True) as tmp:
+            steps = ["statistics"] + (["plots"] if self.plots else []) + (["model"] if self.save_model else [])
+            bar = iter(progress(steps, "ompmoe writing", self._progress, unit="part"))
+            next(bar)
             stats.save(tmp / STATS_FILE)
             plan.save(tmp / PLAN_FILE)
             for strategy in self._extra_strategies():
@@ -234,9 +242,12 @@ class OMPMoEPruning(Callback):
             if self.plots:
                 from ompmoe.plots import write_plots
 
-                write_plots(stats, tmp / PLOTS_DIR, plan=plan)
+                next(bar)
+                write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=self._progress)
             if self.save_model:
+                next(bar)
                 save_pruned(model, tmp / MODEL_DIR, tokenizer=_load_tokenizer(pl_module))
+            next(bar, None)
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
     def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
@@ -247,8 +258,7 @@ class OMPMoEPruning(Callback):
             metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        kept = ", ".join(f"{layer.name}={layer.num_kept}/{layer.num_experts}" for layer in plan.layers)
-        rank_zero_info(f"ompmoe: removed {plan.achieved_ratio:.3f} of routed experts ({kept})")
+        rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +13,7 @@ from torch import nn
 from .data import resolve_shipped
 
 TINY_PREFIX = "tiny:"
+EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -74,6 +77,7 @@ class CalibrationModule(pl.LightningModule):
         if self.model is None:
             self.model = self._load_model()
         self.model.eval()
+        self.model.requires_grad_(False)  # forward-only: nothing here is trained
         if self.device_mesh is not None:
             shard_model(self.model, self.device_mesh)
 
@@ -107,5 +111,18 @@ class CalibrationModule(pl.LightningModule):
         with torch.no_grad():
             self(**batch)
 
-    def configure_optimizers(self) -> None:
-        return None
+    def configure_optimizers(self) -> list:
+        # An empty list, not None: Lightning warns about None ("this fit will run with no optimizer"),
+        # which is exactly what a forward-only calibration fit means to do.
+        return []
+
+    def on_fit_start(self) -> None:
+        # Lightning warns at the start of training about modules in eval mode; here that is the
+        # design (see ``train``), so this one message is ignored until training has started.
+        warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+        self._eval_mode_filter = warnings.filters[0]
+
+    def on_train_start(self) -> None:
+        with contextlib.suppress(AttributeError, ValueError):
+            warnings.filters.remove(self._eval_mode_filter)
+            warnings._filters_mutated()

@@ -11,14 +11,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import numbers
 import os
 from argparse import ArgumentError
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+from .cli_args import bare_flags, class_paths, list_option
+from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .io import OutputNotWritableError, atomic_path, check_writable
 from .statistics import MoEStats
 from .strategies import strategy_for
@@ -152,18 +157,70 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
 
-    if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
-        return eval_cli(args)
+    args = list(sys.argv[1:] if args is None else args)
+    args, quiet = _fit_quiet(class_paths(args))
+    _quiet_lightning_logs(quiet)
+    # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only
+    # a Lightning release can act on it, so this one message is not shown to users of the command.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    with _own_argv():
+        if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
+            return eval_cli(args)
 
-    from .calibration_data import CalibrationDataModule
-    from .calibration_module import CalibrationModule
+        from .calibration_data import CalibrationDataModule
+        from .calibration_module import CalibrationModule
 
-    LightningCLI(
-        CalibrationModule,
-        CalibrationDataModule,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+        LightningCLI(
+            CalibrationModule,
+            CalibrationDataModule,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"enable_model_summary": False},  # forward-only: no trainable parameters to list
+            args=args,
+        )
+
+
+def _fit_quiet(args: list[str]) -> tuple[list[str], bool]:
+    """``--quiet`` as Lightning's own switches: no progress bar, no model summary."""
+    if "--quiet" not in args:
+        return args, False
+    args = [arg for arg in args if arg != "--quiet"]
+    return args + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], True
+
+
+class _DropTips(logging.Filter):
+    """Lightning's advertisement for its cloud logger: nothing a user of this command can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def _quiet_lightning_logs(quiet: bool) -> None:
+    """Drop Lightning's tips; with ``quiet`` also its info lines and Hugging Face's progress bars."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+        if quiet:
+            logger.setLevel(logging.WARNING)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def _own_argv():
+    """Hide the process's ``sys.argv`` while LightningCLI parses the ``args`` it is given.
+
+    LightningCLI warns when it gets ``args`` and ``sys.argv`` also holds arguments, since it cannot
+    tell which were meant; here ``args`` always are (possibly rewritten by :mod:`ompmoe.cli_args`).
+    """
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 COMMANDS = {"prune": replan, "plot": plot}
@@ -178,18 +235,27 @@ def _one_line(message: str, command: str) -> str:
     return f"{' '.join(message.split())} (see ompmoe {command} --help)"
 
 
+# Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
+FLAGS = ("overwrite", "quiet")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
+        if not argv or argv[0] in ("-h", "--help"):
+            print(TOP_HELP, end="")
+        elif argv[0] == "fit" and ("-h" in argv[1:] and "--help" not in argv[1:]):
+            print(FIT_SHORT_HELP, end="")
+        elif argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
             from .eval.report import report_cli
 
             report_cli(argv[1:])
-        elif argv and argv[0] in COMMANDS:
+        elif argv[0] in COMMANDS:
             from jsonargparse import auto_cli
 
+            args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
             try:
-                auto_cli(COMMANDS[argv[0]], args=argv[1:], prog=f"ompmoe {argv[0]}", exit_on_error=False)
+                auto_cli(COMMANDS[argv[0]], args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         else:

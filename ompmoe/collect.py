@@ -19,6 +19,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
+from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
@@ -337,24 +338,24 @@ def collect_stats(
     *,
     model_id: str | None = None,
     source: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
 
     ``batches`` yields input-id tensors or dicts for ``model(**batch)``; padding marked by an
     ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
     others add jitter in train mode) and is put back in its previous mode afterwards.
+
+    ``progress``: a bar on stderr, one step per batch: ``None`` (default) shows it when stderr is a
+    terminal, ``True`` always, ``False`` never. ``model_id`` and ``source`` are recorded in the
+    statistics (``stats.model_id``, ``stats.sources``).
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None)
     device = _model_device(model)
     collector.metric.to(device)
     was_training = model.training
     model.eval()
-    iterator: Iterable[Any] = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(batches, desc="ompmoe statistics", unit="batch")
+    iterator: Iterable[Any] = progress_bar(batches, "ompmoe statistics", progress, unit="batch")
     try:
         with collector:
             for batch in iterator:
