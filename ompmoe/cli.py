@@ -1,7 +1,7 @@
 """The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
 
 - ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
-- ``ompmoe prune --stats run/stats.safetensors --ratio [0.25,0.5] --output_dir plans``: new plans
+- ``ompmoe prune --stats run/stats.safetensors --ratio 0.25,0.5 --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
   curves and the high-contribution table (:mod:`ompmoe.plots`).
@@ -25,8 +25,10 @@ from typing import Any
 from .cli_args import bare_flags, class_paths, list_option
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .io import OutputNotWritableError, atomic_path, check_writable
+from .progress import progress
 from .statistics import MoEStats
 from .strategies import strategy_for
+from .summary import kept_summary
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -73,6 +75,7 @@ def replan(
     model: str | None = None,
     overwrite: bool = False,
     method: str = "omp",
+    quiet: bool = False,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -88,6 +91,7 @@ def replan(
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
         method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
+        quiet: No progress bar and no summary lines (errors are still printed).
     """
     ratio = _ratios(ratio)
     inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
@@ -104,8 +108,9 @@ def replan(
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
     written = []
+    show = False if quiet else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        for strategy in strategies:
+        for strategy in progress(strategies, "ompmoe prune", show, unit="ratio"):
             plan = strategy.plan(statistics)
             name = f"{strategy.ratio:g}"
             plan.save(tmp / f"plan-{name}.json")
@@ -116,16 +121,19 @@ def replan(
                 pruned = prune(_load_model(model, statistics), plan)
                 save_pruned(pruned, tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
-            print(f"ratio {strategy.ratio}: kept {[layer.num_kept for layer in plan.layers]} -> {written[-1]}")
+            if not quiet:
+                print(f"ratio {strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
     return written
 
 
-def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False) -> list[Path]:
-    """Write reconstruction-gain heatmaps, residual/risk curves and the high-contribution table.
+def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False,
+         quiet: bool = False) -> list[Path]:
+    """Write reconstruction-gain heatmaps, residual/risk curves, the allocation and the high-contribution table.
 
     Args:
         stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
-        output_dir: Receives the PNG files and ``high_contribution.md`` / ``.csv``.
+        output_dir: Receives the PNG files, ``residual_curves.csv``, ``high_contribution.md`` / ``.csv``
+            (and with ``plan``, ``allocation.png`` / ``.csv``).
         plan: A ``plan.json`` made from these statistics, to mark each layer's kept count.
         overwrite: Replace an existing ``output_dir``.
     """
@@ -137,8 +145,9 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     statistics = MoEStats.load(stats)
     pruning_plan = PruningPlan.load(plan) if plan is not None else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        written = [Path(output_dir) / path.name for path in write_plots(statistics, tmp, plan=pruning_plan)]
-    for path in written:
+        written = [Path(output_dir) / path.name
+                   for path in write_plots(statistics, tmp, plan=pruning_plan, progress=False if quiet else None)]
+    for path in [] if quiet else written:
         print(path)
     return written
 

@@ -198,8 +198,7 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
     title += "grey: not eligible (already selected); cyan: no gain (below $10^{-6}$ of the largest, or negative)"
     figure.suptitle(title)
     axes = figure.subplots(rows, columns, squeeze=False)
-    cmap = _colormap("magma")
-    cmap.set_under("#00bcd4")
+    cmap = _colormap("magma").with_extremes(under="#00bcd4")
     image = None
     for ax, (position, layer) in zip(axes.flat, drawn):
         ax.set_title(_title(layer, position), fontsize=9)
@@ -227,9 +226,7 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
 def _colormap(name: str):
     from matplotlib import colormaps
 
-    cmap = colormaps[name].copy()
-    cmap.set_bad("#d9d9d9")  # blank: not eligible at that step
-    return cmap
+    return colormaps[name].with_extremes(bad="#d9d9d9")  # blank: not eligible at that step
 
 
 def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -305,8 +302,7 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
     height = min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6))
     figure = _figure(7.5, height)
     ax = figure.subplots()
-    cmap = colormaps["viridis"].copy()
-    cmap.set_bad("#d9d9d9")
+    cmap = colormaps["viridis"].with_extremes(bad="#d9d9d9")
     image = ax.imshow(np.ma.masked_invalid(residuals), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
                       interpolation="nearest", origin="upper", extent=(-0.5, most + 0.5, len(stats.layers) - 0.5, -0.5))
     if np.isfinite(residuals).sum() > 3 and len(stats.layers) > 1:
