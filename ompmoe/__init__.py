@@ -9,7 +9,7 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 __version__ = "0.1.0"
 
 from .adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
-from .adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from .adaptive import adaptive_report, adaptive_summary, disable_adaptive, enable_adaptive, reset_adaptive_counters
 from .allocation import InfeasibleBudgetError
 from .collect import CalibrationInputError, StatisticsCollector, collect_stats
 from .finetune import load_balancing_loss
@@ -69,6 +69,7 @@ __all__ = [
     "StatisticsCollector",
     "UnsupportedModelError",
     "adaptive_report",
+    "adaptive_summary",
     "collect_stats",
     "disable_adaptive",
     "enable_adaptive",
