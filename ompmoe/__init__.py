@@ -94,6 +94,7 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
     "CalibrationModule": ".calibration_module",
     "write_plots": ".plots",  # needs matplotlib
     "FinetuneModule": ".finetune_module",
+    "FinetuneDataModule": ".finetune_data",
 }
 
 
