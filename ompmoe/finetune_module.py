@@ -98,7 +98,9 @@ class FinetuneModule(pl.LightningModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        # Not "tokenizer": the data module records its own, and Lightning refuses to log two
+        # different values of one key (the module's is often None while the data's is a path).
+        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else [])])
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.lora_rank = int(lora_rank)
