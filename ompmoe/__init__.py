@@ -19,6 +19,7 @@ from .pruning import load_pruned, prune, pruning_info, save_pruned
 from .quantization import QuantizedModelError, quantization_summary, quantize_experts
 from .selection import greedy_pursuit
 from .statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
+from .summary import kept_summary
 from .strategies import (
     STRATEGIES,
     EANStrategy,
@@ -38,6 +39,7 @@ from .strategies import (
 __all__ = [
     "QuantizedModelError",
     "load_balancing_loss",
+    "kept_summary",
     "quantization_summary",
     "quantize_experts",
     "ARCHITECTURES",
