@@ -183,3 +183,17 @@ def test_ompmoe_itself_does_not_import_torchao():
             "print('torchao' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_offline_evaluation_suite_prints_no_lm_eval_notice(tmp_path):
+    """``ompmoe validate -c configs/eval/tiny.yaml`` (README, Evaluation): no lm-eval notices or warnings."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    script = "import sys; sys.modules['torchao'] = None; from ompmoe.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", script, "validate", "-c", "configs/eval/tiny.yaml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    noise = [line for line in done.stderr.splitlines()
+             if WARNING_LINE.search(line) or "--metadata" in line or "is defined, but" in line]
+    assert noise == []
+    assert (tmp_path / "outputs" / "eval-tiny" / "original.json").is_file()
