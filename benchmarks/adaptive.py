@@ -12,7 +12,7 @@ Qwen3-MoE-shaped model (4 MoE layers, 32 experts, top-8, d = d_ffn = 256):
   load hits all alike), in wall-clock and in process CPU time (which other processes disturb less);
 - held-out perplexity on the shipped text (byte tokens).
 
-The model is random (``ompmoe.tiny``) until the trained tiny MoE of the quality issue exists, so
+The model is random (``ompmoe.engine.tiny``) until the trained tiny MoE of the quality issue exists, so
 the perplexity column is meaningless (a random model is near or above the uniform 256). It is
 built with ``initializer_range=0.06`` so expert energies ``alpha_e`` are O(10-100) as in real
 models; with the default 0.02 they are ~0.07 and the absolute ``zeta = 1e-6`` already keeps
@@ -29,9 +29,9 @@ import time
 import torch
 
 import ompmoe
-from ompmoe.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from ompmoe.engine.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive, reset_adaptive_counters
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.tiny import tiny_model
 
 EPSILONS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.3)
 SEQ_LEN = 256

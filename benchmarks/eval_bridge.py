@@ -130,7 +130,7 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     from ompmoe.eval import EvalModule, LMEvalDataModule, byte_tokenizer
-    from ompmoe.tiny import tiny_model
+    from ompmoe.engine.tiny import tiny_model
 
     model = tiny_model("qwen3_moe")
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,7 @@ top-4, trained here on the train split of the shipped corpus), in float32.
 For each calibration set (``--calib_blocks`` blocks of ``--seq_len`` tokens from the calibration
 split: ``prose``, ``code``, and ``mix`` = half the blocks from each, exactly what
 ``CalibrationDataModule("shipped:<name>")`` gives), each ratio in 0.25 / 0.5 / 0.75, each method of
-:data:`ompmoe.strategies.STRATEGIES` (``random`` with seed 0) and each allocation
+:data:`ompmoe.METHODS` (``random`` with seed 0) and each allocation
 (``uniform`` / ``waterfill`` / ``optimal``; ``risk_weight`` 3.0, ``max_ratio`` 0.875):
 
 - ``min_ratio`` is the default 0.375 at ratios 0.25 and 0.5. At 0.75 every layer must keep 25% of
@@ -44,9 +44,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import ompmoe  # noqa: E402
-from ompmoe.baselines import removed_energy  # noqa: E402
+from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
-from ompmoe.strategies import STRATEGIES, strategy_for  # noqa: E402
+from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
 ALLOCATIONS = ("uniform", "waterfill", "optimal")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ompmoe.calibration_data import CalibrationDataModule
+    from ompmoe.lightning.calibration_data import CalibrationDataModule
 
     path = shipped_model_path("tiny-moe")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()

@@ -4,12 +4,12 @@ Run ``python benchmarks/quantize.py`` (about a minute on one CPU thread). Steps,
 text (Python docs, UTF-8 bytes as tokens; the last 10% is held out for perplexity and never seen
 by training or calibration):
 
-1. the tiny Qwen3-MoE (``ompmoe.tiny``) is first trained for ``--train_steps`` steps on the
+1. the tiny Qwen3-MoE (``ompmoe.engine.tiny``) is first trained for ``--train_steps`` steps on the
    training text, since perplexities of random weights mean nothing (``--train_steps 0`` shows
    the random model; ``--model PATH`` starts from a saved checkpoint instead);
 2. OMP-MoE statistics on calibration blocks, plan at ``--ratio`` (waterfill), prune;
 3. a short full fine-tune of the pruned model (``--finetune_steps``) with the per-layer
-   load-balancing loss of ``ompmoe.finetune``; the dense model gets the same extra steps as a
+   load-balancing loss of ``ompmoe.recipes.finetune``; the dense model gets the same extra steps as a
    control row, since a short pre-training leaves both still improving;
 4. torchao ``quantize_(model, Int8WeightOnlyConfig())`` (``nn.Linear`` only), then
    ``ompmoe.quantize_experts`` (fused routed-expert weights, int8 or int4).
@@ -30,9 +30,9 @@ import torch
 
 import ompmoe
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.finetune import causal_lm_loss
-from ompmoe.quantization import quantization_summary
-from ompmoe.tiny import tiny_model
+from ompmoe.recipes.finetune import causal_lm_loss
+from ompmoe.recipes.quantization import quantization_summary
+from ompmoe.engine.tiny import tiny_model
 
 
 @torch.no_grad()

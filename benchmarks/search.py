@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.selection import greedy_pursuit, pursuit_on_atoms
-from ompmoe.statistics import LayerStats, MoEStats
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.selection import greedy_pursuit, pursuit_on_atoms
+from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.tiny import tiny_model
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:

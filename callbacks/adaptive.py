@@ -18,9 +18,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 from torch import nn
 
-from ompmoe.adaptive import (
+from ompmoe.engine.adaptive import (
     adaptive_histograms,
     adaptive_info,
     adaptive_totals,
@@ -30,7 +31,7 @@ from ompmoe.adaptive import (
     reset_adaptive_counters,
     restore_adaptive,
 )
-from ompmoe.statistics import MoEStats
+from ompmoe.engine.statistics import MoEStats
 
 from .pruning import find_hf_model
 
@@ -103,24 +104,30 @@ class AdaptiveInferenceMonitor(Callback):
             return False
         return True
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.epsilon is not None or not is_adaptive(self._model(pl_module)):
             self._switch_on(pl_module)
 
+    @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_start(trainer, pl_module)
 
     # -------------------------------------------------------------------- logging
+    @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reset_adaptive_counters(self._model(pl_module))
 
+    @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reset_adaptive_counters(self._model(pl_module))
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._log(trainer, pl_module, "val")
 
+    @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(trainer, pl_module, "test")
 

@@ -1,5 +1,5 @@
 r"""
-OMPMoEPruning
+ExpertPruning
 ^^^^^^^^^^^^^
 
 A Lightning callback that turns a calibration ``fit`` into an expert-pruning run: it streams
@@ -18,20 +18,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
+from typing_extensions import override
 
-from ompmoe.adapters import ARCHITECTURES, find_moe_layers
-from ompmoe.collect import StatisticsCollector, check_calibration_inputs
-from ompmoe.io import atomic_path, check_writable
-from ompmoe.plan import PruningPlan
-from ompmoe.progress import progress
-from ompmoe.pruning import prune, save_pruned
-from ompmoe.statistics import MoEStats
-from ompmoe.strategies import OMPStrategy, PruningStrategy
-from ompmoe.summary import kept_summary
+from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
+from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
+from ompmoe.engine.io import atomic_path, check_writable
+from ompmoe.engine.plan import PruningPlan
+from ompmoe.engine.progress import progress
+from ompmoe.engine.pruning import prune, save_pruned
+from ompmoe.engine.statistics import MoEStats
+from ompmoe.engine.strategy import PruningStrategy, Strategy
+from ompmoe.engine.summary import kept_summary
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Modu
         if getattr(getattr(candidate, "config", None), "model_type", None) in ARCHITECTURES:
             return candidate
     raise MissingModelError(
-        f"OMPMoEPruning found no Hugging Face MoE model on {type(pl_module).__name__}: store it as "
+        f"ExpertPruning found no Hugging Face MoE model on {type(pl_module).__name__}: store it as "
         "`self.model` (or pass `model_attribute=`), e.g. use ompmoe.CalibrationModule. Supported "
         f"model types: {', '.join(sorted(ARCHITECTURES))}."
     )
 
 
-class OMPMoEPruning(Callback):
+class ExpertPruning(Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
     Statistics are taken in training batches only (not in sanity checks or validation), with
@@ -71,7 +71,8 @@ class OMPMoEPruning(Callback):
     with left out. They are summed across ranks before the strategy sees them.
 
     Args:
-        strategy: What to prune; defaults to ``OMPStrategy()`` (ratio 0.5, waterfill).
+        strategy: What to prune; defaults to ``PruningStrategy()`` (the paper's method: ``omp``, ratio
+            0.5, ``waterfill``). Any object with ``validate(routings)`` and ``plan(stats)`` works.
         output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/``
             (atomically). ``None`` writes nothing.
         overwrite: Replace an existing ``output_dir``.
@@ -80,7 +81,7 @@ class OMPMoEPruning(Callback):
         extra_ratios: More ratios to plan from the same statistics, written as
             ``plan-<ratio>.json`` (prune them later with ``ompmoe prune``).
         plots: Also write reconstruction-gain heatmaps, residual/risk curves and the
-            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.plots`; needs matplotlib).
+            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.recipes.plots`; needs matplotlib).
         adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
@@ -89,7 +90,7 @@ class OMPMoEPruning(Callback):
 
     def __init__(
         self,
-        strategy: PruningStrategy | None = None,
+        strategy: Strategy | None = None,
         output_dir: str | None = None,
         overwrite: bool = False,
         save_model: bool = True,
@@ -100,7 +101,7 @@ class OMPMoEPruning(Callback):
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
-        self.strategy = strategy if strategy is not None else OMPStrategy()
+        self.strategy = strategy if strategy is not None else PruningStrategy()
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.overwrite = overwrite
         self.save_model = save_model
@@ -118,16 +119,18 @@ class OMPMoEPruning(Callback):
         self._progress: bool | None = False
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(output_dir=str(self.output_dir), strategy=repr(self.strategy))
 
     # ------------------------------------------------------------------ set-up
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(
-                "OMPMoEPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
+                "ExpertPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
                 "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
                 "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
             )
@@ -138,10 +141,11 @@ class OMPMoEPruning(Callback):
                     import matplotlib  # noqa: F401
                 except ImportError:
                     raise ImportError(
-                        "OMPMoEPruning(plots=True) writes PNG plots with matplotlib, which is not installed: "
+                        "ExpertPruning(plots=True) writes PNG plots with matplotlib, which is not installed: "
                         "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
                     ) from None
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = find_hf_model(pl_module, self.model_attribute)
         layers = find_moe_layers(model)
@@ -159,11 +163,12 @@ class OMPMoEPruning(Callback):
         if self._restored is not None:
             self._load_metric_state(self._restored)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._real_samples = None
         loader = trainer.train_dataloader
         self._batch_size = int(getattr(loader, "batch_size", None) or 1)
-        if self._restored is not None and not isinstance(loader, _Stateful):
+        if self._restored is not None and not _is_stateful(loader):
             rank_zero_warn(
                 "Resuming a calibration fit with a DataLoader that has no state_dict: Lightning restarts "
                 "it from its first batch, so some batches are counted twice and others never. Use "
@@ -175,6 +180,7 @@ class OMPMoEPruning(Callback):
             self._real_samples = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
 
     # --------------------------------------------------------------- gathering
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -192,6 +198,7 @@ class OMPMoEPruning(Callback):
         self._collector.metric.set_token_weight(weight, num_tokens=num_samples * seq_len)
         self._collector.__enter__()
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -199,11 +206,13 @@ class OMPMoEPruning(Callback):
             self._collector.__exit__(None, None, None)
             self._collector.metric.token_weight = None
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._collector is not None and self._collector._context is not None:
             self._collector.__exit__(None, None, None)
 
     # ----------------------------------------------------------------- pruning
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._collector is not None
         stats = self._collector.result()  # torchmetrics sums the states over ranks here
@@ -215,7 +224,7 @@ class OMPMoEPruning(Callback):
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             prune(model, plan)
             if self.adaptive_epsilon is not None:
-                from ompmoe.adaptive import enable_adaptive
+                from ompmoe.engine.adaptive import enable_adaptive
 
                 enable_adaptive(model, stats, self.adaptive_epsilon)
             self.pruned_model = model
@@ -224,7 +233,7 @@ class OMPMoEPruning(Callback):
             self._write(pl_module, model, stats, plan)
         trainer.strategy.barrier("ompmoe-pruning-written")
 
-    def _extra_strategies(self) -> list[PruningStrategy]:
+    def _extra_strategies(self) -> list[Strategy]:
         if self.extra_ratios and not hasattr(self.strategy, "ratio"):
             raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
         return [dataclasses.replace(self.strategy, ratio=ratio) for ratio in self.extra_ratios]
@@ -240,7 +249,7 @@ class OMPMoEPruning(Callback):
             for strategy in self._extra_strategies():
                 strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")
             if self.plots:
-                from ompmoe.plots import write_plots
+                from ompmoe.recipes.plots import write_plots
 
                 next(bar)
                 write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=self._progress)
@@ -261,6 +270,7 @@ class OMPMoEPruning(Callback):
         rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Statistics summed over all ranks so far; on resume rank 0 carries them on."""
         if self._collector is None:
@@ -270,6 +280,7 @@ class OMPMoEPruning(Callback):
             states = {name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults}
         return {"states": states}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
         if self._collector is not None:
@@ -283,6 +294,11 @@ class OMPMoEPruning(Callback):
             current = getattr(metric, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
             setattr(metric, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+
+
+def _is_stateful(loader: Any) -> bool:
+    """Whether a data loader can save and restore its position (Lightning's stateful protocol)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
@@ -318,4 +334,14 @@ def _load_tokenizer(pl_module: pl.LightningModule) -> Any | None:
     return AutoTokenizer.from_pretrained(name)
 
 
-__all__ = ["OMPMoEPruning", "find_hf_model"]
+class OMPMoEPruning(ExpertPruning):
+    """Deprecated name of :class:`ExpertPruning` (the callback prunes with any registered method)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import warnings
+
+        warnings.warn("OMPMoEPruning is now ompmoe.callbacks.ExpertPruning.", DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["ExpertPruning", "MissingModelError", "OMPMoEPruning", "find_hf_model"]

@@ -517,7 +517,7 @@ class LMEvalDataModule(pl.LightningDataModule):
         """Write ``results`` as JSON (atomically) to ``path`` or ``output_path``; returns the file."""
         from lm_eval.utils import handle_non_serializable
 
-        from ..io import atomic_path
+        from ..engine.io import atomic_path
 
         target = path or self.output_path
         if target is None:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calibration_module import TINY_PREFIX, CalibrationModule
+from ..lightning.calibration_module import CalibrationModule
+from ..lightning.models import model_config
 from .requests import SCORE
 
 __all__ = ["EvalModule"]
@@ -53,18 +54,6 @@ class EvalModule(CalibrationModule):
         self.eval_metrics: dict[str, float] = {}  # every rank: the logged metrics
 
     # ----------------------------------------------------------------------------- model side
-    def _load_model(self) -> nn.Module:
-        name = self.model_name_or_path
-        if name is None or not os.path.isdir(name):  # hub ids, tiny:..., other named models
-            return super()._load_model()
-        from ..pruning import load_pruned
-
-        # A local directory may hold a model pruned by ompmoe with different expert counts per layer.
-        kwargs: dict[str, Any] = {"dtype": self.torch_dtype or "auto"}
-        if self.trust_remote_code:
-            kwargs["trust_remote_code"] = True
-        return load_pruned(name, **kwargs)
-
     def get_tokenizer(self) -> Any:
         """The tokenizer named by ``tokenizer`` (loaded once)."""
         if self._tokenizer is None:
@@ -87,22 +76,10 @@ class EvalModule(CalibrationModule):
         name = self.model_name_or_path
         if name is None:
             return None
-        if name.startswith(TINY_PREFIX):
-            from ..tiny import tiny_config
-
-            return tiny_config(name.removeprefix(TINY_PREFIX))
-        from transformers import AutoConfig
-
-        try:  # named models shipped with ompmoe ("shipped:<name>"), where supported
-            from ..data import resolve_shipped
-
-            name = resolve_shipped(name)
-        except ImportError:
-            pass
-        return AutoConfig.from_pretrained(name, trust_remote_code=self.trust_remote_code)
+        return model_config(name, self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
-        from ..pruning import pruning_info
+        from ..engine.pruning import pruning_info
 
         name = self.model_name_or_path or type(self.model).__name__
         info: dict[str, Any] = {"model": name}

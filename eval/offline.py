@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..calibration_data import HubUnavailableError, _hub_offline, _hub_reachable, _offline
+from ..lightning.calibration_data import HubUnavailableError, hub_offline, hub_reachable, offline_mode
 
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
 
@@ -48,9 +48,9 @@ class _Access:
 
     def offline_reason(self) -> str:
         if self._hub_state is None:
-            if _offline():
+            if offline_mode():
                 self._hub_state = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
-            elif not _hub_reachable():
+            elif not hub_reachable():
                 self._hub_state = "the Hugging Face hub cannot be reached"
             else:
                 self._hub_state = ""
@@ -108,7 +108,7 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
             access.used[task] = f"hub:{path}"
             return original(task_self, merged, **kwargs)
         try:
-            with _hub_offline():
+            with hub_offline():
                 result = original(task_self, merged, **kwargs)
         except Exception as error:
             raise DatasetUnavailableError(access.message(task, path, name, reason)) from error

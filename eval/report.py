@@ -128,7 +128,7 @@ def report(results: list[str], output: str | None = None, baseline: str | None =
     """
     table = report_table(results, baseline=baseline, labels=labels, digits=digits)
     if output is not None:
-        from ..io import atomic_path
+        from ..engine.io import atomic_path
 
         with atomic_path(output, overwrite=True) as tmp:
             tmp.write_text(table)

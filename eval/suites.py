@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 TASKS_DIR = Path(__file__).parent / "tasks"
+"""lm-eval task configs shipped with ompmoe (perplexity protocols, offline HumanEval)."""
 PERPLEXITY_WINDOW = 4096
 """Tokens per perplexity window (capped by the model's context and ``LMEvalDataModule(max_length=...)``)."""
-"""lm-eval task configs shipped with ompmoe (perplexity protocols, offline HumanEval)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Tokenizers for evaluation: the byte-level tokenizer of the tiny models as a Hugging Face tokenizer.
 
 lm-eval needs a Hugging Face tokenizer (encode, decode, chat templates, stop sequences); the tiny
-models of :mod:`ompmoe.tiny` read UTF-8 bytes as token ids (:func:`ompmoe.data.byte_tokens`).
+models of :mod:`ompmoe.engine.tiny` read UTF-8 bytes as token ids (:func:`ompmoe.data.byte_tokens`).
 :func:`byte_tokenizer` is that mapping as a ``PreTrainedTokenizerFast``: text encodes to exactly its
 UTF-8 bytes, ids 0, 1 and 2 are the ``<pad>``, ``<s>`` and ``</s>`` tokens of the tiny configs (the
 control bytes 0x00-0x02 do not occur in text and cannot be encoded).

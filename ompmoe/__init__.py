@@ -8,19 +8,27 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 
 __version__ = "0.1.0"
 
-from .adapters import ARCHITECTURES, MoELayer, UnsupportedModelError, find_moe_layers, supported_model_types
-from .adaptive import adaptive_report, adaptive_summary, disable_adaptive, enable_adaptive, reset_adaptive_counters
-from .allocation import InfeasibleBudgetError
-from .collect import CalibrationInputError, StatisticsCollector, collect_stats
-from .finetune import load_balancing_loss
-from .io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
-from .plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
-from .pruning import load_pruned, prune, pruning_info, save_pruned
-from .quantization import QuantizedModelError, quantization_summary, quantize_experts
-from .selection import greedy_pursuit
-from .statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
-from .summary import kept_summary
-from .strategies import (
+from .engine.adapters import (
+    ARCHITECTURES,
+    ArchitectureSpec,
+    MoELayer,
+    UnsupportedModelError,
+    find_moe_layers,
+    register_architecture,
+    supported_model_types,
+)
+from .engine.adaptive import adaptive_report, adaptive_summary, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from .engine.allocation import ALLOCATIONS, AllocationProblem, InfeasibleBudgetError, register_allocation
+from .engine.collect import CalibrationInputError, StatisticsCollector, collect_stats
+from .engine.io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
+from .engine.plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
+from .engine.pruning import load_pruned, prune, pruning_info, save_pruned
+from .engine.quantized import QuantizedModelError
+from .engine.selection import greedy_pursuit
+from .engine.statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
+from .engine.summary import kept_summary
+from .engine.methods import METHODS, SelectionMethod, SubsetSelection, get_method, register_method
+from .engine.strategy import (
     STRATEGIES,
     EANStrategy,
     ExactStrategy,
@@ -32,11 +40,23 @@ from .strategies import (
     REAPStrategy,
     RoutingMassStrategy,
     StaticEnergyStrategy,
+    Strategy,
     TokenNormalizedOMPStrategy,
     strategy_for,
 )
 
 __all__ = [
+    "ALLOCATIONS",
+    "ArchitectureSpec",
+    "register_architecture",
+    "AllocationProblem",
+    "METHODS",
+    "SelectionMethod",
+    "Strategy",
+    "SubsetSelection",
+    "get_method",
+    "register_allocation",
+    "register_method",
     "QuantizedModelError",
     "load_balancing_loss",
     "kept_summary",
@@ -92,14 +112,21 @@ __all__ = [
 # Lightning-based classes, imported on first access so that ``import ompmoe`` never needs lightning.
 # Add an entry ``name -> submodule`` here to expose another one the same way.
 _LAZY_ATTRIBUTES: dict[str, str] = {
-    "CalibrationDataModule": ".calibration_data",
-    "CalibrationModule": ".calibration_module",
-    "write_plots": ".plots",  # needs matplotlib
-    "FinetuneModule": ".finetune_module",
-    "FinetuneDataModule": ".finetune_data",
+    "CalibrationDataModule": ".lightning.calibration_data",
+    "CalibrationModule": ".lightning.calibration_module",
+    "write_plots": ".recipes.plots",  # needs matplotlib
+    "FinetuneModule": ".lightning.finetune_module",
+    "FinetuneDataModule": ".lightning.finetune_data",
+    # Recipes, so that ``import ompmoe`` loads the engine only.
+    "load_balancing_loss": ".recipes.finetune",
+    "quantization_summary": ".recipes.quantization",
+    "quantize_experts": ".recipes.quantization",
 }
 
 
+from ._compat import install as _install_moved_modules  # noqa: E402
 from ._lazy import lazy_attributes  # noqa: E402
+
+_install_moved_modules()
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES)

@@ -1,3 +1,3 @@
-from .quickstart import main
+from .recipes.quickstart import main
 
 main()

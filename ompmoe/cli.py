@@ -4,7 +4,7 @@
 - ``ompmoe prune --stats run/stats.safetensors --ratio 0.25,0.5 --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
-  curves and the high-contribution table (:mod:`ompmoe.plots`).
+  curves and the high-contribution table (:mod:`ompmoe.recipes.plots`).
 - ``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``): the lm-eval suite (:mod:`ompmoe.eval`).
 - ``ompmoe report original.json pruned.json``: Markdown table of evaluation results.
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 from .cli_args import bare_flags, class_paths, list_option
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
-from .io import OutputNotWritableError, atomic_path, check_writable
-from .progress import progress
-from .statistics import MoEStats
-from .strategies import strategy_for
-from .summary import kept_summary
+from .engine.io import OutputNotWritableError, atomic_path, check_writable
+from .engine.progress import progress
+from .engine.statistics import MoEStats
+from .engine.strategy import PruningStrategy
+from .engine.summary import kept_summary
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -70,11 +70,15 @@ def replan(
     output_dir: str,
     allocation: str = "waterfill",
     risk_weight: float = 3.0,
-    min_ratio: float = 0.375,
-    max_ratio: float = 0.875,
+    min_kept_fraction: float = 0.375,
+    max_kept_fraction: float = 0.875,
     model: str | None = None,
     overwrite: bool = False,
     method: str = "omp",
+    method_options: dict[str, Any] | None = None,
+    zeta: float = 1e-6,
+    min_ratio: float | None = None,
+    max_ratio: float | None = None,
     quiet: bool = False,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
@@ -84,22 +88,30 @@ def replan(
         ratio: Fractions of routed experts to remove, one plan each (distinct; one number counts as
             a list of one).
         output_dir: Receives ``plan-<ratio>.json`` (and ``model-<ratio>/``) per ratio.
-        allocation: ``uniform``, ``waterfill`` or ``optimal``.
+        allocation: A registered allocation (ompmoe.ALLOCATIONS): ALLOCATION_NAMES.
         risk_weight: Lambda of the routing-risk term.
-        min_ratio: Fewest experts a layer may keep, as a fraction of its experts.
-        max_ratio: Most experts a layer may keep, as a fraction of its experts.
+        min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
+        max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
-        method: ``omp`` or a baseline of :mod:`ompmoe.baselines` (``frequency``, ``reap``, ...).
+        method: A registered method (ompmoe.METHODS): METHOD_NAMES.
+        method_options: The method's options, e.g. ``--method_options.seed 3``: METHOD_OPTIONS.
+        zeta: Stabilizer inside the routing-risk logarithm.
+        min_ratio: Deprecated name of min_kept_fraction.
+        max_ratio: Deprecated name of max_kept_fraction.
         quiet: No progress bar and no summary lines (errors are still printed).
     """
+    from .engine.plan import renamed_bounds
+
     ratio = _ratios(ratio)
+    min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
     inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
     strategies = [
-        strategy_for(method, ratio=r, allocation=allocation, risk_weight=risk_weight, min_ratio=min_ratio,
-                     max_ratio=max_ratio)
+        PruningStrategy(ratio=r, method=method, allocation=allocation, risk_weight=risk_weight,
+                        min_kept_fraction=min_kept_fraction, max_kept_fraction=max_kept_fraction, zeta=zeta,
+                        method_options=dict(method_options or {}))
         for r in ratio
     ]
     routings = [(layer.name, layer.routing) for layer in statistics.layers]
@@ -116,7 +128,7 @@ def replan(
             plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if model is not None:
-                from .pruning import prune, save_pruned
+                from .engine.pruning import prune, save_pruned
 
                 pruned = prune(_load_model(model, statistics), plan)
                 save_pruned(pruned, tmp / f"model-{name}")
@@ -136,9 +148,10 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
             (and with ``plan``, ``allocation.png`` / ``.csv``).
         plan: A ``plan.json`` made from these statistics, to mark each layer's kept count.
         overwrite: Replace an existing ``output_dir``.
+        quiet: No progress bars and no list of written files.
     """
-    from .plan import PruningPlan
-    from .plots import write_plots
+    from .engine.plan import PruningPlan
+    from .recipes.plots import write_plots
 
     inputs = [stats] + ([plan] if plan is not None else [])
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
@@ -153,7 +166,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
 
 
 def _load_model(name: str, statistics: MoEStats):
-    from .calibration_module import CalibrationModule
+    from .lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule(name)
     module.configure_model()
@@ -176,8 +189,8 @@ def lightning_cli(args: list[str] | None = None) -> None:
         if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
             return eval_cli(args)
 
-        from .calibration_data import CalibrationDataModule
-        from .calibration_module import CalibrationModule
+        from .lightning.calibration_data import CalibrationDataModule
+        from .lightning.calibration_module import CalibrationModule
 
         LightningCLI(
             CalibrationModule,
@@ -235,6 +248,24 @@ def _own_argv():
 COMMANDS = {"prune": replan, "plot": plot}
 
 
+def _registry_help(function: Any) -> Any:
+    """``function`` with its docstring's placeholders filled from the method and allocation registries."""
+    if function is not replan:
+        return function
+    from .engine.allocation import ALLOCATIONS
+    from .engine.methods import METHODS, option_defaults
+
+    options = "; ".join(
+        f"{name}: {', '.join(f'{key}={value!r}' for key, value in option_defaults(name).items())}"
+        for name in METHODS
+        if option_defaults(name)
+    )
+    doc = (replan.__doc__ or "").replace("METHOD_NAMES", ", ".join(METHODS)).replace(
+        "ALLOCATION_NAMES", ", ".join(ALLOCATIONS)).replace("METHOD_OPTIONS", options or "none")
+    replan.__doc__ = doc
+    return replan
+
+
 def _one_line(message: str, command: str) -> str:
     """A jsonargparse error as one line; a bad ``--ratio`` as what to type instead."""
     if message.startswith('Parser key "ratio"'):
@@ -264,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
 
             args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
             try:
-                auto_cli(COMMANDS[argv[0]], args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
+                auto_cli(_registry_help(COMMANDS[argv[0]]), args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         else:

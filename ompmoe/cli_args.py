@@ -2,7 +2,7 @@
 
 jsonargparse wants ``--ratio [0.25,0.5]`` and ``--overwrite true``; users type what other tools
 accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``), and the short class
-name in ``--trainer.callbacks.help OMPMoEPruning``. These functions rewrite such arguments into
+name in ``--trainer.callbacks.help ExpertPruning``. These functions rewrite such arguments into
 jsonargparse's form before parsing, leaving every other argument untouched.
 """
 
@@ -12,11 +12,12 @@ from collections.abc import Iterable, Sequence
 
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
+    "ExpertPruning": "ompmoe.callbacks.ExpertPruning",
     "OMPMoEPruning": "ompmoe.callbacks.OMPMoEPruning",
     "AdaptiveInferenceMonitor": "ompmoe.callbacks.AdaptiveInferenceMonitor",
-    "OMPStrategy": "ompmoe.strategies.OMPStrategy",
-    "CalibrationModule": "ompmoe.calibration_module.CalibrationModule",
-    "CalibrationDataModule": "ompmoe.calibration_data.CalibrationDataModule",
+    "PruningStrategy": "ompmoe.engine.strategy.PruningStrategy",
+    "CalibrationModule": "ompmoe.lightning.calibration_module.CalibrationModule",
+    "CalibrationDataModule": "ompmoe.lightning.calibration_data.CalibrationDataModule",
 }
 
 
@@ -74,7 +75,7 @@ def bare_flags(argv: Sequence[str], names: Iterable[str]) -> list[str]:
 
 
 def class_paths(argv: Sequence[str]) -> list[str]:
-    """The short class name after any ``--<key>.help`` (``OMPMoEPruning``) as its import path."""
+    """The short class name after any ``--<key>.help`` (``ExpertPruning``) as its import path."""
     result = []
     for i, token in enumerate(argv):
         if i > 0 and argv[i - 1].endswith(".help") and token in CLASS_PATHS:

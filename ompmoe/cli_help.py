@@ -39,12 +39,12 @@ FIT_OPTIONS = [
     ("--data.batch_size N", "blocks per forward pass"),
     ("--trainer.accelerator ACC", "cpu, gpu, auto, ..."),
     ("--trainer.devices N", "devices (FSDP2 configs use 8)"),
-    ("--trainer.callbacks.help OMPMoEPruning", "all options of the pruning callback (ratio, output_dir, ...)"),
+    ("--trainer.callbacks.help ExpertPruning", "all options of the pruning callback (output_dir, strategy, ...)"),
 ]
 
 FIT_SHORT_HELP = (
     "usage: ompmoe fit -c CONFIG [options]\n\n"
-    "Calibrate a Mixture-of-Experts model on text and prune it with the OMPMoEPruning callback\n"
+    "Calibrate a Mixture-of-Experts model on text and prune it with the ExpertPruning callback\n"
     "named in the config (statistics, plan, plots and the pruned model go to its output_dir).\n\n"
     "common options:\n"
     + "".join(f"  {option:<40} {text}\n" for option, text in FIT_OPTIONS)

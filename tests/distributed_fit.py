@@ -9,10 +9,10 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from ompmoe.calibration_module import CalibrationModule
-from ompmoe.callbacks import OMPMoEPruning
+from ompmoe.lightning.calibration_module import CalibrationModule
+from ompmoe.callbacks import ExpertPruning
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.strategies import OMPStrategy
+from ompmoe import PruningStrategy
 
 
 def calibration_batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:
@@ -27,7 +27,7 @@ def main(output_dir: str, mode: str, num_blocks: int, model_type: str) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    callback = OMPMoEPruning(OMPStrategy(ratio=0.5, min_ratio=0.25), output_dir=output_dir)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, min_kept_fraction=0.25), output_dir=output_dir)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

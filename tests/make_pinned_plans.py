@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.tiny import tiny_model
+from ompmoe.engine.tiny import tiny_model
 
 PINNED = Path(__file__).parent / "data" / "pinned_plans.json"
 CASES = {  # name -> (model_type, overrides)

@@ -85,7 +85,7 @@ def test_paper_configs_parse_with_the_papers_settings(name, capsys):
     assert done.value.code == 0
     config = yaml.safe_load(capsys.readouterr().out)
     callback = config["trainer"]["callbacks"][0]
-    assert callback["class_path"] == "ompmoe.callbacks.OMPMoEPruning"
+    assert callback["class_path"] == "ompmoe.callbacks.ExpertPruning"
     assert callback["init_args"]["strategy"]["init_args"]["risk_weight"] == 3.0
     assert config["model"]["dtype"] == "bfloat16"
     assert (config["data"]["source"], config["data"]["seq_len"], config["data"]["num_blocks"]) == ("wikitext2", 4096, 64)

@@ -13,8 +13,8 @@ import ompmoe
 from ompmoe.cli import main
 from ompmoe.cli_args import bare_flags, class_paths, list_option
 from ompmoe.cli_help import COMMANDS, FIT_OPTIONS
-from ompmoe.summary import kept_summary
-from ompmoe.synthetic import synthetic_stats
+from ompmoe.engine.summary import kept_summary
+from ompmoe.engine.synthetic import synthetic_stats
 
 ROOT = Path(__file__).parents[1]
 
@@ -55,8 +55,8 @@ def test_bare_boolean_flags(given, expected):
 
 
 def test_short_class_names_in_help_options():
-    assert class_paths(["fit", "--trainer.callbacks.help", "OMPMoEPruning"]) == [
-        "fit", "--trainer.callbacks.help", "ompmoe.callbacks.OMPMoEPruning"]
+    assert class_paths(["fit", "--trainer.callbacks.help", "ExpertPruning"]) == [
+        "fit", "--trainer.callbacks.help", "ompmoe.callbacks.ExpertPruning"]
     assert class_paths(["--trainer.callbacks.help=AdaptiveInferenceMonitor"]) == [
         "--trainer.callbacks.help=ompmoe.callbacks.AdaptiveInferenceMonitor"]
     assert class_paths(["--model.model", "OMPMoEPruning"]) == ["--model.model", "OMPMoEPruning"]
@@ -98,7 +98,7 @@ def test_short_fit_help_names_only_options_that_exist(capsys):
 
 def test_callback_help_by_its_short_name(capsys):
     with pytest.raises(SystemExit) as done:
-        main(["fit", "--trainer.callbacks.help", "OMPMoEPruning"])
+        main(["fit", "--trainer.callbacks.help", "ExpertPruning"])
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--trainer.callbacks.output_dir" in out and "--trainer.callbacks.extra_ratios" in out
@@ -144,7 +144,7 @@ def test_kept_summary_reads_as_kept_counts():
 def test_collect_stats_progress_bar_on_request(capsys):
     import torch
 
-    from ompmoe.tiny import tiny_model
+    from ompmoe.engine.tiny import tiny_model
 
     model = tiny_model("qwen3_moe")
     batches = [torch.randint(3, 256, (1, 8)) for _ in range(3)]
@@ -179,7 +179,7 @@ def test_readme_main_job_prints_no_warning(tmp_path):
 
 
 def test_ompmoe_itself_does_not_import_torchao():
-    code = ("import sys, ompmoe, ompmoe.cli, ompmoe.plots, ompmoe.quantization, ompmoe.summary; "
+    code = ("import sys, ompmoe, ompmoe.cli, ompmoe.recipes.plots, ompmoe.recipes.quantization, ompmoe.engine.summary; "
             "print('torchao' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "False", done.stderr

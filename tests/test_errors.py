@@ -12,11 +12,11 @@ import torch
 pytest.importorskip("lightning")
 
 from ompmoe import MoEStats, PruningPlan, collect_stats, plan_pruning  # noqa: E402
-from ompmoe.calibration_data import CalibrationDataModule  # noqa: E402
+from ompmoe.lightning.calibration_data import CalibrationDataModule  # noqa: E402
 from ompmoe.cli import main, replan  # noqa: E402
 from ompmoe.data import byte_tokens, shipped_model_path, shipped_text  # noqa: E402
 from ompmoe.eval.report import report_table  # noqa: E402
-from ompmoe.tiny import tiny_model  # noqa: E402
+from ompmoe.engine.tiny import tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_empty_calibration_hint_suggests_no_zero():
 # ------------------------------------------------------------------- incremental .txt reading
 @pytest.mark.parametrize("tokenizer", ["bytes", "shipped:tiny-moe"])
 def test_txt_in_pieces_equals_whole_file_tokenization(tmp_path, tokenizer, monkeypatch):
-    import ompmoe.calibration_data as cd
+    import ompmoe.lightning.calibration_data as cd
 
     monkeypatch.setattr(cd, "_TEXT_CHUNK", 4096)  # many piece boundaries inside the shipped text
     file = tmp_path / "shipped.txt"

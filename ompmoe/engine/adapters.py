@@ -1,0 +1,239 @@
+"""Architecture adapters: find the routed-expert blocks of a transformers 5.x MoE model.
+
+Every supported architecture shares one layout: a sparse block with a router (``.gate``, or
+``.router`` in GPT-OSS) that returns ``(logits, top_k_weights, top_k_index)`` and a fused
+``.experts`` module whose parameters are 3-D tensors indexed by expert on their first axis.
+The per-architecture hooks below only describe what differs: where the router lives, which
+config key stores the expert count, whether routing is group-limited, the names of the experts'
+forward arguments, and a tiny config for tests. Every architecture fact lives in its
+:class:`ArchitectureSpec`; :func:`register_architecture` adds one in one place.
+Shared experts and dense layers are never matched, so they are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one of the architectures ompmoe knows how to prune."""
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What differs between architectures that share the transformers 5.x sparse-MoE layout."""
+
+    router_attr: str
+    """Attribute of the sparse block holding the router module."""
+    expert_count_key: str
+    """Config attribute that stores the number of routed experts per layer."""
+    is_group_limited: Callable[[nn.Module], bool]
+    """Whether the router first picks groups of experts and then experts inside them."""
+    group_score_topk: int = 1
+    """How many experts per group score a group (DeepSeek-V3 sums its top-2)."""
+    experts_arguments: tuple[str, str, str] = ("hidden_states", "top_k_index", "top_k_weights")
+    """Names of the fused experts' ``forward`` arguments (GPT-OSS: ``router_indices``, ``routing_weights``)."""
+    count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
+    """Attributes of the router and experts modules that hold the expert count (updated by pruning)."""
+    tiny_config: tuple[str, dict[str, Any]] | None = field(default=None, compare=False)
+    """``(transformers config class name, overrides)`` of a tiny random test model (:mod:`ompmoe.engine.tiny`)."""
+
+
+def _never(router: nn.Module) -> bool:
+    return False
+
+
+def _deepseek_v2_grouped(router: nn.Module) -> bool:
+    return getattr(router, "topk_method", "greedy") == "group_limited_greedy"
+
+
+def _always_grouped(router: nn.Module) -> bool:
+    return True
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {}
+"""Supported ``config.model_type`` values and their specs (add one with :func:`register_architecture`)."""
+
+
+def register_architecture(model_type: str, spec: ArchitectureSpec) -> ArchitectureSpec:
+    """Support ``config.model_type == model_type``: statistics, selection, pruning, loading, adaptive inference."""
+    if not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"register_architecture needs an ArchitectureSpec; got {type(spec).__name__}.")
+    existing = ARCHITECTURES.get(model_type)
+    if existing is not None and existing != spec:
+        raise ValueError(f"model_type {model_type!r} is already registered with another spec.")
+    ARCHITECTURES[model_type] = spec
+    return spec
+
+
+register_architecture("qwen3_moe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("Qwen3MoeConfig", dict(
+        head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, mlp_only_layers=[0])),
+))
+register_architecture("qwen2_moe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("Qwen2MoeConfig", dict(
+        intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1)),
+))
+register_architecture("mixtral", ArchitectureSpec(
+    "gate", "num_local_experts", _never,
+    tiny_config=("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
+))
+register_architecture("olmoe", ArchitectureSpec(
+    "gate", "num_experts", _never,
+    tiny_config=("OlmoeConfig", dict(intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
+))
+register_architecture("deepseek_v2", ArchitectureSpec(
+    "gate", "n_routed_experts", _deepseek_v2_grouped,
+    tiny_config=("DeepseekV2Config", dict(
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, topk_method="greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.0)),
+))
+register_architecture("deepseek_v3", ArchitectureSpec(
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2,
+    tiny_config=("DeepseekV3Config", dict(
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True)),
+))
+register_architecture("glm4_moe", ArchitectureSpec(
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2,
+    tiny_config=("Glm4MoeConfig", dict(
+        head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        norm_topk_prob=True)),
+))
+register_architecture("gpt_oss", ArchitectureSpec(
+    "router", "num_local_experts", _never,
+    experts_arguments=("hidden_states", "router_indices", "routing_weights"),
+    tiny_config=("GptOssConfig", dict(
+        head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+        swiglu_limit=7.0)),
+))
+
+
+@dataclass
+class MoELayer:
+    """One sparse block of a model, with its router and fused experts."""
+
+    name: str
+    """Module path of the sparse block, e.g. ``model.layers.3.mlp``."""
+    block: nn.Module
+    router: nn.Module
+    experts: nn.Module
+    num_experts: int
+    top_k: int
+    num_groups: int
+    """Number of expert groups the router picks from (1 when routing is not group-limited)."""
+    topk_group: int
+    """Number of groups the router keeps per token (equals ``num_groups`` when not grouped)."""
+    group_score_topk: int
+
+    @property
+    def routing(self) -> dict[str, int]:
+        """Router facts the planner needs, in a form that serializes to JSON."""
+        return {
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_groups": self.num_groups,
+            "topk_group": self.topk_group,
+            "group_score_topk": self.group_score_topk,
+        }
+
+
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Module-path segments added by FSDP1, activation checkpointing and torch.compile wrappers."""
+
+
+def clean_module_name(name: str) -> str:
+    """The module path as in the unwrapped model, so names match across wrappers and processes."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def architecture_of(model: nn.Module) -> ArchitectureSpec:
+    """Return the spec for ``model`` or raise an error naming the supported architectures."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"ompmoe does not support model_type={model_type!r} ({type(model).__name__}). "
+            f"Supported architectures: {', '.join(supported_model_types())}. "
+            "Pass a transformers 5.x model of one of these types."
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    has_count = isinstance(getattr(module, "num_experts", None), int)
+    has_3d_weight = any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return has_count and has_3d_weight
+
+
+def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.Module]]:
+    """``(name, block, router, experts)`` of every module with a router and an ``.experts`` child.
+
+    Found by attribute only, so it also finds blocks whose experts are quantized or otherwise not
+    fused 3-D weights (:func:`find_moe_layers` keeps the prunable ones). Empty for an
+    unsupported architecture.
+    """
+    spec = ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if spec is None:
+        return []
+    blocks = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        router = getattr(module, spec.router_attr, None)
+        if isinstance(experts, nn.Module) and isinstance(router, nn.Module):
+            blocks.append((name, module, router, experts))
+    return blocks
+
+
+def find_moe_layers(model: nn.Module) -> list[MoELayer]:
+    """List the routed-expert blocks of ``model`` in module order.
+
+    Raises a clear error for unsupported architectures and for models with no MoE layer.
+    """
+    spec = architecture_of(model)
+    layers: list[MoELayer] = []
+    for name, module, router, experts in sparse_blocks(model):
+        if not _is_fused_experts(experts):
+            continue
+        num_experts = int(experts.num_experts)
+        grouped = spec.is_group_limited(router)
+        num_groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
+        topk_group = int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1
+        layers.append(
+            MoELayer(
+                name=clean_module_name(name),
+                block=module,
+                router=router,
+                experts=experts,
+                num_experts=num_experts,
+                top_k=int(router.top_k),
+                num_groups=num_groups,
+                topk_group=topk_group,
+                group_score_topk=spec.group_score_topk if grouped else 1,
+            )
+        )
+    if not layers:
+        raise ValueError(
+            f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
+            f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "
+            "is not dense (num_experts > 0, mlp_only_layers, first_k_dense_replace) and that the "
+            "model was built by transformers 5.x."
+        )
+    return layers

@@ -1,0 +1,179 @@
+"""The one registry of expert-selection methods.
+
+A method is a dataclass subclass of :class:`SelectionMethod` whose fields are its options (with
+their defaults) and whose docstring's first line is what it keeps. Registering it with
+:func:`register_method` is all it takes: :func:`ompmoe.plan_pruning`, :class:`ompmoe.PruningStrategy`,
+the Lightning callback, ``ompmoe prune --method NAME --method_options.OPTION V`` and the README's
+method table all read this registry::
+
+    @register_method
+    @dataclass
+    class Largest(SelectionMethod):
+        \"\"\"largest routing mass (example)\"\"\"
+        name: ClassVar[str] = "largest"
+        def select(self, layers):
+            return [score_order(layer.routing_mass, layer.num_groups) for layer in layers]
+
+A method returns, per layer, either a full ordering (a 1-D tensor of expert ids, best first: a
+layer keeping ``k`` experts keeps the first ``k``) or a :class:`SubsetSelection` (a kept set per
+count, not necessarily nested). Allocation always scores a layer's choice by the reconstruction
+residual on the layer's Gram and the routing coverage of the kept set, whatever the method
+selected with, so all methods are allocated under the same cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, Union
+
+import torch
+
+from ..statistics import LayerStats
+
+
+@dataclass
+class SubsetSelection:
+    """Kept sets per count for one layer, not necessarily nested.
+
+    ``kept[k]`` (bool, ``N``) marks the experts kept when the layer keeps ``k`` of them.
+    ``reference`` is a full ordering used to list experts: :meth:`order_at` puts the kept set
+    first, each part in reference order, so ``sorted(order_at(k)[:k]) == kept_ids(k)``.
+    """
+
+    kept: torch.Tensor
+    reference: torch.Tensor
+
+    def kept_ids(self, count: int) -> list[int]:
+        return torch.nonzero(self.kept[count]).flatten().tolist()
+
+    def order_at(self, count: int) -> torch.Tensor:
+        inside = self.kept[count][self.reference]
+        return torch.cat([self.reference[inside], self.reference[~inside]])
+
+    def residual(self, gram: torch.Tensor) -> torch.Tensor:
+        """``r(k)`` of the set kept at each count: energy of the atoms left out over ``||Y||^2``."""
+        energies = removed_energy(gram, self.kept)
+        total = gram.to(torch.float64).sum().clamp(min=torch.finfo(torch.float64).tiny)
+        return energies / total
+
+    def coverage(self, routing_mass: torch.Tensor) -> torch.Tensor:
+        """``C(k)``: share of the routing mass held by the set kept at each count."""
+        mass = routing_mass.to(torch.float64)
+        share = mass / mass.sum().clamp(min=torch.finfo(torch.float64).tiny)
+        return self.kept.to(torch.float64) @ share
+
+
+def removed_energy(gram: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``||Y - sum_{e kept} V_e||^2 = u^T G u`` with ``u`` the indicator of the experts left out.
+
+    ``kept`` is ``(..., N)`` bool; returns ``(...)`` float64.
+    """
+    g = gram.to(torch.float64)
+    u = (~kept).to(torch.float64)
+    return ((u @ g) * u).sum(-1)
+
+
+Selection = Union[torch.Tensor, SubsetSelection]
+"""What a method returns for one layer: an ordering (best first) or a kept set per count."""
+
+
+@dataclass
+class SelectionMethod:
+    """Base of every selection method: options are dataclass fields, ``name`` a class variable."""
+
+    name: ClassVar[str] = ""
+    """The method's name in ``plan_pruning(method=...)``, plans, configs and the CLI."""
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        """One :data:`Selection` per layer, from the layers' statistics."""
+        raise NotImplementedError
+
+    def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
+        """Raise before calibration if the method cannot run on layers with these routings."""
+
+    def options(self) -> dict[str, Any]:
+        """The method's options (its dataclass fields) as recorded in ``plan.extra``."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the docstring: what the method keeps (the README table's last column)."""
+        return inspect.cleandoc(cls.__doc__ or "").split("\n", 1)[0].rstrip(".")
+
+
+METHODS: dict[str, type[SelectionMethod]] = {}
+"""Registered methods by name (built-ins are registered by importing :mod:`ompmoe.engine.methods`)."""
+
+M = TypeVar("M", bound=type[SelectionMethod])
+
+
+def register_method(cls: M) -> M:
+    """Class decorator: add a :class:`SelectionMethod` dataclass to :data:`METHODS` under ``cls.name``."""
+    if not (isinstance(cls, type) and issubclass(cls, SelectionMethod) and "__dataclass_fields__" in vars(cls)):
+        raise TypeError(f"register_method needs a @dataclass subclass of SelectionMethod; got {cls!r}.")
+    if not cls.name or not cls.name.isidentifier():
+        raise ValueError(f"{cls.__name__}.name must be an identifier-like method name; got {cls.name!r}.")
+    existing = METHODS.get(cls.name)
+    if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"A method named {cls.name!r} is already registered ({existing.__module__}.{existing.__qualname__}).")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def option_defaults(name: str) -> dict[str, Any]:
+    """Options of method ``name`` with their defaults."""
+    cls = method_class(name)
+    return {field.name: getattr(cls(), field.name) for field in dataclasses.fields(cls)}
+
+
+def method_class(name: str) -> type[SelectionMethod]:
+    """The registered class of ``name``, or an error listing the registered names.
+
+    ``name`` may also be an import path ``package.module.ClassName`` of a method defined outside
+    ompmoe: importing the module registers it (so configs and the CLI can name it directly).
+    """
+    if isinstance(name, str) and name not in METHODS and "." in name:
+        module_name, _, class_name = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"Method {name!r} is not registered and cannot be imported ({error}).") from None
+        if not (isinstance(cls, type) and issubclass(cls, SelectionMethod)) or METHODS.get(cls.name) is not cls:
+            raise ValueError(f"{name} is not a method registered with @ompmoe.register_method.")
+        return cls
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"Unknown method {name!r}; choose one of {sorted(METHODS)} or register one with ompmoe.register_method.")
+    return METHODS[name]
+
+
+def get_method(name: str | SelectionMethod, options: dict[str, Any] | None = None) -> SelectionMethod:
+    """An instance of method ``name`` with ``options``; unknown options are refused with the valid ones."""
+    if isinstance(name, SelectionMethod):
+        if options:
+            raise ValueError("Pass method options either in the method instance or in method_options, not both.")
+        return name
+    cls = method_class(name)
+    options = dict(options or {})
+    valid = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"Method {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options are {valid or 'none'}."
+        )
+    return cls(**options)
+
+
+def method_table() -> str:
+    """The README's Markdown table of registered methods, their options and what they keep."""
+    rows = ["| `method` | options (defaults) | keeps the experts with |", "|---|---|---|"]
+    for name, cls in METHODS.items():
+        defaults = option_defaults(name)
+        options = ", ".join(f"`{key}={value!r}`" for key, value in defaults.items()) or "-"
+        summary = cls.summary().replace("|", "\\|")  # a pipe inside a cell would split it
+        rows.append(f"| `{name}` | {options} | {summary} |")
+    return "\n".join(rows)

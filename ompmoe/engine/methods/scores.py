@@ -1,0 +1,130 @@
+"""Score rankings: keep the experts with the best per-expert score (the field's baselines).
+
+Scores sort descending, ties to the lowest id. On group-limited routers (``num_groups > 1``)
+every method keeps the same number of experts in each group: rankings go in rounds of
+``num_groups`` picks with at most one pick per group per round (best score first), the same
+constraint as the grouped pursuit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..statistics import LayerStats
+from .registry import Selection, SelectionMethod, register_method
+
+
+def score_order(scores: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """Experts by descending score, ties to the lowest id; group-balanced when ``num_groups > 1``.
+
+    With groups (contiguous id blocks), round ``r`` takes the ``r``-th best expert of every
+    group, and the picks of a round go best score first: exactly "at each step, the best
+    expert of a group not yet picked in this round of ``num_groups`` steps".
+    """
+    scores = torch.nan_to_num(scores.detach().to("cpu", torch.float64), nan=float("-inf"))
+    n = scores.numel()
+    if n % num_groups:
+        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
+    order = torch.sort(scores, descending=True, stable=True).indices
+    if num_groups == 1:
+        return order
+    group = order // (n // num_groups)
+    rank_in_group = torch.zeros(n, dtype=torch.long)
+    seen = torch.zeros(num_groups, dtype=torch.long)
+    for position, g in enumerate(group.tolist()):
+        rank_in_group[position] = seen[g]
+        seen[g] += 1
+    key = rank_in_group * n + torch.arange(n)
+    return order[torch.argsort(key)]
+
+
+class ScoreRanking(SelectionMethod):
+    """Base of methods that rank experts by one score per expert."""
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return [score_order(s, layer.num_groups) for layer, s in zip(layers, self.scores(layers))]
+
+
+@register_method
+@dataclass
+class Frequency(ScoreRanking):
+    """most routed calibration tokens"""
+
+    name: ClassVar[str] = "frequency"
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        return [layer.token_count for layer in layers]
+
+
+@register_method
+@dataclass
+class RoutingMass(ScoreRanking):
+    """largest `sum_x g_e(x)`"""
+
+    name: ClassVar[str] = "routing_mass"
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        return [layer.routing_mass for layer in layers]
+
+
+@register_method
+@dataclass
+class EAN(ScoreRanking):
+    """largest expert activation norm `sum_x ||F_e(x)||` over routed tokens"""
+
+    name: ClassVar[str] = "ean"
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        return [layer.norm_sum for layer in layers]
+
+
+def reap_scores(layer: LayerStats) -> torch.Tensor:
+    """REAP saliency ``mean_{x routed to e} g_e(x) ||F_e(x)||`` (0 for an expert never routed)."""
+    count = layer.token_count.to(torch.float64)
+    return torch.where(count > 0, layer.weighted_norm_sum.to(torch.float64) / count.clamp(min=1e-300), 0.0)
+
+
+@register_method
+@dataclass
+class REAP(ScoreRanking):
+    """largest REAP saliency `mean_{x routed to e} g_e(x) ||F_e(x)||` (Lasby et al., 2025)"""
+
+    name: ClassVar[str] = "reap"
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        return [reap_scores(layer) for layer in layers]
+
+
+@register_method
+@dataclass
+class Random(ScoreRanking):
+    """a seeded random ranking
+
+    I.i.d. uniform scores per expert from ``torch.Generator().manual_seed(seed)``, drawn layer
+    after layer (group-balanced like every method).
+    """
+
+    name: ClassVar[str] = "random"
+    seed: int = 0
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(int(self.seed))
+        return [torch.rand(layer.num_experts, generator=generator, dtype=torch.float64) for layer in layers]
+
+
+@register_method
+@dataclass
+class StaticEnergy(ScoreRanking):
+    """largest `||V_e||^2` (OMP without residual updates)"""
+
+    name: ClassVar[str] = "static_energy"
+
+    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
+        return [layer.gram.diagonal() for layer in layers]

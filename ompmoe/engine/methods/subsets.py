@@ -1,0 +1,169 @@
+"""Per-count set methods: the exact optimum of the reconstruction objective, and OMP + 1-swap refinement.
+
+Exact optima at different counts are not nested (the best 6 experts need not contain the best
+5), so these methods return a :class:`~ompmoe.engine.methods.registry.SubsetSelection`: a layer
+allocated ``k`` experts keeps the set for ``k``, and the allocation sees ``r(k)`` and ``C(k)``
+of those sets. With groups, only group-balanced sets compete (per-group counts differing by at
+most one, equal at multiples of ``num_groups``, the only counts an allocation chooses there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..statistics import LayerStats
+from .omp import omp_orderings
+from .registry import Selection, SelectionMethod, SubsetSelection, register_method, removed_energy
+
+EXACT_MAX_SUBSETS = 2_000_000
+"""Default limit on the subsets the ``exact`` method may enumerate per layer (``2^N``)."""
+
+
+class TooManySubsetsError(ValueError):
+    """Exact enumeration of a layer's expert subsets would exceed the configured limit."""
+
+
+def _tolerance(gram: torch.Tensor) -> float:
+    """Energies closer than this count as equal (ties, and swaps that do not really improve)."""
+    g = gram.to(torch.float64)
+    return 1e-12 * max(float(g.sum()), float(g.diagonal().sum()), float(torch.finfo(torch.float64).tiny))
+
+
+def _balanced(kept: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Whether each kept set has per-group counts differing by at most one."""
+    if num_groups == 1:
+        return torch.ones(kept.shape[:-1], dtype=torch.bool)
+    per_group = kept.reshape(*kept.shape[:-1], num_groups, -1).sum(-1)
+    return per_group.amax(-1) - per_group.amin(-1) <= 1
+
+
+def check_exact_size(name: str, num_experts: int, max_subsets: int = EXACT_MAX_SUBSETS) -> None:
+    """Refuse a layer whose ``2^N`` subsets exceed ``max_subsets`` (before any enumeration)."""
+    if 2**num_experts > max_subsets:
+        raise TooManySubsetsError(
+            f"Method 'exact' would enumerate 2^{num_experts} = {2**num_experts:,} expert subsets in layer "
+            f"{name}, more than max_subsets={max_subsets:,}. Raise max_subsets (time and memory grow as "
+            "2^N) or use method 'omp_swap' (local search from the greedy set)."
+        )
+
+
+def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EXACT_MAX_SUBSETS,
+                  name: str = "layer", chunk: int = 1 << 15) -> torch.Tensor:
+    """``kept[k]`` = a set of ``k`` experts minimizing ``||Y - sum_{e in E} V_e||^2 = u^T G u``.
+
+    Enumerates all ``2^N`` subsets (every count is needed for the allocation curves) and
+    refuses with :class:`TooManySubsetsError` above ``max_subsets``. With groups, only
+    group-balanced sets compete. Ties (energies within ``1e-12`` of the layer's energy scale)
+    go to the lexicographically smallest sorted id list.
+    """
+    n = gram.shape[0]
+    if n % num_groups:
+        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
+    check_exact_size(name, n, max_subsets)
+    g = gram.to("cpu", torch.float64)
+    # Code c encodes the kept set {e : bit (n - 1 - e) of c}; among sets of one size the
+    # lexicographically smallest id list has the largest code.
+    shifts = torch.arange(n - 1, -1, -1, dtype=torch.long)
+    best_energy = torch.full((n + 1,), float("inf"), dtype=torch.float64)
+    energies, counts, valid_parts = [], [], []
+    for start in range(0, 2**n, chunk):
+        codes = torch.arange(start, min(start + chunk, 2**n), dtype=torch.long)
+        kept = ((codes.unsqueeze(1) >> shifts) & 1).bool()
+        energy = removed_energy(g, kept)
+        count = kept.sum(1)
+        valid = _balanced(kept, num_groups)
+        energies.append(energy)
+        counts.append(count)
+        valid_parts.append(valid)
+        best_energy.scatter_reduce_(0, count[valid], energy[valid], reduce="amin")
+    energy, count, valid = torch.cat(energies), torch.cat(counts), torch.cat(valid_parts)
+    codes = torch.arange(2**n, dtype=torch.long)
+    tied = valid & (energy <= best_energy[count] + _tolerance(g))
+    best_code = torch.full((n + 1,), -1, dtype=torch.long).scatter_reduce_(0, count[tied], codes[tied], reduce="amax")
+    assert bool((best_code >= 0).all()), "every count has a group-balanced set"
+    return ((best_code.unsqueeze(1) >> shifts) & 1).bool()
+
+
+def swap_refine(gram: torch.Tensor, kept: torch.Tensor, num_groups: int = 1, max_rounds: int | None = None) -> torch.Tensor:
+    """Best-improvement 1-swap local search on ``u^T G u``, for every row of ``kept`` (``(K, N)`` bool).
+
+    A swap drops a kept expert ``i`` and keeps a dropped expert ``j`` (of the same group when
+    ``num_groups > 1``, so group balance is kept); it changes the residual energy by
+    ``2 c_i - 2 c_j + G_ii + G_jj - 2 G_ij`` with ``c = G u``. Each round applies, per row, the
+    swap that lowers the energy most (ties to the lowest ``i``, then ``j``) if it lowers it by
+    more than ``1e-12`` of the energy scale; rows stop when none does, i.e. when no single swap
+    improves them. Energies only go down, so the result is never worse than the input.
+    """
+    g = gram.to("cpu", torch.float64)
+    n = g.shape[0]
+    size = n // num_groups
+    state = kept.clone().to("cpu", torch.bool)
+    diagonal = g.diagonal()
+    # Swaps stay inside a group: work on the (group, i, j) blocks only. For a row,
+    # delta[g, i, j] = a_i + b_j - 2 G_ij; +inf in a or b marks swaps that are not allowed.
+    blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(num_groups)])
+    pair = -2.0 * blocks  # (groups, size, size)
+    tolerance = _tolerance(g)
+    active = torch.arange(state.shape[0])
+    rounds = 0
+    while active.numel() and (max_rounds is None or rounds < max_rounds):
+        rounds += 1
+        rows = state[active]
+        c = (~rows).to(torch.float64) @ g  # (A, N); G is symmetric
+        a = (2.0 * c + diagonal).masked_fill_(~rows, float("inf"))  # i must be kept
+        b = (diagonal - 2.0 * c).masked_fill_(rows, float("inf"))  # j must be left out
+        a, b = a.view(-1, num_groups, size, 1), b.view(-1, num_groups, 1, size)
+        delta = a + b + pair
+        best, flat = delta.view(active.numel(), -1).min(dim=1)  # first minimum: lowest (i, j)
+        improve = best < -tolerance
+        if not bool(improve.any()):
+            break
+        active, flat = active[improve], flat[improve]
+        block, within = flat // (size * size), flat % (size * size)
+        state[active, block * size + within // size] = False
+        state[active, block * size + within % size] = True
+    return state
+
+
+@register_method
+@dataclass
+class Exact(SelectionMethod):
+    """the exact minimum of `||Y - sum_{kept} V_e||^2`, by enumerating all `2^N` subsets (refused above `max_subsets`, i.e. beyond 20 experts, before calibration)"""
+
+    name: ClassVar[str] = "exact"
+    max_subsets: int = EXACT_MAX_SUBSETS
+
+    def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
+        for name, routing in routings:
+            check_exact_size(name, routing["num_experts"], self.max_subsets)
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        for layer in layers:  # every layer is checked before any enumeration
+            check_exact_size(layer.name, layer.num_experts, self.max_subsets)
+        orders = omp_orderings(layers)
+        return [
+            SubsetSelection(kept=exact_subsets(layer.gram, layer.num_groups, self.max_subsets, name=layer.name), reference=order)
+            for layer, order in zip(layers, orders)
+        ]
+
+
+@register_method
+@dataclass
+class OMPSwap(SelectionMethod):
+    """the greedy set improved by best-improvement 1-swaps until no single swap lowers the residual (never worse than OMP)"""
+
+    name: ClassVar[str] = "omp_swap"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        selections: list[Selection] = []
+        for layer, order in zip(layers, omp_orderings(layers)):
+            n = layer.num_experts
+            position = torch.empty(n, dtype=torch.long)
+            position[order] = torch.arange(n)
+            prefixes = position.unsqueeze(0) < torch.arange(n + 1).unsqueeze(1)  # (N + 1, N): greedy k-prefixes
+            selections.append(SubsetSelection(kept=swap_refine(layer.gram, prefixes, layer.num_groups), reference=order))
+        return selections

@@ -1,0 +1,314 @@
+"""Apply a plan to a model, save it, and load it back with per-layer expert counts.
+
+Pruning slices every tensor indexed by expert (fused expert weights and biases, router rows,
+router bias, score-correction bias) and updates every attribute that stores the count; the
+native router code is untouched, so its score function, top-k, normalization and scaling
+are exactly the original ones over the kept experts.
+
+The saved ``config.json`` records the kept original ids per layer under ``ompmoe``. A uniform
+plan also sets the config's expert count, so plain ``AutoModelForCausalLM.from_pretrained``
+loads it; non-uniform plans need :func:`load_pruned`, which builds each layer at its own size
+before transformers loads (and converts) the weights.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from .adapters import MoELayer, architecture_of, find_moe_layers
+from .io import atomic_path
+from .allocation import minimum_kept
+from .plan import PlanMismatchError, PruningPlan
+from .quantized import check_not_quantized, check_savable
+from .adaptive import restore_adaptive
+from .record import CONFIG_KEY, pruning_info
+from .statistics import FingerprintMismatchError, model_fingerprint
+
+
+
+def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
+    """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
+    old = layer.num_experts
+    for module in (layer.router, layer.experts):
+        for name, tensor in list(module.named_parameters(recurse=False)):
+            if tensor.shape[0] == old:
+                sliced = tensor.detach().index_select(0, index.to(tensor.device))
+                setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
+        for name, tensor in list(module.named_buffers(recurse=False)):
+            if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
+                module._buffers[name] = tensor.index_select(0, index.to(tensor.device))
+        for attr in count_attributes:
+            if getattr(module, attr, None) == old:
+                setattr(module, attr, int(index.numel()))
+    layer.num_experts = int(index.numel())
+
+
+def _record_counts(model: nn.Module, kept: dict[str, list[int]], original: dict[str, int]) -> None:
+    """Write per-layer kept ids into the config and set the global count to what loading needs."""
+    spec = architecture_of(model)
+    counts = {len(ids) for ids in kept.values()}
+    count = max(counts)
+    setattr(model.config, spec.expert_count_key, count)
+    if getattr(model, "num_experts", None) is not None:
+        model.num_experts = count
+    record = {"kept_experts": kept, "original_num_experts": original, "uniform": len(counts) == 1}
+    if len(counts) > 1 and getattr(model.config, "output_router_logits", False):
+        # transformers' load-balancing loss needs one expert count for all layers; a non-uniform
+        # model would fail every forward. ompmoe's FinetuneModule uses a per-layer loss instead.
+        model.config.output_router_logits = False
+        record["router_aux_loss"] = True
+    elif (pruning_info(model) or {}).get("router_aux_loss"):
+        record["router_aux_loss"] = True
+    setattr(model.config, CONFIG_KEY, record)
+
+
+def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
+    """``ids`` as a list of ints after checking each is an int in ``[0, num_experts)`` and unique."""
+    if not isinstance(ids, (list, tuple)):
+        raise PlanMismatchError(f"{where}: kept experts must be a list of ids, got {type(ids).__name__}. {fix}")
+    if not ids:
+        raise PlanMismatchError(f"{where}: keeps no expert (empty list); every MoE layer needs experts. {fix}")
+    seen: set[int] = set()
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise PlanMismatchError(
+                f"{where}: expert id {value!r} is a {type(value).__name__}, not an int. {fix}"
+            )
+        if not 0 <= int(value) < num_experts:
+            raise PlanMismatchError(
+                f"{where}: expert id {int(value)} is out of range for {num_experts} experts "
+                f"(valid ids 0..{num_experts - 1}). {fix}"
+            )
+        if int(value) in seen:
+            raise PlanMismatchError(f"{where}: expert id {int(value)} is listed twice. {fix}")
+        seen.add(int(value))
+    return [int(value) for value in ids]
+
+
+def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | None = None) -> None:
+    """Check every layer of ``plan`` against ``model`` before anything is sliced (prune is all-or-nothing).
+
+    Names and order of the MoE layers, their count, each layer's expert count, and the kept ids
+    (ints, in range, unique, non-empty, enough for the native router, balanced over groups) must fit.
+    """
+    layers = find_moe_layers(model) if layers is None else layers
+    fix = "Make the plan with ompmoe.plan_pruning on statistics of this model."
+    if len(plan.layers) != len(layers):
+        raise PlanMismatchError(
+            f"The plan has {len(plan.layers)} MoE layers but this model has {len(layers)} "
+            f"({layers[0].name} .. {layers[-1].name}). {fix}"
+        )
+    for position, (layer, layer_plan) in enumerate(zip(layers, plan.layers)):
+        if layer_plan.name != layer.name:
+            raise PlanMismatchError(
+                f"MoE layer {position} of the plan is {layer_plan.name!r} but this model's is {layer.name!r} "
+                f"(plans apply by name, in model order). {fix}"
+            )
+        where = f"Plan layer {layer.name}"
+        if layer_plan.num_experts != layer.num_experts:
+            raise PlanMismatchError(
+                f"{where} was made for {layer_plan.num_experts} experts but the model's layer has "
+                f"{layer.num_experts}. {fix}"
+            )
+        kept = _check_ids(where, layer_plan.kept, layer.num_experts, fix)
+        r = layer.routing
+        floor = minimum_kept(layer.num_experts, r["top_k"], r["num_groups"], r["topk_group"], r["group_score_topk"])
+        if len(kept) < floor:
+            raise PlanMismatchError(
+                f"{where}: keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
+                f"{layer.num_groups} groups) needs at least {floor}. {fix}"
+            )
+        if layer.num_groups > 1:
+            size = layer.num_experts // layer.num_groups
+            per_group = [sum(1 for e in kept if e // size == g) for g in range(layer.num_groups)]
+            if len(set(per_group)) != 1:
+                raise PlanMismatchError(
+                    f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
+                    f"router needs the same count in every group. {fix}"
+                )
+    _check_record(pruning_info(model), layers, "this model's config.ompmoe")
+
+
+def _check_record(record: Any, layers: list[MoELayer], where: str) -> None:
+    """A pruning record must match the model's MoE layers: same names, ids unique and in range."""
+    if record is None:
+        return
+    fix = "The pruning record is corrupt: prune the original model again."
+    if not isinstance(record, dict) or not isinstance(record.get("kept_experts"), dict):
+        raise PlanMismatchError(f"{where} has no 'kept_experts' mapping. {fix}")
+    kept, original = record["kept_experts"], record.get("original_num_experts")
+    if not isinstance(original, dict):
+        raise PlanMismatchError(f"{where} has no 'original_num_experts' mapping. {fix}")
+    names = [layer.name for layer in layers]
+    if list(kept) != names or list(original) != names:
+        raise PlanMismatchError(
+            f"{where} lists layers {list(kept)} (original counts for {list(original)}) but the model's MoE "
+            f"layers are {names}. {fix}"
+        )
+    for layer in layers:
+        count = original[layer.name]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
+        ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
+        if len(ids) != layer.num_experts:
+            raise PlanMismatchError(
+                f"{where}, layer {layer.name}: records {len(ids)} kept experts but the layer has "
+                f"{layer.num_experts}. {fix}"
+            )
+
+
+def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
+    """Remove the experts ``plan`` drops, in place, and return ``model``.
+
+    The whole plan is checked against the model first (:func:`validate_plan`), so a plan that
+    does not fit raises :class:`PlanMismatchError` with the model untouched.
+    A quantized model is refused before anything changes (:class:`ompmoe.QuantizedModelError`):
+    prune first, then quantize.
+    """
+    check_not_quantized(model)
+    layers = find_moe_layers(model)
+    actual = model_fingerprint(model)
+    if actual != plan.fingerprint:
+        raise FingerprintMismatchError(
+            f"This plan was made for a different model (fingerprint {plan.fingerprint}, "
+            f"model_id={plan.model_id!r}); this model has fingerprint {actual}. Collect statistics "
+            "and plan on this model, or load the model the plan was made for."
+        )
+    validate_plan(model, plan, layers)
+    previous = pruning_info(model) or {}
+    kept_original: dict[str, list[int]] = {}
+    original_counts: dict[str, int] = dict(previous.get("original_num_experts", {}))
+    for layer, layer_plan in zip(layers, plan.layers):
+        kept = sorted(int(i) for i in layer_plan.kept)
+        earlier = previous.get("kept_experts", {}).get(layer.name, list(range(layer.num_experts)))
+        original_counts.setdefault(layer.name, layer.num_experts)
+        kept_original[layer.name] = [earlier[i] for i in kept]
+        _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
+    _record_counts(model, kept_original, original_counts)
+    return model
+
+
+def save_pruned(
+    model: nn.Module,
+    path: str | os.PathLike,
+    tokenizer: Any | None = None,
+    overwrite: bool = False,
+    **save_kwargs: Any,
+) -> Path:
+    """``save_pretrained`` into ``path`` atomically (with the tokenizer, if given).
+
+    Models quantized after loading (:func:`ompmoe.quantize_experts`, torchao tensors) are refused:
+    save the full-precision model and quantize after loading.
+    """
+    check_savable(model)
+    with atomic_path(path, overwrite=overwrite, directory=True) as tmp:
+        model.save_pretrained(tmp, **save_kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(path)
+
+
+def _resize_to_record(model: nn.Module, record: dict[str, Any]) -> None:
+    layers = find_moe_layers(model)
+    _check_record_ids(record, layers)
+    count_attributes = architecture_of(model).count_attributes
+    for layer in layers:
+        count = len(record["kept_experts"][layer.name])
+        if layer.num_experts != count:
+            _slice_layer(layer, torch.arange(count), count_attributes)
+
+
+def _check_record_ids(record: dict[str, Any], layers: list[MoELayer]) -> None:
+    """Before weights load: the record's layers are the model's, ids unique and in range of the original counts."""
+    where = "config.json's ompmoe record"
+    fix = "The saved pruning record is corrupt: prune and save the original model again."
+    kept, original = record.get("kept_experts"), record.get("original_num_experts")
+    if not isinstance(kept, dict) or not isinstance(original, dict):
+        raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
+    names = [layer.name for layer in layers]
+    if list(kept) != names or sorted(original) != sorted(names):
+        raise PlanMismatchError(
+            f"{where} lists layers {list(kept)} but the model built from config.json has MoE layers {names}. {fix}"
+        )
+    for layer in layers:
+        count = original[layer.name]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
+        ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
+        if len(ids) > layer.num_experts:
+            raise PlanMismatchError(
+                f"{where}, layer {layer.name}: keeps {len(ids)} experts but config.json builds only "
+                f"{layer.num_experts}. {fix}"
+            )
+
+
+def _causal_lm_class(config: Any) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    names = getattr(config, "architectures", None) or []
+    if not isinstance(names, (list, tuple)):
+        names = [names]
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        fits = isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")
+        if fits and (expected is None or issubclass(cls, expected)):
+            return cls
+        if expected is not None:
+            raise PlanMismatchError(
+                f"config.json names architectures={list(names)}, but {name} is not a causal-LM class for "
+                f"model_type={config.model_type!r}; ompmoe loads {expected.__name__}. Set "
+                f'"architectures": ["{expected.__name__}"] in config.json.'
+            )
+    if expected is None:
+        raise PlanMismatchError(
+            f"config.json (model_type={getattr(config, 'model_type', None)!r}, architectures={list(names)}) "
+            "has no causal-LM class in transformers; load_pruned loads causal LMs only."
+        )
+    return expected
+
+
+def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
+    """Load a model saved after :func:`prune`, whatever number of experts each layer kept.
+
+    Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...). A model that
+    was never pruned loads as usual. Adaptive inference saved with the model (OMP-MoE+,
+    ``config.ompmoe_adaptive``) is switched back on. It never prompts: remote code is off
+    unless ``trust_remote_code=True`` is passed. The pruning record is checked against the
+    config (layer names, ids unique and in range) before any weight is read.
+    """
+    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    config = transformers.AutoConfig.from_pretrained(
+        path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"]
+    )
+    base = _causal_lm_class(config)
+    record = pruning_info(config)
+    if record is None:
+        return _with_adaptive(base.from_pretrained(path, config=config, **from_pretrained_kwargs))
+    if not isinstance(record, dict):
+        raise PlanMismatchError(
+            f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
+            "record is corrupt: prune and save the original model again."
+        )
+
+    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        _resize_to_record(self, record)
+
+    sized = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+    model = sized.from_pretrained(path, config=config, **from_pretrained_kwargs)
+    model.__class__ = base
+    return _with_adaptive(model)
+
+
+def _with_adaptive(model: nn.Module) -> nn.Module:
+    """Re-apply OMP-MoE+ adaptive inference saved in ``config.ompmoe_adaptive``, if any."""
+    restore_adaptive(model)
+    return model

@@ -1,0 +1,130 @@
+"""Guards against pruning or saving quantized models: the engine refuses what it would handle wrongly.
+
+Pruning slices fused expert weights along the expert axis, which is wrong for quantized tensor
+subclasses and parametrizations; saving a model quantized by :func:`ompmoe.quantize_experts`
+would write parametrization names that ``from_pretrained`` ignores. These checks live in the
+engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .adapters import ARCHITECTURES, sparse_blocks
+
+class QuantizedModelError(ValueError):
+    """The model is already quantized, and pruning a quantized model is not supported."""
+
+
+QUANTIZED_ATTR = "_ompmoe_quantized"
+"""Attribute of an experts module quantized by :func:`quantize_experts`: ``{name: bits}``."""
+
+
+def _is_tensor_subclass(tensor: torch.Tensor) -> bool:
+    """A wrapper tensor subclass such as torchao's ``Int8Tensor`` (FSDP's DTensor: its local shard)."""
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()  # noqa: N806
+    if isinstance(tensor, DTensor):
+        return _is_tensor_subclass(tensor.to_local())
+    return hasattr(tensor, "__tensor_flatten__")
+
+
+def _is_quantized_tensor(tensor: torch.Tensor) -> bool:
+    """A tensor subclass, or integer-typed storage where a floating-point weight belongs."""
+    return _is_tensor_subclass(tensor) or not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def _sparse_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module, nn.Module]]:
+    """``(name, router attribute, router, experts)`` of the sparse blocks, quantized experts included."""
+    if not sparse_blocks(model):
+        return []
+    router_attr = ARCHITECTURES[model.config.model_type].router_attr
+    return [(name, router_attr, router, experts) for name, _, router, experts in sparse_blocks(model)]
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    cls = type(tensor)
+    if _is_tensor_subclass(tensor):
+        return f"a {cls.__module__.split('.')[0]} {cls.__name__}"
+    return f"stored as {tensor.dtype}"
+
+
+def find_quantized(model: nn.Module) -> str | None:
+    """Why ``model`` counts as quantized for pruning, or ``None`` if it does not.
+
+    Looks at ``config.quantization_config`` (checkpoints quantized by transformers integrations:
+    GPTQ, AWQ, bitsandbytes, compressed-tensors, torchao, ...), at :func:`quantize_experts`, and at
+    every parameter and buffer of the routers and routed experts: a tensor subclass (torchao's
+    ``Int8Tensor``, ...) or a non-floating-point parameter.
+    """
+    config = getattr(model, "config", None)
+    quantization_config = getattr(config, "quantization_config", None)
+    if quantization_config:
+        method = (
+            quantization_config.get("quant_method")
+            if isinstance(quantization_config, dict)
+            else getattr(quantization_config, "quant_method", None)
+        )
+        method = getattr(method, "value", method)
+        return f"config.quantization_config is set (quant_method={method!r})"
+    for block_name, router_attr, router, experts in _sparse_blocks(model):
+        for owner, part in ((experts, "experts"), (router, router_attr)):
+            for module_name, module in owner.named_modules():
+                prefix = ".".join(filter(None, (block_name, part, module_name)))
+                if getattr(module, QUANTIZED_ATTR, None):
+                    name, bits = next(iter(getattr(module, QUANTIZED_ATTR).items()))
+                    return f"{prefix}.{name} is quantized by ompmoe.quantize_experts (int{bits})"
+                if parametrize.is_parametrized(module):
+                    name = next(iter(module.parametrizations))
+                    return f"{prefix}.{name} is parametrized ({type(module.parametrizations[name][0]).__name__})"
+                for name, tensor in module.named_parameters(recurse=False):
+                    if _is_quantized_tensor(tensor):
+                        return f"{prefix}.{name} is {_describe(tensor)}"
+                for name, tensor in module.named_buffers(recurse=False):
+                    if tensor is not None and _is_tensor_subclass(tensor):
+                        return f"{prefix}.{name} is {_describe(tensor)}"
+    return None
+
+
+def check_not_quantized(model: nn.Module) -> None:
+    """Raise :class:`QuantizedModelError` if ``model`` is quantized (see :func:`find_quantized`)."""
+    reason = find_quantized(model)
+    if reason is not None:
+        raise QuantizedModelError(
+            f"ompmoe.prune refuses a quantized model: {reason}. Pruning after quantization is not "
+            "supported: prune the full-precision model, save it with ompmoe.save_pruned, then "
+            "quantize the pruned model (docs/recipes.md)."
+        )
+
+
+def check_savable(model: nn.Module) -> None:
+    """Raise :class:`QuantizedModelError` if ``save_pretrained`` would not write ``model`` faithfully.
+
+    Experts quantized by :func:`quantize_experts` would be saved under parametrization names that
+    ``from_pretrained`` ignores (the reload would silently re-initialise them), and torchao tensors
+    without a ``config.quantization_config`` cannot be serialised by transformers. Models quantized
+    through a transformers integration (``quantization_config`` set) save as that integration does.
+    """
+    if getattr(getattr(model, "config", None), "quantization_config", None):
+        return
+    reason = None
+    for name, module in model.named_modules():
+        if getattr(module, QUANTIZED_ATTR, None):
+            reason = f"{name}.{next(iter(getattr(module, QUANTIZED_ATTR)))} is quantized by ompmoe.quantize_experts"
+            break
+    if reason is None:
+        for name, tensor in model.named_parameters():
+            if _is_tensor_subclass(tensor):
+                reason = f"{name} is {_describe(tensor)}"
+                break
+    if reason is not None:
+        raise QuantizedModelError(
+            f"ompmoe.save_pruned refuses a quantized model: {reason}. Save the full-precision (pruned, "
+            "fine-tuned) model and quantize it after loading (docs/recipes.md)."
+        )

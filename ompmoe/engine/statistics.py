@@ -1,0 +1,362 @@
+"""Streamed per-layer statistics: everything selection and allocation need, as exact sums.
+
+Because the layer signal is ``Y = sum_e V_e``, the greedy pursuit only ever needs inner
+products of atoms, so each layer keeps an ``N_e x N_e`` float64 Gram matrix instead of the
+atoms themselves, plus a few per-expert sums. Sums merge exactly across batches, ranks and
+processes, which is what makes one statistics file serve every pruning ratio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .io import atomic_path
+
+PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
+OPTIONAL_TENSORS = ("gram_normalized",)
+"""Tensors that statistics files written by older versions may lack (``None`` when absent)."""
+ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
+FORMAT_VERSION = 2
+"""2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""
+LEGACY_FORMAT_VERSION = 1
+SYMMETRY_TOLERANCE = 1e-6
+
+
+class FingerprintMismatchError(ValueError):
+    """Statistics or a plan were made on a model with a different MoE structure."""
+
+
+class StatsFileError(ValueError):
+    """A statistics file is corrupt or inconsistent with its own metadata; re-collect it."""
+
+
+@dataclass
+class LayerStats:
+    """Sums over calibration tokens for one MoE layer (weights are native top-k router weights ``g``).
+
+    ``gram[e, f] = sum_x <g_e F_e(x), g_f F_f(x)>`` over tokens routed to both ``e`` and ``f``.
+    """
+
+    name: str
+    num_experts: int
+    top_k: int
+    num_groups: int
+    topk_group: int
+    group_score_topk: int
+    gram: torch.Tensor
+    routing_mass: torch.Tensor
+    """Sum of the native top-k weight ``g_e(x)`` over routed tokens."""
+    token_count: torch.Tensor
+    """Number of routed tokens per expert."""
+    sq_norm_sum: torch.Tensor
+    """Sum of ``||F_e(x)||^2`` over routed tokens (the unweighted expert output)."""
+    norm_sum: torch.Tensor
+    """Sum of ``||F_e(x)||`` over routed tokens (EAN baseline)."""
+    weighted_norm_sum: torch.Tensor
+    """Sum of ``g_e(x) ||F_e(x)||`` over routed tokens (REAP baseline)."""
+    gram_normalized: torch.Tensor | None = None
+    """Token-normalized Gram ``sum_x <V_e(x), V_f(x)> / ||Y_x||^2`` (``Y_x = sum_e V_e(x)``, the
+    token's routed output; tokens whose atoms cancel to ``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``
+    are left out), the objective of the ``omp_normalized`` baseline. ``None`` for statistics
+    written before it was collected."""
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """Energy coefficient ``alpha_e = E||F_e(x)||^2`` over the tokens routed to ``e``."""
+        return self.sq_norm_sum / self.token_count.clamp(min=1.0)
+
+    @property
+    def signal_energy(self) -> float:
+        """``||Y||^2`` of the routed output, since ``Y = sum_e V_e``."""
+        return float(self.gram.sum())
+
+    @property
+    def atom_energy(self) -> torch.Tensor:
+        """``||V_e||^2`` per expert (the Gram diagonal)."""
+        return self.gram.diagonal()
+
+    @property
+    def routing(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in ROUTING_KEYS}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
+        tensors.update({key: getattr(self, key) for key in OPTIONAL_TENSORS if getattr(self, key) is not None})
+        return tensors
+
+    def merge(self, other: LayerStats) -> LayerStats:
+        """Exact sum; an optional tensor survives only if both sides have it."""
+        if (self.name, self.routing) != (other.name, other.routing):
+            raise ValueError(f"Cannot merge statistics of different layers: {self.name!r} vs {other.name!r}.")
+        mine, theirs = self.tensors(), other.tensors()
+        summed = {key: value + theirs[key] for key, value in mine.items() if key in theirs}
+        return LayerStats(name=self.name, **self.routing, **summed)
+
+
+@dataclass
+class MoEStats:
+    """Statistics of every MoE layer of one model, plus where they came from."""
+
+    layers: list[LayerStats]
+    num_tokens: int
+    fingerprint: str
+    model_id: str | None = None
+    model_type: str | None = None
+    sources: list[str] = field(default_factory=list)
+    library_version: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.library_version:
+            from .. import __version__
+
+            self.library_version = __version__
+
+    def layer(self, name: str) -> LayerStats:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"No MoE layer named {name!r}; layers: {[layer.name for layer in self.layers]}")
+
+    # ------------------------------------------------------------------ merging
+    def merge(self, other: MoEStats) -> MoEStats:
+        """Exact sum of two partial statistics of the same model (other batches, ranks or runs)."""
+        if self.fingerprint != other.fingerprint:
+            raise FingerprintMismatchError(
+                f"Cannot merge statistics of different models (fingerprints {self.fingerprint} and "
+                f"{other.fingerprint}). Collect both on the same model."
+            )
+        return MoEStats(
+            layers=[a.merge(b) for a, b in zip(self.layers, other.layers)],
+            num_tokens=self.num_tokens + other.num_tokens,
+            fingerprint=self.fingerprint,
+            model_id=self.model_id or other.model_id,
+            model_type=self.model_type or other.model_type,
+            sources=self.sources + [s for s in other.sources if s not in self.sources],
+            library_version=self.library_version,
+        )
+
+    # ------------------------------------------------------------- compatibility
+    def check_compatible(self, model: torch.nn.Module) -> None:
+        """Refuse a model whose MoE structure differs from the one the statistics were taken on."""
+        actual = model_fingerprint(model)
+        if actual != self.fingerprint:
+            raise FingerprintMismatchError(
+                f"These statistics were collected on a different model (fingerprint {self.fingerprint}, "
+                f"model_id={self.model_id!r}); this model has fingerprint {actual}. "
+                "Re-run collect_stats on this model, or load the model the statistics came from."
+            )
+
+    # ------------------------------------------------------------------ on disk
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "fingerprint": self.fingerprint,
+            "model_id": self.model_id,
+            "model_type": self.model_type,
+            "num_tokens": self.num_tokens,
+            "sources": self.sources,
+            "layers": [{"name": layer.name, **layer.routing} for layer in self.layers],
+        }
+
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write one ``.safetensors`` file whose header holds the JSON metadata."""
+        tensors = {
+            f"layers.{i}.{key}": value.detach().to("cpu", torch.float64).contiguous()
+            for i, layer in enumerate(self.layers)
+            for key, value in layer.tensors().items()
+        }
+        with atomic_path(path, overwrite=overwrite) as tmp:
+            save_file(tensors, str(tmp), metadata={"ompmoe": json.dumps(self.metadata())})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module | None = None) -> MoEStats:
+        """Read statistics; with ``model``, refuse them if its fingerprint differs."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            header = (handle.metadata() or {}).get("ompmoe")
+        if header is None:
+            raise ValueError(f"{path} is a safetensors file but not ompmoe statistics (no 'ompmoe' metadata).")
+        fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
+        try:
+            meta = json.loads(header)
+        except json.JSONDecodeError as error:
+            raise StatsFileError(f"{path}: the 'ompmoe' metadata is not valid JSON ({error}). {fix}") from None
+        if not isinstance(meta, dict):
+            raise StatsFileError(f"{path}: the 'ompmoe' metadata is not a JSON object. {fix}")
+        version = meta.get("format_version")
+        if version not in (FORMAT_VERSION, LEGACY_FORMAT_VERSION):
+            raise ValueError(f"{path} has statistics format {version}, expected {FORMAT_VERSION}.")
+        try:
+            tensors = load_file(str(path))
+        except Exception as error:  # safetensors raises its own error types for truncated files
+            raise StatsFileError(f"{path}: the tensors cannot be read ({error}). {fix}") from None
+        layers = _layers_from_file(path, meta, tensors, fix)
+        num_tokens = meta.get("num_tokens")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise StatsFileError(f"{path}: num_tokens is {num_tokens!r}; it must be a positive int. {fix}")
+        fingerprint = meta.get("fingerprint")
+        if not isinstance(fingerprint, str):
+            raise StatsFileError(f"{path}: the metadata has no fingerprint. {fix}")
+        if version == LEGACY_FORMAT_VERSION:
+            fingerprint = _upgrade_legacy(path, fingerprint, layers, model)
+        stats = cls(
+            layers=layers,
+            num_tokens=num_tokens,
+            fingerprint=fingerprint,
+            model_id=meta.get("model_id"),
+            model_type=meta.get("model_type"),
+            sources=list(meta.get("sources", [])),
+            library_version=meta.get("library_version", ""),
+        )
+        if model is not None:
+            stats.check_compatible(model)
+        return stats
+
+
+def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], fix: str) -> list[LayerStats]:
+    """Every layer listed in the metadata, after checking its tensors: present, shaped, float64, finite, sane."""
+    infos = meta.get("layers")
+    if not isinstance(infos, list) or not infos:
+        raise StatsFileError(f"{path}: the metadata lists no layers. {fix}")
+    known = {f"layers.{i}.{key}" for i in range(len(infos)) for key in ("gram", *PER_EXPERT_SUMS, *OPTIONAL_TENSORS)}
+    extra = sorted(set(tensors) - known)
+    if extra:
+        raise StatsFileError(
+            f"{path}: the metadata lists {len(infos)} layers but the file holds tensors it does not describe "
+            f"({extra[0]}, ...). {fix}"
+        )
+    layers = []
+    for i, info in enumerate(infos):
+        name = info.get("name") if isinstance(info, dict) else None
+        where = f"{path}, layer {i} ({name})"
+        routing = {key: info.get(key) if isinstance(info, dict) else None for key in ROUTING_KEYS}
+        bad = {key: value for key, value in routing.items() if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+        if not isinstance(name, str) or bad:
+            raise StatsFileError(f"{where}: the metadata has no valid name or routing ({bad or 'name'}). {fix}")
+        n = routing["num_experts"]
+        found: dict[str, torch.Tensor | None] = {}
+        for key in ("gram", *PER_EXPERT_SUMS, *OPTIONAL_TENSORS):
+            tensor = tensors.get(f"layers.{i}.{key}")
+            if tensor is None:
+                if key in OPTIONAL_TENSORS:
+                    found[key] = None
+                    continue
+                raise StatsFileError(f"{where}: tensor {key!r} is missing (the metadata lists layer {i}). {fix}")
+            shape = (n, n) if key.startswith("gram") else (n,)
+            if tuple(tensor.shape) != shape:
+                raise StatsFileError(
+                    f"{where}: tensor {key!r} has shape {tuple(tensor.shape)} but the metadata says "
+                    f"{n} experts (expected {shape}). {fix}"
+                )
+            if tensor.dtype != torch.float64:
+                raise StatsFileError(f"{where}: tensor {key!r} is {tensor.dtype}, expected torch.float64. {fix}")
+            if not bool(torch.isfinite(tensor).all()):
+                raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
+            values = tensor.diagonal() if key.startswith("gram") else tensor
+            if bool((values < 0).any()):
+                what = "diagonal" if key.startswith("gram") else "values"
+                raise StatsFileError(
+                    f"{where}: tensor {key!r} has negative {what} ({float(values.min())}); these are sums of "
+                    f"squares or counts. {fix}"
+                )
+            if key.startswith("gram"):
+                gap = float((tensor - tensor.T).abs().max())
+                scale = float(tensor.abs().max())
+                if gap > SYMMETRY_TOLERANCE * max(scale, 1e-300):
+                    raise StatsFileError(
+                        f"{where}: tensor {key!r} is not symmetric (max |G - G^T| = {gap:.3g}, "
+                        f"max |G| = {scale:.3g}). {fix}"
+                    )
+            found[key] = tensor
+        layers.append(LayerStats(name=name, **routing, **found))  # type: ignore[arg-type]
+    return layers
+
+
+def _upgrade_legacy(path: Path, fingerprint: str, layers: list[LayerStats], model: torch.nn.Module | None) -> str:
+    """A format-1 file is accepted only against ``model``: its old fingerprint and every Gram size must match."""
+    fix = "Re-collect the statistics with this version: ompmoe.collect_stats(model, batches).save(path)."
+    if model is None:
+        raise StatsFileError(
+            f"{path} was written by an older ompmoe (statistics format 1, whose fingerprint ignores expert "
+            f"widths and attention shapes). Pass the model, MoEStats.load(path, model=model), to check it, or {fix[0].lower()}{fix[1:]}"
+        )
+    from .adapters import find_moe_layers
+
+    model_layers = find_moe_layers(model)
+    same_layers = [(layer.name, layer.routing) for layer in model_layers] == [(layer.name, layer.routing) for layer in layers]
+    if legacy_fingerprint(model) != fingerprint or not same_layers:
+        raise FingerprintMismatchError(
+            f"{path} (statistics format 1) was collected on a different model (fingerprint {fingerprint}); "
+            f"this model's format-1 fingerprint is {legacy_fingerprint(model)}. {fix}"
+        )
+    return model_fingerprint(model)
+
+
+def legacy_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint of statistics format 1 (only model type, hidden size, layers, vocab and routing)."""
+    from .adapters import find_moe_layers
+
+    config = model.config
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    payload = {
+        "config": {key: getattr(config, key, None) for key in keys},
+        "layers": [{"name": layer.name, **layer.routing} for layer in find_moe_layers(model)],
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return digest[:16]
+
+
+FINGERPRINT_CONFIG_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "n_shared_experts", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_topk_prob", "routed_scaling_factor",
+    "scoring_func", "topk_method", "n_group", "topk_group", "first_k_dense_replace", "mlp_only_layers",
+    "decoder_sparse_step", "tie_word_embeddings",
+)
+"""Config facts hashed into the fingerprint (absent keys hash as ``None``)."""
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of what the statistics depend on: sizes, attention shapes, routing, every expert/router shape.
+
+    Dtype, attention or experts implementation, weights and the checkpoint path do not change it.
+    """
+    from .adapters import find_moe_layers
+
+    config = model.config
+
+    def shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+        return {name: list(p.shape) for name, p in module.named_parameters(recurse=False)}
+
+    payload = {
+        "config": {key: _jsonable(getattr(config, key, None)) for key in FINGERPRINT_CONFIG_KEYS},
+        "layers": [
+            {"name": layer.name, **layer.routing, "experts": shapes(layer.experts), "router": shapes(layer.router)}
+            for layer in find_moe_layers(model)
+        ],
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return digest[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return repr(value)

@@ -1,0 +1,109 @@
+"""A forward-only LightningModule that holds the Hugging Face MoE model being calibrated."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from .models import TINY_PREFIX, default_tokenizer, load_model, resolve_dtype
+
+EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
+
+__all__ = ["TINY_PREFIX", "CalibrationModule", "resolve_dtype", "shard_model"]
+
+
+def shard_model(model: nn.Module, device_mesh: Any) -> None:
+    """FSDP2 (``fully_shard``) each decoder layer, then the root, for ``ModelParallelStrategy``."""
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = getattr(getattr(model, "model", model), "layers", None)
+    for layer in decoder or []:
+        fully_shard(layer, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+
+
+class CalibrationModule(pl.LightningModule):
+    """Runs the model forward on calibration batches; no loss, no optimizer, always in eval mode.
+
+    Pair it with :class:`ompmoe.callbacks.ExpertPruning` (which gathers statistics and prunes)
+    and :class:`ompmoe.CalibrationDataModule`.
+
+    Args:
+        model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
+            model (offline tests and demos), ``shipped:tiny-moe`` for the small Qwen3-MoE trained
+            on Python docs and source that ships with ompmoe (offline), or a model instance.
+        dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
+            checkpoint's (float32 for ``shipped:tiny-moe``, whose weights are stored in bf16).
+        tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``
+            (``bytes`` for tiny models; ``shipped:<model>`` resolves to the shipped directory).
+        trust_remote_code: Passed to ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module = "tiny:qwen3_moe",
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.torch_dtype = resolve_dtype(dtype)
+        self.trust_remote_code = trust_remote_code
+        if isinstance(model, nn.Module):
+            self.model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+            self.model: nn.Module | None = model
+        else:
+            self.model_name_or_path = model
+            self.model = None
+        self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
+
+    def configure_model(self) -> None:
+        """Load the model lazily so strategies such as FSDP can shard it as it is created."""
+        if self.model is None:
+            self.model = self._load_model()
+        self.model.eval()
+        self.model.requires_grad_(False)  # forward-only: nothing here is trained
+        if self.device_mesh is not None:
+            shard_model(self.model, self.device_mesh)
+
+    def _load_model(self) -> nn.Module:
+        name = self.model_name_or_path
+        if name is None:
+            raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
+        return load_model(name, self.torch_dtype, self.trust_remote_code)
+
+    def train(self, mode: bool = True) -> CalibrationModule:
+        # Lightning switches modules to train mode during fit; routers (Mixtral) jitter there.
+        super().train(mode)
+        if self.model is not None:
+            self.model.eval()
+        return self
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs, use_cache=False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        with torch.no_grad():
+            self(**batch)
+
+    def configure_optimizers(self) -> list:
+        # An empty list, not None: Lightning warns about None ("this fit will run with no optimizer"),
+        # which is exactly what a forward-only calibration fit means to do.
+        return []
+
+    def on_fit_start(self) -> None:
+        # Lightning warns at the start of training about modules in eval mode; here that is the
+        # design (see ``train``), so this one message is ignored until training has started.
+        warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+        self._eval_mode_filter = warnings.filters[0]
+
+    def on_train_start(self) -> None:
+        with contextlib.suppress(AttributeError, ValueError):
+            warnings.filters.remove(self._eval_mode_filter)
+            warnings._filters_mutated()

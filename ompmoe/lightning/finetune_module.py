@@ -1,0 +1,261 @@
+"""A LightningModule that fine-tunes a pruned MoE (full or LoRA) with the causal-LM loss.
+
+The fine-tuning counterpart of :class:`ompmoe.CalibrationModule`: the same Trainer and
+``CalibrationDataModule`` (any of its sources as training text) continue from a pruned model::
+
+    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \\
+        --data.source shipped --data.tokenizer bytes --data.seq_len 256 --data.num_blocks 16 \\
+        --data.batch_size 4 --trainer.max_steps 40 --trainer.accelerator cpu --trainer.logger false
+
+The loss is :func:`ompmoe.recipes.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
+model's config sets ``output_router_logits`` (or ``aux_loss_coef`` is given), the per-layer
+load-balancing loss of :func:`ompmoe.recipes.finetune.load_balancing_loss`, which unlike transformers'
+own aux loss works when layers kept different numbers of experts.
+
+LoRA (``lora_rank > 0``, needs ``peft``) adapts every ``nn.Linear`` of the attention blocks
+(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, or DeepSeek's ``q_a_proj``/``q_b_proj``/
+``kv_a_proj_with_mqa``/``kv_b_proj``) and, with ``lora_experts=True``, the fused 3-D routed-expert
+weights through PEFT's ``target_parameters`` (one rank-``r`` update per expert). Routers, norms,
+embeddings and the LM head stay frozen. At the end of the fit the adapters are merged into the
+weights and, with ``save_dir``, the plain model is written with :func:`ompmoe.save_pruned`, so
+:func:`ompmoe.load_pruned` loads it like any pruned checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from .models import default_tokenizer, load_model, resolve_dtype
+from ..recipes.finetune import LossParts, causal_lm_loss, moe_routers, router_aux_coef
+
+
+def attention_linear_names(model: nn.Module) -> list[str]:
+    """Leaf names of the ``nn.Linear`` modules inside attention blocks (``self_attn``), sorted."""
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and ".self_attn." in f".{name}"
+    }
+    return sorted(names)
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Suffixes ``experts.<name>`` of the fused 3-D routed-expert weights (PEFT ``target_parameters``)."""
+    from ..engine.adapters import find_moe_layers
+
+    names = {
+        f"experts.{name}"
+        for layer in find_moe_layers(model)
+        for name, parameter in layer.experts.named_parameters(recurse=False)
+        if parameter.dim() == 3
+    }
+    return sorted(names)
+
+
+class FinetuneModule(pl.LightningModule):
+    """Fine-tune a (pruned) Hugging Face MoE on causal-LM batches ``{"input_ids", "attention_mask"}``.
+
+    Args:
+        model: A path saved by :func:`ompmoe.save_pruned` (loaded with :func:`ompmoe.load_pruned`,
+            any per-layer expert counts), a hub id, ``tiny:<model_type>``, or a model instance.
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        lora_rank: 0 for a full fine-tune; otherwise the LoRA rank (needs ``peft``).
+        lora_alpha: LoRA scaling numerator (default ``2 * lora_rank``).
+        lora_dropout: Dropout on the LoRA input.
+        lora_experts: Also adapt the fused routed-expert weights (PEFT ``target_parameters``).
+        aux_loss_coef: Weight of the per-layer load-balancing loss; ``None`` takes the model's
+            ``router_aux_loss_coef`` when ``config.output_router_logits`` is set, else 0.
+        per_layer_aux_loss: ``True``: mean of each layer's loss (any expert counts). ``False``:
+            transformers' pooled value (uniform counts only).
+        dtype: Weights dtype when loading (``None`` keeps the checkpoint's).
+        tokenizer: Tokenizer name for ``CalibrationDataModule`` (``bytes`` for tiny models).
+        save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
+        overwrite: Replace an existing ``save_dir``.
+        trust_remote_code: Passed to ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module = "outputs/tiny/model",
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
+        lora_dropout: float = 0.0,
+        lora_experts: bool = True,
+        aux_loss_coef: float | None = None,
+        per_layer_aux_loss: bool = True,
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        save_dir: str | None = None,
+        overwrite: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        # Not "tokenizer": the data module records its own, and Lightning refuses to log two
+        # different values of one key (the module's is often None while the data's is a path).
+        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else [])])
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.lora_rank = int(lora_rank)
+        self.lora_alpha = lora_alpha
+        self.lora_dropout = lora_dropout
+        self.lora_experts = lora_experts
+        self.aux_loss_coef = aux_loss_coef
+        self.per_layer_aux_loss = per_layer_aux_loss
+        self.torch_dtype = resolve_dtype(dtype)
+        self.save_dir = save_dir
+        self.overwrite = overwrite
+        self.trust_remote_code = trust_remote_code
+        if isinstance(model, nn.Module):
+            self.model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+            self.model: nn.Module | None = model
+        else:
+            self.model_name_or_path = str(model)
+            self.model = None
+        self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
+        self._routers: list[tuple[nn.Module, int]] | None = None
+        self._set_hf_model(None)
+        self._merged = False
+
+    def _set_hf_model(self, model: nn.Module | None) -> None:
+        # Kept out of the module tree: it is ``self.model`` itself or the model inside its PEFT wrapper.
+        self.__dict__["_hf_model"] = model
+
+    # ------------------------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self._hf_model is not None:
+            return
+        if self.model is None:
+            self.model = self._load_model()
+        self._set_hf_model(self.model)
+        self._routers = moe_routers(self.model)  # before PEFT replaces the experts modules
+        if self.lora_rank > 0:
+            self.model = self._with_lora(self.model)
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps modules' modes
+
+    def _load_model(self) -> nn.Module:
+        name = self.model_name_or_path
+        if not name:
+            raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model instance.")
+        return load_model(name, self.torch_dtype, self.trust_remote_code)
+
+    def _with_lora(self, model: nn.Module) -> nn.Module:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as error:  # pragma: no cover - exercised only without the extra
+            raise ImportError("LoRA fine-tuning needs peft: pip install 'ompmoe[recipes]' (or lora_rank=0).") from error
+        targets = attention_linear_names(model)
+        if not targets:
+            raise ValueError(f"Found no nn.Linear inside attention blocks of {type(model).__name__} for LoRA.")
+        config = LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank,
+            lora_dropout=self.lora_dropout,
+            target_modules=targets,
+            target_parameters=expert_parameter_names(model) if self.lora_experts else None,
+            bias="none",
+        )
+        return get_peft_model(model, config)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model being fine-tuned (inside the PEFT wrapper, if any)."""
+        if self._hf_model is None:
+            self.configure_model()
+        assert self._hf_model is not None
+        return self._hf_model
+
+    def merged_model(self) -> nn.Module:
+        """The plain Hugging Face model with the LoRA updates merged in (no-op for full fine-tunes).
+
+        Merging ends LoRA training: afterwards the module holds (and trains) the merged model.
+        """
+        self.configure_model()
+        if self.lora_rank > 0 and not self._merged:
+            self.model = self.model.merge_and_unload()
+            self._set_hf_model(self.model)
+            self._merged = True
+        return self._hf_model
+
+    def save_pruned(self, path: str | os.PathLike, overwrite: bool = False, tokenizer: Any | None = None) -> None:
+        """Merge LoRA (if any) and write the model with :func:`ompmoe.save_pruned`."""
+        from ..engine.pruning import save_pruned
+
+        save_pruned(self.merged_model(), path, tokenizer=tokenizer, overwrite=overwrite)
+
+    # ------------------------------------------------------------------------------------- loss
+    @property
+    def aux_coef(self) -> float:
+        if self.aux_loss_coef is not None:
+            return float(self.aux_loss_coef)
+        return router_aux_coef(self.hf_model.config)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> LossParts:
+        """Causal-LM loss (+ per-layer load-balancing loss) of one batch."""
+        return causal_lm_loss(self.model, batch, self.aux_coef, self.per_layer_aux_loss, routers=self._routers)
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs, use_cache=False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        parts = self.compute_loss(batch)
+        size = batch["input_ids"].shape[0]
+        self.log("train_loss", parts.loss, prog_bar=True, batch_size=size)
+        if parts.aux_loss is not None:
+            self.log("train_lm_loss", parts.lm_loss, batch_size=size)
+            self.log("train_aux_loss", parts.aux_loss, batch_size=size)
+        return parts.loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        parts = self.compute_loss(batch)
+        self.log(self._val_key("val_loss", dataloader_idx), parts.lm_loss, prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
+
+    def _val_key(self, metric: str, dataloader_idx: int) -> str:
+        """``val_loss``, or ``val_loss/<name>`` per validation set of a :class:`ompmoe.FinetuneDataModule`."""
+        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None)
+        return f"{metric}/{names[dataloader_idx]}" if names else metric
+
+    def on_validation_epoch_end(self) -> None:
+        # Blocks are equally long and unpadded, so exp(mean loss) is each set's token perplexity.
+        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
+        for name in names:
+            loss = self.trainer.callback_metrics.get(f"val_loss/{name}")
+            if loss is not None:
+                self.log(f"val_ppl/{name}", torch.exp(loss), add_dataloader_idx=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if not parameters:
+            raise ValueError("FinetuneModule has no trainable parameters.")
+        return torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
+
+    def on_fit_end(self) -> None:
+        if self.save_dir is None:
+            return
+        model = self.merged_model()
+        if self.trainer.is_global_zero:
+            from ..engine.pruning import save_pruned
+
+            save_pruned(model, self.save_dir, overwrite=self.overwrite)
+
+
+def main(args: list[str] | None = None) -> None:
+    """``python -m ompmoe.lightning.finetune_module fit ...``: LightningCLI of FinetuneModule + FinetuneDataModule
+    (training blocks, and held-out validation per domain: ``--data.val_sources``)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from .finetune_data import FinetuneDataModule
+
+    LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Model names as users give them: hub ids, local paths, ``tiny:<model_type>`` and ``shipped:<name>``.
+
+One place for what the calibration, fine-tuning and evaluation modules all need: load the model
+(pruned checkpoints with any per-layer expert counts included), read its config without
+weights, and pick the tokenizer that goes with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data import resolve_shipped
+
+TINY_PREFIX = "tiny:"
+"""``tiny:<model_type>``: a tiny random model of a supported architecture (offline tests and demos)."""
+BYTES_TOKENIZER = "bytes"
+"""Tokenizer name of the tiny models: UTF-8 bytes as token ids."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"``/``"torch.bfloat16"``/a dtype/``None`` as a ``torch.dtype`` (or ``None``)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'.")
+    return resolved
+
+
+def is_tiny(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(TINY_PREFIX)
+
+
+def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM named ``name``; checkpoints pruned by ompmoe load with their per-layer counts.
+
+    ``dtype=None`` keeps the checkpoint's dtype, except for shipped models (stored in bf16 for
+    size only), which load in float32.
+    """
+    if is_tiny(name):
+        from ..engine.tiny import tiny_model
+
+        return tiny_model(name.removeprefix(TINY_PREFIX), dtype=dtype or torch.float32)
+    from ..engine.pruning import load_pruned
+
+    path = resolve_shipped(name)
+    default = torch.float32 if path != name else "auto"
+    return load_pruned(path, dtype=dtype or default, trust_remote_code=trust_remote_code)
+
+
+def model_config(name: str, trust_remote_code: bool = False) -> Any:
+    """The config of the model named ``name``, without loading weights."""
+    if is_tiny(name):
+        from ..engine.tiny import tiny_config
+
+        return tiny_config(name.removeprefix(TINY_PREFIX))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_shipped(name), trust_remote_code=trust_remote_code)
+
+
+def default_tokenizer(model_name: str | None, tokenizer: str | None = None) -> str | None:
+    """The tokenizer to use: ``tokenizer`` if given, bytes for tiny models, else the model's own."""
+    return resolve_shipped(tokenizer or (BYTES_TOKENIZER if is_tiny(model_name) else model_name))

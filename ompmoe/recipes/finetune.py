@@ -1,0 +1,191 @@
+"""Fine-tuning a pruned model: causal-LM loss plus a load-balancing loss that allows per-layer counts.
+
+transformers' router auxiliary loss (``load_balancing_loss_func``, added to the loss when
+``config.output_router_logits`` is set) uses one expert count for every layer: it sums the
+per-expert token fractions and router probabilities of all layers into one vector of
+``config.num_experts`` entries. A non-uniformly pruned model (layers keeping different numbers
+of experts) therefore fails with a shape error inside the model's ``forward``, and even on a
+uniform model the sum mixes unrelated experts of different layers (expert 3 of layer 1 with
+expert 3 of layer 2).
+
+:func:`load_balancing_loss` computes the same Switch-Transformer formula per layer, with each
+layer's own expert count and top-k, and averages over layers (``per_layer=True``, the default);
+``per_layer=False`` reproduces transformers' pooled value exactly (uniform counts only).
+:func:`causal_lm_loss` runs the model with ``output_router_logits=False``, takes the router
+logits from hooks on the routers instead, and adds the auxiliary term itself, so it works for
+every plan. No Lightning here: :class:`ompmoe.lightning.finetune_module.FinetuneModule` wraps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.adapters import find_moe_layers
+
+IGNORE_INDEX = -100
+"""Label value that the causal-LM loss ignores (padding)."""
+
+
+def load_balancing_loss(
+    router_logits: Sequence[torch.Tensor],
+    top_k: int | Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    per_layer: bool = True,
+) -> torch.Tensor:
+    r"""Switch-Transformer load-balancing loss over MoE layers that may have different expert counts.
+
+    For layer ``l`` with ``N_l`` experts, router probabilities ``p = softmax(logits)``, ``f_{l,e}``
+    the fraction of (token, slot) assignments of the top-``k_l`` routing that go to expert ``e``
+    (per token, so it sums to ``k_l``) and ``P_{l,e}`` the mean router probability of ``e``, the
+    layer's loss is ``N_l * sum_e f_{l,e} P_{l,e}`` (``k_l`` at perfect balance). Padding
+    (``attention_mask == 0``) is left out of both means.
+
+    Args:
+        router_logits: One ``(tokens, N_l)`` tensor per MoE layer (``tokens = batch * seq``).
+        top_k: Experts per token, one int for all layers or one per layer.
+        attention_mask: ``(batch, seq)`` mask of the same tokens, or ``None``.
+        per_layer: ``True``: mean over layers of each layer's loss (any counts). ``False``:
+            transformers' ``load_balancing_loss_func``, which sums ``f`` and ``P`` over layers
+            before the product; needs every layer to have the same count.
+    """
+    logits = list(router_logits)
+    if not logits:
+        raise ValueError("load_balancing_loss needs the router logits of at least one MoE layer.")
+    top_ks = [int(top_k)] * len(logits) if isinstance(top_k, int) else [int(k) for k in top_k]
+    if len(top_ks) != len(logits):
+        raise ValueError(f"Got {len(top_ks)} top-k values for {len(logits)} layers of router logits.")
+    device = logits[0].device
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    fractions, probabilities, rows = [], [], []
+    for layer_logits, k in zip(logits, top_ks):
+        probs = torch.softmax(layer_logits.to(device).float(), dim=-1)
+        selected = torch.topk(probs, k, dim=-1).indices
+        counts = torch.zeros(probs.shape[-1], dtype=torch.float32, device=device)
+        if mask is None:
+            counts = counts.scatter_add_(0, selected.reshape(-1), torch.ones(selected.numel(), device=device))
+            prob_sum = probs.sum(dim=0)
+            total = torch.tensor(float(probs.shape[0]), device=device)
+        else:
+            if mask.numel() != probs.shape[0]:
+                raise ValueError(f"attention_mask has {mask.numel()} tokens but the router logits have {probs.shape[0]}.")
+            counts = counts.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(k))
+            prob_sum = (probs * mask.unsqueeze(-1)).sum(dim=0)
+            total = mask.sum()
+        fractions.append(counts)
+        probabilities.append(prob_sum)
+        rows.append(total)
+    if per_layer:
+        losses = [f.shape[0] * torch.sum((f / n) * (p / n)) for f, p, n in zip(fractions, probabilities, rows)]
+        return torch.stack(losses).mean()
+    sizes = {f.shape[0] for f in fractions}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"per_layer=False (transformers' pooled loss) needs the same number of experts in every layer; "
+            f"these layers have {sorted(sizes)}. Use per_layer=True for a non-uniformly pruned model."
+        )
+    total = torch.stack(rows).sum()
+    f = torch.stack(fractions).sum(dim=0) / total
+    p = torch.stack(probabilities).sum(dim=0) / total
+    return torch.sum(f * p) * sizes.pop()
+
+
+def moe_routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """``(router module, top_k)`` of every MoE layer, in module order.
+
+    Take them from the plain model before wrapping it (PEFT replaces the experts modules, after
+    which :func:`ompmoe.find_moe_layers` no longer recognises the layers; the routers stay).
+    """
+    return [(layer.router, layer.top_k) for layer in find_moe_layers(model)]
+
+
+@contextmanager
+def capture_router_logits(model_or_routers: nn.Module | Sequence[tuple[nn.Module, int]]) -> Iterator[list[torch.Tensor]]:
+    """Collect each MoE layer's router logits (output 0 of the router) during the forwards inside.
+
+    Takes a model or the list of :func:`moe_routers`. Yields a list that fills in module order
+    per forward call; the hooks are removed on exit.
+    """
+    routers = moe_routers(model_or_routers) if isinstance(model_or_routers, nn.Module) else model_or_routers
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, (tuple, list)) else output)
+
+    handles = [router.register_forward_hook(hook) for router, _ in routers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class LossParts:
+    """The pieces of a fine-tuning loss: ``loss = lm_loss + aux_coef * aux_loss``."""
+
+    loss: torch.Tensor
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+def causal_lm_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token labels for ``input_ids``: the ids themselves, padding set to ``IGNORE_INDEX``."""
+    labels = input_ids.clone()
+    if attention_mask is not None:
+        labels[attention_mask == 0] = IGNORE_INDEX
+    return labels
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    aux_coef: float = 0.0,
+    per_layer: bool = True,
+    routers: Sequence[tuple[nn.Module, int]] | None = None,
+) -> LossParts:
+    """Causal-LM loss of ``batch`` (``input_ids``, optional ``attention_mask`` and ``labels``).
+
+    With ``aux_coef > 0`` the load-balancing loss of :func:`load_balancing_loss` over every MoE
+    layer is added with that weight. ``routers`` (from :func:`moe_routers`) must be given when
+    ``model`` wraps the Hugging Face model (a PEFT model); by default they are found in ``model``.
+    The model's own aux loss is always switched off (``output_router_logits=False``): it fails on
+    per-layer expert counts.
+    """
+    input_ids = batch["input_ids"]
+    attention_mask = batch.get("attention_mask")
+    labels = batch.get("labels")
+    if labels is None:
+        labels = causal_lm_labels(input_ids, attention_mask)
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        kwargs["output_router_logits"] = False
+    if not aux_coef:
+        output = model(input_ids=input_ids, labels=labels, **kwargs)
+        return LossParts(loss=output.loss, lm_loss=output.loss, aux_loss=None, logits=output.logits)
+    routers = moe_routers(model) if routers is None else list(routers)
+    with capture_router_logits(routers) as logits:
+        output = model(input_ids=input_ids, labels=labels, **kwargs)
+    if len(logits) != len(routers):
+        raise RuntimeError(f"Captured {len(logits)} router outputs for {len(routers)} MoE layers in one forward.")
+    aux = load_balancing_loss(logits, [k for _, k in routers], attention_mask, per_layer=per_layer)
+    loss = output.loss + aux_coef * aux.to(output.loss.device)
+    return LossParts(loss=loss, lm_loss=output.loss, aux_loss=aux, logits=output.logits)
+
+
+def router_aux_coef(config: Any) -> float:
+    """The router aux-loss weight the model's own training uses: 0 unless ``output_router_logits``."""
+    trained_with_aux = getattr(config, "output_router_logits", False) or (
+        (getattr(config, "ompmoe", None) or {}).get("router_aux_loss", False)  # turned off by a non-uniform prune
+    )
+    if not trained_with_aux:
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.001) or 0.0)

