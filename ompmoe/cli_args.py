@@ -36,7 +36,8 @@ def _is_number(token: str) -> bool:
 def list_option(argv: Sequence[str], name: str) -> list[str]:
     """``--name 0.3``, ``--name 0.25,0.5``, ``--name 0.25 0.5`` and ``--name=0.25,0.5`` as ``--name [..]``.
 
-    A value already in brackets is kept as it is, so jsonargparse reports malformed ones itself.
+    A value already in brackets, or one that is not a list of numbers, is kept as it is, so
+    jsonargparse reports malformed ones itself.
     """
     flag, result, i = f"--{name}", [], 0
     while i < len(argv):
@@ -52,7 +53,10 @@ def list_option(argv: Sequence[str], name: str) -> list[str]:
                 result += [flag, values[0]]
             elif values:
                 items = [item.strip() for value in values for item in value.split(",") if item.strip()]
-                result += [flag, "[" + ",".join(items) + "]"]
+                if items and all(_is_number(item) for item in items):
+                    result += [flag, "[" + ",".join(items) + "]"]
+                else:  # not a list of numbers: jsonargparse names the bad value as given
+                    result += [flag, *values]
             else:
                 result.append(flag)  # no value: jsonargparse says what is missing
             continue

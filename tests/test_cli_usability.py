@@ -31,7 +31,9 @@ ROOT = Path(__file__).parents[1]
         (["--ratio", "[0.25,0.5]"], ["--ratio", "[0.25,0.5]"]),
         (["--ratio", "[]"], ["--ratio", "[]"]),
         (["--ratio"], ["--ratio"]),
-        (["--stats", "s", "--ratio", "abc"], ["--stats", "s", "--ratio", "[abc]"]),
+        (["--stats", "s", "--ratio", "abc"], ["--stats", "s", "--ratio", "abc"]),
+        (["--ratio", "0.25,nan"], ["--ratio", "[0.25,nan]"]),  # numbers to float(); _ratios refuses nan
+        (["--ratio", "0.5,x"], ["--ratio", "0.5,x"]),
         (["--ratios", "0.5"], ["--ratios", "0.5"]),  # another option is left alone
     ],
 )

@@ -68,7 +68,6 @@ class CalibrationModule(pl.LightningModule):
         if self.model is None:
             self.model = self._load_model()
         self.model.eval()
-        self.model.requires_grad_(False)  # forward-only: nothing here is trained
         if self.device_mesh is not None:
             shard_model(self.model, self.device_mesh)
 

@@ -338,6 +338,7 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
     step = max(1, len(indices) // 24)
     ax.set_xticks(x[::step], [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
     ax.set_xlim(-0.6, len(plan.layers) - 0.4)
+    ax.set_ylim(0, total.max() * 1.3)  # room for the legend above the bars
     ax.set_xlabel("layer")
     ax.set_ylabel("experts")
     ax.set_title(f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")
