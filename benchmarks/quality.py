@@ -46,11 +46,17 @@ import torch  # noqa: E402
 import ompmoe  # noqa: E402
 from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
+from ompmoe.engine.io import atomic_path  # noqa: E402
+from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
 
+import quality_report  # noqa: E402  (benchmarks/quality_report.py)
+
 RATIOS = (0.25, 0.5, 0.75)
-ALLOCATIONS = ("uniform", "waterfill", "optimal")
+ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")
 CALIBRATIONS = ("prose", "code", "mix")
+LOSS_AWARE = {"omp_loss", "omp_grad", "omp_fisher", "loss_newton", "loss", "loss_risk"}
+"""Methods and allocations that need the loss-aware statistics pass (ompmoe.engine.loss_stats)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,13 +66,75 @@ def min_ratio_for(ratio: float) -> float:
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> float:
-    total, count = 0.0, 0
-    for batch in blocks.split(batch_size):
+    return evaluate(model, blocks, None, batch_size)[0]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, blocks: torch.Tensor, reference: list[torch.Tensor] | None,
+             batch_size: int = 8) -> tuple[float, float]:
+    """Held-out perplexity and mean per-token ``KL(P_unpruned || P_model)`` (nats) against ``reference`` log-probs."""
+    total, count, kl = 0.0, 0, 0.0
+    for i, batch in enumerate(blocks.split(batch_size)):
         logits = model(input_ids=batch, use_cache=False).logits.float()
         total += float(torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
         count += batch[:, 1:].numel()
-    return math.exp(total / count)
+        if reference is not None:
+            log_q = torch.log_softmax(logits[:, :-1], dim=-1)
+            log_p = reference[i]
+            kl += float((log_p.exp() * (log_p - log_q)).sum())
+    return math.exp(total / count), kl / count
+
+
+@torch.no_grad()
+def reference_log_probs(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> list[torch.Tensor]:
+    return [torch.log_softmax(model(input_ids=b, use_cache=False).logits.float()[:, :-1], dim=-1)
+            for b in blocks.split(batch_size)]
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def calibration_cost(model: torch.nn.Module, blocks: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Seconds (median of ``repeats``, interleaved in one run) of: a plain forward, a forward plus backward of the
+    next-token loss to the inputs (weights frozen), the statistics pass, and the loss-aware statistics pass."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            for b in blocks.split(8):
+                model(input_ids=b, use_cache=False)
+
+    def forward_backward() -> None:
+        flags = [p.requires_grad for p in model.parameters()]
+        model.requires_grad_(False)
+        try:
+            for b in blocks.split(8):
+                embeds = model.get_input_embeddings()(b).detach().requires_grad_(True)
+                logits = model(inputs_embeds=embeds, use_cache=False).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b[:, 1:].flatten(),
+                                                         reduction="sum")
+                torch.autograd.grad(loss, embeds)
+        finally:
+            for p, flag in zip(model.parameters(), flags):
+                p.requires_grad_(flag)
+
+    runs = {
+        "forward": forward,
+        "forward_backward": forward_backward,
+        "stats": lambda: ompmoe.collect_stats(model, blocks.split(8)),
+        "loss_stats": lambda: ompmoe.collect_stats(model, blocks.split(8), loss_aware=True),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            samples[key].append(median_time(fn, 1))
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
 def reconstruction(stats: ompmoe.MoEStats, kept: dict[str, list[int]]) -> float:
@@ -79,142 +147,6 @@ def reconstruction(stats: ompmoe.MoEStats, kept: dict[str, list[int]]) -> float:
     return sum(errors) / len(errors)
 
 
-def markdown_tables(rows: list[dict[str, Any]], base: dict[str, float]) -> str:
-    methods = list(STRATEGIES)
-    index = {(r["calibration"], r["ratio"], r["method"], r["allocation"]): r for r in rows}
-    out = [f"Unpruned model: held-out perplexity prose {base['prose']:.2f}, code {base['code']:.2f}.", ""]
-    for calibration in CALIBRATIONS:
-        for ratio in RATIOS:
-            out += [
-                f"**Calibration {calibration}, ratio {ratio}** (min_ratio {min_ratio_for(ratio)}): reconstruction error on "
-                "the calibration statistics / held-out perplexity prose / code",
-                "",
-                "| method | " + " | ".join(f"{a} recon | {a} prose | {a} code" for a in ALLOCATIONS) + " |",
-                "|---|" + "---:|" * (3 * len(ALLOCATIONS)),
-            ]
-            best = {a: min(index[(calibration, ratio, m, a)]["ppl_mean"] for m in methods) for a in ALLOCATIONS}
-            for method in methods:
-                cells = []
-                for allocation in ALLOCATIONS:
-                    r = index[(calibration, ratio, method, allocation)]
-                    mark = "**" if r["ppl_mean"] == best[allocation] else ""
-                    cells += [f"{r['recon_calib']:.3f}", f"{mark}{r['ppl_prose']:.2f}{mark}", f"{mark}{r['ppl_code']:.2f}{mark}"]
-                out.append(f"| {method} | " + " | ".join(cells) + " |")
-            out.append("")
-    return "\n".join(out)
-
-
-def compact_table(rows: list[dict[str, Any]], base: dict[str, float], calibration: str = "mix") -> str:
-    """One row per method x allocation: recon and held-out perplexity prose / code at each ratio."""
-    index = {(r["calibration"], r["ratio"], r["method"], r["allocation"]): r for r in rows}
-    out = [
-        "| method | allocation | " + " | ".join(f"{ratio}: recon | prose | code" for ratio in RATIOS) + " |",
-        "|---|---|" + "---:|" * (3 * len(RATIOS)),
-        "| unpruned | | " + " | ".join(f"0 | {base['prose']:.1f} | {base['code']:.1f}" for _ in RATIOS) + " |",
-    ]
-    best = {(ratio, d): min(r[f"ppl_{d}"] for r in rows if r["calibration"] == calibration and r["ratio"] == ratio)
-            for ratio in RATIOS for d in CORPUS_DOMAINS}
-    for method in STRATEGIES:
-        for allocation in ALLOCATIONS:
-            cells = []
-            for ratio in RATIOS:
-                r = index[(calibration, ratio, method, allocation)]
-                cells.append(f"{r['recon_calib']:.3f}")
-                for d in CORPUS_DOMAINS:
-                    value = f"{r[f'ppl_{d}']:.1f}"
-                    cells.append(f"**{value}**" if r[f"ppl_{d}"] == best[(ratio, d)] else value)
-            out.append(f"| {method} | {allocation} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def cross_domain_table(rows: list[dict[str, Any]], allocation: str = "waterfill") -> str:
-    """Per method and ratio: perplexity on each domain when calibrated on it, on the other domain, on the mix."""
-    index = {(r["calibration"], r["ratio"], r["method"], r["allocation"]): r for r in rows}
-    out = [
-        f"Held-out perplexity by calibration domain ({allocation} allocation). `own` = calibrated on the measured domain, "
-        "`other` = calibrated on the other domain, `loss` = other / own - 1.",
-        "",
-        "| ratio | method | prose: own | other | mix | loss | code: own | other | mix | loss |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for ratio in RATIOS:
-        for method in STRATEGIES:
-            cells = []
-            for domain, other in (("prose", "code"), ("code", "prose")):
-                own = index[(domain, ratio, method, allocation)][f"ppl_{domain}"]
-                wrong = index[(other, ratio, method, allocation)][f"ppl_{domain}"]
-                mix = index[("mix", ratio, method, allocation)][f"ppl_{domain}"]
-                cells += [f"{own:.2f}", f"{wrong:.2f}", f"{mix:.2f}", f"{100 * (wrong / own - 1):+.0f}%"]
-            out.append(f"| {ratio} | {method} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def summary(rows: list[dict[str, Any]]) -> str:
-    lines = []
-    for calibration in CALIBRATIONS:
-        for ratio in RATIOS:
-            subset = [r for r in rows if r["calibration"] == calibration and r["ratio"] == ratio]
-            ranked = sorted(subset, key=lambda r: r["ppl_mean"])
-            omp = next(r for r in subset if r["method"] == "omp" and r["allocation"] == "waterfill")
-            rank = 1 + sum(r["ppl_mean"] < omp["ppl_mean"] - 1e-9 for r in subset)  # ties share a rank
-            top = ", ".join(f"{r['method']}/{r['allocation']} {r['ppl_prose']:.2f}/{r['ppl_code']:.2f}" for r in ranked[:3])
-            lines.append(f"calibration {calibration:<5} ratio {ratio:<4}: best (prose/code ppl) {top}; omp/waterfill "
-                         f"{omp['ppl_prose']:.2f}/{omp['ppl_code']:.2f} ranks {rank} of {len(subset)} (geometric mean of the two)")
-    return "\n".join(lines)
-
-
-def figure(rows: list[dict[str, Any]], base: dict[str, float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    methods = list(STRATEGIES)
-    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(3, 3, figsize=(15, 13))
-    index = {(r["calibration"], r["ratio"], r["method"], r["allocation"]): r for r in rows}
-    for row, domain in enumerate(CORPUS_DOMAINS):
-        for col, allocation in enumerate(ALLOCATIONS):
-            ax = axes[row, col]
-            for method in methods:
-                ys = [index[("mix", ratio, method, allocation)][f"ppl_{domain}"] for ratio in RATIOS]
-                style = dict(lw=2.6, marker="o") if method == "omp" else dict(lw=1.2, marker=".")
-                ax.plot(RATIOS, ys, color=colors[method], label=method, **style)
-            ax.axhline(base[domain], color="black", ls="--", lw=1, label="unpruned")
-            ax.set_yscale("log")
-            ax.set_xticks(RATIOS)
-            ax.set_title(f"held-out {domain}, {allocation} (calibration: mix)")
-            ax.set_xlabel("pruning ratio")
-            ax.set_ylabel("perplexity")
-            ax.grid(alpha=0.3, which="both")
-    axes[0, 0].legend(fontsize=8, ncol=2)
-    # Bottom row: domain-specific calibration at waterfill, per ratio; bars per method, groups per calibration.
-    for col, ratio in enumerate(RATIOS):
-        ax = axes[2, col]
-        width = 0.8 / len(methods)
-        groups = [(d, c) for d in CORPUS_DOMAINS for c in CALIBRATIONS]
-        for i, method in enumerate(methods):
-            ys = [index[(c, ratio, method, "waterfill")][f"ppl_{d}"] / base[d] for d, c in groups]
-            ax.bar([g + (i - len(methods) / 2 + 0.5) * width for g in range(len(groups))], ys, width,
-                   color=colors[method], label=method)
-        ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{d}\ncal {c}" for d, c in groups], fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("perplexity / unpruned")
-        ax.set_title(f"ratio {ratio}, waterfill: held-out domain x calibration")
-        ax.grid(alpha=0.3, axis="y", which="both")
-    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
-    for ax in axes.flat:
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-    fig.suptitle("ompmoe quality benchmark on shipped:tiny-moe (benchmarks/quality.py)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description="Pruning quality benchmark on shipped:tiny-moe (see module docstring).")
     parser.add_argument("--output_dir", default=str(ROOT / "docs" / "quality"))
@@ -223,6 +155,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--eval_blocks", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", nargs="*", default=list(STRATEGIES))
+    parser.add_argument("--allocations", nargs="*", default=list(ALLOCATIONS))
+    parser.add_argument("--calibrations", nargs="*", default=list(CALIBRATIONS))
+    parser.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
+    parser.add_argument("--model", default="shipped:tiny-moe")
+    parser.add_argument("--sequential", nargs="*", default=[], metavar="METHOD/ALLOCATION",
+                        help="also plan these pairs with sequential calibration (rows named METHOD_seq)")
+    parser.add_argument("--timing_repeats", type=int, default=5)
     parser.add_argument("--from_csv", action="store_true", help="rebuild quality.md and quality.png from quality.csv")
     args = parser.parse_args(argv)
     if args.from_csv:
@@ -235,43 +174,59 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     from ompmoe.lightning.calibration_data import CalibrationDataModule
 
-    path = shipped_model_path("tiny-moe")
+    path = shipped_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     calib_blocks = {
         c: CalibrationDataModule(f"shipped:{c}", tokenizer=str(path), seq_len=args.seq_len, num_blocks=args.calib_blocks).blocks
-        for c in CALIBRATIONS
+        for c in args.calibrations
     }
     eval_blocks = {
         d: token_blocks(corpus_token_stream(tokenizer, d, "heldout", max_tokens=args.eval_blocks * args.seq_len),
                         args.seq_len, args.eval_blocks)
         for d in CORPUS_DOMAINS
     }
-    stats = {c: ompmoe.collect_stats(model, b.split(8), model_id="shipped:tiny-moe", source=f"shipped:{c}")
+    stats = {c: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"shipped:{c}", loss_aware=True)
              for c, b in calib_blocks.items()}
-    heldout_stats = {d: ompmoe.collect_stats(model, b.split(8), model_id="shipped:tiny-moe", source=f"heldout:{d}")
+    cost = calibration_cost(model, calib_blocks[args.calibrations[-1]], args.timing_repeats)
+    print("calibration cost (s, median of {} interleaved runs, {} x {} tokens): {}; loss-aware stats / (forward + "
+          "backward) = {:.3f}, stats / forward = {:.3f}, loss-aware stats / stats = {:.3f}".format(
+              args.timing_repeats, args.calib_blocks, args.seq_len, {k: round(v, 3) for k, v in cost.items()},
+              cost["loss_stats"] / cost["forward_backward"], cost["stats"] / cost["forward"],
+              cost["loss_stats"] / cost["stats"]), flush=True)
+    heldout_stats = {d: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"heldout:{d}")
                      for d, b in eval_blocks.items()}
     base = {d: perplexity(model, eval_blocks[d]) for d in CORPUS_DOMAINS}
+    reference = {d: reference_log_probs(model, eval_blocks[d]) for d in CORPUS_DOMAINS}
     print(f"unpruned held-out perplexity: prose {base['prose']:.3f}, code {base['code']:.3f} "
           f"({args.eval_blocks} x {args.seq_len} tokens each); setup {time.perf_counter() - start:.0f} s", flush=True)
 
     cache: dict[tuple, dict[str, float]] = {}
     rows = []
-    for calibration in CALIBRATIONS:
-        for ratio in RATIOS:
-            for method in args.methods:
-                for allocation in ALLOCATIONS:
+    jobs = [(m, a, False) for m in args.methods for a in args.allocations]
+    jobs += [(*pair.split("/"), True) for pair in args.sequential]
+    num_layers = len(next(iter(stats.values())).layers)
+    for calibration in args.calibrations:
+        for ratio in args.ratios:
+            for method, allocation, sequential in jobs:
                     strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_ratio=min_ratio_for(ratio))
                     plan = strategy.plan(stats[calibration])
+                    loss_aware = bool({method, allocation} & LOSS_AWARE)
+                    if sequential:  # one more statistics pass per MoE layer after the first
+                        plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan,
+                                               loss_aware=method in LOSS_AWARE)
                     kept = plan.kept_by_layer()
                     key = tuple(tuple(kept[name]) for name in sorted(kept))
                     if key not in cache:
                         pruned = ompmoe.prune(copy.deepcopy(model), plan)
-                        cache[key] = {d: perplexity(pruned, eval_blocks[d]) for d in CORPUS_DOMAINS}
+                        results = {d: evaluate(pruned, eval_blocks[d], reference[d]) for d in CORPUS_DOMAINS}
+                        cache[key] = {**{d: r[0] for d, r in results.items()},
+                                      **{f"kl_{d}": r[1] for d, r in results.items()}}
                         del pruned
                     ppl = cache[key]
                     row = {
-                        "calibration": calibration, "ratio": ratio, "method": method, "allocation": allocation,
+                        "calibration": calibration, "ratio": ratio, "method": method + ("_seq" if sequential else ""),
+                        "allocation": allocation,
                         "min_ratio": min_ratio_for(ratio), "achieved_ratio": round(plan.achieved_ratio, 4),
                         "kept_per_layer": "/".join(str(len(kept[layer.name])) for layer in plan.layers),
                         "recon_calib": reconstruction(stats[calibration], kept),
@@ -279,11 +234,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "recon_heldout_code": reconstruction(heldout_stats["code"], kept),
                         "ppl_prose": ppl["prose"], "ppl_code": ppl["code"],
                         "ppl_mean": math.sqrt(ppl["prose"] * ppl["code"]),
+                        "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
+                        "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
+                        "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
+                        + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if method in LOSS_AWARE else 1.0)
+                        * sequential,
                     }
                     rows.append(row)
                     print(f"{calibration:<6}{ratio:<6}{method:<16}{allocation:<10} kept {row['kept_per_layer']:<18} "
                           f"recon {row['recon_calib']:.3f} (held-out {row['recon_heldout_prose']:.3f}/"
                           f"{row['recon_heldout_code']:.3f})  ppl prose {row['ppl_prose']:8.2f}  code {row['ppl_code']:8.2f}"
+                          f"  kl {row['kl_mean']:.4f}"
                           f"  [{time.perf_counter() - start:.0f} s, {len(cache)} pruned models]", flush=True)
 
     out = Path(args.output_dir)
@@ -291,20 +252,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     base_rows = [{"calibration": "none", "ratio": 0.0, "method": "unpruned", "allocation": "", "min_ratio": "",
                   "achieved_ratio": 0.0, "kept_per_layer": "", "recon_calib": 0.0, "recon_heldout_prose": 0.0,
                   "recon_heldout_code": 0.0, "ppl_prose": base["prose"], "ppl_code": base["code"],
-                  "ppl_mean": math.sqrt(base["prose"] * base["code"])}]
-    with open(out / "quality.csv", "w", newline="") as handle:
+                  "ppl_mean": math.sqrt(base["prose"] * base["code"]), "kl_prose": 0.0, "kl_code": 0.0,
+                  "kl_mean": 0.0, "calib_cost": 0.0}]
+    csv_path = out / "quality.csv"
+    with atomic_path(csv_path, overwrite=True) as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in base_rows + rows)
-    if set(args.methods) == set(STRATEGIES):
-        write_reports(base_rows + rows, args)
+    timing = {"model": args.model, **{f"seconds_{k}": round(v, 4) for k, v in cost.items()},
+              "loss_stats_over_forward_backward": cost["loss_stats"] / cost["forward_backward"],
+              "stats_over_forward": cost["stats"] / cost["forward"], "loss_stats_over_stats": cost["loss_stats"] / cost["stats"]}
+    with atomic_path(out / "timing.json", overwrite=True) as tmp:
+        tmp.write_text(__import__("json").dumps(timing, indent=1))
+    write_reports(base_rows + rows, args)
     print(f"wrote {out} in {(time.perf_counter() - start) / 60:.1f} min")
     return rows
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
     numeric = {"ratio", "achieved_ratio", "recon_calib", "recon_heldout_prose", "recon_heldout_code", "ppl_prose",
-               "ppl_code", "ppl_mean"}
+               "ppl_code", "ppl_mean", "kl_prose", "kl_code", "kl_mean", "calib_cost"}
     with open(path, newline="") as handle:
         return [{k: (float(v) if k in numeric else v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
@@ -313,28 +280,35 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
     """quality.md and quality.png from the rows (the first, method ``unpruned``, holds the base perplexities)."""
     out = Path(args.output_dir)
     base_row = next(r for r in all_rows if r["method"] == "unpruned")
-    base = {d: base_row[f"ppl_{d}"] for d in CORPUS_DOMAINS}
     rows = [r for r in all_rows if r["method"] != "unpruned"]
-    tables = markdown_tables(rows, base)
-    cross = cross_domain_table(rows)
+    timing_path = out / "timing.json"
+    timing = __import__("json").loads(timing_path.read_text()) if timing_path.is_file() else {}
     text = "\n".join([
         "# Quality benchmark (`benchmarks/quality.py`)", "",
-        f"shipped:tiny-moe, calibration {args.calib_blocks} x {args.seq_len} tokens, held-out {args.eval_blocks} x "
-        f"{args.seq_len} tokens per domain (the first blocks of the held-out split), torch {torch.__version__}; "
-        "min_ratio 0.375 at ratios 0.25 and 0.5, 0.125 at 0.75 (all strategies). recon = mean over layers of the normalized "
-        "residual on the calibration statistics; bold = lowest geometric-mean perplexity of the column group.", "",
-        "## Summary", "", "```", summary(rows), "```", "",
-        "## Calibration on the mix (the README table)", "",
-        "recon: mean normalized residual on the calibration statistics; bold: lowest perplexity of the column.", "",
-        compact_table(rows, base), "",
-        "## Domain-specific calibration", "", cross, "",
-        "## All results", "", tables,
+        f"{timing.get('model', 'shipped:tiny-moe')}, calibration {args.calib_blocks} x {args.seq_len} tokens, held-out "
+        f"{args.eval_blocks} x {args.seq_len} tokens per domain (the first blocks of the held-out split), torch "
+        f"{torch.__version__}; min_ratio 0.375 at ratios 0.25 and 0.5, 0.125 at 0.75 (all strategies), risk_weight 3.0. "
+        f"Unpruned held-out perplexity: prose {base_row['ppl_prose']:.2f}, code {base_row['ppl_code']:.2f}. "
+        "ppl = geometric mean of the prose and code held-out perplexities; KL = mean per-token "
+        "KL(unpruned || pruned) on the held-out tokens (nats), averaged over the two domains.", "",
+        "## Ranking over all (calibration, ratio) cells", "",
+        "wins: cells where the pair has the lowest ppl (ties count); gap: ppl / best ppl of the cell - 1; "
+        "vs omp/waterfill: geometric mean over cells of ppl / ppl of the paper's method; calibration cost: time of "
+        "the statistics pass it needs relative to the plain statistics pass.", "",
+        quality_report.ranking_table(rows), "",
+        "## Calibration cost", "",
+        "```", __import__("json").dumps(timing, indent=1), "```", "",
+        "## Summary per cell", "", "```", quality_report.summary(rows), "```", "",
+        "## All results", "", quality_report.cell_tables(rows),
     ])
-    (out / "quality.md").write_text(text + "\n", encoding="utf-8")
-    figure(rows, base, out / "quality.png")
-    print(compact_table(rows, base))
-    print(cross)
-    print(summary(rows))
+    with atomic_path(out / "quality.md", overwrite=True) as tmp:
+        tmp.write_text(text + "\n", encoding="utf-8")
+    with atomic_path(out / "quality.png", overwrite=True) as tmp:
+        quality_report.figure(rows, tmp.with_suffix(".png"))
+        if tmp.with_suffix(".png").is_file():
+            tmp.with_suffix(".png").replace(tmp)
+    print(quality_report.ranking_table(rows))
+    print(quality_report.summary(rows))
     return rows
 
 

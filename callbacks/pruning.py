@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
+from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.io import atomic_path, check_writable
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.progress import progress
@@ -86,6 +87,9 @@ class ExpertPruning(Callback):
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
             :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
+        loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward of
+            the next-token loss per batch to the MoE outputs; no weight gradients). The module's
+            forward must run with gradients enabled (``CalibrationModule`` does when asked).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class ExpertPruning(Callback):
         extra_ratios: list[float] | None = None,
         plots: bool = True,
         adaptive_epsilon: float | None = None,
+        loss_aware: bool = False,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -109,6 +114,7 @@ class ExpertPruning(Callback):
         self.extra_ratios = list(extra_ratios or [])
         self.plots = plots
         self.adaptive_epsilon = adaptive_epsilon
+        self.loss_aware = loss_aware
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -152,14 +158,21 @@ class ExpertPruning(Callback):
         routings = [(layer.name, layer.routing) for layer in layers]
         for strategy in [self.strategy, *self._extra_strategies()]:
             strategy.validate(routings)
+            if not self.loss_aware:
+                check_loss_aware_not_needed(strategy)
         datamodule = getattr(trainer, "datamodule", None)
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(
             model,
             model_id=getattr(pl_module, "model_name_or_path", None),
             sources=[describe()] if callable(describe) else None,
+            loss_aware=self.loss_aware,
         )
         self._collector.metric.to(pl_module.device)
+        if self._collector.loss_metric is not None:
+            self._collector.loss_metric.to(pl_module.device)
+            if hasattr(pl_module, "needs_gradients"):
+                pl_module.needs_gradients = True
         if self._restored is not None:
             self._load_metric_state(self._restored)
 
@@ -278,6 +291,10 @@ class ExpertPruning(Callback):
         metric = self._collector.metric
         with metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
             states = {name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults}
+        loss_metric = self._collector.loss_metric
+        if loss_metric is not None:
+            with loss_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
+                states.update({f"loss.{name}": getattr(loss_metric, name).detach().cpu().clone() for name in loss_metric._defaults})
         return {"states": states}
 
     @override
@@ -291,9 +308,14 @@ class ExpertPruning(Callback):
         metric = self._collector.metric
         rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         for name, value in state.get("states", {}).items():
-            current = getattr(metric, name)
+            target = metric
+            if name.startswith("loss."):
+                if self._collector.loss_metric is None:
+                    continue
+                target, name = self._collector.loss_metric, name.removeprefix("loss.")
+            current = getattr(target, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
-            setattr(metric, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+            setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))
 
 
 def _is_stateful(loader: Any) -> bool:

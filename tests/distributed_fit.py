@@ -1,6 +1,6 @@
 """Run a calibration fit under a multi-process CPU strategy (launched as a script by the tests).
 
-usage: python tests/distributed_fit.py OUTPUT_DIR {ddp,fsdp2} NUM_BLOCKS MODEL_TYPE
+usage: python tests/distributed_fit.py OUTPUT_DIR {ddp,fsdp2} NUM_BLOCKS MODEL_TYPE [loss_aware]
 """
 
 import sys
@@ -20,14 +20,14 @@ def calibration_batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, to
     return [{"input_ids": block, "attention_mask": torch.ones_like(block)} for block in blocks]
 
 
-def main(output_dir: str, mode: str, num_blocks: int, model_type: str) -> None:
+def main(output_dir: str, mode: str, num_blocks: int, model_type: str, loss_aware: bool = False) -> None:
     if mode == "ddp":
         strategy = "ddp"
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    callback = ExpertPruning(PruningStrategy(ratio=0.5, min_kept_fraction=0.25), output_dir=output_dir)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, min_kept_fraction=0.25), output_dir=output_dir, loss_aware=loss_aware)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -43,4 +43,4 @@ def main(output_dir: str, mode: str, num_blocks: int, model_type: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["loss_aware"])

@@ -45,12 +45,14 @@ def test_fit_with_the_tiny_config_writes_a_loadable_pruned_model(tmp_path):
 def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
     stats_file = tmp_path / "run" / "stats.safetensors"
+    strategy = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())["trainer"]["callbacks"][0]["init_args"]["strategy"]
+    method, allocation = strategy["init_args"]["method"], strategy["init_args"]["allocation"]
     main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
-          "--model", "shipped:tiny-moe"])
+          "--model", "shipped:tiny-moe", "--method", method, "--allocation", allocation])
     stats = ompmoe.MoEStats.load(stats_file)
     for ratio in (0.25, 0.5):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
-        assert plan == ompmoe.plan_pruning(stats, ratio)
+        assert plan == ompmoe.plan_pruning(stats, ratio, method=method, allocation=allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
     # The 0.5 plan equals the one the calibration fit made.

@@ -17,6 +17,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -199,6 +200,14 @@ class AllocationProblem:
     """Feasible counts per layer under the kept-fraction bounds and the routers' minimum."""
     budget: int | None
     """Total kept experts (``None`` for allocations that ignore the bounds, such as ``uniform``)."""
+    stats: Any = None
+    """The :class:`~ompmoe.MoEStats` planned from (allocations in other units, e.g. ``loss``, read them)."""
+    selections: Sequence[Any] | None = None
+    """The method's selection per layer (ordering or kept set per count)."""
+    coverages: Sequence[torch.Tensor] | None = None
+    """Routing coverage ``C_l(k)`` of each layer's selection."""
+    risk_weight: float = 3.0
+    zeta: float = 1e-6
 
 
 @dataclass(frozen=True)

@@ -269,7 +269,9 @@ def plan_pruning(
         for layer, s in zip(stats.layers, selections)
     ]
     costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
-    counts = get_allocation(allocation).allocate(AllocationProblem(routings, ratio, costs, choices, budget))
+    counts = get_allocation(allocation).allocate(
+        AllocationProblem(routings, ratio, costs, choices, budget, stats, selections, coverages, risk_weight, zeta)
+    )
 
     # A per-count selection lists its kept set first, so ``kept == sorted(order[:count])`` always.
     orders = [s.order_at(k) if isinstance(s, SubsetSelection) else s for s, k in zip(selections, counts)]

@@ -21,8 +21,10 @@ from safetensors.torch import load_file, save_file
 from .io import atomic_path
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
-OPTIONAL_TENSORS = ("gram_normalized",)
+OPTIONAL_TENSORS = ("gram_normalized", "gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
 """Tensors that statistics files written by older versions may lack (``None`` when absent)."""
+SIGNED_TENSORS = ("loss_first_order",)
+"""Optional tensors whose values may be negative (first-order loss terms)."""
 ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 2
 """2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""
@@ -67,6 +69,14 @@ class LayerStats:
     token's routed output; tokens whose atoms cancel to ``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``
     are left out), the objective of the ``omp_normalized`` baseline. ``None`` for statistics
     written before it was collected."""
+    gram_grad: torch.Tensor | None = None
+    """Loss-aware (``collect_stats(..., loss_aware=True)``; see :mod:`ompmoe.engine.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
+    gram_loss: torch.Tensor | None = None
+    """Loss-aware: rank-1 projection Gram ``sum_x a_e(x) a_f(x)``, ``a_e(x) = <d_x, V_e(x)>``."""
+    gram_fisher: torch.Tensor | None = None
+    """Loss-aware: diagonal-Fisher Gram ``sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)``."""
+    loss_first_order: torch.Tensor | None = None
+    """Loss-aware: first-order term ``sum_x a_e(x)`` per expert (may be negative)."""
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -267,7 +277,7 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
             if not bool(torch.isfinite(tensor).all()):
                 raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
             values = tensor.diagonal() if key.startswith("gram") else tensor
-            if bool((values < 0).any()):
+            if key not in SIGNED_TENSORS and bool((values < 0).any()):
                 what = "diagonal" if key.startswith("gram") else "values"
                 raise StatsFileError(
                     f"{where}: tensor {key!r} has negative {what} ({float(values.min())}); these are sums of "

@@ -53,6 +53,8 @@ class CalibrationModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.needs_gradients = False
+        """Set by ``ExpertPruning(loss_aware=True)``: run the forward with gradients enabled (no optimizer step)."""
         self.torch_dtype = resolve_dtype(dtype)
         self.trust_remote_code = trust_remote_code
         if isinstance(model, nn.Module):
@@ -88,7 +90,7 @@ class CalibrationModule(pl.LightningModule):
         return self.model(**inputs, use_cache=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.needs_gradients):
             self(**batch)
 
     def configure_optimizers(self) -> list:

@@ -268,7 +268,8 @@ def test_unknown_method_and_allocation(qwen_stats):
     with pytest.raises(ValueError) as info:
         plan_pruning(qwen_stats, 0.5, allocation="greedy")
     assert str(info.value) == (
-        "Unknown allocation 'greedy'; choose one of ['uniform', 'waterfill', 'optimal'] or register one with "
+        "Unknown allocation 'greedy'; choose one of ['uniform', 'waterfill', 'optimal', 'loss', 'loss_risk'] or "
+        "register one with "
         "ompmoe.register_allocation."
     )
 

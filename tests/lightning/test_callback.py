@@ -194,11 +194,12 @@ def test_resuming_with_a_plain_dataloader_warns(tmp_path):
         trainer([ExpertPruning()]).fit(CalibrationModule("tiny:mixtral"), DataLoader(batches(3)), ckpt_path=str(ckpt))
 
 
-def run_distributed(tmp_path: Path, mode: str, num_blocks: int, model_type: str) -> Path:
+def run_distributed(tmp_path: Path, mode: str, num_blocks: int, model_type: str, loss_aware: bool = False) -> Path:
     out = tmp_path / mode
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, str(TESTS / "distributed_fit.py"), str(out), mode, str(num_blocks), model_type],
+        [sys.executable, str(TESTS / "distributed_fit.py"), str(out), mode, str(num_blocks), model_type]
+        + (["loss_aware"] if loss_aware else []),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -217,12 +218,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def reference_stats(num_blocks: int, model_type: str) -> tuple[torch.nn.Module, ompmoe.MoEStats]:
+def reference_stats(num_blocks: int, model_type: str, loss_aware: bool = False) -> tuple[torch.nn.Module, ompmoe.MoEStats]:
     sys.path.insert(0, str(TESTS))
     from distributed_fit import calibration_batches
 
     model = tiny_model(model_type)
-    return model, ompmoe.collect_stats(model, calibration_batches(num_blocks))
+    return model, ompmoe.collect_stats(model, calibration_batches(num_blocks), loss_aware=loss_aware)
 
 
 @pytest.mark.distributed
@@ -236,6 +237,50 @@ def test_ddp_statistics_equal_single_process(tmp_path, one_thread):
     assert_stats_equal(got, expected, rtol=1e-12)
     plan = ompmoe.plan_pruning(expected, 0.5, min_kept_fraction=0.25)
     assert ompmoe.PruningPlan.load(out / "plan.json").kept_by_layer() == plan.kept_by_layer()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
+    """The loss-aware sums merge across two ranks exactly like one process (padding duplicate left out)."""
+    out = run_distributed(tmp_path, "ddp", 5, "qwen3_moe", loss_aware=True)
+    _, expected = reference_stats(5, "qwen3_moe", loss_aware=True)
+    got = ompmoe.MoEStats.load(out / "stats.safetensors")
+    assert got.layers[0].gram_loss is not None
+    assert_stats_equal(got, expected, rtol=1e-9)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_loss_aware_statistics_equal_single_process(tmp_path, one_thread):
+    """Under FSDP2 the backward to the routed outputs runs on sharded layers; the sums still equal one process."""
+    out = run_distributed(tmp_path, "fsdp2", 6, "qwen3_moe", loss_aware=True)
+    _, expected = reference_stats(6, "qwen3_moe", loss_aware=True)
+    got = ompmoe.MoEStats.load(out / "stats.safetensors")
+    assert got.layers[0].gram_loss is not None
+    assert_stats_equal(got, expected, rtol=1e-9)
+
+
+def test_loss_strategy_without_loss_aware_statistics_is_refused_before_calibration():
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, method="omp_normalized", allocation="loss"))
+    with pytest.raises(ValueError) as error:
+        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2), batch_size=2))
+    assert str(error.value) == (
+        "The strategy's allocation 'loss' needs loss-aware statistics, which this calibration would not collect: "
+        "pass ExpertPruning(..., loss_aware=True)."
+    )
+    assert callback.stats is None
+
+
+def test_loss_aware_fit_equals_collect_stats():
+    data = batches(4)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), loss_aware=True)
+    module = CalibrationModule("tiny:qwen3_moe")
+    trainer(callbacks=[callback]).fit(module, DataLoader(data, batch_size=2))
+    expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), DataLoader(data, batch_size=2), loss_aware=True)
+    assert callback.stats.layers[0].gram_fisher is not None
+    assert_stats_equal(callback.stats, expected, rtol=1e-9)
+    assert all(p.grad is None for p in module.parameters())
 
 
 @pytest.mark.distributed

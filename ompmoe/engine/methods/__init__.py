@@ -5,6 +5,7 @@ Add a method in one file: a ``@register_method`` ``@dataclass`` subclass of :cla
 """
 
 from . import omp, scores, subsets  # noqa: F401 - importing registers the built-in methods
+from . import loss  # noqa: F401,I001 - loss-aware methods and allocations, listed after the others
 from .registry import (
     METHODS,
     Selection,

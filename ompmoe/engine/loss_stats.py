@@ -1,0 +1,269 @@
+"""Loss-aware statistics: the calibration sums seen through the gradient of the language-model loss.
+
+The paper scores a kept set by the reconstruction error ``||Y - sum_kept V||^2`` of each MoE
+block, as if every hidden direction and every layer mattered equally to the model's output.
+With ``d_x = dL / dY_x``, the gradient of the summed next-token loss on the calibration tokens
+with respect to the block's routed output at token ``x``, removing the experts ``U`` changes the
+loss by about ``-sum_{e in U} a_e + 1/2 u^T G u`` with ``a_e(x) = <d_x, V_e(x)>``. This module
+streams, next to the Gram and with the same per-token weights, the sums such estimates need:
+
+- ``gram_grad[e, f]   = sum_x ||d_x||^2 <V_e(x), V_f(x)>`` (isotropic metric per token),
+- ``gram_loss[e, f]   = sum_x a_e(x) a_f(x)`` (rank-1 projection, Gauss-Newton on ``d_x``),
+- ``gram_fisher[e, f] = sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)`` (per-token diagonal Fisher),
+- ``loss_first_order[e] = sum_x a_e(x)`` (first-order term; signed).
+
+``d_x`` comes from one ``torch.autograd.grad`` of the loss with respect to the blocks' routed
+outputs (tensors, not parameters: no weight gradient is computed or kept), run from a forward
+hook on the model right after its forward. The forward must run with gradients enabled; under
+non-reentrant activation checkpointing the recomputed expert calls are not counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from .adapters import MoELayer
+
+LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
+"""Optional :class:`~ompmoe.statistics.LayerStats` fields filled by loss-aware collection."""
+
+
+class LossAwareError(ValueError):
+    """Loss-aware statistics cannot be collected from this forward (no gradient path, no token ids)."""
+
+
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats) over positions whose token and target both count.
+
+    ``token_weight`` is the flattened per-token weight of the statistics (0 for padding or
+    duplicate samples); a prediction counts with the product of its two tokens' weights.
+    """
+    batch, seq = input_ids.shape
+    losses = nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
+    ).view(batch, seq - 1)
+    if token_weight is None:
+        return losses.sum()
+    weight = token_weight.view(batch, seq).to(losses.device, losses.dtype)
+    pair_weight = weight[:, :-1] * weight[:, 1:]
+    return torch.where(pair_weight > 0, losses * pair_weight, 0.0).sum()
+
+
+class LossStatsMetric(Metric):
+    """Sum-reduced loss-aware states of every MoE layer (merge exactly across batches and ranks)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.num_experts = [layer.num_experts for layer in layers]
+        for i, n in enumerate(self.num_experts):
+            for key in LOSS_TENSORS:
+                shape = (n,) if key == "loss_first_order" else (n, n)
+                self.add_state(f"{key}_{i}", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(
+        self,
+        index: int,
+        top_k_index: torch.Tensor,
+        atoms: torch.Tensor,
+        grad: torch.Tensor,
+        token_weight: torch.Tensor | None,
+    ) -> None:
+        """Add one layer's batch: ``atoms`` ``(T, k, d)`` = ``g F``, ``grad`` ``(T, d)`` = ``d_x``."""
+        n = self.num_experts[index]
+        device = self.loss_sum.device
+        atoms = atoms.detach().to(device, torch.float32)
+        grad = grad.detach().to(device, torch.float32)
+        ids = top_k_index.to(device)
+        if token_weight is not None:
+            keep = token_weight.to(device) > 0
+            atoms, grad, ids = atoms[keep], grad[keep], ids[keep]
+            weight = token_weight.to(device, torch.float64)[keep]
+        else:
+            weight = None
+        top_k = atoms.shape[1]
+        # One batched product gives <V_e, V_f> (rows :k), sum_i d_i^2 V_e,i V_f,i (rows k:) and a_e (last column).
+        left = torch.cat([atoms, atoms * grad.square().unsqueeze(1)], dim=1)  # (T, 2k, d)
+        right = torch.cat([atoms, grad.unsqueeze(1)], dim=1).transpose(1, 2)  # (T, d, k + 1)
+        products = torch.bmm(left, right).to(torch.float64)  # (T, 2k, k + 1)
+        projection = products[:, :top_k, top_k]  # a_e(x) = <V_e(x), d_x>
+        grad_energy = grad.square().sum(-1).to(torch.float64)
+        per_pair = torch.stack([
+            products[:, :top_k, :top_k] * grad_energy.view(-1, 1, 1),  # gram_grad
+            projection.unsqueeze(-1) * projection.unsqueeze(-2),  # gram_loss
+            products[:, top_k:, :top_k],  # gram_fisher
+        ])  # (3, T, k, k)
+        if weight is not None:
+            per_pair = per_pair * weight.view(1, -1, 1, 1)
+            projection = projection * weight.view(-1, 1)
+        flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
+        sums = per_pair.new_zeros(3, n * n).index_add_(1, flat_gram_index, per_pair.reshape(3, -1))
+        for key, value in zip(("gram_grad", "gram_loss", "gram_fisher"), sums):
+            getattr(self, f"{key}_{index}").view(-1).add_(value)
+        getattr(self, f"loss_first_order_{index}").index_add_(0, ids.reshape(-1), projection.reshape(-1))
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().to(self.loss_sum.device, torch.float64)
+
+    def compute(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, the loss-aware tensors (summed over ranks when distributed)."""
+        return [
+            {key: getattr(self, f"{key}_{i}").clone() for key in LOSS_TENSORS} for i in range(len(self.num_experts))
+        ]
+
+
+class LossGradientRecorder:
+    """Hooks that turn each instrumented forward into loss-aware sums with one backward to the routed outputs.
+
+    :meth:`observe` receives each layer's routed pairs (the statistics callback); a forward hook
+    on the layer's ``experts`` pairs them with the routed output tensor; a forward hook on the
+    model computes :func:`next_token_loss` from the logits and ``d_x`` for every layer at once.
+    ``token_weight`` returns the current batch's per-token weights (the statistics' mask).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[MoELayer],
+        metric: LossStatsMetric,
+        token_weight: Callable[[], torch.Tensor | None],
+        retain_graph: bool = True,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.metric = metric
+        self.token_weight = token_weight
+        self.retain_graph = retain_graph
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._input_ids: torch.Tensor | None = None
+        self._in_backward = False
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        if self._handles:
+            return
+        embeddings = self.model.get_input_embeddings()
+        self._handles.append(embeddings.register_forward_hook(self._embedding_hook))
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.experts.register_forward_hook(self._experts_hook(index)))
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._model_hook))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._clear()
+
+    def _clear(self) -> None:
+        self._pending, self._outputs, self._input_ids = {}, {}, None
+
+    @property
+    def recording(self) -> bool:
+        """False while the backward recomputes checkpointed forwards (nothing is counted twice)."""
+        return not self._in_backward
+
+    def observe(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor) -> None:
+        if self._in_backward:
+            return
+        num_tokens, top_k = top_k_index.shape
+        atoms = outputs.detach().view(num_tokens, top_k, -1) * top_k_weights.detach().unsqueeze(-1).to(outputs.dtype)
+        self._pending[index] = (top_k_index.detach(), atoms)
+
+    def _embedding_hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        # Frozen weights: make the embeddings a leaf that requires grad so d_x has a path.
+        if torch.is_grad_enabled() and not self._in_backward and not output.requires_grad:
+            return output.detach().requires_grad_(True)
+        return None
+
+    def _experts_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if not self._in_backward and index in self._pending:
+                self._outputs[index] = output
+
+        return hook
+
+    def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if self._in_backward:
+            return
+        self._clear()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise LossAwareError(
+                "Loss-aware statistics need input_ids (the next-token loss is computed on them); "
+                "this batch passes only inputs_embeds. Pass token ids, or collect without loss_aware."
+            )
+        self._input_ids = ids
+
+    def _model_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._in_backward:
+            return
+        try:
+            self._backward(output)
+        finally:
+            self._clear()
+
+    # --------------------------------------------------------------- backward
+    def _backward(self, output: Any) -> None:
+        indices = sorted(self._outputs)
+        if not indices:
+            return
+        tensors = [self._outputs[i] for i in indices]
+        if not all(t.requires_grad for t in tensors):
+            raise LossAwareError(
+                "loss_aware=True needs the forward to run with gradients enabled (the routed outputs "
+                "have no gradient path): do not wrap the forward in torch.no_grad() (CalibrationModule "
+                "switches it on when the callback asks), and use non-reentrant activation checkpointing "
+                "(use_reentrant=False)."
+            )
+        logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
+        if logits is None:
+            logits = output[0] if isinstance(output, (tuple, list)) else output
+        weight = self.token_weight()
+        assert self._input_ids is not None
+        loss = next_token_loss(logits, self._input_ids, weight)
+        self._in_backward = True
+        try:
+            grads = torch.autograd.grad(loss, tensors, retain_graph=self.retain_graph, allow_unused=True)
+        finally:
+            self._in_backward = False
+        self.metric.add_loss(loss)
+        for index, tensor, grad in zip(indices, tensors, grads):
+            top_k_index, atoms = self._pending[index]
+            if grad is None:
+                grad = torch.zeros_like(tensor)
+            self.metric.update(index, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weight)
+
+
+def recording_callback(update: Callable[..., None], recorder: LossGradientRecorder | None) -> Callable[..., None]:
+    """The statistics callback, also feeding ``recorder`` and silent during its backward (checkpoint recomputes)."""
+    if recorder is None:
+        return update
+
+    def callback(
+        index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+        atoms: torch.Tensor | None = None,
+    ) -> None:
+        if recorder.recording:
+            update(index, top_k_index, top_k_weights, outputs, atoms)
+            recorder.observe(index, top_k_index, top_k_weights, outputs)
+
+    return callback
+
+
+def with_loss_tensors(layers: list[Any], metric: LossStatsMetric) -> list[Any]:
+    """``layers`` (:class:`~ompmoe.statistics.LayerStats`) with the loss-aware sums of ``metric`` filled in."""
+    import dataclasses
+
+    return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, metric.compute())]

@@ -1,0 +1,224 @@
+"""Selection and allocation in loss units, from the loss-aware sums of :mod:`ompmoe.engine.loss_stats`.
+
+Removing the experts ``U`` of a layer (indicator ``u``) changes the calibration loss by about
+
+    dL(u) = -s^T u + 1/2 u^T H u,    s = loss_first_order,  H = gram_loss (or another loss Gram),
+
+in nats summed over the calibration tokens; divided by the token count it is a per-token loss
+increase. Unlike the paper's normalized residual ``r_l(k)`` these estimates are in the same
+units in every layer, so they add up across layers without normalization, and the budget goes
+where the summed estimate is smallest (exact dynamic program under the usual per-layer bounds).
+
+Methods (registered in :data:`ompmoe.METHODS`, usable as ``plan_pruning(method=...)``):
+
+- ``omp_loss``: greedy pursuit on ``gram_loss`` (the paper's Algorithm 1 in the loss metric),
+- ``omp_grad``: greedy pursuit on ``gram_grad`` (per-token weight ``||d_x||^2``),
+- ``omp_fisher``: greedy pursuit on ``gram_fisher`` (per-token diagonal Fisher),
+- ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term.
+
+Allocations (registered in :data:`ompmoe.ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
+``loss_risk``: the paper's per-layer cost ``r_l(k) + lambda * -log(C_l(k) + zeta)`` measured in loss
+units, i.e. ``dL_l(k) + lambda * dL_l(0) * -log(C_l(k) + zeta)`` (``dL_l(0)``, the estimate for
+removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs by its loss scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ..allocation import AllocationProblem, optimal_allocation, register_allocation
+from ..selection import greedy_pursuit
+from ..statistics import LayerStats
+from .registry import Selection, SelectionMethod, register_method
+
+LOSS_ALLOCATIONS = ("loss", "loss_risk")
+
+
+def require_loss_tensors(layers: Sequence[LayerStats], key: str, what: str) -> None:
+    """Refuse statistics without the loss-aware sum ``key``, naming the option that collects it."""
+    missing = [layer.name for layer in layers if getattr(layer, key) is None]
+    if missing:
+        raise ValueError(
+            f"{what} needs loss-aware statistics ({key!r}), which these statistics lack (layers "
+            f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with "
+            "ompmoe.collect_stats(model, batches, loss_aware=True) or OMPMoEPruning(..., loss_aware=True)."
+        )
+
+
+def check_loss_aware_not_needed(strategy: object) -> None:
+    """Refuse, before calibration, a strategy whose method or allocation needs loss-aware statistics."""
+    method, allocation = getattr(strategy, "method", None), getattr(strategy, "allocation", None)
+    needs = ([f"method {method!r}"] if method in LOSS_METHODS else []) + (
+        [f"allocation {allocation!r}"] if allocation in LOSS_ALLOCATIONS else []
+    )
+    if needs:
+        raise ValueError(
+            f"The strategy's {' and '.join(needs)} needs loss-aware statistics, which this calibration would not "
+            "collect: pass ExpertPruning(..., loss_aware=True)."
+        )
+
+
+def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most.
+
+    ``u`` starts at all ones (every expert removed); keeping ``e`` lowers ``q`` by
+    ``(H u)_e - H_ee / 2 - linear_e``. With ``linear = 0`` and ``H = 2 G`` this is the greedy
+    binary pursuit on ``G``. Group-limited routers (``num_groups > 1``) pick in rounds of one
+    expert per group, like :func:`~ompmoe.selection.greedy_pursuit`. Ties go to the lowest id.
+    """
+    h = hessian.to(torch.float64)
+    b = linear.to(torch.float64)
+    n = h.shape[0]
+    if n % num_groups:
+        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
+    group_size = n // num_groups
+    hu = h.sum(dim=1)
+    half_diagonal = 0.5 * h.diagonal()
+    taken = torch.zeros(n, dtype=torch.bool)
+    blocked = taken
+    order = []
+    for step in range(n):
+        if num_groups > 1 and step % num_groups == 0:
+            blocked = taken.clone()
+        drop = (hu - half_diagonal - b).masked_fill(blocked, float("-inf"))
+        chosen = int(drop.argmax())  # first maximum: ties go to the lowest id
+        order.append(chosen)
+        hu = hu - h[:, chosen]
+        taken[chosen] = True
+        if num_groups > 1:
+            blocked[(chosen // group_size) * group_size : (chosen // group_size + 1) * group_size] = True
+    return torch.tensor(order, dtype=torch.long)
+
+
+def _pursuit_on(layers: Sequence[LayerStats], key: str, method: str) -> list[Selection]:
+    require_loss_tensors(layers, key, f"Method {method!r}")
+    return [greedy_pursuit(getattr(layer, key), num_groups=layer.num_groups, with_gains=False).order for layer in layers]
+
+
+@register_method
+@dataclass
+class OMPLoss(SelectionMethod):
+    """greedy pursuit on the rank-1 loss Gram `sum_x a_e(x) a_f(x)`, `a_e(x) = <dL/dY_x, V_e(x)>` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_loss"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_loss", self.name)
+
+
+@register_method
+@dataclass
+class OMPGrad(SelectionMethod):
+    """greedy pursuit on the Gram weighted per token by `||dL/dY_x||^2` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_grad"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_grad", self.name)
+
+
+@register_method
+@dataclass
+class OMPFisher(SelectionMethod):
+    """greedy pursuit on the per-token diagonal-Fisher Gram `sum_x sum_i d_{x,i}^2 V_e,i V_f,i` (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_fisher"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        return _pursuit_on(layers, "gram_fisher", self.name)
+
+
+@register_method
+@dataclass
+class LossNewton(SelectionMethod):
+    """greedy minimum of the second-order loss estimate `-s^T u + u^T G_loss u / 2` with its first-order term (loss-aware statistics)"""
+
+    name: ClassVar[str] = "loss_newton"
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        require_loss_tensors(layers, "gram_loss", f"Method {self.name!r}")
+        require_loss_tensors(layers, "loss_first_order", f"Method {self.name!r}")
+        return [greedy_quadratic(layer.gram_loss, layer.loss_first_order, layer.num_groups) for layer in layers]
+
+
+LOSS_METHODS = ("omp_loss", "omp_grad", "omp_fisher", "loss_newton")
+"""The loss-aware methods (they need statistics collected with ``loss_aware=True``)."""
+
+
+def kept_masks(selection: torch.Tensor | object, num_experts: int) -> torch.Tensor:
+    """``(N + 1, N)`` bool: the experts kept at each count, from an ordering or a ``SubsetSelection``."""
+    if isinstance(selection, torch.Tensor):
+        ranks = torch.empty(num_experts, dtype=torch.long)
+        ranks[selection] = torch.arange(num_experts)
+        return ranks.unsqueeze(0) < torch.arange(num_experts + 1).unsqueeze(1)
+    return selection.kept.bool()  # SubsetSelection
+
+
+def loss_estimate(hessian: torch.Tensor, linear: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``dL(u) = -linear^T u + 1/2 u^T H u`` with ``u`` the experts left out, for each row of ``kept``."""
+    u = (~kept.bool()).to(torch.float64)
+    h = hessian.to(torch.float64)
+    return -(u @ linear.to(torch.float64)) + 0.5 * ((u @ h) * u).sum(-1)
+
+
+def loss_curves(layers: Sequence[LayerStats], selections: Sequence[object], num_tokens: int) -> list[np.ndarray]:
+    """Per layer, the estimated per-token loss increase of keeping each count ``k = 0..N`` of ``selections``."""
+    require_loss_tensors(layers, "gram_loss", "A loss allocation")
+    require_loss_tensors(layers, "loss_first_order", "A loss allocation")
+    return [
+        (loss_estimate(layer.gram_loss, layer.loss_first_order, kept_masks(s, layer.num_experts)) / max(num_tokens, 1))
+        .cpu()
+        .numpy()
+        for layer, s in zip(layers, selections)
+    ]
+
+
+def loss_allocation_costs(
+    layers: Sequence[LayerStats],
+    selections: Sequence[object],
+    coverages: Sequence[torch.Tensor],
+    num_tokens: int,
+    allocation: str,
+    risk_weight: float,
+    zeta: float,
+) -> list[np.ndarray]:
+    """Cost curves of a loss allocation: the loss estimate, plus for ``loss_risk`` the routing risk
+    scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``.
+
+    The allocation itself is the exact dynamic program of
+    :func:`~ompmoe.engine.allocation.optimal_allocation` over these curves.
+    """
+    if allocation not in LOSS_ALLOCATIONS:
+        raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of {list(LOSS_ALLOCATIONS)}.")
+    curves = loss_curves(layers, selections, num_tokens)
+    if allocation == "loss":
+        return curves
+    risks = [-np.log(np.clip(c.to(torch.float64).cpu().numpy(), 0.0, None) + zeta) for c in coverages]
+    return [curve + risk_weight * max(float(curve[0]), 0.0) * risk for curve, risk in zip(curves, risks)]
+
+
+def _loss_problem_costs(problem: AllocationProblem, allocation: str) -> list[np.ndarray]:
+    if problem.stats is None or problem.selections is None or problem.coverages is None:
+        raise ValueError(f"Allocation {allocation!r} needs the statistics and selections (use ompmoe.plan_pruning).")
+    stats = problem.stats
+    return loss_allocation_costs(stats.layers, problem.selections, problem.coverages, stats.num_tokens, allocation,
+                                 problem.risk_weight, problem.zeta)
+
+
+@register_allocation("loss")
+def _loss(problem: AllocationProblem) -> list[int]:
+    """the exact minimum (dynamic program) of the summed per-token loss estimates `sum_l dL_l(k_l)` under the kept-fraction bounds (loss-aware statistics)"""
+    assert problem.budget is not None
+    return optimal_allocation(_loss_problem_costs(problem, "loss"), problem.choices, problem.budget)
+
+
+@register_allocation("loss_risk")
+def _loss_risk(problem: AllocationProblem) -> list[int]:
+    """as `loss`, plus the routing risk `lambda dL_l(0) -log(C_l(k) + zeta)` (the paper's per-layer cost in loss units)"""
+    assert problem.budget is not None
+    return optimal_allocation(_loss_problem_costs(problem, "loss_risk"), problem.choices, problem.budget)
