@@ -28,9 +28,11 @@ from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.io import atomic_path, check_writable
 from ompmoe.engine.plan import PruningPlan
+from ompmoe.engine.progress import progress
 from ompmoe.engine.pruning import prune, save_pruned
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import PruningStrategy, Strategy
+from ompmoe.engine.summary import kept_summary
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ class ExpertPruning(Callback):
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
+        self._progress: bool | None = False
 
     @property
     @override
@@ -237,6 +240,8 @@ class ExpertPruning(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._collector is not None
         stats = self._collector.result()  # torchmetrics sums the states over ranks here
+        # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
+        self._progress = None if trainer.progress_bar_callback is not None else False
         plan = self.strategy.plan(stats)
         model = _unsharded(self._collector.model, trainer.is_global_zero)
         self.stats, self.plan = stats, plan
@@ -260,6 +265,9 @@ class ExpertPruning(Callback):
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
         with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True) as tmp:
+            steps = ["statistics"] + (["plots"] if self.plots else []) + (["model"] if self.save_model else [])
+            bar = iter(progress(steps, "ompmoe writing", self._progress, unit="part"))
+            next(bar)
             stats.save(tmp / STATS_FILE)
             plan.save(tmp / PLAN_FILE)
             for strategy in self._extra_strategies():
@@ -267,12 +275,15 @@ class ExpertPruning(Callback):
             if self.plots:
                 from ompmoe.recipes.plots import write_plots
 
-                write_plots(stats, tmp / PLOTS_DIR, plan=plan)
+                next(bar)
+                write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=self._progress)
             if self.save_model:
+                next(bar)
                 save_pruned(
                     model, tmp / MODEL_DIR, tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule),
                     dtype=self.dtype, calibration="; ".join(stats.sources) or None,
                 )
+            next(bar, None)
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
     def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
@@ -283,8 +294,7 @@ class ExpertPruning(Callback):
             metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        kept = ", ".join(f"{layer.name}={layer.num_kept}/{layer.num_experts}" for layer in plan.layers)
-        rank_zero_info(f"ompmoe: removed {plan.achieved_ratio:.3f} of routed experts ({kept})")
+        rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints
     @override

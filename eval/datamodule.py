@@ -304,6 +304,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         """lm-eval's TaskManager; indexing lm-eval's own ~15k task configs (slow) only when needed."""
         from lm_eval.tasks import TaskManager
 
+        from .lm_eval_notices import drop_metadata_notice
+
+        drop_metadata_notice()
         paths = [str(TASKS_DIR), *(str(Path(p).expanduser()) for p in self.include_path)]
         for path in paths[1:]:
             if not os.path.exists(path):
