@@ -1,8 +1,7 @@
 """OMP-MoE+ adaptive inference benchmark: experts per token, skip ratio, FLOPs and speed vs epsilon.
 
-Run ``python benchmarks/adaptive.py`` (about a minute on one CPU thread). For epsilon in
-0, 0.01, 0.05, 0.1, 0.2, 0.3 (and the plain model, adaptive inference off) it reports, on a
-Qwen3-MoE-shaped model (4 MoE layers, 32 experts, top-8, d = d_ffn = 256):
+Run ``python benchmarks/adaptive.py`` (a few minutes on one CPU thread). For epsilon in 0, 0.01,
+0.05, 0.1, 0.2, 0.3 (and the plain model, adaptive inference off) it reports:
 
 - average experts executed per token and MoE layer, skip ratio, and the routed-expert FLOPs
   ratio ``E[m] / K`` (the paper's appendix: the rest of the layer is unchanged);
@@ -10,14 +9,22 @@ Qwen3-MoE-shaped model (4 MoE layers, 32 experts, top-8, d = d_ffn = 256):
   by hooks on the sparse blocks) and of the whole forward pass, with speedups relative to
   epsilon = 0 measured in the same run (median over repeats, settings interleaved so background
   load hits all alike), in wall-clock and in process CPU time (which other processes disturb less);
-- held-out perplexity on the shipped text (byte tokens).
+- the overhead ``o = t_MoE(eps) / t_MoE(0) - FLOPs ratio`` (CPU time; rule plus compaction, as a share of
+  the epsilon = 0 MoE time): adaptive inference breaks even once the skip ratio exceeds ``o``;
+- held-out perplexity.
 
-The model is random (``ompmoe.engine.tiny``) until the trained tiny MoE of the quality issue exists, so
-the perplexity column is meaningless (a random model is near or above the uniform 256). It is
-built with ``initializer_range=0.06`` so expert energies ``alpha_e`` are O(10-100) as in real
-models; with the default 0.02 they are ~0.07 and the absolute ``zeta = 1e-6`` already keeps
-every expert at epsilon = 0.01. Alphas come from statistics on 16 x 256 calibration tokens.
-Both the ``grouped_mm`` (transformers' default) and ``eager`` experts implementations are timed.
+Two models, sections ``--models``:
+
+``shipped``  the trained ``shipped:tiny-moe`` (Qwen3-MoE, 6 layers x 16 experts, top-4, d = 256),
+             alphas from 16 x 256 tokens of the shipped corpus' calibration split (prose and code),
+             perplexity on 8 x 256 tokens of the held-out splits (4 per domain); timing on 4 x 256 tokens.
+``real``     one decoder layer at the Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, width
+             768), random weights with routers ``normal(0, 0.05)`` (peaked gates like trained
+             routers; the default 0.02 makes top-k weights nearly uniform), alphas from 2 x 512
+             tokens, timing on 512 tokens; no perplexity (random weights).
+
+Both the ``grouped_mm`` (transformers' default) and ``eager`` experts implementations are timed on
+the shipped model, ``grouped_mm`` at the real shape.
 """
 
 from __future__ import annotations
@@ -30,27 +37,30 @@ import torch
 
 import ompmoe
 from ompmoe.engine.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive, reset_adaptive_counters
-from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.engine.tiny import tiny_model
+import sys
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ompmoe.data import corpus_token_stream, shipped_model_path, token_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import QWEN3_30B_A3B, build_model  # noqa: E402
 
 EPSILONS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.3)
 SEQ_LEN = 256
 
 
-def build_model(width: int = 256) -> torch.nn.Module:
-    return tiny_model(
-        "qwen3_moe",
-        hidden_size=256,
-        moe_intermediate_size=width,
-        num_experts=32,
-        num_experts_per_tok=8,
-        num_hidden_layers=4,
-        mlp_only_layers=[],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        initializer_range=0.06,
-    )
+def shipped_model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The trained shipped model in float32, calibration blocks and held-out blocks (prose then code)."""
+    path = shipped_model_path("tiny-moe")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    calibration, held_out = [], []
+    for domain in ("prose", "code"):
+        calibration.append(token_blocks(corpus_token_stream(tokenizer, domain, "calibration", SEQ_LEN * 8), SEQ_LEN, 8))
+        held_out.append(token_blocks(corpus_token_stream(tokenizer, domain, "heldout", SEQ_LEN * 4), SEQ_LEN, 4))
+    return model, torch.cat(calibration), torch.cat(held_out)
 
 
 class BlockTimer:
@@ -110,8 +120,10 @@ def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int) ->
         configure(model, stats, epsilon)
         if epsilon is not None:
             reset_adaptive_counters(model)
-        ppl = perplexity(model, held_out, batch)
+        ppl = perplexity(model, held_out, batch) if held_out is not None else float("nan")
         held = adaptive_totals(adaptive_report(model)) if epsilon is not None else None
+        if held is not None and held_out is None:  # no held-out text: count on the timing batch
+            held = counters[i]
         results.append(
             {
                 "epsilon": epsilon,
@@ -129,7 +141,7 @@ def print_table(results: list[dict], top_k: int) -> None:
     base = next(r for r in results if r["epsilon"] == 0.0)
     print(
         f"{'epsilon':>8} {'experts/tok':>11} {'skip':>6} {'FLOPs':>6} {'MoE ms':>7} {'MoE x':>6} {'MoE x cpu':>9} "
-        f"{'fwd ms':>7} {'fwd x':>6} {'fwd x cpu':>9} {'held-out ppl':>12}"
+        f"{'fwd ms':>7} {'fwd x':>6} {'fwd x cpu':>9} {'overhead':>8} {'held-out ppl':>12}"
     )
     for r in results:
         if r["epsilon"] is None:
@@ -138,47 +150,58 @@ def print_table(results: list[dict], top_k: int) -> None:
             c = r["held_out_counters"]
             label = f"{r['epsilon']:g}"
             avg, skip, flops = f"{c['avg_experts_per_token']:.3f}", f"{c['skip_ratio']:.3f}", f"{c['flops_ratio']:.3f}"
+        timing = r["counters"] if r["epsilon"] is not None else None
+        overhead = f"{r['moe_cpu'] / base['moe_cpu'] - timing['flops_ratio']:+.3f}" if timing else ""
         print(
             f"{label:>8} {avg:>11} {skip:>6} {flops:>6} {r['moe'] * 1e3:>7.1f} {base['moe'] / r['moe']:>6.2f} "
             f"{base['moe_cpu'] / r['moe_cpu']:>9.2f} {r['wall'] * 1e3:>7.1f} {base['wall'] / r['wall']:>6.2f} "
-            f"{base['cpu'] / r['cpu']:>9.2f} {r['ppl']:>12.2f}"
+            f"{base['cpu'] / r['cpu']:>9.2f} {overhead:>8} {r['ppl']:>12.2f}"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--width", type=int, default=256, help="expert FFN width d_ffn")
+    parser.add_argument("--real_repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="sequences of 256 tokens per forward pass")
+    parser.add_argument("--models", nargs="+", default=["shipped", "real"], choices=["shipped", "real"])
     parser.add_argument("--implementations", nargs="+", default=["grouped_mm", "eager"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-
-    tokens = byte_tokens(shipped_text())
-    blocks = token_blocks(tokens, SEQ_LEN, 32)
-    calibration, held_out = blocks[:16], blocks[24:32]
-    timing_batch = held_out[: args.batch]
-
-    model = build_model(args.width)
-    stats = ompmoe.collect_stats(model, [calibration[i : i + args.batch] for i in range(0, 16, args.batch)])
-    layers = ompmoe.find_moe_layers(model)
-    top_k = layers[0].top_k
-    alphas = torch.cat([layer.alpha for layer in stats.layers])
-    print(
-        f"qwen3_moe random: {len(layers)} MoE layers x {layers[0].num_experts} experts, top-{top_k}, d=256, "
-        f"d_ffn={args.width}; alphas from {stats.num_tokens} calibration tokens (median alpha {alphas.median():.1f}); "
-        f"held-out {held_out.numel()} tokens; timing: {timing_batch.numel()} tokens per forward, "
-        f"median of {args.repeats}, 1 thread"
-    )
-    print("experts/tok, skip and FLOPs (= E[m]/K, routed experts) are counted on the held-out tokens; "
-          "x = speedup vs epsilon=0 (wall clock; 'x cpu' from process CPU time); ppl is meaningless "
-          "on a random model\n")
-    for implementation in args.implementations:
-        model.set_experts_implementation(implementation)
-        print(f"experts implementation: {implementation}")
-        results = benchmark(model, stats, timing_batch, held_out, args.repeats, args.batch)
-        print_table(results, top_k)
+    print("experts/tok, skip and FLOPs (= E[m]/K, routed experts) are counted on the held-out tokens (real shape: "
+          "the timing batch); x = speedup vs epsilon=0 (wall clock; 'x cpu' from process CPU time); overhead = "
+          "MoE CPU time / MoE CPU time at epsilon 0 - FLOPs ratio (break-even skip ratio)\n")
+    if "shipped" in args.models:
+        model, calibration, held_out = shipped_model()
+        stats = ompmoe.collect_stats(model, calibration.split(args.batch))
+        layers = ompmoe.find_moe_layers(model)
+        alphas = torch.cat([layer.alpha for layer in stats.layers])
+        print(
+            f"shipped:tiny-moe (trained): {len(layers)} MoE layers x {layers[0].num_experts} experts, "
+            f"top-{layers[0].top_k}; alphas from {stats.num_tokens} calibration tokens (median alpha "
+            f"{alphas.median():.2f}); held-out {held_out.numel()} tokens (prose + code); timing: "
+            f"{args.batch * SEQ_LEN} tokens per forward, median of {args.repeats}, 1 thread"
+        )
+        for implementation in args.implementations:
+            model.set_experts_implementation(implementation)
+            print(f"experts implementation: {implementation}")
+            results = benchmark(model, stats, held_out[: args.batch], held_out, args.repeats, args.batch)
+            print_table(results, layers[0].top_k)
+            print()
+    if "real" in args.models:
+        model = build_model(QWEN3_30B_A3B, 1, router_std=0.05)
+        generator = torch.Generator().manual_seed(0)
+        calibration = [torch.randint(0, 256, (1, 512), generator=generator) for _ in range(2)]
+        timing_batch = torch.randint(0, 256, (1, 512), generator=generator)
+        stats = ompmoe.collect_stats(model, calibration)
+        print(
+            "Qwen3-30B-A3B layer shape (random weights, routers normal(0, 0.05)): 1 decoder layer, hidden 2048, "
+            f"128 experts, top-8, width 768; alphas from {stats.num_tokens} tokens; timing: 512 tokens per "
+            f"forward, median of {args.real_repeats}, 1 thread; grouped_mm"
+        )
+        results = benchmark(model, stats, timing_batch, None, args.real_repeats, 1)
+        print_table(results, 8)
         print()
     print(f"total {time.perf_counter() - started:.0f} s")
 

@@ -1,22 +1,32 @@
 """Search-cost benchmark of OMP-MoE: statistics pass, selection at model scale, Gram vs cached atoms.
 
-Run ``python benchmarks/search.py`` (under a minute on a 2-core CPU). Everything runs on one
-CPU thread; each figure is the median over repeats, and each ratio compares numbers measured in
-this run. Times are CPU seconds of this process (``time.process_time``, robust to other load on the
-machine; with one thread they equal wall time on an idle machine); wall-clock medians are shown too.
+Run ``python benchmarks/search.py`` (about 4 minutes on a 2-core CPU, most of it (d); ``--skip d``
+for the quick ones). Everything runs on one CPU thread; each figure is the median over repeats,
+and each ratio compares numbers measured in this run. Times are CPU seconds of this process
+(``time.process_time``, robust to other load on the machine; with one thread they equal wall time
+on an idle machine); wall-clock medians are shown too.
 
 (a) statistics pass / plain forward on the same batches, tiny Qwen3-MoE-shaped models (target <= 1.10)
 (b) plan_pruning of all layers at one ratio from synthetic Grams, Qwen3-30B-A3B and DeepSeek-V3
     shapes (target < 0.1 s), and the greedy pursuit alone
 (c) greedy selection from the Gram vs Algorithm 1 on cached atoms at equal tokens: time and memory
+(d) statistics pass / plain forward at real layer shapes (random weights, one decoder layer):
+    Qwen3-30B-A3B (512 tokens) and DeepSeek-V3 (``--deepseek_tokens``, all experts backed by one
+    expert's storage so it fits in memory; the compute per pair is unchanged), target <= 1.05, with
+    the peak memory of each (a forked process per measurement on CPU, peak allocated on CUDA)
+    ``--device cuda --dtype bfloat16`` runs (d) on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -24,6 +34,9 @@ from ompmoe import collect_stats, plan_pruning
 from ompmoe.engine.selection import greedy_pursuit, pursuit_on_atoms
 from ompmoe.engine.statistics import LayerStats, MoEStats
 from ompmoe.engine.tiny import tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, build_model, describe  # noqa: E402
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -206,13 +219,103 @@ def bench_gram_vs_atoms(repeats: int, num_experts: int, num_tokens: int, dim: in
         f"same order as its Gram: {agrees}")
 
 
+# ------------------------------------------------------------------ (d) real layer shapes
+def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    if device.type != "cuda":
+        return fn
+
+    def run() -> object:
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result
+
+    return run
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak memory of one call: CUDA peak allocated, or on CPU the peak RSS of a forked process running it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: run once, report its own peak resident set
+        os.close(read)
+        try:
+            fn()
+            os.write(write, str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        value = pipe.read()
+    os.waitpid(pid, 0)
+    return int(value or 0)
+
+
+def stats_bytes(stats: MoEStats) -> int:
+    return sum(t.numel() * t.element_size() for layer in stats.layers for t in layer.tensors().values())
+
+
+def bench_real_shapes(repeats: int, device: torch.device, dtype: torch.dtype, deepseek_tokens: int,
+                      qwen_tokens: int = 512, shapes: tuple[str, ...] = ("qwen3", "deepseek")) -> list[dict]:
+    header(f"(d) statistics pass / plain forward, one decoder layer at real shapes, {dtype}, {device} "
+           "(grouped_mm experts; target <= 1.05)")
+    cases = []
+    if "qwen3" in shapes:
+        cases.append(("Qwen3-30B-A3B", QWEN3_30B_A3B, qwen_tokens, False))
+    if "deepseek" in shapes:
+        cases.append(("DeepSeek-V3", DEEPSEEK_V3, deepseek_tokens, device.type == "cpu"))
+    results = []
+    for label, shape, tokens, shared in cases:
+        model = build_model(shape, 1, dtype=dtype, device=device, share_expert_weights=shared)
+        batch = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+        note = ", experts backed by one expert's storage" if shared else ""
+        print(f"  {label}: {describe(shape)}; {tokens} tokens{note}")
+
+        @torch.no_grad()
+        def plain() -> None:
+            model(input_ids=batch, use_cache=False)
+
+        def stats() -> MoEStats:
+            return collect_stats(model, [batch])
+
+        plain_s, stats_s = synchronized(plain, device), synchronized(stats, device)
+        (pc, pw), (sc, sw) = measure_pair(plain_s, stats_s, repeats)
+        plain_peak, stats_peak = peak_bytes(plain_s, device), peak_bytes(stats_s, device)
+        size = stats_bytes(stats())
+        if device.type == "cuda":  # process CPU time means nothing for asynchronous kernels
+            pc, sc = pw, sw
+        row(f"  plain forward", pc, pw, f"peak {plain_peak / 2**20:,.0f} MiB")
+        row(f"  collect_stats", sc, sw, f"ratio {sc / pc:.3f} (wall {sw / pw:.3f}); target <= 1.05; "
+            f"peak {stats_peak / 2**20:,.0f} MiB (plain + {(stats_peak - plain_peak) / 2**20:,.1f} MiB; "
+            f"the statistics are {size / 2**20:.2f} MiB)")
+        results.append(dict(shape=label, tokens=tokens, plain_s=pc, stats_s=sc, plain_wall_s=pw, stats_wall_s=sw,
+                            ratio=sc / pc, wall_ratio=sw / pw, plain_peak=plain_peak, stats_peak=stats_peak,
+                            stats_bytes=size, shared_expert_storage=shared))
+        del model
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d"])
+    parser.add_argument("--device", default="cpu", help="device of (d); (a)-(c) always run on the CPU")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of (d)")
+    parser.add_argument("--deepseek_tokens", type=int, default=128, help="tokens of the DeepSeek-V3 layer in (d)")
+    parser.add_argument("--qwen_tokens", type=int, default=512, help="tokens of the Qwen3-30B-A3B layer in (d)")
+    parser.add_argument("--real_shapes", nargs="+", default=["qwen3", "deepseek"], choices=["qwen3", "deepseek"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, medians of {args.repeats} runs")
+    if "d" not in args.skip:
+        bench_real_shapes(args.repeats, torch.device(args.device), getattr(torch, args.dtype), args.deepseek_tokens,
+                          args.qwen_tokens, tuple(args.real_shapes))
     if "a" not in args.skip:
         bench_stats_pass(args.repeats)
     if "b" not in args.skip:

@@ -106,7 +106,9 @@ class _AdaptiveState:
         return self._device_alphas
 
     def record(self, kept_per_token: torch.Tensor) -> None:
-        counts = torch.bincount(kept_per_token, minlength=self.top_k + 1)
+        # scatter_add_ rather than bincount, which reads the maximum back to the host (a GPU sync).
+        counts = torch.zeros(self.top_k + 1, dtype=torch.long, device=kept_per_token.device)
+        counts.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
         if self.histogram is None:
             self.histogram = counts
         else:
@@ -141,11 +143,14 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
             f"have {state.alphas.numel()} (was the model pruned after enable_adaptive?). Call "
             "ompmoe.enable_adaptive(model, stats) again."
         )
+    if state.epsilon == 0.0:  # no prefix can qualify: every token keeps all K, the native call
+        state.record(torch.full((index.shape[0],), index.shape[1], dtype=torch.long, device=index.device))
+        return None
     keep = adaptive_keep_mask(index, weights, state.alphas_on(index.device), state.epsilon, state.zeta)
     state.record(keep.sum(dim=1))
-    if bool(keep.all()):
+    pairs = keep.reshape(-1).nonzero().squeeze(1)  # token-major, slots ascending; the one host sync
+    if pairs.numel() == keep.numel():
         return None  # nothing skipped: the native call, bit for bit
-    pairs = keep.reshape(-1).nonzero().squeeze(1)  # token-major, slots ascending
     token_ids = torch.div(pairs, index.shape[1], rounding_mode="floor")
     state.pending = (token_ids, hidden.shape[0], hidden.dtype)
     compact = (

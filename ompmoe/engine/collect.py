@@ -20,14 +20,16 @@ from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .loss_stats import LossGradientRecorder, LossStatsMetric, recording_callback, with_loss_tensors
+from .replay import replayable
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
 """A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
 cancel to within float32 rounding) gets no weight in the token-normalized Gram."""
 
-PairCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d))``."""
+PairCallback = Callable[..., None]
+"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
+``atoms`` (``g * F`` as the experts computed them) is passed when the experts were replayed."""
 
 
 @contextmanager
@@ -45,7 +47,14 @@ def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Ite
 
 
 def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
+    experts = getattr(native_forward, "__self__", None)
+    replay = replayable(experts) if experts is not None else None
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if replay is not None:  # the module's own grouped computation: no flattened copy, same output bits
+            output, outputs, atoms = replay(experts, hidden_states, top_k_index, top_k_weights)
+            callback(index, top_k_index, top_k_weights, outputs, atoms)
+            return output
         num_tokens, top_k = top_k_index.shape
         pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
         unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
@@ -75,8 +84,8 @@ class MoEStatsMetric(Metric):
             n = layer.num_experts
             self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
             self.add_state(f"gram_normalized_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
-            for key in PER_EXPERT_SUMS:
-                self.add_state(f"{key}_{i}", torch.zeros(n, dtype=torch.float64), dist_reduce_fx="sum")
+            # One stacked state for the per-expert sums, in PER_EXPERT_SUMS order: one index_add_ per batch.
+            self.add_state(f"expert_sums_{i}", torch.zeros(len(PER_EXPERT_SUMS), n, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.token_weight: torch.Tensor | None = None
 
@@ -101,13 +110,26 @@ class MoEStatsMetric(Metric):
             self.num_tokens += self.token_weight.sum()
 
     def update(
-        self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor
+        self,
+        index: int,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        outputs: torch.Tensor,
+        atoms: torch.Tensor | None = None,
     ) -> None:
+        """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major.
+
+        ``atoms``, if given, are ``g * F`` as the experts computed them; they are used when they
+        are exactly the float32 atoms this method would form (float32 outputs and weights).
+        """
         num_tokens, top_k = top_k_index.shape
         n = self.routing[index][1]["num_experts"]
-        device = getattr(self, f"gram_{index}").device
+        gram = getattr(self, f"gram_{index}")
+        device = gram.device
         expert_out = outputs.detach().view(num_tokens, top_k, -1).to(device, torch.float32)
         gates = top_k_weights.detach().to(device, torch.float32)
+        exact = atoms is not None and outputs.dtype == top_k_weights.dtype == atoms.dtype == torch.float32
+        atoms = atoms.detach().view(num_tokens, top_k, -1).to(device) if exact else None
         ids = top_k_index.to(device)
         weight = self.token_weight
         if weight is not None:
@@ -116,10 +138,14 @@ class MoEStatsMetric(Metric):
                     f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
                     f"routed {num_tokens}; pass masks shaped like input_ids."
                 )
-            # Drop padding outright (its hidden states may even be non-finite), keep the weights.
+            # Drop padding outright (its hidden states may even be non-finite). Weights are 0/1
+            # (set_token_weight checks), so every token left weighs exactly 1.
             keep = weight.to(device) > 0
-            expert_out, gates, ids, weight = expert_out[keep], gates[keep], ids[keep], weight.to(device)[keep]
-        atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
+            if not bool(keep.all()):
+                expert_out, gates, ids = expert_out[keep], gates[keep], ids[keep]
+                atoms = atoms[keep] if atoms is not None else None
+        if atoms is None:
+            atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
         pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
         # Token-normalized Gram: each token's products divided by ||Y_x||^2 = sum of its products.
         output_energy = pair_products.sum(dim=(1, 2))
@@ -129,24 +155,19 @@ class MoEStatsMetric(Metric):
         sq_norm = expert_out.square().sum(-1).to(torch.float64)  # ||F||^2 per pair
         norm = sq_norm.sqrt()
         gates64 = gates.to(torch.float64)
-        per_pair = torch.ones_like(gates64)
-        if weight is not None:
-            pair_products = pair_products * weight.view(-1, 1, 1)
-            per_pair = per_pair * weight.view(-1, 1)
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
-        getattr(self, f"gram_{index}").view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
+        gram.view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
-        flat_ids = ids.reshape(-1)
         sums = {
-            "routing_mass": gates64 * per_pair,
-            "token_count": per_pair,
-            "sq_norm_sum": sq_norm * per_pair,
-            "norm_sum": norm * per_pair,
-            "weighted_norm_sum": gates64 * norm * per_pair,
+            "routing_mass": gates64,
+            "token_count": torch.ones_like(gates64),
+            "sq_norm_sum": sq_norm,
+            "norm_sum": norm,
+            "weighted_norm_sum": gates64 * norm,
         }
-        for key, values in sums.items():
-            getattr(self, f"{key}_{index}").index_add_(0, flat_ids, values.reshape(-1))
+        stacked = torch.stack([sums[key] for key in PER_EXPERT_SUMS]).reshape(len(PER_EXPERT_SUMS), -1)
+        getattr(self, f"expert_sums_{index}").index_add_(1, ids.reshape(-1), stacked)
 
     def compute(self) -> tuple[list[LayerStats], int]:
         """Per-layer statistics and the token count, summed over ranks when distributed."""
@@ -155,7 +176,7 @@ class MoEStatsMetric(Metric):
                 name=name,
                 **routing,
                 gram=getattr(self, f"gram_{i}").clone(),
-                **{key: getattr(self, f"{key}_{i}").clone() for key in PER_EXPERT_SUMS},
+                **{key: getattr(self, f"expert_sums_{i}")[row].clone() for row, key in enumerate(PER_EXPERT_SUMS)},
                 gram_normalized=getattr(self, f"gram_normalized_{i}").clone(),
             )
             for i, (name, routing) in enumerate(self.routing)

@@ -441,3 +441,24 @@ def test_cli_accepts_the_monitor_and_adaptive_epsilon(tmp_path):
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert is_adaptive(model) and adaptive_info(model)["epsilon"] == 0.05
     assert CONFIG_KEY in (tmp_path / "run" / "model" / "config.json").read_text()
+
+
+def test_epsilon_zero_skips_the_rule_and_counts_every_pair(monkeypatch):
+    """At epsilon = 0 no prefix can qualify, so the hooks do not even evaluate the rule."""
+    import ompmoe.engine.adaptive as adaptive_module
+
+    model = scaled_model("qwen3_moe")
+    ids = random_ids(seed=21)
+    plain = logits(model, ids)
+    enable_adaptive(model, stats_of("qwen3_moe"), 0.0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the rule was evaluated at epsilon = 0")
+
+    monkeypatch.setattr(adaptive_module, "adaptive_keep_mask", refuse)
+    assert torch.equal(logits(model, ids), plain)
+    report = adaptive_report(model)
+    top_k = model.config.num_experts_per_tok
+    for entry in report.values():
+        assert entry["tokens"] == 32 and entry["kept_pairs"] == 32 * top_k
+        assert entry["histogram"] == [0] * top_k + [32]

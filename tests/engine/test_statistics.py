@@ -128,7 +128,9 @@ def test_collect_stats_restores_model_after_an_error():
 
 @pytest.mark.parametrize("case", ARCH_IDS)
 def test_each_expert_module_runs_once_per_batch(case, monkeypatch):
+    """The flattened call, used for implementations without a replay (here eager); see test_replay.py."""
     model = make_model(case)
+    model.set_experts_implementation("eager")
     layers = find_moe_layers(model)
     experts_cls = type(layers[0].experts)
     native = experts_cls.forward

@@ -34,18 +34,43 @@ def test_shipped_text_is_real_text():
 
 
 def test_main_job_writes_stats_plan_and_a_model_that_reloads(tmp_path):
+    """The default job prunes the trained shipped model, calibrated on both corpus domains."""
     out = tmp_path / "run"
     result = prune_tiny_model(output_dir=str(out), seq_len=64, num_blocks=4, batch_size=2)
     assert sorted(p.name for p in out.iterdir()) == [".ompmoe-output", "model", "plan.json", "stats.safetensors"]
     plan = ompmoe.PruningPlan.load(out / "plan.json")
     stats = ompmoe.MoEStats.load(out / "stats.safetensors")
     assert stats.num_tokens == 4 * 64
-    assert stats.sources == ["shipped:python-docs"]
+    assert stats.model_id == "shipped:tiny-moe"
+    assert stats.sources == ["shipped:prose,code calibration splits"]
     assert result["achieved_ratio"] == pytest.approx(plan.achieved_ratio)
+    # A trained model: far below the uniform perplexity of its 4096-token vocabulary, and pruning half
+    # its experts costs some of it.
+    assert result["perplexity_before"] < 200 < 4096
+    assert result["perplexity_after"] > result["perplexity_before"]
     model = ompmoe.load_pruned(out / "model")
     kept = json.loads((out / "model" / "config.json").read_text())["ompmoe"]["kept_experts"]
     assert kept == plan.kept_by_layer()
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [len(k) for k in kept.values()]
+    assert model.config.vocab_size == 4096 and len(kept) == 6
+
+
+def test_main_job_keeps_random_tiny_models_of_other_architectures(tmp_path):
+    out = tmp_path / "run"
+    prune_tiny_model(output_dir=str(out), model="tiny", model_type="gpt_oss", seq_len=64, num_blocks=4, batch_size=2)
+    stats = ompmoe.MoEStats.load(out / "stats.safetensors")
+    assert (stats.model_type, stats.model_id, stats.sources) == ("gpt_oss", "ompmoe.engine.tiny:gpt_oss", ["shipped:python-docs"])
+    assert stats.num_tokens == 4 * 64
+
+
+def test_main_job_names_the_models_it_accepts(tmp_path):
+    with pytest.raises(ValueError) as error:
+        prune_tiny_model(output_dir=str(tmp_path / "run"), model="Qwen/Qwen3-30B-A3B")
+    assert str(error.value) == (
+        "model must be 'shipped:tiny-moe' (the trained shipped model) or 'tiny' (a random tiny model of model_type); "
+        "got 'Qwen/Qwen3-30B-A3B'. For other checkpoints use `ompmoe fit`."
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_main_job_refuses_existing_output_and_bad_ratio_before_work(tmp_path):
