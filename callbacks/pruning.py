@@ -28,9 +28,11 @@ from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.io import atomic_path, check_writable
 from ompmoe.engine.plan import PruningPlan
+from ompmoe.engine.progress import progress
 from ompmoe.engine.pruning import prune, save_pruned
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import PruningStrategy, Strategy
+from ompmoe.engine.summary import kept_summary
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,11 @@ class ExpertPruning(Callback):
             and the calibration alphas (mapped to the kept experts); the saved model carries it
             and ``ompmoe.load_pruned`` re-applies it. Log its counters with
             :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
+        tokenizer: Tokenizer (hub id or path) saved with the model. Default: the LightningModule's
+            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's
+            source; a warning names this argument when none is found.
+        dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the
+            source checkpoint's, even when calibration ran in float32.
         loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward of
             the next-token loss per batch to the MoE outputs; no weight gradients). The module's
             forward must run with gradients enabled (``CalibrationModule`` does when asked).
@@ -100,6 +107,8 @@ class ExpertPruning(Callback):
         extra_ratios: list[float] | None = None,
         plots: bool = True,
         adaptive_epsilon: float | None = None,
+        tokenizer: str | None = None,
+        dtype: str | None = None,
         loss_aware: bool = False,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
@@ -112,6 +121,9 @@ class ExpertPruning(Callback):
         self.extra_ratios = list(extra_ratios or [])
         self.plots = plots
         self.adaptive_epsilon = adaptive_epsilon
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self._datamodule: Any | None = None
         self.loss_aware = loss_aware
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
@@ -120,6 +132,7 @@ class ExpertPruning(Callback):
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
+        self._progress: bool | None = False
 
     @property
     @override
@@ -158,6 +171,7 @@ class ExpertPruning(Callback):
             if not self.loss_aware:
                 check_loss_aware_not_needed(strategy)
         datamodule = getattr(trainer, "datamodule", None)
+        self._datamodule = datamodule
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(
             model,
@@ -226,6 +240,8 @@ class ExpertPruning(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._collector is not None
         stats = self._collector.result()  # torchmetrics sums the states over ranks here
+        # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
+        self._progress = None if trainer.progress_bar_callback is not None else False
         plan = self.strategy.plan(stats)
         model = _unsharded(self._collector.model, trainer.is_global_zero)
         self.stats, self.plan = stats, plan
@@ -249,6 +265,9 @@ class ExpertPruning(Callback):
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
         with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True) as tmp:
+            steps = ["statistics"] + (["plots"] if self.plots else []) + (["model"] if self.save_model else [])
+            bar = iter(progress(steps, "ompmoe writing", self._progress, unit="part"))
+            next(bar)
             stats.save(tmp / STATS_FILE)
             plan.save(tmp / PLAN_FILE)
             for strategy in self._extra_strategies():
@@ -256,9 +275,15 @@ class ExpertPruning(Callback):
             if self.plots:
                 from ompmoe.recipes.plots import write_plots
 
-                write_plots(stats, tmp / PLOTS_DIR, plan=plan)
+                next(bar)
+                write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=self._progress)
             if self.save_model:
-                save_pruned(model, tmp / MODEL_DIR, tokenizer=_load_tokenizer(pl_module))
+                next(bar)
+                save_pruned(
+                    model, tmp / MODEL_DIR, tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule),
+                    dtype=self.dtype, calibration="; ".join(stats.sources) or None,
+                )
+            next(bar, None)
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
     def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
@@ -269,8 +294,7 @@ class ExpertPruning(Callback):
             metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        kept = ", ".join(f"{layer.name}={layer.num_kept}/{layer.num_experts}" for layer in plan.layers)
-        rank_zero_info(f"ompmoe: removed {plan.achieved_ratio:.3f} of routed experts ({kept})")
+        rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints
     @override
@@ -334,16 +358,21 @@ def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
     return full.eval()
 
 
-def _load_tokenizer(pl_module: pl.LightningModule) -> Any | None:
-    tokenizer = getattr(pl_module, "tokenizer", None)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        return tokenizer
-    name = getattr(pl_module, "tokenizer_name", None)
-    if not name or name == "bytes" or str(name).startswith("tiny:"):
-        return None
-    from transformers import AutoTokenizer
+def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamodule: Any | None) -> Any | None:
+    """The tokenizer to save: the argument, the module's, the data module's (object or name), or ``None``.
 
-    return AutoTokenizer.from_pretrained(name)
+    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
+    """
+    if explicit is not None:
+        return explicit
+    for owner, attributes in ((pl_module, ("tokenizer", "tokenizer_name")), (datamodule, ("tokenizer",))):
+        for attribute in attributes:
+            value = getattr(owner, attribute, None)
+            if value is not None and hasattr(value, "save_pretrained"):
+                return value
+            if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
+                return value
+    return None
 
 
 class OMPMoEPruning(ExpertPruning):

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .requests import ROLLING, RequestEncoder, WorkPlan, make_replay_lm, resolve_max_length
 from .suites import TASKS_DIR, Column, Suite, headline_columns, resolve_suites
+from .comparability import tokenizer_fingerprint
 from .tokenization import load_tokenizer
 
 __all__ = ["LMEvalDataModule"]
@@ -303,6 +304,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         """lm-eval's TaskManager; indexing lm-eval's own ~15k task configs (slow) only when needed."""
         from lm_eval.tasks import TaskManager
 
+        from .lm_eval_notices import drop_metadata_notice
+
+        drop_metadata_notice()
         paths = [str(TASKS_DIR), *(str(Path(p).expanduser()) for p in self.include_path)]
         for path in paths[1:]:
             if not os.path.exists(path):
@@ -455,6 +459,7 @@ class LMEvalDataModule(pl.LightningDataModule):
             "torch_seed": self.seeds[2],
             "fewshot_seed": self.fewshot_random_seed,
             "tokenizer": str(getattr(self.tokenizer_, "name_or_path", self.tokenizer_)),
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer_),
             "data_sources": dict(self.data_sources),
             "work": self.plan.counts() if self.plan is not None else {},
             "date": time.time(),

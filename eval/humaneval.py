@@ -136,18 +136,21 @@ def _sandbox_python(uid: int | None) -> str:
         return os.environ.get(PYTHON_ENV) or sys.executable
     candidates = [os.environ[PYTHON_ENV]] if os.environ.get(PYTHON_ENV) else [sys.executable, "/usr/bin/python3",
                                                                                  "/usr/local/bin/python3"]
+    failures = []
     for candidate in candidates:
         try:
-            ok = subprocess.run([candidate, "-I", "-S", "-c", "import hashlib, json, math, re"], user=uid, group=uid,
-                                extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/", capture_output=True,
-                                timeout=30).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            ok = False
-        if ok:
+            probe = subprocess.run([candidate, "-I", "-S", "-c", "import hashlib, json, math, re"], user=uid,
+                                   group=uid, extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                   capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as error:
+            failures.append(f"{candidate}: {error!r}")
+            continue
+        if probe.returncode == 0:
             return candidate
+        failures.append(f"{candidate}: exit {probe.returncode} {probe.stderr.strip()[-300:]!r}")
     raise RuntimeError(f"No Python interpreter among {candidates} can be run by the sandbox user (uid {uid}): "
                        f"set {PYTHON_ENV} to one whose files are world-readable (e.g. /usr/bin/python3), "
-                       "or install Python outside a private directory such as /root.")
+                       f"or install Python outside a private directory such as /root. ({'; '.join(failures)})")
 
 
 def sandbox_config() -> dict[str, Any]:

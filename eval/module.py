@@ -95,6 +95,12 @@ class EvalModule(CalibrationModule):
                 "removed_fraction": 1 - kept_total / total if total else 0.0,
                 "kept_per_layer": [len(kept.get(layer, range(int(n)))) for layer, n in original.items()],
             }
+        # Identity of the base model, for honest comparisons (ompmoe report): pruning keeps the embeddings.
+        from .comparability import weights_fingerprint
+
+        plan = (record or {}).get("plan") or {}
+        info["base_model"] = plan.get("model_id") if record else name
+        info["weights_fingerprint"] = weights_fingerprint(self.model) if self.model is not None else None
         try:
             info["dtype"] = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         except (StopIteration, AttributeError):

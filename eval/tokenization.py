@@ -79,10 +79,10 @@ def load_tokenizer(name: str | Any, trust_remote_code: bool = False) -> Any:
         return name
     if name == BYTES:
         return byte_tokenizer()
-    from transformers import AutoTokenizer
+    from ..engine.export.config import load_tokenizer as auto_tokenizer  # reads non-uniform pruned checkpoints too
 
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return auto_tokenizer(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise ValueError(
             f"Could not load a tokenizer from {name!r} ({error}). Pass the tokenizer explicitly "

@@ -17,7 +17,7 @@ from .engine.adapters import (
     register_architecture,
     supported_model_types,
 )
-from .engine.adaptive import adaptive_report, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from .engine.adaptive import adaptive_report, adaptive_summary, disable_adaptive, enable_adaptive, reset_adaptive_counters
 from .engine.allocation import ALLOCATIONS, AllocationProblem, InfeasibleBudgetError, register_allocation
 from .engine.collect import CalibrationInputError, StatisticsCollector, collect_stats
 from .engine.io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
@@ -26,6 +26,7 @@ from .engine.pruning import load_pruned, prune, pruning_info, save_pruned
 from .engine.quantized import QuantizedModelError
 from .engine.selection import greedy_pursuit
 from .engine.statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
+from .engine.summary import kept_summary
 from .engine.methods import METHODS, SelectionMethod, SubsetSelection, get_method, register_method
 from .engine.strategy import (
     STRATEGIES,
@@ -58,6 +59,7 @@ __all__ = [
     "register_method",
     "QuantizedModelError",
     "load_balancing_loss",
+    "kept_summary",
     "quantization_summary",
     "quantize_experts",
     "ARCHITECTURES",
@@ -89,6 +91,7 @@ __all__ = [
     "StatisticsCollector",
     "UnsupportedModelError",
     "adaptive_report",
+    "adaptive_summary",
     "collect_stats",
     "disable_adaptive",
     "enable_adaptive",
@@ -113,6 +116,7 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
     "CalibrationModule": ".lightning.calibration_module",
     "write_plots": ".recipes.plots",  # needs matplotlib
     "FinetuneModule": ".lightning.finetune_module",
+    "FinetuneDataModule": ".lightning.finetune_data",
     # Recipes, so that ``import ompmoe`` loads the engine only.
     "load_balancing_loss": ".recipes.finetune",
     "quantization_summary": ".recipes.quantization",

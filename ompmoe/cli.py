@@ -1,7 +1,7 @@
 """The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
 
 - ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
-- ``ompmoe prune --stats run/stats.safetensors --ratio [0.25,0.5] --output_dir plans``: new plans
+- ``ompmoe prune --stats run/stats.safetensors --ratio 0.25,0.5 --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
   curves and the high-contribution table (:mod:`ompmoe.recipes.plots`).
@@ -11,17 +11,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import numbers
 import os
 from argparse import ArgumentError
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+from .cli_args import bare_flags, class_paths, list_option
+from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .engine.io import OutputNotWritableError, atomic_path, check_writable
+from .engine.progress import progress
 from .engine.statistics import MoEStats
 from .engine.strategy import PruningStrategy
+from .engine.summary import kept_summary
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -72,6 +79,9 @@ def replan(
     zeta: float = 1e-6,
     min_ratio: float | None = None,
     max_ratio: float | None = None,
+    tokenizer: str | None = None,
+    dtype: str | None = None,
+    quiet: bool = False,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -91,6 +101,10 @@ def replan(
         zeta: Stabilizer inside the routing-risk logarithm.
         min_ratio: Deprecated name of min_kept_fraction.
         max_ratio: Deprecated name of max_kept_fraction.
+        tokenizer: Tokenizer (hub id or path) saved with each model; default: ``model``'s own
+            (a warning names this option when none is found).
+        dtype: Weights dtype of the saved models; default: the source checkpoint's.
+        quiet: No progress bar and no summary lines (errors are still printed).
     """
     from .engine.plan import renamed_bounds
 
@@ -111,8 +125,9 @@ def replan(
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
     written = []
+    show = False if quiet else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        for strategy in strategies:
+        for strategy in progress(strategies, "ompmoe prune", show, unit="ratio"):
             plan = strategy.plan(statistics)
             name = f"{strategy.ratio:g}"
             plan.save(tmp / f"plan-{name}.json")
@@ -121,20 +136,27 @@ def replan(
                 from .engine.pruning import prune, save_pruned
 
                 pruned = prune(_load_model(model, statistics), plan)
-                save_pruned(pruned, tmp / f"model-{name}")
+                save_pruned(
+                    pruned, tmp / f"model-{name}", tokenizer=tokenizer, dtype=dtype,
+                    calibration="; ".join(statistics.sources) or None,
+                )
                 written.append(Path(output_dir) / f"model-{name}")
-            print(f"ratio {strategy.ratio}: kept {[layer.num_kept for layer in plan.layers]} -> {written[-1]}")
+            if not quiet:
+                print(f"ratio {strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
     return written
 
 
-def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False) -> list[Path]:
-    """Write reconstruction-gain heatmaps, residual/risk curves and the high-contribution table.
+def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False,
+         quiet: bool = False) -> list[Path]:
+    """Write reconstruction-gain heatmaps, residual/risk curves, the allocation and the high-contribution table.
 
     Args:
         stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
-        output_dir: Receives the PNG files and ``high_contribution.md`` / ``.csv``.
+        output_dir: Receives the PNG files, ``residual_curves.csv``, ``high_contribution.md`` / ``.csv``
+            (and with ``plan``, ``allocation.png`` / ``.csv``).
         plan: A ``plan.json`` made from these statistics, to mark each layer's kept count.
         overwrite: Replace an existing ``output_dir``.
+        quiet: No progress bars and no list of written files.
     """
     from .engine.plan import PruningPlan
     from .recipes.plots import write_plots
@@ -144,8 +166,9 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     statistics = MoEStats.load(stats)
     pruning_plan = PruningPlan.load(plan) if plan is not None else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        written = [Path(output_dir) / path.name for path in write_plots(statistics, tmp, plan=pruning_plan)]
-    for path in written:
+        written = [Path(output_dir) / path.name
+                   for path in write_plots(statistics, tmp, plan=pruning_plan, progress=False if quiet else None)]
+    for path in [] if quiet else written:
         print(path)
     return written
 
@@ -164,18 +187,70 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
 
-    if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
-        return eval_cli(args)
+    args = list(sys.argv[1:] if args is None else args)
+    args, quiet = _fit_quiet(class_paths(args))
+    _quiet_lightning_logs(quiet)
+    # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only
+    # a Lightning release can act on it, so this one message is not shown to users of the command.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    with _own_argv():
+        if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
+            return eval_cli(args)
 
-    from .lightning.calibration_data import CalibrationDataModule
-    from .lightning.calibration_module import CalibrationModule
+        from .lightning.calibration_data import CalibrationDataModule
+        from .lightning.calibration_module import CalibrationModule
 
-    LightningCLI(
-        CalibrationModule,
-        CalibrationDataModule,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+        LightningCLI(
+            CalibrationModule,
+            CalibrationDataModule,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"enable_model_summary": False},  # forward-only: no trainable parameters to list
+            args=args,
+        )
+
+
+def _fit_quiet(args: list[str]) -> tuple[list[str], bool]:
+    """``--quiet`` as Lightning's own switches: no progress bar, no model summary."""
+    if "--quiet" not in args:
+        return args, False
+    args = [arg for arg in args if arg != "--quiet"]
+    return args + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], True
+
+
+class _DropTips(logging.Filter):
+    """Lightning's advertisement for its cloud logger: nothing a user of this command can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def _quiet_lightning_logs(quiet: bool) -> None:
+    """Drop Lightning's tips; with ``quiet`` also its info lines and Hugging Face's progress bars."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+        if quiet:
+            logger.setLevel(logging.WARNING)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def _own_argv():
+    """Hide the process's ``sys.argv`` while LightningCLI parses the ``args`` it is given.
+
+    LightningCLI warns when it gets ``args`` and ``sys.argv`` also holds arguments, since it cannot
+    tell which were meant; here ``args`` always are (possibly rewritten by :mod:`ompmoe.cli_args`).
+    """
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 COMMANDS = {"prune": replan, "plot": plot}
@@ -208,18 +283,27 @@ def _one_line(message: str, command: str) -> str:
     return f"{' '.join(message.split())} (see ompmoe {command} --help)"
 
 
+# Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
+FLAGS = ("overwrite", "quiet")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
+        if not argv or argv[0] in ("-h", "--help"):
+            print(TOP_HELP, end="")
+        elif argv[0] == "fit" and ("-h" in argv[1:] and "--help" not in argv[1:]):
+            print(FIT_SHORT_HELP, end="")
+        elif argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
             from .eval.report import report_cli
 
             report_cli(argv[1:])
-        elif argv and argv[0] in COMMANDS:
+        elif argv[0] in COMMANDS:
             from jsonargparse import auto_cli
 
+            args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
             try:
-                auto_cli(_registry_help(COMMANDS[argv[0]]), args=argv[1:], prog=f"ompmoe {argv[0]}", exit_on_error=False)
+                auto_cli(_registry_help(COMMANDS[argv[0]]), args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         else:

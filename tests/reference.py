@@ -10,9 +10,11 @@ from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import lightning.pytorch as pl
 import torch
 
-from ompmoe import MoELayer, MoEStats, collect_stats, find_moe_layers
+from ompmoe.data import byte_tokens, shipped_text, token_blocks
+from ompmoe import MoELayer
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 TESTS = Path(__file__).resolve().parent
@@ -125,3 +127,34 @@ def assert_gram_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float 
     """Float32 products: relative tolerance on the entries' scale (the largest diagonal entry)."""
     scale = float(expected.diagonal().max())
     torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rtol, atol=rtol * scale)
+
+
+# ------------------------------------------------------------------ Lightning test helpers
+def batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:
+    blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)
+    return [{"input_ids": block, "attention_mask": torch.ones_like(block)} for block in blocks]
+
+
+def trainer(callbacks, **kwargs):
+    """A quiet one-epoch CPU Lightning Trainer (no logger, checkpoints, progress bar or summary)."""
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+class ForwardCounter(pl.Callback):
+    """Counts the forwards of the LightningModule's model."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))

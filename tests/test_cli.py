@@ -55,6 +55,20 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
         assert plan == ompmoe.plan_pruning(stats, ratio, method=method, allocation=allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
+    # Complete directories: the shipped tokenizer, bf16 weights as in the source (calibration ran in float32), a card.
+    from safetensors import safe_open
+
+    written = tmp_path / "plans" / "model-0.25"
+    assert (written / "tokenizer.json").read_bytes() == (Path(ompmoe.__file__).parent / "data" / "tiny-moe" /
+                                                        "tokenizer.json").read_bytes()
+    with safe_open(str(written / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    card = (written / "README.md").read_text()
+    written_plan = ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.25.json")
+    assert f"| Method | {written_plan.method} |" in card and "| Requested ratio (experts removed) | 0.25 |" in card
+    assert f"| Allocation | {written_plan.allocation} |" in card
+    assert f"| Calibration data | {stats.sources[0]} |" in card
+    assert f"| Calibration tokens | {stats.num_tokens} |" in card
     # The 0.5 plan equals the one the calibration fit made.
     assert ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.5.json") == ompmoe.PruningPlan.load(
         tmp_path / "run" / "plan.json"

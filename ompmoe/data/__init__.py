@@ -85,7 +85,7 @@ def corpus_token_stream(tokenizer, domain: str, split: str, max_tokens: int | No
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for start in range(0, len(texts), 32):
-        for tokens in tokenizer(texts[start : start + 32], add_special_tokens=False)["input_ids"]:
+        for tokens in tokenizer(texts[start : start + 32], add_special_tokens=False, verbose=False)["input_ids"]:
             if ids and eos is not None:
                 ids.append(eos)
             ids.extend(tokens)

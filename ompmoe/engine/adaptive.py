@@ -181,18 +181,6 @@ def _as_alpha_source(stats_or_alphas: Any, model: nn.Module) -> dict[str, torch.
                 f"These statistics are of a {stats_or_alphas.model_type!r} model; this model is "
                 f"{model.config.model_type!r}."
             )
-        unseen = {
-            layer.name: int((layer.token_count == 0).sum())
-            for layer in stats_or_alphas.layers
-            if bool((layer.token_count == 0).any())
-        }
-        if unseen:
-            warnings.warn(
-                "ompmoe adaptive inference: some experts were never routed during calibration, so their "
-                f"alpha is 0 and OMP-MoE+ skips them whenever other experts cover 1 - epsilon: {unseen}. "
-                "Calibrate on more tokens to avoid this.",
-                stacklevel=3,
-            )
         return {layer.name: layer.alpha for layer in stats_or_alphas.layers}
     if isinstance(stats_or_alphas, Mapping):
         return {str(name): torch.as_tensor(value, dtype=torch.float64) for name, value in stats_or_alphas.items()}
@@ -217,14 +205,19 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoEL
     record = pruning_info(model) or {}
     kept = record.get("kept_experts", {})
     original = record.get("original_num_experts", {})
+    counts = ({layer.name: layer.token_count for layer in stats_or_alphas.layers}
+              if isinstance(stats_or_alphas, MoEStats) else {})
     resolved: dict[str, torch.Tensor] = {}
+    unseen: dict[str, list[int]] = {}
     for layer in layers:
         if layer.name not in source:
             raise KeyError(f"No alphas for MoE layer {layer.name!r}; got layers {sorted(source)}.")
         alphas = source[layer.name].detach().reshape(-1).to("cpu", torch.float64)
+        ids = torch.arange(alphas.numel())  # ids in the statistics of this layer's current experts
         if alphas.numel() != layer.num_experts:
             if layer.name in kept and alphas.numel() == original.get(layer.name):
-                alphas = alphas[torch.tensor(kept[layer.name], dtype=torch.long)]
+                ids = torch.tensor(kept[layer.name], dtype=torch.long)
+                alphas = alphas[ids]
             else:
                 pruned = f" (pruned from {original[layer.name]})" if layer.name in original else ""
                 raise ValueError(
@@ -234,6 +227,17 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoEL
         if not bool(torch.isfinite(alphas).all()) or bool((alphas < 0).any()):
             raise ValueError(f"Alphas of layer {layer.name} must be finite and non-negative.")
         resolved[layer.name] = alphas.clone()
+        if layer.name in counts:  # only experts this model still has: pruned-away ones are not news
+            never = (counts[layer.name].reshape(-1)[ids] == 0).nonzero().reshape(-1)
+            if never.numel():
+                unseen[layer.name] = [int(i) for i in never]
+    if unseen:
+        warnings.warn(
+            "ompmoe adaptive inference: some experts of this model were never routed during calibration, so "
+            "their alpha is 0 and OMP-MoE+ skips them whenever other experts cover 1 - epsilon (current expert "
+            f"ids per layer): {unseen}. Calibrate on more tokens to avoid this.",
+            stacklevel=3,
+        )
     return resolved
 
 
@@ -336,7 +340,8 @@ def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str
     Each entry: ``tokens``, ``top_k``, ``kept_pairs`` (expert executions), ``avg_experts_per_token``,
     ``skip_ratio`` (skipped share of the ``tokens * top_k`` native executions), ``flops_ratio``
     (routed-expert FLOPs relative to plain top-k, ``E[m] / K``), ``histogram`` (tokens that kept
-    ``m`` experts, ``m = 0..K``) and ``epsilon``.
+    ``m`` experts, ``m = 0..K``) and ``epsilon``. :func:`adaptive_summary` gives the model-wide
+    line (all layers together) and :func:`adaptive_totals` its numbers.
     """
     report: dict[str, dict[str, Any]] = {}
     for state in _states(model):
@@ -378,6 +383,27 @@ def adaptive_totals(report: Mapping[str, Mapping[str, Any]]) -> dict[str, float]
     }
 
 
+def adaptive_summary(model_or_report: nn.Module | Mapping[str, Mapping[str, Any]]) -> str:
+    """One model-wide line from a model's counters (or an :func:`adaptive_report`).
+
+    ``adaptive (epsilon 0.1): 2.91 of 4 experts per token and layer, skip ratio 0.272, routed-expert
+    FLOPs ratio 0.728, over 2048 tokens in 6 MoE layers``.
+    """
+    report = adaptive_report(model_or_report) if isinstance(model_or_report, nn.Module) else model_or_report
+    if not report:
+        return "adaptive inference is off (no MoE layer has it enabled)"
+    totals = adaptive_totals(report)
+    top_ks = sorted({entry["top_k"] for entry in report.values()})
+    epsilons = sorted({entry["epsilon"] for entry in report.values()}, key=str)
+    tokens = max(entry["tokens"] for entry in report.values())
+    return (
+        f"adaptive (epsilon {', '.join(f'{e:g}' for e in epsilons if e is not None) or '?'}): "
+        f"{totals['avg_experts_per_token']:.2f} of {'/'.join(str(k) for k in top_ks)} experts per token and layer, "
+        f"skip ratio {totals['skip_ratio']:.3f}, routed-expert FLOPs ratio {totals['flops_ratio']:.3f}, "
+        f"over {tokens} tokens in {len(report)} MoE layers"
+    )
+
+
 def reset_adaptive_counters(model: nn.Module) -> None:
     """Zero every layer's counters."""
     for state in _states(model):
@@ -402,6 +428,7 @@ __all__ = [
     "adaptive_info",
     "adaptive_keep_mask",
     "adaptive_report",
+    "adaptive_summary",
     "adaptive_totals",
     "disable_adaptive",
     "enable_adaptive",

@@ -21,6 +21,7 @@ from torchmetrics import Metric
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .loss_stats import LossGradientRecorder, LossStatsMetric, recording_callback, with_loss_tensors
 from .replay import replayable
+from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 
 CANCELLED_TOKEN = 1e-6
@@ -372,7 +373,7 @@ def collect_stats(
     *,
     model_id: str | None = None,
     source: str | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     loss_aware: bool = False,
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
@@ -380,6 +381,10 @@ def collect_stats(
     ``batches`` yields input-id tensors or dicts for ``model(**batch)``; padding marked by an
     ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
     others add jitter in train mode) and is put back in its previous mode afterwards.
+
+    ``progress``: a bar on stderr, one step per batch: ``None`` (default) shows it when stderr is a
+    terminal, ``True`` always, ``False`` never. ``model_id`` and ``source`` are recorded in the
+    statistics (``stats.model_id``, ``stats.sources``).
     ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
     blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
     """
@@ -392,11 +397,7 @@ def collect_stats(
     collector.metric.to(device)
     was_training = model.training
     model.eval()
-    iterator: Iterable[Any] = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(batches, desc="ompmoe statistics", unit="batch")
+    iterator: Iterable[Any] = progress_bar(batches, "ompmoe statistics", progress, unit="batch")
     try:
         with collector, torch.set_grad_enabled(loss_aware):
             if loss_aware:

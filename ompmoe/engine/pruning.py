@@ -7,8 +7,9 @@ are exactly the original ones over the kept experts.
 
 The saved ``config.json`` records the kept original ids per layer under ``ompmoe``. A uniform
 plan also sets the config's expert count, so plain ``AutoModelForCausalLM.from_pretrained``
-loads it; non-uniform plans need :func:`load_pruned`, which builds each layer at its own size
-before transformers loads (and converts) the weights.
+loads it; a non-uniform checkpoint carries its own modeling code (:mod:`ompmoe.engine.export.hub_code`,
+``trust_remote_code=True``) and loads with :func:`load_pruned`, which builds each layer at its own
+size before transformers loads (and converts) the weights.
 """
 
 from __future__ import annotations
@@ -192,7 +193,16 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         kept_original[layer.name] = [earlier[i] for i in kept]
         _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
     _record_counts(model, kept_original, original_counts)
+    pruning_info(model)["plan"] = _plan_summary(plan)
     return model
+
+
+def _plan_summary(plan: PruningPlan) -> dict[str, Any]:
+    """What the model card reports about the plan, kept in the config's pruning record."""
+    return {
+        "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
+        "num_tokens": plan.num_tokens, "model_id": plan.model_id,
+    }
 
 
 def save_pruned(
@@ -200,18 +210,28 @@ def save_pruned(
     path: str | os.PathLike,
     tokenizer: Any | None = None,
     overwrite: bool = False,
+    *,
+    dtype: torch.dtype | str | None = None,
+    calibration: str | None = None,
     **save_kwargs: Any,
 ) -> Path:
-    """``save_pretrained`` into ``path`` atomically (with the tokenizer, if given).
+    """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use.
 
+    Writes the weights in ``dtype`` (default: the source checkpoint's, e.g. bf16 although
+    calibration ran in float32), the tokenizer (``tokenizer``: object, hub id or path; default:
+    the model's source; a :class:`~ompmoe.engine.export.checkpoint.MissingTokenizerWarning` names the
+    argument when none is found), a model card ``README.md`` (``calibration`` describes the data)
+    and, for a non-uniform plan, the modeling code that ``trust_remote_code=True`` loads.
     Models quantized after loading (:func:`ompmoe.quantize_experts`, torchao tensors) are refused:
     save the full-precision model and quantize after loading.
     """
+    from .export.checkpoint import save_checkpoint
+
     check_savable(model)
     with atomic_path(path, overwrite=overwrite, directory=True) as tmp:
-        model.save_pretrained(tmp, **save_kwargs)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        save_checkpoint(
+            model, tmp, tokenizer=tokenizer, dtype=dtype, calibration=calibration, final_path=path, **save_kwargs
+        )
     return Path(path)
 
 
@@ -285,9 +305,9 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     config (layer names, ids unique and in range) before any weight is read.
     """
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
-    config = transformers.AutoConfig.from_pretrained(
-        path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"]
-    )
+    from .export.config import load_stock_config
+
+    config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
     base = _causal_lm_class(config)
     record = pruning_info(config)
     if record is None:

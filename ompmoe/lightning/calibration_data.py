@@ -600,9 +600,9 @@ class CalibrationDataModule(pl.LightningDataModule):
         name = self._tokenizer_name()
         if name == BYTES:
             return (lambda texts: [byte_tokens(text).tolist() for text in texts]), None, name
-        from transformers import AutoTokenizer
+        from ..engine.export.config import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_shipped(name))
+        tokenizer = load_tokenizer(resolve_shipped(name))  # AutoTokenizer; reads non-uniform pruned checkpoints too
 
         def encode(texts: list[str]) -> list[list[int]]:
             return list(tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -9,6 +11,8 @@ import torch
 from torch import nn
 
 from .models import TINY_PREFIX, default_tokenizer, load_model, resolve_dtype
+
+EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
 
 __all__ = ["TINY_PREFIX", "CalibrationModule", "resolve_dtype", "shard_model"]
 
@@ -90,5 +94,18 @@ class CalibrationModule(pl.LightningModule):
         with torch.set_grad_enabled(self.needs_gradients):
             self(**batch)
 
-    def configure_optimizers(self) -> None:
-        return None
+    def configure_optimizers(self) -> list:
+        # An empty list, not None: Lightning warns about None ("this fit will run with no optimizer"),
+        # which is exactly what a forward-only calibration fit means to do.
+        return []
+
+    def on_fit_start(self) -> None:
+        # Lightning warns at the start of training about modules in eval mode; here that is the
+        # design (see ``train``), so this one message is ignored until training has started.
+        warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+        self._eval_mode_filter = warnings.filters[0]
+
+    def on_train_start(self) -> None:
+        with contextlib.suppress(AttributeError, ValueError):
+            warnings.filters.remove(self._eval_mode_filter)
+            warnings._filters_mutated()

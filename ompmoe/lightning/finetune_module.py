@@ -98,7 +98,9 @@ class FinetuneModule(pl.LightningModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        # Not "tokenizer": the data module records its own, and Lightning refuses to log two
+        # different values of one key (the module's is often None while the data's is a path).
+        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else [])])
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.lora_rank = int(lora_rank)
@@ -211,9 +213,23 @@ class FinetuneModule(pl.LightningModule):
             self.log("train_aux_loss", parts.aux_loss, batch_size=size)
         return parts.loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         parts = self.compute_loss(batch)
-        self.log("val_loss", parts.lm_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+        self.log(self._val_key("val_loss", dataloader_idx), parts.lm_loss, prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
+
+    def _val_key(self, metric: str, dataloader_idx: int) -> str:
+        """``val_loss``, or ``val_loss/<name>`` per validation set of a :class:`ompmoe.FinetuneDataModule`."""
+        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None)
+        return f"{metric}/{names[dataloader_idx]}" if names else metric
+
+    def on_validation_epoch_end(self) -> None:
+        # Blocks are equally long and unpadded, so exp(mean loss) is each set's token perplexity.
+        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
+        for name in names:
+            loss = self.trainer.callback_metrics.get(f"val_loss/{name}")
+            if loss is not None:
+                self.log(f"val_ppl/{name}", torch.exp(loss), add_dataloader_idx=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
@@ -228,16 +244,20 @@ class FinetuneModule(pl.LightningModule):
         if self.trainer.is_global_zero:
             from ..engine.pruning import save_pruned
 
-            save_pruned(model, self.save_dir, overwrite=self.overwrite)
+            # The data module's tokenizer, else save_pruned takes the source checkpoint's (or warns).
+            tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+            tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer != "bytes" else None
+            save_pruned(model, self.save_dir, overwrite=self.overwrite, tokenizer=tokenizer)
 
 
 def main(args: list[str] | None = None) -> None:
-    """``python -m ompmoe.lightning.finetune_module fit ...``: LightningCLI of FinetuneModule + CalibrationDataModule."""
+    """``python -m ompmoe.lightning.finetune_module fit ...``: LightningCLI of FinetuneModule + FinetuneDataModule
+    (training blocks, and held-out validation per domain: ``--data.val_sources``)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from .calibration_data import CalibrationDataModule
+    from .finetune_data import FinetuneDataModule
 
-    LightningCLI(FinetuneModule, CalibrationDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,9 @@ def model_config(name: str, trust_remote_code: bool = False) -> Any:
         from ..engine.tiny import tiny_config
 
         return tiny_config(name.removeprefix(TINY_PREFIX))
-    from transformers import AutoConfig
+    from ..engine.export.config import load_stock_config  # AutoConfig; non-uniform pruned checkpoints too
 
-    return AutoConfig.from_pretrained(resolve_shipped(name), trust_remote_code=trust_remote_code)
+    return load_stock_config(resolve_shipped(name), trust_remote_code=trust_remote_code)
 
 
 def default_tokenizer(model_name: str | None, tokenizer: str | None = None) -> str | None:

@@ -5,13 +5,15 @@ high-contribution experts), from a statistics object alone.
 Uses matplotlib's Agg canvas directly (no pyplot, no display, no global backend change).
 Every file is written atomically. ``write_plots(stats, output_dir, plan=None)`` writes:
 
-- ``heatmaps.png``: per MoE layer, the gain ``Delta_e / ||Y||^2`` of every candidate (rows, in
+- ``heatmaps.png``: per MoE layer (at most 12, evenly spaced), on one log scale, the gain ``Delta_e / ||Y||^2`` of every candidate (rows, in
   selection order) at every greedy step (columns); experts not eligible at a step (already
   selected, or in a group already picked this round) are blank.
 - ``residual_curves.png``: per layer, the normalized residual ``r_l(k)`` (left axis) and the
   routing risk ``-log(C_l(k) + zeta)`` (right axis) against the number of experts kept; with a
   plan, its kept count is marked and a non-OMP plan's own residual curve is drawn dashed.
-- ``residual_overview.png``: ``r_l(k)`` of all layers in one axes, coloured by depth.
+- ``residual_overview.png``: ``r_l(k)`` of all layers as one layers x k map, kept counts marked.
+- ``residual_curves.csv``: the curves as numbers (layer, k, ``r``, ``C``, risk).
+- with a plan, ``allocation.png`` / ``.csv``: experts kept per layer against the uniform count.
 - ``high_contribution.md`` / ``.csv``: layers whose first greedy pick alone leaves
   ``r_l(1) < 0.1`` (one expert reconstructs over 90% of the routed output).
 """
@@ -31,6 +33,7 @@ import numpy as np
 
 from ..engine.io import atomic_path, check_writable
 from ..engine.plan import PruningPlan
+from ..engine.progress import progress as progress_bar
 from ..engine.selection import PursuitResult, greedy_pursuit, routing_coverage
 from ..engine.statistics import LayerStats, MoEStats
 
@@ -39,7 +42,13 @@ RESIDUAL_CURVES = "residual_curves.png"
 RESIDUAL_OVERVIEW = "residual_overview.png"
 HIGH_CONTRIBUTION_MD = "high_contribution.md"
 HIGH_CONTRIBUTION_CSV = "high_contribution.csv"
-PLOT_FILES = (HEATMAPS, RESIDUAL_CURVES, RESIDUAL_OVERVIEW, HIGH_CONTRIBUTION_MD, HIGH_CONTRIBUTION_CSV)
+RESIDUAL_CSV = "residual_curves.csv"
+ALLOCATION = "allocation.png"
+ALLOCATION_CSV = "allocation.csv"
+PLOT_FILES = (HEATMAPS, RESIDUAL_CURVES, RESIDUAL_OVERVIEW, RESIDUAL_CSV, HIGH_CONTRIBUTION_MD, HIGH_CONTRIBUTION_CSV)
+"""Written always."""
+PLAN_PLOT_FILES = (ALLOCATION, ALLOCATION_CSV)
+"""Written in addition when a plan is given."""
 HIGH_CONTRIBUTION_THRESHOLD = 0.1
 
 
@@ -84,8 +93,12 @@ def high_contribution_experts(
     return rows
 
 
-def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "markdown") -> str:
-    """The rows as a Markdown table (``fmt="markdown"``) or CSV (``fmt="csv"``)."""
+def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "markdown",
+                            threshold: float = HIGH_CONTRIBUTION_THRESHOLD) -> str:
+    """The rows as a Markdown table (``fmt="markdown"``) or CSV (``fmt="csv"``).
+
+    With no rows, the Markdown starts with a sentence saying that no layer reached ``threshold``.
+    """
     if fmt == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -103,6 +116,10 @@ def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "
         f"| {row.layer} | {row.layer_index} | {row.expert} | {row.residual:.4f} | {row.token_share:.3f} |"
         for row in rows
     ]
+    if not rows:
+        sentence = (f"No layer qualifies: in every layer the first expert picked leaves r_l(1) >= {threshold:g} "
+                    f"(no single expert reconstructs {1 - threshold:.0%} of its layer's routed output).")
+        return sentence + "\n\n" + "\n".join(lines) + "\n"
     return "\n".join(lines) + "\n"
 
 
@@ -131,116 +148,230 @@ def _save(figure, path: Path, overwrite: bool) -> Path:
     return path
 
 
-def heatmap_figure(stats: MoEStats, max_columns: int = 6):
-    """Reconstruction-gain heatmaps of every layer (a matplotlib ``Figure``)."""
-    rows, columns = _grid(len(stats.layers), max_columns)
-    figure = _figure(3.2 * columns, 2.9 * rows)
-    figure.suptitle("Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step")
+def heatmap_layers(num_layers: int, max_layers: int = 12) -> list[int]:
+    """Positions of the layers drawn in the heatmaps: all, or ``max_layers`` evenly spaced ones
+    (first and last included), since a 48 x 128 grid of 128-row panels is unreadable."""
+    if num_layers <= max_layers:
+        return list(range(num_layers))
+    return sorted({round(i * (num_layers - 1) / (max_layers - 1)) for i in range(max_layers)})
+
+
+def _gain_matrix(layer: LayerStats) -> tuple[np.ndarray, np.ndarray]:
+    """Gains (rows: experts in selection order, columns: steps; NaN where not eligible) and the order."""
+    result = _pursuit(layer)
+    assert result.gains is not None
+    gains = (result.gains.T[result.order] / layer.signal_energy).numpy()
+    return np.where(np.isneginf(gains), np.nan, gains), result.order.numpy()
+
+
+def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] | None = None,
+                   progress: bool | None = False):
+    """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale.
+
+    ``layers``: positions to draw (default :func:`heatmap_layers`). Panels grow with the expert
+    count so that every row stays at least 3 pixels high; gains below ``1e-6`` of the largest
+    and non-positive ones (adding the expert does not help) are drawn in cyan.
+    """
+    from matplotlib.colors import LogNorm
+
+    positions = list(layers) if layers is not None else heatmap_layers(len(stats.layers))
+    drawn = [(p, stats.layers[p]) for p in positions]
+    matrices = {}
+    for position, layer in progress_bar(drawn, "ompmoe heatmaps", progress, unit="layer"):
+        if layer.signal_energy > 0.0:
+            matrices[position] = _gain_matrix(layer)
+    finite = [m[0][np.isfinite(m[0])] for m in matrices.values()]
+    top = max((float(v.max()) for v in finite if v.size), default=1.0)
+    top = top if top > 0 else 1.0
+    smallest = min((float(v[v > 0].min()) for v in finite if (v > 0).any()), default=top * 1e-6)
+    norm = LogNorm(vmin=max(top * 1e-6, smallest), vmax=top)
+    most = max((layer.num_experts for _, layer in drawn), default=1)
+    side = max(2.6, most * 3.0 / 120 + 0.8)  # inches: >= 3 px per expert row at 120 dpi
+    rows, columns = _grid(len(drawn), max_columns)
+    figure = _figure(side * columns + 1.2, side * rows + 0.8)
+    title = "Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step"
+    if len(drawn) < len(stats.layers):
+        title += f"\n{len(drawn)} of {len(stats.layers)} layers, evenly spaced; "
+    else:
+        title += "\n"
+    title += "grey: not eligible (already selected); cyan: no gain (below $10^{-6}$ of the largest, or negative)"
+    figure.suptitle(title)
     axes = figure.subplots(rows, columns, squeeze=False)
-    for position, (ax, layer) in enumerate(zip(axes.flat, stats.layers)):
+    cmap = _colormap("magma").with_extremes(under="#00bcd4")
+    image = None
+    for ax, (position, layer) in zip(axes.flat, drawn):
         ax.set_title(_title(layer, position), fontsize=9)
-        if layer.signal_energy <= 0.0:
+        if position not in matrices:
             ax.text(0.5, 0.5, "no routed tokens", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
             continue
-        result = _pursuit(layer)
-        assert result.gains is not None
-        order = result.order.numpy()
-        # rows: experts in selection order; columns: steps
-        gains = (result.gains.T[result.order] / layer.signal_energy).numpy()
-        matrix = np.ma.masked_invalid(np.where(np.isneginf(gains), np.nan, gains))
-        cmap = _colormap("magma")
-        image = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest", origin="upper")
-        figure.colorbar(image, ax=ax, fraction=0.05, pad=0.02).ax.tick_params(labelsize=7)
+        gains, order = matrices[position]
+        shown = np.ma.masked_invalid(np.where(np.isfinite(gains), np.maximum(gains, norm.vmin / 2), np.nan))
+        image = ax.imshow(shown, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest", origin="upper")
         n = layer.num_experts
         ax.set_xlabel("selection step", fontsize=8)
-        ax.set_ylabel("expert (selection order)", fontsize=8)
-        ticks = list(range(n)) if n <= 16 else list(range(0, n, max(1, n // 8)))
+        ax.set_ylabel("expert id (selection order)", fontsize=8)
+        ticks = list(range(n)) if n <= 16 else list(range(0, n, max(1, n // 16)))
         ax.set_yticks(ticks, [str(order[t]) for t in ticks], fontsize=6)
         ax.set_xticks(ticks, [str(t + 1) for t in ticks], fontsize=6)
-    for ax in list(axes.flat)[len(stats.layers):]:
+    for ax in list(axes.flat)[len(drawn):]:
         ax.set_axis_off()
+    if image is not None:
+        bar = figure.colorbar(image, ax=axes, fraction=0.03, pad=0.01, shrink=0.9, extend="min")
+        bar.set_label("gain $\\Delta_e / \\|Y\\|^2$ (log scale, shared by all panels)")
     return figure
 
 
 def _colormap(name: str):
     from matplotlib import colormaps
 
-    cmap = colormaps[name].copy()
-    cmap.set_bad("#d9d9d9")  # blank: not eligible at that step
-    return cmap
+    return colormaps[name].with_extremes(bad="#d9d9d9")  # blank: not eligible at that step
 
 
-def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray]:
+def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """OMP residual ``r(k)``, routing coverage ``C(k)`` and risk ``-log(C(k) + zeta)``, k = 0..N."""
     result = _pursuit(layer, with_gains=False)
     coverage = routing_coverage(layer.routing_mass, result.order).numpy()
     risk = -np.log(np.clip(coverage, 0.0, None) + zeta)
-    return result.residual.numpy(), risk
+    return result.residual.numpy(), coverage, risk
 
 
-def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: float = 1e-6, max_columns: int = 6):
-    """Per layer: OMP residual ``r_l(k)`` and routing risk ``-log(C_l(k) + zeta)`` (a ``Figure``)."""
+def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: float = 1e-6, max_columns: int = 8,
+                    progress: bool | None = False):
+    """Per layer: OMP residual ``r_l(k)`` and routing risk ``-log(C_l(k) + zeta)`` (a ``Figure``).
+
+    Each panel's title names its own kept count; one legend for the figure says what the lines are.
+    """
     rows, columns = _grid(len(stats.layers), max_columns)
-    figure = _figure(3.2 * columns, 2.6 * rows)
-    title = "Normalized residual $r_l(k)$ (OMP) and routing risk $-\\log(C_l(k)+\\zeta)$"
+    figure = _figure(2.6 * columns, 2.2 * rows + 0.9)
+    title = "Normalized residual $r_l(k)$ (OMP, blue) and routing risk $-\\log(C_l(k)+\\zeta)$ (orange)"
     if plan is not None:
-        title += f"; plan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}"
+        title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}; red line and title: experts kept"
     figure.suptitle(title)
     axes = figure.subplots(rows, columns, squeeze=False)
     planned = {layer.name: layer for layer in plan.layers} if plan is not None else {}
-    for position, (ax, layer) in enumerate(zip(axes.flat, stats.layers)):
-        ax.set_title(_title(layer, position), fontsize=9)
+    handles: dict[str, object] = {}
+    items = list(zip(axes.flat, stats.layers))
+    for position, (ax, layer) in enumerate(progress_bar(items, "ompmoe residual curves", progress, unit="layer")):
+        chosen = planned.get(layer.name)
+        kept = f": kept {chosen.num_kept}/{layer.num_experts}" if chosen is not None else f" ({layer.num_experts} experts)"
+        ax.set_title(f"layer {layer_index(layer.name, position)}{kept}", fontsize=8)
         if layer.signal_energy <= 0.0:
             ax.text(0.5, 0.5, "no routed tokens", ha="center", va="center", transform=ax.transAxes)
             continue
-        residual, risk = _curves(layer, zeta)
+        residual, _, risk = _curves(layer, zeta)
         k = np.arange(layer.num_experts + 1)
-        ax.plot(k, residual, color="tab:blue", lw=1.5, label="residual r(k) (OMP)")
+        (line,) = ax.plot(k, residual, color="tab:blue", lw=1.3)
+        handles.setdefault("residual r(k) (OMP)", line)
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("experts kept k", fontsize=8)
-        ax.set_ylabel("residual", fontsize=8, color="tab:blue")
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=6)
         ax.grid(alpha=0.3)
         twin = ax.twinx()
-        twin.plot(k[1:], risk[1:], color="tab:orange", lw=1.2, ls="--", label="risk -log(C(k)+zeta)")
-        twin.set_ylabel("risk", fontsize=8, color="tab:orange")
-        twin.tick_params(labelsize=7)
-        chosen = planned.get(layer.name)
+        (line,) = twin.plot(k[1:], risk[1:], color="tab:orange", lw=1.0, ls="--")
+        handles.setdefault("routing risk -log(C(k)+zeta)", line)
+        twin.tick_params(labelsize=6, colors="tab:orange")
         if chosen is not None:
             if plan is not None and plan.method != "omp":
-                ax.plot(k, chosen.residual, color="tab:green", lw=1.2, ls=":", label=f"residual ({plan.method})")
-            ax.axvline(chosen.num_kept, color="tab:red", lw=1.0, label=f"kept {chosen.num_kept}")
-        if position == 0:
-            handles = ax.get_legend_handles_labels()
-            twin_handles = twin.get_legend_handles_labels()
-            ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=6, loc="upper right")
+                (line,) = ax.plot(k, chosen.residual, color="tab:green", lw=1.0, ls=":")
+                handles.setdefault(f"residual ({plan.method})", line)
+            handles.setdefault("experts kept (plan)", ax.axvline(chosen.num_kept, color="tab:red", lw=1.0))
+        if position % columns == 0:
+            ax.set_ylabel("residual", fontsize=7, color="tab:blue")
+        if position >= len(stats.layers) - columns:
+            ax.set_xlabel("experts kept k", fontsize=7)
     for ax in list(axes.flat)[len(stats.layers):]:
         ax.set_axis_off()
+    figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles), fontsize=8)
     return figure
 
 
-def overview_figure(stats: MoEStats):
-    """``r_l(k)`` of every layer in one axes, coloured from shallow to deep (the paper's Figure 1a)."""
-    from matplotlib import colormaps
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
+def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: bool | None = False):
+    """All layers' ``r_l(k)`` as one map (rows: layers, columns: k), the plan's kept counts marked.
 
-    figure = _figure(6.0, 4.2)
+    One row per layer reads at any depth (the paper's Figure 1a draws one curve per layer, which
+    tangles beyond a dozen layers); a white contour marks ``r = 0.1``.
+    """
+    from matplotlib import colormaps
+
+    most = max(layer.num_experts for layer in stats.layers)
+    residuals = np.full((len(stats.layers), most + 1), np.nan)
+    for position, layer in enumerate(progress_bar(stats.layers, "ompmoe overview", progress, unit="layer")):
+        if layer.signal_energy > 0.0:
+            residuals[position, : layer.num_experts + 1] = _pursuit(layer, with_gains=False).residual.numpy()
+    height = min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6))
+    figure = _figure(7.5, height)
     ax = figure.subplots()
+    cmap = colormaps["viridis"].with_extremes(bad="#d9d9d9")
+    image = ax.imshow(np.ma.masked_invalid(residuals), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+                      interpolation="nearest", origin="upper", extent=(-0.5, most + 0.5, len(stats.layers) - 0.5, -0.5))
+    if np.isfinite(residuals).sum() > 3 and len(stats.layers) > 1:
+        ax.contour(np.arange(most + 1), np.arange(len(stats.layers)), np.nan_to_num(residuals, nan=1.0), levels=[0.1],
+                   colors="white", linewidths=0.8)
+    if plan is not None:
+        kept = [layer.num_kept for layer in plan.layers]
+        ax.plot(kept, np.arange(len(kept)), "o", color="tab:red", ms=max(2.0, min(5.0, 120 / len(kept))),
+                label=f"experts kept ({plan.method}/{plan.allocation}, ratio {plan.ratio:g})")
+        ax.legend(loc="lower right", fontsize=8)
     indices = [layer_index(layer.name, i) for i, layer in enumerate(stats.layers)]
-    norm = Normalize(min(indices), max(max(indices), min(indices) + 1))
-    cmap = colormaps["viridis"]
-    for index, layer in zip(indices, stats.layers):
+    step = max(1, len(indices) // 16)
+    ax.set_yticks(range(0, len(indices), step), [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
+    ax.set_xlabel("experts kept k")
+    ax.set_ylabel("layer")
+    ax.set_title("Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$")
+    figure.colorbar(image, ax=ax, label="normalized residual $r_l(k)$")
+    return figure
+
+
+def allocation_figure(stats: MoEStats, plan: PruningPlan):
+    """Experts kept per layer by the plan, against the uniform allocation of the same ratio."""
+    figure = _figure(max(6.0, min(14.0, 0.18 * len(plan.layers) + 3.0)), 3.8)
+    ax = figure.subplots()
+    x = np.arange(len(plan.layers))
+    kept = np.array([layer.num_kept for layer in plan.layers])
+    total = np.array([layer.num_experts for layer in plan.layers])
+    uniform = total * (1.0 - plan.achieved_ratio)
+    ax.bar(x, total, color="#e0e0e0", width=0.85, label="experts")
+    ax.bar(x, kept, color="tab:blue", width=0.85, label=f"kept ({plan.method}/{plan.allocation})")
+    ax.step(np.append(x, x[-1] + 1) - 0.5, np.append(uniform, uniform[-1]), where="post", color="tab:red", lw=1.2,
+            label=f"uniform: keep {1.0 - plan.achieved_ratio:.3f} of each layer")
+    indices = [layer_index(layer.name, i) for i, layer in enumerate(plan.layers)]
+    step = max(1, len(indices) // 24)
+    ax.set_xticks(x[::step], [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
+    ax.set_xlim(-0.6, len(plan.layers) - 0.4)
+    ax.set_ylim(0, total.max() * 1.3)  # room for the legend above the bars
+    ax.set_xlabel("layer")
+    ax.set_ylabel("experts")
+    ax.set_title(f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    ax.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def curves_csv(stats: MoEStats, zeta: float) -> str:
+    """Every layer's OMP ``r_l(k)``, ``C_l(k)`` and risk for k = 0..N, one row per (layer, k)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["layer", "layer_index", "k", "residual", "coverage", "risk"])
+    for position, layer in enumerate(stats.layers):
         if layer.signal_energy <= 0.0:
             continue
-        residual = _pursuit(layer, with_gains=False).residual.numpy()
-        ax.plot(np.arange(layer.num_experts + 1), residual, color=cmap(norm(index)), lw=1.2)
-    ax.set_xlabel("experts kept k")
-    ax.set_ylabel("normalized residual r_l(k)")
-    ax.set_title("Normalized residual curves of all MoE layers (OMP)")
-    ax.grid(alpha=0.3)
-    figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="layer")
-    return figure
+        residual, coverage, risk = _curves(layer, zeta)
+        for k in range(layer.num_experts + 1):
+            writer.writerow([layer.name, layer_index(layer.name, position), k, repr(float(residual[k])),
+                             repr(float(coverage[k])), repr(float(risk[k]))])
+    return buffer.getvalue()
+
+
+def allocation_csv(plan: PruningPlan) -> str:
+    """Per layer: experts, kept, the uniform count of the same ratio, and ``r(k)``, ``C(k)`` at the kept count."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["layer", "layer_index", "num_experts", "kept", "uniform_kept", "residual", "coverage"])
+    for position, layer in enumerate(plan.layers):
+        writer.writerow([layer.name, layer_index(layer.name, position), layer.num_experts, layer.num_kept,
+                         repr(layer.num_experts * (1.0 - plan.achieved_ratio)), repr(float(layer.residual[layer.num_kept])),
+                         repr(float(layer.coverage[layer.num_kept]))])
+    return buffer.getvalue()
 
 
 def write_plots(
@@ -251,12 +382,15 @@ def write_plots(
     zeta: float | None = None,
     threshold: float = HIGH_CONTRIBUTION_THRESHOLD,
     overwrite: bool = False,
+    progress: bool | None = None,
 ) -> list[Path]:
-    """Write the heatmaps, residual/risk curves and high-contribution table into ``output_dir``.
+    """Write the heatmaps, residual/risk curves (PNG and CSV) and high-contribution table into ``output_dir``.
 
-    ``plan`` (made from these statistics) marks each layer's kept count; ``zeta`` defaults to
-    the plan's, else ``1e-6``. Returns the written paths (see :data:`PLOT_FILES`). Existing
-    files are refused unless ``overwrite``, before anything is drawn.
+    ``plan`` (made from these statistics) marks each layer's kept count and adds the allocation
+    figure and CSV (:data:`PLAN_PLOT_FILES`); ``zeta`` defaults to the plan's, else ``1e-6``.
+    Returns the written paths (:data:`PLOT_FILES`, then those). Existing files are refused unless
+    ``overwrite``, before anything is drawn. ``progress``: bars on stderr (``None``: when stderr is
+    a terminal; drawing 48 x 128 layers takes seconds).
     """
     output_dir = Path(output_dir)
     if plan is not None:
@@ -267,23 +401,37 @@ def write_plots(
                 f"(fingerprint {stats.fingerprint}); pass the plan written next to them."
             )
     zeta = zeta if zeta is not None else (plan.zeta if plan is not None else 1e-6)
-    paths = [output_dir / name for name in PLOT_FILES]
-    for path in paths:
+    names = PLOT_FILES + (PLAN_PLOT_FILES if plan is not None else ())
+    paths = {name: output_dir / name for name in names}
+    for path in paths.values():
         check_writable(path, overwrite)
     output_dir.mkdir(parents=True, exist_ok=True)
-    _save(heatmap_figure(stats), paths[0], overwrite)
-    _save(residual_figure(stats, plan, zeta), paths[1], overwrite)
-    _save(overview_figure(stats), paths[2], overwrite)
+    _save(heatmap_figure(stats, progress=progress), paths[HEATMAPS], overwrite)
+    _save(residual_figure(stats, plan, zeta, progress=progress), paths[RESIDUAL_CURVES], overwrite)
+    _save(overview_figure(stats, plan, progress=progress), paths[RESIDUAL_OVERVIEW], overwrite)
     rows = high_contribution_experts(stats, threshold)
-    for path, fmt in ((paths[3], "markdown"), (paths[4], "csv")):
-        with atomic_path(path, overwrite=overwrite) as tmp:
-            tmp.write_text(high_contribution_table(rows, fmt))
-    return paths
+    texts = {
+        RESIDUAL_CSV: curves_csv(stats, zeta),
+        HIGH_CONTRIBUTION_MD: high_contribution_table(rows, "markdown", threshold),
+        HIGH_CONTRIBUTION_CSV: high_contribution_table(rows, "csv"),
+    }
+    if plan is not None:
+        _save(allocation_figure(stats, plan), paths[ALLOCATION], overwrite)
+        texts[ALLOCATION_CSV] = allocation_csv(plan)
+    for name, text in texts.items():
+        with atomic_path(paths[name], overwrite=overwrite) as tmp:
+            tmp.write_text(text)
+    return list(paths.values())
 
 
 __all__ = [
     "HighContributionExpert",
+    "PLAN_PLOT_FILES",
     "PLOT_FILES",
+    "allocation_csv",
+    "allocation_figure",
+    "curves_csv",
+    "heatmap_layers",
     "heatmap_figure",
     "high_contribution_experts",
     "high_contribution_table",

@@ -109,7 +109,7 @@ def prune_tiny_model(
     with atomic_path(out, overwrite=overwrite, directory=True) as tmp:
         stats.save(tmp / "stats.safetensors")
         plan.save(tmp / "plan.json")
-        save_pruned(model, tmp / "model")
+        save_pruned(model, tmp / "model", calibration="shipped:python-docs")
         with torch.no_grad():
             reloaded_logits = load_pruned(tmp / "model")(probe).logits
         if not torch.equal(reloaded_logits, pruned_logits):

@@ -107,7 +107,7 @@ def test_save_pruned_refuses_a_foreign_directory_and_replaces_its_own(tmp_path, 
 
 
 def test_callback_refuses_a_foreign_directory_before_calibration(tmp_path):
-    from test_callback import ForwardCounter, batches, trainer
+    from reference import ForwardCounter, batches, trainer
     from torch.utils.data import DataLoader
 
     from ompmoe.lightning.calibration_module import CalibrationModule

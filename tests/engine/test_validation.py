@@ -352,8 +352,20 @@ def test_load_pruned_never_asks_for_remote_code(plan, tmp_path, monkeypatch):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
+    def no_remote_code(*args, **kwargs):
+        raise AssertionError(f"load_pruned ran remote code {args}")
+
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
-    load_pruned(saved(plan, tmp_path, lambda c: None))
+    for module in (transformers.dynamic_module_utils, transformers.models.auto.configuration_auto,
+                   transformers.models.auto.auto_factory):
+        monkeypatch.setattr(module, "get_class_from_dynamic_module", no_remote_code)
+    # A non-uniform checkpoint carries remote code (auto_map); load_pruned reads it with the stock classes.
+    path = saved(plan, tmp_path, lambda c: None)
+    assert not plan.is_uniform and "auto_map" in json.loads((path / "config.json").read_text())
+    assert type(load_pruned(path)).__module__.startswith("transformers.models.qwen3_moe")
+    # Older checkpoints (an int count, no auto_map) go through AutoConfig, with remote code off.
+    old = saved(plan, tmp_path / "old", lambda c: (c.pop("auto_map"), c.__setitem__("num_experts", c["num_experts"]["max"])))
+    load_pruned(old)
     assert seen["trust_remote_code"] is False
 
 

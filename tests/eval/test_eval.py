@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -245,14 +246,18 @@ def test_report_table_original_vs_pruned(single, tmp_path, capsys):
     printed = capsys.readouterr().out
     lines = table_file.read_text().splitlines()
     assert printed == table_file.read_text()
-    assert lines[0] == "| Model | tiny_group | tiny_gen | tiny_ppl | Average | Retained (%) |"
+    assert lines[0] == "| Model | tiny_group † | tiny_gen † | tiny_ppl † | Average | Retained (%) |"
     original_row, pruned_row = lines[2].split(" | "), lines[3].split(" | ")
-    first = json.loads(original.read_text())["ompmoe"]
+    full = json.loads(original.read_text())
+    first = full["ompmoe"]
     second = json.loads(pruned_file.read_text())["ompmoe"]
     assert second["model"]["pruning"]["removed_fraction"] == pytest.approx(0.5)
+    # A pruned model keeps its original's embeddings: same base-model fingerprint, so the rows compare.
+    assert second["model"]["weights_fingerprint"] == first["model"]["weights_fingerprint"] is not None
     assert original_row[0] == "| Qwen3MoeForCausalLM" and pruned_row[0] == "| Qwen3MoeForCausalLM (-50% experts)"
+    assert full["groups"]["tiny_group"]["acc_stderr,none"] == "N/A"  # bootstrap_iters=0: lm-eval gives none
     assert original_row[1] == f"{100 * first['scores']['tiny_group']:.2f}"
-    assert original_row[3] == f"{first['scores']['tiny_ppl']:.2f}"  # perplexity as is
+    assert original_row[3] == f"{first['scores']['tiny_ppl']:.2f}"  # perplexity as is, no stderr (lm-eval's N/A)
     assert original_row[-1] == "100.0 |"
     retained = 100 * second["average"] / first["average"]
     assert pruned_row[-1] == f"{retained:.1f} |"
@@ -265,7 +270,7 @@ def test_cli_test_subcommand_runs_the_suite_from_a_config(tmp_path):
           "--data.output_path", str(output), "--data.tasks", "[tiny_mc, tiny_gen]", "--data.limit", "4",
           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
     results = json.loads(output.read_text())
-    assert results["ompmoe"]["label"] == "original"
+    assert results["ompmoe"]["label"] == "original (shipped:tiny-moe)"
     assert results["results"]["tiny_mc"]["sample_len"] == 4
     metrics = next((tmp_path / "logs").rglob("metrics.csv")).read_text()
     assert "tiny_mc/acc" in metrics.splitlines()[0]
@@ -362,3 +367,81 @@ def test_cli_validate_switches_on_adaptive_inference_and_logs_its_counters(tmp_p
     assert 1.0 <= float(logged["val/adaptive/avg_experts_per_token"]) < 4.0  # top-4 router, some experts skipped
     assert float(logged["val/adaptive/skip_ratio"]) == pytest.approx(1 - float(logged["val/adaptive/avg_experts_per_token"]) / 4)
     assert json.loads((tmp_path / "out.json").read_text())["results"]["tiny_mc"]["sample_len"] == 4
+
+
+def _edited(path: Path, **changes) -> dict:
+    """The results of ``path`` with ``changes`` ("a.b.c" -> value) applied."""
+    data = json.loads(path.read_text())
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        target = data
+        for key in parents:
+            target = target[key]
+        target[last] = value
+    return data
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("ompmoe.model.weights_fingerprint", "0123456789abcdef", "base model differs"),
+    ("config.tokenizer_fingerprint", "fedcba9876543210", "tokenizer differs (bytes vs bytes)"),
+    ("versions.tiny_mc", 2.0, "task tiny_mc version differs (2.0 vs 1.0)"),
+])
+def test_report_refuses_rows_of_another_base_model_tokenizer_or_task_version(single, field, value, problem, capsys):
+    from ompmoe.eval.report import IncomparableResultsError, report_table
+
+    _, _, original = single
+    other = _edited(original, **{field: value, "ompmoe.label": "other"})
+    with pytest.raises(IncomparableResultsError, match=r"cannot be compared with the baseline 'Qwen3MoeForCausalLM': "
+                       r"'other': " + re.escape(problem)) as error:
+        report_table([original, other])
+    assert "--allow-mismatch" in str(error.value)
+    table = report_table([original, other], allow_mismatch=True)
+    row = table.splitlines()[3].split(" | ")
+    assert row[0] == "| other ⚠" and row[-1] == "– |"  # no retained percentage for a row that does not compare
+    assert f"⚠ other is not comparable with Qwen3MoeForCausalLM: {problem}" in table
+
+
+def test_report_cli_refusal_is_one_line_and_the_flag_prints_marked_rows(single, tmp_path, capsys):
+    _, _, original = single
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_edited(original, **{"ompmoe.model.weights_fingerprint": "0" * 16})))
+    with pytest.raises(SystemExit) as error:
+        main(["report", str(original), str(other)])
+    assert str(error.value).startswith("error: These results cannot be compared with the baseline")
+    main(["report", str(original), str(other), "--allow-mismatch"])
+    assert "⚠" in capsys.readouterr().out
+
+
+def test_report_labels_are_distinct_and_small_tasks_are_flagged_noisy(single, tmp_path):
+    from ompmoe.eval.report import report_table
+
+    _, _, original = single
+    copy_file = tmp_path / "again.json"
+    copy_file.write_text(original.read_text())
+    table = report_table([original, copy_file])
+    rows = [line.split(" | ")[0] for line in table.splitlines()[2:4]]
+    assert rows == [f"| Qwen3MoeForCausalLM [{original.stem}]", "| Qwen3MoeForCausalLM [again]"]
+    results = json.loads(original.read_text())
+    items = sum(results["n-samples"][task]["effective"] for task in results["group_subtasks"]["tiny_group"])
+    assert f"† tiny_group: {items} items (< 100); a difference of {100 / items:.1f} points is one item" in table
+    assert "tiny_group †" not in report_table([original], noisy_items=items)
+
+
+def test_report_notes_rows_without_recorded_identity(single):
+    from ompmoe.eval.report import report_table
+
+    _, _, original = single
+    old = _edited(original, **{"config.tokenizer_fingerprint": None, "ompmoe.label": "old file"})
+    table = report_table([original, old])
+    assert "Base model or tokenizer not recorded for old file (older results files)" in table
+
+
+def test_report_prints_lm_evals_standard_errors_next_to_scores(single):
+    from ompmoe.eval.report import report_table
+
+    _, _, original = single
+    with_errors = _edited(original, **{"groups.tiny_group.acc_stderr,none": 0.0312})
+    first = with_errors["ompmoe"]
+    table = report_table([with_errors])
+    assert table.splitlines()[2].split(" | ")[1] == f"{100 * first['scores']['tiny_group']:.2f} ± 3.12"
+    assert "± is lm-eval's standard error" in table

@@ -21,27 +21,10 @@ from ompmoe.engine.io import OutputExistsError
 from ompmoe import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
 
+from reference import ForwardCounter, batches, trainer
+
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-
-
-def batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:
-    blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)
-    return [{"input_ids": block, "attention_mask": torch.ones_like(block)} for block in blocks]
-
-
-def trainer(callbacks, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
 
 
 def assert_stats_equal(a: ompmoe.MoEStats, b: ompmoe.MoEStats, rtol: float = 1e-12) -> None:
@@ -49,14 +32,6 @@ def assert_stats_equal(a: ompmoe.MoEStats, b: ompmoe.MoEStats, rtol: float = 1e-
     for la, lb in zip(a.layers, b.layers, strict=True):
         for key, value in la.tensors().items():
             torch.testing.assert_close(value, lb.tensors()[key], rtol=rtol, atol=rtol * float(value.abs().max()))
-
-
-class ForwardCounter(pl.Callback):
-    def __init__(self):
-        self.calls = 0
-
-    def on_fit_start(self, trainer, pl_module):
-        pl_module.model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
 
 class WithValidation(CalibrationModule):
@@ -350,3 +325,62 @@ def test_missing_model_is_a_user_error_with_one_line_in_the_cli():
     with pytest.raises(MissingModelError, match="found no Hugging Face MoE model") as caught:
         find_hf_model(torch.nn.Linear(2, 2))
     assert isinstance(caught.value, ValueError)  # `ompmoe fit` prints it as one `error:` line
+
+
+class OwnModule(pl.LightningModule):
+    """A user's own LightningModule: a model and nothing else (no tokenizer attributes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_model("olmoe")
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.model(**batch)
+
+    def configure_optimizers(self):
+        return None
+
+
+class OwnData(pl.LightningDataModule):
+    def __init__(self, tokenizer=None):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def train_dataloader(self):
+        return DataLoader(batches(2))
+
+
+def word_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{chr(c): i + 1 for i, c in enumerate(range(97, 123))}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def test_own_module_saves_the_data_modules_or_the_explicit_tokenizer_and_warns_without_one(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
+
+    tok = word_tokenizer(tmp_path / "tok")
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "from-data"),
+                             plots=False)
+    trainer([callback]).fit(OwnModule(), datamodule=OwnData(tokenizer=str(tok)))
+    assert AutoTokenizer.from_pretrained(tmp_path / "from-data" / "model")("abc")["input_ids"] == [1, 2, 3]
+
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "explicit"),
+                             plots=False, tokenizer=str(tok))
+    trainer([callback]).fit(OwnModule(), datamodule=OwnData())
+    assert AutoTokenizer.from_pretrained(tmp_path / "explicit" / "model")("cab")["input_ids"] == [3, 1, 2]
+
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, allocation="uniform"), output_dir=str(tmp_path / "none"),
+                             plots=False)
+    with pytest.warns(MissingTokenizerWarning, match=r"callback: ExpertPruning\(tokenizer=\.\.\.\)"):
+        trainer([callback]).fit(OwnModule(), datamodule=OwnData())
+    assert not (tmp_path / "none" / "model" / "tokenizer.json").exists()
+    assert (tmp_path / "none" / "model" / "README.md").is_file()

@@ -6,6 +6,7 @@ import csv
 import io
 import struct
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -14,6 +15,7 @@ import ompmoe
 from ompmoe import MoEStats, OutputExistsError, collect_stats, plan_pruning
 from ompmoe.cli import main
 from ompmoe.recipes.plots import (
+    PLAN_PLOT_FILES,
     PLOT_FILES,
     high_contribution_experts,
     high_contribution_table,
@@ -43,8 +45,8 @@ def stats() -> MoEStats:
 def test_write_plots_writes_valid_pngs_and_tables(stats, tmp_path):
     plan = plan_pruning(stats, 0.5, method="reap")
     paths = write_plots(stats, tmp_path / "plots", plan=plan)
-    assert [p.name for p in paths] == list(PLOT_FILES)
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(PLOT_FILES)  # no temporaries
+    assert [p.name for p in paths] == list(PLOT_FILES + PLAN_PLOT_FILES)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(PLOT_FILES + PLAN_PLOT_FILES)  # no temporaries
     for path in paths:
         assert path.stat().st_size > 0
         if path.suffix == ".png":
@@ -52,11 +54,11 @@ def test_write_plots_writes_valid_pngs_and_tables(stats, tmp_path):
             assert width > 200 and height > 200
     header = (tmp_path / "plots" / "high_contribution.csv").read_text().splitlines()[0]
     assert header == "layer,layer_index,expert,residual_r1,token_share"
-    assert (tmp_path / "plots" / "high_contribution.md").read_text().startswith("| Layer | Layer index |")
+    assert "| Layer | Layer index |" in (tmp_path / "plots" / "high_contribution.md").read_text()
     # Existing files are refused unless overwrite=True.
     with pytest.raises(OutputExistsError):
         write_plots(stats, tmp_path / "plots")
-    assert write_plots(stats, tmp_path / "plots", overwrite=True) == paths
+    assert write_plots(stats, tmp_path / "plots", overwrite=True) == paths[: len(PLOT_FILES)]
     # A plan from other statistics is refused.
     other = collect_stats(tiny_model("qwen3_moe"), [torch.randint(3, 256, (1, 16))])
     with pytest.raises(ValueError, match="was not made from these statistics"):
@@ -128,7 +130,7 @@ def test_layer_index_from_module_names():
 
 
 def test_callback_writes_plots_inside_its_output_directory(tmp_path):
-    from test_callback import batches, trainer
+    from reference import batches, trainer
 
     from ompmoe.lightning.calibration_module import CalibrationModule
     from ompmoe.callbacks import ExpertPruning
@@ -137,8 +139,8 @@ def test_callback_writes_plots_inside_its_output_directory(tmp_path):
     trainer(callbacks=[callback]).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=2))
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir()) == [".ompmoe-output", "plan.json", "plots", "stats.safetensors"]
-    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(PLOT_FILES)
-    for name in PLOT_FILES:
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(PLOT_FILES + PLAN_PLOT_FILES)
+    for name in PLOT_FILES + PLAN_PLOT_FILES:
         if name.endswith(".png"):
             png_size(run / "plots" / name)
     assert callback.plan.method == "frequency"
@@ -152,7 +154,8 @@ def test_cli_plot_command(stats, tmp_path, capsys):
     stats_file = stats.save(tmp_path / "stats.safetensors")
     plan_file = plan_pruning(stats, 0.5).save(tmp_path / "plan.json")
     main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots"), "--plan", str(plan_file)])
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted([".ompmoe-output", *PLOT_FILES])
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted([".ompmoe-output", *PLOT_FILES,
+                                                                            *PLAN_PLOT_FILES])
     assert str(tmp_path / "plots" / "heatmaps.png") in capsys.readouterr().out
     with pytest.raises(SystemExit) as error:
         main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots")])
@@ -170,3 +173,98 @@ def test_cli_prune_with_a_baseline_method(stats, tmp_path):
           "--method", "reap", "--allocation", "optimal"])
     plan = ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.5.json")
     assert plan == plan_pruning(ompmoe.MoEStats.load(stats_file), 0.5, method="reap", allocation="optimal")
+
+
+# ------------------------------------------------------------------------ at real scale (48 x 128)
+@pytest.fixture(scope="module")
+def large():
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    stats = synthetic_stats(48, 128, 8)
+    return stats, plan_pruning(stats, 0.5)
+
+
+def test_synthetic_statistics_have_the_requested_shape_and_are_valid(large, tmp_path):
+    stats, plan = large
+    assert [(layer.num_experts, layer.top_k) for layer in stats.layers] == [(128, 8)] * 48
+    loaded = MoEStats.load(stats.save(tmp_path / "s.safetensors"))  # passes the file checks (PSD, symmetric, ...)
+    assert torch.equal(loaded.layers[5].gram, stats.layers[5].gram)
+    assert [row.layer_index for row in high_contribution_experts(stats)] == [11, 35]  # the dominant-expert layers
+    assert plan.achieved_ratio == pytest.approx(0.5)
+
+
+def test_heatmaps_at_scale_share_one_log_scale_with_readable_rows(large):
+    from matplotlib.colors import LogNorm
+
+    from ompmoe.recipes.plots import heatmap_figure, heatmap_layers
+
+    stats, _ = large
+    assert heatmap_layers(48) == [0, 4, 9, 13, 17, 21, 26, 30, 34, 38, 43, 47]
+    assert heatmap_layers(6) == [0, 1, 2, 3, 4, 5]
+    figure = heatmap_figure(stats)
+    images = [image for ax in figure.axes for image in ax.get_images()]
+    assert len(images) == 12
+    assert all(image.norm is images[0].norm for image in images) and isinstance(images[0].norm, LogNorm)
+    figure.canvas.draw()
+    panel = images[0].axes.get_window_extent()
+    assert panel.height / 128 >= 3.0  # pixels per expert row
+    titles = [ax.get_title() for ax in figure.axes if ax.get_images()]
+    assert titles[:2] == ["layer 0 (128 experts)", "layer 4 (128 experts)"]
+    assert any("log scale, shared by all panels" in ax.get_ylabel() for ax in figure.axes)
+
+
+def test_residual_panels_name_their_own_kept_count(large):
+    from ompmoe.recipes.plots import residual_figure
+
+    stats, plan = large
+    figure = residual_figure(stats, plan)
+    titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+    assert titles == [f"layer {i}: kept {layer.num_kept}/128" for i, layer in enumerate(plan.layers)]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "residual r(k) (OMP)", "routing risk -log(C(k)+zeta)", "experts kept (plan)"]
+
+
+def test_overview_is_a_layers_by_k_map_with_the_kept_counts(large):
+    from ompmoe.recipes.plots import overview_figure
+
+    stats, plan = large
+    figure = overview_figure(stats, plan)
+    ax = figure.axes[0]
+    (image,) = ax.get_images()
+    expected = np.array([ompmoe.greedy_pursuit(layer.gram).residual.numpy() for layer in stats.layers])
+    np.testing.assert_allclose(np.asarray(image.get_array()), expected, rtol=1e-12)
+    (markers,) = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert list(markers.get_xdata()) == [layer.num_kept for layer in plan.layers]
+
+
+def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
+    stats, plan = large
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    small = synthetic_stats(3, 16, 4)
+    small_plan = plan_pruning(small, 0.5)
+    write_plots(small, tmp_path, plan=small_plan, progress=False)
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "allocation.csv").read_text())))
+    assert [(r["layer"], int(r["kept"]), float(r["uniform_kept"])) for r in rows] == [
+        (layer.name, layer.num_kept, 8.0) for layer in small_plan.layers]
+    assert [float(r["residual"]) for r in rows] == [layer.residual[layer.num_kept] for layer in small_plan.layers]
+    curves = list(csv.DictReader(io.StringIO((tmp_path / "residual_curves.csv").read_text())))
+    assert len(curves) == 3 * 17
+    for layer in small.layers:
+        mine = [float(r["residual"]) for r in curves if r["layer"] == layer.name]
+        assert mine == ompmoe.greedy_pursuit(layer.gram).residual.tolist()
+    from ompmoe.recipes.plots import allocation_figure
+
+    ax = allocation_figure(stats, plan).axes[0]
+    kept_bars = [patch.get_height() for patch in ax.containers[1]]
+    assert kept_bars == [layer.num_kept for layer in plan.layers]
+    assert ax.get_title() == "Allocation: kept 3072/6144 routed experts (removed 0.500)"
+
+
+def test_high_contribution_markdown_says_when_no_layer_qualifies(tmp_path):
+    stats = MoEStats(layers=[_diagonal_layer(0, [1.0] * 8)], num_tokens=10, fingerprint="synthetic")
+    write_plots(stats, tmp_path, progress=False)
+    text = (tmp_path / "high_contribution.md").read_text()
+    assert text.splitlines()[0] == ("No layer qualifies: in every layer the first expert picked leaves "
+                                    "r_l(1) >= 0.1 (no single expert reconstructs 90% of its layer's routed output).")
+    assert (tmp_path / "high_contribution.csv").read_text() == "layer,layer_index,expert,residual_r1,token_share\n"

@@ -1,0 +1,95 @@
+"""Command-line spellings the ``ompmoe`` command accepts beyond jsonargparse's own.
+
+jsonargparse wants ``--ratio [0.25,0.5]`` and ``--overwrite true``; users type what other tools
+accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``), and the short class
+name in ``--trainer.callbacks.help ExpertPruning``. These functions rewrite such arguments into
+jsonargparse's form before parsing, leaving every other argument untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+# Short names users give to ``--<...>.help``; jsonargparse needs the import path.
+CLASS_PATHS = {
+    "ExpertPruning": "ompmoe.callbacks.ExpertPruning",
+    "OMPMoEPruning": "ompmoe.callbacks.OMPMoEPruning",
+    "AdaptiveInferenceMonitor": "ompmoe.callbacks.AdaptiveInferenceMonitor",
+    "PruningStrategy": "ompmoe.engine.strategy.PruningStrategy",
+    "CalibrationModule": "ompmoe.lightning.calibration_module.CalibrationModule",
+    "CalibrationDataModule": "ompmoe.lightning.calibration_data.CalibrationDataModule",
+}
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and not _is_number(token)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def list_option(argv: Sequence[str], name: str) -> list[str]:
+    """``--name 0.3``, ``--name 0.25,0.5``, ``--name 0.25 0.5`` and ``--name=0.25,0.5`` as ``--name [..]``.
+
+    A value already in brackets, or one that is not a list of numbers, is kept as it is, so
+    jsonargparse reports malformed ones itself.
+    """
+    flag, result, i = f"--{name}", [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == flag or token.startswith(flag + "="):
+            values = [token.split("=", 1)[1]] if "=" in token else []
+            i += 1
+            if not values:
+                while i < len(argv) and not _is_option(argv[i]):
+                    values.append(argv[i])
+                    i += 1
+            if len(values) == 1 and values[0].lstrip().startswith("["):
+                result += [flag, values[0]]
+            elif values:
+                items = [item.strip() for value in values for item in value.split(",") if item.strip()]
+                if items and all(_is_number(item) for item in items):
+                    result += [flag, "[" + ",".join(items) + "]"]
+                else:  # not a list of numbers: jsonargparse names the bad value as given
+                    result += [flag, *values]
+            else:
+                result.append(flag)  # no value: jsonargparse says what is missing
+            continue
+        result.append(token)
+        i += 1
+    return result
+
+
+def bare_flags(argv: Sequence[str], names: Iterable[str]) -> list[str]:
+    """A boolean ``--name`` given without a value means ``--name true`` (as in argparse's store_true)."""
+    flags = {f"--{name}" for name in names}
+    result = []
+    for i, token in enumerate(argv):
+        result.append(token)
+        if token in flags:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is None or following.lower() not in {"true", "false"}:
+                result.append("true")
+    return result
+
+
+def class_paths(argv: Sequence[str]) -> list[str]:
+    """The short class name after any ``--<key>.help`` (``ExpertPruning``) as its import path."""
+    result = []
+    for i, token in enumerate(argv):
+        if i > 0 and argv[i - 1].endswith(".help") and token in CLASS_PATHS:
+            token = CLASS_PATHS[token]
+        elif "=" in token:
+            key, _, value = token.partition("=")
+            if key.endswith(".help") and value in CLASS_PATHS:
+                token = f"{key}={CLASS_PATHS[value]}"
+        result.append(token)
+    return result
+
+
+__all__ = ["CLASS_PATHS", "bare_flags", "class_paths", "list_option"]

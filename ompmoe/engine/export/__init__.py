@@ -1,0 +1,1 @@
+"""Everything that makes a saved pruned model usable outside ompmoe: remote code, model card, tokenizer."""

@@ -1,0 +1,176 @@
+"""Write a complete pruned checkpoint: weights in the source dtype, tokenizer, remote code, model card.
+
+Every path that writes a model (``save_pruned``, ``ompmoe prune``, the callback, the recipes) comes
+here, so each output directory loads in stock tools: ``AutoModelForCausalLM`` and ``AutoTokenizer``
+find everything they need, and ``README.md`` says what was done and how to load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from ..adapters import architecture_of
+from .config import count_json_key, load_tokenizer
+from .hub_code import write_remote_code
+from .model_card import model_card
+
+TOKENIZER_HINT = (
+    "pass tokenizer=<hub id, path or tokenizer> to save_pruned (CLI: ompmoe prune --tokenizer ...; "
+    "callback: ExpertPruning(tokenizer=...))"
+)
+
+
+class MissingTokenizerWarning(UserWarning):
+    """A pruned model was saved without tokenizer files; stock tools cannot run it as is."""
+
+
+def source_name(model: nn.Module) -> str | None:
+    """The hub id or path the model was loaded from, if transformers recorded one."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(name) if name else None
+
+
+def source_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype stored in the source checkpoint's ``config.json`` (loading may have upcast the weights).
+
+    ``None`` when the source is unknown or not available locally (nothing is downloaded).
+    """
+    name = source_name(model)
+    if name is None:
+        return None
+    try:
+        config_dict, _ = transformers.PreTrainedConfig.get_config_dict(name, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    value = config_dict.get("dtype", config_dict.get("torch_dtype"))
+    resolved = getattr(torch, str(value).removeprefix("torch."), None) if value else None
+    return resolved if isinstance(resolved, torch.dtype) and resolved.is_floating_point else None
+
+
+def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
+    """A tokenizer object from ``tokenizer`` (object, hub id or path) or else the model's source, or ``None``."""
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
+    candidates = [str(tokenizer)] if isinstance(tokenizer, (str, os.PathLike)) else []
+    name = source_name(model)
+    if tokenizer is None and name is not None:
+        candidates.append(name)
+    for candidate in candidates:
+        if candidate == "bytes" or candidate.startswith("tiny:"):
+            continue
+        from ...data import resolve_shipped
+
+        path = resolve_shipped(candidate)
+        try:
+            return load_tokenizer(path, local_files_only=not _is_hub_id(path))
+        except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
+            if isinstance(tokenizer, (str, os.PathLike)):
+                raise ValueError(
+                    f"tokenizer={tokenizer!r} could not be loaded ({error}); pass a hub id, a local "
+                    "directory with tokenizer files, or a tokenizer object."
+                ) from error
+    return None
+
+
+def _is_hub_id(name: str) -> bool:
+    return not os.path.exists(name) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
+def _cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's tensors in ``dtype`` (floating point only), leaving modules transformers keeps in float32."""
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
+        getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    )
+    state: dict[str, torch.Tensor] = {}
+    cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}  # tied weights stay one tensor
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not any(part in name.split(".") for part in keep):
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+            if key not in cast:
+                cast[key] = tensor.to(dtype)
+            tensor = cast[key]
+        state[name] = tensor
+    return state
+
+
+def save_checkpoint(
+    model: nn.Module,
+    directory: str | Path,
+    *,
+    tokenizer: Any | None = None,
+    dtype: torch.dtype | str | None = None,
+    calibration: str | None = None,
+    final_path: str | os.PathLike | None = None,
+    **save_kwargs: Any,
+) -> dict[str, Any]:
+    """Write ``model`` and everything stock tools need into the (empty, temporary) ``directory``.
+
+    ``dtype``: the weights' dtype on disk; ``None`` keeps the source checkpoint's (read from its
+    config.json) or else the model's. Returns what was written: ``dtype``, ``tokenizer`` (bool),
+    ``remote_code`` (bool). ``final_path``: where ``directory`` will be moved (named in the warning).
+    """
+    directory = Path(directory)
+    target = _resolve_dtype(dtype) or source_dtype(model)
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if target is not None and current is not None and target != current and "state_dict" not in save_kwargs:
+        save_kwargs["state_dict"] = _cast_state_dict(model, target)
+        model.save_pretrained(directory, **save_kwargs)
+        config = json.loads((directory / "config.json").read_text())
+        config["dtype"] = str(target).removeprefix("torch.")  # save_pretrained records the in-memory dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        model.save_pretrained(directory, **save_kwargs)
+    written_tokenizer = resolve_tokenizer(tokenizer, model)
+    if written_tokenizer is not None:
+        written_tokenizer.save_pretrained(directory)
+    else:
+        warnings.warn(
+            f"No tokenizer was found for the pruned model saved to {final_path or directory} (model source: "
+            f"{source_name(model)!r}); stock tools (AutoTokenizer, lm-eval) cannot run it without one: "
+            f"{TOKENIZER_HINT}.",
+            MissingTokenizerWarning,
+            stacklevel=3,
+        )
+    config = json.loads((directory / "config.json").read_text())
+    record = config.get("ompmoe") or {}
+    remote = bool(record) and not record.get("uniform", True)
+    if remote:
+        spec = architecture_of(model)
+        write_remote_code(
+            directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
+            spec.expert_count_key, spec.router_attr, alias=count_json_key(config["model_type"]),
+        )
+    info = {
+        "dtype": str(config.get("dtype", "")).removeprefix("torch."),
+        "tokenizer": written_tokenizer is not None,
+        "remote_code": remote,
+    }
+    card = model_card(
+        config=config, model_id=record.get("plan", {}).get("model_id") or source_name(model),
+        calibration=calibration, info=info,
+    )
+    (directory / "README.md").write_text(card)
+    return info
+
+
+def _stock_class(cls: type) -> type:
+    """The first transformers class of ``cls``'s MRO (a model loaded with the remote code subclasses it)."""
+    return next(base for base in cls.__mro__ if base.__module__.startswith("transformers."))
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32' (or None: the source's).")
+    return resolved

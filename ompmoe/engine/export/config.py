@@ -1,0 +1,59 @@
+"""Read the config of a saved pruned checkpoint, old or new, without running its remote code."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import transformers
+
+from ..adapters import ARCHITECTURES
+from .hub_code import stock_config_dict
+
+
+def count_json_key(model_type: str) -> str:
+    """The ``config.json`` key of the routed-expert count (Qwen3-MoE stores ``num_experts`` as ``num_local_experts``)."""
+    key = ARCHITECTURES[model_type].expert_count_key
+    return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
+
+
+def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
+    """The stock transformers config of ``path``; a non-uniform checkpoint's count marker becomes the largest count.
+
+    Checkpoints written before the remote code existed (an int count) load through ``AutoConfig`` as before.
+    """
+    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
+    model_type = config_dict.get("model_type")
+    key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
+    if key is not None and isinstance(config_dict.get(key), dict):
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        return config_class.from_dict(stock_config_dict(config_dict, key), name_or_path=str(path))
+    return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def non_uniform_config(path: str | os.PathLike) -> Any | None:
+    """The stock config of a local non-uniform checkpoint (count marker in config.json), else ``None``."""
+    config_file = os.path.join(str(path), "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        config_dict = json.loads(open(config_file, encoding="utf-8").read())
+    except (OSError, ValueError):
+        return None
+    spec = ARCHITECTURES.get(config_dict.get("model_type")) if isinstance(config_dict, dict) else None
+    if spec is None or not isinstance(config_dict.get(spec.expert_count_key), dict):
+        return None
+    return load_stock_config(path)
+
+
+def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained`` that also reads a non-uniform checkpoint without its remote code.
+
+    ``AutoTokenizer`` loads ``config.json`` first, which the stock config class refuses for those
+    checkpoints; ompmoe hands it the stock config instead.
+    """
+    config = non_uniform_config(name) if "config" not in kwargs else None
+    if config is not None:
+        kwargs["config"] = config
+    return transformers.AutoTokenizer.from_pretrained(name, **kwargs)

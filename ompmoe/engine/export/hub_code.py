@@ -1,0 +1,178 @@
+"""Self-contained remote code that lets stock transformers load a non-uniformly pruned checkpoint.
+
+A checkpoint whose MoE layers keep different expert counts cannot be described by the stock
+config (one count for all layers). Like hub repositories with custom code, the directory carries
+``configuration_ompmoe_pruned.py`` and ``modeling_ompmoe_pruned.py`` (named in ``auto_map``): they
+subclass the stock classes and build each layer at its own size, and import only torch and
+transformers, so ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where
+ompmoe is not installed (lm-eval, other machines).
+
+In ``config.json`` the expert count becomes a mapping (:func:`count_marker`) instead of an int: the
+stock config class rejects it, with the marker's text naming both ways to load, so no stock path
+(not even ``ignore_mismatched_sizes=True``) can build a wrongly sized model and load weights into it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "configuration_ompmoe_pruned.py"
+MODELING_FILE = "modeling_ompmoe_pruned.py"
+HOW_TO_LOAD = (
+    "This pruned checkpoint keeps a different number of experts in each MoE layer. Load it with "
+    "transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True) "
+    "(lm-eval: --model_args pretrained=path,trust_remote_code=True) or with ompmoe.load_pruned(path)."
+)
+"""Text stored in the count marker; stock transformers prints it when it refuses the checkpoint."""
+
+_CONFIG_TEMPLATE = '''\
+"""Config of an expert-pruned {base_model} whose MoE layers keep different numbers of experts.
+
+Written by ompmoe; needs only transformers. config.json stores the expert count `{count_key}` as a
+mapping (per-layer counts and the largest one) so that the stock config refuses it; this class
+turns it back into the largest count, and the model class sizes each layer from config.ompmoe.
+"""
+
+from transformers import {base_config} as _BaseConfig
+
+COUNT_KEY = {count_key!r}
+ALIAS = {alias!r}  # the key save_pretrained writes the count under, dropped so the marker is the only count
+HOW_TO_LOAD = {how_to_load!r}
+
+
+def _per_layer(config):
+    record = getattr(config, "ompmoe", None) or {{}}
+    kept = record.get("kept_experts") or {{}}
+    return {{name: len(ids) for name, ids in kept.items()}}
+
+
+class {config_class}(_BaseConfig):
+    """{base_config} whose `{count_key}` is the largest per-layer count; config.ompmoe lists each layer's experts."""
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        config_dict = dict(config_dict)
+        value = config_dict.get(COUNT_KEY)
+        if isinstance(value, dict):
+            config_dict[COUNT_KEY] = int(value["max"])
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_dict(self):
+        output = super().to_dict()
+        per_layer = _per_layer(self)
+        if per_layer and len(set(per_layer.values())) > 1:
+            if ALIAS != COUNT_KEY:
+                output.pop(ALIAS, None)
+            output[COUNT_KEY] = {{"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}}
+        return output
+'''
+
+_MODELING_TEMPLATE = '''\
+"""An expert-pruned {base_model} whose MoE layers keep different numbers of experts.
+
+Written by ompmoe; needs only torch and transformers. The stock model is built with the largest
+count, then each MoE layer listed in config.ompmoe["kept_experts"] is cut to its own count before
+the weights load, exactly as ompmoe.load_pruned does; routing is the stock code over those experts.
+"""
+
+from torch import nn
+from transformers import {base_model} as _BaseForCausalLM
+
+from .configuration_ompmoe_pruned import {config_class}
+
+ROUTER_ATTR = {router_attr!r}
+COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _shrink(module, old, new):
+    """Keep the first `new` rows of every tensor indexed by expert and update the stored counts."""
+    for name, tensor in list(module.named_parameters(recurse=False)):
+        if tensor.shape[0] == old:
+            setattr(module, name, nn.Parameter(tensor.detach()[:new].clone(), requires_grad=tensor.requires_grad))
+    for name, tensor in list(module.named_buffers(recurse=False)):
+        if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
+            module._buffers[name] = tensor[:new].clone()
+    for attr in COUNT_ATTRIBUTES:
+        if getattr(module, attr, None) == old:
+            setattr(module, attr, new)
+
+
+class {model_class}(_BaseForCausalLM):
+    """{base_model} with each MoE layer sized by config.ompmoe["kept_experts"]."""
+
+    config_class = {config_class}
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        kept = (getattr(config, "ompmoe", None) or {{}}).get("kept_experts") or {{}}
+        for name, ids in kept.items():
+            block = self.get_submodule(name)
+            old = int(block.experts.num_experts)
+            if len(ids) > old:
+                raise ValueError(
+                    f"config.ompmoe keeps {{len(ids)}} experts in {{name}} but the config builds {{old}}; "
+                    "the checkpoint is corrupt."
+                )
+            for module in (getattr(block, ROUTER_ATTR), block.experts):
+                _shrink(module, old, len(ids))
+'''
+
+
+def class_names(base_model: str) -> tuple[str, str]:
+    """Names of the remote config and model classes for the stock causal-LM class ``base_model``."""
+    stem = base_model.removesuffix("ForCausalLM")
+    return f"OmpmoePruned{stem}Config", f"OmpmoePruned{base_model}"
+
+
+def count_marker(per_layer: dict[str, int]) -> dict[str, Any]:
+    """What ``config.json`` stores instead of the expert count: refused by stock configs, read by ours."""
+    return {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": dict(per_layer)}
+
+
+def write_remote_code(
+    directory: str | Path, base_config: str, base_model: str, count_key: str, router_attr: str, alias: str | None = None
+) -> None:
+    """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
+
+    ``config.json`` must hold the ``ompmoe`` record (per-layer kept ids) written by ``save_pretrained``.
+    ``count_key`` is the config attribute of the expert count; ``alias`` the key ``save_pretrained``
+    stored it under when the config maps one to the other (Qwen3-MoE: ``num_local_experts``). The
+    alias is removed, so the marker under ``count_key`` is the only count and reaches the stock
+    config's type check first.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    per_layer = {name: len(ids) for name, ids in config["ompmoe"]["kept_experts"].items()}
+    config_class, model_class = class_names(base_model)
+    values = dict(
+        base_config=base_config, base_model=base_model, count_key=count_key, router_attr=router_attr,
+        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD, alias=alias or count_key,
+    )
+    (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
+    (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
+    if alias is not None and alias != count_key:
+        config.pop(alias, None)
+    config[count_key] = count_marker(per_layer)
+    config["auto_map"] = {
+        "AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.{config_class}",
+        "AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{model_class}",
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def stock_config_dict(config_dict: dict[str, Any], count_key: str) -> dict[str, Any]:
+    """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it.
+
+    The count marker becomes the largest count and ``auto_map`` is dropped, so the model loads as the
+    stock class (ompmoe sizes the layers itself) and a later ``save_pretrained`` does not point to
+    code files it does not copy.
+    """
+    config_dict = dict(config_dict)
+    value = config_dict.get(count_key)
+    if isinstance(value, dict):
+        config_dict[count_key] = int(value["max"])
+        config_dict.pop("auto_map", None)
+    return config_dict

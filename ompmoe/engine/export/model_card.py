@@ -1,0 +1,122 @@
+"""The ``README.md`` model card of a pruned checkpoint, in the Hugging Face convention.
+
+YAML front matter (``base_model``, ``library_name``, ``tags``) lets the hub link the checkpoint to
+its base model; the body records what was pruned (method, ratio, allocation, per-layer counts,
+calibration) and how to load it, which differs between uniform and non-uniform plans.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import yaml
+
+
+def _is_hub_id(name: str | None) -> bool:
+    return bool(name) and not os.path.exists(str(name)) and re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) is not None
+
+
+def front_matter(model_id: str | None, model_type: str | None, uniform: bool) -> dict[str, Any]:
+    """The card's metadata; ``base_model`` only for a hub id (the hub rejects local paths)."""
+    meta: dict[str, Any] = {}
+    if _is_hub_id(model_id):
+        meta["base_model"] = model_id
+    meta["library_name"] = "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    tags = ["ompmoe", "moe", "expert-pruning", "uniform-experts" if uniform else "non-uniform-experts"]
+    if model_type:
+        tags.append(model_type)
+    if not uniform:
+        tags.append("custom_code")
+    meta["tags"] = tags
+    return meta
+
+
+def _fmt(value: Any, spec: str = "g") -> str:
+    return "not recorded" if value is None else format(value, spec)
+
+
+def model_card(
+    config: dict[str, Any], model_id: str | None, calibration: str | None, info: dict[str, Any]
+) -> str:
+    """Markdown card for a saved checkpoint whose ``config.json`` is ``config``."""
+    record = config.get("ompmoe") or {}
+    plan = record.get("plan") or {}
+    kept = record.get("kept_experts") or {}
+    original = record.get("original_num_experts") or {}
+    uniform = bool(record.get("uniform", True))
+    meta = front_matter(model_id, config.get("model_type"), uniform)
+    total_kept = sum(len(ids) for ids in kept.values())
+    total = sum(original.values())
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", ""]
+    lines.append(f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe")
+    lines.append("")
+    if model_id and not _is_hub_id(model_id):
+        lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
+    lines += [
+        "| | |",
+        "|---|---|",
+        f"| Method | {plan.get('method', 'not recorded')} |",
+        f"| Requested ratio (experts removed) | {_fmt(plan.get('ratio'))} |",
+        f"| Achieved ratio | {f'{1 - total_kept / total:.4f}' if total else 'not recorded'} "
+        f"({total_kept} of {total} routed experts kept) |",
+        f"| Allocation | {plan.get('allocation', 'not recorded')} |",
+        f"| Calibration data | {calibration or plan.get('calibration') or 'not recorded'} |",
+        f"| Calibration tokens | {_fmt(plan.get('num_tokens'), 'd') if plan.get('num_tokens') else 'not recorded'} |",
+        f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",
+        f"| Tokenizer included | {'yes' if info.get('tokenizer') else 'no'} |",
+        "",
+        "Per-layer rounding keeps `round((1 - ratio) * N)` experts of `N` for a uniform plan "
+        "(REAP and llm-compressor keep `N - int(ratio * N)`).",
+        "",
+        "## Experts kept per layer",
+        "",
+        "| MoE layer | kept | of | kept ids (original numbering) |",
+        "|---|---|---|---|",
+    ]
+    for name, ids in kept.items():
+        lines.append(f"| `{name}` | {len(ids)} | {original.get(name, '?')} | {', '.join(map(str, ids))} |")
+    lines += ["", "## How to load", ""]
+    if uniform:
+        lines += [
+            "Every MoE layer keeps the same number of experts, so this is a standard checkpoint of the original "
+            "architecture: any tool that loads the base model loads it (transformers, lm-eval, vLLM, ...).",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
+            "```",
+            "",
+            "```bash",
+            "lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks ...",
+            "```",
+        ]
+    else:
+        lines += [
+            "MoE layers keep different numbers of experts, which the stock config cannot describe. The directory "
+            "carries its own modeling code (`configuration_ompmoe_pruned.py`, `modeling_ompmoe_pruned.py`, named in "
+            "`auto_map`; they need only torch and transformers), so load it with remote code, or with ompmoe:",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory", trust_remote_code=True)',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory", trust_remote_code=True)',
+            "# or, with ompmoe installed (no remote code):",
+            "import ompmoe",
+            'model = ompmoe.load_pruned("path/to/this/directory")',
+            "```",
+            "",
+            "```bash",
+            "lm_eval --model hf --model_args pretrained=path/to/this/directory,trust_remote_code=True --tasks ...",
+            "```",
+            "",
+            "Without `trust_remote_code=True`, transformers refuses the checkpoint (also with "
+            "`ignore_mismatched_sizes=True`) instead of loading wrongly sized experts. Serving stacks that only "
+            "take the original architecture (e.g. vLLM) need a uniform plan: prune again with "
+            "`allocation: uniform`.",
+        ]
+    lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,370 @@
+"""Pruned checkpoints in stock tools: remote code for non-uniform plans, refusal without it, complete directories.
+
+The stock-tool checks run in a subprocess where importing ompmoe is impossible (a meta-path
+blocker, ``python -I`` and a working directory outside the repository), the way a user without
+ompmoe would load a checkpoint downloaded from the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from safetensors import safe_open
+
+import ompmoe
+from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
+from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
+from ompmoe.engine.export.hub_code import CONFIG_FILE, HOW_TO_LOAD, MODELING_FILE
+from ompmoe.engine.tiny import tiny_model
+
+HERE = Path(__file__).resolve().parents[1]  # tests/
+INPUT_IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(7))
+SHIPPED = Path(ompmoe.__file__).parent / "data" / "tiny-moe"
+MODEL_TYPES = sorted(ARCHITECTURES)
+
+BLOCKED_PRELUDE = r'''
+import importlib.abc, json, sys
+
+class _NoOmpmoe(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "ompmoe" or name.startswith("ompmoe."):
+            raise ImportError("ompmoe is not installed in this environment (test blocker)")
+        return None
+
+sys.meta_path.insert(0, _NoOmpmoe())
+try:
+    import ompmoe  # noqa: F401
+    raise SystemExit("ompmoe was importable")
+except ImportError:
+    pass
+import torch, transformers
+'''
+
+STOCK_LOAD_SCRIPT = BLOCKED_PRELUDE + r'''
+directories, inputs, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+input_ids = torch.load(inputs)
+results = {}
+for name, directory in directories.items():
+    entry = {"ompmoe_in_modules": any(m == "ompmoe" or m.startswith("ompmoe.") for m in sys.modules)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    entry["class"] = type(model).__name__
+    entry["counts"] = {n: int(m.experts.num_experts) for n, m in model.named_modules()
+                       if hasattr(m, "experts") and hasattr(getattr(m, "experts"), "num_experts")}
+    with torch.no_grad():
+        torch.save(model(input_ids).logits, f"{out}/{name}.pt")
+    refusals = {}
+    attempts = {
+        "auto": lambda: transformers.AutoModelForCausalLM.from_pretrained(directory),
+        "auto_ignore_mismatched": lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            directory, ignore_mismatched_sizes=True),
+        "auto_config": lambda: transformers.AutoConfig.from_pretrained(directory),
+        "stock_class_ignore_mismatched": lambda: getattr(transformers, entry["stock"]).from_pretrained(
+            directory, ignore_mismatched_sizes=True),
+    }
+    entry["stock"] = json.load(open(f"{directory}/config.json"))["architectures"][0]
+    for how, attempt in attempts.items():
+        try:
+            attempt()
+            refusals[how] = None
+        except Exception as error:  # what a user would see
+            refusals[how] = f"{type(error).__name__}: {error}"
+    entry["refusals"] = refusals
+    results[name] = entry
+json.dump(results, open(f"{out}/results.json", "w"))
+'''
+
+LM_EVAL_SCRIPT = BLOCKED_PRELUDE + r'''
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+directory, tasks_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
+tokenizer = transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=True)  # it reads config.json too
+lm = HFLM(pretrained=directory, trust_remote_code=True, batch_size=4, device="cpu", dtype="float32")
+result = simple_evaluate(model=lm, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=True,
+                         task_manager=TaskManager(include_path=tasks_dir, include_defaults=False))
+json.dump({
+    "class": type(lm.model).__name__,
+    "tokenizer_vocab": len(tokenizer),
+    "results": result["results"]["tiny_mc"],
+    "loglikelihoods": [[r[0] for r in s["filtered_resps"]] for s in result["samples"]["tiny_mc"]],
+}, open(f"{out}/lm_eval.json", "w"), default=str)
+'''
+
+
+def run_blocked(script: str, *args: str, cwd: Path) -> None:
+    """Run ``script`` with ompmoe unimportable, outside the repository, offline, with its own module cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_MODULES_CACHE=str(cwd / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    (cwd / "script.py").write_text(script)
+    done = subprocess.run([sys.executable, "-I", "script.py", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def non_uniform_plan(model: torch.nn.Module) -> ompmoe.PruningPlan:
+    """A real plan whose layers keep different counts (equal per group for group-limited routers)."""
+    stats = ompmoe.collect_stats(model, [INPUT_IDS])
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="uniform")
+    for i, (layer_plan, layer) in enumerate(zip(plan.layers, find_moe_layers(model))):
+        size = layer.num_experts // layer.num_groups
+        per_group = size // 2 + (i % 2)
+        if layer.num_groups == 1:
+            per_group = max(per_group, layer.top_k)
+        layer_plan.kept = [g * size + j for g in range(layer.num_groups) for j in range(per_group)]
+    assert len({len(layer.kept) for layer in plan.layers}) > 1
+    return plan
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """Non-uniform checkpoints of every architecture, and what stock transformers did with them without ompmoe."""
+    root = tmp_path_factory.mktemp("exported")
+    directories, expected, counts = {}, {}, {}
+    for model_type in MODEL_TYPES:
+        model = tiny_model(model_type)
+        ompmoe.prune(model, non_uniform_plan(model))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MissingTokenizerWarning)
+            directories[model_type] = str(ompmoe.save_pruned(model, root / model_type))
+        with torch.no_grad():
+            expected[model_type] = ompmoe.load_pruned(root / model_type)(INPUT_IDS).logits
+        counts[model_type] = {name: len(ids) for name, ids in ompmoe.pruning_info(model)["kept_experts"].items()}
+    torch.save(INPUT_IDS, root / "inputs.pt")
+    work = root / "stock"
+    work.mkdir()
+    run_blocked(STOCK_LOAD_SCRIPT, json.dumps(directories), str(root / "inputs.pt"), str(work), cwd=work)
+    return {"root": root, "expected": expected, "counts": counts,
+            "results": json.loads((work / "results.json").read_text()), "work": work}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_non_uniform_checkpoint_loads_with_remote_code_without_ompmoe(exported, model_type):
+    result = exported["results"][model_type]
+    assert result["ompmoe_in_modules"] is False
+    stock = result["stock"]
+    assert result["class"] == f"OmpmoePruned{stock}"
+    assert result["counts"] == exported["counts"][model_type]
+    logits = torch.load(exported["work"] / f"{model_type}.pt")
+    # Not bitwise: even load_pruned alone differs by ~4e-8 between two processes for DeepSeek-V2 (CPU kernels).
+    torch.testing.assert_close(logits, exported["expected"][model_type], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_non_uniform_checkpoint_is_refused_by_every_stock_path_with_both_ways_named(exported, model_type):
+    refusals = exported["results"][model_type]["refusals"]
+    assert set(refusals) == {"auto", "auto_ignore_mismatched", "auto_config", "stock_class_ignore_mismatched"}
+    for how, message in refusals.items():
+        assert message is not None, f"{how} loaded the non-uniform checkpoint without remote code"
+        assert HOW_TO_LOAD in message, (how, message)
+        assert "trust_remote_code=True" in message and "ompmoe.load_pruned(path)" in message
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_non_uniform_directory_layout(exported, model_type):
+    directory = exported["root"] / model_type
+    config = json.loads((directory / "config.json").read_text())
+    key = ARCHITECTURES[model_type].expert_count_key
+    per_layer = exported["counts"][model_type]
+    assert config[key] == {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}
+    stock = config["architectures"][0]
+    assert config["auto_map"] == {
+        "AutoConfig": f"configuration_ompmoe_pruned.OmpmoePruned{stock.removesuffix('ForCausalLM')}Config",
+        "AutoModelForCausalLM": f"modeling_ompmoe_pruned.OmpmoePruned{stock}",
+    }
+    assert [k for k in config if isinstance(config[k], int) and "expert" in k and "per_tok" not in k
+            and "shared" not in k] == []  # no second (int) count a stock tool could pick up
+    for name in (CONFIG_FILE, MODELING_FILE):
+        source = (directory / name).read_text()
+        imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+        assert imports and all(line.split()[1] in {"torch", "transformers", ".configuration_ompmoe_pruned"}
+                               for line in imports), imports
+    card = (directory / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "ompmoe.load_pruned" in card
+
+
+def old_format(directory: Path) -> None:
+    """Rewrite a new non-uniform checkpoint as ompmoe wrote them before remote code: int count, no code."""
+    config = json.loads((directory / "config.json").read_text())
+    model_type = config["model_type"]
+    key = ARCHITECTURES[model_type].expert_count_key
+    json_key = transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
+    count = config.pop(key)["max"]
+    config[json_key] = count
+    del config["auto_map"]
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / CONFIG_FILE).unlink()
+    (directory / MODELING_FILE).unlink()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_load_pruned_reads_old_and_new_checkpoints(exported, model_type, tmp_path):
+    import shutil
+
+    new = exported["root"] / model_type
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    old_format(old)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # what the old format did in stock tools
+        transformers.AutoModelForCausalLM.from_pretrained(old)
+    for directory in (new, old):
+        loaded = ompmoe.load_pruned(directory)
+        assert type(loaded).__module__.startswith("transformers.models.")
+        assert "auto_map" not in loaded.config.to_dict()
+        with torch.no_grad():
+            assert torch.equal(loaded(INPUT_IDS).logits, exported["expected"][model_type])
+
+
+def test_resaving_a_loaded_non_uniform_model_writes_the_remote_code_again(exported, tmp_path):
+    loaded = ompmoe.load_pruned(exported["root"] / "mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MissingTokenizerWarning)
+        ompmoe.save_pruned(loaded, tmp_path / "again")
+    assert (tmp_path / "again" / MODELING_FILE).read_text() == (exported["root"] / "mixtral" / MODELING_FILE).read_text()
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["auto_map"]
+    with torch.no_grad():
+        assert torch.equal(ompmoe.load_pruned(tmp_path / "again")(INPUT_IDS).logits, exported["expected"]["mixtral"])
+
+
+def test_uniform_checkpoint_is_plain_and_loads_without_remote_code(tmp_path):
+    model = tiny_model("olmoe")
+    stats = ompmoe.collect_stats(model, [INPUT_IDS])
+    ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MissingTokenizerWarning)
+        ompmoe.save_pruned(model, tmp_path / "uniform")
+    config = json.loads((tmp_path / "uniform" / "config.json").read_text())
+    assert "auto_map" not in config and config["num_experts"] == 8
+    assert not (tmp_path / "uniform" / MODELING_FILE).exists() and not (tmp_path / "uniform" / CONFIG_FILE).exists()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "uniform")
+    assert type(plain) is type(model)
+    with torch.no_grad():
+        assert torch.equal(plain(INPUT_IDS).logits, model(INPUT_IDS).logits)
+
+
+# --------------------------------------------------------------------------- shipped model: dtype, tokenizer, card,
+# lm-eval
+
+
+@pytest.fixture(scope="module")
+def shipped_pruned(tmp_path_factory) -> dict:
+    """The shipped bf16 model loaded in float32 (as calibration does), pruned non-uniformly and saved."""
+    root = tmp_path_factory.mktemp("shipped")
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    from ompmoe.data import shipped_text
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    batches = [torch.tensor([tokenizer(shipped_text()[i * 2000:(i + 1) * 2000])["input_ids"][:128]]) for i in range(4)]
+    stats = ompmoe.collect_stats(model, batches, model_id="org/tiny-moe")
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    assert not plan.is_uniform
+    ompmoe.prune(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingTokenizerWarning)  # found from the model's source
+        ompmoe.save_pruned(model, root / "bf16", calibration="shipped corpus (python docs and source)")
+    return {"root": root, "model": model, "plan": plan, "stats": stats}
+
+
+def test_weights_keep_the_source_dtype_unless_asked(shipped_pruned, tmp_path):
+    root, model = shipped_pruned["root"], shipped_pruned["model"]
+    assert next(model.parameters()).dtype == torch.float32
+    with safe_open(str(root / "bf16" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((root / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert str(model.config.dtype).removeprefix("torch.") == "float32"  # the in-memory model is untouched
+    assert next(model.parameters()).dtype == torch.float32
+    loaded = ompmoe.load_pruned(root / "bf16")
+    state = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+
+    ompmoe.save_pruned(model, tmp_path / "f32", dtype="float32")
+    with safe_open(str(tmp_path / "f32" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert (tmp_path / "f32" / "model.safetensors").stat().st_size > 1.9 * (root / "bf16" / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match=r"Unknown dtype 'int8'; use e.g. 'bfloat16'"):
+        ompmoe.save_pruned(model, tmp_path / "bad", dtype="int8")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_tokenizer_is_saved_from_the_source_or_argument_and_missing_one_warns(shipped_pruned, tmp_path):
+    source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    saved = transformers.AutoTokenizer.from_pretrained(shipped_pruned["root"] / "bf16", trust_remote_code=True)
+    text = "def f(x):\n    return x + 1\n"
+    assert saved(text)["input_ids"] == source(text)["input_ids"] and len(saved) == len(source)
+
+    tiny = tiny_model("mixtral")
+    stats = ompmoe.collect_stats(tiny, [INPUT_IDS])
+    ompmoe.prune(tiny, ompmoe.plan_pruning(stats, 0.5, allocation="uniform"))
+    with pytest.warns(MissingTokenizerWarning, match=r"pass tokenizer=<hub id, path or tokenizer> to save_pruned") as record:
+        ompmoe.save_pruned(tiny, tmp_path / "none")
+    assert str(tmp_path / "none") in str(record[0].message)
+    assert not (tmp_path / "none" / "tokenizer.json").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingTokenizerWarning)
+        ompmoe.save_pruned(tiny, tmp_path / "by-path", tokenizer=str(SHIPPED))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "by-path")(text)["input_ids"] == source(text)["input_ids"]
+    with pytest.raises(ValueError, match=r"tokenizer='/nonexistent/tok' could not be loaded"):
+        ompmoe.save_pruned(tiny, tmp_path / "bad", tokenizer="/nonexistent/tok")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_model_card_front_matter_and_contents(shipped_pruned):
+    card = (shipped_pruned["root"] / "bf16" / "README.md").read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta == {
+        "base_model": "org/tiny-moe",
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["ompmoe", "moe", "expert-pruning", "non-uniform-experts", "qwen3_moe", "custom_code"],
+    }
+    plan, stats = shipped_pruned["plan"], shipped_pruned["stats"]
+    assert "| Method | omp |" in body
+    assert "| Requested ratio (experts removed) | 0.5 |" in body
+    assert "| Allocation | waterfill |" in body
+    assert "| Calibration data | shipped corpus (python docs and source) |" in body
+    assert f"| Calibration tokens | {stats.num_tokens} |" in body
+    assert "| Weights dtype | bfloat16 |" in body and "| Tokenizer included | yes |" in body
+    kept = sum(layer.num_kept for layer in plan.layers)
+    total = sum(layer.num_experts for layer in plan.layers)
+    assert f"| Achieved ratio | {1 - kept / total:.4f} ({kept} of {total} routed experts kept) |" in body
+    for layer in plan.layers:
+        ids = ", ".join(map(str, sorted(layer.kept)))
+        assert f"| `{layer.name}` | {layer.num_kept} | {layer.num_experts} | {ids} |" in body
+    assert "round((1 - ratio) * N)" in body and "N - int(ratio * N)" in body
+    assert 'from_pretrained("path/to/this/directory", trust_remote_code=True)' in body
+    assert "pretrained=path/to/this/directory,trust_remote_code=True" in body
+
+
+def test_lm_eval_hf_runs_on_the_non_uniform_checkpoint_without_ompmoe(shipped_pruned, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    directory = shipped_pruned["root"] / "bf16"
+    run_blocked(LM_EVAL_SCRIPT, str(directory), str(HERE / "eval_tasks"), str(tmp_path), cwd=tmp_path)
+    stock = json.loads((tmp_path / "lm_eval.json").read_text())
+    assert stock["class"] == "OmpmoePrunedQwen3MoeForCausalLM"
+    assert stock["tokenizer_vocab"] == len(transformers.AutoTokenizer.from_pretrained(SHIPPED))
+
+    lm = HFLM(pretrained=ompmoe.load_pruned(directory, dtype=torch.float32), tokenizer=transformers.AutoTokenizer.from_pretrained(SHIPPED), batch_size=4,
+              device="cpu")
+    reference = simple_evaluate(model=lm, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=True,
+                                task_manager=TaskManager(include_path=str(HERE / "eval_tasks"), include_defaults=False))
+    expected = [[r[0] for r in s["filtered_resps"]] for s in reference["samples"]["tiny_mc"]]
+    expected = json.loads(json.dumps(expected, default=str))
+    assert len(expected) == len(stock["loglikelihoods"]) == 14
+    for ours, theirs in zip(expected, stock["loglikelihoods"]):  # across processes: equal up to CPU kernel noise
+        assert [float(x) for x in ours] == pytest.approx([float(x) for x in theirs], rel=1e-6, abs=1e-5)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert stock["results"][metric] == reference["results"]["tiny_mc"][metric]
