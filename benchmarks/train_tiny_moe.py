@@ -64,10 +64,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "ompmoe" / "data" / "tiny-moe"
 EOS = "<|endoftext|>"
 ARCHITECTURES = {
-    "qwen3_moe": {"name": "tiny-moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128},
-    "glm4_moe": {"name": "tiny-moe-64", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32},
+    "qwen3_moe": {"name": "tiny-moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128, "steps": 560,
+                  "eval_every": 0},
+    "glm4_moe": {"name": "tiny-moe-64", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32, "steps": 160,
+                 "eval_every": 20},
 }
-"""Per-architecture defaults: the shipped model's name (``shipped:<name>``, ``ompmoe/data/<name>``) and expert shape."""
+"""Per-architecture defaults: the shipped model's name (``shipped:<name>``, ``ompmoe/data/<name>``), expert shape,
+training steps (what fits 30-40 minutes on 2 shared CPU threads) and held-out curve interval."""
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -678,7 +681,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=560)
+    parser.add_argument("--steps", type=int, default=None, help="560 (qwen3_moe) / 160 (glm4_moe)")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--prose_fraction", type=float, default=0.5)
@@ -711,8 +714,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval_batch_size", type=int, default=8)
     parser.add_argument("--gap_tokens", type=int, default=16384, help="tokens of the calibration/train splits evaluated")
     parser.add_argument("--usage_blocks", type=int, default=32, help="calibration blocks per domain for expert usage")
-    parser.add_argument("--eval_every", type=int, default=0,
-                        help="every N steps, held-out perplexity of the first --curve_blocks blocks per domain (0: off)")
+    parser.add_argument("--eval_every", type=int, default=None,
+                        help="every N steps, held-out perplexity of the first --curve_blocks blocks per domain (0: off; "
+                             "default 0 for qwen3_moe, 20 for glm4_moe)")
     parser.add_argument("--curve_blocks", type=int, default=8)
     parser.add_argument("--init_from", default=None, help="start from the weights of this saved checkpoint")
     parser.add_argument("--card_only", action="store_true", help="rewrite README.md from --output_dir/metrics.json")
