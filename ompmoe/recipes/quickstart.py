@@ -111,7 +111,10 @@ def prune_tiny_model(
         plan.save(tmp / "plan.json")
         save_pruned(model, tmp / "model", calibration="shipped:python-docs")
         with torch.no_grad():
-            reloaded_logits = load_pruned(tmp / "model")(probe).logits
+            # Saved in the source checkpoint's dtype (bf16 for the shipped model, lossless: its weights are bf16
+            # values); reload in the dtype the in-memory model computed in to compare logits exactly.
+            dtype = next(model.parameters()).dtype
+            reloaded_logits = load_pruned(tmp / "model", dtype=dtype)(probe).logits
         if not torch.equal(reloaded_logits, pruned_logits):
             raise RuntimeError("The reloaded pruned model does not reproduce the in-memory logits.")
     elapsed = time.perf_counter() - start
