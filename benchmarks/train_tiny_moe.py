@@ -373,6 +373,18 @@ def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int, mode
 
 
 # ----------------------------------------------------------------------------------- model card
+LICENSE_SECTION = [
+    "",
+    "## License and data",
+    "",
+    "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
+    "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
+    "`ompmoe/data/corpus/README.md` for what is in each split.",
+    "",
+]
+"""The closing section of both shipped models' cards (same weights license and training text)."""
+
+
 def model_card(metrics: dict[str, Any]) -> str:
     if metrics.get("architecture", "qwen3_moe") == "glm4_moe":
         return glm4_moe_card(metrics)
@@ -499,13 +511,7 @@ def model_card(metrics: dict[str, Any]) -> str:
         "```",
         "",
         "or `ompmoe fit -c configs/tiny.yaml` (`model: shipped:tiny-moe`, calibration `source: shipped:mix`).",
-        "",
-        "## License and data",
-        "",
-        "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
-        "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
-        "`ompmoe/data/corpus/README.md` for what is in each split.",
-        "",
+        *LICENSE_SECTION,
     ]
     return "\n".join(lines)
 
@@ -661,13 +667,7 @@ def glm4_moe_card(metrics: dict[str, Any]) -> str:
         "```",
         "",
         "or `ompmoe fit -c configs/tiny.yaml --model.model shipped:tiny-moe-64` (calibration `source: shipped:mix`).",
-        "",
-        "## License and data",
-        "",
-        "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
-        "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
-        "`ompmoe/data/corpus/README.md` for what is in each split.",
-        "",
+        *LICENSE_SECTION,
     ]
     return "\n".join(lines)
 
