@@ -31,7 +31,7 @@ cancel to within float32 rounding) gets no weight in the token-normalized Gram."
 
 PairCallback = Callable[..., None]
 """``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
-``atoms`` (``g * F`` as the experts computed them) is passed when the experts were replayed."""
+``atoms`` is ``g * F`` exactly as the block output sums it (replayed or flattened call), so no callback forms it again."""
 
 
 @contextmanager
@@ -58,14 +58,71 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
             callback(index, top_k_index, top_k_weights, outputs, atoms)
             return output
         num_tokens, top_k = top_k_index.shape
-        pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
-        unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-        outputs = native_forward(pairs_hidden, top_k_index.reshape(-1, 1), unit_weights)
-        callback(index, top_k_index, top_k_weights, outputs)
+        if torch.is_grad_enabled() and _has_gradient_path(experts, hidden_states, top_k_weights):
+            outputs = _per_expert_forward(native_forward, hidden_states, top_k_index, top_k_weights.dtype)
+        else:
+            pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
+            unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+            outputs = native_forward(pairs_hidden, top_k_index.reshape(-1, 1), unit_weights)
         weighted = outputs.view(num_tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(outputs.dtype)
+        callback(index, top_k_index, top_k_weights, outputs, weighted.detach().view(num_tokens * top_k, -1))
         return weighted.sum(dim=1).to(hidden_states.dtype)
 
     return forward
+
+
+def _has_gradient_path(experts: nn.Module | None, *inputs: torch.Tensor) -> bool:
+    if any(t.requires_grad for t in inputs):
+        return True
+    return experts is not None and any(p.requires_grad for p in experts.parameters())
+
+
+def _per_expert_forward(
+    native_forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor, weight_dtype: torch.dtype
+) -> torch.Tensor:
+    """The flattened call's per-pair outputs ``(tokens * top_k, d)``, one native call per expert's pairs.
+
+    Used when the forward builds an autograd graph (loss-aware statistics). One call over all
+    ``tokens * top_k`` pairs makes the backward of every per-expert gather (the ``eager`` loop's
+    ``hidden[token_idx]``) fill and add a zero tensor the size of all the pairs, once per expert:
+    2x a plain backward on 64 experts. Each expert's pairs alone (a stable sort keeps the rows in
+    the flattened call's order) get the same computation, hence the same bits, forward and backward;
+    the two reorderings have exact gather backwards (:class:`_GatherRows`).
+    """
+    num_tokens, top_k = top_k_index.shape
+    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.unique_consecutive(sorted_ids, return_counts=True)[1].tolist()
+    pairs = _GatherRows.apply(hidden_states, order.div(top_k, rounding_mode="floor"), inverse.view(num_tokens, top_k))
+    chunks = [
+        native_forward(h, ids.view(-1, 1), torch.ones(len(ids), 1, dtype=weight_dtype, device=ids.device))
+        for h, ids in zip(pairs.split(counts), sorted_ids.split(counts))
+    ]
+    return _GatherRows.apply(torch.cat(chunks), inverse, order)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``source[rows]`` whose backward gathers too: ``grad[back]``, summed over the last dim of ``back``.
+
+    ``rows`` maps each output row to one source row and ``back`` (``(source rows, m)``) lists, per
+    source row, the output rows read from it. The autograd backward of an index would scatter-add
+    into zeros instead; here a row read once gets its gradient moved, and a token's ``top_k`` pairs
+    are summed in slot order, as the backward of ``repeat_interleave`` sums them.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, rows: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return source.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (back,) = ctx.saved_tensors
+        gathered = grad.index_select(0, back.reshape(-1))
+        if back.dim() == 1:
+            return gathered, None, None
+        return gathered.view(*back.shape, -1).sum(dim=1), None, None
 
 
 class MoEStatsMetric(Metric):

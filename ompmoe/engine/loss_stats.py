@@ -174,12 +174,15 @@ class LossGradientRecorder:
         """False while the backward recomputes checkpointed forwards (nothing is counted twice)."""
         return not self._in_backward
 
-    def observe(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor) -> None:
+    def observe(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                atoms: torch.Tensor | None = None) -> None:
+        """Keep this layer's routed atoms ``g F`` (``atoms`` as the block summed them, else formed here)."""
         if self._in_backward:
             return
         num_tokens, top_k = top_k_index.shape
-        atoms = outputs.detach().view(num_tokens, top_k, -1) * top_k_weights.detach().unsqueeze(-1).to(outputs.dtype)
-        self._pending[index] = (top_k_index.detach(), atoms)
+        if atoms is None or atoms.dtype != outputs.dtype:
+            atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
+        self._pending[index] = (top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1))
 
     def _embedding_hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         # Frozen weights: make the embeddings a leaf that requires grad so d_x has a path.
@@ -257,7 +260,7 @@ def recording_callback(update: Callable[..., None], recorder: LossGradientRecord
     ) -> None:
         if recorder.recording:
             update(index, top_k_index, top_k_weights, outputs, atoms)
-            recorder.observe(index, top_k_index, top_k_weights, outputs)
+            recorder.observe(index, top_k_index, top_k_weights, outputs, atoms)
 
     return callback
 

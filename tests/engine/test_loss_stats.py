@@ -65,8 +65,10 @@ def assert_sums_close(actual, expected):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("padded", [False, True])
-def test_loss_sums_equal_literal_autograd(case, padded):
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])  # replayed experts, flattened per-expert call
+def test_loss_sums_equal_literal_autograd(case, padded, implementation):
     model = make_model(case)
+    model.set_experts_implementation(implementation)
     ids = random_ids(seed=2)
     mask = None
     if padded:
