@@ -50,6 +50,7 @@ from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
 
+import calibration_cost as calibration_cost_benchmark  # noqa: E402  (benchmarks/calibration_cost.py)
 import quality_report  # noqa: E402  (benchmarks/quality_report.py)
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -94,50 +95,18 @@ def reference_log_probs(model: torch.nn.Module, blocks: torch.Tensor, batch_size
             for b in blocks.split(batch_size)]
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def calibration_cost(model: torch.nn.Module, blocks: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Seconds (median of ``repeats``, interleaved in one run) of: a plain forward, a forward plus backward of the
-    next-token loss to the inputs (weights frozen), the statistics pass, and the loss-aware statistics pass."""
-
-    def forward() -> None:
-        with torch.no_grad():
-            for b in blocks.split(8):
-                model(input_ids=b, use_cache=False)
-
-    def forward_backward() -> None:
-        flags = [p.requires_grad for p in model.parameters()]
-        model.requires_grad_(False)
-        try:
-            for b in blocks.split(8):
-                embeds = model.get_input_embeddings()(b).detach().requires_grad_(True)
-                logits = model(inputs_embeds=embeds, use_cache=False).logits
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b[:, 1:].flatten(),
-                                                         reduction="sum")
-                torch.autograd.grad(loss, embeds)
-        finally:
-            for p, flag in zip(model.parameters(), flags):
-                p.requires_grad_(flag)
-
-    runs = {
-        "forward": forward,
-        "forward_backward": forward_backward,
-        "stats": lambda: ompmoe.collect_stats(model, blocks.split(8)),
-        "loss_stats": lambda: ompmoe.collect_stats(model, blocks.split(8), loss_aware=True),
-        "reroute_stats": lambda: ompmoe.collect_stats(model, blocks.split(8), reroute=True),
-    }
-    samples: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            samples[key].append(median_time(fn, 1))
-    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+def calibration_cost(model: torch.nn.Module, blocks: torch.Tensor, repeats: int, args: argparse.Namespace,
+                     calibration: str) -> dict[str, Any]:
+    """``benchmarks/calibration_cost.py`` on these blocks: median seconds of the plain forward, forward plus
+    backward, and the three statistics passes (interleaved in this run), and each pass's peak memory in a fresh
+    process relative to the plain forward's (skipped with ``--no_memory``)."""
+    times = calibration_cost_benchmark.time_passes(calibration_cost_benchmark.passes(model, blocks), repeats)
+    memory = None
+    if not args.no_memory:
+        memory = calibration_cost_benchmark.memory_in_subprocesses(argparse.Namespace(
+            model=args.model, calibration=calibration, calib_blocks=args.calib_blocks, seq_len=args.seq_len,
+            threads=args.threads))
+    return calibration_cost_benchmark.cost_report(times, memory)
 
 
 def reconstruction(stats: ompmoe.MoEStats, kept: dict[str, list[int]]) -> float:
@@ -165,6 +134,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--sequential", nargs="*", default=[], metavar="METHOD/ALLOCATION",
                         help="also plan these pairs with sequential calibration (rows named METHOD_seq)")
     parser.add_argument("--timing_repeats", type=int, default=5)
+    parser.add_argument("--no_memory", action="store_true",
+                        help="calibration cost: time only (no fresh process per pass for the peak memory)")
     parser.add_argument("--from_csv", action="store_true", help="rebuild quality.md and quality.png from quality.csv")
     args = parser.parse_args(argv)
     if args.from_csv:
@@ -192,12 +163,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     stats = {c: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"shipped:{c}", loss_aware=True,
                                   reroute=bool(REROUTE & set(args.methods)))
              for c, b in calib_blocks.items()}
-    cost = calibration_cost(model, calib_blocks[args.calibrations[-1]], args.timing_repeats)
-    print("calibration cost (s, median of {} interleaved runs, {} x {} tokens): {}; loss-aware stats / (forward + "
-          "backward) = {:.3f}, stats / forward = {:.3f}, loss-aware stats / stats = {:.3f}".format(
-              args.timing_repeats, args.calib_blocks, args.seq_len, {k: round(v, 3) for k, v in cost.items()},
-              cost["loss_stats"] / cost["forward_backward"], cost["stats"] / cost["forward"],
-              cost["loss_stats"] / cost["stats"]), flush=True)
+    timing = {"model": args.model, "calibration": args.calibrations[-1], "tokens": args.calib_blocks * args.seq_len,
+              "batch_size": calibration_cost_benchmark.BATCH_SIZE, "threads": args.threads,
+              "repeats": args.timing_repeats, "torch": torch.__version__,
+              **calibration_cost(model, calib_blocks[args.calibrations[-1]], args.timing_repeats, args,
+                                 args.calibrations[-1])}
+    cost = {k: timing[f"seconds_{k}"] for k in calibration_cost_benchmark.PASSES}
+    print(f"calibration cost ({args.calib_blocks} x {args.seq_len} tokens, medians of {args.timing_repeats} "
+          f"interleaved rounds):\n" + calibration_cost_benchmark.summary_line(timing), flush=True)
     heldout_stats = {d: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"heldout:{d}")
                      for d, b in eval_blocks.items()}
     base = {d: perplexity(model, eval_blocks[d]) for d in CORPUS_DOMAINS}
@@ -264,15 +237,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in base_rows + rows)
-    timing = {"model": args.model, **{f"seconds_{k}": round(v, 4) for k, v in cost.items()},
-              "loss_stats_over_forward_backward": cost["loss_stats"] / cost["forward_backward"],
-              "stats_over_forward": cost["stats"] / cost["forward"], "loss_stats_over_stats": cost["loss_stats"] / cost["stats"],
-              "reroute_stats_over_stats": cost["reroute_stats"] / cost["stats"]}
     with atomic_path(out / "timing.json", overwrite=True) as tmp:
         tmp.write_text(__import__("json").dumps(timing, indent=1))
     write_reports(base_rows + rows, args)
     print(f"wrote {out} in {(time.perf_counter() - start) / 60:.1f} min")
     return rows
+
+
+def with_cost_vs_forward(rows: list[dict[str, Any]], timing: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` with ``calib_time_vs_forward`` (``calib_cost`` x stats / forward) and ``calib_memory_vs_forward``
+    (peak memory of the pass the row needs / the plain forward's) from ``timing.json``; NaN where it lacks them."""
+    time_ratio = timing.get("stats_over_forward", math.nan)
+    memory = timing.get("memory_over_forward")
+    out = []
+    for row in rows:
+        method = row["method"].removesuffix("_seq")
+        needs = ["loss_stats"] if {method, row["allocation"]} & LOSS_AWARE else ["stats"]
+        needs += ["reroute_stats"] if method in REROUTE else []
+        out.append({**row, "calib_time_vs_forward": row["calib_cost"] * time_ratio,
+                    "calib_memory_vs_forward": max(memory[n] for n in needs) if memory else math.nan})
+    return out
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -289,6 +273,7 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
     rows = [r for r in all_rows if r["method"] != "unpruned"]
     timing_path = out / "timing.json"
     timing = __import__("json").loads(timing_path.read_text()) if timing_path.is_file() else {}
+    rows = with_cost_vs_forward(rows, timing)
     text = "\n".join([
         "# Quality benchmark (`benchmarks/quality.py`)", "",
         f"{timing.get('model', 'shipped:tiny-moe')}, calibration {args.calib_blocks} x {args.seq_len} tokens, held-out "
@@ -299,8 +284,11 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
         "KL(unpruned || pruned) on the held-out tokens (nats), averaged over the two domains.", "",
         "## Ranking over all (calibration, ratio) cells", "",
         "wins: cells where the pair has the lowest ppl (ties count); gap: ppl / best ppl of the cell - 1; "
-        "vs omp/waterfill: geometric mean over cells of ppl / ppl of the paper's method; calibration cost: time of "
-        "the statistics pass it needs relative to the plain statistics pass.", "",
+        "vs omp/waterfill: geometric mean over cells of ppl / ppl of the paper's method; calibration cost: time / peak "
+        "memory of the statistics pass(es) it needs relative to a plain forward on the same batches (time: median of "
+        "interleaved runs; memory: peak resident size above the loaded model, each pass in a fresh process; "
+        "`benchmarks/calibration_cost.py`, figures below); \"x stats\": time relative to the plain statistics pass "
+        "where timing.json has no forward ratio.", "",
         quality_report.ranking_table(rows), "",
         "## Calibration cost", "",
         "```", __import__("json").dumps(timing, indent=1), "```", "",

@@ -45,21 +45,32 @@ def ranking(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "vs_paper": math.exp(sum(math.log(v) for v in vs_paper) / len(vs_paper)) if vs_paper else float("nan"),
             "kl_mean": sum(r["kl_mean"] for _, r in mine) / len(mine),
             "calib_cost": max(r["calib_cost"] for _, r in mine),
+            "calib_time_vs_forward": max(r.get("calib_time_vs_forward", math.nan) for _, r in mine),
+            "calib_memory_vs_forward": max(r.get("calib_memory_vs_forward", math.nan) for _, r in mine),
         })
     return sorted(out, key=lambda r: r["mean_gap"])
 
 
 def ranking_table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| rank | method | allocation | wins | mean gap to best | max gap | ppl vs omp/waterfill (geo. mean) | mean KL | calibration cost |",
+        "| rank | method | allocation | wins | mean gap to best | max gap | ppl vs omp/waterfill (geo. mean) | mean KL | "
+        "calibration cost |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(ranking(rows), 1):
         name = f"**{r['method']}**" if (r["method"], r["allocation"]) == PAPER else r["method"]
         out.append(f"| {i} | {name} | {r['allocation']} | {r['wins']}/{r['cells']} | {100 * r['mean_gap']:.1f}% | "
                    f"{100 * r['max_gap']:.1f}% | {100 * (r['vs_paper'] - 1):+.1f}% | {r['kl_mean']:.4f} | "
-                   f"{r['calib_cost']:.2f}x |")
+                   f"{calibration_cost_cell(r)} |")
     return "\n".join(out)
+
+
+def calibration_cost_cell(r: dict[str, Any]) -> str:
+    """``time / peak memory`` relative to a plain forward where known, else time relative to the statistics pass."""
+    time_ratio, memory_ratio = r.get("calib_time_vs_forward", math.nan), r.get("calib_memory_vs_forward", math.nan)
+    if math.isnan(time_ratio):
+        return f"{r['calib_cost']:.2f}x stats"
+    return f"{time_ratio:.2f}x / " + ("n/a" if math.isnan(memory_ratio) else f"{memory_ratio:.2f}x")
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
