@@ -90,17 +90,17 @@ class LossStatsMetric(Metric):
             weight = token_weight.to(device, torch.float64)[keep]
         else:
             weight = None
-        top_k = atoms.shape[1]
-        # One batched product gives <V_e, V_f> (rows :k), sum_i d_i^2 V_e,i V_f,i (rows k:) and a_e (last column).
-        left = torch.cat([atoms, atoms * grad.square().unsqueeze(1)], dim=1)  # (T, 2k, d)
-        right = torch.cat([atoms, grad.unsqueeze(1)], dim=1).transpose(1, 2)  # (T, d, k + 1)
-        products = torch.bmm(left, right).to(torch.float64)  # (T, 2k, k + 1)
-        projection = products[:, :top_k, top_k]  # a_e(x) = <V_e(x), d_x>
-        grad_energy = grad.square().sum(-1).to(torch.float64)
+        # Three batched products on the (T, k, d) atoms as they are (no concatenated copies of them).
+        grad_sq = grad.square()
+        atoms_t = atoms.transpose(1, 2)
+        gram = torch.bmm(atoms, atoms_t).to(torch.float64)  # <V_e, V_f>
+        fisher = torch.bmm(atoms * grad_sq.unsqueeze(1), atoms_t).to(torch.float64)  # sum_i d_i^2 V_e,i V_f,i
+        projection = torch.bmm(atoms, grad.unsqueeze(-1)).squeeze(-1).to(torch.float64)  # a_e(x) = <V_e(x), d_x>
+        grad_energy = grad_sq.sum(-1).to(torch.float64)
         per_pair = torch.stack([
-            products[:, :top_k, :top_k] * grad_energy.view(-1, 1, 1),  # gram_grad
+            gram * grad_energy.view(-1, 1, 1),  # gram_grad
             projection.unsqueeze(-1) * projection.unsqueeze(-2),  # gram_loss
-            products[:, top_k:, :top_k],  # gram_fisher
+            fisher,  # gram_fisher
         ])  # (3, T, k, k)
         if weight is not None:
             per_pair = per_pair * weight.view(1, -1, 1, 1)
