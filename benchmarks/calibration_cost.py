@@ -24,7 +24,9 @@ so loading's own peak does not hide the pass's), then reads that mark (``VmHWM``
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` where there is none) before and after the pass. ``extra`` = peak during the pass minus the resident size before it: the
 activations, autograd graph and statistics buffers the pass holds at its worst moment (weights and
 batches excluded). Where the mark cannot be reset the difference of the two high-water marks is
-reported instead (a lower bound), and ``memory_method`` says so.
+reported instead (a lower bound), and ``memory_method`` says so. The children run with
+``MALLOC_MMAP_THRESHOLD_=131072`` (glibc), so freed tensors leave the resident set at once and the
+peak does not depend on which earlier buffers the allocator kept.
 """
 
 from __future__ import annotations
@@ -147,7 +149,10 @@ def memory_in_subprocesses(args: argparse.Namespace) -> dict[str, dict[str, Any]
         command = [sys.executable, str(Path(__file__).resolve()), "--memory_pass", name, "--model", args.model,
                    "--calibration", args.calibration, "--calib_blocks", str(args.calib_blocks),
                    "--seq_len", str(args.seq_len), "--threads", str(args.threads)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=os.environ.copy())
+        # A fixed mmap threshold: glibc then maps every large buffer on its own and unmaps it when freed, so the
+        # resident size follows the live tensors instead of what the allocator's history happened to keep.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")}
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"memory pass {name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -186,12 +191,18 @@ def cost_report(times: dict[str, dict[str, float]], memory: dict[str, dict[str, 
         "cpu_time_over_forward": {k: cpu[k] / cpu["forward"] for k in cpu},
     }
     if memory is not None:
-        base = max(memory["forward"]["extra_mib"], 1e-9)
-        report["peak_extra_mib"] = {k: round(v["extra_mib"], 1) for k, v in memory.items()}
-        report["memory_over_forward"] = {k: v["extra_mib"] / base for k, v in memory.items()}
-        report["loaded_mib"] = round(memory["forward"]["before_mib"], 1)
-        report["memory_method"] = memory["forward"]["memory_method"]
+        report.update(memory_report(memory))
     return report
+
+
+def memory_report(memory: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Peak extra MiB of each pass, its ratio to the plain forward's, the loaded size and the method."""
+    base = max(memory["forward"]["extra_mib"], 1e-9)
+    return {"peak_extra_mib": {k: round(v["extra_mib"], 1) for k, v in memory.items()},
+            "memory_over_forward": {k: v["extra_mib"] / base for k, v in memory.items()},
+            "loaded_mib": round(memory["forward"]["before_mib"], 1),
+            "memory_method": memory["forward"]["memory_method"] + ", MALLOC_MMAP_THRESHOLD_="
+            + os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")}
 
 
 def summary_line(report: dict[str, Any]) -> str:
@@ -213,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no_memory", action="store_true", help="time only (no fresh process per pass)")
+    parser.add_argument("--no_time", action="store_true", help="peak memory only (no timing rounds)")
     parser.add_argument("--output", default=None, help="write the JSON here (atomically)")
     parser.add_argument("--memory_pass", choices=PASSES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -224,13 +236,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.memory_pass is not None:  # child process: one pass, one JSON line
         print(json.dumps(measure_peak_memory(passes(model, blocks)[args.memory_pass])))
         return {}
-    times = time_passes(passes(model, blocks), args.repeats)
+    if args.no_time and args.no_memory:
+        parser.error("--no_time and --no_memory leave nothing to measure; drop one of them.")
     memory = None if args.no_memory else memory_in_subprocesses(args)
     report = {"model": args.model, "calibration": args.calibration, "tokens": int(blocks.numel()),
-              "batch_size": BATCH_SIZE, "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
-              **cost_report(times, memory)}
-    print(f"{args.model}, {args.calib_blocks} x {args.seq_len} tokens ({args.calibration}), {args.threads} thread(s), "
-          f"medians of {args.repeats} interleaved rounds:\n" + summary_line(report), flush=True)
+              "batch_size": BATCH_SIZE, "threads": args.threads, "torch": torch.__version__}
+    if args.no_time:
+        report.update(memory_report(memory))
+        print(json.dumps(report, indent=1), flush=True)
+    else:
+        report.update(repeats=args.repeats, **cost_report(time_passes(passes(model, blocks), args.repeats), memory))
+        print(f"{args.model}, {args.calib_blocks} x {args.seq_len} tokens ({args.calibration}), {args.threads} "
+              f"thread(s), medians of {args.repeats} interleaved rounds:\n" + summary_line(report), flush=True)
     if args.output:
         from ompmoe.engine.io import atomic_path
 
