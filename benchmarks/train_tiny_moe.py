@@ -66,12 +66,42 @@ DEFAULT_OUT = ROOT / "ompmoe" / "data" / "tiny-moe"
 EOS = "<|endoftext|>"
 ARCHITECTURES = {
     "qwen3_moe": {"name": "tiny-moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128, "steps": 560,
-                  "eval_every": 0},
+                  "eval_every": 0, "cpu_experts": "eager"},
     "glm4_moe": {"name": "tiny-moe-64", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32, "steps": 160,
-                 "eval_every": 20},
+                 "eval_every": 20, "cpu_experts": "sorted"},
 }
 """Per-architecture defaults: the shipped model's name (``shipped:<name>``, ``ompmoe/data/<name>``), expert shape,
-training steps (what fits 30-40 minutes on 2 shared CPU threads) and held-out curve interval."""
+training steps (what fits 30-40 minutes on 2 shared CPU threads), held-out curve interval and CPU experts kernel."""
+
+
+def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Experts kernel ``sorted``: the same function as transformers' eager loop, with a handful of ops per expert.
+
+    The eager loop builds a one-hot mask, runs ``where`` per expert and indexes the 3D weights per expert, whose
+    backward zero-fills and adds a whole-parameter gradient for each of the 64 experts. Here the (token, expert)
+    pairs are sorted by expert once, split into per-expert chunks, the weights unbound into views (one stacked
+    gradient) and the outputs scattered back with one ``index_add_``: on 2 loaded CPU threads 1.2x faster per
+    training step of ``shipped:tiny-moe-64``; gradients equal the eager loop's to float32 rounding."""
+    num_top_k = top_k_index.size(-1)
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)
+    token_idx = order // num_top_k
+    counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+    outputs = []
+    for chunk, gate_up, down in zip(hidden_states[token_idx].split(counts), self.gate_up_proj.unbind(0),
+                                    self.down_proj.unbind(0)):
+        if chunk.shape[0]:
+            outputs.append(torch.nn.functional.linear(self._apply_gate(torch.nn.functional.linear(chunk, gate_up)), down))
+    weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, token_idx, weighted.to(hidden_states.dtype))
+
+
+def register_experts_kernels() -> None:
+    """Make ``--experts_implementation sorted`` known to transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register("sorted", sorted_experts_forward)
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -703,8 +733,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup_steps", type=int, default=30)
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--experts_implementation", default=None,
-                        help="transformers experts kernel; default eager on CPU (2-3x faster there than grouped_mm), "
-                             "grouped_mm on GPU")
+                        help="transformers experts kernel or `sorted` (this script's, see sorted_experts_forward); default on "
+                             "CPU eager for qwen3_moe, sorted for glm4_moe (1.2x faster than eager there, eager and "
+                             "grouped_mm are alike on CPU); grouped_mm on GPU")
     parser.add_argument("--save_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--eval_batch_size", type=int, default=8)
@@ -742,7 +773,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     pl.seed_everything(args.seed, workers=True)
     gpu = args.accelerator in ("gpu", "cuda") or (args.accelerator == "auto" and torch.cuda.is_available())
-    args.experts_implementation = args.experts_implementation or ("grouped_mm" if gpu else "eager")
+    args.experts_implementation = args.experts_implementation or ("grouped_mm" if gpu else args.cpu_experts)
+    register_experts_kernels()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
