@@ -9,6 +9,12 @@ per token) and a dense first layer, as in DeepSeek-V3 / GLM-4.5.
     python benchmarks/train_tiny_moe.py --architecture glm4_moe # shipped:tiny-moe-64, about 30-40 minutes
     python benchmarks/train_tiny_moe.py --accelerator gpu       # the same run on a GPU (bf16-mixed)
     python benchmarks/train_tiny_moe.py --steps 20 --output_dir /tmp/tiny-moe   # smoke test
+    python benchmarks/train_tiny_moe.py --init_from ompmoe/data/tiny-moe --steps 300 --lr 1e-3 --seed 1  # continue
+
+Both shipped models were trained in two stages, the default run and then a run continued from its checkpoint
+(``--init_from``: the saved weights, a fresh optimizer and schedule, ``--seed 1`` for fresh windows); a continued
+run records the stage it started from in ``metrics.json`` and the card lists every stage, the exact commands that
+reproduce the shipped weights and the held-out curve over all stages.
 
 Steps (all seeded, ``--seed 0``):
 
