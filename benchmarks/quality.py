@@ -55,7 +55,7 @@ import quality_report  # noqa: E402  (benchmarks/quality_report.py)
 RATIOS = (0.25, 0.5, 0.75)
 ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")
 CALIBRATIONS = ("prose", "code", "mix")
-LOSS_AWARE = {"omp_loss", "omp_grad", "omp_fisher", "loss_newton", "loss", "loss_risk"}
+LOSS_AWARE = {"omp_loss", "omp_grad", "omp_fisher", "loss_newton", "omp_hybrid", "loss", "loss_risk"}
 """Methods and allocations that need the loss-aware statistics pass (ompmoe.engine.loss_stats)."""
 REROUTE = {"omp_reroute"}
 """Methods that need the rerouting-aware statistics (ompmoe.engine.reroute_stats, collected with reroute=True)."""

@@ -122,7 +122,7 @@ def test_loss_methods_plan_on_tiny_models(stats, method):
     assert sum(layer.num_kept for layer in plan.layers) == sum(layer.num_experts for layer in stats.layers) // 2
     for layer, planned in zip(stats.layers, plan.layers):
         assert sorted(planned.order) == list(range(layer.num_experts))
-    if method.startswith("omp_"):
+    if method in ("omp_loss", "omp_grad", "omp_fisher"):
         key = {"omp_loss": "gram_loss", "omp_grad": "gram_grad", "omp_fisher": "gram_fisher"}[method]
         for layer, planned in zip(stats.layers, plan.layers):
             assert planned.order == greedy_pursuit(getattr(layer, key), with_gains=False).order.tolist()
@@ -135,3 +135,23 @@ def test_loss_methods_and_allocations_refuse_plain_statistics():
         plan_pruning(plain, 0.5, method="omp_loss")
     with pytest.raises(ValueError, match=r"A loss allocation needs loss-aware statistics \('gram_loss'\)"):
         plan_pruning(plain, 0.5, method="omp", allocation="loss")
+
+
+def test_omp_hybrid_is_the_pursuit_on_the_literal_blend(stats):
+    """Each Gram over its trace, summed with the weight, then the paper's pursuit (group rounds included)."""
+    for weight in (0.0, 1.0, 2.5):
+        plan = plan_pruning(stats, 0.5, method="omp_hybrid", method_options={"loss_weight": weight})
+        for layer, planned in zip(stats.layers, plan.layers):
+            g_norm = layer.gram_normalized.double()
+            g_grad = layer.gram_grad.double()
+            blend = g_norm / float(torch.trace(g_norm)) + weight * g_grad / float(torch.trace(g_grad))
+            assert planned.order == greedy_pursuit(blend, num_groups=layer.num_groups, with_gains=False).order.tolist()
+    zero = plan_pruning(stats, 0.5, method="omp_hybrid", method_options={"loss_weight": 0.0})
+    normalized = plan_pruning(stats, 0.5, method="omp_normalized")
+    assert [p.order for p in zero.layers] == [p.order for p in normalized.layers]
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf")])
+def test_omp_hybrid_refuses_a_bad_loss_weight(weight):
+    with pytest.raises(ValueError, match=r"omp_hybrid's loss_weight must be a finite number >= 0 \(0 is omp_normalized\)"):
+        get_method("omp_hybrid", {"loss_weight": weight})

@@ -14,7 +14,9 @@ Methods (registered in :data:`ompmoe.METHODS`, usable as ``plan_pruning(method=.
 - ``omp_loss``: greedy pursuit on ``gram_loss`` (the paper's Algorithm 1 in the loss metric),
 - ``omp_grad``: greedy pursuit on ``gram_grad`` (per-token weight ``||d_x||^2``),
 - ``omp_fisher``: greedy pursuit on ``gram_fisher`` (per-token diagonal Fisher),
-- ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term.
+- ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term,
+- ``omp_hybrid``: greedy pursuit on the token-normalized Gram plus ``loss_weight`` times ``gram_grad``, each
+  divided by its trace (reconstruction where every token counts alike, plus where the loss is sensitive).
 
 Allocations (registered in :data:`ompmoe.ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
 ``loss_risk``: the paper's per-layer cost ``r_l(k) + lambda * -log(C_l(k) + zeta)`` measured in loss
@@ -24,6 +26,7 @@ removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -146,7 +149,41 @@ class LossNewton(SelectionMethod):
         return [greedy_quadratic(layer.gram_loss, layer.loss_first_order, layer.num_groups) for layer in layers]
 
 
-LOSS_METHODS = ("omp_loss", "omp_grad", "omp_fisher", "loss_newton")
+def trace_normalized(gram: torch.Tensor) -> torch.Tensor:
+    """``G / trace(G)`` in float64: two Grams measured in different units weigh by their shape, not their scale."""
+    g = gram.to(torch.float64)
+    return g / g.diagonal().sum().clamp(min=torch.finfo(torch.float64).tiny)
+
+
+def hybrid_gram(layer: LayerStats, loss_weight: float) -> torch.Tensor:
+    """``G_normalized / tr(G_normalized) + loss_weight * G_grad / tr(G_grad)`` of one layer."""
+    return trace_normalized(layer.gram_normalized) + loss_weight * trace_normalized(layer.gram_grad)
+
+
+@register_method
+@dataclass
+class OMPHybrid(SelectionMethod):
+    """greedy pursuit on the token-normalized Gram plus `loss_weight` x the `||dL/dY_x||^2`-weighted Gram, each over its trace (loss-aware statistics)"""
+
+    name: ClassVar[str] = "omp_hybrid"
+    loss_weight: float = 1.0
+
+    def __post_init__(self) -> None:  # refused when the strategy is built, before any calibration
+        if not (isinstance(self.loss_weight, (int, float)) and math.isfinite(self.loss_weight) and self.loss_weight >= 0):
+            raise ValueError(
+                f"omp_hybrid's loss_weight must be a finite number >= 0 (0 is omp_normalized), got {self.loss_weight!r}."
+            )
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        require_loss_tensors(layers, "gram_grad", f"Method {self.name!r}")
+        require_loss_tensors(layers, "gram_normalized", f"Method {self.name!r}")
+        return [
+            greedy_pursuit(hybrid_gram(layer, self.loss_weight), num_groups=layer.num_groups, with_gains=False).order
+            for layer in layers
+        ]
+
+
+LOSS_METHODS = ("omp_loss", "omp_grad", "omp_fisher", "loss_newton", "omp_hybrid")
 """The loss-aware methods (they need statistics collected with ``loss_aware=True``)."""
 
 
