@@ -1,10 +1,12 @@
-"""Pruning quality on the shipped tiny MoE: every strategy x allocation x ratio x calibration domain.
+"""Pruning quality on a shipped tiny MoE: methods x allocations x ratios x calibration domains.
 
-    python benchmarks/quality.py                    # about 15-25 minutes on 2 CPU threads
-    python benchmarks/quality.py --eval_blocks 8    # quicker, noisier
+    python benchmarks/quality.py --eval_blocks 8    # the committed runs (README "Quality"): 4-7 minutes per run
+    python benchmarks/quality.py --model shipped:tiny-moe-64 --output_dir docs/quality/tiny-moe-64 --methods ...
 
-Model: ``shipped:tiny-moe`` (``ompmoe/data/tiny-moe``: Qwen3-MoE, 6 sparse layers of 16 experts,
-top-4, trained here on the train split of the shipped corpus), in float32.
+Model: ``--model``, ``shipped:tiny-moe`` by default (``ompmoe/data/tiny-moe``: Qwen3-MoE, 6 sparse layers of 16
+experts, top-4, trained here on the train split of the shipped corpus) or ``shipped:tiny-moe-64``, in float32.
+``--methods`` defaults to the score and pursuit strategies; name the loss-aware and rerouting methods to include
+them (``exact`` is refused above 20 experts, so leave it out on ``tiny-moe-64``).
 
 For each calibration set (``--calib_blocks`` blocks of ``--seq_len`` tokens from the calibration
 split: ``prose``, ``code``, and ``mix`` = half the blocks from each, exactly what
