@@ -155,3 +155,19 @@ def test_omp_hybrid_is_the_pursuit_on_the_literal_blend(stats):
 def test_omp_hybrid_refuses_a_bad_loss_weight(weight):
     with pytest.raises(ValueError, match=r"omp_hybrid's loss_weight must be a finite number >= 0 \(0 is omp_normalized\)"):
         get_method("omp_hybrid", {"loss_weight": weight})
+
+
+def test_missing_optional_statistics_message_names_layers_and_the_fix():
+    from types import SimpleNamespace
+
+    from ompmoe.engine.methods.registry import require_layer_tensor
+
+    layers = [SimpleNamespace(name=f"model.layers.{i}.mlp", gram_loss=None) for i in range(4)]
+    with pytest.raises(ValueError) as error:
+        require_layer_tensor(layers, "gram_loss", "Method 'omp_loss'", "loss-aware", "collect_stats(..., loss_aware=True)")
+    assert str(error.value) == (
+        "Method 'omp_loss' needs loss-aware statistics ('gram_loss'), which these statistics lack (layers "
+        "['model.layers.0.mlp', 'model.layers.1.mlp', 'model.layers.2.mlp']...). Collect them with "
+        "collect_stats(..., loss_aware=True)."
+    )
+    require_layer_tensor([SimpleNamespace(name="a", gram_loss=1)], "gram_loss", "x", "loss-aware", "y")  # present: no error

@@ -37,20 +37,17 @@ import torch
 from ..allocation import AllocationProblem, optimal_allocation, register_allocation
 from ..selection import greedy_pursuit
 from ..statistics import LayerStats
-from .registry import Selection, SelectionMethod, register_method
+from .registry import Selection, SelectionMethod, register_method, require_layer_tensor
 
 LOSS_ALLOCATIONS = ("loss", "loss_risk")
 
 
 def require_loss_tensors(layers: Sequence[LayerStats], key: str, what: str) -> None:
     """Refuse statistics without the loss-aware sum ``key``, naming the option that collects it."""
-    missing = [layer.name for layer in layers if getattr(layer, key) is None]
-    if missing:
-        raise ValueError(
-            f"{what} needs loss-aware statistics ({key!r}), which these statistics lack (layers "
-            f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with "
-            "ompmoe.collect_stats(model, batches, loss_aware=True) or OMPMoEPruning(..., loss_aware=True)."
-        )
+    require_layer_tensor(
+        layers, key, what, "loss-aware",
+        "ompmoe.collect_stats(model, batches, loss_aware=True) or OMPMoEPruning(..., loss_aware=True)",
+    )
 
 
 def check_loss_aware_not_needed(strategy: object) -> None:

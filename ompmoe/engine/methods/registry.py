@@ -35,6 +35,20 @@ import torch
 from ..statistics import LayerStats
 
 
+
+def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind: str, how: str) -> None:
+    """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it.
+
+    One message for every method or allocation that needs an optional statistic:
+    ``"{what} needs {kind} statistics ('key'), which these statistics lack (layers [...]). Collect them with {how}."``
+    """
+    missing = [layer.name for layer in layers if getattr(layer, key) is None]
+    if missing:
+        raise ValueError(
+            f"{what} needs {kind} statistics ({key!r}), which these statistics lack (layers "
+            f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with {how}."
+        )
+
 @dataclass
 class SubsetSelection:
     """Kept sets per count for one layer, not necessarily nested.

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from ..statistics import LayerStats
 from .omp import omp_orderings
-from .registry import Selection, SelectionMethod, register_method
+from .registry import Selection, SelectionMethod, register_method, require_layer_tensor
 
 
 def check_reroute_not_needed(strategy: object) -> None:
@@ -40,11 +40,6 @@ class OMPReroute(SelectionMethod):
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         key = "gram_reroute_normalized" if self.token_normalized else "gram_reroute"
-        missing = [layer.name for layer in layers if getattr(layer, key) is None]
-        if missing:
-            raise ValueError(
-                f"Method 'omp_reroute' needs rerouting-aware statistics ({key!r}), which these statistics lack "
-                f"(layers {missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with "
-                "ompmoe.collect_stats(model, batches, reroute=True)."
-            )
+        require_layer_tensor(layers, key, "Method 'omp_reroute'", "rerouting-aware",
+                             "ompmoe.collect_stats(model, batches, reroute=True)")
         return list(omp_orderings([dataclasses.replace(layer, gram=getattr(layer, key)) for layer in layers]))
