@@ -23,6 +23,7 @@ from safetensors import safe_open
 import ompmoe
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
+from ompmoe.engine.export.config import count_json_key, load_tokenizer
 from ompmoe.engine.export.hub_code import CONFIG_FILE, HOW_TO_LOAD, MODELING_FILE
 from ompmoe.engine.tiny import tiny_model
 
@@ -46,31 +47,48 @@ try:
     raise SystemExit("ompmoe was importable")
 except ImportError:
     pass
-import torch, transformers
+import os, torch, transformers
+torch.set_num_threads(int(os.environ["PARENT_TORCH_THREADS"]))  # the same CPU kernels give the same bits
 '''
 
 STOCK_LOAD_SCRIPT = BLOCKED_PRELUDE + r'''
 directories, inputs, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 input_ids = torch.load(inputs)
+text = "def f(x):\n    return x + 1\n"
 results = {}
 for name, directory in directories.items():
     entry = {"ompmoe_in_modules": any(m == "ompmoe" or m.startswith("ompmoe.") for m in sys.modules)}
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    entry["stock"] = json.load(open(f"{directory}/config.json"))["architectures"][0]
+    # Before any stock model class is built here: transformers caches per class whether the experts
+    # implementation can be set, and the stock class's cached answer would hide the remote class's.
+    implementations = {}
+    for variant, kwargs in {"float32": {}, "bfloat16": {"dtype": torch.bfloat16},
+                            "batched_mm": {"experts_implementation": "batched_mm"}}.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs)
+        implementations[variant] = model.config._experts_implementation
+        with torch.no_grad():
+            torch.save(model(input_ids).logits, f"{out}/{name}-{variant}.pt")
+    model.set_experts_implementation("eager")
+    implementations["set_eager"] = model.config._experts_implementation
+    with torch.no_grad():
+        torch.save(model(input_ids).logits, f"{out}/{name}-set_eager.pt")
+    entry["implementations"] = implementations
     entry["class"] = type(model).__name__
     entry["counts"] = {n: int(m.experts.num_experts) for n, m in model.named_modules()
                        if hasattr(m, "experts") and hasattr(getattr(m, "experts"), "num_experts")}
-    with torch.no_grad():
-        torch.save(model(input_ids).logits, f"{out}/{name}.pt")
+    entry["tokens"] = transformers.AutoTokenizer.from_pretrained(directory)(text)["input_ids"]  # no remote code
     refusals = {}
     attempts = {
         "auto": lambda: transformers.AutoModelForCausalLM.from_pretrained(directory),
         "auto_ignore_mismatched": lambda: transformers.AutoModelForCausalLM.from_pretrained(
             directory, ignore_mismatched_sizes=True),
-        "auto_config": lambda: transformers.AutoConfig.from_pretrained(directory),
         "stock_class_ignore_mismatched": lambda: getattr(transformers, entry["stock"]).from_pretrained(
             directory, ignore_mismatched_sizes=True),
+        "from_stock_config": lambda: transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(directory)),
+        "auto_eager": lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            directory, experts_implementation="eager"),
     }
-    entry["stock"] = json.load(open(f"{directory}/config.json"))["architectures"][0]
     for how, attempt in attempts.items():
         try:
             attempt()
@@ -88,7 +106,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 directory, tasks_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-tokenizer = transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=True)  # it reads config.json too
+tokenizer = transformers.AutoTokenizer.from_pretrained(directory)  # reads config.json too; no remote code
 lm = HFLM(pretrained=directory, trust_remote_code=True, batch_size=4, device="cpu", dtype="float32")
 result = simple_evaluate(model=lm, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=True,
                          task_manager=TaskManager(include_path=tasks_dir, include_defaults=False))
@@ -104,7 +122,8 @@ json.dump({
 def run_blocked(script: str, *args: str, cwd: Path) -> None:
     """Run ``script`` with ompmoe unimportable, outside the repository, offline, with its own module cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_MODULES_CACHE=str(cwd / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(HF_MODULES_CACHE=str(cwd / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PARENT_TORCH_THREADS=str(torch.get_num_threads()))
     (cwd / "script.py").write_text(script)
     done = subprocess.run([sys.executable, "-I", "script.py", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -125,6 +144,12 @@ def non_uniform_plan(model: torch.nn.Module) -> ompmoe.PruningPlan:
     return plan
 
 
+VARIANTS = {  # what the subprocess loads with trust_remote_code=True -> the same load_pruned arguments
+    "float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "batched_mm": {"experts_implementation": "batched_mm"},
+    "set_eager": {"experts_implementation": "eager"},
+}
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict:
     """Non-uniform checkpoints of every architecture, and what stock transformers did with them without ompmoe."""
@@ -133,11 +158,10 @@ def exported(tmp_path_factory) -> dict:
     for model_type in MODEL_TYPES:
         model = tiny_model(model_type)
         ompmoe.prune(model, non_uniform_plan(model))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", MissingTokenizerWarning)
-            directories[model_type] = str(ompmoe.save_pruned(model, root / model_type))
-        with torch.no_grad():
-            expected[model_type] = ompmoe.load_pruned(root / model_type)(INPUT_IDS).logits
+        directories[model_type] = str(ompmoe.save_pruned(model, root / model_type, tokenizer=str(SHIPPED)))
+        for variant, kwargs in VARIANTS.items():
+            with torch.no_grad():
+                expected[model_type, variant] = ompmoe.load_pruned(root / model_type, **kwargs)(INPUT_IDS).logits
         counts[model_type] = {name: len(ids) for name, ids in ompmoe.pruning_info(model)["kept_experts"].items()}
     torch.save(INPUT_IDS, root / "inputs.pt")
     work = root / "stock"
@@ -154,17 +178,39 @@ def test_non_uniform_checkpoint_loads_with_remote_code_without_ompmoe(exported, 
     stock = result["stock"]
     assert result["class"] == f"OmpmoePruned{stock}"
     assert result["counts"] == exported["counts"][model_type]
-    logits = torch.load(exported["work"] / f"{model_type}.pt")
-    # Not bitwise: even load_pruned alone differs by ~4e-8 between two processes for DeepSeek-V2 (CPU kernels).
-    torch.testing.assert_close(logits, exported["expected"][model_type], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_remote_code_runs_the_stock_experts_kernels_bit_for_bit(exported, model_type):
+    """Same default as the stock classes (grouped_mm), both ways of choosing another, logits equal load_pruned's."""
+    result = exported["results"][model_type]
+    assert result["implementations"] == {
+        "float32": "grouped_mm", "bfloat16": "grouped_mm", "batched_mm": "batched_mm", "set_eager": "eager"}
+    for variant in VARIANTS:
+        logits = torch.load(exported["work"] / f"{model_type}-{variant}.pt")
+        expected = exported["expected"][model_type, variant]
+        assert logits.dtype == expected.dtype == (torch.bfloat16 if variant == "bfloat16" else torch.float32)
+        assert torch.equal(logits, expected), (variant, (logits.float() - expected.float()).abs().max())
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tokenizer_of_a_non_uniform_checkpoint_loads_without_remote_code(exported, model_type):
+    source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    assert exported["results"][model_type]["tokens"] == source("def f(x):\n    return x + 1\n")["input_ids"]
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_non_uniform_checkpoint_is_refused_by_every_stock_path_with_both_ways_named(exported, model_type):
     refusals = exported["results"][model_type]["refusals"]
-    assert set(refusals) == {"auto", "auto_ignore_mismatched", "auto_config", "stock_class_ignore_mismatched"}
+    assert set(refusals) == {"auto", "auto_ignore_mismatched", "stock_class_ignore_mismatched", "from_stock_config",
+                             "auto_eager"}
     for how, message in refusals.items():
         assert message is not None, f"{how} loaded the non-uniform checkpoint without remote code"
+        if how == "auto_eager":  # the refusing value overridden by hand: the largest count fits no smaller layer
+            assert message == ("RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error. "
+                               "For details look at the above report!")
+            continue
+        assert message.startswith("ValueError: Specified `experts_implementation=")
         assert HOW_TO_LOAD in message, (how, message)
         assert "trust_remote_code=True" in message and "ompmoe.load_pruned(path)" in message
 
@@ -173,16 +219,16 @@ def test_non_uniform_checkpoint_is_refused_by_every_stock_path_with_both_ways_na
 def test_non_uniform_directory_layout(exported, model_type):
     directory = exported["root"] / model_type
     config = json.loads((directory / "config.json").read_text())
-    key = ARCHITECTURES[model_type].expert_count_key
     per_layer = exported["counts"][model_type]
-    assert config[key] == {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}
+    assert config["experts_implementation"] == HOW_TO_LOAD
     stock = config["architectures"][0]
     assert config["auto_map"] == {
         "AutoConfig": f"configuration_ompmoe_pruned.OmpmoePruned{stock.removesuffix('ForCausalLM')}Config",
         "AutoModelForCausalLM": f"modeling_ompmoe_pruned.OmpmoePruned{stock}",
     }
-    assert [k for k in config if isinstance(config[k], int) and "expert" in k and "per_tok" not in k
-            and "shared" not in k] == []  # no second (int) count a stock tool could pick up
+    counts = {k: v for k, v in config.items() if isinstance(v, int) and "expert" in k and "per_tok" not in k
+              and "shared" not in k}
+    assert counts == {count_json_key(model_type): max(per_layer.values())}  # one count, the largest layer's
     for name in (CONFIG_FILE, MODELING_FILE):
         source = (directory / name).read_text()
         imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
@@ -192,15 +238,21 @@ def test_non_uniform_directory_layout(exported, model_type):
     assert "trust_remote_code=True" in card and "ompmoe.load_pruned" in card
 
 
+def count_mapping_format(directory: Path) -> None:
+    """Rewrite a non-uniform checkpoint as ompmoe wrote them before ``experts_implementation`` refused stock
+    classes: the expert count was a mapping under the config attribute's name, stock-refused by its type."""
+    config = json.loads((directory / "config.json").read_text())
+    key = ARCHITECTURES[config["model_type"]].expert_count_key
+    per_layer = {name: len(ids) for name, ids in config["ompmoe"]["kept_experts"].items()}
+    del config["experts_implementation"], config[count_json_key(config["model_type"])]
+    config[key] = {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
 def old_format(directory: Path) -> None:
     """Rewrite a new non-uniform checkpoint as ompmoe wrote them before remote code: int count, no code."""
     config = json.loads((directory / "config.json").read_text())
-    model_type = config["model_type"]
-    key = ARCHITECTURES[model_type].expert_count_key
-    json_key = transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
-    count = config.pop(key)["max"]
-    config[json_key] = count
-    del config["auto_map"]
+    del config["experts_implementation"], config["auto_map"]
     (directory / "config.json").write_text(json.dumps(config))
     (directory / CONFIG_FILE).unlink()
     (directory / MODELING_FILE).unlink()
@@ -210,18 +262,23 @@ def old_format(directory: Path) -> None:
 def test_load_pruned_reads_old_and_new_checkpoints(exported, model_type, tmp_path):
     import shutil
 
-    new = exported["root"] / model_type
-    old = tmp_path / "old"
-    shutil.copytree(new, old)
-    old_format(old)
+    new, mapping, old = exported["root"] / model_type, tmp_path / "mapping", tmp_path / "old"
+    for directory, rewrite in ((old, old_format), (mapping, count_mapping_format)):
+        shutil.copytree(new, directory)
+        rewrite(directory)
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # what the old format did in stock tools
         transformers.AutoModelForCausalLM.from_pretrained(old)
-    for directory in (new, old):
+    with pytest.raises(Exception, match="expected int, got dict"):  # and the count mapping
+        transformers.AutoModelForCausalLM.from_pretrained(mapping)
+    source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    for directory in (new, mapping, old):
         loaded = ompmoe.load_pruned(directory)
         assert type(loaded).__module__.startswith("transformers.models.")
-        assert "auto_map" not in loaded.config.to_dict()
+        assert loaded.config._experts_implementation == "grouped_mm"
+        assert "auto_map" not in loaded.config.to_dict() and "experts_implementation" not in loaded.config.to_dict()
         with torch.no_grad():
-            assert torch.equal(loaded(INPUT_IDS).logits, exported["expected"][model_type])
+            assert torch.equal(loaded(INPUT_IDS).logits, exported["expected"][model_type, "float32"])
+        assert load_tokenizer(directory).vocab == source.vocab
 
 
 def test_resaving_a_loaded_non_uniform_model_writes_the_remote_code_again(exported, tmp_path):
@@ -232,7 +289,7 @@ def test_resaving_a_loaded_non_uniform_model_writes_the_remote_code_again(export
     assert (tmp_path / "again" / MODELING_FILE).read_text() == (exported["root"] / "mixtral" / MODELING_FILE).read_text()
     assert json.loads((tmp_path / "again" / "config.json").read_text())["auto_map"]
     with torch.no_grad():
-        assert torch.equal(ompmoe.load_pruned(tmp_path / "again")(INPUT_IDS).logits, exported["expected"]["mixtral"])
+        assert torch.equal(ompmoe.load_pruned(tmp_path / "again")(INPUT_IDS).logits, exported["expected"]["mixtral", "float32"])
 
 
 def test_uniform_checkpoint_is_plain_and_loads_without_remote_code(tmp_path):

@@ -147,7 +147,7 @@ def save_checkpoint(
         spec = architecture_of(model)
         write_remote_code(
             directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
-            spec.expert_count_key, spec.router_attr, alias=count_json_key(config["model_type"]),
+            count_json_key(config["model_type"]), spec.router_attr,
         )
     info = {
         "dtype": str(config.get("dtype", "")).removeprefix("torch."),

@@ -9,7 +9,7 @@ from typing import Any
 import transformers
 
 from ..adapters import ARCHITECTURES
-from .hub_code import stock_config_dict
+from .hub_code import is_non_uniform, stock_config_dict
 
 
 def count_json_key(model_type: str) -> str:
@@ -26,7 +26,7 @@ def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) 
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
     model_type = config_dict.get("model_type")
     key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
-    if key is not None and isinstance(config_dict.get(key), dict):
+    if key is not None and is_non_uniform(config_dict, key):
         config_class = transformers.CONFIG_MAPPING[model_type]
         return config_class.from_dict(stock_config_dict(config_dict, key), name_or_path=str(path))
     return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -42,16 +42,16 @@ def non_uniform_config(path: str | os.PathLike) -> Any | None:
     except (OSError, ValueError):
         return None
     spec = ARCHITECTURES.get(config_dict.get("model_type")) if isinstance(config_dict, dict) else None
-    if spec is None or not isinstance(config_dict.get(spec.expert_count_key), dict):
+    if spec is None or not is_non_uniform(config_dict, spec.expert_count_key):
         return None
     return load_stock_config(path)
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained`` that also reads a non-uniform checkpoint without its remote code.
+    """``AutoTokenizer.from_pretrained`` that also reads non-uniform checkpoints of earlier ompmoe versions.
 
-    ``AutoTokenizer`` loads ``config.json`` first, which the stock config class refuses for those
-    checkpoints; ompmoe hands it the stock config instead.
+    ``AutoTokenizer`` loads ``config.json`` first, which the stock config class refuses when the
+    expert count is a mapping (as ompmoe wrote them before); ompmoe hands it the stock config instead.
     """
     config = non_uniform_config(name) if "config" not in kwargs else None
     if config is not None:

@@ -5,11 +5,13 @@ config (one count for all layers). Like hub repositories with custom code, the d
 ``configuration_ompmoe_pruned.py`` and ``modeling_ompmoe_pruned.py`` (named in ``auto_map``): they
 subclass the stock classes and build each layer at its own size, and import only torch and
 transformers, so ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where
-ompmoe is not installed (lm-eval, other machines).
+ompmoe is not installed (lm-eval, other machines). The model class runs the stock experts kernels
+(``grouped_mm`` by default, ``experts_implementation=`` / ``set_experts_implementation`` work).
 
-In ``config.json`` the expert count becomes a mapping (:func:`count_marker`) instead of an int: the
-stock config class rejects it, with the marker's text naming both ways to load, so no stock path
-(not even ``ignore_mismatched_sizes=True``) can build a wrongly sized model and load weights into it.
+``config.json`` stays a valid stock config (the expert count is the largest layer's), so
+``AutoTokenizer``, which reads it, works without remote code. What refuses stock model classes is
+``"experts_implementation": HOW_TO_LOAD``: every stock model checks that value while it is built,
+before any weight is read, and raises an error quoting the text, which names both ways to load.
 """
 
 from __future__ import annotations
@@ -30,15 +32,14 @@ HOW_TO_LOAD = (
 _CONFIG_TEMPLATE = '''\
 """Config of an expert-pruned {base_model} whose MoE layers keep different numbers of experts.
 
-Written by ompmoe; needs only transformers. config.json stores the expert count `{count_key}` as a
-mapping (per-layer counts and the largest one) so that the stock config refuses it; this class
-turns it back into the largest count, and the model class sizes each layer from config.ompmoe.
+Written by ompmoe; needs only transformers. config.json stores the largest expert count and
+`"experts_implementation": HOW_TO_LOAD`, a value every stock model class refuses while it is built;
+this class drops that value (so transformers' default experts kernels run), and the model class
+sizes each layer from config.ompmoe.
 """
 
 from transformers import {base_config} as _BaseConfig
 
-COUNT_KEY = {count_key!r}
-ALIAS = {alias!r}  # the key save_pretrained writes the count under, dropped so the marker is the only count
 HOW_TO_LOAD = {how_to_load!r}
 
 
@@ -49,23 +50,20 @@ def _per_layer(config):
 
 
 class {config_class}(_BaseConfig):
-    """{base_config} whose `{count_key}` is the largest per-layer count; config.ompmoe lists each layer's experts."""
+    """{base_config} whose config.ompmoe lists each MoE layer's experts."""
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         config_dict = dict(config_dict)
-        value = config_dict.get(COUNT_KEY)
-        if isinstance(value, dict):
-            config_dict[COUNT_KEY] = int(value["max"])
+        if config_dict.get("experts_implementation") == HOW_TO_LOAD:
+            del config_dict["experts_implementation"]
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self):
         output = super().to_dict()
         per_layer = _per_layer(self)
         if per_layer and len(set(per_layer.values())) > 1:
-            if ALIAS != COUNT_KEY:
-                output.pop(ALIAS, None)
-            output[COUNT_KEY] = {{"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": per_layer}}
+            output["experts_implementation"] = HOW_TO_LOAD
         return output
 '''
 
@@ -74,7 +72,8 @@ _MODELING_TEMPLATE = '''\
 
 Written by ompmoe; needs only torch and transformers. The stock model is built with the largest
 count, then each MoE layer listed in config.ompmoe["kept_experts"] is cut to its own count before
-the weights load, exactly as ompmoe.load_pruned does; routing is the stock code over those experts.
+the weights load, exactly as ompmoe.load_pruned does; routing and the experts kernels are the stock
+code over those experts.
 """
 
 from torch import nn
@@ -104,6 +103,16 @@ class {model_class}(_BaseForCausalLM):
 
     config_class = {config_class}
 
+    @classmethod
+    def _can_set_experts_implementation(cls):
+        # transformers decides this by searching the defining module's source for the decorator of
+        # the experts classes; the stock module carries it, this one only subclasses the stock model.
+        return _BaseForCausalLM._can_set_experts_implementation()
+
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        return _BaseForCausalLM._can_set_attn_implementation()
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         kept = (getattr(config, "ompmoe", None) or {{}}).get("kept_experts") or {{}}
@@ -126,21 +135,12 @@ def class_names(base_model: str) -> tuple[str, str]:
     return f"OmpmoePruned{stem}Config", f"OmpmoePruned{base_model}"
 
 
-def count_marker(per_layer: dict[str, int]) -> dict[str, Any]:
-    """What ``config.json`` stores instead of the expert count: refused by stock configs, read by ours."""
-    return {"how_to_load": HOW_TO_LOAD, "max": max(per_layer.values()), "per_layer": dict(per_layer)}
-
-
-def write_remote_code(
-    directory: str | Path, base_config: str, base_model: str, count_key: str, router_attr: str, alias: str | None = None
-) -> None:
+def write_remote_code(directory: str | Path, base_config: str, base_model: str, count_json_key: str, router_attr: str) -> None:
     """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
 
     ``config.json`` must hold the ``ompmoe`` record (per-layer kept ids) written by ``save_pretrained``.
-    ``count_key`` is the config attribute of the expert count; ``alias`` the key ``save_pretrained``
-    stored it under when the config maps one to the other (Qwen3-MoE: ``num_local_experts``). The
-    alias is removed, so the marker under ``count_key`` is the only count and reaches the stock
-    config's type check first.
+    ``count_json_key`` is the key ``save_pretrained`` stores the expert count under (Qwen3-MoE:
+    ``num_local_experts``); it is set to the largest per-layer count.
     """
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -148,14 +148,13 @@ def write_remote_code(
     per_layer = {name: len(ids) for name, ids in config["ompmoe"]["kept_experts"].items()}
     config_class, model_class = class_names(base_model)
     values = dict(
-        base_config=base_config, base_model=base_model, count_key=count_key, router_attr=router_attr,
-        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD, alias=alias or count_key,
+        base_config=base_config, base_model=base_model, router_attr=router_attr,
+        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD,
     )
     (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
     (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
-    if alias is not None and alias != count_key:
-        config.pop(alias, None)
-    config[count_key] = count_marker(per_layer)
+    config[count_json_key] = max(per_layer.values())
+    config["experts_implementation"] = HOW_TO_LOAD
     config["auto_map"] = {
         "AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.{config_class}",
         "AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{model_class}",
@@ -163,16 +162,29 @@ def write_remote_code(
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def is_non_uniform(config_dict: dict[str, Any], count_key: str) -> bool:
+    """Whether ``config_dict`` is a checkpoint written by :func:`write_remote_code`.
+
+    Checkpoints written by earlier ompmoe versions stored the expert count as a mapping
+    (``{"how_to_load", "max", "per_layer"}``) instead; they are recognised too.
+    """
+    return config_dict.get("experts_implementation") == HOW_TO_LOAD or isinstance(config_dict.get(count_key), dict)
+
+
 def stock_config_dict(config_dict: dict[str, Any], count_key: str) -> dict[str, Any]:
     """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it.
 
-    The count marker becomes the largest count and ``auto_map`` is dropped, so the model loads as the
-    stock class (ompmoe sizes the layers itself) and a later ``save_pretrained`` does not point to
-    code files it does not copy.
+    The refusing ``experts_implementation`` (or an earlier version's count mapping, which becomes
+    the largest count) and ``auto_map`` are dropped, so the model loads as the stock class (ompmoe
+    sizes the layers itself) and a later ``save_pretrained`` does not point to code files it does not copy.
     """
     config_dict = dict(config_dict)
+    if not is_non_uniform(config_dict, count_key):
+        return config_dict
+    if config_dict.get("experts_implementation") == HOW_TO_LOAD:
+        del config_dict["experts_implementation"]
     value = config_dict.get(count_key)
     if isinstance(value, dict):
         config_dict[count_key] = int(value["max"])
-        config_dict.pop("auto_map", None)
+    config_dict.pop("auto_map", None)
     return config_dict
