@@ -355,7 +355,7 @@ def test_weights_keep_the_source_dtype_unless_asked(shipped_pruned, tmp_path):
 
 def test_tokenizer_is_saved_from_the_source_or_argument_and_missing_one_warns(shipped_pruned, tmp_path):
     source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
-    saved = transformers.AutoTokenizer.from_pretrained(shipped_pruned["root"] / "bf16", trust_remote_code=True)
+    saved = transformers.AutoTokenizer.from_pretrained(shipped_pruned["root"] / "bf16")
     text = "def f(x):\n    return x + 1\n"
     assert saved(text)["input_ids"] == source(text)["input_ids"] and len(saved) == len(source)
 
@@ -401,6 +401,7 @@ def test_model_card_front_matter_and_contents(shipped_pruned):
     assert "round((1 - ratio) * N)" in body and "N - int(ratio * N)" in body
     assert 'from_pretrained("path/to/this/directory", trust_remote_code=True)' in body
     assert "pretrained=path/to/this/directory,trust_remote_code=True" in body
+    assert 'AutoTokenizer.from_pretrained("path/to/this/directory")  # needs no remote code' in body
 
 
 def test_lm_eval_hf_runs_on_the_non_uniform_checkpoint_without_ompmoe(shipped_pruned, tmp_path):

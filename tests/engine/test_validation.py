@@ -364,7 +364,7 @@ def test_load_pruned_never_asks_for_remote_code(plan, tmp_path, monkeypatch):
     assert not plan.is_uniform and "auto_map" in json.loads((path / "config.json").read_text())
     assert type(load_pruned(path)).__module__.startswith("transformers.models.qwen3_moe")
     # Older checkpoints (an int count, no auto_map) go through AutoConfig, with remote code off.
-    old = saved(plan, tmp_path / "old", lambda c: (c.pop("auto_map"), c.__setitem__("num_experts", c["num_experts"]["max"])))
+    old = saved(plan, tmp_path / "old", lambda c: (c.pop("auto_map"), c.pop("experts_implementation")))
     load_pruned(old)
     assert seen["trust_remote_code"] is False
 

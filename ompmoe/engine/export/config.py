@@ -19,7 +19,7 @@ def count_json_key(model_type: str) -> str:
 
 
 def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
-    """The stock transformers config of ``path``; a non-uniform checkpoint's count marker becomes the largest count.
+    """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models.
 
     Checkpoints written before the remote code existed (an int count) load through ``AutoConfig`` as before.
     """
@@ -33,7 +33,7 @@ def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) 
 
 
 def non_uniform_config(path: str | os.PathLike) -> Any | None:
-    """The stock config of a local non-uniform checkpoint (count marker in config.json), else ``None``."""
+    """The stock config of a local non-uniform checkpoint (written with remote code), else ``None``."""
     config_file = os.path.join(str(path), "config.json")
     if not os.path.isfile(config_file):
         return None

@@ -103,7 +103,7 @@ def model_card(
             "```python",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory", trust_remote_code=True)',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory", trust_remote_code=True)',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")  # needs no remote code',
             "# or, with ompmoe installed (no remote code):",
             "import ompmoe",
             'model = ompmoe.load_pruned("path/to/this/directory")',
@@ -113,7 +113,7 @@ def model_card(
             "lm_eval --model hf --model_args pretrained=path/to/this/directory,trust_remote_code=True --tasks ...",
             "```",
             "",
-            "Without `trust_remote_code=True`, transformers refuses the checkpoint (also with "
+            "Without `trust_remote_code=True`, transformers refuses to build the model (also with "
             "`ignore_mismatched_sizes=True`) instead of loading wrongly sized experts. Serving stacks that only "
             "take the original architecture (e.g. vLLM) need a uniform plan: prune again with "
             "`allocation: uniform`.",
