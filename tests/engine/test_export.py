@@ -73,6 +73,7 @@ for name, directory in directories.items():
     with torch.no_grad():
         torch.save(model(input_ids).logits, f"{out}/{name}-set_eager.pt")
     entry["implementations"] = implementations
+    model.save_pretrained(f"{out}/{name}-resaved")  # stock save_pretrained copies the remote code
     entry["class"] = type(model).__name__
     entry["counts"] = {n: int(m.experts.num_experts) for n, m in model.named_modules()
                        if hasattr(m, "experts") and hasattr(getattr(m, "experts"), "num_experts")}
@@ -191,6 +192,19 @@ def test_remote_code_runs_the_stock_experts_kernels_bit_for_bit(exported, model_
         expected = exported["expected"][model_type, variant]
         assert logits.dtype == expected.dtype == (torch.bfloat16 if variant == "bfloat16" else torch.float32)
         assert torch.equal(logits, expected), (variant, (logits.float() - expected.float()).abs().max())
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "glm4_moe"])
+def test_stock_save_pretrained_of_the_remote_model_keeps_refusing_stock_classes(exported, model_type):
+    resaved = exported["work"] / f"{model_type}-resaved"
+    config = json.loads((resaved / "config.json").read_text())
+    original = json.loads((exported["root"] / model_type / "config.json").read_text())
+    assert config["experts_implementation"] == HOW_TO_LOAD and config["auto_map"] == original["auto_map"]
+    assert config["architectures"] == original["architectures"]  # the stock class, not the remote one
+    assert (resaved / MODELING_FILE).read_text() == (exported["root"] / model_type / MODELING_FILE).read_text()
+    with torch.no_grad():
+        logits = ompmoe.load_pruned(resaved)(INPUT_IDS).logits
+    assert torch.equal(logits, exported["expected"][model_type, "float32"])
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

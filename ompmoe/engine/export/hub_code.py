@@ -41,6 +41,7 @@ sizes each layer from config.ompmoe.
 from transformers import {base_config} as _BaseConfig
 
 HOW_TO_LOAD = {how_to_load!r}
+REMOTE_ARCHITECTURE, STOCK_ARCHITECTURE = {model_class!r}, {base_model!r}
 
 
 def _per_layer(config):
@@ -64,6 +65,11 @@ class {config_class}(_BaseConfig):
         per_layer = _per_layer(self)
         if per_layer and len(set(per_layer.values())) > 1:
             output["experts_implementation"] = HOW_TO_LOAD
+        # save_pretrained names the remote class; ompmoe.load_pruned and other tools look for the stock one.
+        if output.get("architectures"):
+            output["architectures"] = [
+                STOCK_ARCHITECTURE if name == REMOTE_ARCHITECTURE else name for name in output["architectures"]
+            ]
         return output
 '''
 
