@@ -46,7 +46,9 @@ def pruned_checkpoint(directory: str) -> torch.Tensor:
     return torch.cat(held_out)
 
 
-def median_forward_seconds(models: dict[str, torch.nn.Module], input_ids: torch.Tensor, repeats: int) -> dict[str, float]:
+def median_forward_seconds(
+    models: dict[str, torch.nn.Module], input_ids: torch.Tensor, repeats: int
+) -> dict[str, float]:
     """Median wall seconds of one forward pass per model, interleaved, the order reversed every other round."""
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad():

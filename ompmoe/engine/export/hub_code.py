@@ -27,7 +27,7 @@ HOW_TO_LOAD = (
     "transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True) "
     "(lm-eval: --model_args pretrained=path,trust_remote_code=True) or with ompmoe.load_pruned(path)."
 )
-"""Text stored in the count marker; stock transformers prints it when it refuses the checkpoint."""
+"""``experts_implementation`` of a non-uniform ``config.json``; stock model classes quote it when they refuse."""
 
 _CONFIG_TEMPLATE = '''\
 """Config of an expert-pruned {base_model} whose MoE layers keep different numbers of experts.
@@ -141,7 +141,9 @@ def class_names(base_model: str) -> tuple[str, str]:
     return f"OmpmoePruned{stem}Config", f"OmpmoePruned{base_model}"
 
 
-def write_remote_code(directory: str | Path, base_config: str, base_model: str, count_json_key: str, router_attr: str) -> None:
+def write_remote_code(
+    directory: str | Path, base_config: str, base_model: str, count_json_key: str, router_attr: str
+) -> None:
     """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
 
     ``config.json`` must hold the ``ompmoe`` record (per-layer kept ids) written by ``save_pretrained``.
