@@ -5,7 +5,9 @@ are copied to the host, so the time includes the device work) and spreads the ba
 its work items by their share of the batch's tokens. The datamodule then spreads each item's seconds
 and tokens over the lm-eval requests that use it (answer choices that share a context share its row)
 and sums them per task. The total wall time is measured; per-task seconds are that apportionment of
-measured batch times. The paper's "Cost" (Table 6) is the total.
+measured batch times. The paper's "Cost" (Table 6) is the total. ``cpu_seconds`` (process CPU time of
+the loop, summed over ranks) is recorded too: on a CPU shared with other jobs it moves less than wall
+time.
 
 Tokens are the positions the model computed for an item: its input tokens (an input shared by several
 items counted once) and, for generation, the context plus every generated position (a row that

@@ -58,7 +58,7 @@ class EvalModule(CalibrationModule):
         self.label = label
         self.experts_implementation = experts_implementation
         self._costs: dict[int, tuple[float, float]] = {}
-        self._loop_start = 0.0
+        self._loop_start = self._loop_cpu = 0.0
         self._tokenizer: Any = None
         self._results: dict[int, Any] = {}
         self._logits_to_keep: bool | None = None
@@ -143,7 +143,7 @@ class EvalModule(CalibrationModule):
 
     def _start_epoch(self) -> None:
         self._results, self._costs = {}, {}
-        self._loop_start = time.perf_counter()
+        self._loop_start, self._loop_cpu = time.perf_counter(), time.process_time()
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
         self._run_timed(batch)
@@ -236,18 +236,20 @@ class EvalModule(CalibrationModule):
     def _finish(self, stage: str) -> None:
         datamodule = self._data()
         strategy = self.trainer.strategy
-        results, costs, seconds = self._results, self._costs, time.perf_counter() - self._loop_start
+        results, costs = self._results, self._costs
+        seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
         distributed = self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, (results, costs, seconds))
-            results = {key: value for part, _, _ in gathered for key, value in part.items()}
-            costs = {key: value for _, part, _ in gathered for key, value in part.items()}
-            seconds = max(part for _, _, part in gathered)  # the ranks run at once: the slowest one's time
+            torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds))
+            results = {key: value for part, _, _, _ in gathered for key, value in part.items()}
+            costs = {key: value for _, part, _, _ in gathered for key, value in part.items()}
+            seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
+            cpu_seconds = sum(part[3] for part in gathered)
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
-                run = {"seconds": seconds, "items": costs, "device": device_name(self.device),
+                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds, "device": device_name(self.device),
                        "threads": torch.get_num_threads(), "ranks": self.trainer.world_size}
                 scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage}, cost=run)
                 datamodule.write(scored)

@@ -307,7 +307,7 @@ def test_bridge_records_time_tokens_and_requests_per_task(single):
     assert contexts + 10 <= tasks["tiny_gen"]["tokens"] <= contexts + 10 * 12
     assert cost["tokens"] == pytest.approx(sum(entry["tokens"] for entry in tasks.values()), abs=2)
     # Time: the loop's wall time holds the batches' time, which the tasks share out.
-    assert 0 < cost["model_seconds"] <= cost["seconds"] and cost["build_seconds"] > 0
+    assert 0 < cost["model_seconds"] <= cost["seconds"] and cost["build_seconds"] > 0 and cost["cpu_seconds"] > 0
     assert sum(entry["seconds"] for entry in tasks.values()) == pytest.approx(cost["model_seconds"], rel=1e-9)
     assert (cost["device"], cost["threads"], cost["ranks"]) == ("cpu", torch.get_num_threads(), 1)
     assert written["ompmoe"]["model"]["experts_implementation"] == tiny_model("qwen3_moe").config._experts_implementation
