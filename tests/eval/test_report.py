@@ -234,3 +234,19 @@ def test_plain_lm_eval_output_and_broken_json_are_refused_by_name(tmp_path):
     with pytest.raises(ResultsFileError, match=rf"^cannot read results file {tmp_path / 'nope.json'}: "
                                                "No such file or directory"):
         report_table([tmp_path / "nope.json"])
+
+
+def test_eval_config_names_the_label_the_default_job_records():
+    """configs/eval/tiny.yaml shows the label a checkpoint of configs/tiny.yaml gets: the plan that job runs."""
+    import yaml
+
+    from ompmoe.eval.labels import model_label
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    job = yaml.safe_load((configs / "tiny.yaml").read_text())
+    strategy = job["trainer"]["callbacks"][0]["init_args"]["strategy"]["init_args"]
+    label = model_label({
+        "model": "outputs/tiny/model", "pruning": {"removed_fraction": strategy["ratio"]},
+        "plan": {"method": strategy["method"], "allocation": strategy["allocation"], "model_id": job["model"]["model"]},
+    })
+    assert f'"{label}"' in (configs / "eval" / "tiny.yaml").read_text()
