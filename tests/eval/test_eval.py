@@ -184,6 +184,11 @@ def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
     assert _numeric(distributed) == _numeric(json.loads(json.dumps(results, default=str)))
     _assert_samples_equal(distributed["samples"], json.loads(json.dumps(results["samples"], default=str)), exact=True)
     assert distributed["config"]["work"] == results["config"]["work"]
+    # The cost covers both ranks' work: the same requests and tokens per task as one process.
+    cost, single_cost = distributed["ompmoe"]["cost"], results["ompmoe"]["cost"]
+    assert cost["ranks"] == 2 and cost["requests"] == single_cost["requests"]
+    assert {task: (entry["requests"], entry["tokens"]) for task, entry in cost["tasks"].items()} == {
+        task: (entry["requests"], entry["tokens"]) for task, entry in single_cost["tasks"].items()}
 
 
 def test_work_plan_pads_each_segment_for_the_ranks(single):

@@ -165,6 +165,19 @@ def test_cost_and_speedup_relative_to_the_original():
     )
 
 
+def test_cost_in_cpu_time():
+    rows = [results("original", {"arc": 0.6}, cost={"seconds": 9.0, "cpu_seconds": 4.0, "device": "cpu", "threads": 1}),
+            results("pruned", {"arc": 0.5}, cost={"seconds": 3.0, "cpu_seconds": 2.5, "device": "cpu", "threads": 1},
+                    pruning=PRUNED)]
+    table = report_table(rows, cost_time="cpu")
+    assert table.splitlines()[0] == "| Model | arc | Average | Retained (%) | Cost (CPU s) | Speedup |"
+    assert table.splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 2.50 | 1.60× |"
+    assert "Cost: process CPU time of the evaluation loop" in table
+    assert report_table(rows).splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 3.00 | 3.00× |"
+    with pytest.raises(ValueError, match=r"cost_time must be one of \['cpu', 'wall'\], got 'gpu'"):
+        report_table(rows, cost_time="gpu")
+
+
 def test_cost_settings_that_differ_are_named_per_row():
     rows = [results("eager", {"arc": 0.6}, cost={"seconds": 1.25, "device": "cpu", "threads": 1},
                     model={"dtype": "float32", "experts_implementation": "eager"}),
