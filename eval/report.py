@@ -414,8 +414,9 @@ def report_cli(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="result JSON files of ompmoe validate/test (LMEvalDataModule)")
     parser.add_argument("--output", help="also write the table to this Markdown file (refused if it exists)")
-    parser.add_argument("--overwrite", type=_true_or_false, default=False,
-                        help="replace an existing --output file (never one of the results files)")
+    parser.add_argument("--overwrite", type=_true_or_false, default=False, metavar="true|false",
+                        help="replace an existing --output file (never one of the results files); "
+                             "a bare --overwrite means true")
     parser.add_argument("--baseline", help="label or row number of the original model (default: first unpruned)")
     parser.add_argument("--labels", nargs="+", help="row labels instead of the files' own")
     parser.add_argument("--digits", type=int, default=2, help="decimals of the scores")
