@@ -4,7 +4,8 @@
   ``humaneval``, ``wikitext2``, ``c4``, ``perplexity``, ``paper``) and any lm-eval task, with
   requests built and scored by lm-eval and batched/sharded by Lightning.
 - :class:`EvalModule`: the model (original or pruned) that runs the batches.
-- :func:`report_table` / ``ompmoe report a.json b.json``: the paper's Table 1 layout.
+- :func:`report_table` / ``ompmoe report a.json b.json``: the paper's Table 1 layout, with Table 6's
+  Cost and Speedup columns from the inference cost every results file records.
 - :func:`byte_tokenizer`: the tiny models' byte-level tokenizer as a Hugging Face tokenizer.
 
 ``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``) runs it from the command line. Needs

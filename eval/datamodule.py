@@ -14,6 +14,10 @@ aggregation. Lightning runs the model work:
    which hands the responses back to ``lm_eval.evaluator.evaluate`` (through a replaying ``LM``, on
    the very request objects built in step 1) for filtering, metrics and aggregation, writes the
    results JSON and returns them; every rank logs the same metrics to the trainer's logger.
+
+The JSON's ``ompmoe`` summary is what ``ompmoe report`` reads: the label, the model (pruning record,
+plan, adaptive epsilon, dtype, experts implementation), one score per column (with each multiple
+choice task's chance level), and the inference cost (:mod:`ompmoe.eval.cost`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .cost import cost_record
 from .requests import ROLLING, RequestEncoder, WorkPlan, make_replay_lm, resolve_max_length
 from .suites import TASKS_DIR, Column, Suite, headline_columns, resolve_suites
 from .comparability import tokenizer_fingerprint
@@ -378,8 +383,13 @@ class LMEvalDataModule(pl.LightningDataModule):
         return self._loader()
 
     # ---------------------------------------------------------------------------- scoring
-    def score(self, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """lm-eval results from every work item's result (all ranks' results merged)."""
+    def score(self, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
+              cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """lm-eval results from every work item's result (all ranks' results merged).
+
+        ``cost``: the run's ``seconds`` (evaluation loop), ``items`` ({item: (seconds, tokens)}) and
+        settings (``device``, ``threads``, ``ranks``), recorded per task and in total as ``ompmoe.cost``.
+        """
         if self.plan is None:
             raise RuntimeError("Nothing to score: setup() has not run.")
         decode = {index: group.encoder for index, group in enumerate(self.groups)}
@@ -389,9 +399,10 @@ class LMEvalDataModule(pl.LightningDataModule):
             else value
             for request, value in zip(self.plan.requests, raw)
         ]
-        return self.evaluate_responses(responses, model_info)
+        return self.evaluate_responses(responses, model_info, cost)
 
-    def evaluate_responses(self, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def evaluate_responses(self, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,
+                           cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Hand one response per request (``plan.requests`` order) to lm-eval to filter, score and aggregate."""
         from lm_eval.evaluator import evaluate
 
@@ -427,6 +438,10 @@ class LMEvalDataModule(pl.LightningDataModule):
         self._add_token_perplexity(merged, responses)
         merged["config"] = self._config(model_info)
         merged["ompmoe"] = self._summary(merged, model_info)
+        if cost is not None:
+            settings = {key: value for key, value in cost.items() if key not in ("seconds", "items")}
+            merged["ompmoe"]["cost"] = cost_record(self.plan.requests, cost["items"], cost["seconds"],
+                                                   build_seconds=self.build_seconds, **settings)
         return merged
 
     def _add_token_perplexity(self, results: dict[str, Any], responses: Sequence[Any]) -> None:
@@ -486,14 +501,46 @@ class LMEvalDataModule(pl.LightningDataModule):
             }
             columns += group_columns
         scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in columns}
+        chance = self._chance_levels(results)
         return {
             "label": self.label or info.get("label") or info.get("model") or "model",
             "model": info,
-            "columns": [asdict(column) for column in columns],
+            "columns": [{**asdict(column), "chance": chance.get(column.source)} for column in columns],
             "scores": scores,
             "average": _average(columns, scores),
             "suites": suites,
         }
+
+    def _chance_levels(self, results: Mapping[str, Any]) -> dict[str, float]:
+        """Accuracy of guessing, per multiple choice task (mean of 1 / choices over its documents) and per
+        group of them (size-weighted over its tasks); the report leaves out tasks no model beats it on."""
+        chance: dict[str, float] = {}
+        sizes: dict[str, int] = {}
+        for group in self.groups:
+            for name, task in (group.loaded or {}).get("tasks", {}).items():
+                if task.get_config("output_type") != "multiple_choice":
+                    continue
+                docs = {instance.doc_id: instance.doc for instance in task.instances}
+                choices = [len(task.doc_to_choice(doc)) for doc in docs.values()]
+                if choices and all(choices):
+                    chance[name] = sum(1 / count for count in choices) / len(choices)
+                    sizes[name] = len(choices)
+        subtasks = results.get("group_subtasks") or {}
+
+        def level(name: str) -> tuple[float, int] | None:
+            if name in chance:
+                return chance[name], sizes[name]
+            parts = [level(task) for task in subtasks.get(name, [])]
+            if not parts or any(part is None for part in parts):
+                return None
+            size = sum(part[1] for part in parts)
+            return sum(part[0] * part[1] for part in parts) / size, size
+
+        for name in subtasks:
+            found = level(name)
+            if found is not None:
+                chance[name] = found[0]
+        return chance
 
     # ---------------------------------------------------------------------------- outputs
     def flat_metrics(self, results: Mapping[str, Any]) -> dict[str, float]:

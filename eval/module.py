@@ -3,15 +3,18 @@
 Forward-only (``trainer.validate`` / ``trainer.test``). Score batches: one forward pass, the
 log-probabilities (float32 log-softmax) of each continuation's tokens and whether greedy decoding
 would produce them. Generate batches: ``model.generate`` with the request's kwargs and lm-eval's stop
-sequences (left-padded contexts, as ``HFLM``). At the end of the epoch the results of all ranks are
-gathered, rank 0 has the datamodule score them with lm-eval and write the JSON, and every rank logs
-the same metrics.
+sequences (left-padded contexts, as ``HFLM``). Every batch is timed (:mod:`ompmoe.eval.cost`). At the
+end of the epoch the results and costs of all ranks are gathered, rank 0 has the datamodule score
+them with lm-eval and write the JSON (with the inference cost, the device, dtype, experts
+implementation and the model's pruning plan and adaptive epsilon), and every rank logs the same
+metrics.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +23,8 @@ from torch import nn
 
 from ..lightning.calibration_module import CalibrationModule
 from ..lightning.models import model_config
+from .cost import batch_item_costs, device_name
+from .labels import model_label
 from .requests import SCORE
 
 __all__ = ["EvalModule"]
@@ -34,7 +39,10 @@ class EvalModule(CalibrationModule):
         dtype: Weights dtype when loading (``bfloat16`` for the paper's models).
         tokenizer: Tokenizer id or path; defaults to ``model`` (``bytes`` for tiny models).
         trust_remote_code: Passed to ``from_pretrained``.
-        label: Row label in reports (default: the model name, with the pruned fraction).
+        label: Row label in reports (default: the model name with its recorded plan: method,
+            allocation, pruned fraction, adaptive epsilon).
+        experts_implementation: transformers' experts implementation to run (``eager``,
+            ``grouped_mm``, ...; default: the model's own), recorded with the cost.
     """
 
     def __init__(
@@ -44,9 +52,13 @@ class EvalModule(CalibrationModule):
         tokenizer: str | None = None,
         trust_remote_code: bool = False,
         label: str | None = None,
+        experts_implementation: str | None = None,
     ) -> None:
         super().__init__(model=model, dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
         self.label = label
+        self.experts_implementation = experts_implementation
+        self._costs: dict[int, tuple[float, float]] = {}
+        self._loop_start = self._loop_cpu = 0.0
         self._tokenizer: Any = None
         self._results: dict[int, Any] = {}
         self._logits_to_keep: bool | None = None
@@ -54,6 +66,11 @@ class EvalModule(CalibrationModule):
         self.eval_metrics: dict[str, float] = {}  # every rank: the logged metrics
 
     # ----------------------------------------------------------------------------- model side
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.experts_implementation is not None:
+            self.model.set_experts_implementation(self.experts_implementation)
+
     def get_tokenizer(self) -> Any:
         """The tokenizer named by ``tokenizer`` (loaded once)."""
         if self._tokenizer is None:
@@ -79,6 +96,9 @@ class EvalModule(CalibrationModule):
         return model_config(name, self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
+        """The model as the results file records it: name, pruning record and plan, adaptive epsilon,
+        dtype, experts implementation, base-model fingerprint and the row label."""
+        from ..engine.adaptive import adaptive_info
         from ..engine.pruning import pruning_info
 
         name = self.model_name_or_path or type(self.model).__name__
@@ -95,6 +115,11 @@ class EvalModule(CalibrationModule):
                 "removed_fraction": 1 - kept_total / total if total else 0.0,
                 "kept_per_layer": [len(kept.get(layer, range(int(n)))) for layer, n in original.items()],
             }
+            if record.get("plan"):
+                info["plan"] = dict(record["plan"])  # method, ratio, allocation, calibration tokens, model id
+        adaptive = adaptive_info(self.model) if self.model is not None else None
+        if adaptive:
+            info["adaptive"] = {key: adaptive[key] for key in ("epsilon", "zeta") if key in adaptive}
         # Identity of the base model, for honest comparisons (ompmoe report): pruning keeps the embeddings.
         from .comparability import weights_fingerprint
 
@@ -105,27 +130,33 @@ class EvalModule(CalibrationModule):
             info["dtype"] = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         except (StopIteration, AttributeError):
             pass
-        base = os.path.basename(str(name).rstrip("/")) or str(name)
-        if self.label:
-            info["label"] = self.label
-        elif record:
-            info["label"] = f"{base} (-{info['pruning']['removed_fraction']:.0%} experts)"
-        else:
-            info["label"] = base
+        info["experts_implementation"] = getattr(getattr(self.model, "config", None), "_experts_implementation", None)
+        info["label"] = self.label or model_label(info)
         return info
 
     # ----------------------------------------------------------------------------- steps
     def on_validation_epoch_start(self) -> None:
-        self._results = {}
+        self._start_epoch()
 
     def on_test_epoch_start(self) -> None:
-        self._results = {}
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
+        self._results, self._costs = {}, {}
+        self._loop_start, self._loop_cpu = time.perf_counter(), time.process_time()
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._results.update(self.run_batch(batch))
+        self._run_timed(batch)
 
     def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._results.update(self.run_batch(batch))
+        self._run_timed(batch)
+
+    def _run_timed(self, batch: Mapping[str, Any]) -> None:
+        """Run one batch and record its items' share of its wall time and tokens."""
+        start = time.perf_counter()
+        outputs = self.run_batch(batch)  # ends with a copy to the host: the device work is done
+        self._results.update(outputs)
+        self._costs.update(batch_item_costs(batch, outputs, time.perf_counter() - start))
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
@@ -205,16 +236,22 @@ class EvalModule(CalibrationModule):
     def _finish(self, stage: str) -> None:
         datamodule = self._data()
         strategy = self.trainer.strategy
-        results = self._results
+        results, costs = self._results, self._costs
+        seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
         distributed = self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, results)
-            results = {key: value for part in gathered for key, value in part.items()}
+            torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds))
+            results = {key: value for part, _, _, _ in gathered for key, value in part.items()}
+            costs = {key: value for _, part, _, _ in gathered for key, value in part.items()}
+            seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
+            cpu_seconds = sum(part[3] for part in gathered)
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
-                scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage})
+                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds, "device": device_name(self.device),
+                       "threads": torch.get_num_threads(), "ranks": self.trainer.world_size}
+                scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage}, cost=run)
                 datamodule.write(scored)
                 self.eval_results = scored
                 payload = datamodule.flat_metrics(scored)

@@ -1,45 +1,132 @@
 """Markdown tables like the paper's Table 1 from evaluation result files.
 
 Each results JSON written by :class:`ompmoe.eval.LMEvalDataModule` carries an ``ompmoe`` summary:
-a label, the model (with its pruning record), and one score per report column. A table has one
-row per file, one column per score (accuracies as percentages), the average of the primary
-higher-is-better columns, and that average as a percentage of the original model's ("retained").
-The original is the ``baseline`` file, else the first file of an unpruned model, else the first.
-Perplexities are shown as they are and left out of averages.
+a label, the model (with its pruning record and plan), one score per report column and the inference
+cost (wall time, tokens, requests). A table has one row per file, one column per score (accuracies as
+percentages), the average of the primary higher-is-better columns, that average as a percentage of
+the original model's ("retained"), and, when recorded, the evaluation time ("Cost") and the
+original's time divided by it ("Speedup"), as the paper's Table 6. The original is the ``baseline``
+file, else the first file of an unpruned model, else the first. Perplexities are shown as they are
+and left out of averages.
+
+The average covers only tasks every row scored (a finite number) and that tell the models apart: a
+task on which every row scores 0 or no row beats chance is flagged and left out, and the notes say
+which tasks were left out and why.
 
 Comparisons are honest or refused: a row whose base model (input-embedding fingerprint), tokenizer
 (vocabulary fingerprint) or task versions differ from the baseline's is refused unless
 ``allow_mismatch`` (``--allow-mismatch``), which prints it marked and without a retained
 percentage. Scores carry lm-eval's standard errors (``±``) when it computed them, columns of tasks
-with fewer than ``noisy_items`` items are flagged as noisy, and equal labels are made distinct.
+with fewer than ``noisy_items`` items are flagged as noisy (accuracy-like scores only: one item is
+100/n points; a perplexity gets no such note), and equal labels are made distinct. A results file
+with a key missing or of the wrong type is refused with one error naming the file and the key.
 
-``ompmoe report original.json omp-0.5.json reap-0.5.json [--output table.md]``
+``ompmoe report original.json omp-0.5.json reap-0.5.json [--output table.md [--overwrite]]``: the
+table never replaces one of its inputs, and an existing output only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .comparability import NOISY_ITEMS, item_count, problems, stderr_of, unrecorded
+from .labels import model_label
 
 MISSING = "–"
 MARK = "⚠"
+NOISY = "†"
+LEFT_OUT = "‡"
 
 
 class IncomparableResultsError(ValueError):
     """Result files that would compare different base models, tokenizers or task versions."""
 
 
-def load_results(path: str | Path) -> dict[str, Any]:
-    """A results JSON; refuses files without ompmoe's summary (e.g. plain lm-eval output)."""
-    data = json.loads(Path(path).read_text())
+class ResultsFileError(ValueError):
+    """A results file ``ompmoe report`` cannot read: not JSON, or a key missing or of the wrong type."""
+
+
+_FIX = ("Re-create it with `ompmoe validate` / `ompmoe test` (LMEvalDataModule(output_path=...)), "
+        "or restore that key.")
+
+# (key path, type, required) of what the report reads; everything else in a results file is ignored.
+_SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
+    (("ompmoe",), dict, True),
+    (("ompmoe", "columns"), list, True),
+    (("ompmoe", "scores"), dict, True),
+    (("ompmoe", "model"), dict, False),
+    (("ompmoe", "cost"), dict, False),
+    (("config",), dict, False),
+    (("versions",), dict, False),
+    (("n-samples",), dict, False),
+    (("results",), dict, False),
+    (("groups",), dict, False),
+    (("group_subtasks",), dict, False),
+)
+_TABLES = ("n-samples", "results", "groups")  # mappings of task -> mapping
+
+
+def _type_name(kind: type) -> str:
+    return {dict: "an object", list: "a list", str: "a string"}.get(kind, kind.__name__)
+
+
+def check_results(data: Any, where: str) -> dict[str, Any]:
+    """``data`` if it has every key the report reads, with the right types; else one
+    :class:`ResultsFileError` naming ``where``, the key and the fix."""
+    if not isinstance(data, dict):
+        raise ResultsFileError(f"{where} is not a results file: it holds {type(data).__name__}, not a JSON object. {_FIX}")
     if "ompmoe" not in data:
-        raise ValueError(f"{path} has no 'ompmoe' summary; it was not written by ompmoe.eval.LMEvalDataModule.")
+        raise ResultsFileError(
+            f"{where} has no 'ompmoe' summary; it was not written by ompmoe.eval.LMEvalDataModule (plain lm-eval "
+            f"output cannot be reported). {_FIX}"
+        )
+    for path, kind, required in _SCHEMA:
+        value: Any = data
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None and not required:
+            continue
+        dotted = ".".join(path)
+        if value is None:
+            raise ResultsFileError(f"{where} has no key '{dotted}'. {_FIX}")
+        if not isinstance(value, kind):
+            raise ResultsFileError(
+                f"{where}: '{dotted}' must be {_type_name(kind)}, got {type(value).__name__}. {_FIX}")
+    for index, column in enumerate(data["ompmoe"]["columns"]):
+        if not isinstance(column, dict) or not isinstance(column.get("name"), str):
+            raise ResultsFileError(f"{where}: 'ompmoe.columns[{index}]' must be an object with a string 'name'. {_FIX}")
+    for table in _TABLES:
+        for task, entry in (data.get(table) or {}).items():
+            if not isinstance(entry, dict):
+                raise ResultsFileError(
+                    f"{where}: '{table}.{task}' must be {_type_name(dict)}, got {type(entry).__name__}. {_FIX}")
+    for group, subtasks in (data.get("group_subtasks") or {}).items():
+        if not isinstance(subtasks, list):
+            raise ResultsFileError(
+                f"{where}: 'group_subtasks.{group}' must be {_type_name(list)}, got {type(subtasks).__name__}. {_FIX}")
+    for task, entry in (data.get("n-samples") or {}).items():
+        count = entry.get("effective", entry.get("original"))
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ResultsFileError(f"{where}: 'n-samples.{task}.effective' must be an integer, got {count!r}. {_FIX}")
     return data
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A results JSON; refuses unreadable files and files without ompmoe's summary (e.g. plain lm-eval output)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ResultsFileError(f"cannot read results file {path}: {error.strerror or error}.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ResultsFileError(f"{path} is not JSON ({error}). {_FIX}") from None
+    return check_results(data, str(path))
 
 
 def _cell(text: Any) -> str:
@@ -49,7 +136,8 @@ def _cell(text: Any) -> str:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+    """A finite number, else ``None`` (missing, NaN, infinite, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         return None
     return float(value)
 
@@ -57,6 +145,13 @@ def _number(value: Any) -> float | None:
 def _average(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return sum(present) / len(present) if present else None
+
+
+def _seconds(value: float) -> str:
+    """Seconds with three significant digits (whole seconds from 100 s on), as the paper's "2459s"."""
+    if value >= 100 or value <= 0:
+        return f"{value:.0f}"
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f}"
 
 
 def _distinct(names: Sequence[str], files: Sequence[str | None]) -> list[str]:
@@ -70,45 +165,87 @@ def _distinct(names: Sequence[str], files: Sequence[str | None]) -> list[str]:
     return out
 
 
+def _row_label(summary: Mapping[str, Any]) -> str:
+    """The file's label, else one made from its recorded model and plan."""
+    label = summary.get("label")
+    return str(label) if label not in (None, "") else model_label(summary.get("model") or {})
+
+
+def _uninformative(values: Sequence[float], chance: Any, items: int | None) -> str | None:
+    """Why a task (percent scores of every row) says nothing about the models, or ``None``."""
+    if all(value == 0 for value in values):
+        return "every model scores 0"
+    chance = _number(chance)
+    if chance is None:
+        return None
+    margin = 100 / items if items else 0.0
+    if all(value <= 100 * chance + margin + 1e-9 for value in values):
+        within = f", or within one item ({margin:.1f} points) of it" if items else ""
+        return f"no model scores above chance ({100 * chance:.1f}%{within})"
+    return None
+
+
+def _cost_settings(row: Mapping[str, Any]) -> str:
+    """Where a row's cost was measured: device, threads, dtype, experts implementation."""
+    cost, model = row["ompmoe"].get("cost") or {}, row["ompmoe"].get("model") or {}
+    parts = [str(cost.get("device") or "unknown device")]
+    if cost.get("threads"):
+        parts.append(f"{cost['threads']} thread{'s' if cost['threads'] != 1 else ''}")
+    if cost.get("ranks", 1) != 1:
+        parts.append(f"{cost['ranks']} ranks")
+    parts.append(str(model.get("dtype") or "unknown dtype"))
+    parts.append(f"{model.get('experts_implementation') or 'default'} experts")
+    return ", ".join(parts)
+
+
+COST_TIMES = {"wall": "seconds", "cpu": "cpu_seconds"}
+"""``cost_time`` choices: the recorded field the Cost column shows."""
+
+
 def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: int | str | None = None,
                  labels: Sequence[str] | None = None, digits: int = 2, allow_mismatch: bool = False,
-                 noisy_items: int = NOISY_ITEMS) -> str:
+                 noisy_items: int = NOISY_ITEMS, cost_time: str = "wall") -> str:
     """The Markdown table of ``results`` (dicts or JSON paths), one row each, in order.
 
     Args:
         results: Result dicts or files from :class:`ompmoe.eval.LMEvalDataModule`.
-        baseline: Row (index or label) whose average is 100% ("original"); default: the first
-            unpruned model, else the first row.
+        baseline: Row (index or label) whose average is 100% ("original") and whose cost is speedup
+            1; default: the first unpruned model, else the first row.
         labels: Row labels instead of the files' own.
         digits: Decimals of the scores.
         allow_mismatch: Print rows that cannot be compared with the baseline (other base model,
             tokenizer or task versions), marked, instead of refusing them.
         noisy_items: Columns of tasks with fewer items are flagged as noisy.
+        cost_time: ``wall`` (the paper's Cost: wall time of the evaluation loop) or ``cpu`` (its
+            process CPU time, which other jobs on a shared CPU disturb less).
     """
+    if cost_time not in COST_TIMES:
+        raise ValueError(f"cost_time must be one of {sorted(COST_TIMES)}, got {cost_time!r}.")
     files = [str(item) if isinstance(item, (str, Path)) else None for item in results]
-    rows = [load_results(item) if isinstance(item, (str, Path)) else dict(item) for item in results]
+    rows = [load_results(item) if isinstance(item, (str, Path)) else check_results(dict(item), f"results[{index}]")
+            for index, item in enumerate(results)]
     if not rows:
         raise ValueError("report_table needs at least one result file.")
     summaries = [row["ompmoe"] for row in rows]
-    names = list(labels) if labels is not None else [str(summary.get("label")) for summary in summaries]
+    names = list(labels) if labels is not None else [_row_label(summary) for summary in summaries]
     if len(names) != len(rows):
         raise ValueError(f"{len(names)} labels for {len(rows)} result files.")
     columns: dict[str, dict[str, Any]] = {}
     for summary in summaries:
-        for column in summary.get("columns", []):
+        for column in summary["columns"]:
             columns.setdefault(column["name"], column)
-    averaged = [name for name, column in columns.items() if column.get("primary", True) and column.get("higher_is_better", True)]
+
+    def percent(name: str) -> bool:
+        return bool(columns[name].get("higher_is_better", True))
 
     def cell(summary: Mapping[str, Any], name: str) -> float | None:
-        value = _number((summary.get("scores") or {}).get(name))
+        value = _number(summary["scores"].get(name))
         if value is None:
             return None
-        return 100 * value if columns[name].get("higher_is_better", True) else value
+        return 100 * value if percent(name) else value
 
     table = [[cell(summary, name) for name in columns] for summary in summaries]
-    averages = [_average([values[i] for i, name in enumerate(columns) if name in averaged]) for values in table]
     base = _baseline_index(summaries, names, baseline)
-    base_average = averages[base]
     names = _distinct(names, files)
     mismatched = problems(rows, base, names)
     if mismatched and not allow_mismatch:
@@ -118,18 +255,47 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
             "its own pruned versions, evaluated with the same tokenizer and task versions; or pass "
             "allow_mismatch=True (CLI: --allow-mismatch) to print them marked, without a retained percentage."
         )
-    sources = {name: column for name, column in columns.items()}
-    counts = {name: [item_count(row, column.get("source", name)) for row in rows] for name, column in sources.items()}
-    noisy = {name: min(c for c in values if c is not None) for name, values in counts.items()
-             if any(c is not None for c in values) and min(c for c in values if c is not None) < noisy_items}
+    counts = {name: [item_count(row, column.get("source", name)) for row in rows] for name, column in columns.items()}
+    fewest = {name: min((c for c in values if c is not None), default=None) for name, values in counts.items()}
+    # Noise in the metric's own terms: "one item is x points" only for scores that are fractions of items.
+    noisy = {name: count for name, count in fewest.items() if percent(name) and count is not None and count < noisy_items}
 
-    header = ["Model", *(f"{name} †" if name in noisy else name for name in columns), "Average", "Retained (%)"]
+    # The average covers the primary higher-is-better tasks that every row scored (a finite number) and that tell
+    # the models apart (not all 0, not all at chance); left-out tasks are named in the notes.
+    candidates = [i for i, (name, column) in enumerate(columns.items())
+                  if column.get("primary", True) and percent(name)]
+    left_out: dict[str, str] = {}
+    averaged: list[int] = []
+    for i in candidates:
+        name = list(columns)[i]
+        absent = [names[r] for r, values in enumerate(table) if values[i] is None]
+        if absent:
+            left_out[name] = f"no finite score for {', '.join(absent)}"
+            continue
+        reason = _uninformative([values[i] for values in table], columns[name].get("chance"), fewest[name])
+        if reason:
+            left_out[name] = reason
+            continue
+        averaged.append(i)
+    averages = [_average([values[i] for i in averaged]) if averaged else None for values in table]
+    base_average = averages[base]
+
+    costs = [_number((summary.get("cost") or {}).get(COST_TIMES[cost_time])) for summary in summaries]
+    with_cost = any(cost is not None for cost in costs)
+
+    def header_name(name: str) -> str:
+        return name + (f" {NOISY}" if name in noisy else "") + (f" {LEFT_OUT}" if name in left_out else "")
+
+    header = ["Model", *(header_name(name) for name in columns), "Average", "Retained (%)"]
+    if with_cost:
+        header += ["Cost (s)" if cost_time == "wall" else "Cost (CPU s)", "Speedup"]
     lines = ["| " + " | ".join(_cell(name) for name in header) + " |", "|" + "---|" + "---:|" * (len(header) - 1)]
     any_stderr = False
     for index, (name, values, average) in enumerate(zip(names, table, averages)):
         retained = 100 * average / base_average if average is not None and base_average else None
+        speedup = costs[base] / costs[index] if costs[base] and costs[index] else None
         if index in mismatched:
-            name, retained = f"{name} {MARK}", None
+            name, retained, speedup = f"{name} {MARK}", None, None
         formatted = []
         for column_name, value in zip(columns, values):
             if value is None:
@@ -139,23 +305,35 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
             error = stderr_of(rows[index], column.get("source", column_name), column.get("metric", ""))
             if error is not None:
                 any_stderr = True
-                error = 100 * error if column.get("higher_is_better", True) else error
+                error = 100 * error if percent(column_name) else error
                 formatted.append(f"{value:.{digits}f} ± {error:.{digits}f}")
             else:
                 formatted.append(f"{value:.{digits}f}")
         formatted += [MISSING if average is None else f"{average:.{digits}f}",
                       MISSING if retained is None else f"{retained:.1f}"]
+        if with_cost:
+            formatted += [MISSING if costs[index] is None else _seconds(costs[index]),
+                          MISSING if speedup is None else f"{speedup:.2f}×"]
         lines.append("| " + " | ".join([_cell(name), *formatted]) + " |")
+    lower = [n for n, c in columns.items() if not c.get("higher_is_better", True)]
     notes = [
-        f"Scores in %, except {', '.join(n for n, c in columns.items() if not c.get('higher_is_better', True))} (lower is better)"
-        if any(not c.get("higher_is_better", True) for c in columns.values()) else "Scores in %",
-        f"Average over {', '.join(averaged)}" if averaged else "No column is averaged",
+        f"Scores in %, except {', '.join(map(_cell, lower))} (lower is better)" if lower else "Scores in %",
+        f"Average over {', '.join(_cell(list(columns)[i]) for i in averaged)}" if averaged else "No column is averaged",
         f"Retained: Average as a percentage of {_cell(names[base])}'s",
     ]
+    for column_name, reason in left_out.items():
+        notes.append(f"{LEFT_OUT} {_cell(column_name)} is left out of Average and Retained: {_cell(reason)}")
+    if with_cost:
+        measured = [(name, _cost_settings(row)) for name, row, cost in zip(names, rows, costs) if cost is not None]
+        where = (f"on {measured[0][1]}" if len({s for _, s in measured}) == 1 else
+                 "on " + "; ".join(f"{_cell(n)}: {s}" for n, s in measured))
+        what = "wall time" if cost_time == "wall" else "process CPU time"
+        notes.append(f"Cost: {what} of the evaluation loop (model work, without task loading and scoring) {where}")
+        notes.append(f"Speedup: {_cell(names[base])}'s Cost divided by the row's")
     if any_stderr:
         notes.append("± is lm-eval's standard error")
     for column_name, count in noisy.items():
-        notes.append(f"† {_cell(column_name)}: {count} items (< {noisy_items}); a difference of "
+        notes.append(f"{NOISY} {_cell(column_name)}: {count} items (< {noisy_items}); a difference of "
                      f"{100 / count:.1f} points is one item, treat it as noise")
     for index, issues in mismatched.items():
         notes.append(f"{MARK} {_cell(names[index])} is not comparable with {_cell(names[base])}: "
@@ -186,36 +364,59 @@ def _baseline_index(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]
 
 def report(results: list[str], output: str | None = None, baseline: str | None = None,
            labels: list[str] | None = None, digits: int = 2, allow_mismatch: bool = False,
-           noisy_items: int = NOISY_ITEMS) -> str:
+           noisy_items: int = NOISY_ITEMS, overwrite: bool = False, cost_time: str = "wall") -> str:
     """Print (and with ``output``, write) the Markdown table of evaluation result files.
 
     Args:
         results: Result JSON files written by ``ompmoe validate``/``test`` (LMEvalDataModule).
-        output: Also write the table to this Markdown file.
+        output: Also write the table to this Markdown file (atomically; never one of ``results``).
         baseline: Label or row number of the original model (default: the first unpruned model).
         labels: Row labels instead of the files' own.
         digits: Decimals of the scores.
         allow_mismatch: Print rows of another base model, tokenizer or task version, marked.
         noisy_items: Flag columns of tasks with fewer items as noisy.
+        overwrite: Replace an existing ``output``.
+        cost_time: ``wall`` or ``cpu``: which recorded time the Cost column shows.
     """
-    table = report_table(results, baseline=baseline, labels=labels, digits=digits, allow_mismatch=allow_mismatch,
-                         noisy_items=noisy_items)
-    if output is not None:
-        from ..engine.io import atomic_path
+    from ..engine.io import atomic_path, check_writable
 
-        with atomic_path(output, overwrite=True) as tmp:
+    if output is not None:
+        _refuse_input_as_output(output, results)
+        check_writable(output, overwrite, directory=False, inputs=results)  # before reading anything
+    table = report_table(results, baseline=baseline, labels=labels, digits=digits, allow_mismatch=allow_mismatch,
+                         noisy_items=noisy_items, cost_time=cost_time)
+    if output is not None:
+        with atomic_path(output, overwrite=overwrite, inputs=results) as tmp:
             tmp.write_text(table)
     print(table, end="")
     return table
 
 
+def _refuse_input_as_output(output: str | Path, results: Sequence[str | Path]) -> None:
+    """The table must never replace one of the results files it is made from."""
+    target = Path(output).resolve()
+    for item in results:
+        source = Path(item).resolve()
+        if source == target or (target.exists() and source.exists() and os.path.samefile(source, target)):
+            raise ValueError(
+                f"--output {output} is one of the results files being reported; writing the table there would "
+                "destroy those results. Choose another output path, e.g. table.md."
+            )
+
+
 def report_cli(argv: list[str] | None = None) -> str:
     """``ompmoe report RESULTS.json [RESULTS.json ...] [--output table.md] [--baseline LABEL|ROW]``."""
     import argparse
+    import sys
+
+    from ..cli_args import bare_flags
 
     parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="result JSON files of ompmoe validate/test (LMEvalDataModule)")
-    parser.add_argument("--output", help="also write the table to this Markdown file")
+    parser.add_argument("--output", help="also write the table to this Markdown file (refused if it exists)")
+    parser.add_argument("--overwrite", type=_true_or_false, default=False, metavar="true|false",
+                        help="replace an existing --output file (never one of the results files); "
+                             "a bare --overwrite means true")
     parser.add_argument("--baseline", help="label or row number of the original model (default: first unpruned)")
     parser.add_argument("--labels", nargs="+", help="row labels instead of the files' own")
     parser.add_argument("--digits", type=int, default=2, help="decimals of the scores")
@@ -223,9 +424,18 @@ def report_cli(argv: list[str] | None = None) -> str:
                         help="print rows of another base model, tokenizer or task version (marked) instead of refusing")
     parser.add_argument("--noisy-items", type=int, default=NOISY_ITEMS,
                         help=f"flag tasks with fewer items as noisy (default {NOISY_ITEMS})")
-    args = parser.parse_args(argv)
+    parser.add_argument("--cost-time", choices=sorted(COST_TIMES), default="wall",
+                        help="Cost column: wall time of the evaluation loop (default, the paper's) or its CPU time")
+    args = parser.parse_args(bare_flags(list(sys.argv[1:] if argv is None else argv), ["overwrite"]))
     try:
         return report(args.results, output=args.output, baseline=args.baseline, labels=args.labels,
-                      digits=args.digits, allow_mismatch=args.allow_mismatch, noisy_items=args.noisy_items)
-    except IncomparableResultsError as error:
+                      digits=args.digits, allow_mismatch=args.allow_mismatch, noisy_items=args.noisy_items,
+                      overwrite=args.overwrite, cost_time=args.cost_time)
+    except (IncomparableResultsError, ResultsFileError) as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def _true_or_false(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise ValueError(value)
+    return value.lower() == "true"

@@ -184,6 +184,11 @@ def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
     assert _numeric(distributed) == _numeric(json.loads(json.dumps(results, default=str)))
     _assert_samples_equal(distributed["samples"], json.loads(json.dumps(results["samples"], default=str)), exact=True)
     assert distributed["config"]["work"] == results["config"]["work"]
+    # The cost covers both ranks' work: the same requests and tokens per task as one process.
+    cost, single_cost = distributed["ompmoe"]["cost"], results["ompmoe"]["cost"]
+    assert cost["ranks"] == 2 and cost["requests"] == single_cost["requests"]
+    assert {task: (entry["requests"], entry["tokens"]) for task, entry in cost["tasks"].items()} == {
+        task: (entry["requests"], entry["tokens"]) for task, entry in single_cost["tasks"].items()}
 
 
 def test_work_plan_pads_each_segment_for_the_ranks(single):
@@ -246,22 +251,120 @@ def test_report_table_original_vs_pruned(single, tmp_path, capsys):
     printed = capsys.readouterr().out
     lines = table_file.read_text().splitlines()
     assert printed == table_file.read_text()
-    assert lines[0] == "| Model | tiny_group † | tiny_gen † | tiny_ppl † | Average | Retained (%) |"
-    original_row, pruned_row = lines[2].split(" | "), lines[3].split(" | ")
     full = json.loads(original.read_text())
     first = full["ompmoe"]
     second = json.loads(pruned_file.read_text())["ompmoe"]
+    # Random tiny models: tiny_gen scores 0 for both, tiny_group (4 choices per question) sits at chance.
+    items = sum(full["n-samples"][task]["effective"] for task in full["group_subtasks"]["tiny_group"])
+    chance = {column["name"]: column["chance"] for column in first["columns"]}
+    assert chance == {"tiny_group": 0.25, "tiny_gen": None, "tiny_ppl": None}
+    assert first["scores"]["tiny_gen"] == second["scores"]["tiny_gen"] == 0
+    # At chance: no row answers more than one question above a quarter of them (counted in whole items).
+    at_chance = all(round(row["scores"]["tiny_group"] * items) <= items / 4 + 1 for row in (first, second))
+    group = "tiny_group † ‡" if at_chance else "tiny_group †"
+    assert lines[0] == f"| Model | {group} | tiny_gen † ‡ | tiny_ppl | Average | Retained (%) | Cost (s) | Speedup |"
+    original_row, pruned_row = lines[2].split(" | "), lines[3].split(" | ")
     assert second["model"]["pruning"]["removed_fraction"] == pytest.approx(0.5)
     # A pruned model keeps its original's embeddings: same base-model fingerprint, so the rows compare.
     assert second["model"]["weights_fingerprint"] == first["model"]["weights_fingerprint"] is not None
-    assert original_row[0] == "| Qwen3MoeForCausalLM" and pruned_row[0] == "| Qwen3MoeForCausalLM (-50% experts)"
+    # No label was given: the pruned row is named after the plan it records.
+    assert second["model"]["plan"] == {"method": "omp", "ratio": 0.5, "allocation": "waterfill", "num_tokens": 256,
+                                       "model_id": None}
+    assert original_row[0] == "| Qwen3MoeForCausalLM"
+    assert pruned_row[0] == "| Qwen3MoeForCausalLM (omp, waterfill, -50% experts)"
     assert full["groups"]["tiny_group"]["acc_stderr,none"] == "N/A"  # bootstrap_iters=0: lm-eval gives none
     assert original_row[1] == f"{100 * first['scores']['tiny_group']:.2f}"
     assert original_row[3] == f"{first['scores']['tiny_ppl']:.2f}"  # perplexity as is, no stderr (lm-eval's N/A)
-    assert original_row[-1] == "100.0 |"
-    retained = 100 * second["average"] / first["average"]
-    assert pruned_row[-1] == f"{retained:.1f} |"
-    assert "Average over tiny_group, tiny_gen" in table_file.read_text()
+    assert float(original_row[-2]) == pytest.approx(first["cost"]["seconds"], rel=0.01)
+    assert pruned_row[-1] == f"{first['cost']['seconds'] / second['cost']['seconds']:.2f}× |"
+    text = table_file.read_text()
+    assert "‡ tiny_gen is left out of Average and Retained: every model scores 0" in text
+    assert ("‡ tiny_group is left out of Average and Retained: no model scores above chance (25.0%, or within one "
+            f"item ({100 / items:.1f} points) of it)" in text) == at_chance
+    assert ("No column is averaged" in text) == at_chance
+    # Perplexity gets no "one item is x points" note: that is an accuracy's noise, not a perplexity's.
+    assert "† tiny_gen: 10 items (< 100); a difference of 10.0 points is one item" in text and "† tiny_ppl" not in text
+
+
+def test_bridge_records_time_tokens_and_requests_per_task(single):
+    results, _, output = single
+    written = json.loads(output.read_text())
+    cost = written["ompmoe"]["cost"]
+    tasks = cost["tasks"]
+    # lm-eval's requests: one per answer choice (14 questions x 4 choices), generation or document.
+    assert {task: entry["requests"] for task, entry in tasks.items()} == {
+        "tiny_gen": 10, "tiny_mc": 14 * 4, "tiny_mc_letters": 14 * 4, "tiny_ppl": 7}
+    assert cost["requests"] == written["config"]["work"]["requests"] == 10 + 2 * 56 + 7
+    # Tokens, from the same requests built again: score rows count their input once, generation its context and
+    # the positions its batch generated (between 1 and the task's 12 new tokens per row).
+    data = LMEvalDataModule(tasks=TASKS, include_path=TASKS_DIR, batch_size=BATCH_SIZE)
+    plan = data.build(byte_tokenizer(), config=tiny_model("qwen3_moe").config)
+    by_task: dict[str, set[int]] = {}
+    for request in plan.requests:
+        by_task.setdefault(request.instance.task_name, set()).update(request.items)
+    ppl_items = by_task["tiny_ppl"]
+    assert not ppl_items & (by_task["tiny_mc"] | by_task["tiny_mc_letters"] | by_task["tiny_gen"])
+    assert tasks["tiny_ppl"]["tokens"] == sum(len(plan.items[i][1]) for i in ppl_items)
+    mc_rows = {plan.items[i][1] for i in by_task["tiny_mc"] | by_task["tiny_mc_letters"]}
+    assert tasks["tiny_mc"]["tokens"] + tasks["tiny_mc_letters"]["tokens"] == pytest.approx(
+        sum(len(row) for row in mc_rows), abs=1)
+    contexts = sum(len(plan.items[i][1]) for i in by_task["tiny_gen"])
+    assert contexts + 10 <= tasks["tiny_gen"]["tokens"] <= contexts + 10 * 12
+    assert cost["tokens"] == pytest.approx(sum(entry["tokens"] for entry in tasks.values()), abs=2)
+    # Time: the loop's wall time holds the batches' time, which the tasks share out.
+    assert 0 < cost["model_seconds"] <= cost["seconds"] and cost["build_seconds"] > 0 and cost["cpu_seconds"] > 0
+    assert sum(entry["seconds"] for entry in tasks.values()) == pytest.approx(cost["model_seconds"], rel=1e-9)
+    assert (cost["device"], cost["threads"], cost["ranks"]) == ("cpu", torch.get_num_threads(), 1)
+    assert written["ompmoe"]["model"]["experts_implementation"] == tiny_model("qwen3_moe").config._experts_implementation
+
+
+def test_bridge_time_is_the_models_time(tmp_path):
+    """A model that sleeps 50 ms per forward pass: the recorded model time holds every sleep."""
+    model = tiny_model("qwen3_moe")
+    calls = []
+
+    def slow(module, args, kwargs):
+        calls.append(1)
+        time.sleep(0.05)
+
+    model.register_forward_pre_hook(slow, with_kwargs=True)
+    data = LMEvalDataModule(tasks=["tiny_mc", "tiny_ppl"], include_path=TASKS_DIR, limit=2, batch_size=2,
+                            bootstrap_iters=0, output_path=str(tmp_path / "slow.json"))
+    _trainer().validate(EvalModule(model, tokenizer="bytes"), datamodule=data, verbose=False)
+    cost = json.loads((tmp_path / "slow.json").read_text())["ompmoe"]["cost"]
+    assert len(calls) == len(data.batches) > 1
+    assert 0.05 * len(calls) <= cost["model_seconds"] <= cost["seconds"]
+
+
+def test_pruned_adaptive_checkpoint_records_its_plan_epsilon_and_cost_through_the_results_file(tmp_path, capsys):
+    model = tiny_model("qwen3_moe", initializer_range=0.5)
+    stats = ompmoe.collect_stats(model, token_blocks(byte_tokens(shipped_text()), 64, 4))
+    plan = ompmoe.plan_pruning(stats, 0.25, method="omp", allocation="waterfill")
+    ompmoe.enable_adaptive(ompmoe.prune(model, plan), stats, epsilon=0.1)
+    ompmoe.save_pruned(model, tmp_path / "model")
+    output = tmp_path / "out.json"
+    main(["validate", "-c", str(HERE.parent / "configs" / "eval" / "tiny.yaml"), "--data.include_path", TASKS_DIR,
+          "--model.model", str(tmp_path / "model"), "--model.label", "null", "--model.experts_implementation", "eager",
+          "--data.output_path", str(output), "--data.tasks", "[tiny_mc]", "--data.limit", "4",
+          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
+    summary = json.loads(output.read_text())["ompmoe"]
+    recorded = summary["model"]
+    assert recorded["plan"] == {"method": "omp", "ratio": 0.25, "allocation": "waterfill",
+                                "num_tokens": stats.num_tokens, "model_id": plan.model_id}
+    assert recorded["pruning"]["kept_per_layer"] == [layer.num_kept for layer in plan.layers]
+    assert recorded["pruning"]["removed_fraction"] == pytest.approx(plan.achieved_ratio)
+    assert recorded["adaptive"] == {"epsilon": 0.1, "zeta": 1e-6}
+    assert (recorded["dtype"], recorded["experts_implementation"]) == ("float32", "eager")
+    label = f"model (omp, waterfill, -{plan.achieved_ratio:.0%} experts, OMP-MoE+ ε=0.1)"
+    assert summary["label"] == label
+    assert summary["cost"]["tasks"]["tiny_mc"]["requests"] == 4 * 4
+    # ompmoe report reads them back: the label, the cost and where it was measured.
+    from ompmoe.eval.report import report_table
+
+    table = report_table([output])
+    assert table.splitlines()[2].split(" | ")[0] == f"| {label}"
+    assert table.splitlines()[2].endswith(" | 1.00× |")
+    assert f"on cpu, {torch.get_num_threads()} thread" in table and "float32, eager experts." in table
 
 
 def test_cli_test_subcommand_runs_the_suite_from_a_config(tmp_path):
