@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .cli_args import bare_flags, class_paths, list_option
+from .cli_args import bare_flags, check_config_files, class_paths, list_option
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .engine.io import OutputNotWritableError, atomic_path, check_writable
 from .engine.progress import progress
@@ -283,6 +283,17 @@ def _one_line(message: str, command: str) -> str:
     return f"{' '.join(message.split())} (see ompmoe {command} --help)"
 
 
+class CommandError(SystemExit):
+    """Exit status 2, as argparse's usage errors; ``str()`` is the one ``error:`` line already printed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 # Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
 FLAGS = ("overwrite", "quiet")
 
@@ -307,11 +318,13 @@ def main(argv: list[str] | None = None) -> None:
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         else:
+            check_config_files(argv)
             lightning_cli(argv)
     except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
             OutputNotWritableError) as error:
         # Not AttributeError: that is how a bug shows itself, and its traceback must stay visible.
-        raise SystemExit(f"error: {error}") from None
+        print(f"error: {error}", file=sys.stderr)
+        raise CommandError(f"error: {error}") from None
 
 
 if __name__ == "__main__":
