@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
+from ._quiet import quiet_third_party
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .engine.io import OutputNotWritableError, atomic_path, check_writable
 from .engine.progress import progress
@@ -217,24 +218,15 @@ def _fit_quiet(args: list[str]) -> tuple[list[str], bool]:
     return args + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], True
 
 
-class _DropTips(logging.Filter):
-    """Lightning's advertisement for its cloud logger: nothing a user of this command can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
 def _quiet_lightning_logs(quiet: bool) -> None:
-    """Drop Lightning's tips; with ``quiet`` also its info lines and Hugging Face's progress bars."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropTips) for f in logger.filters):
-            logger.addFilter(_DropTips())
-        if quiet:
-            logger.setLevel(logging.WARNING)
+    """With ``quiet``, Lightning's info lines and Hugging Face's progress bars are off too (:mod:`ompmoe._quiet` drops the rest)."""
     if quiet:
         from transformers.utils import logging as hf_logging
 
+        from ._quiet import LIGHTNING_LOGGERS
+
+        for name in LIGHTNING_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
         hf_logging.disable_progress_bar()
 
 
@@ -299,6 +291,7 @@ FLAGS = ("overwrite", "quiet")
 
 
 def main(argv: list[str] | None = None) -> None:
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
