@@ -293,8 +293,8 @@ def write_reports(all_rows: list[dict[str, Any]], args: argparse.Namespace) -> l
         "where timing.json has no forward ratio.", "",
         quality_report.ranking_table(rows), "",
         "## Calibration cost", "",
-        "```", __import__("json").dumps(timing, indent=1), "```", "",
-        "## Summary per cell", "", "```", quality_report.summary(rows), "```", "",
+        "```json", __import__("json").dumps(timing, indent=1), "```", "",
+        "## Summary per cell", "", "```text", quality_report.summary(rows), "```", "",
         "## All results", "", quality_report.cell_tables(rows),
     ])
     with atomic_path(out / "quality.md", overwrite=True) as tmp:

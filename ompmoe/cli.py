@@ -22,7 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .cli_args import bare_flags, class_paths, list_option
+from .cli_args import bare_flags, check_config_files, class_paths, list_option
+from ._quiet import quiet_third_party
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .engine.io import OutputNotWritableError, atomic_path, check_writable
 from .engine.progress import progress
@@ -217,24 +218,15 @@ def _fit_quiet(args: list[str]) -> tuple[list[str], bool]:
     return args + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], True
 
 
-class _DropTips(logging.Filter):
-    """Lightning's advertisement for its cloud logger: nothing a user of this command can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
-
-
 def _quiet_lightning_logs(quiet: bool) -> None:
-    """Drop Lightning's tips; with ``quiet`` also its info lines and Hugging Face's progress bars."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropTips) for f in logger.filters):
-            logger.addFilter(_DropTips())
-        if quiet:
-            logger.setLevel(logging.WARNING)
+    """With ``quiet``, Lightning's info lines and Hugging Face's progress bars are off too (:mod:`ompmoe._quiet` drops the rest)."""
     if quiet:
         from transformers.utils import logging as hf_logging
 
+        from ._quiet import LIGHTNING_LOGGERS
+
+        for name in LIGHTNING_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
         hf_logging.disable_progress_bar()
 
 
@@ -283,11 +275,23 @@ def _one_line(message: str, command: str) -> str:
     return f"{' '.join(message.split())} (see ompmoe {command} --help)"
 
 
+class CommandError(SystemExit):
+    """Exit status 2, as argparse's usage errors; ``str()`` is the one ``error:`` line already printed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 # Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
 FLAGS = ("overwrite", "quiet")
 
 
 def main(argv: list[str] | None = None) -> None:
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
@@ -307,11 +311,13 @@ def main(argv: list[str] | None = None) -> None:
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         else:
+            check_config_files(argv)
             lightning_cli(argv)
     except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
             OutputNotWritableError) as error:
         # Not AttributeError: that is how a bug shows itself, and its traceback must stay visible.
-        raise SystemExit(f"error: {error}") from None
+        print(f"error: {error}", file=sys.stderr)
+        raise CommandError(f"error: {error}") from None
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ jsonargparse's form before parsing, leaving every other argument untouched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
@@ -93,3 +94,21 @@ def class_paths(argv: Sequence[str]) -> list[str]:
 
 
 __all__ = ["CLASS_PATHS", "bare_flags", "class_paths", "list_option"]
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Every ``-c``/``--config`` file exists, else one line naming it and the nearest existing path.
+
+    jsonargparse answers a missing config with its whole usage text; this runs first.
+    """
+    from ._paths import nearest_path_hint
+
+    for index, token in enumerate(argv):
+        if token in ("-c", "--config") and index + 1 < len(argv):
+            path = argv[index + 1]
+        elif token.startswith("--config="):
+            path = token.removeprefix("--config=")
+        else:
+            continue
+        if not Path(path).expanduser().is_file():
+            raise FileNotFoundError(f"config file {path!r} does not exist{nearest_path_hint(path)}")

@@ -163,7 +163,7 @@ WARNING_LINE = re.compile(r"warn|deprecat|tip:|failed|^[WE]\d{4} ", re.IGNORECAS
 
 
 def test_readme_main_job_prints_no_warning(tmp_path):
-    """``ompmoe fit -c configs/tiny.yaml`` as the README runs it, after ``pip install -e ".[lightning]"``.
+    """``ompmoe fit -c configs/tiny.yaml`` as README.md runs it (its first command), after ``pip install -e ".[lightning]"``.
 
     That install has no torchao (an extra of the recipes); this test environment has it, and
     transformers imports it whenever it is installed, so the job runs with torchao hidden.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import json
 from importlib import resources
 from pathlib import Path
+
+from .._paths import looks_local, nearest_path_hint
 
 import torch
 
@@ -72,9 +75,23 @@ def shipped_model_path(name: str = "tiny-moe") -> Path:
 
 
 def resolve_shipped(spec: str) -> str:
-    """``shipped:<model>`` -> its local directory; any other model/tokenizer spec is returned as is."""
-    if isinstance(spec, str) and spec.startswith(SHIPPED_PREFIX) and spec.removeprefix(SHIPPED_PREFIX) in SHIPPED_MODELS:
+    """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is.
+
+    A misspelt shipped name or a local path that does not exist fails here, with the names or the
+    nearest existing path, instead of later as a confusing hub error about repository ids.
+    """
+    if not isinstance(spec, str):
+        return spec
+    if spec.startswith(SHIPPED_PREFIX):
+        name = spec.removeprefix(SHIPPED_PREFIX)
+        if name not in SHIPPED_MODELS:
+            close = difflib.get_close_matches(name, SHIPPED_MODELS, n=1)
+            hint = f"did you mean {SHIPPED_PREFIX + close[0]!r}? " if close else ""
+            names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
+            raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {names}")
         return str(shipped_model_path(spec))
+    if looks_local(spec) and not Path(spec).expanduser().exists():
+        raise FileNotFoundError(f"path {spec!r} does not exist{nearest_path_hint(spec)}")
     return spec
 
 

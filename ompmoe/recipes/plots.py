@@ -133,6 +133,13 @@ def _figure(width: float, height: float):
     return figure
 
 
+def _integer_ticks():
+    """A tick locator that puts ticks on whole numbers only (expert counts)."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
 def _grid(count: int, max_columns: int = 6) -> tuple[int, int]:
     columns = max(1, min(count, max_columns))
     return math.ceil(count / columns), columns
@@ -242,8 +249,9 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
 
     Each panel's title names its own kept count; one legend for the figure says what the lines are.
     """
-    rows, columns = _grid(len(stats.layers), max_columns)
-    figure = _figure(2.6 * columns, 2.2 * rows + 0.9)
+    columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
+    rows, columns = _grid(len(stats.layers), columns)
+    figure = _figure(3.2 * columns, 2.6 * rows + 1.1)
     title = "Normalized residual $r_l(k)$ (OMP, blue) and routing risk $-\\log(C_l(k)+\\zeta)$ (orange)"
     if plan is not None:
         title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}; red line and title: experts kept"
@@ -255,7 +263,7 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
     for position, (ax, layer) in enumerate(progress_bar(items, "ompmoe residual curves", progress, unit="layer")):
         chosen = planned.get(layer.name)
         kept = f": kept {chosen.num_kept}/{layer.num_experts}" if chosen is not None else f" ({layer.num_experts} experts)"
-        ax.set_title(f"layer {layer_index(layer.name, position)}{kept}", fontsize=8)
+        ax.set_title(f"layer {layer_index(layer.name, position)}{kept}", fontsize=10)
         if layer.signal_energy <= 0.0:
             ax.text(0.5, 0.5, "no routed tokens", ha="center", va="center", transform=ax.transAxes)
             continue
@@ -264,24 +272,25 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
         (line,) = ax.plot(k, residual, color="tab:blue", lw=1.3)
         handles.setdefault("residual r(k) (OMP)", line)
         ax.set_ylim(-0.02, 1.02)
-        ax.tick_params(labelsize=6)
+        ax.xaxis.set_major_locator(_integer_ticks())
+        ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         twin = ax.twinx()
         (line,) = twin.plot(k[1:], risk[1:], color="tab:orange", lw=1.0, ls="--")
         handles.setdefault("routing risk -log(C(k)+zeta)", line)
-        twin.tick_params(labelsize=6, colors="tab:orange")
+        twin.tick_params(labelsize=8, colors="tab:orange")
         if chosen is not None:
             if plan is not None and plan.method != "omp":
                 (line,) = ax.plot(k, chosen.residual, color="tab:green", lw=1.0, ls=":")
                 handles.setdefault(f"residual ({plan.method})", line)
             handles.setdefault("experts kept (plan)", ax.axvline(chosen.num_kept, color="tab:red", lw=1.0))
         if position % columns == 0:
-            ax.set_ylabel("residual", fontsize=7, color="tab:blue")
+            ax.set_ylabel("residual", fontsize=9, color="tab:blue")
         if position >= len(stats.layers) - columns:
-            ax.set_xlabel("experts kept k", fontsize=7)
+            ax.set_xlabel("experts kept k", fontsize=9)
     for ax in list(axes.flat)[len(stats.layers):]:
         ax.set_axis_off()
-    figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles), fontsize=8)
+    figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles), fontsize=10)
     return figure
 
 
@@ -339,6 +348,7 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
     ax.set_xticks(x[::step], [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
     ax.set_xlim(-0.6, len(plan.layers) - 0.4)
     ax.set_ylim(0, total.max() * 1.3)  # room for the legend above the bars
+    ax.yaxis.set_major_locator(_integer_ticks())  # expert counts are whole numbers
     ax.set_xlabel("layer")
     ax.set_ylabel("experts")
     ax.set_title(f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")

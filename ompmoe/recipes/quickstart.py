@@ -135,6 +135,9 @@ def prune_tiny_model(
 def main() -> None:
     from jsonargparse import auto_cli
 
+    from .._quiet import quiet_third_party
+
+    quiet_third_party()
     try:
         auto_cli(prune_tiny_model, description=__doc__)
     except (ValueError, FileExistsError, FileNotFoundError, OutputNotWritableError) as error:

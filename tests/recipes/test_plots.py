@@ -261,6 +261,38 @@ def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
     assert ax.get_title() == "Allocation: kept 3072/6144 routed experts (removed 0.500)"
 
 
+def test_expert_counts_get_whole_number_ticks():
+    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.recipes.plots import allocation_figure, residual_figure
+
+    small = synthetic_stats(6, 16, 4)
+    plan = plan_pruning(small, 0.5)
+    figure = allocation_figure(small, plan)
+    figure.canvas.draw()
+    ticks = figure.axes[0].get_yticks()
+    assert len(ticks) >= 3 and all(float(tick).is_integer() for tick in ticks)
+    figure = residual_figure(small, plan)
+    figure.canvas.draw()
+    assert all(float(tick).is_integer() for tick in figure.axes[0].get_xticks())
+
+
+@pytest.mark.parametrize("num_layers, columns", [(6, 3), (48, 7)])
+def test_residual_curves_are_near_square_with_readable_text(num_layers, columns, tmp_path):
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    small = synthetic_stats(num_layers, 16, 4)
+    write_plots(small, tmp_path, plan=plan_pruning(small, 0.5), progress=False)
+    width, height = png_size(tmp_path / "residual_curves.png")
+    assert 0.8 <= width / height <= 2.0, (width, height)  # not a strip
+    from ompmoe.recipes.plots import residual_figure
+
+    figure = residual_figure(small, plan_pruning(small, 0.5))
+    panels = [ax for ax in figure.axes if ax.get_title()]
+    assert len({round(ax.get_position().x0, 3) for ax in panels}) == columns
+    assert min(ax.title.get_fontsize() for ax in panels) >= 10
+    assert min(label.get_fontsize() for label in panels[0].get_xticklabels()) >= 8
+
+
 def test_high_contribution_markdown_says_when_no_layer_qualifies(tmp_path):
     stats = MoEStats(layers=[_diagonal_layer(0, [1.0] * 8)], num_tokens=10, fingerprint="synthetic")
     write_plots(stats, tmp_path, progress=False)

@@ -1,0 +1,64 @@
+"""The common mistakes of a first session each end in one ``error:`` line (exit status 2) that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from ompmoe.cli import main
+from ompmoe.data import resolve_shipped
+
+
+def run(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+def test_missing_config_file_names_the_close_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.yaml").write_text("seed_everything: 0\n")
+    assert run(["fit", "-c", "configs/tiny.yml"], capsys) == (
+        "error: config file 'configs/tiny.yml' does not exist; did you mean 'configs/tiny.yaml'?")
+    assert run(["fit", "--config=other/tiny.yaml"], capsys) == "error: config file 'other/tiny.yaml' does not exist"
+
+
+def test_unknown_shipped_model_lists_the_shipped_names():
+    with pytest.raises(ValueError) as error:
+        resolve_shipped("shipped:tiny-mo")
+    assert str(error.value) == ("unknown shipped model 'shipped:tiny-mo': did you mean 'shipped:tiny-moe'? "
+                                "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64")
+    with pytest.raises(ValueError, match=r"^unknown shipped model 'shipped:llama': the shipped models are "):
+        resolve_shipped("shipped:llama")
+
+
+def test_missing_local_path_says_so_with_the_nearest_existing_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "tiny" / "model").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_shipped("outputs/tiny/modle")
+    assert str(error.value) == "path 'outputs/tiny/modle' does not exist; did you mean 'outputs/tiny/model'?"
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_shipped("outputs/other/run/model")
+    assert str(error.value) == "path 'outputs/other/run/model' does not exist; 'outputs' exists"
+    assert resolve_shipped("outputs/tiny/model") == "outputs/tiny/model"
+    assert resolve_shipped("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"  # a hub id stays a hub id
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("shipped:tiny-mo", "error: unknown shipped model 'shipped:tiny-mo': did you mean 'shipped:tiny-moe'? "
+                        "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64"),
+    ("outputs/tiny/modle", "error: path 'outputs/tiny/modle' does not exist; did you mean 'outputs/tiny/model'?"),
+])
+def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "tiny" / "model").mkdir(parents=True)
+    config = tmp_path / "fit.yaml"
+    config.write_text("trainer:\n  logger: false\n  enable_checkpointing: false\n")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "-c", str(config), "--model.model", model])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == expected

@@ -1,0 +1,59 @@
+"""Every ``ompmoe`` command prints only ompmoe's own lines on stderr, with the ``recipes`` extra installed.
+
+torchao (installed in the test environment) makes transformers print kernel-loading failures and torch
+pytree deprecations on import; Hugging Face draws weight-loading bars into log files; Lightning prints
+tips and accelerator summaries. None of it is actionable for a user of the command (ompmoe/_quiet.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+BIN = Path(sys.executable).parent
+
+
+def foreign_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("ompmoe")]
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{' '.join(command)}:\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_quiet_third_party_drops_the_import_noise_of_torchao():
+    pytest.importorskip("torchao")  # the test extra installs it, so the noise is there to drop
+    loud = subprocess.run([sys.executable, "-c", "import torchao"], capture_output=True, text=True, timeout=600)
+    assert "Failed to load" in loud.stderr or "Enum subclass" in loud.stderr, loud.stderr
+    quiet = subprocess.run([sys.executable, "-c", "from ompmoe._quiet import quiet_third_party\n"
+                            "quiet_third_party()\nimport torchao"], capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+@pytest.mark.slow
+def test_every_command_keeps_stderr_to_its_own_lines(tmp_path):
+    for shared in ("configs", "tests"):
+        (tmp_path / shared).symlink_to(ROOT / shared)
+    commands = [
+        ["ompmoe", "fit", "-c", "configs/tiny.yaml", "--data.num_blocks", "4", "--trainer.callbacks.output_dir", "run"],
+        ["ompmoe", "prune", "--stats", "run/stats.safetensors", "--ratio", "0.25", "--output_dir", "plans",
+         "--model", "shipped:tiny-moe"],
+        ["ompmoe", "plot", "--stats", "run/stats.safetensors", "--output_dir", "plots"],
+        ["ompmoe", "validate", "-c", "configs/eval/tiny.yaml", "--data.output_path", "eval/original.json",
+         "--trainer.logger", "false"],
+        ["ompmoe", "report", "eval/original.json"],
+        ["ompmoe-demo", "--output_dir", "demo", "--num_blocks", "4"],
+    ]
+    for command in commands:
+        done = run(command, tmp_path)
+        assert foreign_lines(done.stderr) == [], f"{' '.join(command)} printed:\n{done.stderr}"
