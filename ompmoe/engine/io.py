@@ -34,6 +34,7 @@ import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 MARKER = ".ompmoe-output"
 _RENAME_NOREPLACE = 1
@@ -286,7 +287,7 @@ def _normalised(path: Path) -> Path:
 def _check_name_lengths(path: Path) -> None:
     """Refuse names the file system cannot hold, counting the temporary sibling ``.{name}.{owner}.{random}.lock``."""
     ancestor = path.parent
-    while not ancestor.is_dir() and ancestor != ancestor.parent:
+    while not os.path.isdir(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     try:
         limit = os.pathconf(ancestor, "PC_NAME_MAX")
@@ -307,6 +308,30 @@ def _check_name_lengths(path: Path) -> None:
             f"(.<name>.{_owner()}.<random>.tmp) needs {extra} more than that, over the {limit} bytes this file "
             f"system allows; choose an output name of at most {limit - extra} bytes",
         )
+
+
+def local_inputs(*values: Any) -> list[str]:
+    """The local files and directories among ``values`` (paths, lists of them, ``None``): what a run reads from disk.
+
+    Hub ids, ``tiny:``/``shipped:`` names and other strings that name nothing on disk are left out; pass the result
+    as ``inputs=`` to :func:`check_writable` / :func:`atomic_path`.
+    """
+    found: list[str] = []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            found.extend(local_inputs(*value))
+        elif isinstance(value, (str, os.PathLike)) and os.fspath(value) and os.path.lexists(os.path.expanduser(value)):
+            found.append(os.fspath(value))
+    return found
+
+
+INPUT_ATTRIBUTES = ("model_name_or_path", "tokenizer_name", "tokenizer", "source", "data_files", "val_sources")
+"""Attributes that :func:`inputs_of` reads: those of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
+
+
+def inputs_of(*owners: Any) -> list[str]:
+    """Local paths a LightningModule / data module reads (model, tokenizer, data files, validation sources)."""
+    return local_inputs(*(getattr(owner, name, None) for owner in owners if owner is not None for name in INPUT_ATTRIBUTES))
 
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
