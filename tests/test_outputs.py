@@ -210,3 +210,14 @@ def test_prune_beside_no_plan_of_these_statistics_uses_the_defaults(tmp_path, ca
         "ompmoe prune: method random, allocation uniform, risk_weight 3, min_kept_fraction 0.375, "
         "max_kept_fraction 0.875, zeta 1e-06, seed 3 (method, allocation, risk_weight, min_kept_fraction, "
         f"max_kept_fraction, zeta, method_options from the fit's plan {tmp_path / 'plan.json'})")
+
+
+def test_an_input_that_is_a_symlink_inside_the_output_counts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("real.txt").write_text("text")
+    with atomic_path("out", directory=True) as tmp:
+        (tmp / "calib.txt").symlink_to(tmp_path / "real.txt")
+    with pytest.raises(OutputNotReplaceableError) as error:
+        check_writable("out", overwrite=True, directory=True, inputs=["out/calib.txt"])
+    assert str(error.value) == contains("out", "out/calib.txt")
+    check_writable("out", overwrite=True, directory=True, inputs=["real.txt"])  # the target alone does not block
