@@ -27,13 +27,13 @@ from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.methods.reroute import check_reroute_not_needed
-from ompmoe.engine.io import atomic_path, check_writable
+from ompmoe.engine.io import atomic_path, check_writable, inputs_of, local_inputs
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.progress import progress
 from ompmoe.engine.pruning import prune, save_pruned
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import PruningStrategy, Strategy
-from ompmoe.engine.summary import kept_summary
+from ompmoe.engine.summary import kept_summary, settings_summary
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class ExpertPruning(Callback):
         self._batch_size = 1
         self._real_samples: int | None = None
         self._progress: bool | None = False
+        self._inputs: list[str] = []
 
     @property
     @override
@@ -156,7 +157,9 @@ class ExpertPruning(Callback):
                 "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
             )
         if self.output_dir is not None:
-            check_writable(self.output_dir, self.overwrite, directory=True)
+            # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
+            self._inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None)) + local_inputs(self.tokenizer)
+            check_writable(self.output_dir, self.overwrite, directory=True, inputs=self._inputs)
             if self.plots:
                 try:
                     import matplotlib  # noqa: F401
@@ -274,7 +277,7 @@ class ExpertPruning(Callback):
 
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
-        with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True) as tmp:
+        with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True, inputs=self._inputs) as tmp:
             steps = ["statistics"] + (["plots"] if self.plots else []) + (["model"] if self.save_model else [])
             bar = iter(progress(steps, "ompmoe writing", self._progress, unit="part"))
             next(bar)
@@ -304,6 +307,7 @@ class ExpertPruning(Callback):
             metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(f"ompmoe: {settings_summary(plan)}")
         rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints

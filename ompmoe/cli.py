@@ -12,10 +12,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import numbers
-import os
 from argparse import ArgumentError
 import sys
 import warnings
@@ -25,11 +25,11 @@ from typing import Any
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
 from ._quiet import quiet_third_party
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
-from .engine.io import OutputNotWritableError, atomic_path, check_writable
+from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
 from .engine.progress import progress
 from .engine.statistics import MoEStats
 from .engine.strategy import PruningStrategy
-from .engine.summary import kept_summary
+from .engine.summary import kept_summary, settings_summary
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -69,15 +69,15 @@ def replan(
     stats: str,
     ratio: float | list[float],
     output_dir: str,
-    allocation: str = "waterfill",
-    risk_weight: float = 3.0,
-    min_kept_fraction: float = 0.375,
-    max_kept_fraction: float = 0.875,
+    allocation: str | None = None,
+    risk_weight: float | None = None,
+    min_kept_fraction: float | None = None,
+    max_kept_fraction: float | None = None,
     model: str | None = None,
     overwrite: bool = False,
-    method: str = "omp",
+    method: str | None = None,
     method_options: dict[str, Any] | None = None,
-    zeta: float = 1e-6,
+    zeta: float | None = None,
     min_ratio: float | None = None,
     max_ratio: float | None = None,
     tokenizer: str | None = None,
@@ -86,20 +86,28 @@ def replan(
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
+    Settings not given (method, allocation, method_options, risk_weight, kept fractions, zeta) are those of the
+    fit's plan beside the statistics (``plan.json`` of the same statistics), else the defaults below; the settings
+    used, and where they came from, are printed.
+
     Args:
         stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
         ratio: Fractions of routed experts to remove, one plan each (distinct; one number counts as
             a list of one).
         output_dir: Receives ``plan-<ratio>.json`` (and ``model-<ratio>/``) per ratio.
-        allocation: A registered allocation (ompmoe.ALLOCATIONS): ALLOCATION_NAMES.
-        risk_weight: Lambda of the routing-risk term.
-        min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
-        max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
+        allocation: A registered allocation (ompmoe.ALLOCATIONS): ALLOCATION_NAMES (default: the fit's, else
+            waterfill).
+        risk_weight: Lambda of the routing-risk term (default: the fit's, else 3.0).
+        min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts (default: the fit's,
+            else 0.375).
+        max_kept_fraction: Most experts a layer may keep, as a fraction of its experts (default: the fit's,
+            else 0.875).
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
-        method: A registered method (ompmoe.METHODS): METHOD_NAMES.
-        method_options: The method's options, e.g. ``--method_options.seed 3``: METHOD_OPTIONS.
-        zeta: Stabilizer inside the routing-risk logarithm.
+        method: A registered method (ompmoe.METHODS): METHOD_NAMES (default: the fit's, else omp).
+        method_options: The method's options, e.g. ``--method_options.seed 3``: METHOD_OPTIONS (default: the
+            fit's when its method is used).
+        zeta: Stabilizer inside the routing-risk logarithm (default: the fit's, else 1e-6).
         min_ratio: Deprecated name of min_kept_fraction.
         max_ratio: Deprecated name of max_kept_fraction.
         tokenizer: Tokenizer (hub id or path) saved with each model; default: ``model``'s own
@@ -111,15 +119,14 @@ def replan(
 
     ratio = _ratios(ratio)
     min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
-    inputs = [stats] + ([model] if model is not None and os.path.exists(model) else [])
+    fit_plan = Path(stats).parent / FIT_PLAN
+    inputs = local_inputs(stats, fit_plan, model, tokenizer)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
-    strategies = [
-        PruningStrategy(ratio=r, method=method, allocation=allocation, risk_weight=risk_weight,
-                        min_kept_fraction=min_kept_fraction, max_kept_fraction=max_kept_fraction, zeta=zeta,
-                        method_options=dict(method_options or {}))
-        for r in ratio
-    ]
+    settings, taken = _settings(statistics, fit_plan, dict(
+        method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
+        max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
+    strategies = [PruningStrategy(ratio=r, **settings) for r in ratio]
     routings = [(layer.name, layer.routing) for layer in statistics.layers]
     for strategy in strategies:
         strategy.validate(routings)
@@ -130,6 +137,9 @@ def replan(
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         for strategy in progress(strategies, "ompmoe prune", show, unit="ratio"):
             plan = strategy.plan(statistics)
+            if not quiet and not written:
+                print(f"ompmoe prune: {settings_summary(plan)}"
+                      + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{strategy.ratio:g}"
             plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
@@ -147,6 +157,39 @@ def replan(
     return written
 
 
+FIT_PLAN = "plan.json"
+"""The plan a calibration fit (``ExpertPruning``, ``ompmoe-demo``) writes beside its ``stats.safetensors``."""
+
+
+def _settings(statistics: MoEStats, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics: same model
+    fingerprint, model id and token count), else the defaults.
+
+    Also returns the names taken from the fit's plan. The method's options come from it only with its method.
+    """
+    from .engine.plan import PruningPlan
+
+    plan = None
+    if any(value is None for value in given.values()) and fit_plan.is_file():
+        plan = PruningPlan.load(fit_plan)
+        made_from = (plan.fingerprint, plan.model_id, plan.num_tokens)
+        plan = plan if made_from == (statistics.fingerprint, statistics.model_id, statistics.num_tokens) else None
+    defaults = {field.name: field.default for field in dataclasses.fields(PruningStrategy)}
+    settings, taken = {}, []
+    for name, value in given.items():
+        if name == "method_options":
+            if value is None and plan is not None and settings["method"] == plan.method and plan.extra.get(name):
+                value = dict(plan.extra[name])
+                taken.append(name)
+            settings[name] = dict(value or {})
+        elif value is None and plan is not None:
+            settings[name] = getattr(plan, name)
+            taken.append(name)
+        else:
+            settings[name] = defaults[name] if value is None else value
+    return settings, taken
+
+
 def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False,
          quiet: bool = False) -> list[Path]:
     """Write reconstruction-gain heatmaps, residual/risk curves, the allocation and the high-contribution table.
@@ -162,7 +205,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     from .engine.plan import PruningPlan
     from .recipes.plots import write_plots
 
-    inputs = [stats] + ([plan] if plan is not None else [])
+    inputs = local_inputs(stats, plan)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
     pruning_plan = PruningPlan.load(plan) if plan is not None else None

@@ -13,7 +13,7 @@ import ompmoe
 from ompmoe.cli import main
 from ompmoe.cli_args import bare_flags, class_paths, list_option
 from ompmoe.cli_help import COMMANDS, FIT_OPTIONS
-from ompmoe.engine.summary import kept_summary
+from ompmoe.engine.summary import kept_summary, settings_summary
 from ompmoe.engine.synthetic import synthetic_stats
 
 ROOT = Path(__file__).parents[1]
@@ -119,7 +119,8 @@ def test_prune_accepts_list_spellings_and_bare_overwrite(ratio, stats_file, tmp_
     (out / ".ompmoe-output").write_text("{}")  # an earlier ompmoe output, replaced with a bare --overwrite
     main(["prune", "--stats", stats_file, "--ratio", *ratio, "--output_dir", str(out), "--overwrite"])
     stats = ompmoe.MoEStats.load(stats_file)
-    lines = capsys.readouterr().out.splitlines()
+    settings, *lines = capsys.readouterr().out.splitlines()
+    assert settings == f"ompmoe prune: {settings_summary(ompmoe.plan_pruning(stats, 0.5))}"  # no plan.json beside
     for line, value in zip(lines, (0.25, 0.5), strict=True):
         plan = ompmoe.PruningPlan.load(out / f"plan-{value:g}.json")
         assert plan == ompmoe.plan_pruning(stats, value)

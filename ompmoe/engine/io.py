@@ -10,23 +10,31 @@ Rules (see README "Reliability"):
 * ``overwrite=False`` is checked again at commit, so an output that appeared while the job ran is kept.
 * Replacing a directory swaps it atomically (``renameat2(RENAME_EXCHANGE)`` where the kernel offers it; otherwise
   old -> aside name, new -> target) and deletes the old one last. Temporaries and aside copies left by killed runs
-  are cleaned (or the aside copy restored) by the next run for the same target, only when their process is dead.
+  are cleaned (or the aside copy restored) by the next run for the same target, only when their run is known dead.
+* A run holds an ``flock`` on a sibling lock file (``.{name}.{host}-{pid}.{random}.lock``) from before its temporary
+  exists until it is gone. The kernel drops the lock when the process dies, in any PID namespace or container, so
+  a lock that can be taken marks a dead run. Where the file system has no ``flock``, the lock file's contents (host,
+  boot id, PID namespace, pid) decide; without a lock file nothing is deleted.
+* Output paths are checked up front: a name too long for its temporary sibling is refused, and ``..`` is resolved
+  (``X/new/..`` is ``X``), so no directory is created for a path that does not need it. Directories created for an
+  output are removed again when the run fails.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
-import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 MARKER = ".ompmoe-output"
 _RENAME_NOREPLACE = 1
@@ -54,21 +62,91 @@ def _owner() -> str:
     return f"{_host()}-{os.getpid()}"
 
 
-def _leftover_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"^\.{re.escape(name)}\.(?P<host>[A-Za-z0-9-]+)-(?P<pid>\d+)\.[A-Za-z0-9_]+\.(?P<kind>tmp|old)$")
-
-
-def _alive(host: str, pid: int) -> bool:
-    """A process on another host, or one we may not signal, counts as alive: never delete its files."""
-    if host != _host():
-        return True
+def _identity() -> dict[str, str]:
+    """Who this process is, beyond host and pid: pids repeat across PID namespaces (containers) and reboots."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
+        boot_id = ""
+    try:
+        namespace = os.stat("/proc/self/ns/pid")
+        pid_namespace = f"{namespace.st_dev}:{namespace.st_ino}"
+    except OSError:
+        pid_namespace = ""
+    return {"host": _host(), "boot_id": boot_id, "pid_namespace": pid_namespace, "pid": str(os.getpid())}
+
+
+def _leftover_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"^\.{re.escape(name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\.(?P<kind>tmp|old|lock)$")
+
+
+def _dead(identity: dict[str, str]) -> bool:
+    """Whether the process a lock file names is known dead: same host, boot and PID namespace, and no such pid."""
+    mine = _identity()
+    if any(identity.get(key) != mine[key] for key in ("host", "boot_id", "pid_namespace")):
+        return False
+    try:
+        os.kill(int(identity["pid"]), 0)
+    except ProcessLookupError:
         return True
-    return True
+    except (OSError, ValueError, KeyError):
+        return False
+    return False
+
+
+def _claim(lock: Path) -> int | None:
+    """An open descriptor holding the lock of a dead run, or None while its run may be alive (or cannot be told)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd  # the kernel released its owner's lock: that process is gone
+    except BlockingIOError:
+        pass  # held by a live process
+    except OSError:  # no flock here: the identity written in the file decides
+        try:
+            if _dead(json.loads(os.read(fd, 4096) or b"{}")):
+                return fd
+        except (ValueError, TypeError, AttributeError):
+            pass
+    os.close(fd)
+    return None
+
+
+class _RunLock:
+    """The lock this run holds on ``.{name}.{owner}.{token}.lock`` while its temporaries exist."""
+
+    def __init__(self, path: Path) -> None:
+        prefix = f".{path.name}.{_owner()}."
+        identity = json.dumps(_identity()).encode()
+        while True:
+            self.token = secrets.token_hex(4)
+            self.path = path.parent / f"{prefix}{self.token}.lock"
+            self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.write(self.fd, identity)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a cleaner is testing it this instant and will delete it: take another
+                os.close(self.fd)
+                continue
+            except OSError:
+                pass  # no flock on this file system: the identity in the file protects it
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    return
+            except FileNotFoundError:
+                pass  # a cleaner took it for a dead run's and deleted it before our flock
+            os.close(self.fd)
+
+    def sibling(self, path: Path, kind: str) -> Path:
+        """``.{name}.{owner}.{token}.{kind}`` next to ``path``: a name the cleaner ties to this lock."""
+        return path.parent / f".{path.name}.{_owner()}.{self.token}.{kind}"
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
 
 
 def _step(name: str) -> None:
@@ -78,26 +156,39 @@ def _step(name: str) -> None:
 def clean_leftovers(path: str | os.PathLike) -> list[Path]:
     """Remove temporaries of dead ompmoe runs for ``path``; restore an aside copy if ``path`` itself is missing.
 
-    Returns the removed or restored entries.
+    A run counts as dead only when its lock file can be locked (or, without ``flock``, names a process of this
+    host, boot and PID namespace that is gone). Returns the removed or restored entries (lock files not listed).
     """
     path = Path(path)
     if not path.parent.is_dir():
         return []
     pattern = _leftover_pattern(path.name)
-    handled = []
+    runs: dict[tuple[str, str], dict[str, Path]] = {}
     for entry in sorted(path.parent.iterdir()):
         match = pattern.match(entry.name)
-        if match is None or _alive(match["host"], int(match["pid"])):
+        if match is not None:
+            runs.setdefault((match["owner"], match["token"]), {})[match["kind"]] = entry
+    handled = []
+    for entries in runs.values():
+        fd = _claim(entries["lock"]) if "lock" in entries else None
+        if fd is None:
             continue
         try:  # other ranks of the same job may clean concurrently: losing that race is fine
-            if match["kind"] == "old" and not os.path.lexists(path):
-                os.rename(entry, path)  # killed between "old -> aside" and "new -> target": bring the old one back
-            else:
-                _remove(entry)
+            for kind in ("old", "tmp"):
+                entry = entries.get(kind)
+                if entry is None or not os.path.lexists(entry):
+                    continue
+                if kind == "old" and not os.path.lexists(path):
+                    os.rename(entry, path)  # killed between "old -> aside" and "new -> target": bring the old one back
+                else:
+                    _remove(entry)
+                handled.append(entry)
+            entries["lock"].unlink(missing_ok=True)
         except FileNotFoundError:
-            continue
-        handled.append(entry)
-    return handled
+            pass
+        finally:
+            os.close(fd)
+    return sorted(handled)
 
 
 def _exists_message(path: Path) -> str:
@@ -117,8 +208,10 @@ def _check_replaceable(path: Path, directory: bool | None, inputs: Iterable[str 
             "Choose a new output directory, e.g. ./ompmoe-out."
         )
     for item in inputs:
-        source = Path(item).resolve()
-        if source == resolved or resolved in source.parents:
+        item_path = Path(item).expanduser()
+        # The file itself and, for an input that is a symlink, the link (deleting it breaks the argument too).
+        sources = {item_path.resolve(), item_path.absolute().parent.resolve() / item_path.name}
+        if any(source == resolved or resolved in source.parents for source in sources):
             raise OutputNotReplaceableError(
                 f"{path} contains the input {item}; replacing it would delete the input. Choose another output path."
             )
@@ -168,7 +261,8 @@ def check_writable(
     Also cleans what killed runs left for ``path``. ``inputs`` are files the run reads: an output containing them is
     never replaced. ``directory`` says whether the output will be a directory (None: either).
     """
-    path = Path(path)
+    path = _normalised(Path(path))
+    _check_name_lengths(path)
     clean_leftovers(path)
     if os.path.lexists(path):
         if not overwrite:
@@ -176,6 +270,68 @@ def check_writable(
         _check_replaceable(path, directory, inputs)
     _probe(path)
     return path
+
+
+def _normalised(path: Path) -> Path:
+    """``path`` with ``..`` resolved as the file system would, so ``X/new/..`` is ``X`` (never a new ``X/new``).
+
+    Only the parent is resolved when the name is a real name, so an output that is a symlink is still seen as one.
+    """
+    if ".." not in path.parts:
+        return path
+    if path.name in ("", ".", ".."):
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _check_name_lengths(path: Path) -> None:
+    """Refuse names the file system cannot hold, counting the temporary sibling ``.{name}.{owner}.{random}.lock``."""
+    ancestor = path.parent
+    while not os.path.isdir(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in path.parent.parts:
+        if len(os.fsencode(part)) > limit:
+            raise OutputNotWritableError(
+                errno.ENAMETOOLONG,
+                f"cannot write {path}: the directory name {part!r} is longer than the {limit} bytes this file "
+                "system allows; choose a shorter output path",
+            )
+    extra = len(os.fsencode(f"..{_owner()}.{'0' * 8}.lock"))
+    if len(os.fsencode(path.name)) + extra > limit:
+        raise OutputNotWritableError(
+            errno.ENAMETOOLONG,
+            f"cannot write {path}: its name is {len(os.fsencode(path.name))} bytes long, and its temporary sibling "
+            f"(.<name>.{_owner()}.<random>.tmp) needs {extra} more than that, over the {limit} bytes this file "
+            f"system allows; choose an output name of at most {limit - extra} bytes",
+        )
+
+
+def local_inputs(*values: Any) -> list[str]:
+    """The local files and directories among ``values`` (paths, lists of them, ``None``): what a run reads from disk.
+
+    Hub ids, ``tiny:``/``shipped:`` names and other strings that name nothing on disk are left out; pass the result
+    as ``inputs=`` to :func:`check_writable` / :func:`atomic_path`.
+    """
+    found: list[str] = []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            found.extend(local_inputs(*value))
+        elif isinstance(value, (str, os.PathLike)) and os.fspath(value) and os.path.lexists(os.path.expanduser(value)):
+            found.append(os.fspath(value))
+    return found
+
+
+INPUT_ATTRIBUTES = ("model_name_or_path", "tokenizer_name", "tokenizer", "source", "data_files", "val_sources")
+"""Attributes that :func:`inputs_of` reads: those of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
+
+
+def inputs_of(*owners: Any) -> list[str]:
+    """Local paths a LightningModule / data module reads (model, tokenizer, data files, validation sources)."""
+    return local_inputs(*(getattr(owner, name, None) for owner in owners if owner is not None for name in INPUT_ATTRIBUTES))
 
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
@@ -208,7 +364,9 @@ def _place_new(tmp: Path, path: Path, directory: bool) -> None:
         os.unlink(tmp)
 
 
-def _commit(tmp: Path, path: Path, overwrite: bool, directory: bool, inputs: Iterable[str | os.PathLike]) -> None:
+def _commit(
+    tmp: Path, path: Path, overwrite: bool, directory: bool, inputs: Iterable[str | os.PathLike], lock: _RunLock
+) -> None:
     if not os.path.lexists(path):
         try:
             _place_new(tmp, path, directory)
@@ -226,7 +384,7 @@ def _commit(tmp: Path, path: Path, overwrite: bool, directory: bool, inputs: Ite
         _step("exchanged")
         _remove(tmp)  # tmp now holds the old output
         return
-    aside = path.parent / f".{path.name}.{_owner()}.{secrets.token_hex(4)}.old"
+    aside = lock.sibling(path, "old")
     os.rename(path, aside)
     _step("aside")
     try:
@@ -247,19 +405,21 @@ def atomic_path(
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` to write into; move it into place only on success.
 
-    Directory outputs get the :data:`MARKER` file, so a later run may replace them.
+    Directory outputs get the :data:`MARKER` file, so a later run may replace them. The run's lock is held from
+    before the temporary exists until it is gone; directories created for ``path`` are removed if the run fails.
     """
     inputs = list(inputs)
     path = check_writable(path, overwrite, directory=directory, inputs=inputs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix, suffix = f".{path.name}.{_owner()}.", ".tmp"
-    if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=path.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
+    created = _make_parents(path.parent)
+    tmp: Path | None = None
+    lock: _RunLock | None = None
     try:
+        lock = _RunLock(path)
+        tmp = lock.sibling(path, "tmp")
+        if directory:
+            os.mkdir(tmp, 0o700)
+        else:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         yield tmp
         if directory:
             from .. import __version__
@@ -267,14 +427,42 @@ def atomic_path(
             (tmp / MARKER).write_text(json.dumps({"tool": "ompmoe", "version": __version__}))
         _default_permissions(tmp, directory)
         _step("written")
-        _commit(tmp, path, overwrite, directory, inputs)
+        _commit(tmp, path, overwrite, directory, inputs, lock)
     except BaseException:
-        _remove(tmp)
+        if tmp is not None:
+            _remove(tmp)
+        if lock is not None:
+            lock.release()
+            lock = None
+        for made in reversed(created):
+            try:
+                made.rmdir()
+            except OSError:
+                break
         raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing ancestors; return those this call created, outermost first."""
+    missing = []
+    while not os.path.isdir(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    created = []
+    for made in reversed(missing):
+        try:
+            made.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by another rank: not ours to remove
+        created.append(made)
+    return created
 
 
 def _default_permissions(path: Path, directory: bool) -> None:
-    """mkstemp/mkdtemp create private (0600/0700) entries; give the result the usual umask permissions."""
+    """Temporaries are created private (0600/0700); give the result the usual umask permissions."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,7 @@ def save_pruned(
     *,
     dtype: torch.dtype | str | None = None,
     calibration: str | None = None,
+    inputs: Iterable[str | os.PathLike] = (),
     **save_kwargs: Any,
 ) -> Path:
     """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use.
@@ -223,12 +225,12 @@ def save_pruned(
     argument when none is found), a model card ``README.md`` (``calibration`` describes the data)
     and, for a non-uniform plan, the modeling code that ``trust_remote_code=True`` loads.
     Models quantized after loading (:func:`ompmoe.quantize_experts`, torchao tensors) are refused:
-    save the full-precision model and quantize after loading.
+    save the full-precision model and quantize after loading. ``inputs``: paths the run reads (never replaced).
     """
     from .export.checkpoint import save_checkpoint
 
     check_savable(model)
-    with atomic_path(path, overwrite=overwrite, directory=True) as tmp:
+    with atomic_path(path, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         save_checkpoint(
             model, tmp, tokenizer=tokenizer, dtype=dtype, calibration=calibration, final_path=path, **save_kwargs
         )

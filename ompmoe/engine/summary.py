@@ -13,4 +13,17 @@ def kept_summary(plan: PruningPlan) -> str:
     return f"kept {kept}/{total} routed experts (removed {plan.achieved_ratio:.3f}); per layer kept: {per_layer}"
 
 
-__all__ = ["kept_summary"]
+def settings_summary(plan: PruningPlan) -> str:
+    """``method omp, allocation waterfill, risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06``
+
+    (then the method's options, if any): the settings a plan was made with, as recorded in it.
+    """
+    options = plan.extra.get("method_options") or {}
+    return ", ".join([
+        f"method {plan.method}", f"allocation {plan.allocation}", f"risk_weight {plan.risk_weight:g}",
+        f"min_kept_fraction {plan.min_kept_fraction:g}", f"max_kept_fraction {plan.max_kept_fraction:g}",
+        f"zeta {plan.zeta:g}", *(f"{name} {value!r}" for name, value in options.items()),
+    ])
+
+
+__all__ = ["kept_summary", "settings_summary"]

@@ -237,6 +237,14 @@ class FinetuneModule(pl.LightningModule):
             raise ValueError("FinetuneModule has no trainable parameters.")
         return torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
 
+    def setup(self, stage: str) -> None:
+        """Refuse an unusable ``save_dir`` (existing, or holding the model or data read) before training."""
+        if stage == "fit" and self.save_dir is not None:
+            from ..engine.io import check_writable, inputs_of
+
+            self._inputs = inputs_of(self, getattr(self.trainer, "datamodule", None))
+            check_writable(self.save_dir, self.overwrite, directory=True, inputs=self._inputs)
+
     def on_fit_end(self) -> None:
         if self.save_dir is None:
             return
@@ -247,7 +255,8 @@ class FinetuneModule(pl.LightningModule):
             # The data module's tokenizer, else save_pruned takes the source checkpoint's (or warns).
             tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer != "bytes" else None
-            save_pruned(model, self.save_dir, overwrite=self.overwrite, tokenizer=tokenizer)
+            save_pruned(model, self.save_dir, overwrite=self.overwrite, tokenizer=tokenizer,
+                        inputs=getattr(self, "_inputs", ()))
 
 
 def main(args: list[str] | None = None) -> None:

@@ -18,10 +18,13 @@ from .. import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune,
 from ..engine.plan import validate_budget
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
 from ..engine.io import OutputNotWritableError, atomic_path, check_writable
+from ..engine.summary import settings_summary
 from ..engine.tiny import tiny_model
 
 
 SHIPPED_MODEL = "shipped:tiny-moe"
+DATA_DIR = Path(__file__).parents[1] / "data"
+"""Everything the demo reads: the shipped models and text."""
 RANDOM_MODEL = "tiny"
 
 
@@ -87,7 +90,8 @@ def prune_tiny_model(
         batch_size: Blocks per forward pass.
         overwrite: Replace an existing ``output_dir``.
     """
-    out = check_writable(output_dir, overwrite, directory=True)
+    inputs = [str(DATA_DIR)]  # the shipped model and text: an output holding them is never replaced
+    out = check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     model_name = model
     model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
     validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_ratio, max_ratio)
@@ -106,7 +110,7 @@ def prune_tiny_model(
         pruned_logits = model(probe).logits
     pruned_ppl = perplexity(model, held_out)
 
-    with atomic_path(out, overwrite=overwrite, directory=True) as tmp:
+    with atomic_path(out, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         stats.save(tmp / "stats.safetensors")
         plan.save(tmp / "plan.json")
         save_pruned(model, tmp / "model", calibration="shipped:python-docs")
@@ -118,7 +122,7 @@ def prune_tiny_model(
         if not torch.equal(reloaded_logits, pruned_logits):
             raise RuntimeError("The reloaded pruned model does not reproduce the in-memory logits.")
     elapsed = time.perf_counter() - start
-    print(f"ompmoe: {model_id}, {stats.num_tokens} calibration tokens, ratio {ratio} ({allocation})")
+    print(f"ompmoe: {model_id}, {stats.num_tokens} calibration tokens, ratio {ratio}; {settings_summary(plan)}")
     print(f"{'layer':<22}{'kept':>8}{'r(k)':>10}{'C(k)':>10}")
     for layer in plan.layers:
         k = layer.num_kept

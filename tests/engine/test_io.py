@@ -190,21 +190,80 @@ def test_read_only_file_system_is_reported_before_any_work(tmp_path, monkeypatch
     assert names(tmp_path) == []
 
 
-def test_leftovers_of_dead_runs_are_cleaned_and_live_ones_kept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    host = io._host()
-    stale_tmp = tmp_path / f".out.{host}-{pid}.abc.tmp"
-    stale_tmp.mkdir()
-    (stale_tmp / "half").write_text("x")
-    live_tmp = tmp_path / f".out.{host}-{os.getpid()}.def.tmp"
-    live_tmp.mkdir()
-    remote_tmp = tmp_path / f".out.otherhost-{pid}.ghi.tmp"
-    remote_tmp.write_text("x")
-    unrelated = tmp_path / f".outer.{host}-{pid}.abc.tmp"
-    unrelated.write_text("x")
-    assert clean_leftovers(tmp_path / "out") == [stale_tmp]
-    assert names(tmp_path) == sorted(p.name for p in (live_tmp, remote_tmp, unrelated))
+WRITER = r"""
+import json, os, sys, types
+target, package, pid = sys.argv[1], sys.argv[2], sys.argv[3]
+stub = types.ModuleType("ompmoe")  # import ompmoe.engine.io alone (seconds faster than torch)
+stub.__path__, stub.__version__ = [package], "test"
+sys.modules["ompmoe"] = stub
+import ompmoe.engine.io as io
+if pid:  # seen from this test, a process in another PID namespace: its pid names no process here
+    io._owner = lambda: f"{io._host()}-{pid}"
+    identity = getattr(io, "_identity", dict)
+    io._identity = lambda: {**identity(), "pid": pid, "pid_namespace": "other"}
+with io.atomic_path(target, directory=True) as tmp:
+    (tmp / "part").write_text("half")
+    print(tmp.name, flush=True)
+    sys.stdin.readline()  # the test cleans leftovers here, mid-write
+    (tmp / "part").write_text("whole")
+"""
+
+
+def writer(target: Path, pid: str = "") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(Path(io.__file__).parents[1]), pid],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_temporary(tmp_path):
+    """Issue 26.3: a pid that does not exist here is no proof of death; the run's flock is."""
+    pid = dead_pid()
+    live = writer(tmp_path / "out", str(pid))
+    tmp_name = live.stdout.readline().strip()
+    assert tmp_name.startswith(f".out.{io._host()}-{pid}.") and tmp_name.endswith(".tmp")
+    assert clean_leftovers(tmp_path / "out") == []
+    check_writable(tmp_path / "out", overwrite=False, directory=True)  # what the next run does first
+    assert (tmp_path / tmp_name / "part").read_text() == "half"
+    live.communicate("\n")
+    assert live.returncode == 0
+    assert names(tmp_path) == ["out"] and (tmp_path / "out" / "part").read_text() == "whole"
+
+
+def test_leftovers_of_dead_runs_are_cleaned_and_unknown_ones_kept(tmp_path, monkeypatch):
+    killed = writer(tmp_path / "out")
+    tmp_name = killed.stdout.readline().strip()
+    killed.kill()
+    killed.wait()
+    assert len(names(tmp_path)) == 2  # the temporary and its lock file
+    assert clean_leftovers(tmp_path / "out") == [tmp_path / tmp_name]
+    assert names(tmp_path) == []
+    # Without a lock file (not ours to judge), or a lock file of another output, nothing is touched.
+    unknown = tmp_path / f".out.{io._host()}-{dead_pid()}.0badc0de.tmp"
+    unknown.mkdir()
+    unrelated = tmp_path / f".outer.{io._host()}-{dead_pid()}.0badc0de.lock"
+    unrelated.write_text("{}")
+    assert clean_leftovers(tmp_path / "out") == []
+    assert names(tmp_path) == sorted([unknown.name, unrelated.name])
+
+
+@pytest.mark.parametrize("changed, cleaned", [({}, True), ({"pid_namespace": "4026532999"}, False),
+                                              ({"boot_id": "another-boot"}, False), ({"host": "otherhost"}, False),
+                                              ({"pid": str(os.getpid())}, False)])
+def test_without_flock_the_lock_files_identity_decides(tmp_path, monkeypatch, changed, cleaned):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(io.fcntl, "flock", no_flock)
+    pid = dead_pid()
+    stem = tmp_path / f".out.{io._host()}-{pid}.0123abcd"
+    Path(f"{stem}.tmp").mkdir()
+    Path(f"{stem}.lock").write_text(json.dumps({**io._identity(), "pid": str(pid), **changed}))
+    assert clean_leftovers(tmp_path / "out") == ([Path(f"{stem}.tmp")] if cleaned else [])
+    assert len(names(tmp_path)) == (0 if cleaned else 2)
 
 
 KILLER = r"""
@@ -256,10 +315,11 @@ def test_sigkill_while_replacing_leaves_a_whole_output(tmp_path, point, exchange
             return None
         return {tuple(old): "old", (MARKER, "new.txt"): "new"}.get(tuple(names(target)), "broken")
 
-    result = subprocess.run([sys.executable, "-c", KILLER, str(target), point, "1" if exchange else "0", str(Path(io.__file__).parent)])
+    result = subprocess.run([sys.executable, "-c", KILLER, str(target), point, "1" if exchange else "0",
+                             str(Path(io.__file__).parents[1])])
     assert result.returncode == -signal.SIGKILL
     assert state() == after_kill
-    assert len(names(tmp_path)) == 2  # the output (or the aside copy) and one leftover of the killed run
+    assert len(names(tmp_path)) == 3  # the output (or the aside copy), a leftover and the lock of the killed run
     check_writable(target, overwrite=True, directory=True)  # the next run for the same target
     assert names(tmp_path) == ["out"]
     assert state() == (after_kill or "old")

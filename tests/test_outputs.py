@@ -1,0 +1,223 @@
+"""Outputs never swallow the run's inputs, odd output paths fail up front, and re-planning keeps the fit's settings.
+
+Issue 26 (items 1 and 9) and issue 21 (item 6): every entry point (``ompmoe fit`` / ``ExpertPruning``,
+``ompmoe prune``, ``ompmoe plot``, ``ompmoe-demo``, the fine-tuning CLI) passes what it reads to the output check.
+"""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+import ompmoe
+from ompmoe.cli import main
+from ompmoe.data import byte_tokens, shipped_text
+from ompmoe.engine.io import MARKER, OutputNotReplaceableError, OutputNotWritableError, atomic_path, check_writable
+from ompmoe.engine.summary import kept_summary, settings_summary
+from ompmoe.engine.tiny import tiny_model
+from test_cli import tiny_config as cli_tiny_config
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def tiny_config(tmp_path: Path, output_dir: str, **changes) -> Path:
+    """configs/tiny.yaml (``overwrite: true``, omp_normalized + loss) on 4 x 64 tokens, writing to ``output_dir``."""
+    path = cli_tiny_config(tmp_path, **changes)
+    config = yaml.safe_load(path.read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = output_dir
+    config["trainer"]["enable_progress_bar"] = False
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def earlier_run(tmp_path, monkeypatch):
+    """``out/`` as the README's re-pruning flow leaves it: an ompmoe output with ``model-0.25`` and ``calib.txt``."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(), atomic_path("out", directory=True) as tmp:
+        warnings.simplefilter("ignore")  # no tokenizer for the random tiny model: bytes
+        ompmoe.save_pruned(tiny_model("qwen3_moe"), tmp / "model-0.25")
+        (tmp / "calib.txt").write_text(shipped_text()[:20000])
+    return Path("out")
+
+
+def contains(output: str, item: str) -> str:
+    return f"{output} contains the input {item}; replacing it would delete the input. Choose another output path."
+
+
+@pytest.mark.parametrize("model, source, named", [
+    ("out/model-0.25", "out/calib.txt", "out/model-0.25"),
+    ("tiny:qwen3_moe", "out/calib.txt", "out/calib.txt"),
+])
+def test_fit_refuses_an_output_dir_holding_its_model_or_data(earlier_run, tmp_path, model, source, named):
+    before = names(earlier_run)
+    config = tiny_config(tmp_path, "out", **{"model.model": model, "data.source": source, "data.tokenizer": "bytes"})
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "-c", str(config)])
+    assert str(error.value) == f"error: {contains('out', named)}"
+    assert names(earlier_run) == before and ompmoe.load_pruned("out/model-0.25") is not None
+
+
+def test_prune_and_plot_refuse_an_output_dir_holding_their_inputs(earlier_run, tmp_path):
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [byte_tokens("calibration text " * 8)[None]])
+    stats_file = str(stats.save(tmp_path / "stats.safetensors"))
+    plan_file = str(ompmoe.plan_pruning(stats, 0.5).save(Path("out") / "plan-elsewhere.json", overwrite=False))
+    before = names(earlier_run)
+    for command, named in (
+        (["prune", "--stats", stats_file, "--ratio", "0.5", "--tokenizer", "out/calib.txt"], "out/calib.txt"),
+        (["prune", "--stats", stats_file, "--ratio", "0.5", "--model", "out/model-0.25"], "out/model-0.25"),
+        (["plot", "--stats", stats_file, "--plan", plan_file], plan_file),
+    ):
+        with pytest.raises(SystemExit) as error:
+            main([*command, "--output_dir", "out", "--overwrite"])
+        assert str(error.value) == f"error: {contains('out', named)}"
+    assert names(earlier_run) == before
+
+
+def test_demo_refuses_an_output_dir_holding_the_shipped_data(tmp_path, monkeypatch):
+    from ompmoe.recipes.quickstart import DATA_DIR, prune_tiny_model
+
+    package = DATA_DIR.parent
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputNotReplaceableError) as error:
+        prune_tiny_model(output_dir=str(package), overwrite=True)
+    assert str(error.value) == contains(str(package), str(DATA_DIR))
+
+
+def finetune(tmp_path: Path, model: str, save_dir: str, *options: str) -> None:
+    from ompmoe.lightning.finetune_module import main
+
+    main([
+        "fit", "--model.model", model, "--model.save_dir", save_dir, *options,
+        "--data.source", "shipped", "--data.tokenizer", "bytes", "--data.seq_len", "16", "--data.num_blocks", "2",
+        "--data.val_sources", "[]", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
+        "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "lightning"),
+    ])
+
+
+def test_finetune_refuses_a_save_dir_holding_its_model_before_training(earlier_run, tmp_path, monkeypatch):
+    from ompmoe.lightning.finetune_module import FinetuneModule
+
+    steps = []
+    monkeypatch.setattr(FinetuneModule, "training_step", lambda self, *args: steps.append(args))
+    before = names(earlier_run)
+    with pytest.raises(OutputNotReplaceableError) as error:
+        finetune(tmp_path, "out/model-0.25", "out", "--model.overwrite", "true")
+    assert str(error.value) == contains("out", "out/model-0.25")
+    with pytest.raises(ompmoe.engine.io.OutputExistsError, match=r"^out already exists; pass overwrite=True"):
+        finetune(tmp_path, "tiny:qwen3_moe", "out")
+    assert names(earlier_run) == before and steps == []
+
+
+# --------------------------------------------------------------------------- output paths (issue 26, item 9)
+def test_a_name_too_long_for_the_temporary_fails_up_front(tmp_path):
+    extra = len(f"..{ompmoe.engine.io._owner()}.01234567.lock")
+    fits, too_long = tmp_path / ("n" * (255 - extra)), tmp_path / ("n" * (256 - extra))
+    check_writable(fits, overwrite=False, directory=True)
+    with pytest.raises(OutputNotWritableError) as error:
+        check_writable(too_long, overwrite=False, directory=True)
+    assert str(error.value) == (
+        f"[Errno 36] cannot write {too_long}: its name is {256 - extra} bytes long, and its temporary sibling "
+        f"(.<name>.{ompmoe.engine.io._owner()}.<random>.tmp) needs {extra} more than that, over the 255 bytes this "
+        f"file system allows; choose an output name of at most {255 - extra} bytes"
+    )
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 36\] cannot write .*choose an output name of at most"):
+        main(["prune", "--stats", str(tmp_path / "not-read.safetensors"), "--ratio", "0.5",
+              "--output_dir", str(too_long)])
+    with pytest.raises(OutputNotWritableError, match=r"the directory name 'ddd.*' is longer than the 255 bytes"):
+        check_writable(tmp_path / ("d" * 256) / "out", overwrite=False)
+    with atomic_path(fits, directory=True) as tmp:  # the longest name that fits is written
+        (tmp / "x").write_text("x")
+    assert names(tmp_path) == [fits.name]
+
+
+def test_dot_dot_in_an_output_path_is_resolved_and_leaves_no_directory(tmp_path):
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [byte_tokens("calibration text " * 8)[None]])
+    stats_file = str(stats.save(tmp_path / "stats.safetensors"))
+    main(["prune", "--stats", stats_file, "--ratio", "0.5", "--output_dir", str(tmp_path / "X" / "newsub" / ".."),
+          "--quiet"])
+    assert names(tmp_path) == ["X", "stats.safetensors"] and names(tmp_path / "X") == [MARKER, "plan-0.5.json"]
+    with pytest.raises(SystemExit) as error:  # X exists now: refused up front as X, no "appeared while writing"
+        main(["prune", "--stats", stats_file, "--ratio", "0.5", "--output_dir", str(tmp_path / "X" / "new" / "..")])
+    assert str(error.value) == (f"error: {tmp_path / 'X'} already exists; pass overwrite=True (CLI: --overwrite true) "
+                                "to replace it, or choose another output path.")
+    assert names(tmp_path / "X") == [MARKER, "plan-0.5.json"]
+
+
+def test_a_failed_write_removes_the_directories_it_made(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_path(tmp_path / "a" / "b" / "out", directory=True) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("boom")
+    assert names(tmp_path) == []
+
+
+# ---------------------------------------------------------------- re-planning keeps the fit's settings (issue 21.6)
+def test_prune_without_method_uses_the_fits_plan_and_says_so(tmp_path, capsys, monkeypatch):
+    import ompmoe.callbacks.pruning
+
+    run, logged = tmp_path / "run", []
+    monkeypatch.setattr(ompmoe.callbacks.pruning, "rank_zero_info", logged.append)  # Lightning's console logger
+    main(["fit", "-c", str(tiny_config(tmp_path, str(run)))])
+    fit_plan = ompmoe.PruningPlan.load(run / "plan.json")
+    assert (fit_plan.method, fit_plan.allocation) == ("omp_normalized", "loss")  # not the default omp + waterfill
+    assert logged[0] == ("ompmoe: method omp_normalized, allocation loss, risk_weight 3, min_kept_fraction 0.375, "
+                         "max_kept_fraction 0.875, zeta 1e-06")
+    capsys.readouterr()
+    main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--output_dir", str(tmp_path / "a")])
+    replanned = ompmoe.PruningPlan.load(tmp_path / "a" / "plan-0.5.json")
+    assert replanned.kept_by_layer() == fit_plan.kept_by_layer() and replanned == fit_plan
+    assert capsys.readouterr().out.splitlines() == [
+        "ompmoe prune: method omp_normalized, allocation loss, risk_weight 3, min_kept_fraction 0.375, "
+        "max_kept_fraction 0.875, zeta 1e-06 (method, allocation, risk_weight, min_kept_fraction, "
+        f"max_kept_fraction, zeta from the fit's plan {run / 'plan.json'})",
+        f"ratio 0.5: {kept_summary(fit_plan)} -> {tmp_path / 'a' / 'plan-0.5.json'}",
+    ]
+    # An explicit --method wins; what was not given still comes from the fit.
+    main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--output_dir", str(tmp_path / "b"),
+          "--method", "omp", "--risk_weight", "2"])
+    explicit = ompmoe.PruningPlan.load(tmp_path / "b" / "plan-0.5.json")
+    stats = ompmoe.MoEStats.load(run / "stats.safetensors")
+    assert explicit == ompmoe.plan_pruning(stats, 0.5, method="omp", allocation="loss", risk_weight=2.0)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "ompmoe prune: method omp, allocation loss, risk_weight 2, min_kept_fraction 0.375, max_kept_fraction 0.875, "
+        f"zeta 1e-06 (allocation, min_kept_fraction, max_kept_fraction, zeta from the fit's plan {run / 'plan.json'})"
+    )
+
+
+def test_prune_beside_no_plan_of_these_statistics_uses_the_defaults(tmp_path, capsys):
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [byte_tokens("calibration text " * 8)[None]])
+    stats_file = stats.save(tmp_path / "stats.safetensors")
+    other = ompmoe.collect_stats(tiny_model("qwen3_moe"), [byte_tokens("other text " * 9)[None]])
+    ompmoe.plan_pruning(other, 0.5, method="random", allocation="uniform",
+                        method_options={"seed": 3}).save(tmp_path / "plan.json")
+    main(["prune", "--stats", str(stats_file), "--ratio", "0.5", "--output_dir", str(tmp_path / "p")])
+    plan = ompmoe.PruningPlan.load(tmp_path / "p" / "plan-0.5.json")
+    assert plan == ompmoe.plan_pruning(stats, 0.5)
+    assert capsys.readouterr().out.splitlines()[0] == f"ompmoe prune: {settings_summary(plan)}" == (
+        "ompmoe prune: method omp, allocation waterfill, risk_weight 3, min_kept_fraction 0.375, "
+        "max_kept_fraction 0.875, zeta 1e-06")
+    # The fit's method options come with its method.
+    ompmoe.plan_pruning(stats, 0.5, method="random", allocation="uniform",
+                        method_options={"seed": 3}).save(tmp_path / "plan.json", overwrite=True)
+    main(["prune", "--stats", str(stats_file), "--ratio", "0.5", "--output_dir", str(tmp_path / "q")])
+    assert ompmoe.PruningPlan.load(tmp_path / "q" / "plan-0.5.json") == ompmoe.PruningPlan.load(tmp_path / "plan.json")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "ompmoe prune: method random, allocation uniform, risk_weight 3, min_kept_fraction 0.375, "
+        "max_kept_fraction 0.875, zeta 1e-06, seed 3 (method, allocation, risk_weight, min_kept_fraction, "
+        f"max_kept_fraction, zeta, method_options from the fit's plan {tmp_path / 'plan.json'})")
+
+
+def test_an_input_that_is_a_symlink_inside_the_output_counts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("real.txt").write_text("text")
+    with atomic_path("out", directory=True) as tmp:
+        (tmp / "calib.txt").symlink_to(tmp_path / "real.txt")
+    with pytest.raises(OutputNotReplaceableError) as error:
+        check_writable("out", overwrite=True, directory=True, inputs=["out/calib.txt"])
+    assert str(error.value) == contains("out", "out/calib.txt")
+    check_writable("out", overwrite=True, directory=True, inputs=["real.txt"])  # the target alone does not block
