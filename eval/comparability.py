@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 NOISY_ITEMS = 100
 """Tasks with fewer items are flagged as noisy in reports (one item moves accuracy by >= 1 point)."""
@@ -21,6 +21,8 @@ NOISY_ITEMS = 100
 
 def weights_fingerprint(model: nn.Module) -> str | None:
     """Hash of the input embeddings in bfloat16: equal for a model and its pruned versions, whatever their dtype."""
+    import torch  # here, so that ``ompmoe report`` (which only compares recorded hashes) never loads torch
+
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     weight = getattr(embeddings, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.is_meta:

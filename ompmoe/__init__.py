@@ -8,42 +8,6 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 
 __version__ = "0.1.0"
 
-from .engine.adapters import (
-    ARCHITECTURES,
-    ArchitectureSpec,
-    MoELayer,
-    UnsupportedModelError,
-    find_moe_layers,
-    register_architecture,
-    supported_model_types,
-)
-from .engine.adaptive import adaptive_report, adaptive_summary, disable_adaptive, enable_adaptive, reset_adaptive_counters
-from .engine.allocation import ALLOCATIONS, AllocationProblem, InfeasibleBudgetError, register_allocation
-from .engine.collect import CalibrationInputError, StatisticsCollector, collect_stats
-from .engine.io import OutputExistsError, OutputNotReplaceableError, OutputNotWritableError
-from .engine.plan import LayerPlan, PlanMismatchError, PruningPlan, plan_pruning
-from .engine.pruning import load_pruned, prune, pruning_info, save_pruned
-from .engine.quantized import QuantizedModelError
-from .engine.selection import greedy_pursuit
-from .engine.statistics import FingerprintMismatchError, LayerStats, MoEStats, StatsFileError, model_fingerprint
-from .engine.summary import kept_summary
-from .engine.methods import METHODS, SelectionMethod, SubsetSelection, get_method, register_method
-from .engine.strategy import (
-    STRATEGIES,
-    EANStrategy,
-    ExactStrategy,
-    FrequencyStrategy,
-    OMPStrategy,
-    OMPSwapStrategy,
-    PruningStrategy,
-    RandomStrategy,
-    REAPStrategy,
-    RoutingMassStrategy,
-    StaticEnergyStrategy,
-    Strategy,
-    TokenNormalizedOMPStrategy,
-    strategy_for,
-)
 
 __all__ = [
     "ALLOCATIONS",
@@ -112,6 +76,64 @@ __all__ = [
 # Lightning-based classes, imported on first access so that ``import ompmoe`` never needs lightning.
 # Add an entry ``name -> submodule`` here to expose another one the same way.
 _LAZY_ATTRIBUTES: dict[str, str] = {
+    # The engine: loaded on first use too, so `ompmoe --help` answers without importing torch.
+    "ARCHITECTURES": ".engine.adapters",
+    "ArchitectureSpec": ".engine.adapters",
+    "MoELayer": ".engine.adapters",
+    "UnsupportedModelError": ".engine.adapters",
+    "find_moe_layers": ".engine.adapters",
+    "register_architecture": ".engine.adapters",
+    "supported_model_types": ".engine.adapters",
+    "adaptive_report": ".engine.adaptive",
+    "adaptive_summary": ".engine.adaptive",
+    "disable_adaptive": ".engine.adaptive",
+    "enable_adaptive": ".engine.adaptive",
+    "reset_adaptive_counters": ".engine.adaptive",
+    "ALLOCATIONS": ".engine.allocation",
+    "AllocationProblem": ".engine.allocation",
+    "InfeasibleBudgetError": ".engine.allocation",
+    "register_allocation": ".engine.allocation",
+    "CalibrationInputError": ".engine.collect",
+    "StatisticsCollector": ".engine.collect",
+    "collect_stats": ".engine.collect",
+    "OutputExistsError": ".engine.io",
+    "OutputNotReplaceableError": ".engine.io",
+    "OutputNotWritableError": ".engine.io",
+    "LayerPlan": ".engine.plan",
+    "PlanMismatchError": ".engine.plan",
+    "PruningPlan": ".engine.plan",
+    "plan_pruning": ".engine.plan",
+    "load_pruned": ".engine.pruning",
+    "prune": ".engine.pruning",
+    "pruning_info": ".engine.pruning",
+    "save_pruned": ".engine.pruning",
+    "QuantizedModelError": ".engine.quantized",
+    "greedy_pursuit": ".engine.selection",
+    "FingerprintMismatchError": ".engine.statistics",
+    "LayerStats": ".engine.statistics",
+    "MoEStats": ".engine.statistics",
+    "StatsFileError": ".engine.statistics",
+    "model_fingerprint": ".engine.statistics",
+    "kept_summary": ".engine.summary",
+    "METHODS": ".engine.methods",
+    "SelectionMethod": ".engine.methods",
+    "SubsetSelection": ".engine.methods",
+    "get_method": ".engine.methods",
+    "register_method": ".engine.methods",
+    "STRATEGIES": ".engine.strategy",
+    "EANStrategy": ".engine.strategy",
+    "ExactStrategy": ".engine.strategy",
+    "FrequencyStrategy": ".engine.strategy",
+    "OMPStrategy": ".engine.strategy",
+    "OMPSwapStrategy": ".engine.strategy",
+    "PruningStrategy": ".engine.strategy",
+    "RandomStrategy": ".engine.strategy",
+    "REAPStrategy": ".engine.strategy",
+    "RoutingMassStrategy": ".engine.strategy",
+    "StaticEnergyStrategy": ".engine.strategy",
+    "Strategy": ".engine.strategy",
+    "TokenNormalizedOMPStrategy": ".engine.strategy",
+    "strategy_for": ".engine.strategy",
     "CalibrationDataModule": ".lightning.calibration_data",
     "CalibrationModule": ".lightning.calibration_module",
     "write_plots": ".recipes.plots",  # needs matplotlib

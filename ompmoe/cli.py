@@ -20,16 +20,16 @@ from argparse import ArgumentError
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
 from ._quiet import quiet_third_party
 from .cli_help import FIT_SHORT_HELP, TOP_HELP
 from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
 from .engine.progress import progress
-from .engine.statistics import MoEStats
-from .engine.strategy import PruningStrategy
-from .engine.summary import kept_summary, settings_summary
+
+if TYPE_CHECKING:  # torch-backed modules load inside the commands, so help and argument errors answer at once
+    from .engine.statistics import MoEStats
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -116,6 +116,9 @@ def replan(
         quiet: No progress bar and no summary lines (errors are still printed).
     """
     from .engine.plan import renamed_bounds
+    from .engine.statistics import MoEStats
+    from .engine.strategy import PruningStrategy
+    from .engine.summary import kept_summary, settings_summary
 
     ratio = _ratios(ratio)
     min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
@@ -168,6 +171,7 @@ def _settings(statistics: MoEStats, fit_plan: Path, given: dict[str, Any]) -> tu
     Also returns the names taken from the fit's plan. The method's options come from it only with its method.
     """
     from .engine.plan import PruningPlan
+    from .engine.strategy import PruningStrategy
 
     plan = None
     if any(value is None for value in given.values()) and fit_plan.is_file():
@@ -203,6 +207,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
         quiet: No progress bars and no list of written files.
     """
     from .engine.plan import PruningPlan
+    from .engine.statistics import MoEStats
     from .recipes.plots import write_plots
 
     inputs = local_inputs(stats, plan)
