@@ -62,3 +62,19 @@ def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkey
         main(["fit", "-c", str(config), "--model.model", model])
     assert done.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+
+
+def test_demo_writes_its_own_directory_and_no_advice_it_cannot_follow(tmp_path, monkeypatch, capsys):
+    import warnings
+
+    from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
+    from ompmoe.recipes.quickstart import prune_tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingTokenizerWarning)  # it would name a hidden temporary and a flag the demo lacks
+        prune_tiny_model(model="tiny", model_type="gpt_oss", seq_len=32, num_blocks=4)
+    assert (tmp_path / "outputs" / "demo" / "plan.json").is_file()  # not outputs/tiny, the main job's directory
+    assert not (tmp_path / "outputs" / "tiny").exists()
+    assert ("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer files"
+            in capsys.readouterr().out.splitlines())

@@ -69,8 +69,8 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
             continue
         from ...data import resolve_shipped
 
-        path = resolve_shipped(candidate)
         try:
+            path = resolve_shipped(candidate)
             return load_tokenizer(path, local_files_only=not _is_hub_id(path))
         except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
             if isinstance(tokenizer, (str, os.PathLike)):
