@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for calibration in args.calibrations:
         for ratio in args.ratios:
             for method, allocation, sequential in jobs:
-                    strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_ratio=min_ratio_for(ratio))
+                    strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_kept_fraction=min_ratio_for(ratio))
                     plan = strategy.plan(stats[calibration])
                     loss_aware = bool({method, allocation} & LOSS_AWARE)
                     if sequential:  # one more statistics pass per MoE layer after the first

@@ -396,16 +396,3 @@ def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamod
             if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
                 return value
     return None
-
-
-class OMPMoEPruning(ExpertPruning):
-    """Deprecated name of :class:`ExpertPruning` (the callback prunes with any registered method)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import warnings
-
-        warnings.warn("OMPMoEPruning is now ompmoe.callbacks.ExpertPruning.", DeprecationWarning, stacklevel=2)
-        super().__init__(*args, **kwargs)
-
-
-__all__ = ["ExpertPruning", "MissingModelError", "OMPMoEPruning", "find_hf_model"]

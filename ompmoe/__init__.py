@@ -6,7 +6,7 @@ layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload i
 (:func:`load_pruned`).
 """
 
-__version__ = "0.1.0"
+from .engine.version import __version__
 
 
 __all__ = [
@@ -27,23 +27,12 @@ __all__ = [
     "quantization_summary",
     "quantize_experts",
     "ARCHITECTURES",
-    "EANStrategy",
-    "ExactStrategy",
-    "FrequencyStrategy",
-    "OMPSwapStrategy",
-    "REAPStrategy",
-    "RandomStrategy",
-    "RoutingMassStrategy",
-    "STRATEGIES",
-    "StaticEnergyStrategy",
-    "TokenNormalizedOMPStrategy",
     "FingerprintMismatchError",
     "InfeasibleBudgetError",
     "LayerPlan",
     "LayerStats",
     "MoELayer",
     "MoEStats",
-    "OMPStrategy",
     "OutputExistsError",
     "OutputNotReplaceableError",
     "OutputNotWritableError",
@@ -120,19 +109,8 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
     "SubsetSelection": ".engine.methods",
     "get_method": ".engine.methods",
     "register_method": ".engine.methods",
-    "STRATEGIES": ".engine.strategy",
-    "EANStrategy": ".engine.strategy",
-    "ExactStrategy": ".engine.strategy",
-    "FrequencyStrategy": ".engine.strategy",
-    "OMPStrategy": ".engine.strategy",
-    "OMPSwapStrategy": ".engine.strategy",
     "PruningStrategy": ".engine.strategy",
-    "RandomStrategy": ".engine.strategy",
-    "REAPStrategy": ".engine.strategy",
-    "RoutingMassStrategy": ".engine.strategy",
-    "StaticEnergyStrategy": ".engine.strategy",
     "Strategy": ".engine.strategy",
-    "TokenNormalizedOMPStrategy": ".engine.strategy",
     "strategy_for": ".engine.strategy",
     "CalibrationDataModule": ".lightning.calibration_data",
     "CalibrationModule": ".lightning.calibration_module",
@@ -146,9 +124,7 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
 }
 
 
-from ._compat import install as _install_moved_modules  # noqa: E402
 from ._lazy import lazy_attributes  # noqa: E402
 
-_install_moved_modules()
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES)

@@ -1,6 +1,6 @@
 """The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
 
-- ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (OMPMoEPruning callback in the config).
+- ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (the ExpertPruning callback in the config).
 - ``ompmoe prune --stats run/stats.safetensors --ratio 0.25,0.5 --output_dir plans``: new plans
   (and, with ``--model``, pruned models) at other ratios without re-running calibration.
 - ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
@@ -78,8 +78,6 @@ def replan(
     method: str | None = None,
     method_options: dict[str, Any] | None = None,
     zeta: float | None = None,
-    min_ratio: float | None = None,
-    max_ratio: float | None = None,
     tokenizer: str | None = None,
     dtype: str | None = None,
     quiet: bool = False,
@@ -108,20 +106,16 @@ def replan(
         method_options: The method's options, e.g. ``--method_options.seed 3``: METHOD_OPTIONS (default: the
             fit's when its method is used).
         zeta: Stabilizer inside the routing-risk logarithm (default: the fit's, else 1e-6).
-        min_ratio: Deprecated name of min_kept_fraction.
-        max_ratio: Deprecated name of max_kept_fraction.
         tokenizer: Tokenizer (hub id or path) saved with each model; default: ``model``'s own
             (a warning names this option when none is found).
         dtype: Weights dtype of the saved models; default: the source checkpoint's.
         quiet: No progress bar and no summary lines (errors are still printed).
     """
-    from .engine.plan import renamed_bounds
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
     from .engine.summary import kept_summary, settings_summary
 
     ratio = _ratios(ratio)
-    min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
     fit_plan = Path(stats).parent / FIT_PLAN
     inputs = local_inputs(stats, fit_plan, model, tokenizer)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)

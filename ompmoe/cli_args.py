@@ -14,7 +14,6 @@ from pathlib import Path
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
     "ExpertPruning": "ompmoe.callbacks.ExpertPruning",
-    "OMPMoEPruning": "ompmoe.callbacks.OMPMoEPruning",
     "AdaptiveInferenceMonitor": "ompmoe.callbacks.AdaptiveInferenceMonitor",
     "PruningStrategy": "ompmoe.engine.strategy.PruningStrategy",
     "CalibrationModule": "ompmoe.lightning.calibration_module.CalibrationModule",

@@ -61,7 +61,7 @@ def test_short_class_names_in_help_options():
         "fit", "--trainer.callbacks.help", "ompmoe.callbacks.ExpertPruning"]
     assert class_paths(["--trainer.callbacks.help=AdaptiveInferenceMonitor"]) == [
         "--trainer.callbacks.help=ompmoe.callbacks.AdaptiveInferenceMonitor"]
-    assert class_paths(["--model.model", "OMPMoEPruning"]) == ["--model.model", "OMPMoEPruning"]
+    assert class_paths(["--model.model", "ExpertPruning"]) == ["--model.model", "ExpertPruning"]
 
 
 # ------------------------------------------------------------------------------------------ help

@@ -7,12 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ompmoe"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ompmoe"
+INSTALLED_AS = {"callbacks": "ompmoe.callbacks", "eval": "ompmoe.eval"}
+"""Top-level directories installed as subpackages of ompmoe (pyproject's package-dir)."""
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in INSTALLED_AS:
+        parts[:1] = INSTALLED_AS[parts[0]].split(".")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources(*directories: str) -> list[Path]:
+    return sorted(path for directory in directories for path in (ROOT / directory).rglob("*.py"))
 
 
 def _imports(path: Path) -> set[str]:
@@ -41,10 +50,21 @@ def test_the_engine_imports_neither_lightning_nor_the_recipes():
                      if name.split(".")[0] == "lightning" or name.startswith(("ompmoe.recipes", "ompmoe.lightning",
                                                                              "ompmoe.callbacks", "ompmoe.eval")))
         assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+        upward = sorted(name for name in _imports(path) if name in ("ompmoe", "ompmoe.__version__"))
+        assert not upward, f"{path.relative_to(PACKAGE)} imports its parent package: {upward}"
+
+
+def test_eval_never_imports_the_recipes_and_the_callbacks_never_import_eval():
+    for path in _sources("eval"):
+        bad = sorted(name for name in _imports(path) if name.startswith("ompmoe.recipes"))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+    for path in _sources("callbacks"):
+        bad = sorted(name for name in _imports(path) if name.startswith("ompmoe.eval"))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_no_import_cycles_between_modules():
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = {_module_name(path): path for path in _sources("ompmoe", "callbacks", "eval")}
     graph = {name: {target for target in _imports(path) if target in modules and target != name and
                     not name.startswith(target + ".")} for name, path in modules.items()}
     graph = {name: {t for t in targets if not t.endswith("__init__")} for name, targets in graph.items()}

@@ -422,7 +422,7 @@ def atomic_path(
             os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         yield tmp
         if directory:
-            from .. import __version__
+            from .version import __version__
 
             (tmp / MARKER).write_text(json.dumps({"tool": "ompmoe", "version": __version__}))
         _default_permissions(tmp, directory)

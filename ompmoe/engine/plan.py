@@ -6,7 +6,6 @@ import json
 import math
 import numbers
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,18 +111,6 @@ class PruningPlan:
         return 1.0 - sum(layer.num_kept for layer in self.layers) / total
 
     @property
-    def min_ratio(self) -> float:
-        """Deprecated name of :attr:`min_kept_fraction`."""
-        warnings.warn("PruningPlan.min_ratio is now min_kept_fraction.", DeprecationWarning, stacklevel=2)
-        return self.min_kept_fraction
-
-    @property
-    def max_ratio(self) -> float:
-        """Deprecated name of :attr:`max_kept_fraction`."""
-        warnings.warn("PruningPlan.max_ratio is now max_kept_fraction.", DeprecationWarning, stacklevel=2)
-        return self.max_kept_fraction
-
-    @property
     def is_uniform(self) -> bool:
         return len({layer.num_kept for layer in self.layers}) == 1
 
@@ -149,9 +136,6 @@ class PruningPlan:
         try:
             data = json.loads(path.read_text())
             data.pop("achieved_ratio", None)
-            for old, new in (("min_ratio", "min_kept_fraction"), ("max_ratio", "max_kept_fraction")):
-                if old in data:  # plans written before the rename
-                    data[new] = data.pop(old)
             data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
@@ -206,23 +190,6 @@ def check_plan_arguments(
     return ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
 
 
-def renamed_bounds(
-    min_kept_fraction: Any, max_kept_fraction: Any, min_ratio: Any = None, max_ratio: Any = None
-) -> tuple[Any, Any]:
-    """Accept the deprecated ``min_ratio``/``max_ratio`` (fractions kept, despite the name) with a warning."""
-    for old, new, value in (("min_ratio", "min_kept_fraction", min_ratio), ("max_ratio", "max_kept_fraction", max_ratio)):
-        if value is not None:
-            warnings.warn(
-                f"{old} is now called {new} (it is a fraction of experts kept; ratio is the fraction removed).",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-    return (
-        min_kept_fraction if min_ratio is None else min_ratio,
-        max_kept_fraction if max_ratio is None else max_ratio,
-    )
-
-
 def plan_pruning(
     stats: MoEStats,
     ratio: float,
@@ -233,9 +200,6 @@ def plan_pruning(
     max_kept_fraction: float = 0.875,
     zeta: float = 1e-6,
     method_options: dict[str, Any] | None = None,
-    *,
-    min_ratio: float | None = None,
-    max_ratio: float | None = None,
 ) -> PruningPlan:
     """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
 
@@ -244,10 +208,8 @@ def plan_pruning(
     :data:`ompmoe.ALLOCATIONS`. ``min_kept_fraction``/``max_kept_fraction`` bound the fraction
     of experts each layer keeps under bounded allocations (``waterfill``, ``optimal``);
     ``uniform`` keeps ``1 - ratio`` of every layer. The method's options are recorded in
-    ``plan.extra["method_options"]``. ``min_ratio``/``max_ratio`` are the deprecated names of
-    the bounds.
+    ``plan.extra["method_options"]``.
     """
-    min_kept_fraction, max_kept_fraction = renamed_bounds(min_kept_fraction, max_kept_fraction, min_ratio, max_ratio)
     selection_method = get_method(method, method_options)
     ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction = check_plan_arguments(
         ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction

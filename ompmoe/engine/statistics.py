@@ -31,7 +31,6 @@ SIGNED_TENSORS = ("loss_first_order",)
 ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 2
 """2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""
-LEGACY_FORMAT_VERSION = 1
 SYMMETRY_TOLERANCE = 1e-6
 
 
@@ -133,7 +132,7 @@ class MoEStats:
 
     def __post_init__(self) -> None:
         if not self.library_version:
-            from .. import __version__
+            from .version import __version__
 
             self.library_version = __version__
 
@@ -216,8 +215,9 @@ class MoEStats:
         if not isinstance(meta, dict):
             raise StatsFileError(f"{path}: the 'ompmoe' metadata is not a JSON object. {fix}")
         version = meta.get("format_version")
-        if version not in (FORMAT_VERSION, LEGACY_FORMAT_VERSION):
-            raise ValueError(f"{path} has statistics format {version}, expected {FORMAT_VERSION}.")
+        if version != FORMAT_VERSION:
+            raise StatsFileError(f"{path} has statistics format {version!r}; this ompmoe reads format {FORMAT_VERSION} "
+                                 f"only. {fix}")
         try:
             tensors = load_file(str(path))
         except Exception as error:  # safetensors raises its own error types for truncated files
@@ -229,8 +229,6 @@ class MoEStats:
         fingerprint = meta.get("fingerprint")
         if not isinstance(fingerprint, str):
             raise StatsFileError(f"{path}: the metadata has no fingerprint. {fix}")
-        if version == LEGACY_FORMAT_VERSION:
-            fingerprint = _upgrade_legacy(path, fingerprint, layers, model)
         stats = cls(
             layers=layers,
             num_tokens=num_tokens,
@@ -302,40 +300,6 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
             found[key] = tensor
         layers.append(LayerStats(name=name, **routing, **found))  # type: ignore[arg-type]
     return layers
-
-
-def _upgrade_legacy(path: Path, fingerprint: str, layers: list[LayerStats], model: torch.nn.Module | None) -> str:
-    """A format-1 file is accepted only against ``model``: its old fingerprint and every Gram size must match."""
-    fix = "Re-collect the statistics with this version: ompmoe.collect_stats(model, batches).save(path)."
-    if model is None:
-        raise StatsFileError(
-            f"{path} was written by an older ompmoe (statistics format 1, whose fingerprint ignores expert "
-            f"widths and attention shapes). Pass the model, MoEStats.load(path, model=model), to check it, or {fix[0].lower()}{fix[1:]}"
-        )
-    from .adapters import find_moe_layers
-
-    model_layers = find_moe_layers(model)
-    same_layers = [(layer.name, layer.routing) for layer in model_layers] == [(layer.name, layer.routing) for layer in layers]
-    if legacy_fingerprint(model) != fingerprint or not same_layers:
-        raise FingerprintMismatchError(
-            f"{path} (statistics format 1) was collected on a different model (fingerprint {fingerprint}); "
-            f"this model's format-1 fingerprint is {legacy_fingerprint(model)}. {fix}"
-        )
-    return model_fingerprint(model)
-
-
-def legacy_fingerprint(model: torch.nn.Module) -> str:
-    """The fingerprint of statistics format 1 (only model type, hidden size, layers, vocab and routing)."""
-    from .adapters import find_moe_layers
-
-    config = model.config
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-    payload = {
-        "config": {key: getattr(config, key, None) for key in keys},
-        "layers": [{"name": layer.name, **layer.routing} for layer in find_moe_layers(model)],
-    }
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    return digest[:16]
 
 
 FINGERPRINT_CONFIG_KEYS = (

@@ -69,8 +69,8 @@ def prune_tiny_model(
     ratio: float = 0.5,
     allocation: str = "waterfill",
     risk_weight: float = 3.0,
-    min_ratio: float = 0.375,
-    max_ratio: float = 0.875,
+    min_kept_fraction: float = 0.375,
+    max_kept_fraction: float = 0.875,
     seq_len: int = 256,
     num_blocks: int = 16,
     batch_size: int = 4,
@@ -85,8 +85,8 @@ def prune_tiny_model(
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
         allocation: ``uniform``, ``waterfill`` or ``optimal``.
         risk_weight: Lambda of the routing-risk term of the allocation cost.
-        min_ratio: Fewest experts a layer may keep, as a fraction of its experts.
-        max_ratio: Most experts a layer may keep, as a fraction of its experts.
+        min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
+        max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
         seq_len: Tokens per calibration block.
         num_blocks: Number of calibration blocks.
         batch_size: Blocks per forward pass.
@@ -96,12 +96,13 @@ def prune_tiny_model(
     out = check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     model_name = model
     model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
-    validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_ratio, max_ratio)
+    validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_kept_fraction, max_kept_fraction)
 
     start = time.perf_counter()
     stats = collect_stats(model, blocks.split(batch_size), model_id=model_id, source=source)
     plan = plan_pruning(
-        stats, ratio, allocation=allocation, risk_weight=risk_weight, min_ratio=min_ratio, max_ratio=max_ratio
+        stats, ratio, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
+        max_kept_fraction=max_kept_fraction
     )
     probe = blocks[:2, :64]
     with torch.no_grad():

@@ -273,7 +273,7 @@ def old_format(directory: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_load_pruned_reads_old_and_new_checkpoints(exported, model_type, tmp_path):
+def test_load_pruned_reads_current_checkpoints_and_refuses_the_count_mapping_clearly(exported, model_type, tmp_path):
     import shutil
 
     new, mapping, old = exported["root"] / model_type, tmp_path / "mapping", tmp_path / "old"
@@ -284,8 +284,18 @@ def test_load_pruned_reads_old_and_new_checkpoints(exported, model_type, tmp_pat
         transformers.AutoModelForCausalLM.from_pretrained(old)
     with pytest.raises(Exception, match="expected int, got dict"):  # and the count mapping
         transformers.AutoModelForCausalLM.from_pretrained(mapping)
+    message = (f"{mapping} was pruned by an earlier ompmoe version (config.json stores "
+               f"'{ARCHITECTURES[model_type].expert_count_key}' as a mapping), which this version does not read. "
+               "Re-create it from the statistics of that run: ompmoe prune --stats STATS.safetensors --ratio R "
+               "--model ORIGINAL_MODEL --output_dir NEW_DIR.")
+    with pytest.raises(ValueError) as error:
+        ompmoe.load_pruned(mapping)
+    assert str(error.value) == message
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(mapping)
+    assert str(error.value) == message
     source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
-    for directory in (new, mapping, old):
+    for directory in (new, old):
         loaded = ompmoe.load_pruned(directory)
         assert type(loaded).__module__.startswith("transformers.models.")
         assert loaded.config._experts_implementation == "grouped_mm"

@@ -380,8 +380,12 @@ def test_save_and_load_round_trip(case_id, kind, tmp_path):
     if kind == "uniform":
         saved_config = transformers.AutoConfig.from_pretrained(target)
         assert getattr(saved_config, case.count_key) == max(len(ids) for ids in kept.values())
-    else:  # the count is a per-layer marker stock configs refuse (tests/test_export.py)
-        assert saved[case.count_key]["per_layer"] == {name: len(ids) for name, ids in kept.items()}
+    else:  # the largest count, and an experts implementation every stock model class refuses (tests/engine/test_export.py)
+        from ompmoe.engine.export.config import load_stock_config
+        from ompmoe.engine.export.hub_code import HOW_TO_LOAD
+
+        assert saved["experts_implementation"] == HOW_TO_LOAD
+        assert getattr(load_stock_config(target), case.count_key) == max(len(ids) for ids in kept.values())
 
     loaded = ompmoe.load_pruned(target)
     assert type(loaded) is type(model)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -211,30 +210,13 @@ def test_readme_method_table_is_the_registry():
     assert table == method_table()
 
 
-def test_deprecated_names_still_work_and_warn(stats):
-    with pytest.warns(DeprecationWarning, match="RandomStrategy is deprecated: use ompmoe.PruningStrategy"):
-        old = ompmoe.RandomStrategy(ratio=0.5, seed=3, min_ratio=0.25)
-    assert old.plan(stats) == plan_pruning(stats, 0.5, method="random", method_options={"seed": 3}, min_kept_fraction=0.25)
-    with pytest.warns(DeprecationWarning, match="min_ratio is now called min_kept_fraction"):
-        plan = plan_pruning(stats, 0.5, min_ratio=0.25)
-    with pytest.warns(DeprecationWarning, match="PruningPlan.min_ratio is now min_kept_fraction"):
-        assert plan.min_ratio == 0.25
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import importlib
+def test_removed_names_are_gone(stats):
+    import importlib
 
-        old_module = importlib.import_module("ompmoe.strategies")
-    assert old_module is importlib.import_module("ompmoe.engine.strategy")
-    assert any("ompmoe.strategies moved to ompmoe.engine.strategy" in str(w.message) for w in caught)
-    from ompmoe.callbacks import ExpertPruning, OMPMoEPruning
-
-    with pytest.warns(DeprecationWarning, match="OMPMoEPruning is now ompmoe.callbacks.ExpertPruning"):
-        assert isinstance(OMPMoEPruning(), ExpertPruning)
-
-
-def test_plans_written_before_the_rename_load(tmp_path, stats):
-    plan = plan_pruning(stats, 0.5)
-    data = plan.to_dict()
-    data["min_ratio"], data["max_ratio"] = data.pop("min_kept_fraction"), data.pop("max_kept_fraction")
-    (tmp_path / "old.json").write_text(json.dumps(data))
-    assert ompmoe.PruningPlan.load(tmp_path / "old.json") == plan
+    for name in ("RandomStrategy", "OMPStrategy", "STRATEGIES"):
+        assert not hasattr(ompmoe, name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("ompmoe.strategies")
+    with pytest.raises(TypeError, match="min_ratio"):
+        plan_pruning(stats, 0.5, min_ratio=0.25)
+    assert not hasattr(importlib.import_module("ompmoe.callbacks"), "OMPMoEPruning")

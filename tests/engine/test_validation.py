@@ -20,7 +20,7 @@ from ompmoe import MoEStats, collect_stats, plan_pruning, prune
 from ompmoe.engine.collect import ADAPTIVE_WARNING, CalibrationInputError
 from ompmoe.engine.plan import PlanMismatchError, PruningPlan
 from ompmoe.engine.pruning import load_pruned, save_pruned
-from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, legacy_fingerprint, model_fingerprint
+from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, model_fingerprint
 
 from reference import make_model, random_ids
 
@@ -185,8 +185,6 @@ def test_fingerprint_sees_expert_width_and_attention():
     for change in (dict(moe_intermediate_size=64), dict(num_key_value_heads=1), dict(head_dim=16)):
         other = make_model("qwen3_moe", num_hidden_layers=4, **change)
         assert model_fingerprint(other) != base, change
-    wide = make_model("qwen3_moe", num_hidden_layers=4, moe_intermediate_size=64)
-    assert legacy_fingerprint(wide) == legacy_fingerprint(qwen())  # what format 1 missed
 
 
 def test_statistics_of_narrower_experts_refused(stats, tmp_path):
@@ -196,27 +194,15 @@ def test_statistics_of_narrower_experts_refused(stats, tmp_path):
         MoEStats.load(path, model=wide)
 
 
-def legacy_file(stats: MoEStats, path, model) -> None:
-    meta = {**stats.metadata(), "format_version": 1, "fingerprint": legacy_fingerprint(model)}
+def test_statistics_of_an_earlier_format_get_one_clear_error(stats, tmp_path):
+    path = tmp_path / "old.safetensors"
+    meta = {**stats.metadata(), "format_version": 1}
     tensors = {f"layers.{i}.{k}": v for i, layer in enumerate(stats.layers) for k, v in layer.tensors().items()}
     save_file(tensors, str(path), metadata={"ompmoe": json.dumps(meta)})
-
-
-def test_format_1_files_only_with_their_model(stats, tmp_path):
-    path = tmp_path / "old.safetensors"
-    legacy_file(stats, path, qwen())
-    with pytest.raises(StatsFileError, match=re.escape(
-        f"{path} was written by an older ompmoe (statistics format 1, whose fingerprint ignores expert widths "
-        "and attention shapes). Pass the model, MoEStats.load(path, model=model), to check it, or re-collect"
-    )):
+    with pytest.raises(StatsFileError) as error:
         MoEStats.load(path)
-    loaded = MoEStats.load(path, model=qwen())
-    assert loaded.fingerprint == model_fingerprint(qwen())
-    wide = make_model("qwen3_moe", num_hidden_layers=4, moe_intermediate_size=64)
-    with pytest.raises(FingerprintMismatchError, match="statistics format 1"):
-        MoEStats.load(path, model=make_model("qwen3_moe", num_hidden_layers=4, num_experts=8))
-    # The wide model has the same format-1 fingerprint and Gram sizes: format 1 cannot tell them apart.
-    assert MoEStats.load(path, model=wide).fingerprint == model_fingerprint(wide)
+    assert str(error.value) == (f"{path} has statistics format 1; this ompmoe reads format 2 only. "
+                                "Re-collect it: ompmoe.collect_stats(model, batches).save(path).")
 
 
 # ----------------------------------------------------------------------------- stats files

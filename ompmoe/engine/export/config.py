@@ -18,14 +18,22 @@ def count_json_key(model_type: str) -> str:
     return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
 
 
-def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
-    """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models.
+def refuse_earlier_format(config_dict: dict[str, Any], count_key: str | None, path: str | os.PathLike) -> None:
+    """One clear error for a checkpoint of an earlier ompmoe (the expert count stored as a mapping)."""
+    if count_key is not None and isinstance(config_dict.get(count_key), dict):
+        raise ValueError(
+            f"{path} was pruned by an earlier ompmoe version (config.json stores {count_key!r} as a mapping), "
+            "which this version does not read. Re-create it from the statistics of that run: ompmoe prune --stats "
+            "STATS.safetensors --ratio R --model ORIGINAL_MODEL --output_dir NEW_DIR."
+        )
 
-    Checkpoints written before the remote code existed (an int count) load through ``AutoConfig`` as before.
-    """
+
+def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
+    """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models."""
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
     model_type = config_dict.get("model_type")
     key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
+    refuse_earlier_format(config_dict, key, path)
     if key is not None and is_non_uniform(config_dict, key):
         config_class = transformers.CONFIG_MAPPING[model_type]
         return config_class.from_dict(stock_config_dict(config_dict, key), name_or_path=str(path))
@@ -42,17 +50,14 @@ def non_uniform_config(path: str | os.PathLike) -> Any | None:
     except (OSError, ValueError):
         return None
     spec = ARCHITECTURES.get(config_dict.get("model_type")) if isinstance(config_dict, dict) else None
-    if spec is None or not is_non_uniform(config_dict, spec.expert_count_key):
+    if spec is None:
         return None
-    return load_stock_config(path)
+    refuse_earlier_format(config_dict, spec.expert_count_key, path)
+    return load_stock_config(path) if is_non_uniform(config_dict, spec.expert_count_key) else None
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained`` that also reads non-uniform checkpoints of earlier ompmoe versions.
-
-    ``AutoTokenizer`` loads ``config.json`` first, which the stock config class refuses when the
-    expert count is a mapping (as ompmoe wrote them before); ompmoe hands it the stock config instead.
-    """
+    """``AutoTokenizer.from_pretrained``, handed the stock config of a non-uniform pruned checkpoint."""
     config = non_uniform_config(name) if "config" not in kwargs else None
     if config is not None:
         kwargs["config"] = config

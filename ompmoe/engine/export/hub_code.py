@@ -171,28 +171,19 @@ def write_remote_code(
 
 
 def is_non_uniform(config_dict: dict[str, Any], count_key: str) -> bool:
-    """Whether ``config_dict`` is a checkpoint written by :func:`write_remote_code`.
-
-    Checkpoints written by earlier ompmoe versions stored the expert count as a mapping
-    (``{"how_to_load", "max", "per_layer"}``) instead; they are recognised too.
-    """
-    return config_dict.get("experts_implementation") == HOW_TO_LOAD or isinstance(config_dict.get(count_key), dict)
+    """Whether ``config_dict`` is a checkpoint written by :func:`write_remote_code`."""
+    return config_dict.get("experts_implementation") == HOW_TO_LOAD
 
 
 def stock_config_dict(config_dict: dict[str, Any], count_key: str) -> dict[str, Any]:
     """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it.
 
-    The refusing ``experts_implementation`` (or an earlier version's count mapping, which becomes
-    the largest count) and ``auto_map`` are dropped, so the model loads as the stock class (ompmoe
+    The refusing ``experts_implementation`` and ``auto_map`` are dropped, so the model loads as the stock class (ompmoe
     sizes the layers itself) and a later ``save_pretrained`` does not point to code files it does not copy.
     """
     config_dict = dict(config_dict)
     if not is_non_uniform(config_dict, count_key):
         return config_dict
-    if config_dict.get("experts_implementation") == HOW_TO_LOAD:
-        del config_dict["experts_implementation"]
-    value = config_dict.get(count_key)
-    if isinstance(value, dict):
-        config_dict[count_key] = int(value["max"])
+    del config_dict["experts_implementation"]
     config_dict.pop("auto_map", None)
     return config_dict

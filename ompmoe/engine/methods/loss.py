@@ -46,7 +46,7 @@ def require_loss_tensors(layers: Sequence[LayerStats], key: str, what: str) -> N
     """Refuse statistics without the loss-aware sum ``key``, naming the option that collects it."""
     require_layer_tensor(
         layers, key, what, "loss-aware",
-        "ompmoe.collect_stats(model, batches, loss_aware=True) or OMPMoEPruning(..., loss_aware=True)",
+        "ompmoe.collect_stats(model, batches, loss_aware=True) or ExpertPruning(..., loss_aware=True)",
     )
 
 
