@@ -28,6 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .models import default_tokenizer, load_model, resolve_dtype
@@ -75,6 +76,11 @@ class FinetuneModule(pl.LightningModule):
             transformers' pooled value (uniform counts only).
         dtype: Weights dtype when loading (``None`` keeps the checkpoint's).
         tokenizer: Tokenizer name for ``CalibrationDataModule`` (``bytes`` for tiny models).
+        warmup_steps: Linear learning-rate warm-up over this many optimizer steps (0: constant rate).
+        keep_best: Track the mean validation loss (mean over the validation sets), starting with the
+            model before training, and at the end of training restore the best state if the last is
+            worse (a warning says so). Keeps one copy of the trainable parameters. Needs validation
+            data; without it, nothing is tracked.
         save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
         overwrite: Replace an existing ``save_dir``.
         trust_remote_code: Passed to ``from_pretrained``.
@@ -91,6 +97,8 @@ class FinetuneModule(pl.LightningModule):
         lora_experts: bool = True,
         aux_loss_coef: float | None = None,
         per_layer_aux_loss: bool = True,
+        warmup_steps: int = 0,
+        keep_best: bool = True,
         dtype: str | None = None,
         tokenizer: str | None = None,
         save_dir: str | None = None,
@@ -109,6 +117,14 @@ class FinetuneModule(pl.LightningModule):
         self.lora_experts = lora_experts
         self.aux_loss_coef = aux_loss_coef
         self.per_layer_aux_loss = per_layer_aux_loss
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be 0 or positive; got {warmup_steps}.")
+        self.warmup_steps = int(warmup_steps)
+        self.keep_best = keep_best
+        self.validation_history: list[tuple[int, float]] = []
+        """``(global step, mean validation loss)`` of every candidate state, the starting model first."""
+        self._best: tuple[int, float, dict[str, torch.Tensor]] | None = None
+        self._val_sums: dict[int, list[float]] = {}
         self.torch_dtype = resolve_dtype(dtype)
         self.save_dir = save_dir
         self.overwrite = overwrite
@@ -215,6 +231,9 @@ class FinetuneModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         parts = self.compute_loss(batch)
+        sums = self._val_sums.setdefault(dataloader_idx, [0.0, 0.0])
+        sums[0] += float(parts.lm_loss) * batch["input_ids"].shape[0]
+        sums[1] += batch["input_ids"].shape[0]
         self.log(self._val_key("val_loss", dataloader_idx), parts.lm_loss, prog_bar=True,
                  batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
 
@@ -223,6 +242,9 @@ class FinetuneModule(pl.LightningModule):
         names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None)
         return f"{metric}/{names[dataloader_idx]}" if names else metric
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
     def on_validation_epoch_end(self) -> None:
         # Blocks are equally long and unpadded, so exp(mean loss) is each set's token perplexity.
         names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
@@ -230,12 +252,91 @@ class FinetuneModule(pl.LightningModule):
             loss = self.trainer.callback_metrics.get(f"val_loss/{name}")
             if loss is not None:
                 self.log(f"val_ppl/{name}", torch.exp(loss), add_dataloader_idx=False)
+        if self._val_sums and not self.trainer.sanity_checking and self.trainer.state.fn == "fit":
+            mean = self._mean_validation_loss(self._val_sums)
+            if len(self._val_sums) > 1:
+                self.log("val_loss/mean", mean, add_dataloader_idx=False)
+            self._candidate(mean)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    # -------------------------------------------------------------------------- best state
+    def _mean_validation_loss(self, sums: dict[int, list[float]]) -> float:
+        """Mean over the validation sets of each set's mean per-block loss (summed over ranks)."""
+        totals = torch.tensor([sums[i] for i in sorted(sums)], dtype=torch.float64, device=self.device)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return float((totals[:, 0] / totals[:, 1]).mean())
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _candidate(self, mean: float) -> None:
+        """Record the current state's mean validation loss; keep a copy of it if it is the best so far."""
+        if not self.keep_best:
+            return
+        step = int(self.trainer.global_step)
+        if self.validation_history and self.validation_history[-1][0] == step:
+            return  # this state was already evaluated
+        self.validation_history.append((step, mean))
+        if self._best is None or mean < self._best[1]:
+            self._best = (step, mean, self._trainable_state())
+
+    @torch.no_grad()
+    def _validate_now(self) -> None:
+        """Evaluate the current state on the fit's validation loaders (outside Lightning's loop)."""
+        loop = self.trainer.fit_loop.epoch_loop.val_loop
+        loop.setup_data()  # the loaders (and batch limits) Lightning's own validation uses
+        if loop._combined_loader is None:
+            return
+        loaders, limits = loop._combined_loader.flattened, loop._max_batches
+        was_training = self.model.training
+        self.model.eval()
+        sums: dict[int, list[float]] = {}
+        for index, (loader, limit) in enumerate(zip(loaders, limits)):
+            for number, batch in enumerate(loader):
+                if number >= limit:
+                    break
+                batch = self.transfer_batch_to_device(batch, self.device, index)
+                size = batch["input_ids"].shape[0]
+                sums.setdefault(index, [0.0, 0.0])
+                sums[index][0] += float(self.compute_loss(batch).lm_loss) * size
+                sums[index][1] += size
+        self.model.train(was_training)
+        if sums:
+            self._candidate(self._mean_validation_loss(sums))
+
+    def on_train_start(self) -> None:
+        self.validation_history, self._best = [], None
+        if self.keep_best and self.trainer.limit_val_batches != 0:
+            self._validate_now()  # the starting model is a candidate too
+
+    def on_train_end(self) -> None:
+        if not self.keep_best or self._best is None:
+            return
+        if self.validation_history[-1][0] != self.trainer.global_step:
+            self._validate_now()  # the final state, if the last validation came before it
+        final_step, final = self.validation_history[-1]
+        best_step, best, state = self._best
+        if best_step == final_step:
+            return
+        with torch.no_grad():
+            parameters = dict(self.model.named_parameters())
+            for name, value in state.items():
+                parameters[name].copy_(value)
+        where = "the starting model (before training)" if best_step == 0 else f"step {best_step}"
+        rank_zero_warn(
+            f"FinetuneModule: restored the best validation state, {where}: mean validation loss {best:.4f}; "
+            f"the final state (step {final_step}) had {final:.4f}."
+        )
+
+    def configure_optimizers(self) -> Any:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         if not parameters:
             raise ValueError("FinetuneModule has no trainable parameters.")
-        return torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
+        optimizer = torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
+        if not self.warmup_steps:
+            return optimizer
+        warmup = self.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:
         if self.save_dir is None:
