@@ -1,12 +1,12 @@
 """How much of the pruning loss fine-tuning recovers, on both shipped models (docs/quality/finetune.md).
 
     python benchmarks/finetune_recovery.py                      # both models, the documented recipe
-    python benchmarks/finetune_recovery.py --models shipped:tiny-moe --learning_rate 3e-4 --num_blocks 160
+    python benchmarks/finetune_recovery.py --models shipped:tiny-moe --distill_weight 0 --learning_rate 1e-4
 
 For each model (float32): held-out perplexity per domain of the unpruned model, of the model pruned
 as the default job does (``configs/tiny.yaml``: ratio 0.5, ``omp_normalized``, ``loss`` allocation,
 loss-aware statistics on 16 x 256 tokens of ``shipped:mix``), and after fine-tuning it with
-:class:`ompmoe.FinetuneModule` in full and with LoRA: one epoch over ``--num_blocks`` blocks of
+:class:`ompmoe.FinetuneModule` in full and with LoRA, distilled from the unpruned model (``--distill_weight``): one epoch over ``--num_blocks`` blocks of
 ``--seq_len`` tokens of the default training text (``FinetuneDataModule(source=None)``: the shipped
 corpus's *train* split, half prose, half code), validation (for the best-state restore) on
 ``--val_blocks`` blocks per domain of the *calibration* split, ``--val_checks`` times per epoch.
@@ -60,12 +60,15 @@ def prune_like_default_job(model: torch.nn.Module, name: str, tokenizer: str, se
     return ompmoe.prune(model, plan)
 
 
-def finetune(pruned: torch.nn.Module, tokenizer: str, lora_rank: int, args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+def finetune(pruned: torch.nn.Module, teacher: torch.nn.Module, tokenizer: str, lora_rank: int,
+             args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     """The documented recipe on a copy of ``pruned``; returns the model and the module (validation history)."""
     import lightning.pytorch as pl
 
     module = ompmoe.FinetuneModule(copy.deepcopy(pruned), learning_rate=args.lora_learning_rate if lora_rank else
-                                   args.learning_rate, lora_rank=lora_rank, warmup_steps=args.warmup_steps)
+                                   args.learning_rate, lora_rank=lora_rank, warmup_steps=args.warmup_steps,
+                                   teacher=teacher if args.distill_weight else None,
+                                   distill_weight=args.distill_weight)
     data = ompmoe.FinetuneDataModule(tokenizer=tokenizer, seq_len=args.seq_len, num_blocks=args.num_blocks,
                                      batch_size=args.batch_size, val_sources=["shipped:prose", "shipped:code"],
                                      val_blocks=args.val_blocks)
@@ -86,13 +89,13 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     heldout = {d: token_blocks(corpus_token_stream(tokenizer, d, "heldout", max_tokens=args.eval_blocks * args.seq_len),
                                args.seq_len, args.eval_blocks) for d in CORPUS_DOMAINS}
     rows: dict[str, dict[str, float]] = {"unpruned": {d: perplexity(model, b) for d, b in heldout.items()}}
-    pruned = prune_like_default_job(model, name, str(path), args.seq_len)
+    pruned = prune_like_default_job(copy.deepcopy(model), name, str(path), args.seq_len)
     rows["pruned 0.5"] = {d: perplexity(pruned, b) for d, b in heldout.items()}
     cpu = {"setup + prune": time.process_time() - start}
     history = {}
     for label, rank in (("full", 0), (f"LoRA r{args.lora_rank}", args.lora_rank)):
         began = time.process_time()
-        tuned, module = finetune(pruned, str(path), rank, args)
+        tuned, module = finetune(pruned, model, str(path), rank, args)
         rows[f"fine-tuned {label}"] = {d: perplexity(tuned, b) for d, b in heldout.items()}
         cpu[label] = time.process_time() - began
         history[label] = module.validation_history
@@ -111,6 +114,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Settings: one epoch over {args.num_blocks} x {args.seq_len} tokens of `train:mix` "
         f"({args.num_blocks * args.seq_len:,} tokens), batch {args.batch_size}, AdamW lr {args.learning_rate:g} (full) / "
         f"{args.lora_learning_rate:g} (LoRA rank {args.lora_rank}, attention + experts), warm-up {args.warmup_steps} steps, "
+        f"distillation from the unpruned model with weight {args.distill_weight:g}, "
         f"validation {args.val_checks}x per epoch on {args.val_blocks} x {args.seq_len} tokens per domain of the "
         f"calibration split, best state kept; held-out: {args.eval_blocks} x {args.seq_len} tokens per domain; "
         f"torch {torch.__version__}, {args.threads} threads.",
@@ -136,11 +140,13 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["shipped:tiny-moe", "shipped:tiny-moe-64"])
     parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--num_blocks", type=int, default=160)
+    parser.add_argument("--num_blocks", type=int, default=320)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--lora_learning_rate", type=float, default=1e-3)
     parser.add_argument("--lora_rank", type=int, default=8)
+    parser.add_argument("--distill_weight", type=float, default=1.0,
+                        help="weight of KL(unpruned || fine-tuned) in the loss (0: plain causal-LM loss)")
     parser.add_argument("--warmup_steps", type=int, default=5)
     parser.add_argument("--val_blocks", type=int, default=4)
     parser.add_argument("--val_checks", type=int, default=4)

@@ -76,6 +76,10 @@ class FinetuneModule(pl.LightningModule):
             transformers' pooled value (uniform counts only).
         dtype: Weights dtype when loading (``None`` keeps the checkpoint's).
         tokenizer: Tokenizer name for ``CalibrationDataModule`` (``bytes`` for tiny models).
+        teacher: The unpruned model to distill from (a name or path as ``model``, or an instance):
+            the training loss becomes ``(1 - distill_weight) * lm_loss + distill_weight * KL(teacher ||
+            model)`` per token. ``None``: no distillation.
+        distill_weight: Weight of the distillation term (used only with ``teacher``).
         warmup_steps: Linear learning-rate warm-up over this many optimizer steps (0: constant rate).
         keep_best: Track the mean validation loss (mean over the validation sets), starting with the
             model before training, and at the end of training restore the best state if the last is
@@ -97,6 +101,8 @@ class FinetuneModule(pl.LightningModule):
         lora_experts: bool = True,
         aux_loss_coef: float | None = None,
         per_layer_aux_loss: bool = True,
+        teacher: str | nn.Module | None = None,
+        distill_weight: float = 0.5,
         warmup_steps: int = 0,
         keep_best: bool = True,
         dtype: str | None = None,
@@ -108,7 +114,13 @@ class FinetuneModule(pl.LightningModule):
         super().__init__()
         # Not "tokenizer": the data module records its own, and Lightning refuses to log two
         # different values of one key (the module's is often None while the data's is a path).
-        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else [])])
+        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else []),
+                                          *(["teacher"] if isinstance(teacher, nn.Module) else [])])
+        if not 0.0 <= distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must lie in [0, 1]; got {distill_weight}.")
+        self.teacher_name_or_path = None if isinstance(teacher, nn.Module) else teacher
+        self.distills = teacher is not None
+        self.distill_weight = float(distill_weight)
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.lora_rank = int(lora_rank)
@@ -139,6 +151,8 @@ class FinetuneModule(pl.LightningModule):
         self._routers: list[tuple[nn.Module, int]] | None = None
         self._set_hf_model(None)
         self._merged = False
+        # Kept out of the module tree: never trained, saved or counted as this module's parameters.
+        self.__dict__["_teacher"] = teacher if isinstance(teacher, nn.Module) else None
 
     def _set_hf_model(self, model: nn.Module | None) -> None:
         # Kept out of the module tree: it is ``self.model`` itself or the model inside its PEFT wrapper.
@@ -155,6 +169,29 @@ class FinetuneModule(pl.LightningModule):
         if self.lora_rank > 0:
             self.model = self._with_lora(self.model)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps modules' modes
+
+    def teacher_model(self) -> nn.Module | None:
+        """The frozen teacher in eval mode on this module's device (loaded on first use), or ``None``."""
+        if not self.distills:
+            return None
+        if self._teacher is None:
+            self.__dict__["_teacher"] = load_model(str(self.teacher_name_or_path), self.torch_dtype,
+                                                   self.trust_remote_code)
+        teacher = self._teacher.eval().requires_grad_(False)
+        return teacher.to(self.device)
+
+    def distillation_loss(self, batch: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Mean per-token ``KL(teacher || model)`` of the next-token distributions (padding left out)."""
+        with torch.no_grad():
+            teacher_logits = self.teacher_model()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                                  use_cache=False).logits
+        target = torch.log_softmax(teacher_logits.float(), dim=-1)
+        per_token = (target.exp() * (target - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
+        mask = batch.get("attention_mask")
+        if mask is None:
+            return per_token.mean()
+        mask = mask.to(per_token.dtype)
+        return (per_token * mask).sum() / mask.sum()
 
     def _load_model(self) -> nn.Module:
         name = self.model_name_or_path
@@ -223,11 +260,16 @@ class FinetuneModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         parts = self.compute_loss(batch)
         size = batch["input_ids"].shape[0]
-        self.log("train_loss", parts.loss, prog_bar=True, batch_size=size)
+        loss = parts.loss
+        if self.distills:
+            kl = self.distillation_loss(batch, parts.logits)
+            loss = loss + self.distill_weight * (kl - parts.lm_loss)  # (1 - w) * lm + w * kl (+ aux)
+            self.log("train_kd_loss", kl, batch_size=size)
+        self.log("train_loss", loss, prog_bar=True, batch_size=size)
         if parts.aux_loss is not None:
             self.log("train_lm_loss", parts.lm_loss, batch_size=size)
             self.log("train_aux_loss", parts.aux_loss, batch_size=size)
-        return parts.loss
+        return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         parts = self.compute_loss(batch)

@@ -153,3 +153,32 @@ def test_the_documented_cli_recipe_parses(capsys):
     assert data["num_blocks"] == int(flags["--data.num_blocks"]) and data["seq_len"] == int(flags["--data.seq_len"])
     assert data["source"] is None or data["source"] == flags.get("--data.source")
     assert trainer["max_epochs"] == int(flags["--trainer.max_epochs"])
+
+
+def test_distillation_loss_is_the_mean_token_kl_to_the_teacher():
+    from ompmoe.engine.tiny import tiny_model
+
+    torch.manual_seed(0)
+    student, teacher = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    module = ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=0.25)
+    module.configure_model()
+    ids = torch.randint(0, student.config.vocab_size, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        p = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits, -1)
+        q = torch.log_softmax(student(input_ids=ids, attention_mask=mask).logits, -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    expected = kl[mask.bool()].mean()
+    assert module.distillation_loss(batch, student(input_ids=ids, attention_mask=mask).logits).item() == \
+        pytest.approx(expected.item(), rel=1e-5)
+    lm = module.compute_loss(batch).lm_loss
+    module.log = lambda *args, **kwargs: None  # no trainer attached
+    assert module.training_step(batch, 0).item() == pytest.approx((0.75 * lm + 0.25 * expected).item(), rel=1e-5)
+    itself = ompmoe.FinetuneModule(teacher, teacher=teacher)
+    assert itself.distillation_loss(batch, teacher(input_ids=ids, attention_mask=mask).logits).item() == \
+        pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError) as error:
+        ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=1.5)
+    assert str(error.value) == "distill_weight must lie in [0, 1]; got 1.5."
