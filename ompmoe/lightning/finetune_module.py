@@ -1,11 +1,17 @@
 """A LightningModule that fine-tunes a pruned MoE (full or LoRA) with the causal-LM loss.
 
 The fine-tuning counterpart of :class:`ompmoe.CalibrationModule`: the same Trainer and
-``CalibrationDataModule`` (any of its sources as training text) continue from a pruned model::
+``FinetuneDataModule`` (training blocks, validation sets per domain) continue from a pruned model;
+the measured recipe (``docs/recipes.md``, ``benchmarks/finetune_recovery.py``)::
 
-    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \\
-        --data.source shipped --data.tokenizer bytes --data.seq_len 256 --data.num_blocks 16 \\
-        --data.batch_size 4 --trainer.max_steps 40 --trainer.accelerator cpu --trainer.logger false
+    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \
+        --model.teacher shipped:tiny-moe --model.distill_weight 1.0 --model.learning_rate 3e-4 --model.warmup_steps 5 \
+        --data.tokenizer outputs/tiny/model --data.seq_len 256 --data.num_blocks 320 --data.batch_size 4 \
+        --data.val_sources '[shipped:prose,shipped:code]' --data.val_blocks 4 \
+        --trainer.max_epochs 1 --trainer.val_check_interval 0.25 --trainer.accelerator cpu --trainer.logger false
+
+The best state on the mean validation loss (the starting model included) is restored at the end
+of training (``keep_best``), so the saved model is never worse on it than the one the fit began with.
 
 The loss is :func:`ompmoe.recipes.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
 model's config sets ``output_router_logits`` (or ``aux_loss_coef`` is given), the per-layer
@@ -325,6 +331,8 @@ class FinetuneModule(pl.LightningModule):
     def _validate_now(self) -> None:
         """Evaluate the current state on the fit's validation loaders (outside Lightning's loop)."""
         loop = self.trainer.fit_loop.epoch_loop.val_loop
+        if not loop._data_source.is_defined():
+            return  # a fit without validation data: nothing to compare
         loop.setup_data()  # the loaders (and batch limits) Lightning's own validation uses
         if loop._combined_loader is None:
             return

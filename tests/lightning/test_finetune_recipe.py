@@ -150,8 +150,11 @@ def test_the_documented_cli_recipe_parses(capsys):
     flags = dict(zip(args[1::2], args[2::2]))
     assert model["learning_rate"] == float(flags["--model.learning_rate"])
     assert model["lora_rank"] == int(flags.get("--model.lora_rank", 0))
+    assert model["teacher"] == flags["--model.teacher"] == "shipped:tiny-moe"
+    assert model["distill_weight"] == float(flags["--model.distill_weight"])
+    assert model["keep_best"] is True and data["val_sources"] == ["shipped:prose", "shipped:code"]
     assert data["num_blocks"] == int(flags["--data.num_blocks"]) and data["seq_len"] == int(flags["--data.seq_len"])
-    assert data["source"] is None or data["source"] == flags.get("--data.source")
+    assert data["source"] is None and "--data.source" not in flags  # the default: train:mix for this model
     assert trainer["max_epochs"] == int(flags["--trainer.max_epochs"])
 
 
