@@ -93,7 +93,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     rows["pruned 0.5"] = {d: perplexity(pruned, b) for d, b in heldout.items()}
     cpu = {"setup + prune": time.process_time() - start}
     history = {}
-    for label, rank in (("full", 0), (f"LoRA r{args.lora_rank}", args.lora_rank)):
+    variants = [("full", 0), (f"LoRA r{args.lora_rank}", args.lora_rank)]
+    for label, rank in [v for v in variants if v[0] in args.variants or v[0].split()[0] in args.variants]:
         began = time.process_time()
         tuned, module = finetune(pruned, model, str(path), rank, args)
         rows[f"fine-tuned {label}"] = {d: perplexity(tuned, b) for d, b in heldout.items()}
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--warmup_steps", type=int, default=5)
     parser.add_argument("--val_blocks", type=int, default=4)
     parser.add_argument("--val_checks", type=int, default=4)
+    parser.add_argument("--variants", nargs="*", default=["full", "LoRA"], help="fine-tunes to run: full, LoRA")
     parser.add_argument("--eval_blocks", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="also write the report (markdown) here")
