@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["shipped:tiny-moe", "shipped:tiny-moe-64"])
     parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--num_blocks", type=int, default=320)
+    parser.add_argument("--num_blocks", type=int, default=800)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--lora_learning_rate", type=float, default=1e-3)

@@ -15,8 +15,8 @@ RECIPES = ROOT / "docs" / "recipes.md"
 
 # The substitutions docs/recipes.md announces, and nothing else.
 FAST = [
-    ("--data.num_blocks 320", "--data.num_blocks 8"),
-    ("num_blocks=320", "num_blocks=8"),
+    ("--data.num_blocks 800", "--data.num_blocks 8"),
+    ("num_blocks=800", "num_blocks=8"),
 ]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.MULTILINE | re.DOTALL)
 

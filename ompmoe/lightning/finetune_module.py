@@ -6,7 +6,7 @@ the measured recipe (``docs/recipes.md``, ``benchmarks/finetune_recovery.py``)::
 
     python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \
         --model.teacher shipped:tiny-moe --model.distill_weight 1.0 --model.lora_rank 8 --model.learning_rate 1e-3 --model.warmup_steps 5 \
-        --data.tokenizer outputs/tiny/model --data.seq_len 256 --data.num_blocks 320 --data.batch_size 4 \
+        --data.tokenizer outputs/tiny/model --data.seq_len 256 --data.num_blocks 800 --data.batch_size 4 \
         --data.val_sources '[shipped:prose,shipped:code]' --data.val_blocks 4 \
         --trainer.max_epochs 1 --trainer.val_check_interval 0.25 --trainer.accelerator cpu --trainer.logger false
 
