@@ -462,7 +462,8 @@ class CalibrationDataModule(pl.LightningDataModule):
         if plan["kind"] == SHIPPED:
             return "shipped:ompmoe/data/calibration.txt"
         if plan["kind"] == "corpus":
-            return ",".join(f"shipped:ompmoe/data/corpus/{domain}-calibration" for domain in plan["domains"])
+            split = plan.get("split", "calibration")
+            return ",".join(f"shipped:ompmoe/data/corpus/{domain}-{split}" for domain in plan["domains"])
         if plan["kind"] == "local":
             prefix = f"{self.source}:" if plan["preset"] is not None else ""
             return f"{prefix}file:{','.join(plan['files'])}{suffix}"
@@ -569,7 +570,7 @@ class CalibrationDataModule(pl.LightningDataModule):
             return
         if kind == "corpus":
             for domain in self._plan["domains"]:
-                yield from (doc["text"] for doc in corpus_documents(domain, "calibration"))
+                yield from (doc["text"] for doc in corpus_documents(domain, self._plan.get("split", "calibration")))
             return
         if kind == "local":
             loaded = self._load_local(self._plan["files"])
@@ -690,7 +691,7 @@ class CalibrationDataModule(pl.LightningDataModule):
         parts = []
         for domain, count in zip(domains, counts):
             if count:
-                texts = (doc["text"] for doc in corpus_documents(domain, "calibration"))
+                texts = (doc["text"] for doc in corpus_documents(domain, self._plan.get("split", "calibration")))
                 parts.append(token_blocks(self.token_stream(self.seq_len * count, texts), self.seq_len, count))
         order = sorted(((j, i) for i, part in enumerate(parts) for j in range(part.shape[0])))
         return torch.stack([parts[i][j] for j, i in order])

@@ -7,7 +7,10 @@ logged as ``val_loss/<name>`` and ``val_ppl/<name>`` by :class:`ompmoe.FinetuneM
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -17,12 +20,52 @@ from ..data import CORPUS_DOMAINS, corpus_documents, token_blocks
 HELDOUT_PREFIX = "heldout:"
 """``heldout:prose`` / ``heldout:code``: the held-out split of the shipped corpus (never trained or calibrated on)."""
 
+TRAIN_CORPUS = {f"train:{name}": name for name in (*CORPUS_DOMAINS, "mix")}
+"""``train:prose``, ``train:code``, ``train:mix``: the train split of the shipped corpus (what the shipped
+models were trained on; disjoint from the calibration and held-out splits), ``mix`` half from each domain."""
+
+SHIPPED_DEFAULT_SOURCE = "train:mix"
+"""Training text when a shipped model (or a model pruned from one) is fine-tuned and no ``source`` is given."""
+
+
+def shipped_origin(model: Any) -> str | None:
+    """``shipped:<name>`` when ``model`` is a shipped model or was pruned from one, else ``None``.
+
+    ``model``: a name or path (``shipped:tiny-moe``, a checkpoint written by :func:`ompmoe.save_pruned`)
+    or a model instance; a pruned model's record names the model its statistics came from.
+    """
+    if isinstance(model, str) and model.startswith("shipped:"):
+        return model
+    record = None
+    if isinstance(model, (str, os.PathLike)):
+        config = os.path.join(os.fspath(model), "config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as file:
+                record = json.load(file).get("ompmoe")
+    elif model is not None:
+        record = getattr(getattr(model, "config", None), "ompmoe", None)
+    origin = ((record or {}).get("plan") or {}).get("model_id")
+    return origin if isinstance(origin, str) and origin.startswith("shipped:") else None
+
+
+def default_source(model: Any) -> str:
+    """The training text of a fine-tune without ``source``: ``train:mix`` for shipped models; others must name one."""
+    if shipped_origin(model) is not None:
+        return SHIPPED_DEFAULT_SOURCE
+    raise ValueError(
+        f"FinetuneDataModule has no default training text for {model!r} (only shipped models have one: "
+        f"{SHIPPED_DEFAULT_SOURCE}). Pass source=<local file, hub data set or preset>, text disjoint from "
+        "the data you evaluate on."
+    )
+
 
 class FinetuneDataModule(CalibrationDataModule):
     """:class:`ompmoe.CalibrationDataModule` for training, with one validation set per entry of ``val_sources``.
 
     Args:
-        source: Training text (any ``CalibrationDataModule`` source; default ``shipped:mix``).
+        source: Training text: any ``CalibrationDataModule`` source, or ``train:prose`` / ``train:code`` /
+            ``train:mix`` (the shipped corpus's train split). ``None`` (default): :func:`default_source` of
+            the attached module's model, i.e. ``train:mix`` for a shipped model or one pruned from it.
         val_sources: Validation sets, each named by its entry: ``heldout:prose`` / ``heldout:code``
             (the held-out split of the shipped corpus), or any ``CalibrationDataModule`` source
             (a preset, hub name or local file). Empty: no validation.
@@ -33,7 +76,7 @@ class FinetuneDataModule(CalibrationDataModule):
 
     def __init__(
         self,
-        source: str = "shipped:mix",
+        source: str | None = None,
         val_sources: Sequence[str] = ("heldout:prose", "heldout:code"),
         val_blocks: int = 8,
         **kwargs,
@@ -54,6 +97,28 @@ class FinetuneDataModule(CalibrationDataModule):
         self.val_blocks = val_blocks
         self._val: list[CalibrationBlocks] | None = None
 
+    def _resolve_source(self) -> dict[str, Any]:
+        if self.source is None:
+            return {"kind": "default"}  # decided in setup, from the model of the attached module
+        if self.source in TRAIN_CORPUS:
+            if self.data_files:
+                raise ValueError(f"source={self.source!r} takes no data_files; give the files as source instead.")
+            name = TRAIN_CORPUS[self.source]
+            return {"kind": "corpus", "domains": list(CORPUS_DOMAINS) if name == "mix" else [name], "split": "train"}
+        return super()._resolve_source()
+
+    def resolve_default_source(self) -> str:
+        """Set ``source`` from the attached module's model when it was left ``None``; return it."""
+        if self.source is None:
+            module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+            if module is None:
+                raise ValueError("FinetuneDataModule(source=None) takes its training text from the model: attach it "
+                                 "to a Trainer with a FinetuneModule, or pass source=.")
+            model = getattr(module, "model", None)
+            self.source = default_source(model if model is not None else getattr(module, "model_name_or_path", None))
+            self._plan = self._resolve_source()
+        return self.source
+
     @property
     def val_names(self) -> list[str]:
         """Names the validation losses are logged under (``val_loss/<name>``), in dataloader order."""
@@ -70,7 +135,9 @@ class FinetuneDataModule(CalibrationDataModule):
         return other.dataset
 
     def setup(self, stage: str | None = None) -> None:
-        super().setup(stage)
+        if stage != "validate":  # validation alone needs no training blocks
+            self.resolve_default_source()
+            super().setup(stage)
         if self._val is None and self.val_sources:
             self._val = [self._validation_set(name) for name in self.val_sources]
 
@@ -82,4 +149,4 @@ class FinetuneDataModule(CalibrationDataModule):
                 for blocks in self._val or []]
 
 
-__all__ = ["HELDOUT_PREFIX", "FinetuneDataModule"]
+__all__ = ["HELDOUT_PREFIX", "SHIPPED_DEFAULT_SOURCE", "TRAIN_CORPUS", "FinetuneDataModule", "default_source", "shipped_origin"]

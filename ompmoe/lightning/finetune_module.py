@@ -1,11 +1,17 @@
 """A LightningModule that fine-tunes a pruned MoE (full or LoRA) with the causal-LM loss.
 
 The fine-tuning counterpart of :class:`ompmoe.CalibrationModule`: the same Trainer and
-``CalibrationDataModule`` (any of its sources as training text) continue from a pruned model::
+``FinetuneDataModule`` (training blocks, validation sets per domain) continue from a pruned model;
+the measured recipe (``docs/recipes.md``, ``benchmarks/finetune_recovery.py``)::
 
-    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \\
-        --data.source shipped --data.tokenizer bytes --data.seq_len 256 --data.num_blocks 16 \\
-        --data.batch_size 4 --trainer.max_steps 40 --trainer.accelerator cpu --trainer.logger false
+    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \
+        --model.teacher shipped:tiny-moe --model.distill_weight 1.0 --model.lora_rank 8 --model.learning_rate 1e-3 --model.warmup_steps 5 \
+        --data.tokenizer outputs/tiny/model --data.seq_len 256 --data.num_blocks 800 --data.batch_size 4 \
+        --data.val_sources '[shipped:prose,shipped:code]' --data.val_blocks 4 \
+        --trainer.max_epochs 1 --trainer.val_check_interval 0.25 --trainer.accelerator cpu --trainer.logger false
+
+The best state on the mean validation loss (the starting model included) is restored at the end
+of training (``keep_best``), so the saved model is never worse on it than the one the fit began with.
 
 The loss is :func:`ompmoe.recipes.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
 model's config sets ``output_router_logits`` (or ``aux_loss_coef`` is given), the per-layer
@@ -28,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .models import default_tokenizer, load_model, resolve_dtype
@@ -75,6 +82,15 @@ class FinetuneModule(pl.LightningModule):
             transformers' pooled value (uniform counts only).
         dtype: Weights dtype when loading (``None`` keeps the checkpoint's).
         tokenizer: Tokenizer name for ``CalibrationDataModule`` (``bytes`` for tiny models).
+        teacher: The unpruned model to distill from (a name or path as ``model``, or an instance):
+            the training loss becomes ``(1 - distill_weight) * lm_loss + distill_weight * KL(teacher ||
+            model)`` per token. ``None``: no distillation.
+        distill_weight: Weight of the distillation term (used only with ``teacher``).
+        warmup_steps: Linear learning-rate warm-up over this many optimizer steps (0: constant rate).
+        keep_best: Track the mean validation loss (mean over the validation sets), starting with the
+            model before training, and at the end of training restore the best state if the last is
+            worse (a warning says so). Keeps one copy of the trainable parameters. Needs validation
+            data; without it, nothing is tracked.
         save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
         overwrite: Replace an existing ``save_dir``.
         trust_remote_code: Passed to ``from_pretrained``.
@@ -91,6 +107,10 @@ class FinetuneModule(pl.LightningModule):
         lora_experts: bool = True,
         aux_loss_coef: float | None = None,
         per_layer_aux_loss: bool = True,
+        teacher: str | nn.Module | None = None,
+        distill_weight: float = 0.5,
+        warmup_steps: int = 0,
+        keep_best: bool = True,
         dtype: str | None = None,
         tokenizer: str | None = None,
         save_dir: str | None = None,
@@ -100,7 +120,13 @@ class FinetuneModule(pl.LightningModule):
         super().__init__()
         # Not "tokenizer": the data module records its own, and Lightning refuses to log two
         # different values of one key (the module's is often None while the data's is a path).
-        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else [])])
+        self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else []),
+                                          *(["teacher"] if isinstance(teacher, nn.Module) else [])])
+        if not 0.0 <= distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must lie in [0, 1]; got {distill_weight}.")
+        self.teacher_name_or_path = None if isinstance(teacher, nn.Module) else teacher
+        self.distills = teacher is not None
+        self.distill_weight = float(distill_weight)
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
         self.lora_rank = int(lora_rank)
@@ -109,6 +135,14 @@ class FinetuneModule(pl.LightningModule):
         self.lora_experts = lora_experts
         self.aux_loss_coef = aux_loss_coef
         self.per_layer_aux_loss = per_layer_aux_loss
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be 0 or positive; got {warmup_steps}.")
+        self.warmup_steps = int(warmup_steps)
+        self.keep_best = keep_best
+        self.validation_history: list[tuple[int, float]] = []
+        """``(global step, mean validation loss)`` of every candidate state, the starting model first."""
+        self._best: tuple[int, float, dict[str, torch.Tensor]] | None = None
+        self._val_sums: dict[int, list[float]] = {}
         self.torch_dtype = resolve_dtype(dtype)
         self.save_dir = save_dir
         self.overwrite = overwrite
@@ -123,6 +157,8 @@ class FinetuneModule(pl.LightningModule):
         self._routers: list[tuple[nn.Module, int]] | None = None
         self._set_hf_model(None)
         self._merged = False
+        # Kept out of the module tree: never trained, saved or counted as this module's parameters.
+        self.__dict__["_teacher"] = teacher if isinstance(teacher, nn.Module) else None
 
     def _set_hf_model(self, model: nn.Module | None) -> None:
         # Kept out of the module tree: it is ``self.model`` itself or the model inside its PEFT wrapper.
@@ -139,6 +175,29 @@ class FinetuneModule(pl.LightningModule):
         if self.lora_rank > 0:
             self.model = self._with_lora(self.model)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps modules' modes
+
+    def teacher_model(self) -> nn.Module | None:
+        """The frozen teacher in eval mode on this module's device (loaded on first use), or ``None``."""
+        if not self.distills:
+            return None
+        if self._teacher is None:
+            self.__dict__["_teacher"] = load_model(str(self.teacher_name_or_path), self.torch_dtype,
+                                                   self.trust_remote_code)
+        teacher = self._teacher.eval().requires_grad_(False)
+        return teacher.to(self.device)
+
+    def distillation_loss(self, batch: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Mean per-token ``KL(teacher || model)`` of the next-token distributions (padding left out)."""
+        with torch.no_grad():
+            teacher_logits = self.teacher_model()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                                  use_cache=False).logits
+        target = torch.log_softmax(teacher_logits.float(), dim=-1)
+        per_token = (target.exp() * (target - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
+        mask = batch.get("attention_mask")
+        if mask is None:
+            return per_token.mean()
+        mask = mask.to(per_token.dtype)
+        return (per_token * mask).sum() / mask.sum()
 
     def _load_model(self) -> nn.Module:
         name = self.model_name_or_path
@@ -207,14 +266,22 @@ class FinetuneModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         parts = self.compute_loss(batch)
         size = batch["input_ids"].shape[0]
-        self.log("train_loss", parts.loss, prog_bar=True, batch_size=size)
+        loss = parts.loss
+        if self.distills:
+            kl = self.distillation_loss(batch, parts.logits)
+            loss = loss + self.distill_weight * (kl - parts.lm_loss)  # (1 - w) * lm + w * kl (+ aux)
+            self.log("train_kd_loss", kl, batch_size=size)
+        self.log("train_loss", loss, prog_bar=True, batch_size=size)
         if parts.aux_loss is not None:
             self.log("train_lm_loss", parts.lm_loss, batch_size=size)
             self.log("train_aux_loss", parts.aux_loss, batch_size=size)
-        return parts.loss
+        return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         parts = self.compute_loss(batch)
+        sums = self._val_sums.setdefault(dataloader_idx, [0.0, 0.0])
+        sums[0] += float(parts.lm_loss) * batch["input_ids"].shape[0]
+        sums[1] += batch["input_ids"].shape[0]
         self.log(self._val_key("val_loss", dataloader_idx), parts.lm_loss, prog_bar=True,
                  batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
 
@@ -223,6 +290,9 @@ class FinetuneModule(pl.LightningModule):
         names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None)
         return f"{metric}/{names[dataloader_idx]}" if names else metric
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
     def on_validation_epoch_end(self) -> None:
         # Blocks are equally long and unpadded, so exp(mean loss) is each set's token perplexity.
         names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
@@ -230,12 +300,93 @@ class FinetuneModule(pl.LightningModule):
             loss = self.trainer.callback_metrics.get(f"val_loss/{name}")
             if loss is not None:
                 self.log(f"val_ppl/{name}", torch.exp(loss), add_dataloader_idx=False)
+        if self._val_sums and not self.trainer.sanity_checking and self.trainer.state.fn == "fit":
+            mean = self._mean_validation_loss(self._val_sums)
+            if len(self._val_sums) > 1:
+                self.log("val_loss/mean", mean, add_dataloader_idx=False)
+            self._candidate(mean)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    # -------------------------------------------------------------------------- best state
+    def _mean_validation_loss(self, sums: dict[int, list[float]]) -> float:
+        """Mean over the validation sets of each set's mean per-block loss (summed over ranks)."""
+        totals = torch.tensor([sums[i] for i in sorted(sums)], dtype=torch.float64, device=self.device)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return float((totals[:, 0] / totals[:, 1]).mean())
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _candidate(self, mean: float) -> None:
+        """Record the current state's mean validation loss; keep a copy of it if it is the best so far."""
+        if not self.keep_best:
+            return
+        step = int(self.trainer.global_step)
+        if self.validation_history and self.validation_history[-1][0] == step:
+            return  # this state was already evaluated
+        self.validation_history.append((step, mean))
+        if self._best is None or mean < self._best[1]:
+            self._best = (step, mean, self._trainable_state())
+
+    @torch.no_grad()
+    def _validate_now(self) -> None:
+        """Evaluate the current state on the fit's validation loaders (outside Lightning's loop)."""
+        loop = self.trainer.fit_loop.epoch_loop.val_loop
+        if not loop._data_source.is_defined():
+            return  # a fit without validation data: nothing to compare
+        loop.setup_data()  # the loaders (and batch limits) Lightning's own validation uses
+        if loop._combined_loader is None:
+            return
+        loaders, limits = loop._combined_loader.flattened, loop._max_batches
+        was_training = self.model.training
+        self.model.eval()
+        sums: dict[int, list[float]] = {}
+        for index, (loader, limit) in enumerate(zip(loaders, limits)):
+            for number, batch in enumerate(loader):
+                if number >= limit:
+                    break
+                batch = self.transfer_batch_to_device(batch, self.device, index)
+                size = batch["input_ids"].shape[0]
+                sums.setdefault(index, [0.0, 0.0])
+                sums[index][0] += float(self.compute_loss(batch).lm_loss) * size
+                sums[index][1] += size
+        self.model.train(was_training)
+        if sums:
+            self._candidate(self._mean_validation_loss(sums))
+
+    def on_train_start(self) -> None:
+        self.validation_history, self._best = [], None
+        if self.keep_best and self.trainer.limit_val_batches != 0:
+            self._validate_now()  # the starting model is a candidate too
+
+    def on_train_end(self) -> None:
+        if not self.keep_best or self._best is None:
+            return
+        if self.validation_history[-1][0] != self.trainer.global_step:
+            self._validate_now()  # the final state, if the last validation came before it
+        final_step, final = self.validation_history[-1]
+        best_step, best, state = self._best
+        if best_step == final_step:
+            return
+        with torch.no_grad():
+            parameters = dict(self.model.named_parameters())
+            for name, value in state.items():
+                parameters[name].copy_(value)
+        where = "the starting model (before training)" if best_step == 0 else f"step {best_step}"
+        rank_zero_warn(
+            f"FinetuneModule: restored the best validation state, {where}: mean validation loss {best:.4f}; "
+            f"the final state (step {final_step}) had {final:.4f}."
+        )
+
+    def configure_optimizers(self) -> Any:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         if not parameters:
             raise ValueError("FinetuneModule has no trainable parameters.")
-        return torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
+        optimizer = torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
+        if not self.warmup_steps:
+            return optimizer
+        warmup = self.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
         """Refuse an unusable ``save_dir`` (existing, or holding the model or data read) before training."""

@@ -16,7 +16,7 @@ from ompmoe.lightning.finetune_data import FinetuneDataModule
 def test_heldout_sets_are_the_corpus_heldout_split_in_blocks():
     from transformers import AutoTokenizer
 
-    data = FinetuneDataModule(tokenizer="shipped:tiny-moe", seq_len=64, num_blocks=2, val_blocks=3)
+    data = FinetuneDataModule("shipped:mix", tokenizer="shipped:tiny-moe", seq_len=64, num_blocks=2, val_blocks=3)
     data.setup("fit")
     loaders = data.val_dataloader()
     assert data.val_names == ["heldout:prose", "heldout:code"] and len(loaders) == 2
@@ -48,7 +48,7 @@ def test_bad_validation_sets_are_refused_up_front(kwargs, message):
 
 def test_validation_loss_and_perplexity_are_logged_per_domain():
     module = ompmoe.FinetuneModule("tiny:qwen3_moe", learning_rate=1e-3)
-    data = FinetuneDataModule(tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2, val_blocks=3)
+    data = FinetuneDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2, val_blocks=3)
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, data)

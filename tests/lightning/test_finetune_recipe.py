@@ -1,0 +1,187 @@
+"""The fine-tuning recipe: best validation state kept, default training text, the documented CLI parses."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.data import corpus_token_stream, resolve_shipped, token_blocks
+from ompmoe.lightning.finetune_data import FinetuneDataModule, default_source, shipped_origin
+
+RECIPES = Path(__file__).parents[2] / "docs" / "recipes.md"
+
+
+def tiny_fit(learning_rate: float, max_steps: int, **trainer_kwargs):
+    torch.manual_seed(0)
+    module = ompmoe.FinetuneModule("tiny:qwen3_moe", learning_rate=learning_rate)
+    data = FinetuneDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2, val_blocks=2)
+    module.configure_model()
+    start = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         **trainer_kwargs)
+    return module, data, trainer, start
+
+
+def mean_validation_loss(module, data) -> float:
+    """Literal: each validation set's block-weighted mean loss, then the mean over the sets."""
+    module.eval()
+    means = []
+    with torch.no_grad():
+        for loader in data.val_dataloader():
+            parts = [(module.compute_loss(b).lm_loss.item(), b["input_ids"].shape[0]) for b in loader]
+            means.append(sum(loss * n for loss, n in parts) / sum(n for _, n in parts))
+    module.train()
+    return sum(means) / len(means)
+
+
+def test_a_fit_that_worsens_validation_restores_the_starting_model_and_says_so():
+    module, data, trainer, start = tiny_fit(learning_rate=1.0, max_steps=2)  # lr 1.0 wrecks the model
+    data.setup("fit")
+    before = mean_validation_loss(module, data)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module, data)
+    history = module.validation_history
+    assert [step for step, _ in history] == [0, 2] and history[0][1] == pytest.approx(before, rel=1e-6)
+    assert history[1][1] > history[0][1]
+    messages = [str(w.message) for w in caught if str(w.message).startswith("FinetuneModule")]
+    assert messages == [f"FinetuneModule: restored the best validation state, the starting model (before training): "
+                        f"mean validation loss {history[0][1]:.4f}; the final state (step 2) had {history[1][1]:.4f}."]
+    for name, parameter in module.model.named_parameters():
+        assert torch.equal(parameter, start[name]), name
+    assert mean_validation_loss(module, data) == pytest.approx(before, rel=1e-6)
+
+
+def test_the_best_intermediate_state_is_restored_when_later_ones_are_worse():
+    module, data, trainer, _ = tiny_fit(learning_rate=1e-3, max_steps=4, val_check_interval=1)
+    snapshots = {}
+
+    class Snapshot(pl.Callback):  # the weights at every validation, to compare the restored ones with
+        def on_validation_epoch_end(self, trainer, pl_module):
+            snapshots[trainer.global_step] = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+    trainer.callbacks.append(Snapshot())
+
+    def worse_after_step_2(mean: float, original=module._candidate) -> None:
+        step = int(trainer.global_step)
+        original(mean + (10.0 if step > 2 else 0.0))  # states after step 2 look worse
+
+    module._candidate = worse_after_step_2
+    with pytest.warns(UserWarning, match=re.escape("restored the best validation state, step ")):
+        trainer.fit(module, data)
+    best_step = min(module.validation_history, key=lambda item: item[1])[0]
+    assert 0 < best_step <= 2
+    for name, parameter in module.model.named_parameters():
+        assert torch.equal(parameter, snapshots[best_step][name]), name
+
+
+def test_an_improving_fit_keeps_its_final_state_without_a_warning(recwarn):
+    module, data, trainer, start = tiny_fit(learning_rate=1e-2, max_steps=3)
+    data.val_sources = ["shipped:mix"]  # validate on the training text: it must improve
+    data.val_blocks = 4
+    trainer.fit(module, data)
+    assert module.validation_history[-1][1] < module.validation_history[0][1]
+    assert not [w for w in recwarn if str(w.message).startswith("FinetuneModule")]
+    assert any(not torch.equal(p, start[n]) for n, p in module.model.named_parameters())
+
+
+def test_shipped_models_and_models_pruned_from_them_default_to_the_train_split(tmp_path):
+    pruned = tmp_path / "pruned"
+    pruned.mkdir()
+    (pruned / "config.json").write_text(json.dumps({"ompmoe": {"plan": {"model_id": "shipped:tiny-moe-64"}}}))
+    assert shipped_origin("shipped:tiny-moe") == "shipped:tiny-moe"
+    assert shipped_origin(str(pruned)) == "shipped:tiny-moe-64"
+    assert default_source(str(pruned)) == default_source("shipped:tiny-moe") == "train:mix"
+    with pytest.raises(ValueError) as error:
+        default_source("tiny:qwen3_moe")
+    assert str(error.value) == (
+        "FinetuneDataModule has no default training text for 'tiny:qwen3_moe' (only shipped models have one: "
+        "train:mix). Pass source=<local file, hub data set or preset>, text disjoint from the data you evaluate on.")
+
+    # Attached to a module of the shipped model, source=None reads the train split, half from each domain.
+    from transformers import AutoTokenizer
+
+    data = FinetuneDataModule(tokenizer="shipped:tiny-moe", seq_len=16, num_blocks=4)
+    data.trainer = SimpleNamespace(lightning_module=ompmoe.FinetuneModule("shipped:tiny-moe"))
+    data.setup("fit")
+    assert data.source == "train:mix" and data.describe() == (
+        "shipped:ompmoe/data/corpus/prose-train,shipped:ompmoe/data/corpus/code-train")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_shipped("shipped:tiny-moe"))
+    prose, code = (token_blocks(corpus_token_stream(tokenizer, d, "train", max_tokens=32), 16, 2) for d in ("prose", "code"))
+    assert torch.equal(data.blocks, torch.stack([prose[0], code[0], prose[1], code[1]]))
+
+
+def test_source_none_without_a_module_is_refused():
+    data = FinetuneDataModule(tokenizer="bytes", seq_len=16, num_blocks=2)
+    with pytest.raises(ValueError) as error:
+        data.setup("fit")
+    assert str(error.value) == ("FinetuneDataModule(source=None) takes its training text from the model: attach it "
+                                "to a Trainer with a FinetuneModule, or pass source=.")
+
+
+def documented_cli_args() -> list[str]:
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", RECIPES.read_text(), re.DOTALL)
+                if "ompmoe.lightning.finetune_module fit" in b]
+    words = shlex.split(" ".join(line.rstrip("\\") for line in block.splitlines()), comments=True)
+    start = words.index("ompmoe.lightning.finetune_module") + 1
+    end = words.index("python", start) if "python" in words[start:] else len(words)
+    return words[start:end]
+
+
+def test_the_documented_cli_recipe_parses(capsys):
+    from ompmoe.lightning.finetune_module import main
+
+    args = documented_cli_args()
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--print_config"])
+    assert done.value.code in (0, None)
+    import yaml
+
+    config = yaml.safe_load(capsys.readouterr().out)
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert model["learning_rate"] == float(flags["--model.learning_rate"])
+    assert model["lora_rank"] == int(flags.get("--model.lora_rank", 0))
+    assert model["teacher"] == flags["--model.teacher"] == "shipped:tiny-moe"
+    assert model["distill_weight"] == float(flags["--model.distill_weight"])
+    assert model["keep_best"] is True and data["val_sources"] == ["shipped:prose", "shipped:code"]
+    assert data["num_blocks"] == int(flags["--data.num_blocks"]) and data["seq_len"] == int(flags["--data.seq_len"])
+    assert data["source"] is None and "--data.source" not in flags  # the default: train:mix for this model
+    assert trainer["max_epochs"] == int(flags["--trainer.max_epochs"])
+
+
+def test_distillation_loss_is_the_mean_token_kl_to_the_teacher():
+    from ompmoe.engine.tiny import tiny_model
+
+    torch.manual_seed(0)
+    student, teacher = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    module = ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=0.25)
+    module.configure_model()
+    ids = torch.randint(0, student.config.vocab_size, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        p = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits, -1)
+        q = torch.log_softmax(student(input_ids=ids, attention_mask=mask).logits, -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    expected = kl[mask.bool()].mean()
+    assert module.distillation_loss(batch, student(input_ids=ids, attention_mask=mask).logits).item() == \
+        pytest.approx(expected.item(), rel=1e-5)
+    lm = module.compute_loss(batch).lm_loss
+    module.log = lambda *args, **kwargs: None  # no trainer attached
+    assert module.training_step(batch, 0).item() == pytest.approx((0.75 * lm + 0.25 * expected).item(), rel=1e-5)
+    itself = ompmoe.FinetuneModule(teacher, teacher=teacher)
+    assert itself.distillation_loss(batch, teacher(input_ids=ids, attention_mask=mask).logits).item() == \
+        pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError) as error:
+        ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=1.5)
+    assert str(error.value) == "distill_weight must lie in [0, 1]; got 1.5."
