@@ -178,7 +178,7 @@ def _verdict(output: bytes, nonce: str, returncode: int | None, timed_out: bool)
 
 def run_python(program: str, timeout: float, config: dict, slot: int = 0) -> str:
     """Run ``program`` confined (see the module docstring); "passed", "failed: ..." or "timed out"."""
-    uid = None if config["uid_base"] is None else config["uid_base"] - slot
+    uid = config["uids"][slot] if config["uids"] else None  # locked for this worker (eval/sandbox_uids.py)
     workdir = tempfile.mkdtemp(prefix="ompmoe-sandbox-")  # 0700
     nonce = secrets.token_hex(16)
     try:

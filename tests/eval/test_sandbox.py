@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ompmoe.eval import _sandbox_server
-from ompmoe.eval.humaneval import (DEFAULT_UID, MEMORY_ENV, allow_execution, network_isolation_available,
-                                   run_program, sandbox_config)
+from ompmoe.eval.humaneval import MEMORY_ENV, allow_execution, network_isolation_available, run_program, sandbox_config
+from ompmoe.eval.sandbox_uids import DEFAULT_FIRST_UID, SEARCHED
 
 PROBLEM = {"task_id": "Test/0", "prompt": "def one():\n", "entry_point": "one",
            "test": "def check(candidate):\n    assert candidate() == 1\n"}
@@ -48,7 +48,10 @@ def test_private_workdir_minimal_environment_and_deleted(monkeypatch):
     """))
     assert env == {"PATH": _sandbox_server.SANDBOX_PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"}  # no secret
     assert stat.S_IMODE(mode) == 0o700 and Path(cwd).name.startswith("ompmoe-sandbox-")
-    assert owner == (DEFAULT_UID if ROOT else os.geteuid())
+    if ROOT:  # a dedicated uid of the sandbox range, never an account's
+        assert DEFAULT_FIRST_UID <= owner < DEFAULT_FIRST_UID + SEARCHED
+    else:
+        assert owner == os.geteuid()
     assert not Path(cwd).exists()
 
 
@@ -162,11 +165,12 @@ def test_no_network_to_a_local_server():
     assert sandbox_config()["isolate_network"] is network_isolation_available()
 
 
-def test_uid_base_validation(monkeypatch):
-    if ROOT:
-        monkeypatch.setenv("OMPMOE_SANDBOX_UID", "8")
-        with pytest.raises(ValueError, match=r"OMPMOE_SANDBOX_UID=8 would run programs as root or below uid 1 with "
-                                             r"16 workers; set it to an unused uid above 16, e.g. 65534\."):
-            sandbox_config()
-    else:
-        assert sandbox_config()["uid_base"] is None
+def test_first_uid_validation(monkeypatch):
+    from ompmoe.eval.sandbox_uids import first_uid
+
+    monkeypatch.setenv("OMPMOE_SANDBOX_UID", "8")
+    with pytest.raises(ValueError) as error:
+        first_uid()
+    assert str(error.value) == ("OMPMOE_SANDBOX_UID=8 is not a usable first sandbox uid; set it to an integer between "
+                                "1000 and 4294963198 that no account uses, e.g. 2000000000.")
+    assert sandbox_config()["uids"] is None
