@@ -30,7 +30,7 @@ from torchmetrics import Metric
 from .adapters import MoELayer
 
 LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
-"""Optional :class:`~ompmoe.statistics.LayerStats` fields filled by loss-aware collection."""
+"""Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by loss-aware collection."""
 
 
 class LossAwareError(ValueError):
@@ -266,7 +266,7 @@ def recording_callback(update: Callable[..., None], recorder: LossGradientRecord
 
 
 def with_loss_tensors(layers: list[Any], metric: LossStatsMetric) -> list[Any]:
-    """``layers`` (:class:`~ompmoe.statistics.LayerStats`) with the loss-aware sums of ``metric`` filled in."""
+    """``layers`` (:class:`~ompmoe.engine.statistics.LayerStats`) with the loss-aware sums of ``metric`` filled in."""
     import dataclasses
 
     return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, metric.compute())]

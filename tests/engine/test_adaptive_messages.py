@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.adaptive import adaptive_report, adaptive_summary, enable_adaptive
+from ompmoe.engine.adaptive import adaptive_report, adaptive_summary, enable_adaptive
 from ompmoe.engine.tiny import tiny_model
 
 

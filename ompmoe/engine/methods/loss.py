@@ -69,7 +69,7 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
     ``u`` starts at all ones (every expert removed); keeping ``e`` lowers ``q`` by
     ``(H u)_e - H_ee / 2 - linear_e``. With ``linear = 0`` and ``H = 2 G`` this is the greedy
     binary pursuit on ``G``. Group-limited routers (``num_groups > 1``) pick in rounds of one
-    expert per group, like :func:`~ompmoe.selection.greedy_pursuit`. Ties go to the lowest id.
+    expert per group, like :func:`~ompmoe.engine.selection.greedy_pursuit`. Ties go to the lowest id.
     """
     h = hessian.to(torch.float64)
     b = linear.to(torch.float64)
