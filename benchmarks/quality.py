@@ -50,7 +50,8 @@ from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.sequential import sequential_plan  # noqa: E402
-from ompmoe.engine.strategy import STRATEGIES, strategy_for  # noqa: E402
+from ompmoe.engine.methods import METHODS  # noqa: E402
+from ompmoe.engine.strategy import strategy_for  # noqa: E402
 
 import calibration_cost as calibration_cost_benchmark  # noqa: E402  (benchmarks/calibration_cost.py)
 import quality_report  # noqa: E402  (benchmarks/quality_report.py)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--calib_blocks", type=int, default=32)
     parser.add_argument("--eval_blocks", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", nargs="*", default=list(STRATEGIES))
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--allocations", nargs="*", default=list(ALLOCATIONS))
     parser.add_argument("--calibrations", nargs="*", default=list(CALIBRATIONS))
     parser.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
