@@ -137,9 +137,32 @@ class PruningPlan:
             data = json.loads(path.read_text())
             data.pop("achieved_ratio", None)
             data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
-            return cls(**data)
+            plan = cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
             raise PlanMismatchError(f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}") from None
+        for layer in plan.layers:
+            problem = _layer_problem(layer)
+            if problem:
+                raise PlanMismatchError(f"{path}: layer {layer.name!r} {problem}. {fix}")
+        return plan
+
+
+def _layer_problem(layer: LayerPlan) -> str | None:
+    """What makes a loaded layer plan inconsistent (the curves have one value per count 0..N), or None."""
+    count = layer.num_experts
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        return f"has num_experts {count!r}"
+    for field in ("residual", "coverage"):
+        values = getattr(layer, field)
+        if not isinstance(values, list) or len(values) != count + 1:
+            return f"has {len(values) if isinstance(values, list) else 'no'} {field} values; it needs {count + 1} (k = 0..{count})"
+        if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+            return f"has a {field} value that is not a number"
+    for field in ("order", "kept"):
+        ids = getattr(layer, field)
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in ids):
+            return f"has {field} ids outside 0..{count - 1}"
+    return None
 
 
 def validate_budget(

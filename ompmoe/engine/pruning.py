@@ -308,12 +308,14 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
     from .export.config import load_stock_config
+    from .export.weights import check_weight_files
 
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
+    check_weight_files(path)
     base = _causal_lm_class(config)
     record = pruning_info(config)
     if record is None:
-        return _with_adaptive(base.from_pretrained(path, config=config, **from_pretrained_kwargs))
+        return _with_adaptive(_checked_from_pretrained(base, path, config, from_pretrained_kwargs))
     if not isinstance(record, dict):
         raise PlanMismatchError(
             f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
@@ -325,9 +327,19 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
         _resize_to_record(self, record)
 
     sized = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model = sized.from_pretrained(path, config=config, **from_pretrained_kwargs)
+    model = _checked_from_pretrained(sized, path, config, from_pretrained_kwargs)
     model.__class__ = base
     return _with_adaptive(model)
+
+
+def _checked_from_pretrained(cls: type, path: str | os.PathLike, config: Any, kwargs: dict[str, Any]) -> nn.Module:
+    """``cls.from_pretrained`` that raises for missing, unexpected or mis-shaped tensors instead of logging them."""
+    from .export.weights import check_loading_info
+
+    kwargs = {**kwargs, "ignore_mismatched_sizes": True}  # mismatches are reported below, by name and shape
+    model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    check_loading_info(path, info)
+    return model
 
 
 def _with_adaptive(model: nn.Module) -> nn.Module:

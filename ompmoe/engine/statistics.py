@@ -203,11 +203,19 @@ class MoEStats:
             raise FileNotFoundError(f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as handle:
-            header = (handle.metadata() or {}).get("ompmoe")
+        from .safetensors_header import CorruptSafetensorsError, read_header
+
+        fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
+        try:
+            read_header(path)  # sizes, offsets and shapes, before safetensors trusts them
+            with safe_open(str(path), framework="pt") as handle:
+                header = (handle.metadata() or {}).get("ompmoe")
+        except CorruptSafetensorsError as error:
+            raise StatsFileError(f"{error}. {fix}") from None
+        except Exception as error:  # safetensors' own error types
+            raise StatsFileError(f"{path}: not a readable safetensors file ({error}). {fix}") from None
         if header is None:
             raise ValueError(f"{path} is a safetensors file but not ompmoe statistics (no 'ompmoe' metadata).")
-        fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
         try:
             meta = json.loads(header)
         except json.JSONDecodeError as error:

@@ -151,6 +151,25 @@ def _utf8_error(path: str) -> ValueError:
     )
 
 
+def _pieces(reads: Iterable[str]) -> Iterator[str]:
+    """Text arriving in ``reads`` as pieces of about ``_TEXT_CHUNK`` characters cut before spaces, so that
+    tokenizing the pieces one by one gives the tokens of the whole text."""
+    pending = ""
+    for data in reads:
+        pending += data
+        cut = _cut(pending, len(pending) >= _TEXT_WINDOW_MAX)
+        if cut:
+            yield pending[:cut]
+            pending = pending[cut:]
+    if pending:
+        yield pending
+
+
+def text_pieces(text: str) -> Iterator[str]:
+    """A long document (e.g. one JSON record's text field) in the pieces a ``.txt`` file is read in."""
+    return _pieces(text[start:start + _TEXT_CHUNK] for start in range(0, len(text), _TEXT_CHUNK))
+
+
 class TextFile:
     """A ``.txt`` calibration file: one document, read and tokenized in pieces of about
     ``_TEXT_CHUNK`` characters cut at spaces, so a large file is never read or tokenized whole."""
@@ -162,15 +181,7 @@ class TextFile:
         """The file's text in order, as pieces whose tokens concatenate to the whole text's."""
         try:
             with open(self.path, encoding="utf-8") as handle:  # universal newlines, like read_text
-                pending = ""
-                while data := handle.read(_TEXT_CHUNK):
-                    pending += data
-                    cut = _cut(pending, len(pending) >= _TEXT_WINDOW_MAX)
-                    if cut:
-                        yield pending[:cut]
-                        pending = pending[cut:]
-                if pending:
-                    yield pending
+                yield from _pieces(iter(lambda: handle.read(_TEXT_CHUNK), ""))
         except UnicodeDecodeError:
             raise _utf8_error(self.path) from None
 
@@ -442,8 +453,12 @@ class CalibrationDataModule(pl.LightningDataModule):
                     f"Unsupported calibration file {path!r}: use one of {', '.join(LOCAL_SUFFIXES)} "
                     "(.txt: the whole file is one document; json/parquet: one document per record)."
                 )
-            if not os.path.isfile(path):
+            if not os.path.exists(path):
                 raise FileNotFoundError(f"Calibration file not found: {path}")
+            if not os.path.isfile(path):  # a directory, FIFO, socket or device: "not found" would be false
+                what = "a directory" if os.path.isdir(path) else "not a regular file (a FIFO, socket or device)"
+                raise ValueError(f"Calibration file {path} is {what}; give the path of a regular "
+                                 f"{', '.join(LOCAL_SUFFIXES)} file (a directory: list its files in data_files).")
             kinds.add(kind)
         if len(kinds) > 1:
             raise ValueError(f"Calibration files must share one format (.txt, json or parquet); got {paths}.")
@@ -659,6 +674,13 @@ class CalibrationDataModule(pl.LightningDataModule):
                     break
                 continue
             if not text or not text.strip():
+                continue
+            if len(text) > _TEXT_CHUNK:  # one long record: tokenized in pieces, and only as far as needed
+                done = bool(batch) and consume(batch)
+                batch = []
+                if done or consume_file(text_pieces(text)):
+                    done = True
+                    break
                 continue
             batch.append(text)
             if len(batch) == _TOKENIZE_BATCH:

@@ -91,8 +91,18 @@ class CalibrationModule(pl.LightningModule):
         return self.model(**inputs, use_cache=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._warn_beyond_positions(batch["input_ids"].shape[-1])
         with torch.set_grad_enabled(self.needs_gradients):
             self(**batch)
+
+    def _warn_beyond_positions(self, seq_len: int) -> None:
+        """Once: blocks longer than the model's positions calibrate on positions it never trained on."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and seq_len > limit and not getattr(self, "_warned_positions", False):
+            self._warned_positions = True
+            warnings.warn(f"Calibration blocks of {seq_len} tokens exceed the model's max_position_embeddings "
+                          f"({limit}); statistics past position {limit} describe inputs the model was not trained on. "
+                          f"Set the data module's seq_len to {limit} or less.", UserWarning, stacklevel=2)
 
     def configure_optimizers(self) -> list:
         # An empty list, not None: Lightning warns about None ("this fit will run with no optimizer"),

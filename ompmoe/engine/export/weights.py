@@ -1,0 +1,69 @@
+"""Refuse weight files that would load silently wrong: corrupt, non-floating, missing, unexpected or mis-shaped.
+
+transformers initialises a missing tensor at random and only logs it; an integer tensor is cast without a word.
+:func:`check_weight_files` reads the headers before loading, :func:`check_loading_info` what ``from_pretrained``
+reports after it; both raise :class:`CheckpointWeightsError` naming the file and the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..safetensors_header import FLOATING, CorruptSafetensorsError, read_header
+
+SHOWN = 5
+"""Tensor names listed in a message (the count says how many more)."""
+FIX = "Re-save the model (ompmoe.save_pruned) or copy the checkpoint again."
+
+
+class CheckpointWeightsError(ValueError):
+    """The weight files of a checkpoint do not match its model."""
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The local ``.safetensors`` files of a checkpoint directory (shards of an index too); [] for anything else."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = json.loads(index.read_text()).get("weight_map", {}).values()
+        return [directory / name for name in sorted(set(shards))]
+    single = directory / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def check_weight_files(path: str | os.PathLike) -> None:
+    """Every weight file's header is consistent and every tensor is floating point."""
+    for file in weight_files(path):
+        try:
+            tensors = read_header(file)
+        except CorruptSafetensorsError as error:
+            raise CheckpointWeightsError(f"{error}. {FIX}") from None
+        integral = [name for name, entry in tensors.items() if entry["dtype"] not in FLOATING]
+        if integral:
+            kinds = sorted({tensors[name]["dtype"] for name in integral})
+            raise CheckpointWeightsError(
+                f"{file} stores {len(integral)} tensors in a non-floating dtype ({', '.join(kinds)}): {_names(integral)}; "
+                f"the model's weights are floating point and would load as wrong values. {FIX}")
+
+
+def check_loading_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
+    """Nothing missing, unexpected or mis-shaped in what ``from_pretrained(..., output_loading_info=True)`` read."""
+    files = ", ".join(str(file) for file in weight_files(path)) or str(path)
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing (would be random): {_names(list(info['missing_keys']))}")
+    if info.get("unexpected_keys"):
+        problems.append(f"not in the model: {_names(list(info['unexpected_keys']))}")
+    if info.get("mismatched_keys"):
+        shapes = [f"{key} {list(saved)} (model: {list(expected)})" for key, saved, expected in info["mismatched_keys"]]
+        problems.append(f"of the wrong shape: {_names(shapes)}")
+    if problems:
+        raise CheckpointWeightsError(f"{files} does not match the model: tensors {'; '.join(problems)}. {FIX}")
