@@ -14,7 +14,7 @@ ROOT = Path(__file__).parents[1]
 
 def python_api_example() -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Python API", 1)[1]
+    section = readme.split("### Python\n", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 

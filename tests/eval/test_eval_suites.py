@@ -140,9 +140,9 @@ def _cli(subcommand: str, output: Path, *args: str) -> Run:
     recorded: dict[str, Any] = {}
     score = LMEvalDataModule.score
 
-    def recording_score(self, results, model_info=None):
+    def recording_score(self, results, model_info=None, **kwargs):
         recorded["data"], recorded["raw"] = self, dict(results)
-        return score(self, results, model_info)
+        return score(self, results, model_info, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LMEvalDataModule, "score", recording_score)
