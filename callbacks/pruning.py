@@ -28,6 +28,7 @@ from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
 from ompmoe.engine.methods.loss import check_loss_aware_not_needed
 from ompmoe.engine.methods.reroute import check_reroute_not_needed
 from ompmoe.engine.io import atomic_path, check_writable, inputs_of, local_inputs
+from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.progress import progress
 from ompmoe.engine.pruning import prune, save_pruned
@@ -98,6 +99,9 @@ class ExpertPruning(Callback):
             forward must run with gradients enabled (``CalibrationModule`` does when asked).
         reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (needed by
             ``omp_reroute``; one more router call and one expert evaluation per token).
+        evaluate_on: Held-out sets to report what pruning cost on (``heldout:prose``, ``heldout:code`` or any
+            calibration source): rank 0 prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
+        evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
     """
 
     def __init__(
@@ -114,6 +118,8 @@ class ExpertPruning(Callback):
         dtype: str | None = None,
         loss_aware: bool = False,
         reroute: bool = False,
+        evaluate_on: list[str] | None = None,
+        evaluate_blocks: int = 8,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -139,6 +145,10 @@ class ExpertPruning(Callback):
         self._real_samples: int | None = None
         self._progress: bool | None = False
         self._inputs: list[str] = []
+        self.evaluate_on = list(evaluate_on or [])
+        self.evaluate_blocks = evaluate_blocks
+        self.heldout_perplexity: dict[str, tuple[float, float]] = {}
+        """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
 
     @property
     @override
@@ -258,6 +268,8 @@ class ExpertPruning(Callback):
         plan = self.strategy.plan(stats)
         model = _unsharded(self._collector.model, trainer.is_global_zero)
         self.stats, self.plan = stats, plan
+        heldout = self._heldout_sets(trainer) if model is not None and trainer.is_global_zero else {}
+        before = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             prune(model, plan)
             if self.adaptive_epsilon is not None:
@@ -265,10 +277,33 @@ class ExpertPruning(Callback):
 
                 enable_adaptive(model, stats, self.adaptive_epsilon)
             self.pruned_model = model
+        if heldout:
+            self._report_heldout(trainer, before, {name: perplexity(model, blocks, self._batch_size)
+                                                   for name, blocks in heldout.items()})
         self._log(trainer, plan)
         if trainer.is_global_zero and self.output_dir is not None:
             self._write(pl_module, model, stats, plan)
         trainer.strategy.barrier("ompmoe-pruning-written")
+
+    def _heldout_sets(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        """The ``evaluate_on`` sets as token blocks, cut by the calibration data module (or none without one)."""
+        datamodule = getattr(trainer, "datamodule", None)
+        if not self.evaluate_on:
+            return {}
+        if not hasattr(datamodule, "heldout_blocks"):
+            raise ValueError("ExpertPruning(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
+                             "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
+        return {name: datamodule.heldout_blocks(name, self.evaluate_blocks) for name in self.evaluate_on}
+
+    def _report_heldout(self, trainer: pl.Trainer, before: dict[str, float], after: dict[str, float]) -> None:
+        """Print and log what pruning cost on the held-out sets (per set: original -> pruned perplexity)."""
+        self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
+        parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in self.heldout_perplexity.items()]
+        rank_zero_info(f"ompmoe: held-out perplexity, original -> pruned: {', '.join(parts)}")
+        metrics = {f"heldout_ppl/{name}/{kind}": value for name, pair in self.heldout_perplexity.items()
+                   for kind, value in zip(("original", "pruned"), pair)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _extra_strategies(self) -> list[Strategy]:
         if self.extra_ratios and not hasattr(self.strategy, "ratio"):

@@ -78,3 +78,15 @@ def test_demo_writes_its_own_directory_and_no_advice_it_cannot_follow(tmp_path, 
     assert not (tmp_path / "outputs" / "tiny").exists()
     assert ("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer files"
             in capsys.readouterr().out.splitlines())
+
+
+def test_load_pruned_on_a_runs_output_directory_points_to_its_model(tmp_path):
+    import ompmoe
+    from ompmoe.engine.tiny import tiny_model
+
+    (tmp_path / "run").mkdir()
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "run" / "model")
+    with pytest.raises(FileNotFoundError) as error:
+        ompmoe.load_pruned(tmp_path / "run")
+    assert str(error.value) == (f"{tmp_path / 'run'} holds no model (no config.json); model/ does: "
+                                f"ompmoe.load_pruned({str(tmp_path / 'run' / 'model')!r})")

@@ -35,6 +35,8 @@ class LayerChoices:
     low: int
     high: int
     step: int
+    floor: int = 0
+    """Fewest experts the router works with (top-k; whole groups on group-limited routers), whatever the bounds."""
 
     def counts(self) -> range:
         return range(self.low, self.high + 1, self.step)
@@ -67,7 +69,7 @@ def layer_choices(
     low = max(math.ceil(min_kept_fraction * n - 1e-9), floor)
     low = step * math.ceil(low / step)
     high = step * math.floor(min(math.floor(max_kept_fraction * n + 1e-9), n) / step)
-    return LayerChoices(name=name, num_experts=n, low=low, high=high, step=step)
+    return LayerChoices(name=name, num_experts=n, low=low, high=high, step=step, floor=step * math.ceil(floor / step))
 
 
 def target_kept(num_experts: Sequence[int], ratio: float) -> int:
@@ -97,17 +99,37 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fract
     low, high = sum(c.low for c in choices), sum(c.high for c in choices)
     if not low <= budget <= high:
         lo_ratio, hi_ratio = 1.0 - high / total, 1.0 - low / total
-        hint = (
-            f"lower min_kept_fraction below {1.0 - ratio:.3f} to prune more"
-            if budget < low
-            else f"raise max_kept_fraction above {1.0 - ratio:.3f} to prune less"
-        )
+        hint = _prune_more_hint(choices, budget, total) if budget < low else _prune_less_hint(choices, budget)
         raise InfeasibleBudgetError(
             f"ratio={ratio} keeps {budget} of {total} experts, but min_kept_fraction={min_kept_fraction}, "
             f"max_kept_fraction={max_kept_fraction} and the routers' top-k allow keeping {low} to {high}: use a ratio "
-            f"in [{lo_ratio:.4f}, {hi_ratio:.4f}] or {hint}."
+            f"in [{lo_ratio:.4f}, {hi_ratio:.4f}]{hint}."
         )
     return budget
+
+
+def _prune_more_hint(choices: Sequence[LayerChoices], budget: int, total: int) -> str:
+    """What would let ``budget`` experts be kept: a lower min_kept_fraction, unless the routers themselves forbid it."""
+    floors = sum(c.floor for c in choices)
+    if budget < floors:
+        limit = "top-k and group balance" if any(c.step > 1 for c in choices) else "top-k"
+        return (f"; the routers need at least {floors} experts ({limit}), so no min_kept_fraction allows a ratio above "
+                f"{1.0 - floors / total:.4f}")
+    for thousandths in range(999, -1, -1):  # the largest bound that fits, to three decimals
+        fraction = thousandths / 1000
+        if sum(max(c.floor, c.step * math.ceil(math.ceil(fraction * c.num_experts - 1e-9) / c.step)) for c in choices) <= budget:
+            return f" or lower min_kept_fraction to {fraction:.3f} or less to prune more"
+    return " or lower min_kept_fraction to prune more"
+
+
+def _prune_less_hint(choices: Sequence[LayerChoices], budget: int) -> str:
+    """The smallest max_kept_fraction (three decimals) under which ``budget`` experts can be kept."""
+    for thousandths in range(0, 1001):
+        fraction = thousandths / 1000
+        if sum(c.step * math.floor(min(math.floor(fraction * c.num_experts + 1e-9), c.num_experts) / c.step)
+               for c in choices) >= budget:
+            return f" or raise max_kept_fraction to {fraction:.3f} or more to prune less"
+    return " or raise max_kept_fraction to prune less"
 
 
 def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: float) -> list[int]:

@@ -308,6 +308,8 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     """
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
     from .export.config import load_stock_config
+
+    _check_model_directory(path)
     from .export.weights import check_weight_files
 
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
@@ -340,6 +342,16 @@ def _checked_from_pretrained(cls: type, path: str | os.PathLike, config: Any, kw
     model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
     check_loading_info(path, info)
     return model
+
+
+def _check_model_directory(path: str | os.PathLike) -> None:
+    """A local directory without ``config.json`` (e.g. a run's output, whose model is in ``model/``) gets one clear error."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / "config.json").is_file():
+        return
+    inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
+    hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
+    raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 
 
 def _with_adaptive(model: nn.Module) -> nn.Module:

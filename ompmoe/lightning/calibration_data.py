@@ -44,6 +44,8 @@ LOCAL_SUFFIXES: dict[str, str] = {
 """Extension of a local calibration file -> how it is read (see :class:`CalibrationDataModule`)."""
 
 _TOKENIZE_BATCH = 32  # documents tokenized per tokenizer call while streaming
+HELDOUT_PREFIX = "heldout:"
+"""``heldout:prose`` / ``heldout:code``: the held-out split of the shipped corpus (never trained or calibrated on)."""
 _TEXT_CHUNK = 64 * 1024  # characters of a .txt file read (and tokenized) at a time
 _TEXT_WINDOW_MAX = 16 * _TEXT_CHUNK  # a window without a cut point is cut here regardless
 _PROBE_TIMEOUT_S = 5.0  # one HEAD request to the hub before any download, no retries
@@ -691,6 +693,17 @@ class CalibrationDataModule(pl.LightningDataModule):
         if not done and batch:
             consume(batch)
         return torch.tensor(ids[:needed], dtype=torch.long)
+
+    def heldout_blocks(self, name: str, num_blocks: int) -> torch.Tensor:
+        """``num_blocks`` blocks of another text, cut like the calibration blocks: ``heldout:prose`` /
+        ``heldout:code`` (the shipped corpus' held-out split) or any source this module accepts."""
+        if name.startswith(HELDOUT_PREFIX):
+            texts = (doc["text"] for doc in corpus_documents(name.removeprefix(HELDOUT_PREFIX), "heldout"))
+            return token_blocks(self.token_stream(self.seq_len * num_blocks, texts), self.seq_len, num_blocks)
+        other = CalibrationDataModule(name, tokenizer=self._tokenizer_name(), seq_len=self.seq_len,
+                                      num_blocks=num_blocks, text_field=self.text_field)
+        other.prepare_data()
+        return other.blocks
 
     # ------------------------------------------------------------------------------- lightning
     def prepare_data(self) -> None:

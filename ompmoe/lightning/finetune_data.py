@@ -14,11 +14,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from .calibration_data import CalibrationBlocks, CalibrationDataModule
-from ..data import CORPUS_DOMAINS, corpus_documents, token_blocks
+from .calibration_data import HELDOUT_PREFIX, CalibrationBlocks, CalibrationDataModule
+from ..data import CORPUS_DOMAINS
 
-HELDOUT_PREFIX = "heldout:"
-"""``heldout:prose`` / ``heldout:code``: the held-out split of the shipped corpus (never trained or calibrated on)."""
 
 TRAIN_CORPUS = {f"train:{name}": name for name in (*CORPUS_DOMAINS, "mix")}
 """``train:prose``, ``train:code``, ``train:mix``: the train split of the shipped corpus (what the shipped
@@ -125,14 +123,7 @@ class FinetuneDataModule(CalibrationDataModule):
         return list(self.val_sources)
 
     def _validation_set(self, name: str) -> CalibrationBlocks:
-        if name.startswith(HELDOUT_PREFIX):
-            texts = (doc["text"] for doc in corpus_documents(name.removeprefix(HELDOUT_PREFIX), "heldout"))
-            stream = self.token_stream(self.seq_len * self.val_blocks, texts)
-            return CalibrationBlocks(token_blocks(stream, self.seq_len, self.val_blocks))
-        other = CalibrationDataModule(name, tokenizer=self._tokenizer_name(), seq_len=self.seq_len,
-                                      num_blocks=self.val_blocks, text_field=self.text_field)
-        other.prepare_data()
-        return other.dataset
+        return CalibrationBlocks(self.heldout_blocks(name, self.val_blocks))
 
     def setup(self, stage: str | None = None) -> None:
         if stage != "validate":  # validation alone needs no training blocks

@@ -280,10 +280,17 @@ def test_infeasible_ratio_message_gives_the_working_interval():
         check_feasible(choices, 0.9, 0.375, 0.875)
     assert str(info.value) == (
         "ratio=0.9 keeps 3 of 32 experts, but min_kept_fraction=0.375, max_kept_fraction=0.875 and the routers' top-k allow "
-        "keeping 12 to 28: use a ratio in [0.1250, 0.6250] or lower min_kept_fraction below 0.100 to prune more."
+        "keeping 12 to 28: use a ratio in [0.1250, 0.6250]; the routers need at least 8 experts (top-k), so no "
+        "min_kept_fraction allows a ratio above 0.7500."
     )
-    with pytest.raises(InfeasibleBudgetError, match=r"use a ratio in \[0\.1250, 0\.6250\] or raise max_kept_fraction above 0\.950"):
-        check_feasible(choices, 0.05, 0.375, 0.875)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        check_feasible(choices, 0.7, 0.375, 0.875)  # keeps 10: a lower bound helps, down to 5/16 per layer
+    assert str(info.value).endswith("use a ratio in [0.1250, 0.6250] or lower min_kept_fraction to 0.312 or less to "
+                                    "prune more.")
+    with pytest.raises(InfeasibleBudgetError) as info:
+        check_feasible(choices, 0.05, 0.375, 0.875)  # keeps 30 of 32: 15 per layer
+    assert str(info.value).endswith("use a ratio in [0.1250, 0.6250] or raise max_kept_fraction to 0.938 or more to "
+                                    "prune less.")
 
 
 def test_the_reported_interval_works():

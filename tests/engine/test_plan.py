@@ -175,7 +175,7 @@ def test_ratio_zero_keeps_everything_when_allowed(qwen_stats):
         plan = plan_pruning(qwen_stats, 0.0, allocation=allocation, max_kept_fraction=1.0)
         assert plan.achieved_ratio == 0.0
         assert all(layer.kept == list(range(layer.num_experts)) for layer in plan.layers)
-    with pytest.raises(InfeasibleBudgetError, match=r"raise max_kept_fraction above 1\.000"):
+    with pytest.raises(InfeasibleBudgetError, match=r"raise max_kept_fraction to 1\.000 or more to prune less"):
         plan_pruning(qwen_stats, 0.0)
 
 
@@ -293,7 +293,8 @@ def test_infeasible_ratio_names_the_working_interval(qwen_stats):
         plan_pruning(qwen_stats, 0.9)
     assert str(info.value) == (
         "ratio=0.9 keeps 5 of 48 experts, but min_kept_fraction=0.375, max_kept_fraction=0.875 and the routers' top-k allow "
-        "keeping 18 to 42: use a ratio in [0.1250, 0.6250] or lower min_kept_fraction below 0.100 to prune more."
+        "keeping 18 to 42: use a ratio in [0.1250, 0.6250]; the routers need at least 12 experts (top-k), so no "
+        "min_kept_fraction allows a ratio above 0.7500."  # top-4 of 16 in each of 3 layers: the bounds cannot help
     )
     with pytest.raises(InfeasibleBudgetError) as info:
         plan_pruning(qwen_stats, 0.8, allocation="uniform")
