@@ -13,7 +13,6 @@ statistics would not be collected. A new kind is one module with a registered su
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -51,6 +50,11 @@ class LayerSumsMetric(Metric):
     def state(self, key: str, index: int) -> torch.Tensor:
         return getattr(self, f"{key}_{index}")
 
+    def update(self, index: int, key: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` at the flat ``positions`` of layer ``index``'s ``key`` (``e * N + f`` in a Gram)."""
+        state = self.state(key, index)
+        state.view(-1).index_add_(0, positions.reshape(-1).to(state.device), values.reshape(-1).to(state.device, torch.float64))
+
     def compute(self) -> list[dict[str, torch.Tensor]]:
         """Per layer, the summed tensors (over ranks when distributed)."""
         return [{key: self.state(key, i).clone() for key in self.keys} for i in range(len(self.num_experts))]
@@ -74,7 +78,10 @@ class StatisticsExtension:
     prefix: ClassVar[str] = ""
     """Prefix of the metric's states in Lightning checkpoints (``prefix.state``)."""
     tensors: ClassVar[tuple[str, ...]] = ()
-    """The optional :class:`~ompmoe.engine.statistics.LayerStats` fields it fills."""
+    """The :class:`~ompmoe.engine.statistics.LayerStats` tensors it fills (saved under these names; those
+    starting with ``gram`` are ``(N, N)``, the others ``(N,)``); a name that is no field lands in ``extra``."""
+    signed: ClassVar[tuple[str, ...]] = ()
+    """Those of ``tensors`` that may be negative (the others are sums of squares or counts)."""
     needs_gradients: ClassVar[bool] = False
     """Whether the forward must build an autograd graph (the module switches gradients on)."""
 
@@ -105,7 +112,7 @@ class StatisticsExtension:
 
     def fill(self, layers: list[LayerStats]) -> list[LayerStats]:
         """``layers`` with this extension's tensors filled in."""
-        return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, self.metric.compute())]
+        return [layer.with_tensors(tensors) for layer, tensors in zip(layers, self.metric.compute())]
 
 
 STATISTICS: dict[str, type[StatisticsExtension]] = {}
@@ -166,6 +173,6 @@ def check_statistics(strategy: object, collected: Collection[str]) -> None:
         if name not in collected:
             cls = extension(name)
             raise ValueError(
-                f"The strategy's {' and '.join(users)} needs {cls.kind} statistics, which this calibration would "
+                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, which this calibration would "
                 f"not collect: pass ExpertPruning(..., {cls.how()})."
             )

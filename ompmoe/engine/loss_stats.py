@@ -259,6 +259,7 @@ class LossAwareStatistics(StatisticsExtension):
     option: ClassVar[str] = "loss_aware=True"
     prefix: ClassVar[str] = "loss"
     tensors: ClassVar[tuple[str, ...]] = LOSS_TENSORS
+    signed: ClassVar[tuple[str, ...]] = ("loss_first_order",)
     needs_gradients: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
