@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import ompmoe  # noqa: E402
 from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
+from ompmoe.engine.extensions import required_statistics  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.methods import METHODS  # noqa: E402
@@ -59,10 +60,12 @@ import quality_report  # noqa: E402  (benchmarks/quality_report.py)
 RATIOS = (0.25, 0.5, 0.75)
 ALLOCATIONS = ("uniform", "waterfill", "optimal", "loss", "loss_risk")
 CALIBRATIONS = ("prose", "code", "mix")
-LOSS_AWARE = {"omp_loss", "omp_grad", "omp_fisher", "loss_newton", "omp_hybrid", "loss", "loss_risk"}
-"""Methods and allocations that need the loss-aware statistics pass (ompmoe.engine.loss_stats)."""
-REROUTE = {"omp_reroute"}
-"""Methods that need the rerouting-aware statistics (ompmoe.engine.reroute_stats, collected with reroute=True)."""
+
+
+def needs(statistics: str, method: str, allocation: str | None = None) -> bool:
+    """Whether the method (and allocation) need the optional ``statistics`` (``loss_aware``, ``reroute``)."""
+    return statistics in required_statistics(method, allocation)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for d in CORPUS_DOMAINS
     }
     stats = {c: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"shipped:{c}", loss_aware=True,
-                                  reroute=bool(REROUTE & set(args.methods)))
+                                  reroute=any(needs("reroute", m) for m in args.methods))
              for c, b in calib_blocks.items()}
     timing = {"model": args.model, "calibration": args.calibrations[-1], "tokens": args.calib_blocks * args.seq_len,
               "batch_size": calibration_cost_benchmark.BATCH_SIZE, "threads": args.threads,
@@ -191,10 +194,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for method, allocation, sequential in jobs:
                     strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_kept_fraction=min_ratio_for(ratio))
                     plan = strategy.plan(stats[calibration])
-                    loss_aware = bool({method, allocation} & LOSS_AWARE)
+                    loss_aware = needs("loss_aware", method, allocation)
                     if sequential:  # one more statistics pass per MoE layer after the first
                         plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan,
-                                               loss_aware=method in LOSS_AWARE)
+                                               loss_aware=needs("loss_aware", method))
                     kept = plan.kept_by_layer()
                     key = tuple(tuple(kept[name]) for name in sorted(kept))
                     if key not in cache:
@@ -217,8 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
                         "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
                         "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
-                        + (cost["reroute_stats"] / cost["stats"] - 1.0 if method in REROUTE else 0.0)
-                        + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if method in LOSS_AWARE else 1.0)
+                        + (cost["reroute_stats"] / cost["stats"] - 1.0 if needs("reroute", method) else 0.0)
+                        + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if needs("loss_aware", method) else 1.0)
                         * sequential,
                     }
                     rows.append(row)
@@ -255,10 +258,10 @@ def with_cost_vs_forward(rows: list[dict[str, Any]], timing: dict[str, Any]) -> 
     out = []
     for row in rows:
         method = row["method"].removesuffix("_seq")
-        needs = ["loss_stats"] if {method, row["allocation"]} & LOSS_AWARE else ["stats"]
-        needs += ["reroute_stats"] if method in REROUTE else []
+        passes = ["loss_stats"] if needs("loss_aware", method, row["allocation"]) else ["stats"]
+        passes += ["reroute_stats"] if needs("reroute", method) else []
         out.append({**row, "calib_time_vs_forward": row["calib_cost"] * time_ratio,
-                    "calib_memory_vs_forward": max(memory[n] for n in needs) if memory else math.nan})
+                    "calib_memory_vs_forward": max(memory[n] for n in passes) if memory else math.nan})
     return out
 
 

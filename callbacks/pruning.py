@@ -24,9 +24,8 @@ from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
-from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs
-from ompmoe.engine.methods.loss import check_loss_aware_not_needed
-from ompmoe.engine.methods.reroute import check_reroute_not_needed
+from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs, selected_statistics
+from ompmoe.engine.extensions import check_statistics
 from ompmoe.engine.io import atomic_path, check_writable, inputs_of, local_inputs
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
@@ -99,6 +98,8 @@ class ExpertPruning(Callback):
             forward must run with gradients enabled (``CalibrationModule`` does when asked).
         reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (needed by
             ``omp_reroute``; one more router call and one expert evaluation per token).
+        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`;
+            ``loss_aware`` and ``reroute`` are shorthands for two of them).
         evaluate_on: Held-out sets to report what pruning cost on (``heldout:prose``, ``heldout:code`` or any
             calibration source): rank 0 prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
         evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
@@ -120,6 +121,7 @@ class ExpertPruning(Callback):
         reroute: bool = False,
         evaluate_on: list[str] | None = None,
         evaluate_blocks: int = 8,
+        statistics: list[str] | None = None,
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
@@ -136,6 +138,7 @@ class ExpertPruning(Callback):
         self._datamodule: Any | None = None
         self.loss_aware = loss_aware
         self.reroute = reroute
+        self.statistics = selected_statistics(statistics or (), loss_aware=loss_aware, reroute=reroute)
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.pruned_model: nn.Module | None = None
@@ -186,10 +189,7 @@ class ExpertPruning(Callback):
         routings = [(layer.name, layer.routing) for layer in layers]
         for strategy in [self.strategy, *self._extra_strategies()]:
             strategy.validate(routings)
-            if not self.loss_aware:
-                check_loss_aware_not_needed(strategy)
-            if not self.reroute:
-                check_reroute_not_needed(strategy)
+            check_statistics(strategy, self.statistics)
         datamodule = getattr(trainer, "datamodule", None)
         self._datamodule = datamodule
         describe = getattr(datamodule, "describe", None)
@@ -197,16 +197,11 @@ class ExpertPruning(Callback):
             model,
             model_id=getattr(pl_module, "model_name_or_path", None),
             sources=[describe()] if callable(describe) else None,
-            loss_aware=self.loss_aware,
-            reroute=self.reroute,
+            statistics=self.statistics,
         )
-        if self._collector.reroute_metric is not None:
-            self._collector.reroute_metric.to(pl_module.device)
-        self._collector.metric.to(pl_module.device)
-        if self._collector.loss_metric is not None:
-            self._collector.loss_metric.to(pl_module.device)
-            if hasattr(pl_module, "needs_gradients"):
-                pl_module.needs_gradients = True
+        self._collector.to(pl_module.device)
+        if any(ext.needs_gradients for ext in self._collector.extensions.values()) and hasattr(pl_module, "needs_gradients"):
+            pl_module.needs_gradients = True
         if self._restored is not None:
             self._load_metric_state(self._restored)
 
@@ -351,18 +346,11 @@ class ExpertPruning(Callback):
         """Statistics summed over all ranks so far; on resume rank 0 carries them on."""
         if self._collector is None:
             return dict(self._restored or {})
-        metric = self._collector.metric
-        with metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
-            states = {name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults}
-        loss_metric = self._collector.loss_metric
-        if loss_metric is not None:
-            with loss_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
-                states.update({f"loss.{name}": getattr(loss_metric, name).detach().cpu().clone() for name in loss_metric._defaults})
-        reroute_metric = self._collector.reroute_metric
-        if reroute_metric is not None:
-            with reroute_metric.sync_context(should_sync=torch.distributed.is_available() and torch.distributed.is_initialized()):
-                states.update({f"reroute.{name}": getattr(reroute_metric, name).detach().cpu().clone()
-                               for name in reroute_metric._defaults})
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        states: dict[str, torch.Tensor] = {}
+        for prefix, metric in self._collector.metrics().items():
+            with metric.sync_context(should_sync=distributed):
+                states.update({prefix + name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults})
         return {"states": states}
 
     @override
@@ -373,18 +361,13 @@ class ExpertPruning(Callback):
 
     def _load_metric_state(self, state: dict[str, Any]) -> None:
         assert self._collector is not None
-        metric = self._collector.metric
+        metrics = self._collector.metrics()
         rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         for name, value in state.get("states", {}).items():
-            target = metric
-            if name.startswith("loss."):
-                if self._collector.loss_metric is None:
-                    continue
-                target, name = self._collector.loss_metric, name.removeprefix("loss.")
-            elif name.startswith("reroute."):
-                if self._collector.reroute_metric is None:
-                    continue
-                target, name = self._collector.reroute_metric, name.removeprefix("reroute.")
+            prefix = name.split(".", 1)[0] + "." if "." in name else ""
+            if prefix not in metrics:
+                continue  # statistics this fit does not collect
+            target, name = metrics[prefix], name.removeprefix(prefix)
             current = getattr(target, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
             setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))

@@ -240,6 +240,8 @@ class Allocation:
     allocate: Callable[[AllocationProblem], list[int]]
     bounded: bool = True
     """Whether the per-layer kept-fraction bounds and the global budget apply (``uniform``: no)."""
+    statistics: tuple[str, ...] = ()
+    """Optional statistics it needs (names of :data:`ompmoe.engine.extensions.STATISTICS`)."""
 
     @property
     def summary(self) -> str:
@@ -250,8 +252,10 @@ ALLOCATIONS: dict[str, Allocation] = {}
 """Registered allocations by name."""
 
 
-def register_allocation(name: str, *, bounded: bool = True) -> Callable[[Callable[[AllocationProblem], list[int]]], Callable[[AllocationProblem], list[int]]]:
-    """Decorator: register ``allocate(problem) -> counts`` under ``name`` (``bounded``: see :class:`Allocation`)."""
+def register_allocation(
+    name: str, *, bounded: bool = True, statistics: tuple[str, ...] = ()
+) -> Callable[[Callable[[AllocationProblem], list[int]]], Callable[[AllocationProblem], list[int]]]:
+    """Decorator: register ``allocate(problem) -> counts`` under ``name`` (``bounded``, ``statistics``: see :class:`Allocation`)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"Allocation names must be identifier-like; got {name!r}.")
 
@@ -259,10 +263,16 @@ def register_allocation(name: str, *, bounded: bool = True) -> Callable[[Callabl
         existing = ALLOCATIONS.get(name)
         if existing is not None and existing.allocate.__qualname__ != allocate.__qualname__:
             raise ValueError(f"An allocation named {name!r} is already registered ({existing.allocate.__qualname__}).")
-        ALLOCATIONS[name] = Allocation(name, allocate, bounded)
+        ALLOCATIONS[name] = Allocation(name, allocate, bounded, tuple(statistics))
         return allocate
 
     return decorate
+
+
+def allocation_statistics(name: str) -> tuple[str, ...]:
+    """The optional statistics allocation ``name`` needs (none for an unknown name: its own error comes later)."""
+    allocation = ALLOCATIONS.get(name)
+    return allocation.statistics if allocation is not None else ()
 
 
 def get_allocation(name: str) -> Allocation:

@@ -19,8 +19,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .loss_stats import LossGradientRecorder, LossStatsMetric, recording_callback, with_loss_tensors
-from .reroute_stats import RerouteRecorder, RerouteStatsMetric, with_reroute_tensors
+from .extensions import StatisticsExtension, extension
 from .replay import replayable
 from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
@@ -344,27 +343,38 @@ class StatisticsCollector:
 
     def __init__(
         self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False,
-        reroute: bool = False,
+        reroute: bool = False, statistics: Iterable[str] = (),
     ) -> None:
         architecture_of(model)
         self.model = model
         self.layers = find_moe_layers(model)
         self.metric = MoEStatsMetric(self.layers)
-        self.loss_metric: LossStatsMetric | None = LossStatsMetric(self.layers) if loss_aware else None
-        self.loss_recorder = (
-            LossGradientRecorder(model, self.layers, self.loss_metric, lambda: self.metric.token_weight)
-            if self.loss_metric is not None else None
-        )
-        self.reroute_metric: RerouteStatsMetric | None = RerouteStatsMetric(self.layers) if reroute else None
-        self.reroute_recorder = (
-            RerouteRecorder(self.layers, self.reroute_metric, lambda: self.metric.token_weight)
-            if self.reroute_metric is not None else None
-        )
+        names = selected_statistics(statistics, loss_aware=loss_aware, reroute=reroute)
+        self.extensions: dict[str, StatisticsExtension] = {
+            name: extension(name)(model, self.layers, lambda: self.metric.token_weight) for name in names
+        }
+        """The optional statistics collected next to the core sums, by name (:mod:`ompmoe.engine.extensions`)."""
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
         self._context: Any = None
         self._paused: Any = None
         self._warned = False
+
+    @property
+    def loss_metric(self) -> Metric | None:
+        """The loss-aware sums, if collected."""
+        loss = self.extensions.get("loss_aware")
+        return loss.metric if loss is not None else None
+
+    def metrics(self) -> dict[str, Metric]:
+        """Every sum-state metric by its prefix in checkpoints: ``""`` for the core sums, ``"loss."``, ``"reroute."``, ..."""
+        return {"": self.metric, **{f"{ext.prefix}.": ext.metric for ext in self.extensions.values()}}
+
+    def to(self, device: torch.device | str) -> StatisticsCollector:
+        """Move every sum (core and extensions) to ``device``."""
+        for metric in self.metrics().values():
+            metric.to(device)
+        return self
 
     def __enter__(self) -> StatisticsCollector:
         self._paused = adaptive_paused(self.model)
@@ -372,13 +382,15 @@ class StatisticsCollector:
             warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
             self._warned = True
         try:
-            update = self.metric.update if self.reroute_recorder is None else self.reroute_recorder.callback(self.metric.update)
-            self._context = expose_expert_outputs(self.layers, recording_callback(update, self.loss_recorder))
+            update = self.metric.update
+            # Extensions that run a backward wrap outermost: they silence the whole chain while a
+            # checkpointed forward is recomputed.
+            for ext in sorted(self.extensions.values(), key=lambda ext: ext.needs_gradients):
+                update = ext.wrap(update)
+            self._context = expose_expert_outputs(self.layers, update)
             self._context.__enter__()
-            if self.reroute_recorder is not None:
-                self.reroute_recorder.attach()
-            if self.loss_recorder is not None:
-                self.loss_recorder.attach()
+            for ext in self.extensions.values():
+                ext.attach()
         except BaseException:
             self._paused.__exit__(None, None, None)
             self._paused = None
@@ -386,10 +398,8 @@ class StatisticsCollector:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.loss_recorder is not None:
-            self.loss_recorder.detach()
-        if self.reroute_recorder is not None:
-            self.reroute_recorder.detach()
+        for ext in reversed(self.extensions.values()):
+            ext.detach()
         try:
             self._context.__exit__(*exc)
         finally:
@@ -415,10 +425,8 @@ class StatisticsCollector:
     def result(self) -> MoEStats:
         """The statistics so far (after any distributed sync the caller performed)."""
         layers, num_tokens = self.metric.compute()
-        if self.loss_metric is not None:
-            layers = with_loss_tensors(layers, self.loss_metric)
-        if self.reroute_metric is not None:
-            layers = with_reroute_tensors(layers, self.reroute_metric)
+        for ext in self.extensions.values():
+            layers = ext.fill(layers)
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
         return MoEStats(
@@ -429,6 +437,12 @@ class StatisticsCollector:
             model_type=self.model.config.model_type,
             sources=self.sources,
         )
+
+
+def selected_statistics(statistics: Iterable[str] = (), *, loss_aware: bool = False, reroute: bool = False) -> list[str]:
+    """The optional statistics to collect, in order: ``statistics`` plus the ``loss_aware``/``reroute`` shorthands."""
+    names = list(statistics) + ["reroute"] * reroute + ["loss_aware"] * loss_aware
+    return list(dict.fromkeys(names))
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -447,6 +461,7 @@ def collect_stats(
     progress: bool | None = None,
     loss_aware: bool = False,
     reroute: bool = False,
+    statistics: Iterable[str] = (),
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
 
@@ -460,23 +475,23 @@ def collect_stats(
     ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
     blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
     ``reroute=True`` also collects the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats`.
+    ``statistics`` names optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`);
+    ``loss_aware`` and ``reroute`` are shorthands for two of them.
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,
-                                    loss_aware=loss_aware, reroute=reroute)
-    if loss_aware:
-        collector.loss_recorder.retain_graph = False
-        collector.loss_metric.to(_model_device(model))
-    frozen = [p for p in model.parameters() if p.requires_grad] if loss_aware else []
+                                    loss_aware=loss_aware, reroute=reroute, statistics=statistics)
+    for ext in collector.extensions.values():
+        ext.standalone()
+    gradients = any(ext.needs_gradients for ext in collector.extensions.values())
+    frozen = [p for p in model.parameters() if p.requires_grad] if gradients else []
     device = _model_device(model)
-    collector.metric.to(device)
-    if reroute:
-        collector.reroute_metric.to(device)
+    collector.to(device)
     was_training = model.training
     model.eval()
     iterator: Iterable[Any] = progress_bar(batches, "ompmoe statistics", progress, unit="batch")
     try:
-        with collector, torch.set_grad_enabled(loss_aware):
-            if loss_aware:
+        with collector, torch.set_grad_enabled(gradients):
+            if gradients:
                 model.requires_grad_(False)
             for batch in iterator:
                 collector.forward(as_model_inputs(batch, device))

@@ -21,13 +21,13 @@ non-reentrant activation checkpointing the recomputed expert calls are not count
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torchmetrics import Metric
 
 from .adapters import MoELayer
+from .extensions import LayerSumsMetric, StatisticsExtension, register_statistics
 
 LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
 """Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by loss-aware collection."""
@@ -54,20 +54,11 @@ def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight:
     return torch.where(pair_weight > 0, losses * pair_weight, 0.0).sum()
 
 
-class LossStatsMetric(Metric):
+class LossStatsMetric(LayerSumsMetric):
     """Sum-reduced loss-aware states of every MoE layer (merge exactly across batches and ranks)."""
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
     def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.num_experts = [layer.num_experts for layer in layers]
-        for i, n in enumerate(self.num_experts):
-            for key in LOSS_TENSORS:
-                shape = (n,) if key == "loss_first_order" else (n, n)
-                self.add_state(f"{key}_{i}", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        super().__init__(layers, {key: "vector" if key == "loss_first_order" else "gram" for key in LOSS_TENSORS}, **kwargs)
         self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(
@@ -113,12 +104,6 @@ class LossStatsMetric(Metric):
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().to(self.loss_sum.device, torch.float64)
-
-    def compute(self) -> list[dict[str, torch.Tensor]]:
-        """Per layer, the loss-aware tensors (summed over ranks when distributed)."""
-        return [
-            {key: getattr(self, f"{key}_{i}").clone() for key in LOSS_TENSORS} for i in range(len(self.num_experts))
-        ]
 
 
 class LossGradientRecorder:
@@ -265,8 +250,25 @@ def recording_callback(update: Callable[..., None], recorder: LossGradientRecord
     return callback
 
 
-def with_loss_tensors(layers: list[Any], metric: LossStatsMetric) -> list[Any]:
-    """``layers`` (:class:`~ompmoe.engine.statistics.LayerStats`) with the loss-aware sums of ``metric`` filled in."""
-    import dataclasses
+@register_statistics
+class LossAwareStatistics(StatisticsExtension):
+    """The loss-aware sums: one backward of the next-token loss per batch to the MoE blocks' routed outputs."""
 
-    return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, metric.compute())]
+    name: ClassVar[str] = "loss_aware"
+    kind: ClassVar[str] = "loss-aware"
+    option: ClassVar[str] = "loss_aware=True"
+    prefix: ClassVar[str] = "loss"
+    tensors: ClassVar[tuple[str, ...]] = LOSS_TENSORS
+    signed: ClassVar[tuple[str, ...]] = ("loss_first_order",)
+    needs_gradients: ClassVar[bool] = True
+
+    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
+        super().__init__(model, layers, token_weight)
+        self.metric = LossStatsMetric(layers)
+        self.recorder = LossGradientRecorder(model, layers, self.metric, token_weight)
+
+    def wrap(self, update: Callable[..., None]) -> Callable[..., None]:
+        return recording_callback(update, self.recorder)
+
+    def standalone(self) -> None:
+        self.recorder.retain_graph = False  # no training step reuses the graph

@@ -26,13 +26,13 @@ nothing is renormalized).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torchmetrics import Metric
 
 from .adapters import MoELayer
+from .extensions import LayerSumsMetric, StatisticsExtension, register_statistics
 
 REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
 """Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
@@ -89,19 +89,11 @@ def removal_deltas(
     return full.unsqueeze(1) - rerouted
 
 
-class RerouteStatsMetric(Metric):
+class RerouteStatsMetric(LayerSumsMetric):
     """Sum-reduced rerouting-aware Grams of every MoE layer (merge exactly across batches and ranks)."""
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
     def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.num_experts = [layer.num_experts for layer in layers]
-        for i, n in enumerate(self.num_experts):
-            for key in REROUTE_TENSORS:
-                self.add_state(f"{key}_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
+        super().__init__(layers, dict.fromkeys(REROUTE_TENSORS, "gram"), **kwargs)
 
     def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
                token_weight: torch.Tensor | None) -> None:
@@ -124,9 +116,6 @@ class RerouteStatsMetric(Metric):
         getattr(self, f"gram_reroute_{index}").view(-1).index_add_(0, flat, products.reshape(-1))
         normalized = (products * inverse.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_reroute_normalized_{index}").view(-1).index_add_(0, flat, normalized)
-
-    def compute(self) -> list[dict[str, torch.Tensor]]:
-        return [{key: getattr(self, f"{key}_{i}").clone() for key in REROUTE_TENSORS} for i in range(len(self.num_experts))]
 
 
 class RerouteRecorder:
@@ -209,8 +198,20 @@ class RerouteRecorder:
         self.metric.update(index, ids, deltas, gates.unsqueeze(-1) * expert_out, weight)
 
 
-def with_reroute_tensors(layers: list[Any], metric: RerouteStatsMetric) -> list[Any]:
-    """``layers`` with the rerouting-aware sums of ``metric`` filled in."""
-    import dataclasses
+@register_statistics
+class RerouteStatistics(StatisticsExtension):
+    """The rerouting-aware Grams: one more router call and one expert evaluation per token, same forward."""
 
-    return [dataclasses.replace(layer, **tensors) for layer, tensors in zip(layers, metric.compute())]
+    name: ClassVar[str] = "reroute"
+    kind: ClassVar[str] = "rerouting-aware"
+    option: ClassVar[str] = "reroute=True"
+    prefix: ClassVar[str] = "reroute"
+    tensors: ClassVar[tuple[str, ...]] = REROUTE_TENSORS
+
+    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
+        super().__init__(model, layers, token_weight)
+        self.metric = RerouteStatsMetric(layers)
+        self.recorder = RerouteRecorder(layers, self.metric, token_weight)
+
+    def wrap(self, update: Callable[..., None]) -> Callable[..., None]:
+        return self.recorder.callback(update)

@@ -8,6 +8,7 @@ processes, which is what makes one statistics file serve every pruning ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,13 +22,22 @@ from safetensors.torch import load_file, save_file
 from .io import atomic_path
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
-OPTIONAL_TENSORS = (
-    "gram_normalized", "gram_grad", "gram_loss", "gram_fisher", "loss_first_order", "gram_reroute",
-    "gram_reroute_normalized",
-)
-"""Tensors that statistics files written by older versions may lack (``None`` when absent)."""
-SIGNED_TENSORS = ("loss_first_order",)
-"""Optional tensors whose values may be negative (first-order loss terms)."""
+CORE_OPTIONAL_TENSORS = ("gram_normalized",)
+"""Core sums that statistics files written by older versions may lack (``None`` when absent)."""
+
+
+def optional_tensors() -> tuple[str, ...]:
+    """Tensors a statistics file may lack: the newer core sums and every registered extension's."""
+    from .extensions import statistics_extensions
+
+    return tuple(dict.fromkeys([*CORE_OPTIONAL_TENSORS, *(k for cls in statistics_extensions().values() for k in cls.tensors)]))
+
+
+def signed_tensors() -> tuple[str, ...]:
+    """Optional tensors whose values may be negative (first-order loss terms)."""
+    from .extensions import statistics_extensions
+
+    return tuple(k for cls in statistics_extensions().values() for k in cls.signed)
 ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 2
 """2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""
@@ -84,6 +94,29 @@ class LayerStats:
     ``sum_x <D_e(x), D_f(x)>``, ``D_e(x)`` the output change when ``e`` is removed and the router re-routes."""
     gram_reroute_normalized: torch.Tensor | None = None
     """Rerouting-aware: ``sum_x <D_e(x), D_f(x)> / ||Y_x||^2``."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sums of registered statistics extensions that have no field above (read them as attributes too)."""
+
+    def __getattr__(self, key: str) -> Any:
+        """An extension's tensor without a field: from ``extra``, ``None`` when these statistics lack it."""
+        if key.startswith("__") or key == "extra":
+            raise AttributeError(key)
+        from .extensions import extension_providing
+
+        if extension_providing(key) is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
+        return self.__dict__.get("extra", {}).get(key)
+
+    @classmethod
+    def from_tensors(cls, name: str, routing: dict[str, int], tensors: dict[str, torch.Tensor]) -> LayerStats:
+        """A layer from its named tensors (as :meth:`tensors` returns them); unknown names go to ``extra``."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(name=name, **routing, **{k: v for k, v in tensors.items() if k in fields},  # type: ignore[arg-type]
+                   extra={k: v for k, v in tensors.items() if k not in fields})
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> LayerStats:
+        """This layer with ``tensors`` added or replaced."""
+        return LayerStats.from_tensors(self.name, self.routing, {**self.tensors(), **tensors})
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -106,7 +139,8 @@ class LayerStats:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         tensors = {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
-        tensors.update({key: getattr(self, key) for key in OPTIONAL_TENSORS if getattr(self, key) is not None})
+        tensors.update({key: getattr(self, key) for key in optional_tensors() if getattr(self, key) is not None})
+        tensors.update(self.extra)
         return tensors
 
     def merge(self, other: LayerStats) -> LayerStats:
@@ -115,7 +149,7 @@ class LayerStats:
             raise ValueError(f"Cannot merge statistics of different layers: {self.name!r} vs {other.name!r}.")
         mine, theirs = self.tensors(), other.tensors()
         summed = {key: value + theirs[key] for key, value in mine.items() if key in theirs}
-        return LayerStats(name=self.name, **self.routing, **summed)
+        return LayerStats.from_tensors(self.name, self.routing, summed)
 
 
 @dataclass
@@ -256,7 +290,8 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
     infos = meta.get("layers")
     if not isinstance(infos, list) or not infos:
         raise StatsFileError(f"{path}: the metadata lists no layers. {fix}")
-    known = {f"layers.{i}.{key}" for i in range(len(infos)) for key in ("gram", *PER_EXPERT_SUMS, *OPTIONAL_TENSORS)}
+    optional, signed = optional_tensors(), signed_tensors()
+    known = {f"layers.{i}.{key}" for i in range(len(infos)) for key in ("gram", *PER_EXPERT_SUMS, *optional)}
     extra = sorted(set(tensors) - known)
     if extra:
         raise StatsFileError(
@@ -272,12 +307,11 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
         if not isinstance(name, str) or bad:
             raise StatsFileError(f"{where}: the metadata has no valid name or routing ({bad or 'name'}). {fix}")
         n = routing["num_experts"]
-        found: dict[str, torch.Tensor | None] = {}
-        for key in ("gram", *PER_EXPERT_SUMS, *OPTIONAL_TENSORS):
+        found: dict[str, torch.Tensor] = {}
+        for key in ("gram", *PER_EXPERT_SUMS, *optional):
             tensor = tensors.get(f"layers.{i}.{key}")
             if tensor is None:
-                if key in OPTIONAL_TENSORS:
-                    found[key] = None
+                if key in optional:
                     continue
                 raise StatsFileError(f"{where}: tensor {key!r} is missing (the metadata lists layer {i}). {fix}")
             shape = (n, n) if key.startswith("gram") else (n,)
@@ -291,7 +325,7 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
             if not bool(torch.isfinite(tensor).all()):
                 raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
             values = tensor.diagonal() if key.startswith("gram") else tensor
-            if key not in SIGNED_TENSORS and bool((values < 0).any()):
+            if key not in signed and bool((values < 0).any()):
                 what = "diagonal" if key.startswith("gram") else "values"
                 raise StatsFileError(
                     f"{where}: tensor {key!r} has negative {what} ({float(values.min())}); these are sums of "
@@ -306,7 +340,7 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
                         f"max |G| = {scale:.3g}). {fix}"
                     )
             found[key] = tensor
-        layers.append(LayerStats(name=name, **routing, **found))  # type: ignore[arg-type]
+        layers.append(LayerStats.from_tensors(name, routing, found))  # type: ignore[arg-type]
     return layers
 
 

@@ -11,13 +11,12 @@ import torch
 from ompmoe import collect_stats, plan_pruning
 from ompmoe.engine.allocation import layer_choices
 from ompmoe.engine.methods.loss import (
-    LOSS_METHODS,
     greedy_quadratic,
     kept_masks,
     loss_curves,
     loss_estimate,
 )
-from ompmoe.engine.methods import get_method
+from ompmoe.engine.methods import METHODS, get_method
 from ompmoe.engine.selection import greedy_pursuit, routing_coverage
 from ompmoe.engine.strategy import strategy_for
 from ompmoe.engine.tiny import tiny_model
@@ -115,7 +114,14 @@ def test_loss_allocation_is_the_brute_force_minimum(stats, method, allocation):
     assert plan.allocation == allocation
 
 
-@pytest.mark.parametrize("method", sorted(LOSS_METHODS))
+LOSS_METHODS = ["loss_newton", "omp_fisher", "omp_grad", "omp_hybrid", "omp_loss"]
+
+
+def test_the_loss_methods_declare_the_loss_aware_statistics():
+    assert sorted(name for name, cls in METHODS.items() if "loss_aware" in cls.statistics) == LOSS_METHODS
+
+
+@pytest.mark.parametrize("method", LOSS_METHODS)
 def test_loss_methods_plan_on_tiny_models(stats, method):
     plan = strategy_for(method, ratio=0.5, allocation="waterfill").plan(stats)
     assert plan.method == method

@@ -329,7 +329,8 @@ def test_statistics_without_the_normalized_gram_still_load_and_plan(qwen_stats, 
     loaded = MoEStats.load(path)
     assert all(layer.gram_normalized is None for layer in loaded.layers)
     assert plan_pruning(loaded, 0.5) == plan_pruning(qwen_stats, 0.5)
-    with pytest.raises(ValueError, match="Method 'omp_normalized' needs the token-normalized Gram"):
+    with pytest.raises(ValueError, match=r"Method 'omp_normalized' needs current statistics \('gram_normalized'\), which "
+                       r"these statistics lack .*Collect them with this ompmoe \(they were written by an older one\)"):
         plan_pruning(loaded, 0.5, method="omp_normalized")
     # Merging with new statistics keeps the sums exact and drops what only one side has.
     merged = loaded.merge(qwen_stats)

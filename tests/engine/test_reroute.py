@@ -155,7 +155,7 @@ def test_reroute_statistics_round_trip_and_old_files_still_load(tmp_path):
     assert plan_pruning(old_loaded, 0.5) == plan_pruning(stats, 0.5)
     with pytest.raises(ValueError, match=r"Method 'omp_reroute' needs rerouting-aware statistics \('gram_reroute_normalized'\)"
                        r", which these statistics lack \(layers \['model.layers.1.mlp', 'model.layers.2.mlp'\]\)\. "
-                       r"Collect them with ompmoe.collect_stats\(model, batches, reroute=True\)\."):
+                       r"Collect them with ompmoe.collect_stats\(model, batches, reroute=True\) or ExpertPruning\(\.\.\., reroute=True\)\."):
         plan_pruning(old_loaded, 0.5, method="omp_reroute")
 
 

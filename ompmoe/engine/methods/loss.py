@@ -35,33 +35,9 @@ import numpy as np
 import torch
 
 from ..allocation import AllocationProblem, optimal_allocation, register_allocation
-from ..selection import greedy_pursuit
 from ..statistics import LayerStats
-from .registry import Selection, SelectionMethod, register_method, require_layer_tensor
-
-LOSS_ALLOCATIONS = ("loss", "loss_risk")
-
-
-def require_loss_tensors(layers: Sequence[LayerStats], key: str, what: str) -> None:
-    """Refuse statistics without the loss-aware sum ``key``, naming the option that collects it."""
-    require_layer_tensor(
-        layers, key, what, "loss-aware",
-        "ompmoe.collect_stats(model, batches, loss_aware=True) or ExpertPruning(..., loss_aware=True)",
-    )
-
-
-def check_loss_aware_not_needed(strategy: object) -> None:
-    """Refuse, before calibration, a strategy whose method or allocation needs loss-aware statistics."""
-    method, allocation = getattr(strategy, "method", None), getattr(strategy, "allocation", None)
-    needs = ([f"method {method!r}"] if method in LOSS_METHODS else []) + (
-        [f"allocation {allocation!r}"] if allocation in LOSS_ALLOCATIONS else []
-    )
-    if needs:
-        raise ValueError(
-            f"The strategy's {' and '.join(needs)} needs loss-aware statistics, which this calibration would not "
-            "collect: pass ExpertPruning(..., loss_aware=True)."
-        )
-
+from .omp import GramPursuit
+from .registry import Selection, SelectionMethod, register_method, require_statistic
 
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
     """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most.
@@ -95,42 +71,34 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
     return torch.tensor(order, dtype=torch.long)
 
 
-def _pursuit_on(layers: Sequence[LayerStats], key: str, method: str) -> list[Selection]:
-    require_loss_tensors(layers, key, f"Method {method!r}")
-    return [greedy_pursuit(getattr(layer, key), num_groups=layer.num_groups, with_gains=False).order for layer in layers]
-
-
 @register_method
 @dataclass
-class OMPLoss(SelectionMethod):
+class OMPLoss(GramPursuit):
     """greedy pursuit on the rank-1 loss Gram `sum_x a_e(x) a_f(x)`, `a_e(x) = <dL/dY_x, V_e(x)>` (loss-aware statistics)"""
 
     name: ClassVar[str] = "omp_loss"
-
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        return _pursuit_on(layers, "gram_loss", self.name)
+    gram_key: ClassVar[str] = "gram_loss"
+    statistics: ClassVar[tuple[str, ...]] = ("loss_aware",)
 
 
 @register_method
 @dataclass
-class OMPGrad(SelectionMethod):
+class OMPGrad(GramPursuit):
     """greedy pursuit on the Gram weighted per token by `||dL/dY_x||^2` (loss-aware statistics)"""
 
     name: ClassVar[str] = "omp_grad"
-
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        return _pursuit_on(layers, "gram_grad", self.name)
+    gram_key: ClassVar[str] = "gram_grad"
+    statistics: ClassVar[tuple[str, ...]] = ("loss_aware",)
 
 
 @register_method
 @dataclass
-class OMPFisher(SelectionMethod):
+class OMPFisher(GramPursuit):
     """greedy pursuit on the per-token diagonal-Fisher Gram `sum_x sum_i d_{x,i}^2 V_e,i V_f,i` (loss-aware statistics)"""
 
     name: ClassVar[str] = "omp_fisher"
-
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        return _pursuit_on(layers, "gram_fisher", self.name)
+    gram_key: ClassVar[str] = "gram_fisher"
+    statistics: ClassVar[tuple[str, ...]] = ("loss_aware",)
 
 
 @register_method
@@ -139,10 +107,11 @@ class LossNewton(SelectionMethod):
     """greedy minimum of the second-order loss estimate `-s^T u + u^T G_loss u / 2` with its first-order term (loss-aware statistics)"""
 
     name: ClassVar[str] = "loss_newton"
+    statistics: ClassVar[tuple[str, ...]] = ("loss_aware",)
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        require_loss_tensors(layers, "gram_loss", f"Method {self.name!r}")
-        require_loss_tensors(layers, "loss_first_order", f"Method {self.name!r}")
+        require_statistic(layers, "gram_loss", f"Method {self.name!r}")
+        require_statistic(layers, "loss_first_order", f"Method {self.name!r}")
         return [greedy_quadratic(layer.gram_loss, layer.loss_first_order, layer.num_groups) for layer in layers]
 
 
@@ -159,10 +128,11 @@ def hybrid_gram(layer: LayerStats, loss_weight: float) -> torch.Tensor:
 
 @register_method
 @dataclass
-class OMPHybrid(SelectionMethod):
+class OMPHybrid(GramPursuit):
     """greedy pursuit on the token-normalized Gram plus `loss_weight` x the `||dL/dY_x||^2`-weighted Gram, each over its trace (loss-aware statistics)"""
 
     name: ClassVar[str] = "omp_hybrid"
+    statistics: ClassVar[tuple[str, ...]] = ("loss_aware",)
     loss_weight: float = 1.0
 
     def __post_init__(self) -> None:  # refused when the strategy is built, before any calibration
@@ -171,17 +141,11 @@ class OMPHybrid(SelectionMethod):
                 f"omp_hybrid's loss_weight must be a finite number >= 0 (0 is omp_normalized), got {self.loss_weight!r}."
             )
 
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        require_loss_tensors(layers, "gram_grad", f"Method {self.name!r}")
-        require_loss_tensors(layers, "gram_normalized", f"Method {self.name!r}")
-        return [
-            greedy_pursuit(hybrid_gram(layer, self.loss_weight), num_groups=layer.num_groups, with_gains=False).order
-            for layer in layers
-        ]
+    def gram_keys(self) -> tuple[str, ...]:
+        return ("gram_grad", "gram_normalized")
 
-
-LOSS_METHODS = ("omp_loss", "omp_grad", "omp_fisher", "loss_newton", "omp_hybrid")
-"""The loss-aware methods (they need statistics collected with ``loss_aware=True``)."""
+    def pursued_gram(self, layer: LayerStats) -> torch.Tensor:
+        return hybrid_gram(layer, self.loss_weight)
 
 
 def kept_masks(selection: torch.Tensor | object, num_experts: int) -> torch.Tensor:
@@ -202,8 +166,8 @@ def loss_estimate(hessian: torch.Tensor, linear: torch.Tensor, kept: torch.Tenso
 
 def loss_curves(layers: Sequence[LayerStats], selections: Sequence[object], num_tokens: int) -> list[np.ndarray]:
     """Per layer, the estimated per-token loss increase of keeping each count ``k = 0..N`` of ``selections``."""
-    require_loss_tensors(layers, "gram_loss", "A loss allocation")
-    require_loss_tensors(layers, "loss_first_order", "A loss allocation")
+    require_statistic(layers, "gram_loss", "A loss allocation")
+    require_statistic(layers, "loss_first_order", "A loss allocation")
     return [
         (loss_estimate(layer.gram_loss, layer.loss_first_order, kept_masks(s, layer.num_experts)) / max(num_tokens, 1))
         .cpu()
@@ -227,8 +191,8 @@ def loss_allocation_costs(
     The allocation itself is the exact dynamic program of
     :func:`~ompmoe.engine.allocation.optimal_allocation` over these curves.
     """
-    if allocation not in LOSS_ALLOCATIONS:
-        raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of {list(LOSS_ALLOCATIONS)}.")
+    if allocation not in ("loss", "loss_risk"):
+        raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of ['loss', 'loss_risk'].")
     curves = loss_curves(layers, selections, num_tokens)
     if allocation == "loss":
         return curves
@@ -244,14 +208,14 @@ def _loss_problem_costs(problem: AllocationProblem, allocation: str) -> list[np.
                                  problem.risk_weight, problem.zeta)
 
 
-@register_allocation("loss")
+@register_allocation("loss", statistics=("loss_aware",))
 def _loss(problem: AllocationProblem) -> list[int]:
     """the exact minimum (dynamic program) of the summed per-token loss estimates `sum_l dL_l(k_l)` under the kept-fraction bounds (loss-aware statistics)"""
     assert problem.budget is not None
     return optimal_allocation(_loss_problem_costs(problem, "loss"), problem.choices, problem.budget)
 
 
-@register_allocation("loss_risk")
+@register_allocation("loss_risk", statistics=("loss_aware",))
 def _loss_risk(problem: AllocationProblem) -> list[int]:
     """as `loss`, plus the routing risk `lambda dL_l(0) -log(C_l(k) + zeta)` (the paper's per-layer cost in loss units)"""
     assert problem.budget is not None

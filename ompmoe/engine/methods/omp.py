@@ -1,4 +1,4 @@
-"""OMP-MoE's greedy binary pursuit (the paper's method, ``omp``) and its token-normalized variant."""
+"""OMP-MoE's greedy binary pursuit (the paper's method, ``omp``) and the one class every pursuit on another Gram uses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ..selection import greedy_pursuit
 from ..statistics import LayerStats
-from .registry import Selection, SelectionMethod, register_method
+from .registry import Selection, SelectionMethod, register_method, require_statistic
 
 
 def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
@@ -28,20 +28,42 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
     return orders  # type: ignore[return-value]
 
 
+@dataclass
+class GramPursuit(SelectionMethod):
+    """Base of every greedy binary pursuit (the paper's Algorithm 1): one class, parameterized by the Gram it pursues.
+
+    A subclass names the statistics tensor in ``gram_key`` (or, when an option picks it, overrides
+    :meth:`gram_keys`; when the Gram is built from several tensors, also :meth:`pursued_gram`);
+    missing tensors are refused with one message (:func:`~.registry.require_layer_tensor`) before any work.
+    """
+
+    gram_key: ClassVar[str] = "gram"
+    """The :class:`~ompmoe.engine.statistics.LayerStats` tensor the pursuit runs on."""
+
+    def gram_keys(self) -> tuple[str, ...]:
+        """The statistics tensors :meth:`pursued_gram` reads."""
+        return (self.gram_key,)
+
+    def pursued_gram(self, layer: LayerStats) -> torch.Tensor:
+        return getattr(layer, self.gram_keys()[0])
+
+    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
+        for key in self.gram_keys():
+            require_statistic(layers, key, f"Method {self.name!r}")
+        return list(omp_orderings([dataclasses.replace(layer, gram=self.pursued_gram(layer)) for layer in layers]))
+
+
 @register_method
 @dataclass
-class OMP(SelectionMethod):
+class OMP(GramPursuit):
     """greedy binary pursuit (the paper)"""
 
     name: ClassVar[str] = "omp"
 
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        return list(omp_orderings(layers))
-
 
 @register_method
 @dataclass
-class OMPNormalized(SelectionMethod):
+class OMPNormalized(GramPursuit):
     """greedy pursuit on the token-normalized Gram `sum_x V(x) V(x)^T / ||Y_x||^2`
 
     Each token's routed output then has unit energy, so a few high-norm tokens cannot decide
@@ -49,13 +71,4 @@ class OMPNormalized(SelectionMethod):
     """
 
     name: ClassVar[str] = "omp_normalized"
-
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        missing = [layer.name for layer in layers if layer.gram_normalized is None]
-        if missing:
-            raise ValueError(
-                f"Method 'omp_normalized' needs the token-normalized Gram, which these statistics lack "
-                f"(layers {missing[:3]}{'...' if len(missing) > 3 else ''}); they were written by an older "
-                "ompmoe. Re-run collect_stats (or the calibration fit) to collect it."
-            )
-        return list(omp_orderings([dataclasses.replace(layer, gram=layer.gram_normalized) for layer in layers]))
+    gram_key: ClassVar[str] = "gram_normalized"

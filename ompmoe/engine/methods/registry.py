@@ -35,7 +35,6 @@ import torch
 from ..statistics import LayerStats
 
 
-
 def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind: str, how: str) -> None:
     """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it.
 
@@ -48,6 +47,20 @@ def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind
             f"{what} needs {kind} statistics ({key!r}), which these statistics lack (layers "
             f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with {how}."
         )
+
+
+def require_statistic(layers: Sequence[LayerStats], key: str, what: str) -> None:
+    """Refuse statistics lacking ``key``, naming the extension that collects it (or, for a core sum, re-collection)."""
+    from ..extensions import extension_providing
+
+    provider = extension_providing(key)
+    if provider is not None:
+        require_layer_tensor(layers, key, what, provider.kind, f"ompmoe.collect_stats(model, batches, {provider.how()}) "
+                             f"or ExpertPruning(..., {provider.how()})")
+    else:
+        require_layer_tensor(layers, key, what, "current",
+                             "this ompmoe (they were written by an older one): re-run collect_stats or the calibration fit")
+
 
 @dataclass
 class SubsetSelection:
@@ -101,6 +114,8 @@ class SelectionMethod:
 
     name: ClassVar[str] = ""
     """The method's name in ``plan_pruning(method=...)``, plans, configs and the CLI."""
+    statistics: ClassVar[tuple[str, ...]] = ()
+    """Optional statistics it needs (names of :data:`ompmoe.engine.extensions.STATISTICS`), checked before calibration."""
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         """One :data:`Selection` per layer, from the layers' statistics."""

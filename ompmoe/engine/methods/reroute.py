@@ -10,36 +10,22 @@ the output change of the single removal of ``e`` (:mod:`ompmoe.engine.reroute_st
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..statistics import LayerStats
-from .omp import omp_orderings
-from .registry import Selection, SelectionMethod, register_method, require_layer_tensor
-
-
-def check_reroute_not_needed(strategy: object) -> None:
-    """Refuse, before calibration, a strategy whose method needs rerouting-aware statistics."""
-    if getattr(strategy, "method", None) == OMPReroute.name:
-        raise ValueError(
-            "The strategy's method 'omp_reroute' needs rerouting-aware statistics, which this calibration would "
-            "not collect: pass ExpertPruning(..., reroute=True)."
-        )
+from .omp import GramPursuit
+from .registry import register_method
 
 
 @register_method
 @dataclass
-class OMPReroute(SelectionMethod):
+class OMPReroute(GramPursuit):
     """greedy pursuit on the rerouting-aware Gram `sum_x <D_e(x), D_f(x)> / ||Y_x||^2`, `D_e` = output change when `e` is removed and the router re-routes (statistics collected with reroute=True)"""
 
     name: ClassVar[str] = "omp_reroute"
+    statistics: ClassVar[tuple[str, ...]] = ("reroute",)
     token_normalized: bool = True
     """Weight each token by ``1 / ||Y_x||^2`` (``gram_reroute_normalized``) or not (``gram_reroute``)."""
 
-    def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        key = "gram_reroute_normalized" if self.token_normalized else "gram_reroute"
-        require_layer_tensor(layers, key, "Method 'omp_reroute'", "rerouting-aware",
-                             "ompmoe.collect_stats(model, batches, reroute=True)")
-        return list(omp_orderings([dataclasses.replace(layer, gram=getattr(layer, key)) for layer in layers]))
+    def gram_keys(self) -> tuple[str, ...]:
+        return ("gram_reroute_normalized" if self.token_normalized else "gram_reroute",)
