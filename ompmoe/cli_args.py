@@ -100,7 +100,7 @@ def check_config_files(argv: Sequence[str]) -> None:
 
     jsonargparse answers a missing config with its whole usage text; this runs first.
     """
-    from ._paths import nearest_path_hint
+    from .engine.names import nearest_path_hint
 
     for index, token in enumerate(argv):
         if token in ("-c", "--config") and index + 1 < len(argv):

@@ -90,3 +90,15 @@ def test_load_pruned_on_a_runs_output_directory_points_to_its_model(tmp_path):
         ompmoe.load_pruned(tmp_path / "run")
     assert str(error.value) == (f"{tmp_path / 'run'} holds no model (no config.json); model/ does: "
                                 f"ompmoe.load_pruned({str(tmp_path / 'run' / 'model')!r})")
+
+
+def test_a_mistyped_method_or_allocation_gets_a_did_you_mean(capsys, tmp_path):
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    stats = synthetic_stats(3, 16, 4).save(tmp_path / "stats.safetensors")
+    line = run(["prune", "--stats", str(stats), "--ratio", "0.5", "--method", "omp_normalised",
+                "--output_dir", str(tmp_path / "out")], capsys)
+    assert line.startswith("error: Unknown method 'omp_normalised' (did you mean 'omp_normalized'?); choose one of [")
+    line = run(["prune", "--stats", str(stats), "--ratio", "0.5", "--allocation", "waterfil",
+                "--output_dir", str(tmp_path / "out")], capsys)
+    assert line.startswith("error: Unknown allocation 'waterfil' (did you mean 'waterfill'?); choose one of [")

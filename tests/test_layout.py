@@ -25,11 +25,18 @@ def _sources(*directories: str) -> list[Path]:
 
 
 def _imports(path: Path) -> set[str]:
-    """Modules ``path`` imports, at any depth (function-level imports count too), as absolute names."""
+    """Modules ``path`` imports, at any depth (function-level imports count too), as absolute names.
+
+    Imports under ``if TYPE_CHECKING:`` are left out: they never run, so they cannot form a cycle.
+    """
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

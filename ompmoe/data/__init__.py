@@ -8,7 +8,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from .._paths import looks_local, nearest_path_hint
+from ..engine.names import looks_local, nearest_path_hint
 
 import torch
 

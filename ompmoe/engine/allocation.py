@@ -12,6 +12,8 @@ Allocations live in one registry (:data:`ALLOCATIONS`): a function of an
 
 from __future__ import annotations
 
+from .names import did_you_mean
+
 import heapq
 import inspect
 import math
@@ -278,7 +280,8 @@ def allocation_statistics(name: str) -> tuple[str, ...]:
 def get_allocation(name: str) -> Allocation:
     """The registered allocation ``name``, or an error listing the registered names."""
     if not isinstance(name, str) or name not in ALLOCATIONS:
-        raise ValueError(f"Unknown allocation {name!r}; choose one of {list(ALLOCATIONS)} or register one with ompmoe.register_allocation.")
+        raise ValueError(f"Unknown allocation {name!r}{did_you_mean(name, ALLOCATIONS)}; choose one of {list(ALLOCATIONS)} "
+                         "or register one with ompmoe.register_allocation.")
     return ALLOCATIONS[name]
 
 

@@ -13,6 +13,8 @@ statistics would not be collected. A new kind is one module with a registered su
 
 from __future__ import annotations
 
+import importlib
+
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -129,10 +131,14 @@ def register_statistics(cls: E) -> E:
     return cls
 
 
+BUILTIN_MODULES = ("ompmoe.engine.loss_stats", "ompmoe.engine.reroute_stats")
+"""Modules whose import registers the built-in extensions (named, not imported here: they import this module)."""
+
+
 def statistics_extensions() -> dict[str, type[StatisticsExtension]]:
     """Every registered extension (importing the built-in ones registers them)."""
-    from . import loss_stats, reroute_stats  # noqa: F401 - importing registers the built-in extensions
-
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
     return STATISTICS
 
 

@@ -23,6 +23,8 @@ selected with, so all methods are allocated under the same cost.
 
 from __future__ import annotations
 
+from ..names import did_you_mean
+
 import dataclasses
 import importlib
 import inspect
@@ -175,7 +177,8 @@ def method_class(name: str) -> type[SelectionMethod]:
             raise ValueError(f"{name} is not a method registered with @ompmoe.register_method.")
         return cls
     if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"Unknown method {name!r}; choose one of {sorted(METHODS)} or register one with ompmoe.register_method.")
+        raise ValueError(f"Unknown method {name!r}{did_you_mean(name, METHODS)}; choose one of {sorted(METHODS)} or register "
+                         "one with ompmoe.register_method.")
     return METHODS[name]
 
 

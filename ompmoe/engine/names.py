@@ -1,8 +1,9 @@
-"""Names users type for local files: telling a path from a hub id, and the nearest existing path (no torch)."""
+"""Names users type: telling a path from a hub id, the nearest existing path, the closest registered name (no torch)."""
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -25,3 +26,9 @@ def nearest_path_hint(spec: str) -> str:
         if close:
             return f"; did you mean {str(parent / close[0])!r}?"
     return f"; {str(parent)!r} exists" if str(parent) not in ("", ".") else ""
+
+
+def did_you_mean(name: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=1) if isinstance(name, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
