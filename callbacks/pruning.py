@@ -272,10 +272,10 @@ class ExpertPruning(Callback):
 
                 enable_adaptive(model, stats, self.adaptive_epsilon)
             self.pruned_model = model
-        if heldout:
-            self._report_heldout(trainer, before, {name: perplexity(model, blocks, self._batch_size)
-                                                   for name, blocks in heldout.items()})
+        after = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
         self._log(trainer, plan)
+        if heldout:  # after the settings and kept lines: what the plan cost
+            self._report_heldout(trainer, before, after)
         if trainer.is_global_zero and self.output_dir is not None:
             self._write(pl_module, model, stats, plan)
         trainer.strategy.barrier("ompmoe-pruning-written")
