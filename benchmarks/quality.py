@@ -50,7 +50,6 @@ from ompmoe.engine.methods import removed_energy  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
 from ompmoe.engine.extensions import required_statistics  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
-from ompmoe.engine.sequential import sequential_plan  # noqa: E402
 from ompmoe.engine.methods import METHODS  # noqa: E402
 from ompmoe.engine.strategy import strategy_for  # noqa: E402
 
@@ -137,8 +136,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--calibrations", nargs="*", default=list(CALIBRATIONS))
     parser.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
     parser.add_argument("--model", default="shipped:tiny-moe")
-    parser.add_argument("--sequential", nargs="*", default=[], metavar="METHOD/ALLOCATION",
-                        help="also plan these pairs with sequential calibration (rows named METHOD_seq)")
     parser.add_argument("--timing_repeats", type=int, default=5)
     parser.add_argument("--no_memory", action="store_true",
                         help="calibration cost: time only (no fresh process per pass for the peak memory)")
@@ -186,18 +183,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     cache: dict[tuple, dict[str, float]] = {}
     rows = []
-    jobs = [(m, a, False) for m in args.methods for a in args.allocations]
-    jobs += [(*pair.split("/"), True) for pair in args.sequential]
-    num_layers = len(next(iter(stats.values())).layers)
+    jobs = [(m, a) for m in args.methods for a in args.allocations]
     for calibration in args.calibrations:
         for ratio in args.ratios:
-            for method, allocation, sequential in jobs:
+            for method, allocation in jobs:
                     strategy = strategy_for(method, ratio=ratio, allocation=allocation, min_kept_fraction=min_ratio_for(ratio))
                     plan = strategy.plan(stats[calibration])
                     loss_aware = needs("loss_aware", method, allocation)
-                    if sequential:  # one more statistics pass per MoE layer after the first
-                        plan = sequential_plan(model, list(calib_blocks[calibration].split(8)), plan,
-                                               loss_aware=needs("loss_aware", method))
                     kept = plan.kept_by_layer()
                     key = tuple(tuple(kept[name]) for name in sorted(kept))
                     if key not in cache:
@@ -208,7 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         del pruned
                     ppl = cache[key]
                     row = {
-                        "calibration": calibration, "ratio": ratio, "method": method + ("_seq" if sequential else ""),
+                        "calibration": calibration, "ratio": ratio, "method": method,
                         "allocation": allocation,
                         "min_ratio": min_ratio_for(ratio), "achieved_ratio": round(plan.achieved_ratio, 4),
                         "kept_per_layer": "/".join(str(len(kept[layer.name])) for layer in plan.layers),
@@ -220,9 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "kl_prose": ppl["kl_prose"], "kl_code": ppl["kl_code"],
                         "kl_mean": (ppl["kl_prose"] + ppl["kl_code"]) / 2,
                         "calib_cost": (cost["loss_stats"] / cost["stats"] if loss_aware else 1.0)
-                        + (cost["reroute_stats"] / cost["stats"] - 1.0 if needs("reroute", method) else 0.0)
-                        + (num_layers - 1) * (cost["loss_stats"] / cost["stats"] if needs("loss_aware", method) else 1.0)
-                        * sequential,
+                        + (cost["reroute_stats"] / cost["stats"] - 1.0 if needs("reroute", method) else 0.0),
                     }
                     rows.append(row)
                     print(f"{calibration:<6}{ratio:<6}{method:<16}{allocation:<10} kept {row['kept_per_layer']:<18} "

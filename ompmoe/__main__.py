@@ -1,3 +1,5 @@
-from .recipes.quickstart import main
+"""``python -m ompmoe``: the ``ompmoe`` command (``ompmoe-demo`` is :mod:`ompmoe.recipes.quickstart`)."""
+
+from .cli import main
 
 main()

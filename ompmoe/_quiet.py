@@ -9,7 +9,9 @@ their logging). What is dropped, and why nobody can act on it:
 * Hugging Face's "Loading weights" / "Writing model shards" bars and lm-eval's bars when stderr is
   not a terminal (a log file or CI gets one line per update);
 * Lightning's informational lines (accelerator summary, seed, "fit stopped") and tips; warnings
-  and ompmoe's own ``ompmoe: ...`` lines stay.
+  and ompmoe's own ``ompmoe: ...`` lines stay;
+* Lightning 2.6's use of a torch pytree API that torch 2.13 deprecates, and peft's of a transformers
+  property that transformers 5 deprecates.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 _DROPPED = {
     "torchao": ("Failed to load ",),
@@ -60,3 +63,8 @@ def quiet_third_party() -> None:
             hf_logging.disable_progress_bar()
     for name in LIGHTNING_LOGGERS:
         _add_once(logging.getLogger(name), _OnlyOwnInfo)
+    # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only a Lightning
+    # release can act on it.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # peft (LoRA fine-tuning) reads a property transformers 5 deprecates; only a peft release can act on it.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

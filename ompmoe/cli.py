@@ -18,18 +18,18 @@ import math
 import numbers
 from argparse import ArgumentError
 import sys
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
 from ._quiet import quiet_third_party
-from .cli_help import FIT_SHORT_HELP, TOP_HELP
+from .cli_help import FIT_SHORT_HELP, TOP_HELP, with_registry_names
+from .help_cache import is_plain_help, print_help
 from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
 from .engine.progress import progress
 
-if TYPE_CHECKING:  # torch-backed modules load inside the commands, so help and argument errors answer at once
-    from .engine.statistics import MoEStats
+# torch-backed modules load inside the commands, so help and argument errors answer at once; no TYPE_CHECKING
+# imports either: jsonargparse executes them to resolve the commands' annotations.
 
 
 def _ratios(ratio: Any) -> list[float]:
@@ -158,7 +158,7 @@ FIT_PLAN = "plan.json"
 """The plan a calibration fit (``ExpertPruning``, ``ompmoe-demo``) writes beside its ``stats.safetensors``."""
 
 
-def _settings(statistics: MoEStats, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics: same model
     fingerprint, model id and token count), else the defaults.
 
@@ -216,7 +216,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     return written
 
 
-def _load_model(name: str, statistics: MoEStats):
+def _load_model(name: str, statistics: Any) -> Any:
     from .lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule(name)
@@ -233,9 +233,6 @@ def lightning_cli(args: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
     args, quiet = _fit_quiet(class_paths(args))
     _quiet_lightning_logs(quiet)
-    # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only
-    # a Lightning release can act on it, so this one message is not shown to users of the command.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     with _own_argv():
         if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
             return eval_cli(args)
@@ -291,21 +288,10 @@ COMMANDS = {"prune": replan, "plot": plot}
 
 
 def _registry_help(function: Any) -> Any:
-    """``function`` with its docstring's placeholders filled from the method and allocation registries."""
-    if function is not replan:
-        return function
-    from .engine.allocation import ALLOCATIONS
-    from .engine.methods import METHODS, option_defaults
-
-    options = "; ".join(
-        f"{name}: {', '.join(f'{key}={value!r}' for key, value in option_defaults(name).items())}"
-        for name in METHODS
-        if option_defaults(name)
-    )
-    doc = (replan.__doc__ or "").replace("METHOD_NAMES", ", ".join(METHODS)).replace(
-        "ALLOCATION_NAMES", ", ".join(ALLOCATIONS)).replace("METHOD_OPTIONS", options or "none")
-    replan.__doc__ = doc
-    return replan
+    """``function`` with its docstring's placeholders filled with the built-in methods and allocations."""
+    if function is replan and "METHOD_NAMES" in (replan.__doc__ or ""):
+        replan.__doc__ = with_registry_names(replan.__doc__ or "")
+    return function
 
 
 def _one_line(message: str, command: str) -> str:
@@ -352,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                 auto_cli(_registry_help(COMMANDS[argv[0]]), args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
+        elif is_plain_help(argv):  # Lightning's full help, built once and then printed from the cache
+            print_help(argv, lightning_cli)
         else:
             check_config_files(argv)
             lightning_cli(argv)

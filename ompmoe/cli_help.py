@@ -39,19 +39,49 @@ FIT_OPTIONS = [
     ("--data.batch_size N", "blocks per forward pass"),
     ("--trainer.accelerator ACC", "cpu, gpu, auto, ..."),
     ("--trainer.devices N", "devices (FSDP2 configs use 8)"),
+    ("--trainer.callbacks.init_args.strategy.init_args.ratio R",
+     "fraction of routed experts to remove, e.g. 0.25 (also .method, .allocation)"),
+    ("--trainer.callbacks.init_args.output_dir DIR", "where stats, plan, plots and model/ are written"),
     ("--trainer.callbacks.help ExpertPruning", "all options of the pruning callback (output_dir, strategy, ...)"),
 ]
+
+
+def _option_line(option: str, text: str) -> str:
+    """One option of the short help; an option too long for the column gets its text on the next line."""
+    return f"  {option:<40} {text}\n" if len(option) <= 40 else f"  {option}\n  {'':<40} {text}\n"
+
 
 FIT_SHORT_HELP = (
     "usage: ompmoe fit -c CONFIG [options]\n\n"
     "Calibrate a Mixture-of-Experts model on text and prune it with the ExpertPruning callback\n"
     "named in the config (statistics, plan, plots and the pruned model go to its output_dir).\n\n"
     "common options:\n"
-    + "".join(f"  {option:<40} {text}\n" for option, text in FIT_OPTIONS)
-    + "\nThe ratio, method and output_dir are set in the config's callback section (see configs/tiny.yaml).\n"
+    + "".join(_option_line(option, text) for option, text in FIT_OPTIONS)
+    + "\nThe --trainer.callbacks.init_args.* options set the config's last callback (ExpertPruning in configs/),\n"
+    "e.g. ompmoe fit -c configs/tiny.yaml --trainer.callbacks.init_args.strategy.init_args.ratio 0.25\n"
     "All options (about a thousand, Lightning's Trainer included):\n"
     "  ompmoe fit --help\n"
 )
 
 
-__all__ = ["COMMANDS", "FIT_OPTIONS", "FIT_SHORT_HELP", "TOP_HELP"]
+# The built-in methods (with their options' defaults) and allocations, for ``ompmoe prune --help`` without
+# importing torch; tests/test_cli_startup.py checks them against ompmoe.METHODS and ompmoe.ALLOCATIONS.
+BUILTIN_METHODS: dict[str, dict[str, object]] = {
+    "omp": {}, "omp_normalized": {}, "frequency": {}, "routing_mass": {}, "ean": {}, "reap": {},
+    "random": {"seed": 0}, "static_energy": {}, "exact": {"max_subsets": 2000000}, "omp_swap": {}, "omp_loss": {},
+    "omp_grad": {}, "omp_fisher": {}, "loss_newton": {}, "omp_hybrid": {"loss_weight": 1.0},
+    "omp_reroute": {"token_normalized": True},
+}
+BUILTIN_ALLOCATIONS = ["uniform", "waterfill", "optimal", "loss", "loss_risk"]
+
+
+def with_registry_names(doc: str) -> str:
+    """``doc`` with METHOD_NAMES, ALLOCATION_NAMES and METHOD_OPTIONS spelled out (the built-in ones)."""
+    options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in defaults.items())}"
+                        for name, defaults in BUILTIN_METHODS.items() if defaults)
+    return (doc.replace("METHOD_NAMES", ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method")
+            .replace("ALLOCATION_NAMES", ", ".join(BUILTIN_ALLOCATIONS)).replace("METHOD_OPTIONS", options))
+
+
+__all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "FIT_OPTIONS", "FIT_SHORT_HELP", "TOP_HELP",
+           "with_registry_names"]

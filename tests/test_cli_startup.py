@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,10 @@ print(sorted(name for name in ("torch", "transformers", "lightning") if name in 
     (["fit", "-h"], 0),
     (["fit", "-c", "no-such-config.yaml"], 2),
     (["report", "--help"], 0),
+    (["prune", "--help"], 0),
+    (["plot", "--help"], 0),
+    (["prune", "--ratio", "0.5"], 2),  # --stats and --output_dir missing
+    (["plot", "--stats"], 2),
 ])
 def test_help_and_argument_errors_leave_torch_unimported(argv, code, tmp_path):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], cwd=tmp_path, capture_output=True,
@@ -37,3 +42,44 @@ def test_import_ompmoe_loads_the_engine_only_on_first_use():
     code = "import sys, ompmoe; before = 'torch' in sys.modules; ompmoe.PruningStrategy; print(before, 'torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]
+
+
+def test_the_help_lists_exactly_the_registered_methods_their_option_defaults_and_the_allocations():
+    from ompmoe.cli_help import BUILTIN_ALLOCATIONS, BUILTIN_METHODS
+    from ompmoe.engine.allocation import ALLOCATIONS
+    from ompmoe.engine.methods import METHODS, option_defaults
+
+    assert BUILTIN_METHODS == {name: option_defaults(name) for name in METHODS}
+    assert BUILTIN_ALLOCATIONS == list(ALLOCATIONS)
+
+
+def test_full_fit_help_is_built_once_then_printed_from_the_cache_without_torch(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "COLUMNS": "100"}
+    runs = [subprocess.run([sys.executable, "-c", PROBE.format(argv=["fit", "--help"])], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    first, second = (run.stdout.splitlines() for run in runs)
+    assert first[-1] == "['lightning', 'torch', 'transformers'] 0", runs[0].stderr[-2000:]
+    assert second[-1] == "[] 0", runs[1].stderr[-2000:]
+    assert first[:-1] == second[:-1] and len(first) > 500
+    assert "--trainer.callbacks" in runs[1].stdout
+    assert [path.name.split("-")[0] for path in (tmp_path / "cache" / "ompmoe" / "help").iterdir()] == ["fit"]
+
+
+def test_the_help_cache_is_keyed_by_command_width_and_ompmoe_source(monkeypatch, tmp_path):
+    from ompmoe import help_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")
+    fit = help_cache.cache_file(["fit", "--help"])
+    assert fit.parent == tmp_path / "ompmoe" / "help"
+    assert help_cache.cache_file(["validate", "--help"]) != fit
+    monkeypatch.setenv("COLUMNS", "80")
+    assert help_cache.cache_file(["fit", "--help"]) != fit
+    assert (help_cache.is_plain_help(["fit", "--help"]), help_cache.is_plain_help(["fit", "-c", "a.yaml", "--help"]),
+            help_cache.is_plain_help(["prune", "--help"])) == (True, False, False)
+
+
+def test_python_dash_m_ompmoe_is_the_ompmoe_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ompmoe", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage: ompmoe <command> [options]"), done.stderr

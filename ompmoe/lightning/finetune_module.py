@@ -415,9 +415,12 @@ def main(args: list[str] | None = None) -> None:
     (training blocks, and held-out validation per domain: ``--data.val_sources``)."""
     from lightning.pytorch.cli import LightningCLI
 
+    from .._quiet import quiet_third_party
     from .finetune_data import FinetuneDataModule
 
-    LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    quiet_third_party()
+    LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args,
+                 seed_everything_default=0)  # reproducible by default, as `ompmoe fit`'s configs
 
 
 if __name__ == "__main__":
