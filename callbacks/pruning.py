@@ -25,14 +25,14 @@ from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs, selected_statistics
-from ompmoe.engine.extensions import check_statistics
+from ompmoe.engine.extensions import check_statistics, required_statistics
 from ompmoe.engine.io import atomic_path, check_writable, inputs_of, local_inputs
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.progress import progress
 from ompmoe.engine.pruning import prune, save_pruned
 from ompmoe.engine.statistics import MoEStats
-from ompmoe.engine.strategy import PruningStrategy, Strategy
+from ompmoe.engine.strategy import AUTO, PruningStrategy, Strategy
 from ompmoe.engine.summary import kept_summary, settings_summary
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,10 @@ class ExpertPruning(Callback):
     with left out. They are summed across ranks before the strategy sees them.
 
     Args:
-        strategy: What to prune; defaults to ``PruningStrategy()`` (the paper's method: ``omp``, ratio
-            0.5, ``waterfill``). Any object with ``validate(routings)`` and ``plan(stats)`` works.
+        strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")``: ratio 0.5 with
+            the setting recommended for the model's architecture (the statistics it needs are collected; the paper's
+            method is ``PruningStrategy(method="omp", allocation="waterfill")``). Any object with
+            ``validate(routings)`` and ``plan(stats)`` works.
         output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/``
             (atomically). ``None`` writes nothing.
         overwrite: Replace an existing ``output_dir``.
@@ -125,7 +127,7 @@ class ExpertPruning(Callback):
     ) -> None:
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
-        self.strategy = strategy if strategy is not None else PruningStrategy()
+        self.strategy = strategy if strategy is not None else PruningStrategy(method=AUTO, allocation=AUTO)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.overwrite = overwrite
         self.save_model = save_model
@@ -136,6 +138,7 @@ class ExpertPruning(Callback):
         self.tokenizer = tokenizer
         self.dtype = dtype
         self._datamodule: Any | None = None
+        self._model_type: str | None = None
         self.loss_aware = loss_aware
         self.reroute = reroute
         self.statistics = selected_statistics(statistics or (), loss_aware=loss_aware, reroute=reroute)
@@ -187,9 +190,14 @@ class ExpertPruning(Callback):
         model = find_hf_model(pl_module, self.model_attribute)
         layers = find_moe_layers(model)
         routings = [(layer.name, layer.routing) for layer in layers]
+        model_type = self._model_type = getattr(getattr(model, "config", None), "model_type", None)
         for strategy in [self.strategy, *self._extra_strategies()]:
-            strategy.validate(routings)
-            check_statistics(strategy, self.statistics)
+            resolved = strategy.resolved(model_type) if hasattr(strategy, "resolved") else strategy
+            if resolved is not strategy:  # ``auto``: collect what the recommended setting needs
+                needs = required_statistics(resolved.method, resolved.allocation)
+                self.statistics = selected_statistics([*self.statistics, *needs])
+            resolved.validate(routings)
+            check_statistics(resolved, self.statistics)
         datamodule = getattr(trainer, "datamodule", None)
         self._datamodule = datamodule
         describe = getattr(datamodule, "describe", None)
@@ -337,7 +345,10 @@ class ExpertPruning(Callback):
             metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        rank_zero_info(f"ompmoe: {settings_summary(plan)}")
+        auto = [name for name in ("method", "allocation") if getattr(self.strategy, name, None) == AUTO]
+        rank_zero_info(f"ompmoe: {settings_summary(plan)}" + (
+            f" ({' and '.join(auto)} 'auto': recommended for {self._model_type}, "
+            "docs/quality/intervals.md)" if auto else ""))
         rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints

@@ -79,8 +79,9 @@ def with_registry_names(doc: str) -> str:
     """``doc`` with METHOD_NAMES, ALLOCATION_NAMES and METHOD_OPTIONS spelled out (the built-in ones)."""
     options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in defaults.items())}"
                         for name, defaults in BUILTIN_METHODS.items() if defaults)
-    return (doc.replace("METHOD_NAMES", ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method")
-            .replace("ALLOCATION_NAMES", ", ".join(BUILTIN_ALLOCATIONS)).replace("METHOD_OPTIONS", options))
+    auto = "auto (the setting recommended for the model's architecture), "
+    return (doc.replace("METHOD_NAMES", auto + ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method")
+            .replace("ALLOCATION_NAMES", auto + ", ".join(BUILTIN_ALLOCATIONS)).replace("METHOD_OPTIONS", options))
 
 
 __all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "FIT_OPTIONS", "FIT_SHORT_HELP", "TOP_HELP",

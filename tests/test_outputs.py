@@ -24,7 +24,7 @@ def names(directory: Path) -> list[str]:
 
 
 def tiny_config(tmp_path: Path, output_dir: str, **changes) -> Path:
-    """configs/tiny.yaml (``overwrite: true``, omp_normalized + loss) on 4 x 64 tokens, writing to ``output_dir``."""
+    """configs/tiny.yaml (``overwrite: true``, auto: omp_normalized + loss on qwen3_moe) on 4 x 64 tokens, writing to ``output_dir``."""
     path = cli_tiny_config(tmp_path, **changes)
     config = yaml.safe_load(path.read_text())
     config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = output_dir
@@ -166,7 +166,8 @@ def test_prune_without_method_uses_the_fits_plan_and_says_so(tmp_path, capsys, m
     fit_plan = ompmoe.PruningPlan.load(run / "plan.json")
     assert (fit_plan.method, fit_plan.allocation) == ("omp_normalized", "loss")  # not the default omp + waterfill
     assert logged[0] == ("ompmoe: method omp_normalized, allocation loss, risk_weight 3, min_kept_fraction 0.375, "
-                         "max_kept_fraction 0.875, zeta 1e-06")
+                         "max_kept_fraction 0.875, zeta 1e-06 (method and allocation 'auto': recommended for qwen3_moe, "
+                         "docs/quality/intervals.md)")
     capsys.readouterr()
     main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--output_dir", str(tmp_path / "a")])
     replanned = ompmoe.PruningPlan.load(tmp_path / "a" / "plan-0.5.json")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from .adapters import ARCHITECTURES
 from .methods import METHODS, get_method
 from .plan import PruningPlan, check_plan_arguments, plan_pruning, validate_budget
 from .statistics import MoEStats
@@ -30,15 +31,32 @@ class Strategy(Protocol):
         """Decide which experts each layer keeps."""
 
 
+AUTO = "auto"
+"""``method`` / ``allocation`` value: the setting recommended for the model's architecture (``ArchitectureSpec.recommended``)."""
+
+
+def recommended_setting(model_type: str | None) -> tuple[str, str]:
+    """``(method, allocation)`` recommended for ``model_type`` by the measurements in docs/quality/intervals.md."""
+    spec = ARCHITECTURES.get(model_type) if model_type is not None else None
+    if spec is None:
+        raise ValueError(
+            f"method/allocation 'auto' picks the setting recommended for the model's architecture, but the "
+            f"statistics name {'no architecture' if model_type is None else f'model_type {model_type!r}'}; name "
+            f"them instead, e.g. method='omp_normalized', allocation='loss' (supported: {', '.join(sorted(ARCHITECTURES))})."
+        )
+    return spec.recommended
+
+
 @dataclass
 class PruningStrategy:
     """Remove a fraction of routed experts with a registered method and allocation.
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit).
-        allocation: An allocation of :data:`ompmoe.ALLOCATIONS`: ``uniform``, ``waterfill`` (the
-            paper's greedy) or ``optimal``.
+        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: the
+            one recommended for the model's architecture (:func:`recommended_setting`).
+        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's greedy), or
+            ``auto`` (as ``method``).
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
         max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
@@ -55,13 +73,25 @@ class PruningStrategy:
     zeta: float = 1e-6
     method_options: dict[str, Any] = field(default_factory=dict)
 
+    def resolved(self, model_type: str | None) -> PruningStrategy:
+        """This strategy with ``auto`` replaced by the setting recommended for ``model_type`` (else itself)."""
+        if AUTO not in (self.method, self.allocation):
+            return self
+        method, allocation = recommended_setting(model_type)
+        return dataclasses.replace(self, method=method if self.method == AUTO else self.method,
+                                   allocation=allocation if self.allocation == AUTO else self.allocation)
+
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
-        method = get_method(self.method, self.method_options)
+        """Refuse bad arguments and infeasible budgets (an ``auto`` method is checked once resolved)."""
         check_plan_arguments(self.ratio, self.risk_weight, self.zeta, self.min_kept_fraction, self.max_kept_fraction)
-        validate_budget(routings, self.ratio, self.allocation, self.min_kept_fraction, self.max_kept_fraction)
-        method.validate(routings)
+        allocation = "waterfill" if self.allocation == AUTO else self.allocation  # every recommendation is bounded
+        validate_budget(routings, self.ratio, allocation, self.min_kept_fraction, self.max_kept_fraction)
+        if self.method != AUTO:
+            get_method(self.method, self.method_options).validate(routings)
 
     def plan(self, stats: MoEStats) -> PruningPlan:
+        if AUTO in (self.method, self.allocation):
+            return self.resolved(stats.model_type).plan(stats)
         return plan_pruning(
             stats,
             self.ratio,
