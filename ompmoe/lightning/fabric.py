@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..engine.adapters import architecture_of, find_moe_layers
 from ..engine.collect import StatisticsCollector, as_model_inputs, check_calibration_inputs, selected_statistics
@@ -46,6 +47,7 @@ from .pruning_steps import (
 )
 
 T = TypeVar("T")
+_END = object()
 
 __all__ = ["FabricCalibration", "check_output", "fsdp2", "on_rank_zero"]
 
@@ -190,12 +192,15 @@ class FabricCalibration:
                 require_matplotlib("FabricCalibration")
         layers = find_moe_layers(self.hf_model)
         routings = [(layer.name, layer.routing) for layer in layers]
-        validate_strategies([self.strategy, *extra_strategies(self.strategy, self.extra_ratios)], routings, self.statistics)
+        validate_strategies([self.strategy, *extra_strategies(self.strategy, self.extra_ratios)], routings,
+                            self.statistics, owner="FabricCalibration")
         self.collector = StatisticsCollector(self.hf_model, model_id=model_id, sources=list(sources or []),
                                              statistics=self.statistics)
         self.collector.to(fabric.device)
         for ext in self.collector.extensions.values():
             ext.standalone()  # the forward's output is dropped: no step reuses its graph
+        self.sharded = any(isinstance(p, DTensor) for p in self.hf_model.parameters())
+        """Whether the weights are FSDP2-sharded (every forward is then a collective)."""
         self.needs_gradients = any(ext.needs_gradients for ext in self.collector.extensions.values())
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
@@ -214,42 +219,76 @@ class FabricCalibration:
         ``attention_mask``: padding is not counted). Pass the ``dataloader`` the batch comes from
         (set up by ``fabric.setup_dataloaders``) so the samples its ``DistributedSampler`` repeats
         to even out the ranks are not counted; positions restart with each new data loader.
+
+        Under DDP (and on one device) the forward runs on the model inside the DDP wrapper, a local
+        computation, so ranks may call this a different number of times. Under FSDP2 every forward
+        gathers weights from all ranks: each rank must call it equally often (a ``DistributedSampler``
+        sees to that), or use :meth:`run`, which keeps ranks with fewer batches in step.
         """
-        if self.stats is not None:
-            raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
+        self._check_open()
         if dataloader is not None and dataloader is not self._loader:
             self._loader, self._position = dataloader, 0
             self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
         inputs = as_model_inputs(batch, self.fabric.device)
         check_calibration_inputs(self.hf_model, inputs)  # before the forward: no wrong sums
-        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-        num_samples = int(ids.shape[0])
+        num_samples = int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
         weight = batch_token_weight(inputs, self._position, self._real_samples)
         self._position += num_samples
         self.num_batches += 1
+        self._forward(inputs, weight)
+
+    def _forward(self, inputs: dict[str, torch.Tensor], weight: torch.Tensor | None) -> None:
+        """One instrumented forward (and the loss-aware backward) with per-token weights ``weight``."""
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
         metric = self.collector.metric
-        metric.set_token_weight(weight, num_tokens=num_samples * int(ids.shape[1]))
+        metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
         was_training = self.hf_model.training
         frozen = [p for p in self.hf_model.parameters() if p.requires_grad] if self.needs_gradients else []
         self.hf_model.eval()  # routers of Mixtral and others jitter in train mode
         try:
-            with self.collector, torch.set_grad_enabled(self.needs_gradients):
+            with self.collector, torch.set_grad_enabled(self.needs_gradients), self.fabric.autocast():
                 for parameter in frozen:  # the loss-aware backward needs the outputs' gradients only
                     parameter.requires_grad_(False)
-                self.model(**inputs, use_cache=False)
+                self.hf_model(**inputs, use_cache=False)
         finally:
             metric.token_weight = None
             for parameter in frozen:
                 parameter.requires_grad_(True)
             self.hf_model.train(was_training)
 
+    def _idle_step(self) -> None:
+        """A forward (and backward) that counts nothing, so a rank out of batches joins the FSDP2 collectives."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
+        self._forward({"input_ids": ids}, torch.zeros(1, 2, dtype=torch.float64, device=self.fabric.device))
+
     def run(self, dataloader: Iterable[Any]) -> int:
-        """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank."""
+        """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank.
+
+        Under FSDP2 a rank whose data ends first runs forwards that count nothing until every rank
+        is done, since each forward gathers weights from all ranks.
+        """
+        self._check_open()
+        join = self.sharded and self.fabric.world_size > 1
+        iterator = iter(dataloader)
         count = 0
-        for batch in dataloader:
+        while True:
+            batch = next(iterator, _END)
+            if join:
+                more = torch.tensor(float(batch is not _END), device=self.fabric.device)
+                if not bool(self.fabric.all_reduce(more, reduce_op="max") > 0):
+                    break
+                if batch is _END:
+                    self._idle_step()
+                    continue
+            elif batch is _END:
+                break
             self.update(batch, dataloader)
             count += 1
         return count
+
+    def _check_open(self) -> None:
+        if self.stats is not None:
+            raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
 
     # ----------------------------------------------------------------- pruning
     def finish(self) -> PruningPlan:
@@ -259,8 +298,7 @@ class FabricCalibration:
         Returns the plan (the same on every rank). Afterwards ``stats``, ``plan`` and, on rank 0
         (every rank without sharding), ``pruned_model`` hold the results.
         """
-        if self.stats is not None:
-            raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
+        self._check_open()
         fabric = self.fabric
         with warnings.catch_warnings():
             # A rank that got no batch has an empty (zero) share of the sums: that is no mistake here.

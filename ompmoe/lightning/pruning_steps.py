@@ -50,11 +50,14 @@ def extra_strategies(strategy: Strategy, ratios: Sequence[float]) -> list[Strate
 
 
 def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple[str, dict[str, int]]],
-                        statistics: Sequence[str]) -> None:
-    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected."""
+                        statistics: Sequence[str], owner: str = "ExpertPruning") -> None:
+    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected.
+
+    ``owner`` names the class whose option the message points to.
+    """
     for strategy in strategies:
         strategy.validate(routings)
-        check_statistics(strategy, statistics)
+        check_statistics(strategy, statistics, owner)
 
 
 def real_sample_count(sampler: Any) -> int | None:
