@@ -163,10 +163,24 @@ def main(argv: list[str] | None = None) -> Any:
     return calibration
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """:func:`main` as a command: a user error is one ``error:`` line (from the first rank) and exit status 2."""
+    from ..engine.io import OutputNotWritableError
+
+    try:
+        main(argv)
+    except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
+            OutputNotWritableError) as error:
+        # Not AttributeError or TypeError: that is how a bug shows itself, and its traceback must stay visible.
+        if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
+            print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
     if __package__:
-        main()
+        cli()
     else:  # run as a file: import it as the package module, so its relative imports resolve
-        from ompmoe.lightning.fabric_prune import main as package_main
+        from ompmoe.lightning.fabric_prune import cli as package_cli
 
-        package_main()
+        package_cli()

@@ -26,7 +26,6 @@ from ompmoe.engine.tiny import tiny_model
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-SCRIPT = REPO / "ompmoe" / "lightning" / "fabric_prune.py"
 JOB = ["--data.num_blocks", "5", "--data.seq_len", "64", "--data.batch_size", "1", "--plots", "false"]
 """configs/tiny.yaml's job on 5 blocks of 64 tokens: 5 blocks on 2 ranks make the sampler repeat one."""
 README_COMMAND = ('fabric run --accelerator cpu --devices 2 --strategy ddp "$(python -m ompmoe.lightning.fabric_prune '
@@ -273,9 +272,24 @@ def test_the_script_prints_its_path_for_fabric_run(capsys):
     from ompmoe.lightning import fabric_prune
 
     fabric_prune.main(["--path"])
-    assert capsys.readouterr().out.strip() == str(SCRIPT)
+    assert capsys.readouterr().out.strip() == os.path.abspath(fabric_prune.__file__)
     defaults = fabric_prune.parser().parse_args([])
     assert (defaults.model, defaults.source, defaults.seq_len, defaults.num_blocks, defaults.batch_size) == (
         "shipped:tiny-moe", "shipped:mix", 256, 16, 4)  # configs/tiny.yaml's job
     assert (defaults.ratio, defaults.method, defaults.allocation, defaults.loss_aware) == (
         0.5, "omp_normalized", "loss", True)
+
+
+def test_the_script_refuses_an_existing_output_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    from ompmoe.lightning import fabric_prune
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    loaded = []
+    monkeypatch.setattr("ompmoe.lightning.models.load_model", lambda *args: loaded.append(args))
+    with pytest.raises(SystemExit) as exit_status:
+        fabric_prune.cli(["--accelerator", "cpu", "--devices", "1", "--output_dir", "out"])
+    assert exit_status.value.code == 2 and loaded == []
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: out already exists; pass overwrite=True (CLI: --overwrite true) to replace it, or choose another "
+        "output path.")
