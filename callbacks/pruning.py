@@ -9,7 +9,6 @@ hands them to a pruning strategy at the end of the fit and prunes the model.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,27 +19,37 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs, selected_statistics
-from ompmoe.engine.extensions import check_statistics, required_statistics
-from ompmoe.engine.io import atomic_path, check_writable, inputs_of, local_inputs
+from ompmoe.engine.io import check_writable, inputs_of, local_inputs
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
-from ompmoe.engine.progress import progress
-from ompmoe.engine.pruning import prune, save_pruned
+from ompmoe.engine.pruning import prune
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import AUTO, PruningStrategy, Strategy
 from ompmoe.engine.summary import kept_summary, settings_summary
+from ompmoe.lightning.pruning_steps import (
+    MODEL_DIR,
+    PLAN_FILE,
+    PLOTS_DIR,
+    STATS_FILE,
+    auto_note,
+    batch_token_weight,
+    extra_strategies,
+    plan_metrics,
+    real_sample_count,
+    require_matplotlib,
+    unsharded,
+    usable_tokenizer,
+    validate_strategies,
+    write_outputs,
+)
 
 log = logging.getLogger(__name__)
 
-STATS_FILE = "stats.safetensors"
-PLAN_FILE = "plan.json"
-MODEL_DIR = "model"
-PLOTS_DIR = "plots"
+__all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]
 
 
 class MissingModelError(AttributeError, ValueError):
@@ -177,27 +186,16 @@ class ExpertPruning(Callback):
             self._inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None)) + local_inputs(self.tokenizer)
             check_writable(self.output_dir, self.overwrite, directory=True, inputs=self._inputs)
             if self.plots:
-                try:
-                    import matplotlib  # noqa: F401
-                except ImportError:
-                    raise ImportError(
-                        "ExpertPruning(plots=True) writes PNG plots with matplotlib, which is not installed: "
-                        "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
-                    ) from None
+                require_matplotlib("ExpertPruning")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = find_hf_model(pl_module, self.model_attribute)
         layers = find_moe_layers(model)
         routings = [(layer.name, layer.routing) for layer in layers]
-        model_type = self._model_type = getattr(getattr(model, "config", None), "model_type", None)
-        for strategy in [self.strategy, *self._extra_strategies()]:
-            resolved = strategy.resolved(model_type) if hasattr(strategy, "resolved") else strategy
-            if resolved is not strategy:  # ``auto``: collect what the recommended setting needs
-                needs = required_statistics(resolved.method, resolved.allocation)
-                self.statistics = selected_statistics([*self.statistics, *needs])
-            resolved.validate(routings)
-            check_statistics(resolved, self.statistics)
+        self._model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.statistics = validate_strategies([self.strategy, *self._extra_strategies()], routings, self.statistics,
+                                              model_type=self._model_type)
         datamodule = getattr(trainer, "datamodule", None)
         self._datamodule = datamodule
         describe = getattr(datamodule, "describe", None)
@@ -224,10 +222,7 @@ class ExpertPruning(Callback):
                 "it from its first batch, so some batches are counted twice and others never. Use "
                 "ompmoe.CalibrationDataModule (its loader is resumable) or a stateful DataLoader."
             )
-        sampler = getattr(loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-            # DistributedSampler pads with samples from the start; on each rank they come last.
-            self._real_samples = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+        self._real_samples = real_sample_count(getattr(loader, "sampler", None))
 
     # --------------------------------------------------------------- gathering
     @override
@@ -238,14 +233,9 @@ class ExpertPruning(Callback):
         assert self._collector is not None
         check_calibration_inputs(self._collector.model, inputs)  # before the forward: no wrong sums
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-        num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
         first_sample = batch_idx * self._batch_size  # position on this rank, also after a resume
-        weight = inputs.get("attention_mask")
-        if self._real_samples is not None and first_sample + num_samples > self._real_samples:
-            real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < self._real_samples
-            sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
-            weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
-        self._collector.metric.set_token_weight(weight, num_tokens=num_samples * seq_len)
+        weight = batch_token_weight(inputs, first_sample, self._real_samples)
+        self._collector.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
         self._collector.__enter__()
 
     @override
@@ -269,7 +259,7 @@ class ExpertPruning(Callback):
         # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
         self._progress = None if trainer.progress_bar_callback is not None else False
         plan = self.strategy.plan(stats)
-        model = _unsharded(self._collector.model, trainer.is_global_zero)
+        model = unsharded(self._collector.model, trainer.is_global_zero)
         self.stats, self.plan = stats, plan
         heldout = self._heldout_sets(trainer) if model is not None and trainer.is_global_zero else {}
         before = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
@@ -309,46 +299,23 @@ class ExpertPruning(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def _extra_strategies(self) -> list[Strategy]:
-        if self.extra_ratios and not hasattr(self.strategy, "ratio"):
-            raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
-        return [dataclasses.replace(self.strategy, ratio=ratio) for ratio in self.extra_ratios]
+        return extra_strategies(self.strategy, self.extra_ratios)
 
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
-        with atomic_path(self.output_dir, overwrite=self.overwrite, directory=True, inputs=self._inputs) as tmp:
-            steps = ["statistics"] + (["plots"] if self.plots else []) + (["model"] if self.save_model else [])
-            bar = iter(progress(steps, "ompmoe writing", self._progress, unit="part"))
-            next(bar)
-            stats.save(tmp / STATS_FILE)
-            plan.save(tmp / PLAN_FILE)
-            for strategy in self._extra_strategies():
-                strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")
-            if self.plots:
-                from ompmoe.recipes.plots import write_plots
-
-                next(bar)
-                write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=self._progress)
-            if self.save_model:
-                next(bar)
-                save_pruned(
-                    model, tmp / MODEL_DIR, tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule),
-                    dtype=self.dtype, calibration="; ".join(stats.sources) or None,
-                )
-            next(bar, None)
+        write_outputs(
+            self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
+            extra=self._extra_strategies(), plots=self.plots, save_model=self.save_model,
+            tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule) if self.save_model else None,
+            dtype=self.dtype, show_progress=self._progress,
+        )
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
     def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
-        metrics: dict[str, float] = {"ompmoe/achieved_ratio": plan.achieved_ratio, "ompmoe/cost": plan.cost}
-        for layer in plan.layers:
-            metrics[f"ompmoe/{layer.name}/kept"] = float(layer.num_kept)
-            metrics[f"ompmoe/{layer.name}/residual"] = float(layer.residual[layer.num_kept])
-            metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
+        metrics = plan_metrics(plan)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        auto = [name for name in ("method", "allocation") if getattr(self.strategy, name, None) == AUTO]
-        rank_zero_info(f"ompmoe: {settings_summary(plan)}" + (
-            f" ({' and '.join(auto)} 'auto': recommended for {self._model_type}, "
-            "docs/quality/intervals.md)" if auto else ""))
+        rank_zero_info(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self._model_type)}")
         rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints
@@ -389,27 +356,6 @@ def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-def _unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
-    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0.
-
-    Gathering is a collective, so every rank must call this; ranks other than 0 get ``None``.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_global_zero:
-        return None
-    dtype = next(iter(state.values())).dtype
-    full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-    full.load_state_dict(state)
-    return full.eval()
-
-
 def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamodule: Any | None) -> Any | None:
     """The tokenizer to save: the argument, the module's, the data module's (object or name), or ``None``.
 
@@ -417,11 +363,6 @@ def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamod
     """
     if explicit is not None:
         return explicit
-    for owner, attributes in ((pl_module, ("tokenizer", "tokenizer_name")), (datamodule, ("tokenizer",))):
-        for attribute in attributes:
-            value = getattr(owner, attribute, None)
-            if value is not None and hasattr(value, "save_pretrained"):
-                return value
-            if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
-                return value
-    return None
+    candidates = [getattr(owner, attribute, None) for owner, attributes in
+                  ((pl_module, ("tokenizer", "tokenizer_name")), (datamodule, ("tokenizer",))) for attribute in attributes]
+    return usable_tokenizer(candidates)

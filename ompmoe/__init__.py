@@ -114,6 +114,7 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
     "strategy_for": ".engine.strategy",
     "CalibrationDataModule": ".lightning.calibration_data",
     "CalibrationModule": ".lightning.calibration_module",
+    "FabricCalibration": ".lightning.fabric",
     "write_plots": ".recipes.plots",  # needs matplotlib
     "FinetuneModule": ".lightning.finetune_module",
     "FinetuneDataModule": ".lightning.finetune_data",

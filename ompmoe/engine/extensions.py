@@ -172,13 +172,16 @@ def required_statistics(method: Any = None, allocation: Any = None) -> dict[str,
     return needs
 
 
-def check_statistics(strategy: object, collected: Collection[str]) -> None:
-    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``."""
+def check_statistics(strategy: object, collected: Collection[str], owner: str = "ExpertPruning") -> None:
+    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``.
+
+    ``owner`` is what the message tells the user to pass the option to (``ExpertPruning``, ``FabricCalibration``).
+    """
     needs = required_statistics(getattr(strategy, "method", None), getattr(strategy, "allocation", None))
     for name, users in needs.items():
         if name not in collected:
             cls = extension(name)
             raise ValueError(
                 f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, which this calibration would "
-                f"not collect: pass ExpertPruning(..., {cls.how()})."
+                f"not collect: pass {owner}(..., {cls.how()})."
             )

@@ -1,0 +1,336 @@
+"""Calibration and pruning inside a Lightning Fabric loop (``fabric run``), as the Trainer callback does in a fit.
+
+:class:`FabricCalibration` is :class:`ompmoe.callbacks.ExpertPruning` for users who write their own
+loop with :class:`lightning.fabric.Fabric`: the same statistics hooks, the same exact cross-rank
+sums (torchmetrics states), the same handling of padding and of the samples a ``DistributedSampler``
+repeats, the same gathering of FSDP2-sharded weights and the same atomic outputs
+(:mod:`ompmoe.lightning.pruning_steps` holds the steps both share)::
+
+    fabric = Fabric(strategy="ddp"); fabric.launch()
+    model = fabric.setup(model)
+    calibration = FabricCalibration(fabric, model, PruningStrategy(ratio=0.5), output_dir="out")
+    calibration.run(fabric.setup_dataloaders(loader))   # or calibration.update(batch, loader) per batch
+    plan = calibration.finish()
+
+``python -m ompmoe.lightning.fabric_prune`` is a ready-made script built on it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..engine.adapters import architecture_of, find_moe_layers
+from ..engine.collect import StatisticsCollector, as_model_inputs, check_calibration_inputs, selected_statistics
+from ..engine.io import check_writable, local_inputs
+from ..engine.plan import PruningPlan
+from ..engine.pruning import prune
+from ..engine.statistics import MoEStats
+from ..engine.strategy import AUTO, PruningStrategy, Strategy
+from ..engine.summary import kept_summary, settings_summary
+from .pruning_steps import (
+    auto_note,
+    batch_token_weight,
+    extra_strategies,
+    plan_metrics,
+    real_sample_count,
+    require_matplotlib,
+    unsharded,
+    usable_tokenizer,
+    validate_strategies,
+    write_outputs,
+)
+
+T = TypeVar("T")
+_END = object()
+
+__all__ = ["FabricCalibration", "check_output", "fsdp2", "on_rank_zero"]
+
+FSDP1_MESSAGE = (
+    "FabricCalibration shards with FSDP2: use lightning.fabric.strategies.ModelParallelStrategy("
+    "parallelize_fn=ompmoe.lightning.fabric.fsdp2, data_parallel_size=N, tensor_parallel_size=1) instead of "
+    "FSDPStrategy (strategy='fsdp'), whose flattened FSDP1 parameters cannot be gathered and sliced per expert. "
+    "python -m ompmoe.lightning.fabric_prune does this for --strategy fsdp (and for fabric run --strategy fsdp)."
+)
+
+
+def fsdp2(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """``parallelize_fn`` for Fabric's ``ModelParallelStrategy``: FSDP2 on each decoder layer, then the root.
+
+    Each decoder layer's weights (its experts included) are gathered whole for its forward and
+    freed after, so calibration sees full experts while a rank holds ``1/N`` of the model at rest.
+    """
+    from .calibration_module import shard_model
+
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    shard_model(model, device_mesh["data_parallel"] if "data_parallel" in names else device_mesh)
+    return model
+
+
+def on_rank_zero(fabric: Any, function: Callable[[], T]) -> T:
+    """``function()`` run on rank 0 only, its result (or its exception) given to every rank.
+
+    Every rank raises the same error, so none is left waiting in a collective for a rank that stopped.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    if fabric.global_rank == 0:
+        try:
+            result = function()
+        except Exception as caught:  # handed to every rank below, then raised on each
+            error = caught
+    if fabric.world_size > 1:
+        result, error = fabric.broadcast((result, error), src=0)
+    if error is not None:
+        raise error
+    return result
+
+
+def check_output(fabric: Any, output_dir: str | Path, overwrite: bool = False, inputs: Iterable[str] = ()) -> Path:
+    """Refuse, on every rank and before any model work, an ``output_dir`` that exists (without ``overwrite``),
+    cannot be written, or holds the run's ``inputs``; rank 0 (the one that writes) decides."""
+    inputs = list(inputs)
+    return on_rank_zero(fabric, lambda: check_writable(output_dir, overwrite, directory=True, inputs=inputs))
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside what ``fabric.setup`` returned (clear error for anything else)."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    if not isinstance(model, _FabricModule):
+        raise TypeError(
+            f"FabricCalibration needs the model returned by fabric.setup(model); got {type(model).__name__}. "
+            "Call model = fabric.setup(model) first (it moves the model to the device and wraps it for the strategy)."
+        )
+    inner = model.module
+    if isinstance(inner, nn.parallel.DistributedDataParallel):
+        inner = inner.module
+    architecture_of(inner)  # a clear error for models ompmoe does not support
+    return inner
+
+
+class FabricCalibration:
+    """Gather OMP-MoE statistics in a Fabric loop on every rank, sum them exactly, plan, prune and write once.
+
+    Works with a model that ``fabric.setup`` wrapped for a single device, DDP, or FSDP2
+    (``ModelParallelStrategy(parallelize_fn=fsdp2)``: each decoder layer is gathered whole for its
+    forward and the saved checkpoint is gathered whole on rank 0), in any Fabric precision. FSDP1
+    (``strategy="fsdp"``) is refused with the FSDP2 alternative, as ``ExpertPruning`` does.
+    ``output_dir``, the ratio and the strategy's statistics are checked here, before any forward pass.
+
+    Args:
+        fabric: The launched :class:`lightning.fabric.Fabric`.
+        model: The model ``fabric.setup`` returned (a Hugging Face MoE causal LM inside).
+        strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")`` (ratio 0.5, the
+            setting recommended for the architecture, whose statistics are then collected), as ``ExpertPruning``.
+        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json``, ``plots/`` and ``model/``
+            (atomically: a killed run leaves no partial output). ``None`` writes nothing.
+        overwrite: Replace an existing ``output_dir`` (one written by ompmoe).
+        save_model: Also save the pruned model (with its tokenizer and model card) under ``output_dir/model``.
+        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json``.
+        plots: Also write the plots of :mod:`ompmoe.recipes.plots` (needs matplotlib).
+        adaptive_epsilon: Switch on OMP-MoE+ adaptive inference with this epsilon after pruning.
+        tokenizer: Tokenizer (object, hub id or path) saved with the model; default: the model's source.
+        dtype: Weights dtype of the saved model; default: the source checkpoint's.
+        loss_aware: Also collect the loss-aware sums (one backward per batch to the MoE outputs, no
+            weight gradients); :meth:`update` runs the forward with gradients for them.
+        reroute: Also collect the rerouting-aware Grams (``omp_reroute``).
+        statistics: Names of more optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`).
+        model_id: Model name recorded in the statistics; default: the config's ``_name_or_path``.
+        sources: Calibration sources recorded in the statistics and the model card.
+        inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        model: nn.Module,
+        strategy: Strategy | None = None,
+        output_dir: str | Path | None = None,
+        overwrite: bool = False,
+        save_model: bool = True,
+        extra_ratios: Sequence[float] | None = None,
+        plots: bool = True,
+        adaptive_epsilon: float | None = None,
+        tokenizer: Any = None,
+        dtype: str | None = None,
+        loss_aware: bool = False,
+        reroute: bool = False,
+        statistics: Sequence[str] | None = None,
+        model_id: str | None = None,
+        sources: Sequence[str] | None = None,
+        inputs: Sequence[str] = (),
+    ) -> None:
+        from lightning.fabric.strategies import FSDPStrategy
+
+        if isinstance(fabric.strategy, FSDPStrategy):
+            raise ValueError(FSDP1_MESSAGE)
+        if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
+            raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
+        self.fabric = fabric
+        self.model = model
+        self.hf_model = _hf_model(model)
+        self.strategy = strategy if strategy is not None else PruningStrategy(method=AUTO, allocation=AUTO)
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.overwrite = overwrite
+        self.save_model = save_model
+        self.extra_ratios = list(extra_ratios or [])
+        self.plots = plots
+        self.adaptive_epsilon = adaptive_epsilon
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.statistics = selected_statistics(statistics or (), loss_aware=loss_aware, reroute=reroute)
+        model_id = model_id or getattr(self.hf_model.config, "_name_or_path", None) or None
+        self._inputs = local_inputs(model_id, tokenizer if isinstance(tokenizer, str) else None, list(inputs))
+        if self.output_dir is not None:
+            check_output(fabric, self.output_dir, overwrite, self._inputs)
+            if plots:
+                require_matplotlib("FabricCalibration")
+        layers = find_moe_layers(self.hf_model)
+        routings = [(layer.name, layer.routing) for layer in layers]
+        self.model_type = getattr(self.hf_model.config, "model_type", None)
+        self.statistics = validate_strategies([self.strategy, *extra_strategies(self.strategy, self.extra_ratios)],
+                                              routings, self.statistics, owner="FabricCalibration",
+                                              model_type=self.model_type)
+        self.collector = StatisticsCollector(self.hf_model, model_id=model_id, sources=list(sources or []),
+                                             statistics=self.statistics)
+        self.collector.to(fabric.device)
+        for ext in self.collector.extensions.values():
+            ext.standalone()  # the forward's output is dropped: no step reuses its graph
+        self.sharded = any(isinstance(p, DTensor) for p in self.hf_model.parameters())
+        """Whether the weights are FSDP2-sharded (every forward is then a collective)."""
+        self.needs_gradients = any(ext.needs_gradients for ext in self.collector.extensions.values())
+        self.stats: MoEStats | None = None
+        self.plan: PruningPlan | None = None
+        self.pruned_model: nn.Module | None = None
+        self.num_batches = 0
+        """Batches this rank has added (including batches of repeats, which add no tokens)."""
+        self._loader: Any = None
+        self._position = 0
+        self._real_samples: int | None = None
+
+    # --------------------------------------------------------------- gathering
+    def update(self, batch: Any, dataloader: Any = None) -> None:
+        """Run the model on one batch with the statistics hooks and add its tokens.
+
+        ``batch`` is an input-id tensor ``(batch, seq)`` or a dict with ``input_ids`` (and
+        ``attention_mask``: padding is not counted). Pass the ``dataloader`` the batch comes from
+        (set up by ``fabric.setup_dataloaders``) so the samples its ``DistributedSampler`` repeats
+        to even out the ranks are not counted; positions restart with each new data loader.
+
+        Under DDP (and on one device) the forward runs on the model inside the DDP wrapper, a local
+        computation, so ranks may call this a different number of times. Under FSDP2 every forward
+        gathers weights from all ranks: each rank must call it equally often (a ``DistributedSampler``
+        sees to that), or use :meth:`run`, which keeps ranks with fewer batches in step.
+        """
+        self._check_open()
+        if dataloader is not None and dataloader is not self._loader:
+            self._loader, self._position = dataloader, 0
+            self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
+        inputs = as_model_inputs(batch, self.fabric.device)
+        check_calibration_inputs(self.hf_model, inputs)  # before the forward: no wrong sums
+        num_samples = int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
+        weight = batch_token_weight(inputs, self._position, self._real_samples)
+        self._position += num_samples
+        self.num_batches += 1
+        self._forward(inputs, weight)
+
+    def _forward(self, inputs: dict[str, torch.Tensor], weight: torch.Tensor | None) -> None:
+        """One instrumented forward (and the loss-aware backward) with per-token weights ``weight``."""
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        metric = self.collector.metric
+        metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
+        was_training = self.hf_model.training
+        frozen = [p for p in self.hf_model.parameters() if p.requires_grad] if self.needs_gradients else []
+        self.hf_model.eval()  # routers of Mixtral and others jitter in train mode
+        try:
+            with self.collector, torch.set_grad_enabled(self.needs_gradients), self.fabric.autocast():
+                for parameter in frozen:  # the loss-aware backward needs the outputs' gradients only
+                    parameter.requires_grad_(False)
+                self.hf_model(**inputs, use_cache=False)
+        finally:
+            metric.token_weight = None
+            for parameter in frozen:
+                parameter.requires_grad_(True)
+            self.hf_model.train(was_training)
+
+    def _idle_step(self) -> None:
+        """A forward (and backward) that counts nothing, so a rank out of batches joins the FSDP2 collectives."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
+        self._forward({"input_ids": ids}, torch.zeros(1, 2, dtype=torch.float64, device=self.fabric.device))
+
+    def run(self, dataloader: Iterable[Any]) -> int:
+        """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank.
+
+        Under FSDP2 a rank whose data ends first runs forwards that count nothing until every rank
+        is done, since each forward gathers weights from all ranks.
+        """
+        self._check_open()
+        join = self.sharded and self.fabric.world_size > 1
+        iterator = iter(dataloader)
+        count = 0
+        while True:
+            batch = next(iterator, _END)
+            if join:
+                more = torch.tensor(float(batch is not _END), device=self.fabric.device)
+                if not bool(self.fabric.all_reduce(more, reduce_op="max") > 0):
+                    break
+                if batch is _END:
+                    self._idle_step()
+                    continue
+            elif batch is _END:
+                break
+            self.update(batch, dataloader)
+            count += 1
+        return count
+
+    def _check_open(self) -> None:
+        if self.stats is not None:
+            raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
+
+    # ----------------------------------------------------------------- pruning
+    def finish(self) -> PruningPlan:
+        """Sum the statistics over ranks, plan on rank 0, prune every rank's model, write the outputs once.
+
+        Every rank must call it (the sums and the gathering of sharded weights are collectives).
+        Returns the plan (the same on every rank). Afterwards ``stats``, ``plan`` and, on rank 0
+        (every rank without sharding), ``pruned_model`` hold the results.
+        """
+        self._check_open()
+        fabric = self.fabric
+        with warnings.catch_warnings():
+            # A rank that got no batch has an empty (zero) share of the sums: that is no mistake here.
+            warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+            stats = self.collector.result()  # torchmetrics sums the states over ranks here
+        plan = on_rank_zero(fabric, lambda: self.strategy.plan(stats))
+        model = unsharded(self.hf_model, fabric.is_global_zero)
+        if model is not None:  # under FSDP2 only rank 0 holds (and prunes) the full model
+            prune(model, plan)
+            if self.adaptive_epsilon is not None:
+                from ..engine.adaptive import enable_adaptive
+
+                enable_adaptive(model, stats, self.adaptive_epsilon)
+            self.pruned_model = model
+        self.stats, self.plan = stats, plan
+        fabric.log_dict(plan_metrics(plan))
+        fabric.print(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self.model_type)}")
+        fabric.print(f"ompmoe: {kept_summary(plan)}")
+        if self.output_dir is not None:
+            on_rank_zero(fabric, lambda: self._write(model, stats, plan))
+            fabric.print(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
+        return plan
+
+    def _write(self, model: nn.Module | None, stats: MoEStats, plan: PruningPlan) -> None:
+        assert self.output_dir is not None
+        write_outputs(
+            self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
+            extra=extra_strategies(self.strategy, self.extra_ratios), plots=self.plots, save_model=self.save_model,
+            tokenizer=usable_tokenizer([self.tokenizer]) if self.save_model else None, dtype=self.dtype,
+            show_progress=None,
+        )
