@@ -135,34 +135,36 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
                     f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
                     f"router needs the same count in every group. {fix}"
                 )
-    _check_record(pruning_info(model), layers, "this model's config.ompmoe")
+    _check_record(pruning_info(model), layers)
 
 
-def _check_record(record: Any, layers: list[MoELayer], where: str) -> None:
-    """A pruning record must match the model's MoE layers: same names, ids unique and in range."""
+def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> None:
+    """A pruning record must match the model's MoE layers: same names, ids unique and in range of the
+    original counts, as many as the layer has (``saved``: at most, as config.json builds every layer
+    at the largest count before the weights load)."""
     if record is None:
         return
-    fix = "The pruning record is corrupt: prune the original model again."
-    if not isinstance(record, dict) or not isinstance(record.get("kept_experts"), dict):
-        raise PlanMismatchError(f"{where} has no 'kept_experts' mapping. {fix}")
-    kept, original = record["kept_experts"], record.get("original_num_experts")
-    if not isinstance(original, dict):
-        raise PlanMismatchError(f"{where} has no 'original_num_experts' mapping. {fix}")
+    if saved:
+        where, built = "config.json's ompmoe record", "the model built from config.json has"
+        fix = "The saved pruning record is corrupt: prune and save the original model again."
+    else:
+        where, built = "this model's config.ompmoe", "this model has"
+        fix = "The pruning record is corrupt: prune the original model again."
+    record = record if isinstance(record, dict) else {}
+    kept, original = record.get("kept_experts"), record.get("original_num_experts")
+    if not isinstance(kept, dict) or not isinstance(original, dict):
+        raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
     names = [layer.name for layer in layers]
-    if list(kept) != names or list(original) != names:
-        raise PlanMismatchError(
-            f"{where} lists layers {list(kept)} (original counts for {list(original)}) but the model's MoE "
-            f"layers are {names}. {fix}"
-        )
+    if list(kept) != names or sorted(original) != sorted(names):
+        raise PlanMismatchError(f"{where} lists layers {list(kept)} but {built} MoE layers {names}. {fix}")
     for layer in layers:
         count = original[layer.name]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
         ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
-        if len(ids) != layer.num_experts:
+        if len(ids) > layer.num_experts or (not saved and len(ids) != layer.num_experts):
             raise PlanMismatchError(
-                f"{where}, layer {layer.name}: records {len(ids)} kept experts but the layer has "
-                f"{layer.num_experts}. {fix}"
+                f"{where}, layer {layer.name}: keeps {len(ids)} experts but the layer has {layer.num_experts}. {fix}"
             )
 
 
@@ -239,36 +241,12 @@ def save_pruned(
 
 def _resize_to_record(model: nn.Module, record: dict[str, Any]) -> None:
     layers = find_moe_layers(model)
-    _check_record_ids(record, layers)
+    _check_record(record, layers, saved=True)
     count_attributes = architecture_of(model).count_attributes
     for layer in layers:
         count = len(record["kept_experts"][layer.name])
         if layer.num_experts != count:
             _slice_layer(layer, torch.arange(count), count_attributes)
-
-
-def _check_record_ids(record: dict[str, Any], layers: list[MoELayer]) -> None:
-    """Before weights load: the record's layers are the model's, ids unique and in range of the original counts."""
-    where = "config.json's ompmoe record"
-    fix = "The saved pruning record is corrupt: prune and save the original model again."
-    kept, original = record.get("kept_experts"), record.get("original_num_experts")
-    if not isinstance(kept, dict) or not isinstance(original, dict):
-        raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
-    names = [layer.name for layer in layers]
-    if list(kept) != names or sorted(original) != sorted(names):
-        raise PlanMismatchError(
-            f"{where} lists layers {list(kept)} but the model built from config.json has MoE layers {names}. {fix}"
-        )
-    for layer in layers:
-        count = original[layer.name]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
-        ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
-        if len(ids) > layer.num_experts:
-            raise PlanMismatchError(
-                f"{where}, layer {layer.name}: keeps {len(ids)} experts but config.json builds only "
-                f"{layer.num_experts}. {fix}"
-            )
 
 
 def _causal_lm_class(config: Any) -> type:

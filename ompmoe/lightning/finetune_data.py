@@ -14,11 +14,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from .calibration_data import HELDOUT_PREFIX, CalibrationBlocks, CalibrationDataModule
+from .calibration_data import CalibrationBlocks, CalibrationDataModule
 from ..data import CORPUS_DOMAINS
+from ..data.sources import HELDOUT_PREFIX, corpus_sources
 
 
-TRAIN_CORPUS = {f"train:{name}": name for name in (*CORPUS_DOMAINS, "mix")}
+TRAIN_CORPUS = corpus_sources("train", "train")
 """``train:prose``, ``train:code``, ``train:mix``: the train split of the shipped corpus (what the shipped
 models were trained on; disjoint from the calibration and held-out splits), ``mix`` half from each domain."""
 
@@ -95,15 +96,7 @@ class FinetuneDataModule(CalibrationDataModule):
         self.val_blocks = val_blocks
         self._val: list[CalibrationBlocks] | None = None
 
-    def _resolve_source(self) -> dict[str, Any]:
-        if self.source is None:
-            return {"kind": "default"}  # decided in setup, from the model of the attached module
-        if self.source in TRAIN_CORPUS:
-            if self.data_files:
-                raise ValueError(f"source={self.source!r} takes no data_files; give the files as source instead.")
-            name = TRAIN_CORPUS[self.source]
-            return {"kind": "corpus", "domains": list(CORPUS_DOMAINS) if name == "mix" else [name], "split": "train"}
-        return super()._resolve_source()
+    corpus = TRAIN_CORPUS  # source=None: decided in setup, from the attached module's model
 
     def resolve_default_source(self) -> str:
         """Set ``source`` from the attached module's model when it was left ``None``; return it."""
@@ -114,7 +107,7 @@ class FinetuneDataModule(CalibrationDataModule):
                                  "to a Trainer with a FinetuneModule, or pass source=.")
             model = getattr(module, "model", None)
             self.source = default_source(model if model is not None else getattr(module, "model_name_or_path", None))
-            self._plan = self._resolve_source()
+            self._text = self._text_source()
         return self.source
 
     @property
