@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from .requests import RequestEncoder, WorkPlan, resolve_max_length
 from .results import evaluate_responses, flat_metrics, score, write_results
@@ -37,6 +37,8 @@ from .tokenization import load_tokenizer
 __all__ = ["LMEvalDataModule"]
 
 TASKS = "tasks"  # name of the request group of tasks given by name
+SETTINGS = ("num_fewshot", "apply_chat_template", "fewshot_as_multiturn", "chat_template_args", "gen_kwargs")
+"""What a request group's tasks are built and scored with (a suite's, or the module's for ``tasks``)."""
 
 
 @dataclass
@@ -50,17 +52,6 @@ class RequestGroup:
     loaded: dict[str, Any] | None = None
     encoder: Any = None
     columns: list[Column] = field(default_factory=list)
-
-
-class _Batches(Dataset):
-    def __init__(self, batches: list[dict[str, Any]]) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.batches[index]
 
 
 def _identity(batch: Any) -> Any:
@@ -274,23 +265,14 @@ class LMEvalDataModule(pl.LightningDataModule):
         return plan
 
     def _request_groups(self) -> list[RequestGroup]:
-        groups = [
-            RequestGroup(
-                suite.name, list(suite.tasks),
-                {"num_fewshot": suite.num_fewshot, "apply_chat_template": suite.apply_chat_template,
-                 "fewshot_as_multiturn": suite.fewshot_as_multiturn,
-                 "chat_template_args": dict(suite.chat_template_args), "gen_kwargs": suite.gen_kwargs},
-                suite=suite, columns=list(suite.columns),
-            )
-            for suite in self.suites
-        ]
+        def settings(source: Any) -> dict[str, Any]:  # a suite's own, or this module's for the tasks by name
+            found = {key: getattr(source, key) for key in SETTINGS}
+            return {**found, "chat_template_args": dict(found["chat_template_args"])}
+
+        groups = [RequestGroup(suite.name, list(suite.tasks), settings(suite), suite=suite, columns=list(suite.columns))
+                  for suite in self.suites]
         if self.tasks:
-            groups.append(RequestGroup(
-                TASKS, list(self.tasks),
-                {"num_fewshot": self.num_fewshot, "apply_chat_template": self.apply_chat_template,
-                 "fewshot_as_multiturn": self.fewshot_as_multiturn, "chat_template_args": dict(self.chat_template_args),
-                 "gen_kwargs": self.gen_kwargs},
-            ))
+            groups.append(RequestGroup(TASKS, list(self.tasks), settings(self)))
         return groups
 
     def _task_manager(self, specs: Sequence[str]) -> Any:
@@ -354,7 +336,7 @@ class LMEvalDataModule(pl.LightningDataModule):
     def _loader(self) -> DataLoader:
         if self.batches is None:
             raise RuntimeError("LMEvalDataModule.setup() (or build()) must run before its dataloaders are used.")
-        dataset = _Batches(self.batches)
+        dataset = self.batches  # a list is a map-style dataset
         sampler_kwargs = self._sampler_kwargs()
         sampler = None
         if sampler_kwargs["num_replicas"] > 1:

@@ -314,16 +314,13 @@ class TextSource:
                  corpus: Mapping[str, tuple[Sequence[str], str]] | None = None) -> None:
         self.source, self.data_files, self.text_field, self.split = source, list(data_files), text_field, split
         self.kind, self.files, self.preset = "hub", [], None
-        self.domains: tuple[str, ...] = ()
-        self.corpus_split = "calibration"
         self._hub_rows: Any = None  # the loaded hub split, kept between prefetch and reading
         corpus = {**SHIPPED_CORPUS, **(corpus or {})}
+        self.domains, self.corpus_split = corpus.get(source, ((), "calibration"))
         if source == SHIPPED or source in corpus:
             if self.data_files:
                 raise ValueError(f"source={source!r} takes no data_files; give the files as source instead.")
-            self.kind = SHIPPED
-            if source in corpus:
-                self.kind, (self.domains, self.corpus_split) = "corpus", corpus[source]
+            self.kind = "corpus" if source in corpus else SHIPPED
         elif source in PRESETS or _looks_like_hub_name(source):
             self.preset = PRESETS.get(source)
             local = [os.path.exists(path) for path in self.data_files]
@@ -476,13 +473,14 @@ class TextSource:
 
 
 # ---------------------------------------------------------------------------- token packing
-def text_encoder(name: str) -> Encoder:
-    """The encoder of a tokenizer name or path (``shipped:`` too), or ``bytes``: no special tokens."""
-    if name == BYTES:
-        return (lambda texts: [byte_tokens(text).tolist() for text in texts]), None
-    from ..engine.export.config import load_tokenizer
+def text_encoder(tokenizer: Any) -> Encoder:
+    """The encoder (no special tokens) of a tokenizer, or of its name or path (``shipped:`` too, ``bytes``)."""
+    if isinstance(tokenizer, str):
+        if tokenizer == BYTES:
+            return (lambda texts: [byte_tokens(text).tolist() for text in texts]), None
+        from ..engine.export.config import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_shipped(name))  # AutoTokenizer; reads non-uniform pruned checkpoints too
+        tokenizer = load_tokenizer(resolve_shipped(tokenizer))  # reads non-uniform pruned checkpoints too
 
     def encode(texts: list[str]) -> list[list[int]]:
         return list(tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])

@@ -34,7 +34,6 @@ from .record import CONFIG_KEY, pruning_info
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 
-
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
     """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
     old = layer.num_experts
@@ -196,16 +195,11 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         kept_original[layer.name] = [earlier[i] for i in kept]
         _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
     _record_counts(model, kept_original, original_counts)
-    pruning_info(model)["plan"] = _plan_summary(plan)
-    return model
-
-
-def _plan_summary(plan: PruningPlan) -> dict[str, Any]:
-    """What the model card reports about the plan, kept in the config's pruning record."""
-    return {
+    pruning_info(model)["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
         "num_tokens": plan.num_tokens, "model_id": plan.model_id,
     }
+    return model
 
 
 def save_pruned(
@@ -294,22 +288,23 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     check_weight_files(path)
     base = _causal_lm_class(config)
     record = pruning_info(config)
-    if record is None:
-        return _with_adaptive(_checked_from_pretrained(base, path, config, from_pretrained_kwargs))
-    if not isinstance(record, dict):
-        raise PlanMismatchError(
-            f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
-            "record is corrupt: prune and save the original model again."
-        )
+    cls = base
+    if record is not None:
+        if not isinstance(record, dict):
+            raise PlanMismatchError(
+                f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
+                "record is corrupt: prune and save the original model again."
+            )
 
-    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, config, *args, **kwargs)
-        _resize_to_record(self, record)
+        def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, config, *args, **kwargs)
+            _resize_to_record(self, record)
 
-    sized = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model = _checked_from_pretrained(sized, path, config, from_pretrained_kwargs)
+        cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+    model = _checked_from_pretrained(cls, path, config, from_pretrained_kwargs)
     model.__class__ = base
-    return _with_adaptive(model)
+    restore_adaptive(model)
+    return model
 
 
 def _checked_from_pretrained(cls: type, path: str | os.PathLike, config: Any, kwargs: dict[str, Any]) -> nn.Module:
@@ -331,8 +326,3 @@ def _check_model_directory(path: str | os.PathLike) -> None:
     hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
     raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 
-
-def _with_adaptive(model: nn.Module) -> nn.Module:
-    """Re-apply OMP-MoE+ adaptive inference saved in ``config.ompmoe_adaptive``, if any."""
-    restore_adaptive(model)
-    return model
