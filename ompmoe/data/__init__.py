@@ -1,4 +1,7 @@
-"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model."""
+"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model.
+
+Calibration text from anywhere (presets, the hub, local files) and its token packing: :mod:`.sources`.
+"""
 
 from __future__ import annotations
 
