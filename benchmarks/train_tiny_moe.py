@@ -410,298 +410,225 @@ def expert_usage(model: Any, tokenizer: Any, seq_len: int, num_blocks: int, mode
 
 
 # ----------------------------------------------------------------------------------- model card
-LICENSE_SECTION = [
-    "",
-    "## License and data",
-    "",
-    "Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,",
-    "Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see",
-    "`ompmoe/data/corpus/README.md` for what is in each split.",
-    "",
-]
-"""The closing section of both shipped models' cards (same weights license and training text)."""
+CARD = """---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [{architecture}, mixture-of-experts, {tags}ompmoe, tiny]
+---
+
+# {name}: a small {kind} trained here on Python documentation and source
+
+{intro}
+
+## Architecture
+
+{layout}
+
+Parameters: **{total:.2f} M** in all, {routed:.2f} M of them in routed experts; {active:.2f} M active per token. \
+Weights stored in **{save_dtype}** (`model.safetensors`, {megabytes:.1f} MB; {storage}); load with \
+`dtype=torch.float32` on a CPU (ompmoe does so for {loads}). All numbers below are measured on the saved \
+{measured}weights loaded in float32.
+
+## Training
+
+{steps} steps of {batch_size} x {seq_len} tokens ({tokens:.2f} M tokens; windows at random offsets, prose with \
+probability {prose_fraction}, code otherwise), AdamW (lr {lr}, betas 0.9/0.95, weight decay {weight_decay}), \
+{warmup_steps} warm-up steps then cosine decay to {min_lr_ratio} x lr, gradient clipping 1.0; loss = causal LM loss\
+{balance}Training took {minutes:.1f} min ({total_minutes:.1f} min with tokenizer and evaluation) on {device} \
+({threads} threads, {experts_implementation} experts, torch {torch}, transformers {transformers}).{stages}
+
+Final training LM loss {lm_loss:.3f} (mean of the last {window} logged steps){final}
+
+## Held-out perplexity
+
+Per domain, on the whole held-out split (`ompmoe/data/corpus/<domain>-heldout.jsonl.gz`; documents never seen in
+training), non-overlapping blocks of {seq_len} tokens, every token after the first of a block predicted.
+The calibration and train columns use the first {gap_tokens:,} tokens of those splits (for the generalization gap).
+{perplexity}
+
+## How the experts are used
+
+Share of routed token slots per expert (each token counts once for each of its top-{top_k} experts), from \
+`ompmoe.collect_stats` (`LayerStats.token_count`) on the calibration
+splits ({prose_tokens:,} prose + {code_tokens:,} code tokens). Entropy is normalized by log(number of experts) \
+(1.0: perfectly uniform load); JS is the Jensen-Shannon
+divergence in bits between the prose and the code load (0: the domains use the experts alike, 1: disjoint).
+{usage}
+
+## Use
+
+```python
+import ompmoe, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from ompmoe.data import shipped_model_path
+
+path = shipped_model_path('{name}')
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(path)
+```
+
+or `ompmoe fit -c configs/tiny.yaml{fit}` ({fit_model}calibration `source: shipped:mix`).
+
+## License and data
+
+Weights: Apache-2.0, like ompmoe. Training text: CPython 3.11 documentation and standard-library source,
+Copyright Python Software Foundation, PSF License Agreement (`ompmoe/data/corpus/LICENSE-PSF.txt`); see
+`ompmoe/data/corpus/README.md` for what is in each split.
+"""
+"""The model card of both shipped models; :func:`model_card` fills in what differs between the architectures."""
+
+
+def _table(header: list[str], rows: list[list[Any]], align: str = "---:") -> list[str]:
+    return ["| " + " | ".join(map(str, header)) + " |", "|---|" + f"{align}|" * (len(header) - 1),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
 def model_card(metrics: dict[str, Any]) -> str:
-    if metrics.get("architecture", "qwen3_moe") == "glm4_moe":
-        return glm4_moe_card(metrics)
-    cfg = metrics["config"]
-    ppl = metrics["perplexity"]
-    usage = metrics["expert_usage"]
-    train = metrics["training"]  # the last stage (its final loss); `first` is the stage from scratch
-    first = training_stages(train)[0]
-    total_tokens = sum(stage["tokens"] for stage in training_stages(train))
-    lines = [
-        "---",
-        "license: apache-2.0",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags: [qwen3_moe, mixture-of-experts, ompmoe, tiny]",
-        "---",
-        "",
-        "# tiny-moe: a small Qwen3-MoE trained here on Python documentation and source",
-        "",
-        "The embedded default model of ompmoe (`shipped:tiny-moe`, `configs/tiny.yaml`): a real Mixture-of-Experts",
-        "language model whose experts learned something, small enough to ship in the repository and to calibrate",
-        "and prune on a CPU in seconds. Trained from scratch by `benchmarks/train_tiny_moe.py` (Lightning, seed "
-        f"{train['seed']}) on the train split of the shipped two-domain corpus (`ompmoe/data/corpus/`: English",
-        "documentation prose and Python standard-library source, both from CPython 3.11, PSF License).",
-        "",
-        "## Architecture",
-        "",
-        f"`Qwen3MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers, all sparse; hidden size {cfg['hidden_size']}, "
-        f"{cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} key/value heads, head dim {cfg['head_dim']}); "
-        f"**{cfg['num_experts']} routed experts per layer, top-{cfg['num_experts_per_tok']}** (softmax router, normalized "
-        f"top-k weights), expert intermediate size {cfg['moe_intermediate_size']}; no shared expert; tied input/output "
-        f"embeddings; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the same train split, "
-        f"`<|endoftext|>` ends documents and pads); trained context {train['seq_len']} tokens.",
-        "",
-        f"Parameters: **{metrics['parameters']['total'] / 1e6:.2f} M** in all, "
-        f"{metrics['parameters']['experts'] / 1e6:.2f} M of them in routed experts; "
-        f"{metrics['parameters']['active_per_token'] / 1e6:.2f} M active per token. Weights stored in "
-        f"**{metrics['save_dtype']}** (`model.safetensors`, {metrics['checkpoint_bytes'] / 1e6:.1f} MB; float32 would "
-        "not fit the repository's 25 MB budget); load with `dtype=torch.float32` on a CPU (ompmoe does so for "
-        "`shipped:tiny-moe`). All numbers below are measured on the saved bf16 weights loaded in float32.",
-        "",
-        "## Training",
-        "",
-        f"{first['steps']} steps of {first['batch_size']} x {first['seq_len']} tokens ({first['tokens'] / 1e6:.2f} M tokens; "
-        f"windows at random offsets, prose with probability {first['prose_fraction']}, code otherwise), AdamW "
-        f"(lr {first['lr']}, betas 0.9/0.95, weight decay {first['weight_decay']}), {first['warmup_steps']} warm-up steps then "
-        f"cosine decay to {first['min_lr_ratio']} x lr, gradient clipping 1.0; loss = causal LM loss + "
-        f"{cfg['router_aux_loss_coef']} x the native load-balancing loss (`output_router_logits=True`). "
-        f"Training took {first['train_seconds'] / 60:.1f} min ({first['total_seconds'] / 60:.1f} min with tokenizer and "
-        f"evaluation) on {first['device']} ({first['threads']} threads, {first['experts_implementation']} experts, "
-        f"torch {first['torch']}, transformers {first['transformers']}).",
-        *stages_lines(metrics),
-        "",
-        f"Final training LM loss {train['final_lm_loss']:.3f} (mean of the last {train['final_window']} logged steps), "
-        f"load-balancing loss {train['final_aux_loss']:.3f} (transformers' `load_balancing_loss_func`, over the router "
-        f"logits of all layers together; {cfg['num_experts_per_tok']}.0, the top-k, at perfectly balanced routing).",
-        "",
-        "## Held-out perplexity",
-        "",
-        "Per domain, on the whole held-out split (`ompmoe/data/corpus/<domain>-heldout.jsonl.gz`; documents never seen in",
-        f"training), non-overlapping blocks of {train['seq_len']} tokens, every token after the first of a block predicted.",
-        f"The calibration and train columns use the first {train.get('gap_tokens', 16384):,} tokens of those splits (for the generalization gap).",
-        "",
-        "| domain | held-out perplexity | held-out tokens | calibration split | train split |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for domain in ("prose", "code"):
-        p = ppl[domain]
-        lines.append(
-            f"| {domain} | {p['heldout']['perplexity']:.2f} | {p['heldout']['tokens']:,} | "
-            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} |"
-        )
-    passes = {d: total_tokens * (train["prose_fraction"] if d == "prose" else 1 - train["prose_fraction"])
-              / train["train_tokens"][d] for d in ("prose", "code")}
-    lines += [
-        "",
-        f"Training made {passes['prose']:.1f} passes over the prose train split and {passes['code']:.1f} over the code "
-        "train split (sampling both domains equally); the gap between the train and held-out columns is how much of "
-        "its training text the model memorized, far more for code than for prose.",
-        "The calibration and held-out splits are different documents, hence their different perplexities.",
-        "",
-        "## How the experts are used",
-        "",
-        "Share of routed token slots per expert (each token counts once for each of its top-"
-        f"{cfg['num_experts_per_tok']} experts), from `ompmoe.collect_stats` (`LayerStats.token_count`) on the calibration",
-        f"splits ({usage['calibration_tokens']['prose']:,} prose + {usage['calibration_tokens']['code']:,} code tokens). "
-        "Entropy is normalized by log(number of experts) (1.0: perfectly uniform load); JS is the Jensen-Shannon",
-        "divergence in bits between the prose and the code load (0: the domains use the experts alike, 1: disjoint).",
-        "",
-        "The native loss balances the load summed over all layers, not each layer, so single layers keep rarely used",
-        f"experts: {sum(r['min_share'] < 0.005 for r in usage['per_layer'])} of {len(usage['per_layer'])} layers have an expert "
-        "with under 0.5% of the slots, while the busiest expert of a layer takes "
-        f"{min(r['max_share'] for r in usage['per_layer']):.0%} to {max(r['max_share'] for r in usage['per_layer']):.0%} "
-        f"(uniform: {1 / cfg['num_experts']:.1%}).",
-        "",
-        "| layer | normalized entropy | min share | max share | JS(prose, code) bits |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in usage["per_layer"]:
-        lines.append(
-            f"| {row['layer']} | {row['normalized_entropy']:.3f} | {row['min_share']:.3f} | {row['max_share']:.3f} | "
-            f"{row['js_prose_code_bits']:.3f} |"
-        )
-    lines += [
-        "",
-        "Load histogram (percent of routed slots per expert 0..N-1, prose and code calibration splits together):",
-        "",
-        "| layer | " + " | ".join(str(e) for e in range(cfg["num_experts"])) + " |",
-        "|---|" + "---:|" * cfg["num_experts"],
-    ]
-    for row in usage["per_layer"]:
-        lines.append(f"| {row['layer'].split('.')[2] if row['layer'].count('.') >= 2 else row['layer']} | "
-                     + " | ".join(f"{100 * x:.1f}" for x in row["share_mix"]) + " |")
-    lines += [
-        "",
-        "Per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_prose` / `share_code`).",
-        "",
-        "## Use",
-        "",
-        "```python",
-        "import ompmoe, torch",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "from ompmoe.data import shipped_model_path",
-        "",
-        "path = shipped_model_path('tiny-moe')",
-        "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)",
-        "tokenizer = AutoTokenizer.from_pretrained(path)",
-        "```",
-        "",
-        "or `ompmoe fit -c configs/tiny.yaml` (`model: shipped:tiny-moe`, calibration `source: shipped:mix`).",
-        *LICENSE_SECTION,
-    ]
-    return "\n".join(lines)
-
-
-def glm4_moe_card(metrics: dict[str, Any]) -> str:
-    """Model card of ``shipped:tiny-moe-64`` (same sections as ``tiny-moe``'s; load shown per router group)."""
-    cfg = metrics["config"]
-    ppl = metrics["perplexity"]
-    usage = metrics["expert_usage"]
+    """The card of a trained model (``README.md``), from its ``metrics.json`` alone."""
+    cfg, ppl, usage = metrics["config"], metrics["perplexity"], metrics["expert_usage"]
     train = metrics["training"]  # the last stage (its final loss and loss curve); `first` is the stage from scratch
-    first = training_stages(train)[0]
-    n, groups = cfg["n_routed_experts"], cfg["n_group"]
-    per_group = n // groups
-    lines = [
-        "---",
-        "license: apache-2.0",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        "tags: [glm4_moe, mixture-of-experts, fine-grained-experts, ompmoe, tiny]",
-        "---",
-        "",
-        "# tiny-moe-64: a small fine-grained GLM-4.5-style MoE trained here on Python documentation and source",
-        "",
-        "The second model shipped with ompmoe (`shipped:tiny-moe-64`), closer to the models users prune than",
-        "`shipped:tiny-moe`: many small routed experts, a shared expert, group-limited sigmoid routing with a",
-        "load-balancing bias, and a dense first layer, as in DeepSeek-V3 and GLM-4.5. Trained from scratch by",
-        f"`benchmarks/train_tiny_moe.py --architecture glm4_moe` (Lightning, seed {train['seed']}) on the train split of",
-        "the shipped two-domain corpus (`ompmoe/data/corpus/`: English documentation prose and Python standard-library",
-        "source, both from CPython 3.11, PSF License), with the same tokenizer and data as `shipped:tiny-moe`.",
-        "",
-        "## Architecture",
-        "",
-        f"`Glm4MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers: the first {cfg['first_k_dense_replace']} dense "
-        f"(MLP width {cfg['intermediate_size']}), the other {cfg['num_hidden_layers'] - cfg['first_k_dense_replace']} sparse; "
-        f"hidden size {cfg['hidden_size']}, {cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} "
-        f"key/value heads, head dim {cfg['head_dim']}, rotary on half of each head). Each sparse layer: "
-        f"**{n} routed experts of width {cfg['moe_intermediate_size']}, top-{cfg['num_experts_per_tok']}**, plus "
-        f"{cfg['n_shared_experts']} shared expert of the same width that every token uses. Router: sigmoid scores plus a "
-        f"per-expert correction bias (`e_score_correction_bias`, used for choosing experts only); the {n} experts form "
-        f"**{groups} groups of {per_group}**, each token first keeps the {cfg['topk_group']} groups with the largest sum of "
-        f"their top-2 biased scores, then its top-{cfg['num_experts_per_tok']} experts inside them; the chosen sigmoid "
-        f"scores are normalized to sum 1 and scaled by {cfg['routed_scaling_factor']}. Tied input/output embeddings; "
-        f"vocabulary {cfg['vocab_size']} (the byte-level BPE of `shipped:tiny-moe`); trained context {train['seq_len']} tokens.",
-        "",
-        "For pruning, the groups matter: ompmoe keeps the same number of experts in every group of a layer (at least",
-        "2, which the top-2 group score needs), so a layer keeps a multiple of "
-        f"{groups} experts, at least {2 * groups} of {n}.",
-        "",
-        f"Parameters: **{metrics['parameters']['total'] / 1e6:.2f} M** in all, "
-        f"{metrics['parameters']['experts'] / 1e6:.2f} M of them in routed experts; "
-        f"{metrics['parameters']['active_per_token'] / 1e6:.2f} M active per token. Weights stored in "
-        f"**{metrics['save_dtype']}** (`model.safetensors`, {metrics['checkpoint_bytes'] / 1e6:.1f} MB; the routing biases "
-        "in float32); load with `dtype=torch.float32` on a CPU (ompmoe does so for `shipped:` models). All numbers below "
-        "are measured on the saved weights loaded in float32.",
-        "",
-        "## Training",
-        "",
-        f"{first['steps']} steps of {first['batch_size']} x {first['seq_len']} tokens ({first['tokens'] / 1e6:.2f} M tokens; "
-        f"windows at random offsets, prose with probability {first['prose_fraction']}, code otherwise), AdamW "
-        f"(lr {first['lr']}, betas 0.9/0.95, weight decay {first['weight_decay']}), {first['warmup_steps']} warm-up steps then "
-        f"cosine decay to {first['min_lr_ratio']} x lr, gradient clipping 1.0; loss = causal LM loss only. Load balance "
-        "without an auxiliary loss, as in DeepSeek-V3: after every optimizer step each router's correction bias moves by "
-        f"{first['bias_update_speed']} per expert towards the mean load (down for experts that took more than their share "
-        f"of the step's routed slots, up for the others). Training took {first['train_seconds'] / 60:.1f} min "
-        f"({first['total_seconds'] / 60:.1f} min with tokenizer and evaluation) on {first['device']} ({first['threads']} "
-        f"threads, {first['experts_implementation']} experts, torch {first['torch']}, transformers {first['transformers']}).",
-        *stages_lines(metrics),
-        "",
-        f"Final training LM loss {train['final_lm_loss']:.3f} (mean of the last {train['final_window']} logged steps); "
-        f"busiest expert's load over the mean load in the worst layer, per step: {train['final_max_load_over_mean']:.2f} "
-        "(1.0 is perfect balance).",
-        "",
-        "Training curve of the last stage (LM loss on the training batch; `metrics.json` has every logged step):",
-        "",
-        "| step | " + " | ".join(str(h["step"]) for h in train["history"][:: max(1, len(train["history"]) // 10)]) + " |",
-        "|---|" + "---:|" * len(train["history"][:: max(1, len(train["history"]) // 10)]),
-        "| LM loss | " + " | ".join(f"{h['lm_loss']:.2f}" for h in train["history"][:: max(1, len(train["history"]) // 10)]) + " |",
-        "",
-        "## Held-out perplexity",
-        "",
-        "Per domain, on the whole held-out split (`ompmoe/data/corpus/<domain>-heldout.jsonl.gz`; documents never seen in",
-        f"training), non-overlapping blocks of {train['seq_len']} tokens, every token after the first of a block predicted.",
-        f"The calibration and train columns use the first {train.get('gap_tokens', 16384):,} tokens of those splits (for the generalization gap).",
-        "",
-        "The unigram column is the baseline: an add-one-smoothed unigram model of the train split (both domains) on",
-        "the same held-out tokens.",
-        "",
-        "| domain | held-out perplexity | held-out tokens | calibration split | train split | unigram baseline |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    unigram = metrics["unigram_heldout_perplexity"]
-    for domain in ("prose", "code"):
-        p = ppl[domain]
-        lines.append(
-            f"| {domain} | {p['heldout']['perplexity']:.2f} | {p['heldout']['tokens']:,} | "
-            f"{p['calibration']['perplexity']:.2f} | {p['train']['perplexity']:.2f} | {unigram[domain]:.1f} |"
+    stages = training_stages(train)
+    first = stages[0]
+    architecture = metrics.get("architecture", "qwen3_moe")
+    glm = architecture == "glm4_moe"
+    n = cfg["n_routed_experts"] if glm else cfg["num_experts"]
+    k = cfg["num_experts_per_tok"]
+    layers = usage["per_layer"]
+    perplexity = [[d, f"{ppl[d]['heldout']['perplexity']:.2f}", f"{ppl[d]['heldout']['tokens']:,}",
+                   f"{ppl[d]['calibration']['perplexity']:.2f}", f"{ppl[d]['train']['perplexity']:.2f}"]
+                  for d in ("prose", "code")]
+    header = ["domain", "held-out perplexity", "held-out tokens", "calibration split", "train split"]
+    if glm:
+        groups = cfg["n_group"]
+        per_group = n // groups
+        dense = cfg["first_k_dense_replace"]
+        history = train["history"][:: max(1, len(train["history"]) // 10)]
+        unigram = metrics["unigram_heldout_perplexity"]
+        for row in perplexity:
+            row.append(f"{unigram[row[0]]:.1f}")
+        fields = dict(
+            tags="fine-grained-experts, ", kind="fine-grained GLM-4.5-style MoE",
+            intro=(
+                "The second model shipped with ompmoe (`shipped:tiny-moe-64`), closer to the models users prune than\n"
+                "`shipped:tiny-moe`: many small routed experts, a shared expert, group-limited sigmoid routing with a\n"
+                "load-balancing bias, and a dense first layer, as in DeepSeek-V3 and GLM-4.5. Trained from scratch by\n"
+                f"`benchmarks/train_tiny_moe.py --architecture glm4_moe` (Lightning, seed {train['seed']}) on the train "
+                "split of\nthe shipped two-domain corpus (`ompmoe/data/corpus/`: English documentation prose and Python "
+                "standard-library\nsource, both from CPython 3.11, PSF License), with the same tokenizer and data as "
+                "`shipped:tiny-moe`."),
+            layout=(
+                f"`Glm4MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers: the first {dense} dense (MLP width "
+                f"{cfg['intermediate_size']}), the other {cfg['num_hidden_layers'] - dense} sparse; hidden size "
+                f"{cfg['hidden_size']}, {cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} "
+                f"key/value heads, head dim {cfg['head_dim']}, rotary on half of each head). Each sparse layer: "
+                f"**{n} routed experts of width {cfg['moe_intermediate_size']}, top-{k}**, plus "
+                f"{cfg['n_shared_experts']} shared expert of the same width that every token uses. Router: sigmoid "
+                "scores plus a per-expert correction bias (`e_score_correction_bias`, used for choosing experts only); "
+                f"the {n} experts form **{groups} groups of {per_group}**, each token first keeps the "
+                f"{cfg['topk_group']} groups with the largest sum of their top-2 biased scores, then its top-{k} "
+                f"experts inside them; the chosen sigmoid scores are normalized to sum 1 and scaled by "
+                f"{cfg['routed_scaling_factor']}. Tied input/output embeddings; vocabulary {cfg['vocab_size']} (the "
+                f"byte-level BPE of `shipped:tiny-moe`); trained context {train['seq_len']} tokens.\n\n"
+                "For pruning, the groups matter: ompmoe keeps the same number of experts in every group of a layer "
+                "(at least\n2, which the top-2 group score needs), so a layer keeps a multiple of "
+                f"{groups} experts, at least {2 * groups} of {n}."),
+            storage="the routing biases in float32", loads="`shipped:` models", measured="",
+            balance=(
+                " only. Load balance without an auxiliary loss, as in DeepSeek-V3: after every optimizer step each "
+                f"router's correction bias moves by {first['bias_update_speed']} per expert towards the mean load "
+                "(down for experts that took more than their share of the step's routed slots, up for the others). "),
+            final="\n".join([
+                "; busiest expert's load over the mean load in the worst layer, per step: "
+                f"{train['final_max_load_over_mean']:.2f} (1.0 is perfect balance).", "",
+                "Training curve of the last stage (LM loss on the training batch; `metrics.json` has every logged step):",
+                "", *_table(["step", *(h["step"] for h in history)],
+                            [["LM loss", *(f"{h['lm_loss']:.2f}" for h in history)]]),
+            ]),
+            perplexity="\n".join([
+                "", "The unigram column is the baseline: an add-one-smoothed unigram model of the train split (both "
+                "domains) on", "the same held-out tokens.", "",
+                *_table([*header, "unigram baseline"], perplexity)]),
+            usage="\n".join([
+                f"Uniform load is {1 / n:.2%} per expert.", "",
+                *_table(["layer", "normalized entropy", "min share", "max share", "experts under 0.5%",
+                         "JS(prose, code) bits"],
+                        [[r["layer"], f"{r['normalized_entropy']:.3f}", f"{r['min_share']:.4f}", f"{r['max_share']:.4f}",
+                          sum(x < 0.005 for x in r["share_mix"]), f"{r['js_prose_code_bits']:.3f}"] for r in layers]),
+                "", f"Load per router group (percent of routed slots in experts {per_group}g..{per_group}g+"
+                f"{per_group - 1}, both calibration splits together):", "",
+                *_table(["layer", *(f"group {g}" for g in range(groups))],
+                        [[r["layer"], *(f"{100 * sum(r['share_mix'][g * per_group:(g + 1) * per_group]):.1f}"
+                                        for g in range(groups))] for r in layers]),
+                "", "Per-expert and per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_mix` /",
+                "`share_prose` / `share_code`)."]),
+            fit=" --model.model shipped:tiny-moe-64", fit_model="",
         )
-    lines += [
-        "",
-        "## How the experts are used",
-        "",
-        "Share of routed token slots per expert (each token counts once for each of its top-"
-        f"{cfg['num_experts_per_tok']} experts), from `ompmoe.collect_stats` (`LayerStats.token_count`) on the calibration",
-        f"splits ({usage['calibration_tokens']['prose']:,} prose + {usage['calibration_tokens']['code']:,} code tokens). "
-        "Entropy is normalized by log(number of experts) (1.0: perfectly uniform load); JS is the Jensen-Shannon",
-        "divergence in bits between the prose and the code load (0: the domains use the experts alike, 1: disjoint).",
-        f"Uniform load is {1 / n:.2%} per expert.",
-        "",
-        "| layer | normalized entropy | min share | max share | experts under 0.5% | JS(prose, code) bits |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for row in usage["per_layer"]:
-        lines.append(
-            f"| {row['layer']} | {row['normalized_entropy']:.3f} | {row['min_share']:.4f} | {row['max_share']:.4f} | "
-            f"{sum(x < 0.005 for x in row['share_mix'])} | {row['js_prose_code_bits']:.3f} |"
+    else:
+        total_tokens = sum(stage["tokens"] for stage in stages)
+        passes = {d: total_tokens * (train["prose_fraction"] if d == "prose" else 1 - train["prose_fraction"])
+                  / train["train_tokens"][d] for d in ("prose", "code")}
+        fields = dict(
+            tags="", kind="Qwen3-MoE",
+            intro=(
+                "The embedded default model of ompmoe (`shipped:tiny-moe`, `configs/tiny.yaml`): a real "
+                "Mixture-of-Experts\nlanguage model whose experts learned something, small enough to ship in the "
+                "repository and to calibrate\nand prune on a CPU in seconds. Trained from scratch by "
+                f"`benchmarks/train_tiny_moe.py` (Lightning, seed {train['seed']}) on the train split of the shipped "
+                "two-domain corpus (`ompmoe/data/corpus/`: English\ndocumentation prose and Python standard-library "
+                "source, both from CPython 3.11, PSF License)."),
+            layout=(
+                f"`Qwen3MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers, all sparse; hidden size "
+                f"{cfg['hidden_size']}, {cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} "
+                f"key/value heads, head dim {cfg['head_dim']}); **{n} routed experts per layer, top-{k}** (softmax "
+                f"router, normalized top-k weights), expert intermediate size {cfg['moe_intermediate_size']}; no shared "
+                f"expert; tied input/output embeddings; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the "
+                f"same train split, `<|endoftext|>` ends documents and pads); trained context {train['seq_len']} tokens."),
+            storage="float32 would not fit the repository's 25 MB budget", loads="`shipped:tiny-moe`",
+            measured="bf16 ",
+            balance=(f" + {cfg['router_aux_loss_coef']} x the native load-balancing loss (`output_router_logits=True`). "),
+            final=(f", load-balancing loss {train['final_aux_loss']:.3f} (transformers' `load_balancing_loss_func`, over "
+                   f"the router logits of all layers together; {k}.0, the top-k, at perfectly balanced routing)."),
+            perplexity="\n".join([
+                "", *_table(header, perplexity), "",
+                f"Training made {passes['prose']:.1f} passes over the prose train split and {passes['code']:.1f} over "
+                "the code train split (sampling both domains equally); the gap between the train and held-out columns "
+                "is how much of its training text the model memorized, far more for code than for prose.",
+                "The calibration and held-out splits are different documents, hence their different perplexities."]),
+            usage="\n".join([
+                "", "The native loss balances the load summed over all layers, not each layer, so single layers keep "
+                "rarely used",
+                f"experts: {sum(r['min_share'] < 0.005 for r in layers)} of {len(layers)} layers have an expert with "
+                "under 0.5% of the slots, while the busiest expert of a layer takes "
+                f"{min(r['max_share'] for r in layers):.0%} to {max(r['max_share'] for r in layers):.0%} (uniform: "
+                f"{1 / n:.1%}).", "",
+                *_table(["layer", "normalized entropy", "min share", "max share", "JS(prose, code) bits"],
+                        [[r["layer"], f"{r['normalized_entropy']:.3f}", f"{r['min_share']:.3f}", f"{r['max_share']:.3f}",
+                          f"{r['js_prose_code_bits']:.3f}"] for r in layers]),
+                "", "Load histogram (percent of routed slots per expert 0..N-1, prose and code calibration splits "
+                "together):", "",
+                *_table(["layer", *range(n)],
+                        [[r["layer"].split(".")[2] if r["layer"].count(".") >= 2 else r["layer"],
+                          *(f"{100 * x:.1f}" for x in r["share_mix"])] for r in layers]),
+                "", "Per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_prose` / "
+                "`share_code`)."]),
+            fit="", fit_model="`model: shipped:tiny-moe`, ",
         )
-    lines += [
-        "",
-        f"Load per router group (percent of routed slots in experts {per_group}g..{per_group}g+{per_group - 1}, both "
-        "calibration splits together):",
-        "",
-        "| layer | " + " | ".join(f"group {g}" for g in range(groups)) + " |",
-        "|---|" + "---:|" * groups,
-    ]
-    for row in usage["per_layer"]:
-        shares = row["share_mix"]
-        lines.append(f"| {row['layer']} | "
-                     + " | ".join(f"{100 * sum(shares[g * per_group:(g + 1) * per_group]):.1f}" for g in range(groups)) + " |")
-    lines += [
-        "",
-        "Per-expert and per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_mix` /",
-        "`share_prose` / `share_code`).",
-        "",
-        "## Use",
-        "",
-        "```python",
-        "import ompmoe, torch",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "from ompmoe.data import shipped_model_path",
-        "",
-        "path = shipped_model_path('tiny-moe-64')",
-        "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)",
-        "tokenizer = AutoTokenizer.from_pretrained(path)",
-        "```",
-        "",
-        "or `ompmoe fit -c configs/tiny.yaml --model.model shipped:tiny-moe-64` (calibration `source: shipped:mix`).",
-        *LICENSE_SECTION,
-    ]
-    return "\n".join(lines)
+    params = metrics["parameters"]
+    return CARD.format(
+        architecture=architecture, name=ARCHITECTURES[architecture]["name"],
+        total=params["total"] / 1e6, routed=params["experts"] / 1e6, active=params["active_per_token"] / 1e6,
+        save_dtype=metrics["save_dtype"], megabytes=metrics["checkpoint_bytes"] / 1e6,
+        steps=first["steps"], batch_size=first["batch_size"], seq_len=first["seq_len"], tokens=first["tokens"] / 1e6,
+        prose_fraction=first["prose_fraction"], lr=first["lr"], weight_decay=first["weight_decay"],
+        warmup_steps=first["warmup_steps"], min_lr_ratio=first["min_lr_ratio"], minutes=first["train_seconds"] / 60,
+        total_minutes=first["total_seconds"] / 60, device=first["device"], threads=first["threads"],
+        experts_implementation=first["experts_implementation"], torch=first["torch"], transformers=first["transformers"],
+        stages="".join("\n" + line for line in stages_lines(metrics)),
+        lm_loss=train["final_lm_loss"], window=train["final_window"],
+        gap_tokens=train.get("gap_tokens", 16384), top_k=k, prose_tokens=usage["calibration_tokens"]["prose"],
+        code_tokens=usage["calibration_tokens"]["code"], **fields,
+    )
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -10,45 +10,35 @@ aggregation. Lightning runs the model work:
 2. The ``val``/``test`` DataLoader yields those batches; under DDP/FSDP Lightning's
    ``DistributedSampler`` deals them to the ranks. :class:`~ompmoe.eval.EvalModule` scores or
    generates each batch in ``validation_step``/``test_step``.
-3. At the end of the epoch the module gathers every rank's results; rank 0 calls :meth:`score`,
-   which hands the responses back to ``lm_eval.evaluator.evaluate`` (through a replaying ``LM``, on
-   the very request objects built in step 1) for filtering, metrics and aggregation, writes the
-   results JSON and returns them; every rank logs the same metrics to the trainer's logger.
-
-The JSON's ``ompmoe`` summary is what ``ompmoe report`` reads: the label, the model (pruning record,
-plan, adaptive epsilon, dtype, experts implementation), one score per column (with each multiple
-choice task's chance level), and the inference cost (:mod:`ompmoe.eval.cost`).
+3. At the end of the epoch the module gathers every rank's results; rank 0 scores them with lm-eval
+   and writes the results JSON (:mod:`ompmoe.eval.results`); every rank logs the same metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import os
-import platform
 import random
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from .cost import cost_record
-from .requests import ROLLING, RequestEncoder, WorkPlan, make_replay_lm, resolve_max_length
-from .suites import TASKS_DIR, Column, Suite, headline_columns, resolve_suites
-from .comparability import tokenizer_fingerprint
+from .requests import RequestEncoder, WorkPlan, resolve_max_length
+from .results import evaluate_responses, flat_metrics, score, write_results
+from .suites import TASKS_DIR, Column, Suite, resolve_suites
 from .tokenization import load_tokenizer
 
 __all__ = ["LMEvalDataModule"]
 
 TASKS = "tasks"  # name of the request group of tasks given by name
+SETTINGS = ("num_fewshot", "apply_chat_template", "fewshot_as_multiturn", "chat_template_args", "gen_kwargs")
+"""What a request group's tasks are built and scored with (a suite's, or the module's for ``tasks``)."""
 
 
 @dataclass
@@ -62,17 +52,6 @@ class RequestGroup:
     loaded: dict[str, Any] | None = None
     encoder: Any = None
     columns: list[Column] = field(default_factory=list)
-
-
-class _Batches(Dataset):
-    def __init__(self, batches: list[dict[str, Any]]) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.batches[index]
 
 
 def _identity(batch: Any) -> Any:
@@ -286,23 +265,14 @@ class LMEvalDataModule(pl.LightningDataModule):
         return plan
 
     def _request_groups(self) -> list[RequestGroup]:
-        groups = [
-            RequestGroup(
-                suite.name, list(suite.tasks),
-                {"num_fewshot": suite.num_fewshot, "apply_chat_template": suite.apply_chat_template,
-                 "fewshot_as_multiturn": suite.fewshot_as_multiturn,
-                 "chat_template_args": dict(suite.chat_template_args), "gen_kwargs": suite.gen_kwargs},
-                suite=suite, columns=list(suite.columns),
-            )
-            for suite in self.suites
-        ]
+        def settings(source: Any) -> dict[str, Any]:  # a suite's own, or this module's for the tasks by name
+            found = {key: getattr(source, key) for key in SETTINGS}
+            return {**found, "chat_template_args": dict(found["chat_template_args"])}
+
+        groups = [RequestGroup(suite.name, list(suite.tasks), settings(suite), suite=suite, columns=list(suite.columns))
+                  for suite in self.suites]
         if self.tasks:
-            groups.append(RequestGroup(
-                TASKS, list(self.tasks),
-                {"num_fewshot": self.num_fewshot, "apply_chat_template": self.apply_chat_template,
-                 "fewshot_as_multiturn": self.fewshot_as_multiturn, "chat_template_args": dict(self.chat_template_args),
-                 "gen_kwargs": self.gen_kwargs},
-            ))
+            groups.append(RequestGroup(TASKS, list(self.tasks), settings(self)))
         return groups
 
     def _task_manager(self, specs: Sequence[str]) -> Any:
@@ -366,7 +336,7 @@ class LMEvalDataModule(pl.LightningDataModule):
     def _loader(self) -> DataLoader:
         if self.batches is None:
             raise RuntimeError("LMEvalDataModule.setup() (or build()) must run before its dataloaders are used.")
-        dataset = _Batches(self.batches)
+        dataset = self.batches  # a list is a map-style dataset
         sampler_kwargs = self._sampler_kwargs()
         sampler = None
         if sampler_kwargs["num_replicas"] > 1:
@@ -382,212 +352,20 @@ class LMEvalDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader()
 
-    # ---------------------------------------------------------------------------- scoring
+    # ------------------------------------------------------------------- scoring (ompmoe.eval.results)
     def score(self, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
               cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """lm-eval results from every work item's result (all ranks' results merged).
-
-        ``cost``: the run's ``seconds`` (evaluation loop), ``items`` ({item: (seconds, tokens)}) and
-        settings (``device``, ``threads``, ``ranks``), recorded per task and in total as ``ompmoe.cost``.
-        """
-        if self.plan is None:
-            raise RuntimeError("Nothing to score: setup() has not run.")
-        decode = {index: group.encoder for index, group in enumerate(self.groups)}
-        raw = self.plan.responses(results)
-        responses = [
-            decode[request.group].decode_generation(value, request.generation_until) if request.generation_until is not None
-            else value
-            for request, value in zip(self.plan.requests, raw)
-        ]
-        return self.evaluate_responses(responses, model_info, cost)
+        """lm-eval results from every work item's result (all ranks' results merged); see :func:`~.results.score`."""
+        return score(self, results, model_info, cost)
 
     def evaluate_responses(self, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,
                            cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Hand one response per request (``plan.requests`` order) to lm-eval to filter, score and aggregate."""
-        from lm_eval.evaluator import evaluate
+        return evaluate_responses(self, responses, model_info, cost)
 
-        from .humaneval import allow_execution
-
-        if len(responses) != len(self.plan.requests):
-            raise ValueError(f"Expected {len(self.plan.requests)} responses, got {len(responses)}.")
-        merged: dict[str, Any] = {}
-        for index, group in enumerate(self.groups):
-            queues: dict[int, list[Any]] = defaultdict(list)
-            for request, response in zip(self.plan.requests, responses):
-                if request.group == index:
-                    queues[id(request.instance)].append(response)
-            for task in group.loaded["tasks"].values():
-                for instance in task.instances:  # a second scoring starts clean
-                    instance.resps = []
-                    instance.filtered_resps = {}
-            allowed = allow_execution() if self.confirm_run_unsafe_code else nullcontext()
-            with allowed:
-                out = evaluate(
-                    lm=make_replay_lm(queues, group.encoder), task_dict=group.loaded, limit=self.limit,
-                    bootstrap_iters=self.bootstrap_iters, log_samples=self.log_samples,
-                    system_instruction=self.system_instruction,
-                    apply_chat_template=bool(group.settings["apply_chat_template"]),
-                    fewshot_as_multiturn=group.settings["fewshot_as_multiturn"],
-                    confirm_run_unsafe_code=self.confirm_run_unsafe_code,
-                )
-            for key, value in out.items():
-                if isinstance(value, dict):
-                    merged.setdefault(key, {}).update(value)
-                else:
-                    merged[key] = value
-        self._add_token_perplexity(merged, responses)
-        merged["config"] = self._config(model_info)
-        merged["ompmoe"] = self._summary(merged, model_info)
-        if cost is not None:
-            settings = {key: value for key, value in cost.items() if key not in ("seconds", "items")}
-            merged["ompmoe"]["cost"] = cost_record(self.plan.requests, cost["items"], cost["seconds"],
-                                                   build_seconds=self.build_seconds, **settings)
-        return merged
-
-    def _add_token_perplexity(self, results: dict[str, Any], responses: Sequence[Any]) -> None:
-        """``token_perplexity`` of rolling-loglikelihood tasks: exp(-sum log p / predicted tokens)."""
-        totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for request, response in zip(self.plan.requests, responses):
-            if request.instance.request_type == ROLLING:
-                total = totals[request.instance.task_name]
-                total[0] += float(response)
-                total[1] += request.num_tokens
-        for task, (logprob, tokens) in totals.items():
-            if task in results.get("results", {}) and tokens:
-                results["results"][task]["token_perplexity,none"] = math.exp(-logprob / tokens)
-                results["results"][task]["token_perplexity_stderr,none"] = "N/A"
-                results.setdefault("higher_is_better", {}).setdefault(task, {})["token_perplexity"] = False
-
-    def _config(self, model_info: Mapping[str, Any] | None) -> dict[str, Any]:
-        import lm_eval
-
-        return {
-            "model": dict(model_info or {}).get("model"),
-            "evaluator": "ompmoe.eval.LMEvalDataModule",
-            "lm_eval_version": getattr(lm_eval, "__version__", None),
-            "limit": self.limit,
-            "batch_size": self.batch_size,
-            "max_length": {group.name: group.encoder.max_length for group in self.groups},
-            "bootstrap_iters": self.bootstrap_iters,
-            "random_seed": self.seeds[0],
-            "numpy_seed": self.seeds[1],
-            "torch_seed": self.seeds[2],
-            "fewshot_seed": self.fewshot_random_seed,
-            "tokenizer": str(getattr(self.tokenizer_, "name_or_path", self.tokenizer_)),
-            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer_),
-            "data_sources": dict(self.data_sources),
-            "work": self.plan.counts() if self.plan is not None else {},
-            "date": time.time(),
-            "platform": platform.platform(),
-        }
-
-    def _summary(self, results: dict[str, Any], model_info: Mapping[str, Any] | None) -> dict[str, Any]:
-        info = dict(model_info or {})
-        suites: dict[str, Any] = {}
-        columns: list[Column] = []
-        for group in self.groups:
-            group_columns = list(group.columns)
-            if group.suite is None:
-                for spec in group.specs:
-                    name = Path(spec).stem if os.path.exists(spec) else spec
-                    group_columns += headline_columns(name, _metrics_of(results, name),
-                                                      results.get("higher_is_better", {}).get(name))
-            scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in group_columns}
-            suites[group.name] = {
-                "scores": scores,
-                "average": _average(group_columns, scores),
-                "settings": {**group.settings, "tasks": list(group.specs)},
-                "description": group.suite.description if group.suite else "lm-eval tasks by name",
-            }
-            columns += group_columns
-        scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in columns}
-        chance = self._chance_levels(results)
-        return {
-            "label": self.label or info.get("label") or info.get("model") or "model",
-            "model": info,
-            "columns": [{**asdict(column), "chance": chance.get(column.source)} for column in columns],
-            "scores": scores,
-            "average": _average(columns, scores),
-            "suites": suites,
-        }
-
-    def _chance_levels(self, results: Mapping[str, Any]) -> dict[str, float]:
-        """Accuracy of guessing, per multiple choice task (mean of 1 / choices over its documents) and per
-        group of them (size-weighted over its tasks); the report leaves out tasks no model beats it on."""
-        chance: dict[str, float] = {}
-        sizes: dict[str, int] = {}
-        for group in self.groups:
-            for name, task in (group.loaded or {}).get("tasks", {}).items():
-                if task.get_config("output_type") != "multiple_choice":
-                    continue
-                docs = {instance.doc_id: instance.doc for instance in task.instances}
-                choices = [len(task.doc_to_choice(doc)) for doc in docs.values()]
-                if choices and all(choices):
-                    chance[name] = sum(1 / count for count in choices) / len(choices)
-                    sizes[name] = len(choices)
-        subtasks = results.get("group_subtasks") or {}
-
-        def level(name: str) -> tuple[float, int] | None:
-            if name in chance:
-                return chance[name], sizes[name]
-            parts = [level(task) for task in subtasks.get(name, [])]
-            if not parts or any(part is None for part in parts):
-                return None
-            size = sum(part[1] for part in parts)
-            return sum(part[0] * part[1] for part in parts) / size, size
-
-        for name in subtasks:
-            found = level(name)
-            if found is not None:
-                chance[name] = found[0]
-        return chance
-
-    # ---------------------------------------------------------------------------- outputs
-    def flat_metrics(self, results: Mapping[str, Any]) -> dict[str, float]:
-        """Numeric metrics for the trainer's logger: ``task/metric[/filter]``, suite and overall averages."""
-        flat: dict[str, float] = {}
-        for section in ("results", "groups"):
-            for task, metrics in (results.get(section) or {}).items():
-                for key, value in metrics.items():
-                    if "," not in key or "_stderr" in key or isinstance(value, bool) or not isinstance(value, (int, float)):
-                        continue
-                    metric, filter_name = key.split(",", 1)
-                    name = f"{task}/{metric}" + ("" if filter_name == "none" else f"/{filter_name}")
-                    flat[name] = float(value)
-        summary = results.get("ompmoe") or {}
-        for suite, entry in (summary.get("suites") or {}).items():
-            if entry.get("average") is not None:
-                flat[f"{suite}/average"] = float(entry["average"])
-        if summary.get("average") is not None:
-            flat["average"] = float(summary["average"])
-        return flat
+    flat_metrics = staticmethod(flat_metrics)
 
     def write(self, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
         """Write ``results`` as JSON (atomically) to ``path`` or ``output_path``; returns the file."""
-        from lm_eval.utils import handle_non_serializable
-
-        from ..engine.io import atomic_path
-
         target = path or self.output_path
-        if target is None:
-            return None
-        target = Path(target)
-        if target.is_dir() or str(target).endswith(os.sep):
-            target = target / "results.json"
-        with atomic_path(target, overwrite=True) as tmp:
-            tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
-        return target
-
-
-def _metrics_of(results: Mapping[str, Any], name: str) -> dict[str, Any]:
-    for section in ("results", "groups"):
-        metrics = (results.get(section) or {}).get(name)
-        if metrics:
-            return metrics
-    return {}
-
-
-def _average(columns: Sequence[Column], scores: Mapping[str, Any]) -> float | None:
-    values = [scores.get(column.name) for column in columns if column.primary and column.higher_is_better]
-    values = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return sum(values) / len(values) if values else None
+        return None if target is None else write_results(results, target)

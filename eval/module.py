@@ -105,16 +105,12 @@ class EvalModule(CalibrationModule):
         info: dict[str, Any] = {"model": name}
         record = pruning_info(self.model) if self.model is not None else None
         if record:
-            original = record.get("original_num_experts", {})
-            kept = record.get("kept_experts", {})
+            original, kept = record.get("original_num_experts", {}), record.get("kept_experts", {})
+            per_layer = [len(kept.get(layer, range(int(n)))) for layer, n in original.items()]
             total = sum(int(v) for v in original.values())
-            kept_total = sum(len(kept.get(layer, range(int(n)))) for layer, n in original.items())
-            info["pruning"] = {
-                "experts": total,
-                "kept_experts": kept_total,
-                "removed_fraction": 1 - kept_total / total if total else 0.0,
-                "kept_per_layer": [len(kept.get(layer, range(int(n)))) for layer, n in original.items()],
-            }
+            info["pruning"] = {"experts": total, "kept_experts": sum(per_layer),
+                               "removed_fraction": 1 - sum(per_layer) / total if total else 0.0,
+                               "kept_per_layer": per_layer}
             if record.get("plan"):
                 info["plan"] = dict(record["plan"])  # method, ratio, allocation, calibration tokens, model id
         adaptive = adaptive_info(self.model) if self.model is not None else None

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..lightning.calibration_data import HubUnavailableError, hub_offline, hub_reachable, offline_mode
+from ..data.sources import HubUnavailableError, hub_offline, hub_reachable, offline_mode
 
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-BYTES = "bytes"
-"""Tokenizer name of the tiny models (as in :class:`ompmoe.CalibrationDataModule`)."""
+from ..data.sources import BYTES
 
 SPECIAL_TOKENS = {0: "<pad>", 1: "<s>", 2: "</s>"}
 

@@ -155,7 +155,7 @@ def test_empty_calibration_hint_suggests_no_zero():
 # ------------------------------------------------------------------- incremental .txt reading
 @pytest.mark.parametrize("tokenizer", ["bytes", "shipped:tiny-moe"])
 def test_txt_in_pieces_equals_whole_file_tokenization(tmp_path, tokenizer, monkeypatch):
-    import ompmoe.lightning.calibration_data as cd
+    import ompmoe.data.sources as cd
 
     monkeypatch.setattr(cd, "_TEXT_CHUNK", 4096)  # many piece boundaries inside the shipped text
     file = tmp_path / "shipped.txt"

@@ -1,4 +1,5 @@
-"""The package's layers: the engine imports neither Lightning nor the recipes, and no module imports in a cycle."""
+"""The package's layers: the engine and the data sources import neither Lightning nor the recipes, and no module
+imports in a cycle."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ompmoe"
@@ -51,8 +54,9 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_engine_imports_neither_lightning_nor_the_recipes():
-    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+@pytest.mark.parametrize("layer", ["engine", "data"])
+def test_the_engine_and_the_data_sources_import_neither_lightning_nor_the_recipes(layer):
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
         bad = sorted(name for name in _imports(path)
                      if name.split(".")[0] == "lightning" or name.startswith(("ompmoe.recipes", "ompmoe.lightning",
                                                                              "ompmoe.callbacks", "ompmoe.eval")))
@@ -103,7 +107,8 @@ def test_no_import_cycles_between_modules():
 
 
 def test_importing_the_engine_loads_no_lightning_and_no_recipe():
-    code = ("import sys, ompmoe.engine.plan, ompmoe.engine.collect, ompmoe.engine.pruning, ompmoe.engine.strategy;"
+    code = ("import sys, ompmoe.engine.plan, ompmoe.engine.collect, ompmoe.engine.pruning, ompmoe.engine.strategy, "
+            "ompmoe.data.sources;"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'lightning' or m.startswith(('ompmoe.recipes', "
             "'ompmoe.lightning')));print(bad)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,10 +1,14 @@
-"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model."""
+"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model.
+
+Calibration text from anywhere (presets, the hub, local files) and its token packing: :mod:`.sources`.
+"""
 
 from __future__ import annotations
 
 import difflib
 import gzip
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -96,16 +100,9 @@ def resolve_shipped(spec: str) -> str:
 
 
 def corpus_token_stream(tokenizer, domain: str, split: str, max_tokens: int | None = None) -> torch.Tensor:
-    """One split of one domain as a token stream, built like :class:`ompmoe.CalibrationDataModule`'s:
-    documents tokenized on their own (no special tokens), the tokenizer's eos token between them."""
-    texts = [doc["text"] for doc in corpus_documents(domain, split)]
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for start in range(0, len(texts), 32):
-        for tokens in tokenizer(texts[start : start + 32], add_special_tokens=False, verbose=False)["input_ids"]:
-            if ids and eos is not None:
-                ids.append(eos)
-            ids.extend(tokens)
-        if max_tokens is not None and len(ids) >= max_tokens:
-            break
-    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)
+    """One split of one domain as a token stream, built like :class:`ompmoe.CalibrationDataModule`'s
+    (:func:`ompmoe.data.sources.token_stream`)."""
+    from .sources import text_encoder, token_stream
+
+    texts = (doc["text"] for doc in corpus_documents(domain, split))
+    return token_stream(texts, text_encoder(tokenizer), max_tokens if max_tokens is not None else sys.maxsize)

@@ -34,7 +34,6 @@ from .record import CONFIG_KEY, pruning_info
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 
-
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
     """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
     old = layer.num_experts
@@ -135,34 +134,36 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
                     f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
                     f"router needs the same count in every group. {fix}"
                 )
-    _check_record(pruning_info(model), layers, "this model's config.ompmoe")
+    _check_record(pruning_info(model), layers)
 
 
-def _check_record(record: Any, layers: list[MoELayer], where: str) -> None:
-    """A pruning record must match the model's MoE layers: same names, ids unique and in range."""
+def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> None:
+    """A pruning record must match the model's MoE layers: same names, ids unique and in range of the
+    original counts, as many as the layer has (``saved``: at most, as config.json builds every layer
+    at the largest count before the weights load)."""
     if record is None:
         return
-    fix = "The pruning record is corrupt: prune the original model again."
-    if not isinstance(record, dict) or not isinstance(record.get("kept_experts"), dict):
-        raise PlanMismatchError(f"{where} has no 'kept_experts' mapping. {fix}")
-    kept, original = record["kept_experts"], record.get("original_num_experts")
-    if not isinstance(original, dict):
-        raise PlanMismatchError(f"{where} has no 'original_num_experts' mapping. {fix}")
+    if saved:
+        where, built = "config.json's ompmoe record", "the model built from config.json has"
+        fix = "The saved pruning record is corrupt: prune and save the original model again."
+    else:
+        where, built = "this model's config.ompmoe", "this model has"
+        fix = "The pruning record is corrupt: prune the original model again."
+    record = record if isinstance(record, dict) else {}
+    kept, original = record.get("kept_experts"), record.get("original_num_experts")
+    if not isinstance(kept, dict) or not isinstance(original, dict):
+        raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
     names = [layer.name for layer in layers]
-    if list(kept) != names or list(original) != names:
-        raise PlanMismatchError(
-            f"{where} lists layers {list(kept)} (original counts for {list(original)}) but the model's MoE "
-            f"layers are {names}. {fix}"
-        )
+    if list(kept) != names or sorted(original) != sorted(names):
+        raise PlanMismatchError(f"{where} lists layers {list(kept)} but {built} MoE layers {names}. {fix}")
     for layer in layers:
         count = original[layer.name]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
         ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
-        if len(ids) != layer.num_experts:
+        if len(ids) > layer.num_experts or (not saved and len(ids) != layer.num_experts):
             raise PlanMismatchError(
-                f"{where}, layer {layer.name}: records {len(ids)} kept experts but the layer has "
-                f"{layer.num_experts}. {fix}"
+                f"{where}, layer {layer.name}: keeps {len(ids)} experts but the layer has {layer.num_experts}. {fix}"
             )
 
 
@@ -194,16 +195,11 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         kept_original[layer.name] = [earlier[i] for i in kept]
         _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
     _record_counts(model, kept_original, original_counts)
-    pruning_info(model)["plan"] = _plan_summary(plan)
-    return model
-
-
-def _plan_summary(plan: PruningPlan) -> dict[str, Any]:
-    """What the model card reports about the plan, kept in the config's pruning record."""
-    return {
+    pruning_info(model)["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
         "num_tokens": plan.num_tokens, "model_id": plan.model_id,
     }
+    return model
 
 
 def save_pruned(
@@ -239,36 +235,12 @@ def save_pruned(
 
 def _resize_to_record(model: nn.Module, record: dict[str, Any]) -> None:
     layers = find_moe_layers(model)
-    _check_record_ids(record, layers)
+    _check_record(record, layers, saved=True)
     count_attributes = architecture_of(model).count_attributes
     for layer in layers:
         count = len(record["kept_experts"][layer.name])
         if layer.num_experts != count:
             _slice_layer(layer, torch.arange(count), count_attributes)
-
-
-def _check_record_ids(record: dict[str, Any], layers: list[MoELayer]) -> None:
-    """Before weights load: the record's layers are the model's, ids unique and in range of the original counts."""
-    where = "config.json's ompmoe record"
-    fix = "The saved pruning record is corrupt: prune and save the original model again."
-    kept, original = record.get("kept_experts"), record.get("original_num_experts")
-    if not isinstance(kept, dict) or not isinstance(original, dict):
-        raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
-    names = [layer.name for layer in layers]
-    if list(kept) != names or sorted(original) != sorted(names):
-        raise PlanMismatchError(
-            f"{where} lists layers {list(kept)} but the model built from config.json has MoE layers {names}. {fix}"
-        )
-    for layer in layers:
-        count = original[layer.name]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
-        ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
-        if len(ids) > layer.num_experts:
-            raise PlanMismatchError(
-                f"{where}, layer {layer.name}: keeps {len(ids)} experts but config.json builds only "
-                f"{layer.num_experts}. {fix}"
-            )
 
 
 def _causal_lm_class(config: Any) -> type:
@@ -316,22 +288,23 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     check_weight_files(path)
     base = _causal_lm_class(config)
     record = pruning_info(config)
-    if record is None:
-        return _with_adaptive(_checked_from_pretrained(base, path, config, from_pretrained_kwargs))
-    if not isinstance(record, dict):
-        raise PlanMismatchError(
-            f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
-            "record is corrupt: prune and save the original model again."
-        )
+    cls = base
+    if record is not None:
+        if not isinstance(record, dict):
+            raise PlanMismatchError(
+                f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
+                "record is corrupt: prune and save the original model again."
+            )
 
-    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, config, *args, **kwargs)
-        _resize_to_record(self, record)
+        def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, config, *args, **kwargs)
+            _resize_to_record(self, record)
 
-    sized = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model = _checked_from_pretrained(sized, path, config, from_pretrained_kwargs)
+        cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+    model = _checked_from_pretrained(cls, path, config, from_pretrained_kwargs)
     model.__class__ = base
-    return _with_adaptive(model)
+    restore_adaptive(model)
+    return model
 
 
 def _checked_from_pretrained(cls: type, path: str | os.PathLike, config: Any, kwargs: dict[str, Any]) -> nn.Module:
@@ -353,8 +326,3 @@ def _check_model_directory(path: str | os.PathLike) -> None:
     hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
     raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 
-
-def _with_adaptive(model: nn.Module) -> nn.Module:
-    """Re-apply OMP-MoE+ adaptive inference saved in ``config.ompmoe_adaptive``, if any."""
-    restore_adaptive(model)
-    return model

@@ -14,11 +14,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from .calibration_data import HELDOUT_PREFIX, CalibrationBlocks, CalibrationDataModule
-from ..data import CORPUS_DOMAINS
+from .calibration_data import CalibrationBlocks, CalibrationDataModule
+from ..data.sources import HELDOUT_CORPUS, HELDOUT_PREFIX, corpus_sources
 
 
-TRAIN_CORPUS = {f"train:{name}": name for name in (*CORPUS_DOMAINS, "mix")}
+TRAIN_CORPUS = corpus_sources("train", "train")
 """``train:prose``, ``train:code``, ``train:mix``: the train split of the shipped corpus (what the shipped
 models were trained on; disjoint from the calibration and held-out splits), ``mix`` half from each domain."""
 
@@ -72,6 +72,8 @@ class FinetuneDataModule(CalibrationDataModule):
             ``num_blocks``, ``batch_size``, ...).
     """
 
+    corpus = TRAIN_CORPUS  # besides shipped:*; source=None: decided in setup, from the attached module's model
+
     def __init__(
         self,
         source: str | None = None,
@@ -84,26 +86,12 @@ class FinetuneDataModule(CalibrationDataModule):
             raise ValueError(f"val_blocks must be positive; got {val_blocks}.")
         self.val_sources = list(val_sources)
         for name in self.val_sources:
-            domain = name.removeprefix(HELDOUT_PREFIX)
-            if name.startswith(HELDOUT_PREFIX) and domain not in CORPUS_DOMAINS:
-                raise ValueError(
-                    f"Unknown held-out set {name!r}; use one of "
-                    f"{', '.join(HELDOUT_PREFIX + d for d in CORPUS_DOMAINS)} or a data source."
-                )
+            if name.startswith(HELDOUT_PREFIX) and name not in HELDOUT_CORPUS:
+                raise ValueError(f"Unknown held-out set {name!r}; use one of {', '.join(HELDOUT_CORPUS)} or a data source.")
         if len(set(self.val_sources)) != len(self.val_sources):
             raise ValueError(f"val_sources names a set twice: {self.val_sources}.")
         self.val_blocks = val_blocks
         self._val: list[CalibrationBlocks] | None = None
-
-    def _resolve_source(self) -> dict[str, Any]:
-        if self.source is None:
-            return {"kind": "default"}  # decided in setup, from the model of the attached module
-        if self.source in TRAIN_CORPUS:
-            if self.data_files:
-                raise ValueError(f"source={self.source!r} takes no data_files; give the files as source instead.")
-            name = TRAIN_CORPUS[self.source]
-            return {"kind": "corpus", "domains": list(CORPUS_DOMAINS) if name == "mix" else [name], "split": "train"}
-        return super()._resolve_source()
 
     def resolve_default_source(self) -> str:
         """Set ``source`` from the attached module's model when it was left ``None``; return it."""
@@ -114,7 +102,7 @@ class FinetuneDataModule(CalibrationDataModule):
                                  "to a Trainer with a FinetuneModule, or pass source=.")
             model = getattr(module, "model", None)
             self.source = default_source(model if model is not None else getattr(module, "model_name_or_path", None))
-            self._plan = self._resolve_source()
+            self._text = self._text_source()
         return self.source
 
     @property
@@ -122,15 +110,12 @@ class FinetuneDataModule(CalibrationDataModule):
         """Names the validation losses are logged under (``val_loss/<name>``), in dataloader order."""
         return list(self.val_sources)
 
-    def _validation_set(self, name: str) -> CalibrationBlocks:
-        return CalibrationBlocks(self.heldout_blocks(name, self.val_blocks))
-
     def setup(self, stage: str | None = None) -> None:
         if stage != "validate":  # validation alone needs no training blocks
             self.resolve_default_source()
             super().setup(stage)
         if self._val is None and self.val_sources:
-            self._val = [self._validation_set(name) for name in self.val_sources]
+            self._val = [CalibrationBlocks(self.heldout_blocks(name, self.val_blocks)) for name in self.val_sources]
 
     def val_dataloader(self) -> list[DataLoader]:
         """One loader per validation set, in ``val_sources`` order."""
@@ -140,4 +125,5 @@ class FinetuneDataModule(CalibrationDataModule):
                 for blocks in self._val or []]
 
 
-__all__ = ["HELDOUT_PREFIX", "SHIPPED_DEFAULT_SOURCE", "TRAIN_CORPUS", "FinetuneDataModule", "default_source", "shipped_origin"]
+__all__ = ["HELDOUT_PREFIX", "SHIPPED_DEFAULT_SOURCE", "TRAIN_CORPUS", "FinetuneDataModule", "default_source",
+           "shipped_origin"]

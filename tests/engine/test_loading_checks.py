@@ -131,8 +131,9 @@ def test_a_directory_or_fifo_as_calibration_file_says_what_it_is(kind, tmp_path)
 
 
 def test_a_long_json_record_is_tokenized_in_pieces_and_only_as_far_as_needed(tmp_path):
-    from ompmoe.lightning import calibration_data
-    from ompmoe.lightning.calibration_data import CalibrationDataModule, text_pieces
+    from ompmoe.data import sources
+    from ompmoe.data.sources import text_pieces
+    from ompmoe.lightning.calibration_data import CalibrationDataModule
 
     text = " ".join(f"word{i}" for i in range(400_000))  # ~3.7 MB in one record
     assert "".join(text_pieces(text)) == text
@@ -143,17 +144,17 @@ def test_a_long_json_record_is_tokenized_in_pieces_and_only_as_far_as_needed(tmp
     encode = dm._encoder
 
     def recording_encoder():
-        inner, eos, name = encode()
+        inner, eos = encode()
 
         def counted(texts):
             lengths.extend(len(t) for t in texts)
             return inner(texts)
 
-        return counted, eos, name
+        return counted, eos
 
     dm._encoder = recording_encoder
     assert bytes(dm.blocks.reshape(-1).tolist()).decode() == text[:256]
-    assert max(lengths) <= calibration_data._TEXT_WINDOW_MAX and sum(lengths) < len(text) // 10
+    assert max(lengths) <= sources._TEXT_WINDOW_MAX and sum(lengths) < len(text) // 10
 
 
 def test_blocks_longer_than_the_models_positions_warn_once():

@@ -13,13 +13,8 @@ pytest.importorskip("lightning")
 datasets = pytest.importorskip("datasets")
 
 import ompmoe  # noqa: E402
-from ompmoe.lightning.calibration_data import (  # noqa: E402
-    CalibrationDataModule,
-    HubUnavailableError,
-    evol_code_text,
-    tulu_text,
-    wikitext_articles,
-)
+from ompmoe.data.sources import HubUnavailableError, evol_code_text, tulu_text, wikitext_articles  # noqa: E402
+from ompmoe.lightning.calibration_data import CalibrationDataModule  # noqa: E402
 from ompmoe.data import byte_tokens, shipped_text  # noqa: E402
 
 DOCS = [
@@ -301,7 +296,7 @@ def test_hub_source_offline_fails_fast_and_clearly(offline_empty_cache, source, 
 
 
 def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
-    import ompmoe.lightning.calibration_data as module
+    import ompmoe.data.sources as module
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)

@@ -232,7 +232,8 @@ def test_fabric_precisions_calibrate_the_model_as_fabric_runs_it(precision):
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
-    calibration = ompmoe.FabricCalibration(fabric, fabric.setup(tiny_model("qwen3_moe")))
+    paper = ompmoe.PruningStrategy(method="omp", allocation="waterfill")  # forward-only statistics
+    calibration = ompmoe.FabricCalibration(fabric, fabric.setup(tiny_model("qwen3_moe")), paper)
     data = blocks(2)
     calibration.run(data[:, None])  # one block per batch
     calibration.finish()
