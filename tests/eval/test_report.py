@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import ompmoe
+
 from ompmoe.cli import main
 from ompmoe.eval.report import ResultsFileError, report_table
 
@@ -258,8 +260,10 @@ def test_eval_config_names_the_label_the_default_job_records():
     configs = Path(__file__).resolve().parents[2] / "configs"
     job = yaml.safe_load((configs / "tiny.yaml").read_text())
     strategy = job["trainer"]["callbacks"][0]["init_args"]["strategy"]["init_args"]
+    resolved = ompmoe.PruningStrategy(method=strategy["method"], allocation=strategy["allocation"]).resolved(
+        "qwen3_moe")  # shipped:tiny-moe's architecture: the plan records what 'auto' resolved to
     label = model_label({
         "model": "outputs/tiny/model", "pruning": {"removed_fraction": strategy["ratio"]},
-        "plan": {"method": strategy["method"], "allocation": strategy["allocation"], "model_id": job["model"]["model"]},
+        "plan": {"method": resolved.method, "allocation": resolved.allocation, "model_id": job["model"]["model"]},
     })
     assert f'"{label}"' in (configs / "eval" / "tiny.yaml").read_text()
