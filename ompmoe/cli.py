@@ -114,6 +114,7 @@ def replan(
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
     from .engine.summary import kept_summary, settings_summary
+    from .lightning.pruning_steps import auto_note
 
     ratio = _ratios(ratio)
     fit_plan = Path(stats).parent / FIT_PLAN
@@ -135,7 +136,7 @@ def replan(
         for strategy in progress(strategies, "ompmoe prune", show, unit="ratio"):
             plan = strategy.plan(statistics)
             if not quiet and not written:
-                print(f"ompmoe prune: {settings_summary(plan)}"
+                print(f"ompmoe prune: {settings_summary(plan)}{auto_note(strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{strategy.ratio:g}"
             plan.save(tmp / f"plan-{name}.json")

@@ -55,3 +55,16 @@ def test_the_callback_defaults_to_auto_collects_what_it_needs_and_says_so(monkey
     paper = ExpertPruning(PruningStrategy(method="omp", allocation="waterfill"))
     trainer(callbacks=[paper]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2), batch_size=2))
     assert (paper.plan.method, paper.plan.allocation) == ("omp", "waterfill") and paper.stats.layers[0].gram_loss is None
+
+
+def test_prune_command_resolves_auto_from_the_statistics_and_says_so(tmp_path, capsys):
+    from ompmoe.cli import main
+
+    stats = ompmoe.collect_stats(tiny_model("glm4_moe"), batches(2))
+    stats.save(tmp_path / "stats.safetensors")
+    main(["prune", "--stats", str(tmp_path / "stats.safetensors"), "--ratio", "0.5", "--method", "auto",
+          "--allocation", "auto", "--output_dir", str(tmp_path / "plans"), "--quiet", "false"])
+    plan = ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.5.json")
+    assert (plan.method, plan.allocation) == ("reap", "waterfill")
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "(method and allocation 'auto': recommended for glm4_moe, docs/quality/intervals.md)")
