@@ -50,9 +50,11 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
           "--model", "shipped:tiny-moe", "--method", method, "--allocation", allocation])
     stats = ompmoe.MoEStats.load(stats_file)
+    fit_plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")  # "auto" as the fit resolved it
+    assert (method, allocation) == ("auto", "auto") and fit_plan.method != "auto" != fit_plan.allocation
     for ratio in (0.25, 0.5):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
-        assert plan == ompmoe.plan_pruning(stats, ratio, method=method, allocation=allocation)
+        assert plan == ompmoe.plan_pruning(stats, ratio, method=fit_plan.method, allocation=fit_plan.allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
     # Complete directories: the shipped tokenizer, bf16 weights as in the source (calibration ran in float32), a card.
