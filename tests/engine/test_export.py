@@ -294,6 +294,13 @@ def test_load_pruned_reads_current_checkpoints_and_refuses_the_count_mapping_cle
     with pytest.raises(ValueError) as error:
         load_tokenizer(mapping)
     assert str(error.value) == message
+    config = json.loads((mapping / "config.json").read_text())
+    key = ARCHITECTURES[model_type].expert_count_key
+    for broken in ({"per_layer": config[key]["per_layer"]}, {**config[key], "max": "many"}):  # no max; not a number
+        (mapping / "config.json").write_text(json.dumps({**config, key: broken}))
+        with pytest.raises(ValueError) as error:
+            ompmoe.load_pruned(mapping)
+        assert str(error.value) == message
     source = transformers.AutoTokenizer.from_pretrained(SHIPPED)
     for directory in (new, old):
         loaded = ompmoe.load_pruned(directory)
