@@ -16,7 +16,10 @@ from ompmoe.lightning.finetune_data import FinetuneDataModule
 def test_heldout_sets_are_the_corpus_heldout_split_in_blocks():
     from transformers import AutoTokenizer
 
-    data = FinetuneDataModule("shipped:mix", tokenizer="shipped:tiny-moe", seq_len=64, num_blocks=2, val_blocks=3)
+    default = FinetuneDataModule("shipped:mix", tokenizer="shipped:tiny-moe", seq_len=64, num_blocks=2)
+    assert default.val_sources == ["shipped:prose", "shipped:code"]  # validates on neither trained nor reported text
+    data = FinetuneDataModule("shipped:mix", tokenizer="shipped:tiny-moe", seq_len=64, num_blocks=2, val_blocks=3,
+                              val_sources=["heldout:prose", "heldout:code"])
     data.setup("fit")
     loaders = data.val_dataloader()
     assert data.val_names == ["heldout:prose", "heldout:code"] and len(loaders) == 2
