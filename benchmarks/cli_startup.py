@@ -25,6 +25,8 @@ COMMANDS = {
     "ompmoe fit -c missing.yaml": ["fit", "-c", "missing.yaml"],
     "ompmoe prune --help": ["prune", "--help"],
     "ompmoe report --help": ["report", "--help"],
+    "ompmoe validate -h": ["validate", "-h"],
+    "ompmoe fitt (typo)": ["fitt"],
 }
 
 

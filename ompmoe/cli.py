@@ -23,7 +23,7 @@ from typing import Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
 from ._quiet import quiet_third_party
-from .cli_help import FIT_SHORT_HELP, TOP_HELP, with_registry_names
+from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
 from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
 from .engine.progress import progress
@@ -325,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(TOP_HELP, end="")
-        elif argv[0] == "fit" and ("-h" in argv[1:] and "--help" not in argv[1:]):
-            print(FIT_SHORT_HELP, end="")
+        elif argv[0] not in CLI_COMMANDS and not argv[0].startswith("-"):
+            raise ValueError(unknown_command(argv[0]))
+        elif short_help(argv[0]) and "-h" in argv[1:] and "--help" not in argv[1:]:
+            print(short_help(argv[0]), end="")
         elif argv[0] == "report":  # ompmoe report a.json b.json ... (ompmoe.eval.report)
             from .eval.report import report_cli
 

@@ -1,4 +1,4 @@
-"""Help texts of the ``ompmoe`` command: the command list and the short ``ompmoe fit -h``.
+"""Help texts of the ``ompmoe`` command: the command list and the short ``-h`` of the Lightning commands.
 
 LightningCLI's own top-level help lists only its Trainer subcommands and its ``fit --help``
 runs to a thousand lines; a newcomer needs every command on one screen and the handful of
@@ -64,6 +64,58 @@ FIT_SHORT_HELP = (
 )
 
 
+# (option, what it does) of ``ompmoe validate`` / ``test``: the lm-eval suite of configs/eval/*.yaml.
+EVAL_OPTIONS = [
+    ("-c, --config CONFIG", "YAML config to start from, e.g. configs/eval/tiny.yaml (later options override it)"),
+    ("--print_config", "print the resulting config (YAML) and exit"),
+    ("--model.model MODEL", "hub id, local path (a pruned model/ too) or shipped:tiny-moe"),
+    ("--model.dtype DTYPE", "bfloat16, float16 or float32"),
+    ("--model.label LABEL", "the row's name in ompmoe report (null: named after the recorded plan)"),
+    ("--model.experts_implementation IMPL", "eager, grouped_mm or batched_mm (transformers' experts kernels)"),
+    ("--data.tasks [TASK,...]", "lm-eval task or group names"),
+    ("--data.include_path DIR", "a folder of extra lm-eval task YAMLs"),
+    ("--data.batch_size N", "requests per forward pass"),
+    ("--data.output_path FILE", "results file for ompmoe report"),
+]
+
+EVAL_SHORT_HELP = (
+    "usage: ompmoe {command} -c CONFIG [options]\n\n"
+    "Evaluate a model on an lm-eval suite through Lightning ({split}); the results file feeds ompmoe report.\n\n"
+    "common options:\n"
+    + "".join(_option_line(option, text) for option, text in EVAL_OPTIONS)
+    + "\nAll options (Lightning's Trainer included):\n"
+    "  ompmoe {command} --help\n"
+)
+
+PREDICT_SHORT_HELP = (
+    "usage: ompmoe predict -c CONFIG [options]\n\n"
+    "Lightning's predict loop on the calibration module (rarely needed; ompmoe fit calibrates and prunes).\n"
+    "It takes the options of ompmoe fit (see ompmoe fit -h). All options:\n"
+    "  ompmoe predict --help\n"
+)
+
+
+def short_help(command: str) -> str | None:
+    """The one-screen ``-h`` of ``command``, or ``None`` where ``-h`` is the command's own full help."""
+    if command == "fit":
+        return FIT_SHORT_HELP
+    if command in ("validate", "test"):
+        split = "the suite's validation split" if command == "validate" else "the suite's test split"
+        return EVAL_SHORT_HELP.format(command=command, split=split)
+    if command == "predict":
+        return PREDICT_SHORT_HELP
+    return None
+
+
+def unknown_command(command: str) -> str:
+    """The error for a command ompmoe lacks: the closest name, then every command."""
+    import difflib
+
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown command {command!r}: {hint}the commands are {', '.join(COMMANDS)} (see ompmoe --help)"
+
+
 # The built-in methods (with their options' defaults) and allocations, for ``ompmoe prune --help`` without
 # importing torch; tests/test_cli_startup.py checks them against ompmoe.METHODS and ompmoe.ALLOCATIONS.
 BUILTIN_METHODS: dict[str, dict[str, object]] = {
@@ -84,5 +136,5 @@ def with_registry_names(doc: str) -> str:
             .replace("ALLOCATION_NAMES", auto + ", ".join(BUILTIN_ALLOCATIONS)).replace("METHOD_OPTIONS", options))
 
 
-__all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "FIT_OPTIONS", "FIT_SHORT_HELP", "TOP_HELP",
-           "with_registry_names"]
+__all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "EVAL_OPTIONS", "FIT_OPTIONS", "FIT_SHORT_HELP",
+           "TOP_HELP", "short_help", "unknown_command", "with_registry_names"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ompmoe.cli import main
 from ompmoe.data import resolve_shipped
@@ -61,7 +62,36 @@ def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkey
     with pytest.raises(SystemExit) as done:
         main(["fit", "-c", str(config), "--model.model", model])
     assert done.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+    assert capsys.readouterr().err == expected + "\n"  # before the Trainer starts: nothing else printed
+
+
+def test_a_hub_model_neither_cached_nor_reachable_is_one_line_in_fit_and_prune(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tmp_path / "fit.yaml"
+    config.write_text("trainer:\n  logger: false\n  enable_checkpointing: false\n")
+    expected = ("error: cannot load model 'ompmoe-test/no-such-moe' from the Hugging Face hub: offline mode is on "
+                "(HF_HUB_OFFLINE) and it is not in the local cache; download it where the hub is reachable "
+                "(hf download ompmoe-test/no-such-moe) and pass its local directory, or use shipped:tiny-moe")
+    assert run(["fit", "-c", str(config), "--model.model", "ompmoe-test/no-such-moe"], capsys) == expected
+    import ompmoe
+
+    model = ompmoe.engine.tiny.tiny_model("qwen3_moe")
+    stats = ompmoe.collect_stats(model, [torch.randint(0, 200, (2, 16))], progress=False)
+    stats.save(tmp_path / "stats.safetensors")
+    assert run(["prune", "--stats", str(tmp_path / "stats.safetensors"), "--ratio", "0.5", "--output_dir",
+                str(tmp_path / "plans"), "--model", "ompmoe-test/no-such-moe"], capsys) == expected
+    assert not (tmp_path / "plans").exists()
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("fitt", "error: unknown command 'fitt': did you mean 'fit'? the commands are fit, prune, plot, validate, test, "
+             "predict, report (see ompmoe --help)"),
+    ("bogus", "error: unknown command 'bogus': the commands are fit, prune, plot, validate, test, predict, report "
+              "(see ompmoe --help)"),
+])
+def test_an_unknown_command_names_the_close_one_and_every_command(command, expected, capsys):
+    assert run([command, "--help"], capsys) == expected
 
 
 def test_demo_writes_its_own_directory_and_no_advice_it_cannot_follow(tmp_path, monkeypatch, capsys):

@@ -40,7 +40,7 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 class HubUnavailableError(ConnectionError):
-    """A hub data set was asked for while offline (or the hub is unreachable) and is not cached."""
+    """A hub model or data set was asked for while offline (or the hub is unreachable) and is not cached."""
 
 
 # ------------------------------------------------------------------------------ rows -> text
@@ -239,6 +239,29 @@ def hub_reachable() -> bool:
         return True
     except Exception:  # any transport failure: DNS, refused, timeout, proxy
         return False
+
+
+def require_hub_model(repo_id: str) -> None:
+    """Refuse, before any work, a hub model that cannot be had: not cached, and offline or the hub unreachable.
+
+    Otherwise transformers retries for most of a minute and ends in a long traceback about connections.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return
+    except Exception:  # not a valid repository id: transformers says so when it loads
+        return
+    offline = offline_mode()
+    if not offline and hub_reachable():
+        return
+    reason = "offline mode is on (HF_HUB_OFFLINE)" if offline else "the hub is unreachable"
+    raise HubUnavailableError(
+        f"cannot load model {repo_id!r} from the Hugging Face hub: {reason} and it is not in the local cache; "
+        f"download it where the hub is reachable (hf download {repo_id}) and pass its local directory, "
+        "or use shipped:tiny-moe"
+    )
 
 
 @contextmanager

@@ -7,6 +7,7 @@ weights, and pick the tokenizer that goes with it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,17 @@ def is_tiny(name: Any) -> bool:
     return isinstance(name, str) and name.startswith(TINY_PREFIX)
 
 
+def resolve_model(name: str) -> str:
+    """``name`` as ``from_pretrained`` takes it, refused at once when it cannot be loaded: a misspelt
+    shipped name, a local path that does not exist, or a hub id that is neither cached nor reachable."""
+    path = resolve_shipped(name)
+    if path == name and not Path(name).expanduser().exists():
+        from ..data.sources import require_hub_model
+
+        require_hub_model(name)
+    return path
+
+
 def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM named ``name``; checkpoints pruned by ompmoe load with their per-layer counts.
 
@@ -46,7 +58,7 @@ def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: b
         return tiny_model(name.removeprefix(TINY_PREFIX), dtype=dtype or torch.float32)
     from ..engine.pruning import load_pruned
 
-    path = resolve_shipped(name)
+    path = resolve_model(name)
     default = torch.float32 if path != name else "auto"
     return load_pruned(path, dtype=dtype or default, trust_remote_code=trust_remote_code)
 
@@ -59,7 +71,7 @@ def model_config(name: str, trust_remote_code: bool = False) -> Any:
         return tiny_config(name.removeprefix(TINY_PREFIX))
     from ..engine.export.config import load_stock_config  # AutoConfig; non-uniform pruned checkpoints too
 
-    return load_stock_config(resolve_shipped(name), trust_remote_code=trust_remote_code)
+    return load_stock_config(resolve_model(name), trust_remote_code=trust_remote_code)
 
 
 def default_tokenizer(model_name: str | None, tokenizer: str | None = None) -> str | None:
