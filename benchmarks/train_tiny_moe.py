@@ -3,10 +3,13 @@
 ``--architecture qwen3_moe`` (the default) trains ``shipped:tiny-moe`` (``ompmoe/data/tiny-moe/``);
 ``--architecture glm4_moe`` trains ``shipped:tiny-moe-64`` (``ompmoe/data/tiny-moe-64/``), the fine-grained
 model: 64 small routed experts, top-6, one shared expert, group-limited sigmoid routing (8 groups, 4 kept
-per token) and a dense first layer, as in DeepSeek-V3 / GLM-4.5.
+per token) and a dense first layer, as in DeepSeek-V3 / GLM-4.5; ``--model tiny-moe-a3b`` trains
+``shipped:tiny-moe-a3b``, the Qwen3-30B-A3B layout: 64 small routed experts, top-8, softmax router, no shared
+expert, every layer sparse.
 
     python benchmarks/train_tiny_moe.py                         # CPU, 2 threads, about 15-30 minutes
     python benchmarks/train_tiny_moe.py --architecture glm4_moe # shipped:tiny-moe-64, about 30-40 minutes
+    python benchmarks/train_tiny_moe.py --model tiny-moe-a3b    # shipped:tiny-moe-a3b, about 30-40 minutes
     python benchmarks/train_tiny_moe.py --accelerator gpu       # the same run on a GPU (bf16-mixed)
     python benchmarks/train_tiny_moe.py --steps 20 --output_dir /tmp/tiny-moe   # smoke test
     python benchmarks/train_tiny_moe.py --init_from ompmoe/data/tiny-moe --steps 300 --lr 1e-3 --seed 1  # continue
@@ -70,14 +73,23 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "ompmoe" / "data" / "tiny-moe"
 EOS = "<|endoftext|>"
-ARCHITECTURES = {
-    "qwen3_moe": {"name": "tiny-moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128, "steps": 560,
-                  "eval_every": 0, "cpu_experts": "eager"},
-    "glm4_moe": {"name": "tiny-moe-64", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32, "steps": 160,
-                 "eval_every": 20, "cpu_experts": "sorted"},
+MODELS = {
+    "tiny-moe": {"architecture": "qwen3_moe", "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128,
+                 "steps": 560, "eval_every": 0, "cpu_experts": "eager"},
+    "tiny-moe-64": {"architecture": "glm4_moe", "num_experts": 64, "top_k": 6, "moe_intermediate_size": 32,
+                    "steps": 160, "eval_every": 20, "cpu_experts": "sorted"},
+    "tiny-moe-a3b": {"architecture": "qwen3_moe", "num_experts": 64, "top_k": 8, "moe_intermediate_size": 32,
+                     "steps": 1000, "eval_every": 50, "cpu_experts": "sorted"},
 }
-"""Per-architecture defaults: the shipped model's name (``shipped:<name>``, ``ompmoe/data/<name>``), expert shape,
-training steps (what fits 30-40 minutes on 2 shared CPU threads), held-out curve interval and CPU experts kernel."""
+"""Per shipped model (``shipped:<name>``, ``ompmoe/data/<name>``): its architecture, expert shape, training steps
+(what fits 30-40 minutes on 2 shared CPU threads), held-out curve interval and CPU experts kernel."""
+DEFAULT_MODEL = {"qwen3_moe": "tiny-moe", "glm4_moe": "tiny-moe-64"}
+"""The model ``--architecture`` alone trains (and the name of cards recorded before ``--model`` existed)."""
+
+
+def model_name(metrics: dict[str, Any]) -> str:
+    """The shipped name of the model a ``metrics.json`` describes."""
+    return metrics.get("name") or DEFAULT_MODEL[metrics.get("architecture", "qwen3_moe")]
 
 
 def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -491,6 +503,7 @@ def model_card(metrics: dict[str, Any]) -> str:
     stages = training_stages(train)
     first = stages[0]
     architecture = metrics.get("architecture", "qwen3_moe")
+    name = model_name(metrics)
     glm = architecture == "glm4_moe"
     n = cfg["n_routed_experts"] if glm else cfg["num_experts"]
     k = cfg["num_experts_per_tok"]
@@ -568,15 +581,23 @@ def model_card(metrics: dict[str, Any]) -> str:
         total_tokens = sum(stage["tokens"] for stage in stages)
         passes = {d: total_tokens * (train["prose_fraction"] if d == "prose" else 1 - train["prose_fraction"])
                   / train["train_tokens"][d] for d in ("prose", "code")}
+        default = name == "tiny-moe"
         fields = dict(
-            tags="", kind="Qwen3-MoE",
+            tags="" if default else "fine-grained-experts, ", kind="Qwen3-MoE",
             intro=(
                 "The embedded default model of ompmoe (`shipped:tiny-moe`, `configs/tiny.yaml`): a real "
                 "Mixture-of-Experts\nlanguage model whose experts learned something, small enough to ship in the "
                 "repository and to calibrate\nand prune on a CPU in seconds. Trained from scratch by "
                 f"`benchmarks/train_tiny_moe.py` (Lightning, seed {train['seed']}) on the train split of the shipped "
                 "two-domain corpus (`ompmoe/data/corpus/`: English\ndocumentation prose and Python standard-library "
-                "source, both from CPython 3.11, PSF License)."),
+                "source, both from CPython 3.11, PSF License)." if default else
+                f"The third model shipped with ompmoe (`shipped:{name}`), in the layout of Qwen3-30B-A3B: many small "
+                "routed experts,\na softmax router with normalized top-k weights, no shared expert and every layer "
+                "sparse. Trained from scratch by\n"
+                f"`benchmarks/train_tiny_moe.py --model {name}` (Lightning, seed {train['seed']}) on the train split "
+                "of the shipped two-domain corpus\n(`ompmoe/data/corpus/`: English documentation prose and Python "
+                "standard-library source, both from CPython 3.11,\nPSF License), with the same tokenizer and data as "
+                "`shipped:tiny-moe`."),
             layout=(
                 f"`Qwen3MoeForCausalLM`, {cfg['num_hidden_layers']} decoder layers, all sparse; hidden size "
                 f"{cfg['hidden_size']}, {cfg['num_attention_heads']} attention heads ({cfg['num_key_value_heads']} "
@@ -584,7 +605,8 @@ def model_card(metrics: dict[str, Any]) -> str:
                 f"router, normalized top-k weights), expert intermediate size {cfg['moe_intermediate_size']}; no shared "
                 f"expert; tied input/output embeddings; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the "
                 f"same train split, `<|endoftext|>` ends documents and pads); trained context {train['seq_len']} tokens."),
-            storage="float32 would not fit the repository's 25 MB budget", loads="`shipped:tiny-moe`",
+            storage="float32 would not fit the repository's 25 MB budget",
+            loads="`shipped:tiny-moe`" if default else "`shipped:` models",
             measured="bf16 ",
             balance=(f" + {cfg['router_aux_loss_coef']} x the native load-balancing loss (`output_router_logits=True`). "),
             final=(f", load-balancing loss {train['final_aux_loss']:.3f} (transformers' `load_balancing_loss_func`, over "
@@ -612,11 +634,12 @@ def model_card(metrics: dict[str, Any]) -> str:
                           *(f"{100 * x:.1f}" for x in r["share_mix"])] for r in layers]),
                 "", "Per-domain histograms are in `metrics.json` (`expert_usage.per_layer[*].share_prose` / "
                 "`share_code`)."]),
-            fit="", fit_model="`model: shipped:tiny-moe`, ",
+            fit="" if default else f" --model.model shipped:{name}",
+            fit_model="`model: shipped:tiny-moe`, " if default else "",
         )
     params = metrics["parameters"]
     return CARD.format(
-        architecture=architecture, name=ARCHITECTURES[architecture]["name"],
+        architecture=architecture, name=name,
         total=params["total"] / 1e6, routed=params["experts"] / 1e6, active=params["active_per_token"] / 1e6,
         save_dtype=metrics["save_dtype"], megabytes=metrics["checkpoint_bytes"] / 1e6,
         steps=first["steps"], batch_size=first["batch_size"], seq_len=first["seq_len"], tokens=first["tokens"] / 1e6,
@@ -634,9 +657,11 @@ def model_card(metrics: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="Train a shipped tiny MoE (see the module docstring).")
-    parser.add_argument("--architecture", default="qwen3_moe", choices=sorted(ARCHITECTURES),
-                        help="qwen3_moe: shipped:tiny-moe; glm4_moe: shipped:tiny-moe-64")
-    parser.add_argument("--output_dir", default=None, help="default ompmoe/data/<shipped name of the architecture>")
+    parser.add_argument("--model", default=None, choices=sorted(MODELS),
+                        help="the shipped model to train (default: the one of --architecture)")
+    parser.add_argument("--architecture", default=None, choices=sorted(DEFAULT_MODEL),
+                        help="qwen3_moe: shipped:tiny-moe; glm4_moe: shipped:tiny-moe-64 (default: --model's)")
+    parser.add_argument("--output_dir", default=None, help="default ompmoe/data/<--model>")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -684,7 +709,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="re-evaluate the checkpoint in --output_dir (keeping metrics.json's training record)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python benchmarks/train_tiny_moe.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    for key, value in ARCHITECTURES[args.architecture].items():
+    args.model = args.model or DEFAULT_MODEL[args.architecture or "qwen3_moe"]
+    if args.architecture not in (None, MODELS[args.model]["architecture"]):
+        parser.error(f"--model {args.model} is a {MODELS[args.model]['architecture']} model, not {args.architecture}")
+    args.name = args.model
+    for key, value in MODELS[args.model].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.output_dir = args.output_dir or str(DEFAULT_OUT.parent / args.name)
@@ -837,7 +866,7 @@ def stages_lines(metrics: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "Reproduce (each command writes the default output directory, `ompmoe/data/"
-        f"{ARCHITECTURES[architecture]['name']}/`, the later ones reading it first):",
+        f"{model_name(metrics)}/`, the later ones reading it first):",
         "",
         "```bash",
         *(stage_command(stage, architecture) for stage in stages),
@@ -901,6 +930,7 @@ def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, tra
     num_experts = config.num_experts if args.architecture == "qwen3_moe" else config.n_routed_experts
     metrics = {
         "architecture": args.architecture,
+        **({"name": args.name} if args.name != DEFAULT_MODEL[args.architecture] else {}),
         "config": {k: getattr(saved.config, k) for k in CONFIG_KEYS[args.architecture]},
         "parameters": {
             "total": total_params,

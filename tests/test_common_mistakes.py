@@ -31,7 +31,7 @@ def test_unknown_shipped_model_lists_the_shipped_names():
     with pytest.raises(ValueError) as error:
         resolve_shipped("shipped:tiny-mo")
     assert str(error.value) == ("unknown shipped model 'shipped:tiny-mo': did you mean 'shipped:tiny-moe'? "
-                                "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64")
+                                "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64, shipped:tiny-moe-a3b")
     with pytest.raises(ValueError, match=r"^unknown shipped model 'shipped:llama': the shipped models are "):
         resolve_shipped("shipped:llama")
 
@@ -51,7 +51,7 @@ def test_missing_local_path_says_so_with_the_nearest_existing_one(tmp_path, monk
 
 @pytest.mark.parametrize(("model", "expected"), [
     ("shipped:tiny-mo", "error: unknown shipped model 'shipped:tiny-mo': did you mean 'shipped:tiny-moe'? "
-                        "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64"),
+                        "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64, shipped:tiny-moe-a3b"),
     ("outputs/tiny/modle", "error: path 'outputs/tiny/modle' does not exist; did you mean 'outputs/tiny/model'?"),
 ])
 def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkeypatch, capsys):

@@ -53,7 +53,7 @@ CORPUS_DOMAINS = ("prose", "code")
 CORPUS_SPLITS = ("train", "calibration", "heldout")
 """Fixed splits of each domain (by whole documents; see ``corpus/README.md``)."""
 SHIPPED_PREFIX = "shipped:"
-SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64")
+SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64", "tiny-moe-a3b")
 """Models shipped in this directory, named ``shipped:<name>`` as a model or tokenizer spec."""
 
 

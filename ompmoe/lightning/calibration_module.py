@@ -37,7 +37,9 @@ class CalibrationModule(pl.LightningModule):
         model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
             model (offline tests and demos), ``shipped:tiny-moe`` for the small Qwen3-MoE trained
             on Python docs and source that ships with ompmoe (offline), ``shipped:tiny-moe-64`` for
-            the fine-grained GLM-4.5-style one (64 experts, grouped sigmoid routing), or a model instance.
+            the fine-grained GLM-4.5-style one (64 experts, grouped sigmoid routing),
+            ``shipped:tiny-moe-a3b`` for the Qwen3-30B-A3B-style one (64 experts, top-8, softmax), or a
+            model instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
             checkpoint's (float32 for ``shipped:tiny-moe``, whose weights are stored in bf16).
         tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``

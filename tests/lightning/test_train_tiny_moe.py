@@ -41,7 +41,7 @@ def test_sorted_experts_kernel_matches_the_eager_loop_in_outputs_and_gradients(s
         torch.testing.assert_close(sorted_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-64"])
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-64", "tiny-moe-a3b"])
 def test_shipped_cards_regenerate_from_metrics_with_every_stage_and_command(script, name):
     directory = shipped_model_path(name)
     metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
