@@ -114,3 +114,19 @@ def test_importing_the_engine_loads_no_lightning_and_no_recipe():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_pyproject_installs_every_package_and_every_shipped_model():
+    """A wheel (``pip install ompmoe``, not editable) holds only the packages and data pyproject lists."""
+    import tomllib
+
+    from ompmoe.data import SHIPPED_MODELS
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {_module_name(path) for directory in ("ompmoe", *INSTALLED_AS) for path in _sources(directory)
+                if path.name == "__init__.py"}
+    assert packages == set(setuptools["packages"])
+    data = setuptools["package-data"]["ompmoe.data"]
+    assert {f"{name}/*" for name in SHIPPED_MODELS} <= set(data)
+    for name in SHIPPED_MODELS:  # no subfolder a "name/*" pattern would miss
+        assert all(path.is_file() for path in (PACKAGE / "data" / name).iterdir())
