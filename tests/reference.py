@@ -158,3 +158,33 @@ class ForwardCounter(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         pl_module.model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+# ------------------------------------------------------------------ shipped models
+def shipped_model(name: str) -> torch.nn.Module:
+    """A shipped model as its tests read it: the saved bf16 weights in float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from ompmoe.data import shipped_model_path
+
+    return AutoModelForCausalLM.from_pretrained(shipped_model_path(name), dtype=torch.float32).eval()
+
+
+def shipped_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from ompmoe.data import shipped_model_path
+
+    return AutoTokenizer.from_pretrained(shipped_model_path(name))
+
+
+def train_split_log_unigram(tokenizer) -> torch.Tensor:
+    """Log-probabilities of the add-one-smoothed unigram model of the corpus's train split (both domains): the
+    baseline a trained shipped model must beat."""
+    from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream
+
+    vocab = len(tokenizer)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for domain in CORPUS_DOMAINS:
+        counts += torch.bincount(corpus_token_stream(tokenizer, domain, "train"), minlength=vocab).double()
+    return ((counts + 1) / (counts.sum() + vocab)).log()

@@ -18,6 +18,7 @@ from ompmoe.data import (
     shipped_model_path,
     token_blocks,
 )
+from reference import shipped_model, shipped_tokenizer
 
 MODEL_DIR = shipped_model_path("tiny-moe")
 
@@ -32,16 +33,12 @@ def card_perplexities() -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    return shipped_model("tiny-moe")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(MODEL_DIR)
+    return shipped_tokenizer("tiny-moe")
 
 
 def test_corpus_splits_are_disjoint_and_cover_both_domains():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ompmoe
+from reference import shipped_model, shipped_tokenizer, train_split_log_unigram
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, resolve_shipped, shipped_model_path, token_blocks
 
 MODEL_DIR = shipped_model_path("tiny-moe-64")
@@ -20,16 +21,12 @@ UNIGRAM_FACTOR = 2.0
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    return shipped_model("tiny-moe-64")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(MODEL_DIR)
+    return shipped_tokenizer("tiny-moe-64")
 
 
 def heldout_blocks(tokenizer, domain: str) -> torch.Tensor:
@@ -76,12 +73,7 @@ def test_config_is_fine_grained_grouped_and_matches_the_card(model):
 
 @torch.no_grad()
 def test_forward_is_finite_and_beats_a_literal_unigram_baseline(model, tokenizer):
-    vocab = len(tokenizer)
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for domain in CORPUS_DOMAINS:  # the unigram model of the text the network was trained on
-        for token in corpus_token_stream(tokenizer, domain, "train").tolist():
-            counts[token] += 1
-    log_unigram = ((counts + 1) / (counts.sum() + vocab)).log()
+    log_unigram = train_split_log_unigram(tokenizer)  # the unigram model of the text the network was trained on
     card = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
     stated = {d: float(v) for d, v in re.findall(r"^\| (prose|code) \| ([0-9.]+) \|", card, flags=re.MULTILINE)}
     metrics = json.loads((MODEL_DIR / "metrics.json").read_text())

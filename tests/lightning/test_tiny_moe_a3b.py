@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ompmoe
+from reference import shipped_model, shipped_tokenizer, train_split_log_unigram
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, resolve_shipped, shipped_model_path, token_blocks
 
 MODEL_DIR = shipped_model_path("tiny-moe-a3b")
@@ -19,25 +20,19 @@ UNIGRAM_FACTOR = 2.0
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    return shipped_model("tiny-moe-a3b")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(MODEL_DIR)
+    return shipped_tokenizer("tiny-moe-a3b")
 
 
 def test_loads_offline_within_the_size_budget_with_the_shipped_tokenizer(model, tokenizer, monkeypatch):
-    from transformers import AutoTokenizer
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_shipped("shipped:tiny-moe-a3b") == str(MODEL_DIR)
     assert (MODEL_DIR / "model.safetensors").stat().st_size <= 25_000_000
-    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(shipped_model_path("tiny-moe")).get_vocab()
+    assert tokenizer.get_vocab() == shipped_tokenizer("tiny-moe").get_vocab()
 
 
 def test_config_is_the_qwen3_30b_a3b_layout_and_matches_the_card(model):
@@ -60,12 +55,7 @@ def test_config_is_the_qwen3_30b_a3b_layout_and_matches_the_card(model):
 
 @torch.no_grad()
 def test_forward_is_finite_and_beats_a_literal_unigram_baseline(model, tokenizer):
-    vocab = len(tokenizer)
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for domain in CORPUS_DOMAINS:  # the unigram model of the text the network was trained on
-        for token in corpus_token_stream(tokenizer, domain, "train").tolist():
-            counts[token] += 1
-    log_unigram = ((counts + 1) / (counts.sum() + vocab)).log()
+    log_unigram = train_split_log_unigram(tokenizer)  # the unigram model of the text the network was trained on
     card = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
     stated = {d: float(v) for d, v in re.findall(r"^\| (prose|code) \| ([0-9.]+) \|", card, flags=re.MULTILINE)}
     metrics = json.loads((MODEL_DIR / "metrics.json").read_text())
