@@ -11,7 +11,11 @@ On the same calibration batches (``--calib_blocks`` blocks of ``--seq_len`` toke
 - ``forward_backward``: a forward plus the backward of the summed next-token loss to the input
   embeddings, weights frozen (what any gradient-based calibration costs at least);
 - ``stats``: ``ompmoe.collect_stats``; ``loss_stats``: with ``loss_aware=True``;
-  ``reroute_stats``: with ``reroute=True``.
+  ``reroute_stats``: with ``reroute=True``;
+- ``auto_choice``: what ``method="auto"`` adds after its (loss-aware) statistics pass: planning each candidate
+  setting and trying each plan on ``--choice_blocks`` held-out calibration blocks (``ompmoe.choose_plan``, the
+  blocks after the calibration blocks, as ``CalibrationDataModule.choice_blocks`` cuts them).
+  ``auto_over_forward_backward`` = (``loss_stats`` + ``auto_choice``) / ``forward_backward``.
 
 **Time**: one warm-up round, then ``--repeats`` rounds, each running the five passes in turn
 (interleaved, so load from other processes hits all of them alike); medians of wall-clock
@@ -49,13 +53,15 @@ import torch  # noqa: E402
 
 import ompmoe  # noqa: E402
 
-PASSES = ("forward", "forward_backward", "stats", "loss_stats", "reroute_stats")
+PASSES = ("forward", "forward_backward", "stats", "loss_stats", "reroute_stats", "auto_choice")
 BATCH_SIZE = 8
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def passes(model: torch.nn.Module, blocks: torch.Tensor) -> dict[str, Callable[[], Any]]:
-    """The five passes over ``blocks`` in batches of :data:`BATCH_SIZE`, as zero-argument callables."""
+def passes(model: torch.nn.Module, blocks: torch.Tensor,
+           choice: torch.Tensor | None = None) -> dict[str, Callable[[], Any]]:
+    """The passes over ``blocks`` in batches of :data:`BATCH_SIZE`, as zero-argument callables; with ``choice``
+    blocks also ``auto_choice`` (its loss-aware statistics are computed here, once, outside every timing)."""
 
     def forward() -> None:
         with torch.no_grad():
@@ -79,8 +85,13 @@ def passes(model: torch.nn.Module, blocks: torch.Tensor) -> dict[str, Callable[[
     def stats(**options: bool) -> Callable[[], Any]:
         return lambda: ompmoe.collect_stats(model, blocks.split(BATCH_SIZE), progress=False, **options)
 
-    return {"forward": forward, "forward_backward": forward_backward, "stats": stats(),
+    runs = {"forward": forward, "forward_backward": forward_backward, "stats": stats(),
             "loss_stats": stats(loss_aware=True), "reroute_stats": stats(reroute=True)}
+    if choice is not None:
+        computed = ompmoe.collect_stats(model, blocks.split(BATCH_SIZE), progress=False, loss_aware=True)
+        strategy = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
+        runs["auto_choice"] = lambda: ompmoe.choose_plan(model, strategy.candidates(computed), choice, BATCH_SIZE)
+    return runs
 
 
 def time_passes(runs: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, dict[str, float]]:
@@ -148,7 +159,8 @@ def memory_in_subprocesses(args: argparse.Namespace) -> dict[str, dict[str, Any]
     for name in PASSES:
         command = [sys.executable, str(Path(__file__).resolve()), "--memory_pass", name, "--model", args.model,
                    "--calibration", args.calibration, "--calib_blocks", str(args.calib_blocks),
-                   "--seq_len", str(args.seq_len), "--threads", str(args.threads)]
+                   "--seq_len", str(args.seq_len), "--threads", str(args.threads),
+                   *(["--choice_blocks", str(args.choice_blocks)] if args.choice_blocks is not None else [])]
         # A fixed mmap threshold: glibc then maps every large buffer on its own and unmaps it when freed, so the
         # resident size follows the live tensors instead of what the allocator's history happened to keep.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")}
@@ -159,8 +171,9 @@ def memory_in_subprocesses(args: argparse.Namespace) -> dict[str, dict[str, Any]
     return results
 
 
-def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The model (float32, eager experts, eval mode) and the calibration blocks, as ``benchmarks/quality.py``."""
+def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (float32, eager experts, eval mode), the calibration blocks (as ``benchmarks/quality.py``) and
+    the choice blocks after them."""
     from transformers import AutoModelForCausalLM
 
     from ompmoe.data import shipped_model_path
@@ -168,9 +181,9 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
 
     path = shipped_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
-    blocks = CalibrationDataModule(f"shipped:{args.calibration}", tokenizer=str(path), seq_len=args.seq_len,
-                                   num_blocks=args.calib_blocks).blocks
-    return model, blocks
+    data = CalibrationDataModule(f"shipped:{args.calibration}", tokenizer=str(path), seq_len=args.seq_len,
+                                 num_blocks=args.calib_blocks)
+    return model, data.blocks, data.choice_blocks(args.choice_blocks)
 
 
 def cost_report(times: dict[str, dict[str, float]], memory: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
@@ -183,6 +196,9 @@ def cost_report(times: dict[str, dict[str, float]], memory: dict[str, dict[str, 
         "stats_over_forward": wall["stats"] / wall["forward"],
         "loss_stats_over_stats": wall["loss_stats"] / wall["stats"],
         "reroute_stats_over_stats": wall["reroute_stats"] / wall["stats"],
+        **({"auto_over_forward_backward": (wall["loss_stats"] + wall["auto_choice"]) / wall["forward_backward"],
+            "cpu_auto_over_forward_backward": (cpu["loss_stats"] + cpu["auto_choice"]) / cpu["forward_backward"]}
+           if "auto_choice" in wall else {}),
         "cpu_loss_stats_over_forward_backward": cpu["loss_stats"] / cpu["forward_backward"],
         "cpu_stats_over_forward": cpu["stats"] / cpu["forward"],
         "cpu_loss_stats_over_stats": cpu["loss_stats"] / cpu["stats"],
@@ -212,7 +228,9 @@ def summary_line(report: dict[str, Any]) -> str:
                 if "peak_extra_mib" in report else "") for k in PASSES if f"seconds_{k}" in report]
     return ("\n".join(parts) + f"\nloss-aware stats / (forward + backward): {report['loss_stats_over_forward_backward']:.3f} wall, "
             f"{report['cpu_loss_stats_over_forward_backward']:.3f} cpu; stats / forward: {report['stats_over_forward']:.3f} "
-            f"wall, {report['cpu_stats_over_forward']:.3f} cpu")
+            f"wall, {report['cpu_stats_over_forward']:.3f} cpu" + (
+                f"; auto (loss-aware stats + choice) / (forward + backward): {report['auto_over_forward_backward']:.3f} "
+                f"wall, {report['cpu_auto_over_forward_backward']:.3f} cpu" if "auto_over_forward_backward" in report else ""))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -221,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--calibration", default="mix", help="shipped calibration set: prose, code or mix")
     parser.add_argument("--calib_blocks", type=int, default=32)
     parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--choice_blocks", type=int, default=None,
+                        help="held-out calibration blocks auto tries plans on (default: 2048 tokens' worth, as auto)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no_memory", action="store_true", help="time only (no fresh process per pass)")
@@ -232,9 +252,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--repeats must be at least 1; got {args.repeats}.")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, blocks = load(args)
+    model, blocks, choice = load(args)
     if args.memory_pass is not None:  # child process: one pass, one JSON line
-        print(json.dumps(measure_peak_memory(passes(model, blocks)[args.memory_pass])))
+        run = passes(model, blocks, choice if args.memory_pass == "auto_choice" else None)[args.memory_pass]
+        print(json.dumps(measure_peak_memory(run)))
         return {}
     if args.no_time and args.no_memory:
         parser.error("--no_time and --no_memory leave nothing to measure; drop one of them.")
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report.update(memory_report(memory))
         print(json.dumps(report, indent=1), flush=True)
     else:
-        report.update(repeats=args.repeats, **cost_report(time_passes(passes(model, blocks), args.repeats), memory))
+        report.update(repeats=args.repeats, **cost_report(time_passes(passes(model, blocks, choice), args.repeats), memory))
         print(f"{args.model}, {args.calib_blocks} x {args.seq_len} tokens ({args.calibration}), {args.threads} "
               f"thread(s), medians of {args.repeats} interleaved rounds:\n" + summary_line(report), flush=True)
     if args.output:

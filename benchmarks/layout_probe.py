@@ -10,21 +10,36 @@ Per MoE layer, on held-out tokens of the shipped corpus (prose and code, ``--blo
   zeroed (the bias selects experts but does not weight them);
 - ``kept_slots``: after pruning half the experts with a setting, the fraction of each token's original top-k
   experts that survive (the rest of its weight goes to experts the pursuit's atoms never saw it use),
-  for ``omp_normalized`` + ``loss`` and ``reap`` + ``waterfill`` plans made on the shipped mix calibration.
+  for ``omp_normalized`` + ``loss`` and ``reap`` + ``waterfill`` plans made on the shipped mix calibration;
+- ``predicted_err`` / ``actual_err``: for the paper's ``omp`` + ``waterfill`` plan at 0.5, the relative error
+  of the routed output ``||Y' - Y||^2 / ||Y||^2`` that the pursuit's atom model predicts (``sum`` of the Gram
+  over the removed experts: their slots simply vanish), against the pruned block's real error on the same
+  inputs (the router re-picks its top-k among the kept experts and renormalizes their weights);
+- ``group_cost`` (group-limited routers): how much larger the pursuit's residual is with the same number of
+  experts kept in every group than without that constraint, at the plan's count (Gram of the probe tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
 import ompmoe
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks
 from ompmoe.engine.adapters import find_moe_layers
+from ompmoe.engine.selection import greedy_pursuit
 from ompmoe.engine.strategy import PruningStrategy
 
-SETTINGS = {"omp_normalized/loss": ("omp_normalized", "loss"), "reap/waterfill": ("reap", "waterfill")}
+PAPER = "omp/waterfill"
+SETTINGS = {PAPER: ("omp", "waterfill"), "omp_normalized/loss": ("omp_normalized", "loss"), "reap/waterfill": ("reap", "waterfill")}
+
+
+def remember_block(record: dict[str, list], inputs: tuple, output: object) -> None:
+    """Keep a sparse block's input and output (a forward hook that must return ``None``)."""
+    record["input"].append(inputs[0].detach())
+    record["output"].append((output[0] if isinstance(output, tuple) else output).detach())
 
 
 def probe(name: str, blocks: int) -> list[dict]:
@@ -38,10 +53,12 @@ def probe(name: str, blocks: int) -> list[dict]:
     stats = ompmoe.collect_stats(model, calibration.split(8), loss_aware=True)
     plans = {label: PruningStrategy(ratio=0.5, method=m, allocation=a).plan(stats) for label, (m, a) in SETTINGS.items()}
     layers = find_moe_layers(model)
-    record: dict[str, dict[str, list]] = {layer.name: {"shared": [], "routed": [], "topk": [], "nobias": []} for layer in layers}
+    record: dict[str, dict[str, list]] = {layer.name: {"shared": [], "routed": [], "topk": [], "nobias": [],
+                                                       "input": [], "output": []} for layer in layers}
     hooks = []
     for layer in layers:
         block, rec = layer.block, record[layer.name]
+        hooks.append(block.register_forward_hook(lambda m, i, o, rec=rec: remember_block(rec, i, o)))
         shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
         if shared is not None:
             hooks.append(shared.register_forward_hook(lambda m, i, o, rec=rec: rec["shared"].append(o.detach())))
@@ -63,6 +80,9 @@ def probe(name: str, blocks: int) -> list[dict]:
             model(input_ids=batch, use_cache=False)
     for hook in hooks:
         hook.remove()
+    probe_stats = {layer.name: layer for layer in ompmoe.collect_stats(model, data.split(8)).layers}
+    paper_kept = plans[PAPER].kept_by_layer()
+    pruned = {layer.name: layer.block for layer in find_moe_layers(ompmoe.prune(copy.deepcopy(model), plans[PAPER]))}
     rows = []
     for layer in layers:
         rec = record[layer.name]
@@ -81,6 +101,25 @@ def probe(name: str, blocks: int) -> list[dict]:
             kept = torch.zeros(layer.num_experts, dtype=torch.bool)
             kept[plan.kept_by_layer()[layer.name]] = True
             row[f"kept_slots {label}"] = float(kept[topk].double().mean())
+        gram = probe_stats[layer.name].gram
+        removed = torch.ones(layer.num_experts, dtype=torch.bool)
+        removed[paper_kept[layer.name]] = False
+        row["predicted_err"] = float(gram[removed][:, removed].sum() / gram.sum())
+        shared = getattr(layer.block, "shared_experts", None) or getattr(layer.block, "shared_expert", None)
+        error = energy = 0.0
+        with torch.no_grad():
+            for x, y in zip(rec["input"], rec["output"]):
+                out = pruned[layer.name](x)
+                out = out[0] if isinstance(out, tuple) else out
+                routed = y - shared(x) if shared is not None else y  # the pursuit's signal Y
+                error += float((out - y).double().square().sum())
+                energy += float(routed.double().square().sum())
+        row["actual_err"] = error / energy
+        if layer.num_groups > 1:
+            k = len(paper_kept[layer.name])
+            balanced = greedy_pursuit(gram, num_groups=layer.num_groups, with_gains=False).residual[k]
+            free = greedy_pursuit(gram, with_gains=False).residual[k]
+            row["group_cost"] = float(balanced / free - 1)
         rows.append(row)
     return rows
 

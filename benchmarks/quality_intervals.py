@@ -13,7 +13,10 @@ leading pairs differ by 1-2 %. This script measures fewer pairs with the evidenc
   perplexity, pooled over the draws, with a 95 % percentile-bootstrap interval that resamples held-out blocks
   (per domain) and draws together; the same resamples give paired intervals of the relative gap of every pair
   to the cell's best pair and to the paper's ``omp`` + ``waterfill``. A pair is **not significantly worse than
-  the best** when the 95 % interval of its gap to the best reaches 0.
+  the best** when the 95 % interval of its gap to the best reaches 0;
+- with ``--select PAIR ...``, a pseudo-pair ``select``: per draw, the one of those pairs whose pruned model has the
+  lowest loss on ``--select_blocks`` further calibration blocks (in no draw), as ``method="auto"`` chooses
+  (:func:`ompmoe.choose_plan` on ``CalibrationDataModule.choice_blocks``); ``intervals.csv`` names its choices.
 
 Writes ``intervals.csv`` (a row per cell and pair) and ``intervals.md`` (per model: each pair's mean gap to
 the paper, its worst calibration set, and in how many cells it is not significantly worse than the best) into
@@ -43,6 +46,8 @@ from ompmoe.engine.strategy import strategy_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = "omp/waterfill"
+SELECT = "select"
+"""Pseudo-pair: per draw, whichever of ``--select``'s pairs gives the lowest loss on held-out calibration blocks."""
 PAIRS = (PAPER, "omp_normalized/loss", "reap/waterfill", "reap/loss", "omp/loss", "omp_normalized/waterfill")
 
 
@@ -51,9 +56,11 @@ def min_kept_fraction_for(ratio: float) -> float:
     return 0.125 if ratio > 0.625 else 0.375
 
 
-def calibration_draws(tokenizer: Any, seq_len: int, blocks: int, draws: int) -> dict[str, list[torch.Tensor]]:
-    """Disjoint calibration draws per set: ``prose``/``code`` consecutive ranges of blocks, ``mix`` half of each."""
-    domain = {d: token_blocks(corpus_token_stream(tokenizer, d, "calibration"), seq_len, blocks * draws)
+def calibration_draws(tokenizer: Any, seq_len: int, blocks: int, draws: int,
+                      select_blocks: int = 0) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Disjoint calibration draws per set: ``prose``/``code`` consecutive ranges of blocks, ``mix`` half of each;
+    and per set ``select_blocks`` further calibration blocks that no draw contains (``select``'s held-out blocks)."""
+    domain = {d: token_blocks(corpus_token_stream(tokenizer, d, "calibration"), seq_len, blocks * draws + select_blocks)
               for d in CORPUS_DOMAINS}
     half = blocks // 2
     result: dict[str, list[torch.Tensor]] = {d: [] for d in (*CORPUS_DOMAINS, "mix")}
@@ -62,7 +69,10 @@ def calibration_draws(tokenizer: Any, seq_len: int, blocks: int, draws: int) -> 
             result[name].append(domain[name][d * blocks:(d + 1) * blocks])
         result["mix"].append(torch.cat([domain["prose"][d * blocks:d * blocks + half],
                                         domain["code"][d * blocks:d * blocks + blocks - half]]))
-    return result
+    rest = {name: domain[name][blocks * draws:] for name in CORPUS_DOMAINS}
+    selection = {**rest, "mix": torch.cat([rest["prose"][:select_blocks // 2],
+                                           rest["code"][:select_blocks - select_blocks // 2]])}
+    return result, selection
 
 
 @torch.no_grad()
@@ -129,13 +139,14 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     path = shipped_model_path(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    draws = calibration_draws(tokenizer, args.seq_len, args.calib_blocks, args.draws)
+    draws, selection = calibration_draws(tokenizer, args.seq_len, args.calib_blocks, args.draws,
+                                         args.select_blocks if args.select else 0)
     heldout = {}
     for domain in CORPUS_DOMAINS:
         stream = corpus_token_stream(tokenizer, domain, "heldout")
         count = args.eval_blocks or stream.numel() // args.seq_len
         heldout[domain] = token_blocks(stream, args.seq_len, count)
-    loss_aware = any("loss_aware" in required_statistics(*pair.split("/")) for pair in args.pairs)
+    loss_aware = any("loss_aware" in required_statistics(*pair.split("/")) for pair in args.pairs if pair != SELECT)
     stats = {(c, d): ompmoe.collect_stats(model, blocks.split(8), model_id=name, source=f"shipped:{c}",
                                           loss_aware=loss_aware)
              for c, sets in draws.items() if c in args.calibrations for d, blocks in enumerate(sets)}
@@ -143,30 +154,43 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"{name}: unpruned held-out perplexity " + ", ".join(
         f"{d} {math.exp(float(v.sum()) / (v.numel() * (args.seq_len - 1))):.2f}" for d, v in base.items())
         + f" ({', '.join(f'{len(b)}' for b in heldout.values())} blocks)", flush=True)
-    cache: dict[tuple, dict[str, torch.Tensor]] = {}
+    cache: dict[tuple, dict[str, Any]] = {}
+    chosen_by: dict[tuple, str] = {}
     rows = []
     for calibration in args.calibrations:
         for ratio in args.ratios:
             nll = {d: torch.zeros(len(args.pairs), args.draws, len(b), dtype=torch.float64) for d, b in heldout.items()}
             for draw in range(args.draws):
+                keys = {}
                 for p, pair in enumerate(args.pairs):
+                    if pair == SELECT:
+                        continue
                     method, allocation = pair.split("/")
                     plan = strategy_for(method, ratio=ratio, allocation=allocation,
                                         min_kept_fraction=min_kept_fraction_for(ratio)).plan(stats[calibration, draw])
                     kept = plan.kept_by_layer()
-                    key = tuple(tuple(kept[layer]) for layer in sorted(kept))
+                    key = keys[pair] = tuple(tuple(kept[layer]) for layer in sorted(kept))
                     if key not in cache:
                         pruned = ompmoe.prune(_copy(model), plan)
                         cache[key] = {d: block_nll(pruned, b) for d, b in heldout.items()}
+                        if args.select:
+                            cache[key]["select"] = {c: float(block_nll(pruned, b).sum()) for c, b in selection.items()}
                         del pruned
                     for d in heldout:
                         nll[d][p, draw] = cache[key][d]
+                if args.select:
+                    chosen = min(args.select, key=lambda pair: cache[keys[pair]]["select"][calibration])
+                    chosen_by[calibration, ratio, draw] = chosen
+                    for d in heldout:
+                        nll[d][list(args.pairs).index(SELECT), draw] = cache[keys[chosen]][d]
             cell = intervals(nll, args.seq_len - 1, args.resamples, paper=list(args.pairs).index(PAPER))
             for p, pair in enumerate(args.pairs):
                 row = {"model": name, "calibration": calibration, "ratio": ratio, "pair": pair,
                        **{key: round(float(values[p]), 6) for key, values in cell.items()}}
                 row["not_worse"] = row["gap_best_low"] <= 0.0
                 rows.append(row)
+                if args.select:  # per draw, the pair ``select`` took
+                    row["chosen"] = " ".join(chosen_by[calibration, ratio, d] for d in range(args.draws)) if pair == SELECT else ""
             print(f"  {calibration:<6}{ratio:<5} " + "  ".join(
                 f"{pair} {float(cell['ppl'][p]):.2f} ({float(cell['gap_paper'][p]):+.1%})"
                 for p, pair in enumerate(args.pairs)), flush=True)
@@ -222,6 +246,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", nargs="+", default=["shipped:tiny-moe", "shipped:tiny-moe-64"])
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), help="METHOD/ALLOCATION; must include omp/waterfill")
+    parser.add_argument("--select", nargs="*", default=[],
+                        help="also measure 'select': per draw, the pair of these (each also in --pairs) whose pruned "
+                             "model has the lowest loss on --select_blocks held-out calibration blocks")
+    parser.add_argument("--select_blocks", type=int, default=8)
     parser.add_argument("--calibrations", nargs="+", default=["prose", "code", "mix"])
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     parser.add_argument("--draws", type=int, default=3)
@@ -234,6 +262,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     if PAPER not in args.pairs:
         parser.error(f"--pairs must include the paper's {PAPER} (the reference of every gap)")
+    if missing := [pair for pair in args.select if pair not in args.pairs]:
+        parser.error(f"--select {' '.join(missing)}: not in --pairs; a selected pair must be measured too")
+    if args.select:
+        args.pairs = [*args.pairs, SELECT]
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = [row for name in args.model for row in run_model(name, args)]

@@ -9,6 +9,7 @@ hands them to a pruning strategy at the end of the fit and prunes the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from ompmoe.engine.collect import StatisticsCollector, check_calibration_inputs,
 from ompmoe.engine.io import check_writable, inputs_of, local_inputs
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
+from ompmoe.engine.plan_choice import PlanChoice, choose_plan
 from ompmoe.engine.pruning import prune
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import AUTO, PruningStrategy, Strategy
@@ -37,6 +39,7 @@ from ompmoe.lightning.pruning_steps import (
     STATS_FILE,
     auto_note,
     batch_token_weight,
+    choice_data,
     extra_strategies,
     plan_metrics,
     real_sample_count,
@@ -114,6 +117,11 @@ class ExpertPruning(Callback):
         evaluate_on: Held-out sets to report what pruning cost on (``heldout:prose``, ``heldout:code`` or any
             calibration source): rank 0 prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
         evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
+        choice_blocks: With ``method``/``allocation`` ``auto``: blocks of calibration text after the calibration
+            blocks (the data module's ``choice_blocks(n)``, e.g. ``ompmoe.CalibrationDataModule``) on which each
+            candidate plan is tried; the plan whose pruned model has the lowest loss there is kept
+            (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth). ``0``, or a
+            data module without ``choice_blocks``: the setting recommended for the architecture.
     """
 
     def __init__(
@@ -133,7 +141,10 @@ class ExpertPruning(Callback):
         evaluate_on: list[str] | None = None,
         evaluate_blocks: int = 8,
         statistics: list[str] | None = None,
+        choice_blocks: int | None = None,
     ) -> None:
+        if choice_blocks is not None and choice_blocks < 0:
+            raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); got {choice_blocks}.")
         if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
         self.strategy = strategy if strategy is not None else PruningStrategy(method=AUTO, allocation=AUTO)
@@ -164,6 +175,11 @@ class ExpertPruning(Callback):
         self.evaluate_blocks = evaluate_blocks
         self.heldout_perplexity: dict[str, tuple[float, float]] = {}
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
+        self.choice_blocks = choice_blocks
+        self.choice: PlanChoice | None = None
+        """What ``auto`` tried and chose (rank 0), when it had blocks to try its candidates on."""
+        self._choice_data: torch.Tensor | None = None
+        self._chosen: Strategy | None = None
 
     @property
     @override
@@ -210,6 +226,7 @@ class ExpertPruning(Callback):
             pl_module.needs_gradients = True
         if self._restored is not None:
             self._load_metric_state(self._restored)
+        self._choice_data = choice_data(self.strategy, datamodule, self.choice_blocks, "ExpertPruning", self._model_type)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -258,8 +275,8 @@ class ExpertPruning(Callback):
         stats = self._collector.result()  # torchmetrics sums the states over ranks here
         # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
         self._progress = None if trainer.progress_bar_callback is not None else False
-        plan = self.strategy.plan(stats)
         model = unsharded(self._collector.model, trainer.is_global_zero)
+        plan = self._plan(trainer, stats, model)
         self.stats, self.plan = stats, plan
         heldout = self._heldout_sets(trainer) if model is not None and trainer.is_global_zero else {}
         before = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
@@ -277,6 +294,18 @@ class ExpertPruning(Callback):
         if trainer.is_global_zero and self.output_dir is not None:
             self._write(pl_module, model, stats, plan)
         trainer.strategy.barrier("ompmoe-pruning-written")
+
+    def _plan(self, trainer: pl.Trainer, stats: MoEStats, model: nn.Module | None) -> PruningPlan:
+        """The strategy's plan; for ``auto`` with choice blocks, the candidate rank 0 measured best (on every rank)."""
+        if self._choice_data is None:
+            return self.strategy.plan(stats)
+        candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]  (choice_data checked the strategy)
+        if trainer.is_global_zero and model is not None:
+            self.choice = choose_plan(model, candidates, self._choice_data, self._batch_size)
+        index = trainer.strategy.broadcast(self.choice.index if self.choice is not None else None, src=0)
+        plan = candidates[index]
+        self._chosen = dataclasses.replace(self.strategy, method=plan.method, allocation=plan.allocation)
+        return plan
 
     def _heldout_sets(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
         """The ``evaluate_on`` sets as token blocks, cut by the calibration data module (or none without one)."""
@@ -299,7 +328,8 @@ class ExpertPruning(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def _extra_strategies(self) -> list[Strategy]:
-        return extra_strategies(self.strategy, self.extra_ratios)
+        """``extra_ratios`` with the strategy's settings (once ``auto`` chose, the chosen setting)."""
+        return extra_strategies(self._chosen or self.strategy, self.extra_ratios)
 
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
@@ -315,7 +345,7 @@ class ExpertPruning(Callback):
         metrics = plan_metrics(plan)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        rank_zero_info(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self._model_type)}")
+        rank_zero_info(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self._model_type, self.choice)}")
         rank_zero_info(f"ompmoe: {kept_summary(plan)}")
 
     # ------------------------------------------------------------ checkpoints

@@ -102,7 +102,8 @@ def replan(
             else 0.875).
         model: Model id, path or ``tiny:<model_type>`` the statistics were collected on.
         overwrite: Replace an existing ``output_dir``.
-        method: A registered method (ompmoe.METHODS): METHOD_NAMES (default: the fit's, else omp).
+        method: A registered method (ompmoe.METHODS): METHOD_NAMES (default: the fit's, else omp). ``auto``: the
+            fit's too, else the setting recommended for the architecture.
         method_options: The method's options, e.g. ``--method_options.seed 3``: METHOD_OPTIONS (default: the
             fit's when its method is used).
         zeta: Stabilizer inside the routing-risk logarithm (default: the fit's, else 1e-6).
@@ -163,11 +164,14 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[d
     """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics: same model
     fingerprint, model id and token count), else the defaults.
 
-    Also returns the names taken from the fit's plan. The method's options come from it only with its method.
+    Also returns the names taken from the fit's plan. The method's options come from it only with its method. A method
+    or allocation ``auto`` is the fit's too: what ``auto`` chose there, by trying candidates on text this command lacks.
     """
     from .engine.plan import PruningPlan
-    from .engine.strategy import PruningStrategy
+    from .engine.strategy import AUTO, PruningStrategy
 
+    auto = {name for name in ("method", "allocation") if given.get(name) == AUTO}
+    given = {name: None if name in auto else value for name, value in given.items()}
     plan = None
     if any(value is None for value in given.values()) and fit_plan.is_file():
         plan = PruningPlan.load(fit_plan)
@@ -185,7 +189,7 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[d
             settings[name] = getattr(plan, name)
             taken.append(name)
         else:
-            settings[name] = defaults[name] if value is None else value
+            settings[name] = (AUTO if name in auto else defaults[name]) if value is None else value
     return settings, taken
 
 

@@ -42,6 +42,10 @@ def test_interleaved_medians_and_ratios():
     assert report["stats_over_forward"] == pytest.approx(1.25)
     assert report["memory_over_forward"]["loss_stats"] == pytest.approx(4.4)
     assert report["peak_extra_mib"]["forward_backward"] == 40.0
+    assert "auto_over_forward_backward" not in report  # no choice blocks, no auto pass
+    with_auto = calibration_cost.cost_report({"wall": {**wall, "auto_choice": 0.5}, "cpu": {**wall, "auto_choice": 1.0}}, None)
+    assert with_auto["auto_over_forward_backward"] == pytest.approx((5.25 + 0.5) / 5.0)
+    assert with_auto["cpu_auto_over_forward_backward"] == pytest.approx((5.25 + 1.0) / 5.0)
 
 
 def test_quality_cost_column_is_relative_to_the_forward_and_reads_old_timing_files():

@@ -162,12 +162,16 @@ def test_prune_without_method_uses_the_fits_plan_and_says_so(tmp_path, capsys, m
 
     run, logged = tmp_path / "run", []
     monkeypatch.setattr(ompmoe.callbacks.pruning, "rank_zero_info", logged.append)  # Lightning's console logger
-    main(["fit", "-c", str(tiny_config(tmp_path, str(run)))])
+    config = tiny_config(tmp_path, str(run))
+    fit = yaml.safe_load(config.read_text())
+    fit["trainer"]["callbacks"][0]["init_args"]["loss_aware"] = True
+    fit["trainer"]["callbacks"][0]["init_args"]["strategy"]["init_args"].update(method="omp_normalized", allocation="loss")
+    config.write_text(yaml.safe_dump(fit))
+    main(["fit", "-c", str(config)])
     fit_plan = ompmoe.PruningPlan.load(run / "plan.json")
     assert (fit_plan.method, fit_plan.allocation) == ("omp_normalized", "loss")  # not the default omp + waterfill
     assert logged[0] == ("ompmoe: method omp_normalized, allocation loss, risk_weight 3, min_kept_fraction 0.375, "
-                         "max_kept_fraction 0.875, zeta 1e-06 (method and allocation 'auto': recommended for qwen3_moe, "
-                         "docs/quality/intervals.md)")
+                         "max_kept_fraction 0.875, zeta 1e-06")
     capsys.readouterr()
     main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--output_dir", str(tmp_path / "a")])
     replanned = ompmoe.PruningPlan.load(tmp_path / "a" / "plan-0.5.json")

@@ -60,8 +60,13 @@ def test_calibration_draws_are_disjoint_and_mix_takes_half_of_each_domain():
     from ompmoe.data import shipped_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(shipped_model_path("shipped:tiny-moe"))
-    draws = quality_intervals.calibration_draws(tokenizer, seq_len=64, blocks=4, draws=3)
+    draws, selection = quality_intervals.calibration_draws(tokenizer, seq_len=64, blocks=4, draws=3, select_blocks=2)
     for name in ("prose", "code"):
         rows = {tuple(row.tolist()) for draw in draws[name] for row in draw}
         assert len(rows) == 12
+        # select's held-out blocks: the next blocks of the same split, in no draw
+        assert torch.equal(selection[name], quality_intervals.token_blocks(
+            quality_intervals.corpus_token_stream(tokenizer, name, "calibration"), 64, 14)[12:])
+        assert not rows & {tuple(row.tolist()) for row in selection[name]}
     assert torch.equal(draws["mix"][2][:2], draws["prose"][2][:2]) and torch.equal(draws["mix"][2][2:], draws["code"][2][:2])
+    assert torch.equal(selection["mix"], torch.stack([selection["prose"][0], selection["code"][0]]))

@@ -360,12 +360,6 @@ class StatisticsCollector:
         self._paused: Any = None
         self._warned = False
 
-    @property
-    def loss_metric(self) -> Metric | None:
-        """The loss-aware sums, if collected."""
-        loss = self.extensions.get("loss_aware")
-        return loss.metric if loss is not None else None
-
     def metrics(self) -> dict[str, Metric]:
         """Every sum-state metric by its prefix in checkpoints: ``""`` for the core sums, ``"loss."``, ``"reroute."``, ..."""
         return {"": self.metric, **{f"{ext.prefix}.": ext.metric for ext in self.extensions.values()}}

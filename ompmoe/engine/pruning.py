@@ -34,20 +34,32 @@ from .record import CONFIG_KEY, pruning_info
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 
+def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...]) -> dict[str, Any]:
+    """Keep rows ``index`` (ascending) of ``module``'s own tensors indexed by expert and set its counts.
+
+    Returns what was replaced (``parameters``, ``buffers``, ``attributes``), so it can be put back.
+    """
+    saved: dict[str, Any] = {"parameters": {}, "buffers": {}, "attributes": {}}
+    for name, tensor in list(module.named_parameters(recurse=False)):
+        if tensor.shape[0] == old:
+            saved["parameters"][name] = tensor
+            sliced = tensor.detach().index_select(0, index.to(tensor.device))
+            setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
+    for name, tensor in list(module.named_buffers(recurse=False)):
+        if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
+            saved["buffers"][name] = tensor
+            module._buffers[name] = tensor.index_select(0, index.to(tensor.device))
+    for attr in count_attributes:
+        if getattr(module, attr, None) == old:
+            saved["attributes"][attr] = old
+            setattr(module, attr, int(index.numel()))
+    return saved
+
+
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
     """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
-    old = layer.num_experts
     for module in (layer.router, layer.experts):
-        for name, tensor in list(module.named_parameters(recurse=False)):
-            if tensor.shape[0] == old:
-                sliced = tensor.detach().index_select(0, index.to(tensor.device))
-                setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
-        for name, tensor in list(module.named_buffers(recurse=False)):
-            if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
-                module._buffers[name] = tensor.index_select(0, index.to(tensor.device))
-        for attr in count_attributes:
-            if getattr(module, attr, None) == old:
-                setattr(module, attr, int(index.numel()))
+        slice_module(module, index, layer.num_experts, count_attributes)
     layer.num_experts = int(index.numel())
 
 

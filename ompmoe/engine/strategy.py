@@ -24,6 +24,18 @@ from .statistics import MoEStats
 class Strategy(Protocol):
     """What the callback and CLI need from a strategy (implement it to plug in your own decision)."""
 
+    def settings(self) -> list[tuple[str, str]]:
+        """The ``(method, allocation)`` settings ``auto`` tries (each half that is ``auto`` filled from
+        :data:`AUTO_CANDIDATES`, duplicates dropped); ``[(method, allocation)]`` without ``auto``."""
+        filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
+                  for method, allocation in AUTO_CANDIDATES]
+        return list(dict.fromkeys(filled))
+
+    def candidates(self, stats: MoEStats) -> list[PruningPlan]:
+        """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
+        return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
+                for method, allocation in self.settings()]
+
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Raise before any expensive work if the strategy cannot be applied to these layers."""
 
@@ -32,7 +44,13 @@ class Strategy(Protocol):
 
 
 AUTO = "auto"
-"""``method`` / ``allocation`` value: the setting recommended for the model's architecture (``ArchitectureSpec.recommended``)."""
+"""``method`` / ``allocation`` value: try each of :data:`AUTO_CANDIDATES` and keep the plan whose pruned model has the
+lowest loss on held-out calibration blocks (:mod:`ompmoe.engine.plan_choice`); without such blocks, the setting
+recommended for the model's architecture (``ArchitectureSpec.recommended``)."""
+
+AUTO_CANDIDATES: tuple[tuple[str, str], ...] = (("omp", "waterfill"), ("omp_normalized", "loss"), ("reap", "waterfill"))
+"""``(method, allocation)`` settings that ``auto`` tries: the paper's, and the measured best of each layout
+(docs/quality/intervals.md)."""
 
 
 def recommended_setting(model_type: str | None) -> tuple[str, str]:
@@ -53,8 +71,11 @@ class PruningStrategy:
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: the
-            one recommended for the model's architecture (:func:`recommended_setting`).
+        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: try the
+            settings of :data:`AUTO_CANDIDATES` and keep the plan whose pruned model has the lowest loss on held-out
+            calibration blocks (what ``ExpertPruning``, ``FabricCalibration`` and ``ompmoe fit`` do, through
+            :meth:`candidates` and :func:`~ompmoe.choose_plan`); :meth:`plan` alone, with no model to try plans on,
+            takes the setting recommended for the model's architecture (:func:`recommended_setting`).
         allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's greedy), or
             ``auto`` (as ``method``).
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
@@ -80,6 +101,18 @@ class PruningStrategy:
         method, allocation = recommended_setting(model_type)
         return dataclasses.replace(self, method=method if self.method == AUTO else self.method,
                                    allocation=allocation if self.allocation == AUTO else self.allocation)
+
+    def settings(self) -> list[tuple[str, str]]:
+        """The ``(method, allocation)`` settings ``auto`` tries (each half that is ``auto`` filled from
+        :data:`AUTO_CANDIDATES`, duplicates dropped); ``[(method, allocation)]`` without ``auto``."""
+        filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
+                  for method, allocation in AUTO_CANDIDATES]
+        return list(dict.fromkeys(filled))
+
+    def candidates(self, stats: MoEStats) -> list[PruningPlan]:
+        """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
+        return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
+                for method, allocation in self.settings()]
 
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Refuse bad arguments and infeasible budgets (an ``auto`` method is checked once resolved)."""

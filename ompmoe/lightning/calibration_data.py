@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..engine.plan_choice import default_choice_blocks
 from ..data.sources import (
     HELDOUT_CORPUS,
     PRESETS,
@@ -194,6 +195,22 @@ class CalibrationDataModule(pl.LightningDataModule):
         ``heldout:code`` (the shipped corpus' held-out split) or any source this module accepts."""
         other = TextSource(name, text_field=self.text_field, corpus=HELDOUT_CORPUS)
         return other.blocks(self._encoder(), self.seq_len, num_blocks)
+
+    def choice_blocks(self, num_blocks: int | None = None) -> torch.Tensor:
+        """``num_blocks`` blocks of the calibration text right after the calibration blocks, which the statistics
+        never see: where ``method="auto"`` tries its candidate plans (:func:`ompmoe.choose_plan`). Default: enough
+        blocks for 2,048 tokens (:func:`~ompmoe.engine.plan_choice.default_choice_blocks`)."""
+        if num_blocks is None:
+            num_blocks = default_choice_blocks(self.seq_len)
+        try:
+            return self._text.blocks(self._encoder(), self.seq_len, self.num_blocks + num_blocks)[self.num_blocks:]
+        except ValueError as error:  # "Calibration text has N tokens but ..." -> this run's need and fixes
+            raise ValueError(
+                f"{str(error).split(' but ')[0]}: too few for the {self.num_blocks} calibration blocks and the "
+                f"{num_blocks} more that method 'auto' tries its candidate plans on ({self.num_blocks + num_blocks} "
+                f"blocks of {self.seq_len}). Add text, lower num_blocks, or set choice_blocks=0 (auto then takes the "
+                "setting recommended for the architecture)."
+            ) from None
 
     # ------------------------------------------------------------------------------- lightning
     def prepare_data(self) -> None:

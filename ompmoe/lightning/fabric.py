@@ -17,6 +17,7 @@ repeats, the same gathering of FSDP2-sharded weights and the same atomic outputs
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..engine.adapters import architecture_of, find_moe_layers
 from ..engine.collect import StatisticsCollector, as_model_inputs, check_calibration_inputs, selected_statistics
 from ..engine.io import check_writable, local_inputs
 from ..engine.plan import PruningPlan
+from ..engine.plan_choice import PlanChoice, choose_plan
 from ..engine.pruning import prune
 from ..engine.statistics import MoEStats
 from ..engine.strategy import AUTO, PruningStrategy, Strategy
@@ -208,6 +210,10 @@ class FabricCalibration:
         self.needs_gradients = any(ext.needs_gradients for ext in self.collector.extensions.values())
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
+        self.choice: PlanChoice | None = None
+        """What ``auto`` tried and chose, when ``finish`` got ``choice_blocks``."""
+        self.strategy_used: Strategy = self.strategy
+        """The strategy with ``auto`` replaced by the chosen setting (the extra ratios are planned with it)."""
         self.pruned_model: nn.Module | None = None
         self.num_batches = 0
         """Batches this rank has added (including batches of repeats, which add no tokens)."""
@@ -295,12 +301,17 @@ class FabricCalibration:
             raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
 
     # ----------------------------------------------------------------- pruning
-    def finish(self) -> PruningPlan:
+    def finish(self, choice_blocks: torch.Tensor | None = None) -> PruningPlan:
         """Sum the statistics over ranks, plan on rank 0, prune every rank's model, write the outputs once.
 
         Every rank must call it (the sums and the gathering of sharded weights are collectives).
         Returns the plan (the same on every rank). Afterwards ``stats``, ``plan`` and, on rank 0
         (every rank without sharding), ``pruned_model`` hold the results.
+
+        ``choice_blocks``: with ``method``/``allocation`` ``auto``, ``(num_blocks, seq_len)`` token ids of calibration
+        text the loop did not feed (e.g. ``CalibrationDataModule.choice_blocks(8)``); rank 0 tries every candidate
+        plan on them and keeps the one whose pruned model has the lowest loss (:func:`ompmoe.choose_plan`). Without
+        them ``auto`` takes the setting recommended for the architecture.
         """
         self._check_open()
         fabric = self.fabric
@@ -308,8 +319,17 @@ class FabricCalibration:
             # A rank that got no batch has an empty (zero) share of the sums: that is no mistake here.
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
             stats = self.collector.result()  # torchmetrics sums the states over ranks here
-        plan = on_rank_zero(fabric, lambda: self.strategy.plan(stats))
         model = unsharded(self.hf_model, fabric.is_global_zero)
+        choice = None
+        if choice_blocks is not None and AUTO in (getattr(self.strategy, "method", None),
+                                                  getattr(self.strategy, "allocation", None)):
+            candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
+            choice = on_rank_zero(fabric, lambda: choose_plan(model, candidates, choice_blocks))
+            plan = candidates[choice.index]
+            self.strategy_used = dataclasses.replace(self.strategy, method=plan.method, allocation=plan.allocation)
+        else:
+            plan = on_rank_zero(fabric, lambda: self.strategy.plan(stats))
+        self.choice = choice
         if model is not None:  # under FSDP2 only rank 0 holds (and prunes) the full model
             prune(model, plan)
             if self.adaptive_epsilon is not None:
@@ -319,7 +339,7 @@ class FabricCalibration:
             self.pruned_model = model
         self.stats, self.plan = stats, plan
         fabric.log_dict(plan_metrics(plan))
-        fabric.print(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self.model_type)}")
+        fabric.print(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self.model_type, choice)}")
         fabric.print(f"ompmoe: {kept_summary(plan)}")
         if self.output_dir is not None:
             on_rank_zero(fabric, lambda: self._write(model, stats, plan))
@@ -330,7 +350,7 @@ class FabricCalibration:
         assert self.output_dir is not None
         write_outputs(
             self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
-            extra=extra_strategies(self.strategy, self.extra_ratios), plots=self.plots, save_model=self.save_model,
+            extra=extra_strategies(self.strategy_used, self.extra_ratios), plots=self.plots, save_model=self.save_model,
             tokenizer=usable_tokenizer([self.tokenizer]) if self.save_model else None, dtype=self.dtype,
             show_progress=None,
         )

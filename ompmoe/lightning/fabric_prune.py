@@ -67,8 +67,12 @@ def parser() -> argparse.ArgumentParser:
     data.add_argument("--data.seed", dest="data_seed", type=int, default=None)
     pruning = p.add_argument_group("pruning (ompmoe.PruningStrategy, ExpertPruning)")
     pruning.add_argument("--ratio", type=float, default=0.5)
-    pruning.add_argument("--method", default="auto", help="auto: the setting recommended for the architecture")
+    pruning.add_argument("--method", default="auto",
+                         help="auto: the candidate setting whose pruned model has the lowest loss on --choice_blocks")
     pruning.add_argument("--allocation", default="auto")
+    pruning.add_argument("--choice_blocks", type=int, default=None,
+                         help="calibration blocks after --data.num_blocks that auto tries its candidates on "
+                              "(default: 2048 tokens' worth; 0: none, auto takes the architecture's setting)")
     pruning.add_argument("--risk_weight", type=float, default=3.0)
     pruning.add_argument("--min_kept_fraction", type=float, default=0.375)
     pruning.add_argument("--max_kept_fraction", type=float, default=0.875)
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> Any:
     from .calibration_data import CalibrationDataModule
     from .fabric import FabricCalibration, check_output
     from .models import default_tokenizer, load_model, resolve_dtype
+    from .pruning_steps import choice_data
 
     strategy = PruningStrategy(ratio=args.ratio, method=args.method, allocation=args.allocation,
                                risk_weight=args.risk_weight, min_kept_fraction=args.min_kept_fraction,
@@ -158,8 +163,9 @@ def main(argv: list[str] | None = None) -> Any:
     )
     datamodule.prepare_data()
     datamodule.setup("fit")
+    choice = choice_data(strategy, datamodule, args.choice_blocks, "fabric_prune", calibration.model_type)
     calibration.run(fabric.setup_dataloaders(datamodule.train_dataloader()))
-    calibration.finish()
+    calibration.finish(choice_blocks=choice)
     return calibration
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -21,6 +22,7 @@ from ..engine.collect import selected_statistics
 from ..engine.extensions import check_statistics, required_statistics
 from ..engine.io import atomic_path
 from ..engine.plan import PruningPlan
+from ..engine.plan_choice import PlanChoice
 from ..engine.progress import progress
 from ..engine.pruning import save_pruned
 from ..engine.statistics import MoEStats
@@ -55,24 +57,54 @@ def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple
                         model_type: str | None = None) -> list[str]:
     """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected.
 
-    Returns the statistics to collect: ``statistics`` plus what an ``auto`` strategy's recommended setting for
-    ``model_type`` needs. ``owner`` names the class whose option the message points to.
+    Returns the statistics to collect: ``statistics`` plus what every setting an ``auto`` strategy tries (and its
+    fallback, the recommended setting for ``model_type``) needs. ``owner`` names the class whose option the message
+    points to.
     """
     statistics = list(statistics)
     for strategy in strategies:
         resolved = strategy.resolved(model_type) if hasattr(strategy, "resolved") else strategy
-        if resolved is not strategy:  # ``auto``: collect what the recommended setting needs
-            statistics = selected_statistics([*statistics, *required_statistics(resolved.method, resolved.allocation)])
-        resolved.validate(routings)
-        check_statistics(resolved, statistics, owner)
+        tried = [strategy]
+        if resolved is not strategy:  # ``auto``: what each setting it tries, and its fallback, need
+            tried = [resolved, *(dataclasses.replace(strategy, method=m, allocation=a) for m, a in strategy.settings())]
+            for each in tried:
+                statistics = selected_statistics([*statistics, *required_statistics(each.method, each.allocation)])
+        for each in tried:
+            each.validate(routings)
+            check_statistics(each, statistics, owner)
     return statistics
 
 
-def auto_note(strategy: Strategy, model_type: str | None) -> str:
-    """`` (method and allocation 'auto': recommended for qwen3_moe, ...)`` when ``strategy`` used ``auto``, else ``""``."""
+def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
+    """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
     auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
-    return (f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
-            if auto else "")
+    if not auto:
+        return ""
+    if choice is not None:
+        return f" ({' and '.join(auto)} 'auto': {choice.summary()})"
+    return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
+
+
+def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, owner: str,
+                model_type: str | None) -> torch.Tensor | None:
+    """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no ``auto``, no trial).
+
+    Cut before the statistics pass, so too little text fails before any model work. A data module without
+    ``choice_blocks(n)`` gets a warning naming the fallback (the setting recommended for ``model_type``);
+    ``num_blocks=None`` takes the data module's default.
+    """
+    if AUTO not in (getattr(strategy, "method", None), getattr(strategy, "allocation", None)) or num_blocks == 0:
+        return None
+    if len(strategy.settings()) == 1:  # type: ignore[attr-defined]
+        return None
+    if not callable(getattr(datamodule, "choice_blocks", None)):
+        rank_zero_warn(
+            f"{owner}: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, but the data "
+            f"module ({type(datamodule).__name__}) has no choice_blocks(n) (ompmoe.CalibrationDataModule has); using "
+            f"the setting recommended for {model_type} instead. Pass choice_blocks=0 to silence this."
+        )
+        return None
+    return datamodule.choice_blocks(num_blocks)
 
 
 def real_sample_count(sampler: Any) -> int | None:

@@ -95,7 +95,7 @@ def test_loss_is_the_summed_next_token_cross_entropy():
     with collector, torch.enable_grad():
         logits = collector.forward({"input_ids": ids}).logits
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    assert float(collector.loss_metric.loss_sum) == pytest.approx(float(expected.detach()), rel=1e-6)
+    assert float(collector.extensions["loss_aware"].metric.loss_sum) == pytest.approx(float(expected.detach()), rel=1e-6)
 
 
 def test_merge_of_two_batches_equals_joint_collection():

@@ -26,6 +26,7 @@ from torch import nn
 
 import ompmoe
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
+from ompmoe.engine.trial import pruned_view
 
 ATOL = RTOL = 1e-5
 NEG_INF = float("-inf")
@@ -346,6 +347,39 @@ def test_pruned_tensors_are_original_tensors_at_kept_ids(case_id):
     for key in set(before) - sliced:
         assert torch.equal(after[key], before[key]), key
     assert getattr(model.config, case.count_key) == max(len(ids) for ids in kept.values())
+
+
+@pytest.mark.parametrize("kind", ["uniform", "handmade"])
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_pruned_view_computes_the_pruned_model_and_leaves_the_model_as_it_was(case_id, kind):
+    """``pruned_view`` (candidate plans tried without a copy) equals the literal reference inside, and
+    afterwards every tensor and count of the model is the original object with the original values."""
+    case = CASES[case_id]
+    model, stats = original(case_id)
+    plan = make_plan(case_id, kind, stats)
+    expected = reference_logits(copy.deepcopy(model), case, kept_map(plan))
+    before, unpruned = state(model), logits_of(model)
+    tensors = {name: tensor for name, tensor in model.named_parameters()}
+    with pruned_view(model, plan) as viewed:
+        assert viewed is model
+        torch.testing.assert_close(logits_of(model), expected, atol=ATOL, rtol=RTOL)
+        assert {name: router.num_experts for name, router in routers(model, case).items()} == {
+            name: len(ids) for name, ids in kept_map(plan).items()}
+    assert torch.equal(logits_of(model), unpruned)
+    assert dict(model.named_parameters()) == tensors
+    after = state(model)
+    assert all(torch.equal(after[key], value) for key, value in before.items())
+    assert all(router.num_experts == stats.layers[0].num_experts for router in routers(model, case).values())
+
+
+def test_pruned_view_restores_the_model_when_its_body_raises():
+    model, stats = original("glm4_moe")
+    plan = make_plan("glm4_moe", "handmade", stats)
+    unpruned = logits_of(model)
+    with pytest.raises(RuntimeError, match="inside"):
+        with pruned_view(model, plan):
+            raise RuntimeError("inside")
+    assert torch.equal(logits_of(model), unpruned)
 
 
 # --------------------------------------------------------------------------- 2-4. round trips

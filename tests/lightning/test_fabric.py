@@ -226,6 +226,21 @@ def test_one_process_equals_collect_stats_and_writes_like_the_callback(tmp_path,
         calibration.update(data[:1])
 
 
+def test_auto_with_choice_blocks_keeps_the_candidate_whose_pruned_model_has_the_lowest_loss(fabric, tmp_path):
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
+    calibration = ompmoe.FabricCalibration(fabric, fabric.setup(tiny_model("qwen3_moe")), auto,
+                                           output_dir=tmp_path / "run", plots=False, save_model=False,
+                                           extra_ratios=[0.25])
+    data, held_out = blocks(6)[:4], blocks(6)[4:]
+    calibration.run(data[:, None])
+    plan = calibration.finish(choice_blocks=held_out)
+    expected = ompmoe.choose_plan(tiny_model("qwen3_moe"), auto.candidates(calibration.stats), held_out)
+    assert calibration.choice.losses == pytest.approx(expected.losses, abs=1e-6)
+    assert plan == expected.plan and calibration.choice.index == expected.index
+    extra = ompmoe.PruningPlan.load(tmp_path / "run" / "plan-0.25.json")  # the other ratio uses the chosen setting
+    assert (extra.method, extra.allocation) == (plan.method, plan.allocation)
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_fabric_precisions_calibrate_the_model_as_fabric_runs_it(precision):
     """bf16-true: weights converted to bf16; bf16-mixed: float32 weights under bf16 autocast."""

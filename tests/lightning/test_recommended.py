@@ -1,6 +1,10 @@
-"""``method="auto"``: the setting recommended per architecture (ArchitectureSpec.recommended), in plans and fits."""
+"""``method="auto"``: candidate plans tried on held-out calibration blocks in fits, else the setting recommended per
+architecture (ArchitectureSpec.recommended)."""
 
 from __future__ import annotations
+
+import copy
+import math
 
 import pytest
 from torch.utils.data import DataLoader
@@ -8,6 +12,7 @@ from torch.utils.data import DataLoader
 import ompmoe
 from ompmoe.callbacks import ExpertPruning
 from ompmoe.engine.adapters import ARCHITECTURES, SIGMOID_SHARED_GROUPED
+from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.strategy import PruningStrategy, recommended_setting
 from ompmoe.engine.synthetic import synthetic_stats
 from ompmoe.engine.tiny import tiny_model
@@ -68,3 +73,53 @@ def test_prune_command_resolves_auto_from_the_statistics_and_says_so(tmp_path, c
     assert (plan.method, plan.allocation) == ("reap", "waterfill")
     assert capsys.readouterr().out.splitlines()[0].endswith(
         "(method and allocation 'auto': recommended for glm4_moe, docs/quality/intervals.md)")
+
+
+def test_with_a_calibration_data_module_auto_tries_its_candidates_on_the_blocks_after_the_calibration_ones(monkeypatch):
+    import ompmoe.callbacks.pruning
+
+    logged = []
+    monkeypatch.setattr(ompmoe.callbacks.pruning, "rank_zero_info", logged.append)
+    data = ompmoe.CalibrationDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2)
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, method="auto", allocation="auto"), choice_blocks=2)
+    model = CalibrationModule("tiny:qwen3_moe")
+    trainer(callbacks=[callback]).fit(model, datamodule=data)
+    held_out = ompmoe.CalibrationDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=6).blocks[4:]
+    assert callback.stats.num_tokens == 4 * 32  # the statistics never saw the choice blocks
+    candidates = PruningStrategy(ratio=0.5, method="auto", allocation="auto").candidates(callback.stats)
+    original = tiny_model("qwen3_moe")  # what tiny:qwen3_moe loads: the weights before pruning
+    literal = [math.log(perplexity(ompmoe.prune(copy.deepcopy(original), plan), held_out)) for plan in candidates]
+    assert list(callback.choice.losses.values()) == pytest.approx(literal, abs=1e-5)
+    best = candidates[literal.index(min(literal))]
+    assert callback.plan == best and callback.choice.plan.kept_by_layer() == best.kept_by_layer()
+    assert logged[0].endswith(f"(method and allocation 'auto': {callback.choice.summary()})")
+
+
+def test_auto_without_blocks_to_try_its_candidates_on_says_so_and_takes_the_recommended_setting():
+    callback = ExpertPruning(choice_blocks=2)
+    with pytest.warns(UserWarning) as caught:
+        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:glm4_moe"), DataLoader(batches(2), batch_size=2))
+    assert [str(w.message) for w in caught if "choice_blocks" in str(w.message)] == [
+        "ExpertPruning: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, but the "
+        "data module (NoneType) has no choice_blocks(n) (ompmoe.CalibrationDataModule has); using the setting "
+        "recommended for glm4_moe instead. Pass choice_blocks=0 to silence this."]
+    assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == SIGMOID_SHARED_GROUPED
+
+
+def test_too_little_text_for_the_choice_blocks_fails_before_the_statistics_pass(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("x" * 100)
+    data = ompmoe.CalibrationDataModule(str(text), tokenizer="bytes", seq_len=16, num_blocks=5)
+    callback = ExpertPruning(choice_blocks=2)
+    with pytest.raises(ValueError) as error:
+        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), datamodule=data)
+    assert str(error.value) == (
+        "Calibration text has 100 tokens: too few for the 5 calibration blocks and the 2 more that method 'auto' "
+        "tries its candidate plans on (7 blocks of 16). Add text, lower num_blocks, or set choice_blocks=0 (auto then "
+        "takes the setting recommended for the architecture).")
+    assert callback.stats is None and callback._collector.metric.num_tokens == 0
+
+
+def test_choice_blocks_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"^choice_blocks must be >= 0 \(0: no trial of auto's candidate plans\); got -1\.$"):
+        ExpertPruning(choice_blocks=-1)

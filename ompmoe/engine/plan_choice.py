@@ -1,0 +1,86 @@
+"""Choose among candidate plans by the pruned model's loss on held-out calibration blocks.
+
+No single method + allocation is best on every MoE layout (docs/quality/intervals.md): the token-normalized
+pursuit wins on few large softmax experts, the paper's pursuit on many small ones, REAP's saliency on sigmoid
+routers with a shared expert. ``method="auto"`` therefore plans with each candidate setting (one statistics
+pass serves them all) and keeps the plan whose pruned model predicts held-out calibration text best: a few
+forward passes on blocks the statistics never saw, run through :func:`~ompmoe.engine.trial.pruned_view`
+(no copy of the model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .perplexity import perplexity
+from .plan import PruningPlan
+from .trial import pruned_view
+
+
+CHOICE_TOKENS = 2048
+"""Held-out calibration tokens ``auto`` tries its candidates on by default (``ceil(CHOICE_TOKENS / seq_len)`` blocks):
+enough to pick the best candidate in 26 of 27 measured cells (docs/quality/intervals.md), and a cost that does not
+grow with the calibration set (three forwards over these tokens)."""
+
+
+def default_choice_blocks(seq_len: int) -> int:
+    """Blocks of ``seq_len`` tokens that hold at least :data:`CHOICE_TOKENS` tokens."""
+    return -(-CHOICE_TOKENS // seq_len)
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The chosen plan and every candidate's mean next-token loss (nats) on the choice blocks."""
+
+    plan: PruningPlan
+    index: int
+    """Position of ``plan`` among the candidates."""
+    losses: dict[str, float]
+    """``{"method + allocation": loss}`` per candidate, in candidate order."""
+
+    def summary(self) -> str:
+        """``chose omp_normalized + loss by held-out calibration loss (omp + waterfill 3.951, ...)``."""
+        losses = ", ".join(f"{name} {loss:.4f}" for name, loss in self.losses.items())
+        return f"chose {setting_name(self.plan)} by its loss on held-out calibration blocks ({losses})"
+
+
+def setting_name(plan: PruningPlan) -> str:
+    """``method + allocation`` of a plan, as logs and the candidates' losses name it."""
+    return f"{plan.method} + {plan.allocation}"
+
+
+def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: torch.Tensor,
+                batch_size: int = 4) -> PlanChoice:
+    """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (first on ties).
+
+    ``blocks``: ``(num_blocks, seq_len)`` token ids the statistics did not see (held-out calibration text).
+    Candidates with the same kept experts are measured once.
+    """
+    if not candidates:
+        raise ValueError("choose_plan needs at least one candidate plan.")
+    if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
+        raise ValueError(f"choose_plan needs (num_blocks, seq_len) token ids with seq_len >= 2; got shape "
+                         f"{tuple(blocks.shape)}.")
+    measured: dict[tuple, float] = {}
+    losses: dict[str, float] = {}
+    training = model.training
+    model.eval()
+    try:
+        for plan in candidates:
+            key = tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
+            if key not in measured:
+                with pruned_view(model, plan):
+                    measured[key] = math.log(perplexity(model, blocks, batch_size))
+            losses[setting_name(plan)] = measured[key]
+    finally:
+        model.train(training)
+    best = min(range(len(candidates)), key=lambda i: losses[setting_name(candidates[i])])
+    return PlanChoice(candidates[best], best, losses)
+
+
+__all__ = ["CHOICE_TOKENS", "PlanChoice", "choose_plan", "default_choice_blocks", "setting_name"]
