@@ -12,10 +12,11 @@ On the same calibration batches (``--calib_blocks`` blocks of ``--seq_len`` toke
   embeddings, weights frozen (what any gradient-based calibration costs at least);
 - ``stats``: ``ompmoe.collect_stats``; ``loss_stats``: with ``loss_aware=True``;
   ``reroute_stats``: with ``reroute=True``;
-- ``auto_choice``: what ``method="auto"`` adds after its (loss-aware) statistics pass: planning each candidate
-  setting and trying each plan on ``--choice_blocks`` held-out calibration blocks (``ompmoe.choose_plan``, the
-  blocks after the calibration blocks, as ``CalibrationDataModule.choice_blocks`` cuts them).
-  ``auto_over_forward_backward`` = (``loss_stats`` + ``auto_choice``) / ``forward_backward``.
+- ``auto_choice`` (layouts where ``method="auto"`` tries several settings: softmax routers): what ``auto`` adds
+  after its loss-aware statistics pass: planning each candidate setting and trying each plan on ``--choice_blocks``
+  held-out calibration blocks (``ompmoe.choose_plan``, the blocks after the calibration blocks, as
+  ``CalibrationDataModule.choice_blocks`` cuts them). ``auto_over_forward_backward`` = (``loss_stats`` +
+  ``auto_choice``) / ``forward_backward``.
 
 **Time**: one warm-up round, then ``--repeats`` rounds, each running the five passes in turn
 (interleaved, so load from other processes hits all of them alike); medians of wall-clock
@@ -87,9 +88,9 @@ def passes(model: torch.nn.Module, blocks: torch.Tensor,
 
     runs = {"forward": forward, "forward_backward": forward_backward, "stats": stats(),
             "loss_stats": stats(loss_aware=True), "reroute_stats": stats(reroute=True)}
-    if choice is not None:
+    strategy = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
+    if choice is not None and len(strategy.settings(model.config.model_type)) > 1:  # a layout where auto tries plans
         computed = ompmoe.collect_stats(model, blocks.split(BATCH_SIZE), progress=False, loss_aware=True)
-        strategy = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
         runs["auto_choice"] = lambda: ompmoe.choose_plan(model, strategy.candidates(computed), choice, BATCH_SIZE)
     return runs
 
@@ -167,7 +168,9 @@ def memory_in_subprocesses(args: argparse.Namespace) -> dict[str, dict[str, Any]
         done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"memory pass {name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if result is not None:
+            results[name] = result
     return results
 
 
@@ -254,7 +257,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model, blocks, choice = load(args)
     if args.memory_pass is not None:  # child process: one pass, one JSON line
-        run = passes(model, blocks, choice if args.memory_pass == "auto_choice" else None)[args.memory_pass]
+        run = passes(model, blocks, choice if args.memory_pass == "auto_choice" else None).get(args.memory_pass)
+        if run is None:  # auto_choice on a layout where auto tries nothing
+            print(json.dumps(None))
+            return {}
         print(json.dumps(measure_peak_memory(run)))
         return {}
     if args.no_time and args.no_memory:

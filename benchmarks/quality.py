@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               "repeats": args.timing_repeats, "torch": torch.__version__,
               **calibration_cost(model, calib_blocks[args.calibrations[-1]], args.timing_repeats, args,
                                  args.calibrations[-1])}
-    cost = {k: timing[f"seconds_{k}"] for k in calibration_cost_benchmark.PASSES}
+    cost = {k: timing[f"seconds_{k}"] for k in calibration_cost_benchmark.PASSES if f"seconds_{k}" in timing}
     print(f"calibration cost ({args.calib_blocks} x {args.seq_len} tokens, medians of {args.timing_repeats} "
           f"interleaved rounds):\n" + calibration_cost_benchmark.summary_line(timing), flush=True)
     heldout_stats = {d: ompmoe.collect_stats(model, b.split(8), model_id=args.model, source=f"heldout:{d}")

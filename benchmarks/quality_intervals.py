@@ -86,6 +86,22 @@ def block_nll(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8)
     return torch.cat(sums)
 
 
+@torch.no_grad()
+def log_probs(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """Next-token log-probabilities of ``model`` on ``blocks`` (``[blocks, seq_len, vocab]``)."""
+    return torch.cat([torch.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in blocks.split(batch_size)])
+
+
+def selection_score(pruned: torch.nn.Module, blocks: torch.Tensor, reference: torch.Tensor | None, by: str) -> float:
+    """What ``select`` minimizes: the summed NLL of ``blocks`` (``loss``) or the mean per-token
+    ``KL(unpruned || pruned)`` against the unpruned ``reference`` log-probabilities (``kl``)."""
+    if by == "loss":
+        return float(block_nll(pruned, blocks).sum())
+    assert reference is not None
+    mine = log_probs(pruned, blocks)
+    return float((reference.exp() * (reference - mine)).sum(-1).mean())
+
+
 def geometric_ppl(nll: dict[str, torch.Tensor], tokens_per_block: int, draw_weights: torch.Tensor,
                   block_weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """Geometric mean over domains of the perplexity pooled over weighted draws and blocks.
@@ -154,6 +170,8 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"{name}: unpruned held-out perplexity " + ", ".join(
         f"{d} {math.exp(float(v.sum()) / (v.numel() * (args.seq_len - 1))):.2f}" for d, v in base.items())
         + f" ({', '.join(f'{len(b)}' for b in heldout.values())} blocks)", flush=True)
+    reference = ({c: log_probs(model, b) for c, b in selection.items()}
+                 if args.select and args.select_by == "kl" else {})
     cache: dict[tuple, dict[str, Any]] = {}
     chosen_by: dict[tuple, str] = {}
     rows = []
@@ -174,7 +192,8 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                         pruned = ompmoe.prune(_copy(model), plan)
                         cache[key] = {d: block_nll(pruned, b) for d, b in heldout.items()}
                         if args.select:
-                            cache[key]["select"] = {c: float(block_nll(pruned, b).sum()) for c, b in selection.items()}
+                            cache[key]["select"] = {c: selection_score(pruned, b, reference.get(c), args.select_by)
+                                                    for c, b in selection.items()}
                         del pruned
                     for d in heldout:
                         nll[d][p, draw] = cache[key][d]
@@ -250,6 +269,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="also measure 'select': per draw, the pair of these (each also in --pairs) whose pruned "
                              "model has the lowest loss on --select_blocks held-out calibration blocks")
     parser.add_argument("--select_blocks", type=int, default=8)
+    parser.add_argument("--select_by", choices=["loss", "kl"], default="loss",
+                        help="select's criterion: next-token loss, or KL(unpruned || pruned), on the select blocks")
     parser.add_argument("--calibrations", nargs="+", default=["prose", "code", "mix"])
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     parser.add_argument("--draws", type=int, default=3)

@@ -86,9 +86,10 @@ class ExpertPruning(Callback):
 
     Args:
         strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")``: ratio 0.5 with
-            the setting recommended for the model's architecture (the statistics it needs are collected; the paper's
-            method is ``PruningStrategy(method="omp", allocation="waterfill")``). Any object with
-            ``validate(routings)`` and ``plan(stats)`` works.
+            the settings measured for the model's layout, the better of two tried on ``choice_blocks`` for softmax
+            routers (the statistics they need are collected; the paper's method is
+            ``PruningStrategy(method="omp", allocation="waterfill")``). Any object with ``validate(routings)`` and
+            ``plan(stats)`` works.
         output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/``
             (atomically). ``None`` writes nothing.
         overwrite: Replace an existing ``output_dir``.
@@ -117,11 +118,11 @@ class ExpertPruning(Callback):
         evaluate_on: Held-out sets to report what pruning cost on (``heldout:prose``, ``heldout:code`` or any
             calibration source): rank 0 prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
         evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
-        choice_blocks: With ``method``/``allocation`` ``auto``: blocks of calibration text after the calibration
-            blocks (the data module's ``choice_blocks(n)``, e.g. ``ompmoe.CalibrationDataModule``) on which each
-            candidate plan is tried; the plan whose pruned model has the lowest loss there is kept
-            (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth). ``0``, or a
-            data module without ``choice_blocks``: the setting recommended for the architecture.
+        choice_blocks: With ``method``/``allocation`` ``auto`` on a layout with several settings (softmax routers):
+            blocks of calibration text after the calibration blocks (the data module's ``choice_blocks(n)``, e.g.
+            ``ompmoe.CalibrationDataModule``) on which each candidate plan is tried; the plan whose pruned model has
+            the lowest loss there is kept (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048
+            tokens' worth). ``0``, or a data module without ``choice_blocks``: the layout's first setting.
     """
 
     def __init__(

@@ -39,10 +39,12 @@ class ArchitectureSpec:
     """Names of the fused experts' ``forward`` arguments (GPT-OSS: ``router_indices``, ``routing_weights``)."""
     count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
     """Attributes of the router and experts modules that hold the expert count (updated by pruning)."""
-    recommended: tuple[str, str] = ("omp_normalized", "loss")
-    """``(method, allocation)`` that ``PruningStrategy(method="auto")`` uses for this architecture: the measured best
-    of its layout (docs/quality/intervals.md; softmax routers: the token-normalized pursuit with the loss allocation,
-    sigmoid routers with a shared expert and group routing: REAP's saliency with water-filling)."""
+    auto: tuple[tuple[str, str], ...] = ("omp_normalized", "loss"), ("omp", "waterfill")
+    """``(method, allocation)`` settings ``PruningStrategy(method="auto")`` tries for this layout, the plan whose pruned
+    model has the lowest loss on held-out calibration blocks kept; the first is taken when there are no such blocks
+    (docs/quality/intervals.md). Softmax routers: the token-normalized pursuit with the loss allocation (the best with
+    a few large experts) and the paper's setting (the best with many small ones); sigmoid routers with a shared expert
+    and group routing: REAP's saliency with water-filling."""
     tiny_config: tuple[str, dict[str, Any]] | None = field(default=None, compare=False)
     """``(transformers config class name, overrides)`` of a tiny random test model (:mod:`ompmoe.engine.tiny`)."""
 
@@ -59,8 +61,9 @@ def _always_grouped(router: nn.Module) -> bool:
     return True
 
 
-SIGMOID_SHARED_GROUPED = ("reap", "waterfill")
-"""The recommended setting of the DeepSeek-V3 / GLM-4.5 layout (measured on ``shipped:tiny-moe-64``)."""
+SIGMOID_SHARED_GROUPED = (("reap", "waterfill"),)
+"""What ``auto`` takes on the DeepSeek-V3 / GLM-4.5 layout (measured on ``shipped:tiny-moe-64``), without a trial:
+on that layout the lowest held-out calibration loss did not find the best plan."""
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {}
 """Supported ``config.model_type`` values and their specs (add one with :func:`register_architecture`)."""
@@ -106,7 +109,7 @@ register_architecture("deepseek_v2", ArchitectureSpec(
         routed_scaling_factor=1.0)),
 ))
 register_architecture("deepseek_v3", ArchitectureSpec(
-    "gate", "n_routed_experts", _always_grouped, group_score_topk=2, recommended=SIGMOID_SHARED_GROUPED,
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2, auto=SIGMOID_SHARED_GROUPED,
     tiny_config=("DeepseekV3Config", dict(
         intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
@@ -114,7 +117,7 @@ register_architecture("deepseek_v3", ArchitectureSpec(
         routed_scaling_factor=2.5, norm_topk_prob=True)),
 ))
 register_architecture("glm4_moe", ArchitectureSpec(
-    "gate", "n_routed_experts", _always_grouped, group_score_topk=2, recommended=SIGMOID_SHARED_GROUPED,
+    "gate", "n_routed_experts", _always_grouped, group_score_topk=2, auto=SIGMOID_SHARED_GROUPED,
     tiny_config=("Glm4MoeConfig", dict(
         head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,

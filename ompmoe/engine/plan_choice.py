@@ -1,11 +1,10 @@
 """Choose among candidate plans by the pruned model's loss on held-out calibration blocks.
 
-No single method + allocation is best on every MoE layout (docs/quality/intervals.md): the token-normalized
-pursuit wins on few large softmax experts, the paper's pursuit on many small ones, REAP's saliency on sigmoid
-routers with a shared expert. ``method="auto"`` therefore plans with each candidate setting (one statistics
-pass serves them all) and keeps the plan whose pruned model predicts held-out calibration text best: a few
-forward passes on blocks the statistics never saw, run through :func:`~ompmoe.engine.trial.pruned_view`
-(no copy of the model).
+No single method + allocation is best on every softmax-routed MoE (docs/quality/intervals.md): the
+token-normalized pursuit wins with a few large experts, the paper's pursuit with many small ones. ``method="auto"``
+therefore plans with each setting of the layout (one statistics pass serves them all) and keeps the plan whose
+pruned model predicts held-out calibration text best: one forward per candidate over blocks the statistics never
+saw, run through :func:`~ompmoe.engine.trial.pruned_view` (no copy of the model).
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from .trial import pruned_view
 
 CHOICE_TOKENS = 2048
 """Held-out calibration tokens ``auto`` tries its candidates on by default (``ceil(CHOICE_TOKENS / seq_len)`` blocks):
-enough to pick the best candidate in 26 of 27 measured cells (docs/quality/intervals.md), and a cost that does not
-grow with the calibration set (three forwards over these tokens)."""
+what the measurements used (docs/quality/intervals.md), at a cost that does not grow with the calibration set (one
+forward per candidate over these tokens)."""
 
 
 def default_choice_blocks(seq_len: int) -> int:

@@ -24,17 +24,19 @@ from .statistics import MoEStats
 class Strategy(Protocol):
     """What the callback and CLI need from a strategy (implement it to plug in your own decision)."""
 
-    def settings(self) -> list[tuple[str, str]]:
-        """The ``(method, allocation)`` settings ``auto`` tries (each half that is ``auto`` filled from
-        :data:`AUTO_CANDIDATES`, duplicates dropped); ``[(method, allocation)]`` without ``auto``."""
+    def settings(self, model_type: str | None) -> list[tuple[str, str]]:
+        """The ``(method, allocation)`` settings tried for ``model_type``: each of :func:`auto_settings` with the
+        halves that are not ``auto`` kept, duplicates dropped; ``[(method, allocation)]`` without ``auto``."""
+        if AUTO not in (self.method, self.allocation):
+            return [(self.method, self.allocation)]
         filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
-                  for method, allocation in AUTO_CANDIDATES]
+                  for method, allocation in auto_settings(model_type)]
         return list(dict.fromkeys(filled))
 
     def candidates(self, stats: MoEStats) -> list[PruningPlan]:
         """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
         return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
-                for method, allocation in self.settings()]
+                for method, allocation in self.settings(stats.model_type)]
 
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Raise before any expensive work if the strategy cannot be applied to these layers."""
@@ -44,17 +46,14 @@ class Strategy(Protocol):
 
 
 AUTO = "auto"
-"""``method`` / ``allocation`` value: try each of :data:`AUTO_CANDIDATES` and keep the plan whose pruned model has the
-lowest loss on held-out calibration blocks (:mod:`ompmoe.engine.plan_choice`); without such blocks, the setting
-recommended for the model's architecture (``ArchitectureSpec.recommended``)."""
-
-AUTO_CANDIDATES: tuple[tuple[str, str], ...] = (("omp", "waterfill"), ("omp_normalized", "loss"), ("reap", "waterfill"))
-"""``(method, allocation)`` settings that ``auto`` tries: the paper's, and the measured best of each layout
-(docs/quality/intervals.md)."""
+"""``method`` / ``allocation`` value: the settings of the model's layout (``ArchitectureSpec.auto``); where there are
+several, the plan whose pruned model has the lowest loss on held-out calibration blocks (:mod:`ompmoe.engine.plan_choice`),
+without such blocks the first."""
 
 
-def recommended_setting(model_type: str | None) -> tuple[str, str]:
-    """``(method, allocation)`` recommended for ``model_type`` by the measurements in docs/quality/intervals.md."""
+def auto_settings(model_type: str | None) -> tuple[tuple[str, str], ...]:
+    """``(method, allocation)`` settings ``auto`` tries for ``model_type`` (``ArchitectureSpec.auto``; measured in
+    docs/quality/intervals.md), the one it takes without held-out blocks first."""
     spec = ARCHITECTURES.get(model_type) if model_type is not None else None
     if spec is None:
         raise ValueError(
@@ -62,7 +61,12 @@ def recommended_setting(model_type: str | None) -> tuple[str, str]:
             f"statistics name {'no architecture' if model_type is None else f'model_type {model_type!r}'}; name "
             f"them instead, e.g. method='omp_normalized', allocation='loss' (supported: {', '.join(sorted(ARCHITECTURES))})."
         )
-    return spec.recommended
+    return spec.auto
+
+
+def recommended_setting(model_type: str | None) -> tuple[str, str]:
+    """The ``(method, allocation)`` ``auto`` takes for ``model_type`` when it cannot try its settings."""
+    return auto_settings(model_type)[0]
 
 
 @dataclass
@@ -71,11 +75,12 @@ class PruningStrategy:
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: try the
-            settings of :data:`AUTO_CANDIDATES` and keep the plan whose pruned model has the lowest loss on held-out
-            calibration blocks (what ``ExpertPruning``, ``FabricCalibration`` and ``ompmoe fit`` do, through
-            :meth:`candidates` and :func:`~ompmoe.choose_plan`); :meth:`plan` alone, with no model to try plans on,
-            takes the setting recommended for the model's architecture (:func:`recommended_setting`).
+        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: the
+            setting measured best for the model's layout (``ArchitectureSpec.auto``); where it lists several
+            (softmax routers), the one whose plan's pruned model has the lowest loss on held-out calibration blocks
+            (what ``ExpertPruning``, ``FabricCalibration`` and ``ompmoe fit`` do, through :meth:`candidates` and
+            :func:`~ompmoe.choose_plan`); :meth:`plan` alone, with no model to try plans on, takes the first
+            (:func:`recommended_setting`).
         allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's greedy), or
             ``auto`` (as ``method``).
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
@@ -102,17 +107,19 @@ class PruningStrategy:
         return dataclasses.replace(self, method=method if self.method == AUTO else self.method,
                                    allocation=allocation if self.allocation == AUTO else self.allocation)
 
-    def settings(self) -> list[tuple[str, str]]:
-        """The ``(method, allocation)`` settings ``auto`` tries (each half that is ``auto`` filled from
-        :data:`AUTO_CANDIDATES`, duplicates dropped); ``[(method, allocation)]`` without ``auto``."""
+    def settings(self, model_type: str | None) -> list[tuple[str, str]]:
+        """The ``(method, allocation)`` settings tried for ``model_type``: each of :func:`auto_settings` with the
+        halves that are not ``auto`` kept, duplicates dropped; ``[(method, allocation)]`` without ``auto``."""
+        if AUTO not in (self.method, self.allocation):
+            return [(self.method, self.allocation)]
         filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
-                  for method, allocation in AUTO_CANDIDATES]
+                  for method, allocation in auto_settings(model_type)]
         return list(dict.fromkeys(filled))
 
     def candidates(self, stats: MoEStats) -> list[PruningPlan]:
         """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
         return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
-                for method, allocation in self.settings()]
+                for method, allocation in self.settings(stats.model_type)]
 
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Refuse bad arguments and infeasible budgets (an ``auto`` method is checked once resolved)."""

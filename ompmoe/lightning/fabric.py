@@ -130,7 +130,7 @@ class FabricCalibration:
         fabric: The launched :class:`lightning.fabric.Fabric`.
         model: The model ``fabric.setup`` returned (a Hugging Face MoE causal LM inside).
         strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")`` (ratio 0.5, the
-            setting recommended for the architecture, whose statistics are then collected), as ``ExpertPruning``.
+            settings measured for the model's layout, whose statistics are then collected), as ``ExpertPruning``.
         output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json``, ``plots/`` and ``model/``
             (atomically: a killed run leaves no partial output). ``None`` writes nothing.
         overwrite: Replace an existing ``output_dir`` (one written by ompmoe).
@@ -308,10 +308,11 @@ class FabricCalibration:
         Returns the plan (the same on every rank). Afterwards ``stats``, ``plan`` and, on rank 0
         (every rank without sharding), ``pruned_model`` hold the results.
 
-        ``choice_blocks``: with ``method``/``allocation`` ``auto``, ``(num_blocks, seq_len)`` token ids of calibration
-        text the loop did not feed (e.g. ``CalibrationDataModule.choice_blocks(8)``); rank 0 tries every candidate
-        plan on them and keeps the one whose pruned model has the lowest loss (:func:`ompmoe.choose_plan`). Without
-        them ``auto`` takes the setting recommended for the architecture.
+        ``choice_blocks``: with ``method``/``allocation`` ``auto`` on a layout with several settings (softmax
+        routers), ``(num_blocks, seq_len)`` token ids of calibration text the loop did not feed (e.g.
+        ``CalibrationDataModule.choice_blocks()``); rank 0 tries every candidate plan on them and keeps the one whose
+        pruned model has the lowest loss (:func:`ompmoe.choose_plan`). Without them ``auto`` takes the layout's first
+        setting.
         """
         self._check_open()
         fabric = self.fabric
@@ -322,7 +323,8 @@ class FabricCalibration:
         model = unsharded(self.hf_model, fabric.is_global_zero)
         choice = None
         if choice_blocks is not None and AUTO in (getattr(self.strategy, "method", None),
-                                                  getattr(self.strategy, "allocation", None)):
+                                                  getattr(self.strategy, "allocation", None)) \
+                and len(self.strategy.settings(stats.model_type)) > 1:  # type: ignore[attr-defined]
             candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
             choice = on_rank_zero(fabric, lambda: choose_plan(model, candidates, choice_blocks))
             plan = candidates[choice.index]

@@ -57,16 +57,16 @@ def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple
                         model_type: str | None = None) -> list[str]:
     """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected.
 
-    Returns the statistics to collect: ``statistics`` plus what every setting an ``auto`` strategy tries (and its
-    fallback, the recommended setting for ``model_type``) needs. ``owner`` names the class whose option the message
+    Returns the statistics to collect: ``statistics`` plus what every setting an ``auto`` strategy tries for
+    ``model_type`` needs. ``owner`` names the class whose option the message
     points to.
     """
     statistics = list(statistics)
     for strategy in strategies:
         resolved = strategy.resolved(model_type) if hasattr(strategy, "resolved") else strategy
         tried = [strategy]
-        if resolved is not strategy:  # ``auto``: what each setting it tries, and its fallback, need
-            tried = [resolved, *(dataclasses.replace(strategy, method=m, allocation=a) for m, a in strategy.settings())]
+        if resolved is not strategy:  # ``auto``: what each setting it tries needs
+            tried = [dataclasses.replace(strategy, method=m, allocation=a) for m, a in strategy.settings(model_type)]
             for each in tried:
                 statistics = selected_statistics([*statistics, *required_statistics(each.method, each.allocation)])
         for each in tried:
@@ -87,7 +87,8 @@ def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | N
 
 def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, owner: str,
                 model_type: str | None) -> torch.Tensor | None:
-    """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no ``auto``, no trial).
+    """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no ``auto``, or a layout
+    with one setting: no trial).
 
     Cut before the statistics pass, so too little text fails before any model work. A data module without
     ``choice_blocks(n)`` gets a warning naming the fallback (the setting recommended for ``model_type``);
@@ -95,7 +96,7 @@ def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, own
     """
     if AUTO not in (getattr(strategy, "method", None), getattr(strategy, "allocation", None)) or num_blocks == 0:
         return None
-    if len(strategy.settings()) == 1:  # type: ignore[attr-defined]
+    if len(strategy.settings(model_type)) == 1:  # type: ignore[attr-defined]  (one setting for this layout: no trial)
         return None
     if not callable(getattr(datamodule, "choice_blocks", None)):
         rank_zero_warn(

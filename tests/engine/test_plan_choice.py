@@ -11,7 +11,8 @@ import torch
 import ompmoe
 from ompmoe.engine.plan_choice import choose_plan
 from ompmoe.engine.perplexity import perplexity
-from ompmoe.engine.strategy import AUTO_CANDIDATES, PruningStrategy
+from ompmoe.engine.adapters import SIGMOID_SHARED_GROUPED
+from ompmoe.engine.strategy import PruningStrategy, auto_settings
 from ompmoe.engine.tiny import tiny_model
 
 from reference import random_ids
@@ -28,21 +29,25 @@ def literal_loss(model: torch.nn.Module, plan: ompmoe.PruningPlan, blocks: torch
     return math.log(perplexity(ompmoe.prune(copy.deepcopy(model), plan), blocks))
 
 
-def test_auto_tries_the_paper_and_each_layouts_best_and_a_fixed_half_stays_fixed():
-    assert PruningStrategy(method="auto", allocation="auto").settings() == list(AUTO_CANDIDATES) == [
-        ("omp", "waterfill"), ("omp_normalized", "loss"), ("reap", "waterfill")]
-    assert PruningStrategy(method="omp", allocation="auto").settings() == [("omp", "waterfill"), ("omp", "loss")]
-    assert PruningStrategy(method="auto", allocation="uniform").settings() == [
-        ("omp", "uniform"), ("omp_normalized", "uniform"), ("reap", "uniform")]
-    assert PruningStrategy(method="reap", allocation="waterfill").settings() == [("reap", "waterfill")]
+SOFTMAX = [("omp_normalized", "loss"), ("omp", "waterfill")]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+def test_auto_tries_the_settings_of_the_layout_and_a_fixed_half_stays_fixed():
+    auto = PruningStrategy(method="auto", allocation="auto")
+    assert auto.settings("qwen3_moe") == list(auto_settings("qwen3_moe")) == SOFTMAX
+    assert auto.settings("glm4_moe") == auto.settings("deepseek_v3") == list(SIGMOID_SHARED_GROUPED) == [("reap", "waterfill")]
+    assert PruningStrategy(method="omp", allocation="auto").settings("qwen3_moe") == [("omp", "loss"), ("omp", "waterfill")]
+    assert PruningStrategy(method="auto", allocation="uniform").settings("mixtral") == [
+        ("omp_normalized", "uniform"), ("omp", "uniform")]
+    assert PruningStrategy(method="reap", allocation="waterfill").settings("qwen3_moe") == [("reap", "waterfill")]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_candidates_are_the_plans_of_each_setting_and_the_choice_has_the_lowest_literal_loss(model_type):
     model, stats = calibrated(model_type)
     strategy = PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
     candidates = strategy.candidates(stats)
-    for plan, (method, allocation) in zip(candidates, AUTO_CANDIDATES, strict=True):
+    for plan, (method, allocation) in zip(candidates, SOFTMAX, strict=True):
         assert plan == ompmoe.plan_pruning(stats, 0.5, method=method, allocation=allocation, min_kept_fraction=0.25)
     held_out = random_ids(batch=3, seq=16, seed=99)
     literal = [literal_loss(model, plan, held_out) for plan in candidates]
@@ -54,7 +59,13 @@ def test_candidates_are_the_plans_of_each_setting_and_the_choice_has_the_lowest_
     assert choice.index == literal.index(min(literal)) and choice.plan is candidates[choice.index]
     assert choice.summary() == (
         f"chose {choice.plan.method} + {choice.plan.allocation} by its loss on held-out calibration blocks ("
-        + ", ".join(f"{m} + {a} {loss:.4f}" for (m, a), loss in zip(AUTO_CANDIDATES, choice.losses.values())) + ")")
+        + ", ".join(f"{m} + {a} {loss:.4f}" for (m, a), loss in zip(SOFTMAX, choice.losses.values())) + ")")
+
+
+def test_a_layout_with_one_setting_has_one_candidate_the_recommended_plan():
+    model, stats = calibrated("glm4_moe")
+    auto = PruningStrategy(ratio=0.5, method="auto", allocation="auto")
+    assert auto.candidates(stats) == [auto.plan(stats)] == [ompmoe.plan_pruning(stats, 0.5, method="reap")]
 
 
 def test_equal_candidates_are_measured_once_and_the_first_wins(monkeypatch):

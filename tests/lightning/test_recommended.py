@@ -1,5 +1,5 @@
-"""``method="auto"``: candidate plans tried on held-out calibration blocks in fits, else the setting recommended per
-architecture (ArchitectureSpec.recommended)."""
+"""``method="auto"``: the settings of the model's layout (ArchitectureSpec.auto), tried on held-out calibration blocks
+in fits where there are several, else the first."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from reference import batches, trainer
 
 def test_softmax_layouts_get_the_normalized_pursuit_and_sigmoid_grouped_ones_reap():
     assert recommended_setting("qwen3_moe") == ("omp_normalized", "loss")
-    assert recommended_setting("glm4_moe") == recommended_setting("deepseek_v3") == SIGMOID_SHARED_GROUPED == ("reap", "waterfill")
-    assert all(spec.recommended[0] in ompmoe.METHODS and spec.recommended[1] in ompmoe.ALLOCATIONS
-               for spec in ARCHITECTURES.values())
+    assert recommended_setting("glm4_moe") == recommended_setting("deepseek_v3") == SIGMOID_SHARED_GROUPED[0] == (
+        "reap", "waterfill")
+    assert all(method in ompmoe.METHODS and allocation in ompmoe.ALLOCATIONS
+               for spec in ARCHITECTURES.values() for method, allocation in spec.auto)
 
 
 def test_auto_plans_exactly_as_the_recommended_setting_named_explicitly():
@@ -98,12 +99,21 @@ def test_with_a_calibration_data_module_auto_tries_its_candidates_on_the_blocks_
 def test_auto_without_blocks_to_try_its_candidates_on_says_so_and_takes_the_recommended_setting():
     callback = ExpertPruning(choice_blocks=2)
     with pytest.warns(UserWarning) as caught:
-        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:glm4_moe"), DataLoader(batches(2), batch_size=2))
+        trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2), batch_size=2))
     assert [str(w.message) for w in caught if "choice_blocks" in str(w.message)] == [
         "ExpertPruning: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, but the "
         "data module (NoneType) has no choice_blocks(n) (ompmoe.CalibrationDataModule has); using the setting "
-        "recommended for glm4_moe instead. Pass choice_blocks=0 to silence this."]
-    assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == SIGMOID_SHARED_GROUPED
+        "recommended for qwen3_moe instead. Pass choice_blocks=0 to silence this."]
+    assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == ("omp_normalized", "loss")
+
+
+def test_a_layout_with_one_setting_takes_it_without_a_trial_or_a_warning(recwarn):
+    data = ompmoe.CalibrationDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2)
+    callback = ExpertPruning()
+    trainer(callbacks=[callback]).fit(CalibrationModule("tiny:glm4_moe"), datamodule=data)
+    assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == SIGMOID_SHARED_GROUPED[0]
+    assert not [w for w in recwarn if "choice_blocks" in str(w.message)]
+    assert callback.stats.layers[0].gram_loss is None  # REAP needs no backward
 
 
 def test_too_little_text_for_the_choice_blocks_fails_before_the_statistics_pass(tmp_path):
