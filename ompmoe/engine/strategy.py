@@ -24,20 +24,6 @@ from .statistics import MoEStats
 class Strategy(Protocol):
     """What the callback and CLI need from a strategy (implement it to plug in your own decision)."""
 
-    def settings(self, model_type: str | None) -> list[tuple[str, str]]:
-        """The ``(method, allocation)`` settings tried for ``model_type``: each of :func:`auto_settings` with the
-        halves that are not ``auto`` kept, duplicates dropped; ``[(method, allocation)]`` without ``auto``."""
-        if AUTO not in (self.method, self.allocation):
-            return [(self.method, self.allocation)]
-        filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
-                  for method, allocation in auto_settings(model_type)]
-        return list(dict.fromkeys(filled))
-
-    def candidates(self, stats: MoEStats) -> list[PruningPlan]:
-        """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
-        return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
-                for method, allocation in self.settings(stats.model_type)]
-
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Raise before any expensive work if the strategy cannot be applied to these layers."""
 

@@ -324,6 +324,7 @@ class FabricCalibration:
         choice = None
         if choice_blocks is not None and AUTO in (getattr(self.strategy, "method", None),
                                                   getattr(self.strategy, "allocation", None)) \
+                and callable(getattr(self.strategy, "settings", None)) \
                 and len(self.strategy.settings(stats.model_type)) > 1:  # type: ignore[attr-defined]
             candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
             choice = on_rank_zero(fabric, lambda: choose_plan(model, candidates, choice_blocks))

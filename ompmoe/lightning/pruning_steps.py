@@ -94,7 +94,8 @@ def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, own
     ``choice_blocks(n)`` gets a warning naming the fallback (the setting recommended for ``model_type``);
     ``num_blocks=None`` takes the data module's default.
     """
-    if AUTO not in (getattr(strategy, "method", None), getattr(strategy, "allocation", None)) or num_blocks == 0:
+    if AUTO not in (getattr(strategy, "method", None), getattr(strategy, "allocation", None)) or num_blocks == 0 \
+            or not callable(getattr(strategy, "settings", None)):  # a strategy of the user's own: nothing to try
         return None
     if len(strategy.settings(model_type)) == 1:  # type: ignore[attr-defined]  (one setting for this layout: no trial)
         return None

@@ -89,3 +89,14 @@ def test_bad_choice_input_is_refused_with_the_shape_it_needs():
     with pytest.raises(ValueError) as error:
         choose_plan(model, [ompmoe.plan_pruning(stats, 0.5)], torch.arange(16))
     assert str(error.value) == "choose_plan needs (num_blocks, seq_len) token ids with seq_len >= 2; got shape (16,)."
+
+
+def test_a_strategy_of_ones_own_still_needs_only_validate_and_plan():
+    class KeepAll:
+        def validate(self, routings):
+            return None
+
+        def plan(self, stats):
+            return ompmoe.plan_pruning(stats, 0.0)
+
+    assert isinstance(KeepAll(), ompmoe.Strategy) and not hasattr(KeepAll(), "settings")
