@@ -1,16 +1,14 @@
 """One forward pass that streams per-layer statistics, running every expert FFN exactly once.
 
-Each MoE layer's fused ``experts`` module is called once per batch with its top-k slots
-flattened to one (token, expert) pair per row and unit weights. That reuses whatever experts
-implementation the model is configured with (``eager``, ``grouped_mm``, ``batched_mm``, custom
-gates such as GPT-OSS's clamped SwiGLU) and exposes ``F_e(x)`` for every routed pair; the block
-then gets back exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
+Each MoE layer's own ``experts`` module (whatever implementation the model uses) is called with its
+top-k slots flattened to one (token, expert) pair per row and unit weights, which exposes ``F_e(x)``
+for every routed pair; the block still gets exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 import warnings
 
@@ -19,7 +17,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .extensions import StatisticsExtension, extension
+from .extensions import PairCallback, StatisticsExtension, extension
 from .replay import replayable
 from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
@@ -27,10 +25,6 @@ from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
 CANCELLED_TOKEN = 1e-6
 """A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
 cancel to within float32 rounding) gets no weight in the token-normalized Gram."""
-
-PairCallback = Callable[..., None]
-"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
-``atoms`` is ``g * F`` exactly as the block output sums it (replayed or flattened call), so no callback forms it again."""
 
 
 @contextmanager
@@ -57,7 +51,8 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
             callback(index, top_k_index, top_k_weights, outputs, atoms)
             return output
         num_tokens, top_k = top_k_index.shape
-        if torch.is_grad_enabled() and _has_gradient_path(experts, hidden_states, top_k_weights):
+        graph_inputs = (hidden_states, top_k_weights, *(experts.parameters() if experts is not None else ()))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in graph_inputs):
             outputs = _per_expert_forward(native_forward, hidden_states, top_k_index, top_k_weights.dtype)
         else:
             pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
@@ -70,23 +65,14 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
     return forward
 
 
-def _has_gradient_path(experts: nn.Module | None, *inputs: torch.Tensor) -> bool:
-    if any(t.requires_grad for t in inputs):
-        return True
-    return experts is not None and any(p.requires_grad for p in experts.parameters())
-
-
 def _per_expert_forward(
     native_forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor, weight_dtype: torch.dtype
 ) -> torch.Tensor:
     """The flattened call's per-pair outputs ``(tokens * top_k, d)``, one native call per expert's pairs.
 
-    Used when the forward builds an autograd graph (loss-aware statistics). One call over all
-    ``tokens * top_k`` pairs makes the backward of every per-expert gather (the ``eager`` loop's
-    ``hidden[token_idx]``) fill and add a zero tensor the size of all the pairs, once per expert:
-    2x a plain backward on 64 experts. Each expert's pairs alone (a stable sort keeps the rows in
-    the flattened call's order) get the same computation, hence the same bits, forward and backward;
-    the two reorderings have exact gather backwards (:class:`_GatherRows`).
+    Used under autograd: one call over all pairs makes each per-expert gather's backward add a zero
+    tensor the size of all pairs (2x a plain backward on 64 experts). Per expert (stable sort) the
+    bits are the same, forward and backward.
     """
     num_tokens, top_k = top_k_index.shape
     sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -102,12 +88,10 @@ def _per_expert_forward(
 
 
 class _GatherRows(torch.autograd.Function):
-    """``source[rows]`` whose backward gathers too: ``grad[back]``, summed over the last dim of ``back``.
+    """``source[rows]`` whose backward gathers too (``grad[back]`` summed over ``back``'s last dim), not scatter-adds.
 
-    ``rows`` maps each output row to one source row and ``back`` (``(source rows, m)``) lists, per
-    source row, the output rows read from it. The autograd backward of an index would scatter-add
-    into zeros instead; here a row read once gets its gradient moved, and a token's ``top_k`` pairs
-    are summed in slot order, as the backward of ``repeat_interleave`` sums them.
+    ``back`` lists, per source row, the output rows read from it; a token's pairs are summed in slot
+    order, as the backward of ``repeat_interleave`` sums them.
     """
 
     @staticmethod
@@ -127,8 +111,7 @@ class _GatherRows(torch.autograd.Function):
 class MoEStatsMetric(Metric):
     """Sum-reduced torchmetrics states for every MoE layer, so DDP/FSDP ranks merge exactly.
 
-    Call :meth:`update` with one layer's routed pairs; ``token_weight`` (one value per token,
-    0 for padding or for samples a distributed sampler duplicated) scales every sum.
+    ``token_weight`` (per token, 0 for padding or samples a distributed sampler duplicated) scales every sum.
     """
 
     full_state_update = False
@@ -142,17 +125,14 @@ class MoEStatsMetric(Metric):
             n = layer.num_experts
             self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
             self.add_state(f"gram_normalized_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
-            # One stacked state for the per-expert sums, in PER_EXPERT_SUMS order: one index_add_ per batch.
-            self.add_state(f"expert_sums_{i}", torch.zeros(len(PER_EXPERT_SUMS), n, dtype=torch.float64), dist_reduce_fx="sum")
+            # Per-expert sums stacked in PER_EXPERT_SUMS order: one index_add_ per batch.
+            sums = torch.zeros(len(PER_EXPERT_SUMS), n, dtype=torch.float64)
+            self.add_state(f"expert_sums_{i}", sums, dist_reduce_fx="sum")
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.token_weight: torch.Tensor | None = None
 
     def set_token_weight(self, weight: torch.Tensor | None, num_tokens: int) -> None:
-        """Per-token weights for the next forward pass (flattened batch-major, as in the MoE blocks).
-
-        ``weight`` is an attention mask, possibly times a per-sample weight; ``None`` counts all
-        ``num_tokens`` tokens once.
-        """
+        """Per-token weights (a 0/1 mask, flattened batch-major) for the next forward; ``None`` counts all tokens."""
         if weight is None:
             self.token_weight = None
             self.num_tokens += num_tokens
@@ -177,8 +157,7 @@ class MoEStatsMetric(Metric):
     ) -> None:
         """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major.
 
-        ``atoms``, if given, are ``g * F`` as the experts computed them; they are used when they
-        are exactly the float32 atoms this method would form (float32 outputs and weights).
+        ``atoms`` (``g * F`` as the experts computed them) are used only when they are the float32 atoms formed here.
         """
         num_tokens, top_k = top_k_index.shape
         n = self.routing[index][1]["num_experts"]
@@ -196,8 +175,7 @@ class MoEStatsMetric(Metric):
                     f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
                     f"routed {num_tokens}; pass masks shaped like input_ids."
                 )
-            # Drop padding outright (its hidden states may even be non-finite). Weights are 0/1
-            # (set_token_weight checks), so every token left weighs exactly 1.
+            # Drop padding outright (its hidden states may be non-finite); weights are 0/1, so the rest weigh 1.
             keep = weight.to(device) > 0
             if not bool(keep.all()):
                 expert_out, gates, ids = expert_out[keep], gates[keep], ids[keep]
@@ -205,7 +183,7 @@ class MoEStatsMetric(Metric):
         if atoms is None:
             atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
         pair_products = torch.bmm(atoms, atoms.transpose(1, 2)).to(torch.float64)  # (T, k, k)
-        # Token-normalized Gram: each token's products divided by ||Y_x||^2 = sum of its products.
+        # Token-normalized Gram: each token's products over ||Y_x||^2 = sum of its products.
         output_energy = pair_products.sum(dim=(1, 2))
         atom_energy = pair_products.diagonal(dim1=1, dim2=2).sum(-1)
         valid = output_energy > CANCELLED_TOKEN * atom_energy
@@ -263,11 +241,7 @@ class CalibrationInputError(ValueError):
 
 
 def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> None:
-    """Refuse, before the forward, a batch whose statistics would be wrong rather than fail.
-
-    Masks must be 0/1 (a mask of 7s would count tokens seven times, -1s negatively), token ids
-    must index the embedding, and the batch must hold at least one row and one position.
-    """
+    """Refuse, before the forward, a batch whose statistics would be wrong: empty, bad token ids or a non-0/1 mask."""
     ids = inputs.get("input_ids")
     source = ids if ids is not None else inputs.get("inputs_embeds")
     key = "input_ids" if ids is not None else "inputs_embeds"
@@ -306,10 +280,7 @@ def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor
 
 @contextmanager
 def adaptive_paused(model: nn.Module) -> Iterator[bool]:
-    """Detach OMP-MoE+ adaptive hooks for the duration (settings and counters kept); yields whether any were on.
-
-    Statistics are defined on the full top-k routing; adaptive skipping would silently drop pairs.
-    """
+    """Detach OMP-MoE+ adaptive hooks meanwhile (statistics need the full top-k); yields whether any were on."""
     from .adaptive import STATE_ATTR, _AdaptiveState, _post_hook, _pre_hook
 
     paused = [m for m in model.modules() if isinstance(getattr(m, STATE_ATTR, None), _AdaptiveState)]
@@ -336,10 +307,7 @@ ADAPTIVE_WARNING = (
 
 
 class StatisticsCollector:
-    """Instruments a model so every forward pass adds to its statistics; usable outside a loop.
-
-    ``collect_stats`` drives it over an iterable; the Lightning callback drives it from a fit.
-    """
+    """Instruments a model so every forward pass adds to its statistics (driven by ``collect_stats`` or a callback)."""
 
     def __init__(
         self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False,
@@ -353,15 +321,14 @@ class StatisticsCollector:
         self.extensions: dict[str, StatisticsExtension] = {
             name: extension(name)(model, self.layers, lambda: self.metric.token_weight) for name in names
         }
-        """The optional statistics collected next to the core sums, by name (:mod:`ompmoe.engine.extensions`)."""
+        """The optional statistics collected next to the core sums, by name."""
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
-        self._context: Any = None
-        self._paused: Any = None
+        self._context: ExitStack | None = None
         self._warned = False
 
     def metrics(self) -> dict[str, Metric]:
-        """Every sum-state metric by its prefix in checkpoints: ``""`` for the core sums, ``"loss."``, ``"reroute."``, ..."""
+        """Every sum-state metric by its checkpoint prefix: ``""`` for the core sums, ``"loss."``, ``"reroute."``..."""
         return {"": self.metric, **{f"{ext.prefix}.": ext.metric for ext in self.extensions.values()}}
 
     def to(self, device: torch.device | str) -> StatisticsCollector:
@@ -371,42 +338,28 @@ class StatisticsCollector:
         return self
 
     def __enter__(self) -> StatisticsCollector:
-        self._paused = adaptive_paused(self.model)
-        if self._paused.__enter__() and not self._warned:
-            warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
-            self._warned = True
-        try:
+        with ExitStack() as stack:  # left in reverse: extensions detached, expert calls restored, adaptive resumed
+            if stack.enter_context(adaptive_paused(self.model)) and not self._warned:
+                warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
+                self._warned = True
             update = self.metric.update
-            # Extensions that run a backward wrap outermost: they silence the whole chain while a
-            # checkpointed forward is recomputed.
+            # Extensions that run a backward wrap outermost: they silence the chain during checkpoint recomputes.
             for ext in sorted(self.extensions.values(), key=lambda ext: ext.needs_gradients):
                 update = ext.wrap(update)
-            self._context = expose_expert_outputs(self.layers, update)
-            self._context.__enter__()
+            stack.enter_context(expose_expert_outputs(self.layers, update))
             for ext in self.extensions.values():
+                stack.callback(ext.detach)
                 ext.attach()
-        except BaseException:
-            self._paused.__exit__(None, None, None)
-            self._paused = None
-            raise
+            self._context = stack.pop_all()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for ext in reversed(self.extensions.values()):
-            ext.detach()
-        try:
-            self._context.__exit__(*exc)
-        finally:
-            self._context = None
-            if self._paused is not None:
-                self._paused.__exit__(None, None, None)
-                self._paused = None
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(*exc)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """Run the model once on ``inputs`` (inside the context) and account its tokens.
-
-        The batch is checked first (:func:`check_calibration_inputs`), so nothing is counted for a bad one.
-        """
+        """Run the model once on ``inputs`` (inside the context) and account its tokens; a bad batch counts nothing."""
         check_calibration_inputs(self.model, inputs)
         mask = inputs.get("attention_mask")
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
@@ -433,16 +386,12 @@ class StatisticsCollector:
         )
 
 
-def selected_statistics(statistics: Iterable[str] = (), *, loss_aware: bool = False, reroute: bool = False) -> list[str]:
+def selected_statistics(
+    statistics: Iterable[str] = (), *, loss_aware: bool = False, reroute: bool = False
+) -> list[str]:
     """The optional statistics to collect, in order: ``statistics`` plus the ``loss_aware``/``reroute`` shorthands."""
     names = list(statistics) + ["reroute"] * reroute + ["loss_aware"] * loss_aware
     return list(dict.fromkeys(names))
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for parameter in model.parameters():
-        return parameter.device
-    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -457,20 +406,12 @@ def collect_stats(
     reroute: bool = False,
     statistics: Iterable[str] = (),
 ) -> MoEStats:
-    """Stream OMP-MoE statistics over ``batches`` with one forward pass per batch.
+    """Stream OMP-MoE statistics over ``batches`` (input-id tensors or dicts for ``model(**batch)``), one forward each.
 
-    ``batches`` yields input-id tensors or dicts for ``model(**batch)``; padding marked by an
-    ``attention_mask`` is not counted. The model runs in eval mode (routers of Mixtral and
-    others add jitter in train mode) and is put back in its previous mode afterwards.
-
-    ``progress``: a bar on stderr, one step per batch: ``None`` (default) shows it when stderr is a
-    terminal, ``True`` always, ``False`` never. ``model_id`` and ``source`` are recorded in the
-    statistics (``stats.model_id``, ``stats.sources``).
-    ``loss_aware=True`` also runs one backward of the next-token loss per batch to the MoE
-    blocks' routed outputs (parameters frozen meanwhile) for :mod:`ompmoe.engine.loss_stats`.
-    ``reroute=True`` also collects the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats`.
-    ``statistics`` names optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`);
-    ``loss_aware`` and ``reroute`` are shorthands for two of them.
+    Masked padding is not counted; the model runs in eval mode (some routers jitter in train mode), then is restored.
+    ``progress``: a stderr bar (``None``: when stderr is a terminal). ``model_id``/``source`` are recorded.
+    ``statistics`` names optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`); ``loss_aware=True``
+    (one backward of the next-token loss per batch, parameters frozen) and ``reroute=True`` are shorthands.
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,
                                     loss_aware=loss_aware, reroute=reroute, statistics=statistics)
@@ -478,7 +419,7 @@ def collect_stats(
         ext.standalone()
     gradients = any(ext.needs_gradients for ext in collector.extensions.values())
     frozen = [p for p in model.parameters() if p.requires_grad] if gradients else []
-    device = _model_device(model)
+    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
     collector.to(device)
     was_training = model.training
     model.eval()

@@ -1,20 +1,12 @@
 """Optional statistics as plugins: one :class:`StatisticsExtension` per kind, held by the collector in a dict.
 
-The core pass (:mod:`ompmoe.engine.collect`) always streams the Gram, the token-normalized Gram and
-the per-expert sums. An extension adds more sums in the same forward pass: it owns its sum states
-(a torchmetrics :class:`LayerSumsMetric`, so ranks merge exactly), the hooks it attaches to the
-model, and the prefix of its states in Lightning checkpoints; it fills the
-:class:`~ompmoe.engine.statistics.LayerStats` fields named in ``tensors``. Methods and allocations
-declare the extensions they need (``SelectionMethod.statistics``, ``register_allocation(...,
-statistics=...)``) and :func:`check_statistics` refuses, before calibration, a strategy whose
-statistics would not be collected. A new kind is one module with a registered subclass, imported in
-:func:`statistics_extensions`.
+An extension adds sums to the core pass (:mod:`ompmoe.engine.collect`) in the same forward: its sum states,
+hooks and checkpoint prefix; methods and allocations declare the ones they need (see docs/statistics.md).
 """
 
 from __future__ import annotations
 
 import importlib
-
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -27,14 +19,12 @@ if TYPE_CHECKING:
     from .statistics import LayerStats
 
 PairCallback = Callable[..., None]
-"""``(layer_index, top_k_index, top_k_weights, expert_outputs[, atoms])``, see :mod:`ompmoe.engine.collect`."""
+"""``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
+``atoms`` is ``g * F`` exactly as the block output sums it, so no callback forms it again."""
 
 
 class LayerSumsMetric(Metric):
-    """Sum-reduced float64 states ``{key}_{layer}`` for every MoE layer: ``(N, N)`` Grams or ``(N,)`` vectors.
-
-    ``keys`` maps each state to ``"gram"`` or ``"vector"``; :meth:`compute` returns them per layer.
-    """
+    """Sum-reduced float64 states ``{key}_{layer}`` per MoE layer; ``keys`` maps each to ``"gram"`` or ``"vector"``."""
 
     full_state_update = False
     is_differentiable = False
@@ -55,7 +45,8 @@ class LayerSumsMetric(Metric):
     def update(self, index: int, key: str, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values`` at the flat ``positions`` of layer ``index``'s ``key`` (``e * N + f`` in a Gram)."""
         state = self.state(key, index)
-        state.view(-1).index_add_(0, positions.reshape(-1).to(state.device), values.reshape(-1).to(state.device, torch.float64))
+        values = values.reshape(-1).to(state.device, torch.float64)
+        state.view(-1).index_add_(0, positions.reshape(-1).to(state.device), values)
 
     def compute(self) -> list[dict[str, torch.Tensor]]:
         """Per layer, the summed tensors (over ranks when distributed)."""
@@ -65,10 +56,8 @@ class LayerSumsMetric(Metric):
 class StatisticsExtension:
     """One kind of optional statistics: its sums (``metric``), the hooks it attaches, its checkpoint prefix.
 
-    Subclasses set the class variables, build ``self.metric`` (a :class:`LayerSumsMetric`) and
-    ``self.recorder`` (an object with ``attach()``/``detach()`` that registers and removes the hooks
-    feeding the metric) in ``__init__``, and may chain into the per-pair callback of the core pass
-    (:meth:`wrap`).
+    Subclasses set the class variables and build ``self.metric`` (a :class:`LayerSumsMetric`) and ``self.recorder``
+    (``attach()``/``detach()`` of the hooks feeding it) in ``__init__``; :meth:`wrap` may chain into the callback.
     """
 
     name: ClassVar[str] = ""
@@ -80,8 +69,7 @@ class StatisticsExtension:
     prefix: ClassVar[str] = ""
     """Prefix of the metric's states in Lightning checkpoints (``prefix.state``)."""
     tensors: ClassVar[tuple[str, ...]] = ()
-    """The :class:`~ompmoe.engine.statistics.LayerStats` tensors it fills (saved under these names; those
-    starting with ``gram`` are ``(N, N)``, the others ``(N,)``); a name that is no field lands in ``extra``."""
+    """The ``LayerStats`` tensors it fills (``gram*`` are ``(N, N)``, others ``(N,)``; non-fields go to ``extra``)."""
     signed: ClassVar[tuple[str, ...]] = ()
     """Those of ``tensors`` that may be negative (the others are sums of squares or counts)."""
     needs_gradients: ClassVar[bool] = False
@@ -90,7 +78,9 @@ class StatisticsExtension:
     metric: LayerSumsMetric
     recorder: Any
 
-    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
+    ) -> None:
         self.model, self.layers, self.token_weight = model, layers, token_weight
 
     @classmethod
@@ -126,7 +116,8 @@ E = TypeVar("E", bound=type[StatisticsExtension])
 def register_statistics(cls: E) -> E:
     """Class decorator: add a :class:`StatisticsExtension` subclass to :data:`STATISTICS` under ``cls.name``."""
     if not (isinstance(cls, type) and issubclass(cls, StatisticsExtension) and cls.name and cls.prefix and cls.tensors):
-        raise TypeError(f"register_statistics needs a StatisticsExtension subclass with name, prefix and tensors; got {cls!r}.")
+        raise TypeError(
+            f"register_statistics needs a StatisticsExtension subclass with name, prefix and tensors; got {cls!r}.")
     STATISTICS[cls.name] = cls
     return cls
 
@@ -157,8 +148,7 @@ def extension_providing(key: str) -> type[StatisticsExtension] | None:
 def required_statistics(method: Any = None, allocation: Any = None) -> dict[str, list[str]]:
     """``{extension name: ["method 'x'", "allocation 'y'"]}``: the optional statistics a method and an allocation need.
 
-    ``method`` is a registered name or a :class:`~ompmoe.engine.methods.SelectionMethod`; unknown names need
-    nothing here (their own error comes when the strategy is validated).
+    ``method`` is a registered name or a ``SelectionMethod``; unknown names need nothing here (validated later).
     """
     from .allocation import allocation_statistics
     from .methods import METHODS
@@ -182,6 +172,6 @@ def check_statistics(strategy: object, collected: Collection[str], owner: str = 
         if name not in collected:
             cls = extension(name)
             raise ValueError(
-                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, which this calibration would "
-                f"not collect: pass {owner}(..., {cls.how()})."
+                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, "
+                f"which this calibration would not collect: pass {owner}(..., {cls.how()})."
             )

@@ -1,23 +1,8 @@
-"""Atomic outputs that never lose a user's files.
+"""Atomic outputs that never lose a user's files (rules and guarantees: docs/outputs.md).
 
-Rules (see README "Reliability"):
-
-* An output is written into a hidden temporary sibling (``.{name}.{host}-{pid}.{random}.tmp``) and renamed into
-  place only on success, so a reader sees the old output or the new one, never a mix.
-* Only what ompmoe made is ever replaced: a directory output carries a marker file (:data:`MARKER`); an existing
-  directory without it (unless empty), the current working directory or a directory holding the run's inputs is
-  refused, and a single-file output replaces only a regular file.
-* ``overwrite=False`` is checked again at commit, so an output that appeared while the job ran is kept.
-* Replacing a directory swaps it atomically (``renameat2(RENAME_EXCHANGE)`` where the kernel offers it; otherwise
-  old -> aside name, new -> target) and deletes the old one last. Temporaries and aside copies left by killed runs
-  are cleaned (or the aside copy restored) by the next run for the same target, only when their run is known dead.
-* A run holds an ``flock`` on a sibling lock file (``.{name}.{host}-{pid}.{random}.lock``) from before its temporary
-  exists until it is gone. The kernel drops the lock when the process dies, in any PID namespace or container, so
-  a lock that can be taken marks a dead run. Where the file system has no ``flock``, the lock file's contents (host,
-  boot id, PID namespace, pid) decide; without a lock file nothing is deleted.
-* Output paths are checked up front: a name too long for its temporary sibling is refused, and ``..`` is resolved
-  (``X/new/..`` is ``X``), so no directory is created for a path that does not need it. Directories created for an
-  output are removed again when the run fails.
+An output is written into a hidden temporary sibling under a run lock (``flock``) and renamed into place only on
+success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and what killed
+runs left is cleaned by the next run for the same target once their run is known dead.
 """
 
 from __future__ import annotations
@@ -32,7 +17,7 @@ import secrets
 import shutil
 import socket
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +49,13 @@ def _owner() -> str:
 
 def _identity() -> dict[str, str]:
     """Who this process is, beyond host and pid: pids repeat across PID namespaces (containers) and reboots."""
-    try:
+    boot_id = pid_namespace = ""
+    with suppress(OSError):
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    try:
+    with suppress(OSError):
         namespace = os.stat("/proc/self/ns/pid")
         pid_namespace = f"{namespace.st_dev}:{namespace.st_ino}"
-    except OSError:
-        pid_namespace = ""
     return {"host": _host(), "boot_id": boot_id, "pid_namespace": pid_namespace, "pid": str(os.getpid())}
-
-
-def _leftover_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"^\.{re.escape(name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\.(?P<kind>tmp|old|lock)$")
 
 
 def _dead(identity: dict[str, str]) -> bool:
@@ -106,11 +84,9 @@ def _claim(lock: Path) -> int | None:
     except BlockingIOError:
         pass  # held by a live process
     except OSError:  # no flock here: the identity written in the file decides
-        try:
+        with suppress(ValueError, TypeError, AttributeError):
             if _dead(json.loads(os.read(fd, 4096) or b"{}")):
                 return fd
-        except (ValueError, TypeError, AttributeError):
-            pass
     os.close(fd)
     return None
 
@@ -133,11 +109,9 @@ class _RunLock:
                 continue
             except OSError:
                 pass  # no flock on this file system: the identity in the file protects it
-            try:
+            with suppress(FileNotFoundError):  # a cleaner took it for a dead run's and deleted it before our flock
                 if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                     return
-            except FileNotFoundError:
-                pass  # a cleaner took it for a dead run's and deleted it before our flock
             os.close(self.fd)
 
     def sibling(self, path: Path, kind: str) -> Path:
@@ -156,13 +130,13 @@ def _step(name: str) -> None:
 def clean_leftovers(path: str | os.PathLike) -> list[Path]:
     """Remove temporaries of dead ompmoe runs for ``path``; restore an aside copy if ``path`` itself is missing.
 
-    A run counts as dead only when its lock file can be locked (or, without ``flock``, names a process of this
-    host, boot and PID namespace that is gone). Returns the removed or restored entries (lock files not listed).
+    Returns the removed or restored entries (lock files not listed).
     """
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    pattern = _leftover_pattern(path.name)
+    pattern = re.compile(
+        rf"^\.{re.escape(path.name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\.(?P<kind>tmp|old|lock)$")
     runs: dict[tuple[str, str], dict[str, Path]] = {}
     for entry in sorted(path.parent.iterdir()):
         match = pattern.match(entry.name)
@@ -250,16 +224,11 @@ def _probe(path: Path) -> None:
 
 
 def check_writable(
-    path: str | os.PathLike,
-    overwrite: bool,
-    *,
-    directory: bool | None = None,
-    inputs: Iterable[str | os.PathLike] = (),
+    path: str | os.PathLike, overwrite: bool, *, directory: bool | None = None, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
-    """Fail before any expensive work if ``path`` cannot be written or must not be replaced.
+    """Fail before any expensive work if ``path`` cannot be written or must not be replaced; clean leftovers.
 
-    Also cleans what killed runs left for ``path``. ``inputs`` are files the run reads: an output containing them is
-    never replaced. ``directory`` says whether the output will be a directory (None: either).
+    ``inputs``: files the run reads, never replaced. ``directory``: whether the output is a directory (None: either).
     """
     path = _normalised(Path(path))
     _check_name_lengths(path)
@@ -273,10 +242,7 @@ def check_writable(
 
 
 def _normalised(path: Path) -> Path:
-    """``path`` with ``..`` resolved as the file system would, so ``X/new/..`` is ``X`` (never a new ``X/new``).
-
-    Only the parent is resolved when the name is a real name, so an output that is a symlink is still seen as one.
-    """
+    """``path`` with ``..`` resolved as the file system would (``X/new/..`` is ``X``); a symlinked name is kept."""
     if ".." not in path.parts:
         return path
     if path.name in ("", ".", ".."):
@@ -313,8 +279,7 @@ def _check_name_lengths(path: Path) -> None:
 def local_inputs(*values: Any) -> list[str]:
     """The local files and directories among ``values`` (paths, lists of them, ``None``): what a run reads from disk.
 
-    Hub ids, ``tiny:``/``shipped:`` names and other strings that name nothing on disk are left out; pass the result
-    as ``inputs=`` to :func:`check_writable` / :func:`atomic_path`.
+    Strings naming nothing on disk (hub ids, ``tiny:`` names) are left out; pass the result as ``inputs=``.
     """
     found: list[str] = []
     for value in values:
@@ -326,12 +291,13 @@ def local_inputs(*values: Any) -> list[str]:
 
 
 INPUT_ATTRIBUTES = ("model_name_or_path", "tokenizer_name", "tokenizer", "source", "data_files", "val_sources")
-"""Attributes that :func:`inputs_of` reads: those of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
+"""Attributes :func:`inputs_of` reads: those of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
 
 
 def inputs_of(*owners: Any) -> list[str]:
     """Local paths a LightningModule / data module reads (model, tokenizer, data files, validation sources)."""
-    return local_inputs(*(getattr(owner, name, None) for owner in owners if owner is not None for name in INPUT_ATTRIBUTES))
+    return local_inputs(*(getattr(owner, name, None)
+                          for owner in owners if owner is not None for name in INPUT_ATTRIBUTES))
 
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
@@ -398,15 +364,11 @@ def _commit(
 
 @contextmanager
 def atomic_path(
-    path: str | os.PathLike,
-    overwrite: bool = False,
-    directory: bool = False,
-    inputs: Iterable[str | os.PathLike] = (),
+    path: str | os.PathLike, overwrite: bool = False, directory: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` to write into; move it into place only on success.
 
-    Directory outputs get the :data:`MARKER` file, so a later run may replace them. The run's lock is held from
-    before the temporary exists until it is gone; directories created for ``path`` are removed if the run fails.
+    Directory outputs get the :data:`MARKER` file, so a later run may replace them.
     """
     inputs = list(inputs)
     path = check_writable(path, overwrite, directory=directory, inputs=inputs)
@@ -432,17 +394,14 @@ def atomic_path(
         if tmp is not None:
             _remove(tmp)
         if lock is not None:
-            lock.release()
-            lock = None
+            lock.release()  # before the directories it lives in are removed
         for made in reversed(created):
             try:
                 made.rmdir()
             except OSError:
                 break
         raise
-    finally:
-        if lock is not None:
-            lock.release()
+    lock.release()
 
 
 def _make_parents(directory: Path) -> list[Path]:

@@ -1,21 +1,15 @@
 """Loss-aware statistics: the calibration sums seen through the gradient of the language-model loss.
 
-The paper scores a kept set by the reconstruction error ``||Y - sum_kept V||^2`` of each MoE
-block, as if every hidden direction and every layer mattered equally to the model's output.
-With ``d_x = dL / dY_x``, the gradient of the summed next-token loss on the calibration tokens
-with respect to the block's routed output at token ``x``, removing the experts ``U`` changes the
-loss by about ``-sum_{e in U} a_e + 1/2 u^T G u`` with ``a_e(x) = <d_x, V_e(x)>``. This module
-streams, next to the Gram and with the same per-token weights, the sums such estimates need:
+With ``d_x = dL / dY_x`` (the summed next-token loss's gradient at block output ``Y_x``), removing experts ``U``
+changes the loss by about ``-sum_{e in U} a_e + 1/2 u^T G u``, ``a_e(x) = <d_x, V_e(x)>``. Streamed sums:
 
 - ``gram_grad[e, f]   = sum_x ||d_x||^2 <V_e(x), V_f(x)>`` (isotropic metric per token),
 - ``gram_loss[e, f]   = sum_x a_e(x) a_f(x)`` (rank-1 projection, Gauss-Newton on ``d_x``),
 - ``gram_fisher[e, f] = sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)`` (per-token diagonal Fisher),
 - ``loss_first_order[e] = sum_x a_e(x)`` (first-order term; signed).
 
-``d_x`` comes from one ``torch.autograd.grad`` of the loss with respect to the blocks' routed
-outputs (tensors, not parameters: no weight gradient is computed or kept), run from a forward
-hook on the model right after its forward. The forward must run with gradients enabled; under
-non-reentrant activation checkpointing the recomputed expert calls are not counted twice.
+``d_x`` comes from one ``torch.autograd.grad`` to the routed outputs (no weight gradient), run from a forward hook
+on the model; the forward needs gradients on, and checkpoint recomputes are not counted twice.
 """
 
 from __future__ import annotations
@@ -38,11 +32,7 @@ class LossAwareError(ValueError):
 
 
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
-    """Summed next-token cross-entropy (nats) over positions whose token and target both count.
-
-    ``token_weight`` is the flattened per-token weight of the statistics (0 for padding or
-    duplicate samples); a prediction counts with the product of its two tokens' weights.
-    """
+    """Summed next-token cross-entropy (nats); a prediction counts with the product of its two tokens' weights."""
     batch, seq = input_ids.shape
     losses = nn.functional.cross_entropy(
         logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
@@ -58,30 +48,24 @@ class LossStatsMetric(LayerSumsMetric):
     """Sum-reduced loss-aware states of every MoE layer (merge exactly across batches and ranks)."""
 
     def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
-        super().__init__(layers, {key: "vector" if key == "loss_first_order" else "gram" for key in LOSS_TENSORS}, **kwargs)
+        shapes = {key: "vector" if key == "loss_first_order" else "gram" for key in LOSS_TENSORS}
+        super().__init__(layers, shapes, **kwargs)
         self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(
-        self,
-        index: int,
-        top_k_index: torch.Tensor,
-        atoms: torch.Tensor,
-        grad: torch.Tensor,
-        token_weight: torch.Tensor | None,
-    ) -> None:
+    def update(self, index: int, top_k_index: torch.Tensor, atoms: torch.Tensor, grad: torch.Tensor,
+               token_weight: torch.Tensor | None) -> None:
         """Add one layer's batch: ``atoms`` ``(T, k, d)`` = ``g F``, ``grad`` ``(T, d)`` = ``d_x``."""
         n = self.num_experts[index]
         device = self.loss_sum.device
         atoms = atoms.detach().to(device, torch.float32)
         grad = grad.detach().to(device, torch.float32)
         ids = top_k_index.to(device)
+        weight = None
         if token_weight is not None:
             keep = token_weight.to(device) > 0
             atoms, grad, ids = atoms[keep], grad[keep], ids[keep]
             weight = token_weight.to(device, torch.float64)[keep]
-        else:
-            weight = None
-        # Three batched products on the (T, k, d) atoms as they are (no concatenated copies of them).
+        # Three batched products on the (T, k, d) atoms as they are (no concatenated copies).
         grad_sq = grad.square()
         atoms_t = atoms.transpose(1, 2)
         gram = torch.bmm(atoms, atoms_t).to(torch.float64)  # <V_e, V_f>
@@ -109,20 +93,12 @@ class LossStatsMetric(LayerSumsMetric):
 class LossGradientRecorder:
     """Hooks that turn each instrumented forward into loss-aware sums with one backward to the routed outputs.
 
-    :meth:`observe` receives each layer's routed pairs (the statistics callback); a forward hook
-    on the layer's ``experts`` pairs them with the routed output tensor; a forward hook on the
-    model computes :func:`next_token_loss` from the logits and ``d_x`` for every layer at once.
-    ``token_weight`` returns the current batch's per-token weights (the statistics' mask).
+    :meth:`observe` gets each layer's routed pairs, an ``experts`` hook its output tensor, and a model hook
+    computes :func:`next_token_loss` and ``d_x`` for every layer at once.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layers: list[MoELayer],
-        metric: LossStatsMetric,
-        token_weight: Callable[[], torch.Tensor | None],
-        retain_graph: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[MoELayer], metric: LossStatsMetric,
+                 token_weight: Callable[[], torch.Tensor | None], retain_graph: bool = True) -> None:
         self.model = model
         self.layers = layers
         self.metric = metric
@@ -134,7 +110,6 @@ class LossGradientRecorder:
         self._in_backward = False
         self._handles: list[Any] = []
 
-    # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
         if self._handles:
             return
@@ -202,7 +177,6 @@ class LossGradientRecorder:
         finally:
             self._clear()
 
-    # --------------------------------------------------------------- backward
     def _backward(self, output: Any) -> None:
         indices = sorted(self._outputs)
         if not indices:
@@ -262,7 +236,9 @@ class LossAwareStatistics(StatisticsExtension):
     signed: ClassVar[tuple[str, ...]] = ("loss_first_order",)
     needs_gradients: ClassVar[bool] = True
 
-    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
+    ) -> None:
         super().__init__(model, layers, token_weight)
         self.metric = LossStatsMetric(layers)
         self.recorder = LossGradientRecorder(model, layers, self.metric, token_weight)

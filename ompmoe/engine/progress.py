@@ -1,7 +1,7 @@
-"""Progress bars for the steps that take more than a few seconds (tqdm, on stderr).
+"""Progress bars (tqdm, on stderr) for the steps that take more than a few seconds.
 
-``enabled=None`` shows a bar only when stderr is a terminal (tqdm's ``disable=None``), so logs
-and pipes stay clean; ``True`` always shows it, ``False`` never (``--quiet``).
+``enabled=None`` shows a bar only when stderr is a terminal, so logs and pipes stay clean; ``True`` always, ``False``
+never (``--quiet``).
 """
 
 from __future__ import annotations

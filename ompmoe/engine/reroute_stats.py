@@ -1,26 +1,15 @@
 """Rerouting-aware statistics: what each token's output becomes when one of its experts is pruned.
 
-After pruning, the native router picks each token's top-k among the kept experts and renormalizes
-their weights, so removing a top-k expert ``e`` of token ``x`` does not just drop ``V_e(x)``: the
-token's next expert by routing score ``n(x)`` (rank ``k + 1``) takes the free slot. With
-``Y'_e(x)`` the routed output after that single removal (weights as the router gives them),
-``D_e(x) = Y_x - Y'_e(x)`` is the change the removal really causes, and
+After pruning, a token's next expert by routing score ``n(x)`` (rank ``k + 1``) takes the free slot, so removing
+``e`` changes the output by ``D_e(x) = Y_x - Y'_e(x)``, not ``V_e(x)``. The sums
 
 - ``gram_reroute[e, f]            = sum_x <D_e(x), D_f(x)>``,
 - ``gram_reroute_normalized[e, f] = sum_x <D_e(x), D_f(x)> / ||Y_x||^2``
 
-replace the paper's Gram (``D_e = V_e``) in ``u^T G u``: exact for a token losing one of its
-experts while its next expert is kept, a linear approximation otherwise. Both are plain sums (merge
-exactly across batches and ranks). Collecting them costs one more router call with ``top_k + 1``
-and one expert evaluation per token (``F_n(x)``), in the same forward pass.
-
-Weights after the removal: when the router normalizes its top-k weights (``norm_topk_prob``,
-Mixtral, GPT-OSS), ``w'_i = s * w_i^+ / sum_{S} w^+`` over the new set ``S``, with ``w^+`` the
-weights of the ``top_k + 1`` call and ``s`` the sum of the native weights (the routed scaling
-factor); otherwise the weights are kept as they are (softmax over all experts is not renormalized,
-so the change of its denominator by pruning is ignored). Which of the two a layer does is read from
-the router's own outputs (the ``top_k + 1`` call gives the native experts the same weights iff
-nothing is renormalized).
+replace the paper's Gram in ``u^T G u`` (exact for one removal whose next expert is kept); they cost one router call
+with ``top_k + 1`` and one expert evaluation per token. A router that renormalizes its top-k weights gives
+``w'_i = s * w_i^+ / sum_S w^+`` (``s`` the native weights' sum); others keep theirs. Which one a layer does is read
+from its ``top_k + 1`` call (same native weights iff nothing is renormalized).
 """
 
 from __future__ import annotations
@@ -32,11 +21,11 @@ import torch
 from torch import nn
 
 from .adapters import MoELayer
+from .collect import CANCELLED_TOKEN
 from .extensions import LayerSumsMetric, StatisticsExtension, register_statistics
 
 REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
 """Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
-CANCELLED_TOKEN = 1e-6  # as ompmoe.engine.collect.CANCELLED_TOKEN (not imported: collect imports this module)
 
 
 class RerouteError(ValueError):
@@ -68,9 +57,8 @@ def removal_deltas(
 ) -> torch.Tensor:
     """``D (T, k, d)``: ``D[x, j] = Y_x - Y'_j(x)``, the output change when slot ``j``'s expert is removed.
 
-    ``expert_out`` ``(T, k, d)`` = ``F`` of the native slots, ``gates`` ``(T, k)`` their weights,
-    ``ids`` ``(T, k)``; ``ext_ids``/``ext_weights`` ``(T, k + 1)`` the router's ``top_k + 1`` call;
-    ``next_out`` ``(T, d)`` = ``F_n`` of the one expert in ``ext_ids`` not in ``ids``.
+    ``expert_out`` ``(T, k, d)``, ``gates`` and ``ids`` ``(T, k)``: the native slots; ``ext_ids``/``ext_weights``
+    ``(T, k + 1)``: the ``top_k + 1`` call; ``next_out`` ``(T, d)``: ``F_n`` of its expert not in ``ids``.
     """
     matches = ids.unsqueeze(-1) == ext_ids.unsqueeze(-2)  # (T, k, k + 1)
     ext_native = (ext_weights.unsqueeze(1) * matches).sum(-1)  # w^+ of the native slots, (T, k)
@@ -97,10 +85,9 @@ class RerouteStatsMetric(LayerSumsMetric):
 
     def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
                token_weight: torch.Tensor | None) -> None:
-        """Add one layer's batch: ``deltas`` ``(T, k, d)`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``.
+        """Add one layer's batch: ``deltas`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``.
 
-        Tokens whose atoms cancel (``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``) get no weight in the
-        normalized Gram, as in the token-normalized Gram of the statistics.
+        Tokens whose atoms cancel get no weight in the normalized Gram (as in the core token-normalized Gram).
         """
         n = self.num_experts[index]
         device = getattr(self, f"gram_reroute_{index}").device
@@ -121,10 +108,8 @@ class RerouteStatsMetric(LayerSumsMetric):
 class RerouteRecorder:
     """Hooks that add each layer's rerouting-aware sums during the statistics forward.
 
-    A forward hook on each router re-runs it with ``top_k + 1`` (its own code: softmax or sigmoid,
-    groups, bias and scaling as the model does them); a forward pre-hook on the experts keeps their
-    input; :meth:`callback` (chained with the statistics callback) evaluates the next expert ``F_n``
-    with the experts' class forward and adds :func:`removal_deltas` to the metric.
+    Each router is re-run with ``top_k + 1`` (its own code), the experts' input is kept, and :meth:`callback`
+    evaluates the next expert ``F_n`` and adds :func:`removal_deltas` to the metric.
     """
 
     def __init__(self, layers: list[MoELayer], metric: RerouteStatsMetric,
@@ -140,7 +125,8 @@ class RerouteRecorder:
     def attach(self) -> None:
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.router.register_forward_hook(self._router_hook(index)))
-            self._handles.append(layer.experts.register_forward_pre_hook(self._experts_pre_hook(index), with_kwargs=True))
+            pre_hook = self._experts_pre_hook(index)
+            self._handles.append(layer.experts.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -208,7 +194,9 @@ class RerouteStatistics(StatisticsExtension):
     prefix: ClassVar[str] = "reroute"
     tensors: ClassVar[tuple[str, ...]] = REROUTE_TENSORS
 
-    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
+    ) -> None:
         super().__init__(model, layers, token_weight)
         self.metric = RerouteStatsMetric(layers)
         self.recorder = RerouteRecorder(layers, self.metric, token_weight)

@@ -1,8 +1,7 @@
 """Check a ``.safetensors`` file's header before any tensor is read: sizes, offsets, shapes and dtypes.
 
-The safetensors library trusts the header (a length of 2**62 or a shape of 10**12 elements is read as
-given) and reports a truncated file without naming it. Reading the header ourselves first turns every
-such file into one error that names the file and what is wrong with it.
+The safetensors library trusts the header (a length of 2**62 is read as given) and reports a truncated file
+without naming it; checking first gives one error naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
-            raise CorruptSafetensorsError(f"{path} is not a safetensors file: it has {size} bytes, fewer than its "
-                                          "8-byte header length")
+            raise CorruptSafetensorsError(
+                f"{path} is not a safetensors file: it has {size} bytes, fewer than its 8-byte header length")
         length = int.from_bytes(prefix, "little")
         if length > min(MAX_HEADER_BYTES, size - 8):
-            raise CorruptSafetensorsError(f"{path} is truncated or not a safetensors file: its header claims {length} "
-                                          f"bytes but the file has {size}")
+            raise CorruptSafetensorsError(f"{path} is truncated or not a safetensors file: its header claims "
+                                          f"{length} bytes but the file has {size}")
         try:
             header = json.loads(handle.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -67,7 +66,7 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
         return f"has invalid data_offsets {offsets!r}"
     if offsets[1] > data_bytes:
         return f"ends at byte {offsets[1]} of the data, but the file holds {data_bytes} (truncated?)"
-    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-        return (f"of shape {shape} and dtype {dtype} needs {math.prod(shape) * DTYPE_BYTES[dtype]} bytes but its "
-                f"offsets span {offsets[1] - offsets[0]}")
+    needed = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != needed:
+        return f"of shape {shape} and dtype {dtype} needs {needed} bytes but its offsets span {offsets[1] - offsets[0]}"
     return None

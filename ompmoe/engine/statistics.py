@@ -1,9 +1,7 @@
 """Streamed per-layer statistics: everything selection and allocation need, as exact sums.
 
-Because the layer signal is ``Y = sum_e V_e``, the greedy pursuit only ever needs inner
-products of atoms, so each layer keeps an ``N_e x N_e`` float64 Gram matrix instead of the
-atoms themselves, plus a few per-expert sums. Sums merge exactly across batches, ranks and
-processes, which is what makes one statistics file serve every pruning ratio.
+Since ``Y = sum_e V_e``, the pursuit needs only inner products of atoms: each layer keeps an ``N_e x N_e``
+float64 Gram plus per-expert sums, which merge exactly across batches, ranks and runs (one file serves every ratio).
 """
 
 from __future__ import annotations
@@ -17,31 +15,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .adapters import find_moe_layers
 from .io import atomic_path
+from .safetensors_header import CorruptSafetensorsError, read_header
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
 CORE_OPTIONAL_TENSORS = ("gram_normalized",)
 """Core sums that statistics files written by older versions may lack (``None`` when absent)."""
+ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
+FORMAT_VERSION = 2
+"""2: the fingerprint covers every shape the statistics depend on."""
+SYMMETRY_TOLERANCE = 1e-6
 
 
 def optional_tensors() -> tuple[str, ...]:
     """Tensors a statistics file may lack: the newer core sums and every registered extension's."""
     from .extensions import statistics_extensions
 
-    return tuple(dict.fromkeys([*CORE_OPTIONAL_TENSORS, *(k for cls in statistics_extensions().values() for k in cls.tensors)]))
+    extension_tensors = (key for cls in statistics_extensions().values() for key in cls.tensors)
+    return tuple(dict.fromkeys([*CORE_OPTIONAL_TENSORS, *extension_tensors]))
 
 
 def signed_tensors() -> tuple[str, ...]:
     """Optional tensors whose values may be negative (first-order loss terms)."""
     from .extensions import statistics_extensions
 
-    return tuple(k for cls in statistics_extensions().values() for k in cls.signed)
-ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
-FORMAT_VERSION = 2
-"""2: the fingerprint covers every shape the statistics depend on (version 1 hashed only a few sizes)."""
-SYMMETRY_TOLERANCE = 1e-6
+    return tuple(key for cls in statistics_extensions().values() for key in cls.signed)
 
 
 class FingerprintMismatchError(ValueError):
@@ -77,12 +79,10 @@ class LayerStats:
     weighted_norm_sum: torch.Tensor
     """Sum of ``g_e(x) ||F_e(x)||`` over routed tokens (REAP baseline)."""
     gram_normalized: torch.Tensor | None = None
-    """Token-normalized Gram ``sum_x <V_e(x), V_f(x)> / ||Y_x||^2`` (``Y_x = sum_e V_e(x)``, the
-    token's routed output; tokens whose atoms cancel to ``||Y_x||^2 <= 1e-6 sum_e ||V_e(x)||^2``
-    are left out), the objective of the ``omp_normalized`` baseline. ``None`` for statistics
-    written before it was collected."""
+    """Token-normalized Gram ``sum_x <V_e(x), V_f(x)> / ||Y_x||^2`` (tokens whose atoms cancel left out), the
+    ``omp_normalized`` objective; ``None`` in older statistics."""
     gram_grad: torch.Tensor | None = None
-    """Loss-aware (``collect_stats(..., loss_aware=True)``; see :mod:`ompmoe.engine.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
+    """Loss-aware (:mod:`ompmoe.engine.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
     gram_loss: torch.Tensor | None = None
     """Loss-aware: rank-1 projection Gram ``sum_x a_e(x) a_f(x)``, ``a_e(x) = <d_x, V_e(x)>``."""
     gram_fisher: torch.Tensor | None = None
@@ -90,8 +90,8 @@ class LayerStats:
     loss_first_order: torch.Tensor | None = None
     """Loss-aware: first-order term ``sum_x a_e(x)`` per expert (may be negative)."""
     gram_reroute: torch.Tensor | None = None
-    """Rerouting-aware (``collect_stats(..., reroute=True)``; see :mod:`ompmoe.engine.reroute_stats`):
-    ``sum_x <D_e(x), D_f(x)>``, ``D_e(x)`` the output change when ``e`` is removed and the router re-routes."""
+    """Rerouting-aware (:mod:`ompmoe.engine.reroute_stats`): ``sum_x <D_e(x), D_f(x)>``, ``D_e(x)`` the output
+    change when ``e`` is removed and the router re-routes."""
     gram_reroute_normalized: torch.Tensor | None = None
     """Rerouting-aware: ``sum_x <D_e(x), D_f(x)> / ||Y_x||^2``."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -111,8 +111,9 @@ class LayerStats:
     def from_tensors(cls, name: str, routing: dict[str, int], tensors: dict[str, torch.Tensor]) -> LayerStats:
         """A layer from its named tensors (as :meth:`tensors` returns them); unknown names go to ``extra``."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(name=name, **routing, **{k: v for k, v in tensors.items() if k in fields},  # type: ignore[arg-type]
-                   extra={k: v for k, v in tensors.items() if k not in fields})
+        known = {key: value for key, value in tensors.items() if key in fields}
+        extra = {key: value for key, value in tensors.items() if key not in fields}
+        return cls(name=name, **routing, **known, extra=extra)  # type: ignore[arg-type]
 
     def with_tensors(self, tensors: dict[str, torch.Tensor]) -> LayerStats:
         """This layer with ``tensors`` added or replaced."""
@@ -176,7 +177,6 @@ class MoEStats:
                 return layer
         raise KeyError(f"No MoE layer named {name!r}; layers: {[layer.name for layer in self.layers]}")
 
-    # ------------------------------------------------------------------ merging
     def merge(self, other: MoEStats) -> MoEStats:
         """Exact sum of two partial statistics of the same model (other batches, ranks or runs)."""
         if self.fingerprint != other.fingerprint:
@@ -194,7 +194,6 @@ class MoEStats:
             library_version=self.library_version,
         )
 
-    # ------------------------------------------------------------- compatibility
     def check_compatible(self, model: torch.nn.Module) -> None:
         """Refuse a model whose MoE structure differs from the one the statistics were taken on."""
         actual = model_fingerprint(model)
@@ -205,7 +204,6 @@ class MoEStats:
                 "Re-run collect_stats on this model, or load the model the statistics came from."
             )
 
-    # ------------------------------------------------------------------ on disk
     def metadata(self) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,
@@ -234,11 +232,8 @@ class MoEStats:
         """Read statistics; with ``model``, refuse them if its fingerprint differs."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
-        from safetensors import safe_open
-
-        from .safetensors_header import CorruptSafetensorsError, read_header
-
+            raise FileNotFoundError(
+                f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
         fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
         try:
             read_header(path)  # sizes, offsets and shapes, before safetensors trusts them
@@ -258,8 +253,8 @@ class MoEStats:
             raise StatsFileError(f"{path}: the 'ompmoe' metadata is not a JSON object. {fix}")
         version = meta.get("format_version")
         if version != FORMAT_VERSION:
-            raise StatsFileError(f"{path} has statistics format {version!r}; this ompmoe reads format {FORMAT_VERSION} "
-                                 f"only. {fix}")
+            raise StatsFileError(
+                f"{path} has statistics format {version!r}; this ompmoe reads format {FORMAT_VERSION} only. {fix}")
         try:
             tensors = load_file(str(path))
         except Exception as error:  # safetensors raises its own error types for truncated files
@@ -285,7 +280,9 @@ class MoEStats:
         return stats
 
 
-def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], fix: str) -> list[LayerStats]:
+def _layers_from_file(
+    path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], fix: str
+) -> list[LayerStats]:
     """Every layer listed in the metadata, after checking its tensors: present, shaped, float64, finite, sane."""
     infos = meta.get("layers")
     if not isinstance(infos, list) or not infos:
@@ -303,7 +300,8 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
         name = info.get("name") if isinstance(info, dict) else None
         where = f"{path}, layer {i} ({name})"
         routing = {key: info.get(key) if isinstance(info, dict) else None for key in ROUTING_KEYS}
-        bad = {key: value for key, value in routing.items() if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+        bad = {key: value for key, value in routing.items()
+               if isinstance(value, bool) or not isinstance(value, int) or value < 1}
         if not isinstance(name, str) or bad:
             raise StatsFileError(f"{where}: the metadata has no valid name or routing ({bad or 'name'}). {fix}")
         n = routing["num_experts"]
@@ -314,7 +312,8 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
                 if key in optional:
                     continue
                 raise StatsFileError(f"{where}: tensor {key!r} is missing (the metadata lists layer {i}). {fix}")
-            shape = (n, n) if key.startswith("gram") else (n,)
+            is_gram = key.startswith("gram")
+            shape = (n, n) if is_gram else (n,)
             if tuple(tensor.shape) != shape:
                 raise StatsFileError(
                     f"{where}: tensor {key!r} has shape {tuple(tensor.shape)} but the metadata says "
@@ -324,14 +323,13 @@ def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch
                 raise StatsFileError(f"{where}: tensor {key!r} is {tensor.dtype}, expected torch.float64. {fix}")
             if not bool(torch.isfinite(tensor).all()):
                 raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
-            values = tensor.diagonal() if key.startswith("gram") else tensor
+            values = tensor.diagonal() if is_gram else tensor
             if key not in signed and bool((values < 0).any()):
-                what = "diagonal" if key.startswith("gram") else "values"
                 raise StatsFileError(
-                    f"{where}: tensor {key!r} has negative {what} ({float(values.min())}); these are sums of "
-                    f"squares or counts. {fix}"
+                    f"{where}: tensor {key!r} has negative {'diagonal' if is_gram else 'values'} "
+                    f"({float(values.min())}); these are sums of squares or counts. {fix}"
                 )
-            if key.startswith("gram"):
+            if is_gram:
                 gap = float((tensor - tensor.T).abs().max())
                 scale = float(tensor.abs().max())
                 if gap > SYMMETRY_TOLERANCE * max(scale, 1e-300):
@@ -360,8 +358,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
     Dtype, attention or experts implementation, weights and the checkpoint path do not change it.
     """
-    from .adapters import find_moe_layers
-
     config = model.config
 
     def shapes(module: torch.nn.Module) -> dict[str, list[int]]:
@@ -374,8 +370,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
             for layer in find_moe_layers(model)
         ],
     }
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    return digest[:16]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _jsonable(value: Any) -> Any:

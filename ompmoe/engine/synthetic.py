@@ -1,10 +1,7 @@
 """Synthetic statistics of any shape, for plots and benchmarks at real scale without a real model.
 
-A 48-layer x 128-expert model (Qwen3-30B-A3B) cannot be calibrated in a test; its statistics'
-shape and spread can be imitated: per layer a PSD Gram ``A A^T + D`` whose atoms have
-log-normally spread energies (real experts differ by orders of magnitude), routing counts that
-follow the energies loosely, and every ``dominant_every``-th layer one expert carrying most of
-the output (a high-contribution layer, as the paper finds in some depths).
+Per layer a PSD Gram ``A A^T + D`` with log-normally spread atom energies (real experts differ by orders of
+magnitude), routing counts loosely following them, and every ``dominant_every``-th layer one dominant expert.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Tiny random models of every supported architecture, built from transformers configs.
 
-They need no download, run in milliseconds on a CPU, and keep each architecture's routing
-quirks (shared experts, dense first layers, group-limited and sigmoid routers, GPT-OSS's
-biased clamped experts) so tests and the offline demo exercise the real code paths.
+No download, milliseconds on a CPU, and each architecture's routing quirks kept, so tests and the offline demo
+exercise the real code paths.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedCon
     if model_type not in available:
         raise ValueError(f"No tiny config for {model_type!r}; available: {available}.")
     class_name, arch = ARCHITECTURES[model_type].tiny_config  # type: ignore[misc]
-    kwargs = {**_COMMON, **arch, **overrides}
-    return getattr(transformers, class_name)(**kwargs)
+    return getattr(transformers, class_name)(**{**_COMMON, **arch, **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
