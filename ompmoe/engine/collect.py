@@ -133,28 +133,19 @@ class MoEStatsMetric(Metric):
 
     def set_token_weight(self, weight: torch.Tensor | None, num_tokens: int) -> None:
         """Per-token weights (a 0/1 mask, flattened batch-major) for the next forward; ``None`` counts all tokens."""
-        if weight is None:
-            self.token_weight = None
-            self.num_tokens += num_tokens
-        else:
-            token_weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
-            if not bool(((token_weight == 0) | (token_weight == 1)).all()):
-                odd = token_weight[(token_weight != 0) & (token_weight != 1)][0].item()
+        if weight is not None:
+            weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
+            if not bool(((weight == 0) | (weight == 1)).all()):
+                odd = weight[(weight != 0) & (weight != 1)][0].item()
                 raise CalibrationInputError(
                     f"Token weights (attention_mask) must be 0 or 1; found {odd}. Pass the tokenizer's 0/1 "
                     "mask (a weighted mask would scale every statistic)."
                 )
-            self.token_weight = token_weight
-            self.num_tokens += self.token_weight.sum()
+        self.token_weight = weight
+        self.num_tokens += num_tokens if weight is None else weight.sum()
 
-    def update(
-        self,
-        index: int,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        outputs: torch.Tensor,
-        atoms: torch.Tensor | None = None,
-    ) -> None:
+    def update(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+               atoms: torch.Tensor | None = None) -> None:
         """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major.
 
         ``atoms`` (``g * F`` as the experts computed them) are used only when they are the float32 atoms formed here.

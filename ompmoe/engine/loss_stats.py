@@ -83,8 +83,8 @@ class LossStatsMetric(LayerSumsMetric):
         flat_gram_index = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
         sums = per_pair.new_zeros(3, n * n).index_add_(1, flat_gram_index, per_pair.reshape(3, -1))
         for key, value in zip(("gram_grad", "gram_loss", "gram_fisher"), sums):
-            getattr(self, f"{key}_{index}").view(-1).add_(value)
-        getattr(self, f"loss_first_order_{index}").index_add_(0, ids.reshape(-1), projection.reshape(-1))
+            self.state(key, index).view(-1).add_(value)
+        super().update(index, "loss_first_order", ids, projection)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach().to(self.loss_sum.device, torch.float64)

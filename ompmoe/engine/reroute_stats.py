@@ -47,14 +47,8 @@ def check_reroutable(layers: list[MoELayer]) -> None:
             )
 
 
-def removal_deltas(
-    expert_out: torch.Tensor,
-    gates: torch.Tensor,
-    ids: torch.Tensor,
-    ext_ids: torch.Tensor,
-    ext_weights: torch.Tensor,
-    next_out: torch.Tensor,
-) -> torch.Tensor:
+def removal_deltas(expert_out: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, ext_ids: torch.Tensor,
+                   ext_weights: torch.Tensor, next_out: torch.Tensor) -> torch.Tensor:
     """``D (T, k, d)``: ``D[x, j] = Y_x - Y'_j(x)``, the output change when slot ``j``'s expert is removed.
 
     ``expert_out`` ``(T, k, d)``, ``gates`` and ``ids`` ``(T, k)``: the native slots; ``ext_ids``/``ext_weights``
@@ -90,7 +84,7 @@ class RerouteStatsMetric(LayerSumsMetric):
         Tokens whose atoms cancel get no weight in the normalized Gram (as in the core token-normalized Gram).
         """
         n = self.num_experts[index]
-        device = getattr(self, f"gram_reroute_{index}").device
+        device = self.state("gram_reroute", index).device
         deltas, atoms, ids = deltas.to(device, torch.float32), atoms.to(device, torch.float32), ids.to(device)
         products = torch.bmm(deltas, deltas.transpose(1, 2)).to(torch.float64)  # (T, k, k)
         energy = atoms.sum(1).square().sum(-1).to(torch.float64)
@@ -100,9 +94,8 @@ class RerouteStatsMetric(LayerSumsMetric):
         if token_weight is not None:
             products = products * token_weight.to(device, torch.float64).view(-1, 1, 1)
         flat = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
-        getattr(self, f"gram_reroute_{index}").view(-1).index_add_(0, flat, products.reshape(-1))
-        normalized = (products * inverse.view(-1, 1, 1)).reshape(-1)
-        getattr(self, f"gram_reroute_normalized_{index}").view(-1).index_add_(0, flat, normalized)
+        super().update(index, "gram_reroute", flat, products)
+        super().update(index, "gram_reroute_normalized", flat, products * inverse.view(-1, 1, 1))
 
 
 class RerouteRecorder:

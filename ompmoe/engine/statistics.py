@@ -186,10 +186,8 @@ class MoEStats:
             )
         return MoEStats(
             layers=[a.merge(b) for a, b in zip(self.layers, other.layers)],
-            num_tokens=self.num_tokens + other.num_tokens,
-            fingerprint=self.fingerprint,
-            model_id=self.model_id or other.model_id,
-            model_type=self.model_type or other.model_type,
+            num_tokens=self.num_tokens + other.num_tokens, fingerprint=self.fingerprint,
+            model_id=self.model_id or other.model_id, model_type=self.model_type or other.model_type,
             sources=self.sources + [s for s in other.sources if s not in self.sources],
             library_version=self.library_version,
         )
@@ -267,12 +265,8 @@ class MoEStats:
         if not isinstance(fingerprint, str):
             raise StatsFileError(f"{path}: the metadata has no fingerprint. {fix}")
         stats = cls(
-            layers=layers,
-            num_tokens=num_tokens,
-            fingerprint=fingerprint,
-            model_id=meta.get("model_id"),
-            model_type=meta.get("model_type"),
-            sources=list(meta.get("sources", [])),
+            layers=layers, num_tokens=num_tokens, fingerprint=fingerprint, model_id=meta.get("model_id"),
+            model_type=meta.get("model_type"), sources=list(meta.get("sources", [])),
             library_version=meta.get("library_version", ""),
         )
         if model is not None:

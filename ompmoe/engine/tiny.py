@@ -14,16 +14,8 @@ import transformers
 from .adapters import ARCHITECTURES
 
 _COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+    vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
 
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -49,8 +41,7 @@ def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedCon
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
     """A randomly initialised tiny causal LM in eval mode; router biases are randomised too."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             # Zero-initialised router and expert biases would hide slicing bugs.
