@@ -213,10 +213,8 @@ def recording_callback(update: Callable[..., None], recorder: LossGradientRecord
     if recorder is None:
         return update
 
-    def callback(
-        index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
-        atoms: torch.Tensor | None = None,
-    ) -> None:
+    def callback(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                 atoms: torch.Tensor | None = None) -> None:
         if recorder.recording:
             update(index, top_k_index, top_k_weights, outputs, atoms)
             recorder.observe(index, top_k_index, top_k_weights, outputs, atoms)
