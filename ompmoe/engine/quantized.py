@@ -1,6 +1,7 @@
 """Guards against pruning or saving quantized models: the engine refuses what it would handle wrongly.
 
-They live in the engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
+Pruning slices fused expert weights along the expert axis, which is wrong for quantized tensors. The
+checks live in the engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
 """
 
 from __future__ import annotations
