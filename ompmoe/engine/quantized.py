@@ -1,18 +1,19 @@
 """Guards against pruning or saving quantized models: the engine refuses what it would handle wrongly.
 
-Pruning slices fused expert weights along the expert axis, which is wrong for quantized tensor
-subclasses and parametrizations; saving a model quantized by :func:`ompmoe.quantize_experts`
-would write parametrization names that ``from_pretrained`` ignores. These checks live in the
-engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
+Pruning slices fused expert weights along the expert axis, which is wrong for quantized tensors. The
+checks live in the engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
 """
 
 from __future__ import annotations
+
+from itertools import chain
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .adapters import ARCHITECTURES, sparse_blocks
+
 
 class QuantizedModelError(ValueError):
     """The model is already quantized, and pruning a quantized model is not supported."""
@@ -40,14 +41,6 @@ def _is_quantized_tensor(tensor: torch.Tensor) -> bool:
     return _is_tensor_subclass(tensor) or not (tensor.is_floating_point() or tensor.is_complex())
 
 
-def _sparse_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module, nn.Module]]:
-    """``(name, router attribute, router, experts)`` of the sparse blocks, quantized experts included."""
-    if not sparse_blocks(model):
-        return []
-    router_attr = ARCHITECTURES[model.config.model_type].router_attr
-    return [(name, router_attr, router, experts) for name, _, router, experts in sparse_blocks(model)]
-
-
 def _describe(tensor: torch.Tensor) -> str:
     cls = type(tensor)
     if _is_tensor_subclass(tensor):
@@ -58,13 +51,10 @@ def _describe(tensor: torch.Tensor) -> str:
 def find_quantized(model: nn.Module) -> str | None:
     """Why ``model`` counts as quantized for pruning, or ``None`` if it does not.
 
-    Looks at ``config.quantization_config`` (checkpoints quantized by transformers integrations:
-    GPTQ, AWQ, bitsandbytes, compressed-tensors, torchao, ...), at :func:`quantize_experts`, and at
-    every parameter and buffer of the routers and routed experts: a tensor subclass (torchao's
-    ``Int8Tensor``, ...) or a non-floating-point parameter.
+    Checks ``config.quantization_config`` (transformers integrations), :func:`quantize_experts`, and the
+    routers' and routed experts' tensors (tensor subclasses such as torchao's, non-floating parameters).
     """
-    config = getattr(model, "config", None)
-    quantization_config = getattr(config, "quantization_config", None)
+    quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)
     if quantization_config:
         method = (
             quantization_config.get("quant_method")
@@ -73,7 +63,8 @@ def find_quantized(model: nn.Module) -> str | None:
         )
         method = getattr(method, "value", method)
         return f"config.quantization_config is set (quant_method={method!r})"
-    for block_name, router_attr, router, experts in _sparse_blocks(model):
+    for block_name, _, router, experts in sparse_blocks(model):
+        router_attr = ARCHITECTURES[model.config.model_type].router_attr
         for owner, part in ((experts, "experts"), (router, router_attr)):
             for module_name, module in owner.named_modules():
                 prefix = ".".join(filter(None, (block_name, part, module_name)))
@@ -106,23 +97,20 @@ def check_not_quantized(model: nn.Module) -> None:
 def check_savable(model: nn.Module) -> None:
     """Raise :class:`QuantizedModelError` if ``save_pretrained`` would not write ``model`` faithfully.
 
-    Experts quantized by :func:`quantize_experts` would be saved under parametrization names that
-    ``from_pretrained`` ignores (the reload would silently re-initialise them), and torchao tensors
-    without a ``config.quantization_config`` cannot be serialised by transformers. Models quantized
-    through a transformers integration (``quantization_config`` set) save as that integration does.
+    :func:`quantize_experts` weights would be saved under parametrization names that ``from_pretrained``
+    ignores (silently re-initialised), and transformers cannot serialise torchao tensors without a
+    ``config.quantization_config`` (with one, the integration saves the model).
     """
     if getattr(getattr(model, "config", None), "quantization_config", None):
         return
-    reason = None
-    for name, module in model.named_modules():
-        if getattr(module, QUANTIZED_ATTR, None):
-            reason = f"{name}.{next(iter(getattr(module, QUANTIZED_ATTR)))} is quantized by ompmoe.quantize_experts"
-            break
-    if reason is None:
-        for name, tensor in model.named_parameters():
-            if _is_tensor_subclass(tensor):
-                reason = f"{name} is {_describe(tensor)}"
-                break
+    by_ompmoe = (
+        f"{name}.{next(iter(getattr(module, QUANTIZED_ATTR)))} is quantized by ompmoe.quantize_experts"
+        for name, module in model.named_modules() if getattr(module, QUANTIZED_ATTR, None)
+    )
+    subclasses = (
+        f"{name} is {_describe(tensor)}" for name, tensor in model.named_parameters() if _is_tensor_subclass(tensor)
+    )
+    reason = next(chain(by_ompmoe, subclasses), None)
     if reason is not None:
         raise QuantizedModelError(
             f"ompmoe.save_pruned refuses a quantized model: {reason}. Save the full-precision (pruned, "

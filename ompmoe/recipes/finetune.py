@@ -1,19 +1,9 @@
 """Fine-tuning a pruned model: causal-LM loss plus a load-balancing loss that allows per-layer counts.
 
-transformers' router auxiliary loss (``load_balancing_loss_func``, added to the loss when
-``config.output_router_logits`` is set) uses one expert count for every layer: it sums the
-per-expert token fractions and router probabilities of all layers into one vector of
-``config.num_experts`` entries. A non-uniformly pruned model (layers keeping different numbers
-of experts) therefore fails with a shape error inside the model's ``forward``, and even on a
-uniform model the sum mixes unrelated experts of different layers (expert 3 of layer 1 with
-expert 3 of layer 2).
-
-:func:`load_balancing_loss` computes the same Switch-Transformer formula per layer, with each
-layer's own expert count and top-k, and averages over layers (``per_layer=True``, the default);
-``per_layer=False`` reproduces transformers' pooled value exactly (uniform counts only).
-:func:`causal_lm_loss` runs the model with ``output_router_logits=False``, takes the router
-logits from hooks on the routers instead, and adds the auxiliary term itself, so it works for
-every plan. No Lightning here: :class:`ompmoe.lightning.finetune_module.FinetuneModule` wraps it.
+transformers' router auxiliary loss pools all layers into one ``config.num_experts`` vector, so it
+fails on a non-uniformly pruned model (and mixes unrelated experts of different layers even on a
+uniform one); :func:`causal_lm_loss` switches it off and adds :func:`load_balancing_loss`, computed
+per layer from router hooks. No Lightning here: :class:`ompmoe.lightning.finetune_module.FinetuneModule` wraps it.
 """
 
 from __future__ import annotations
@@ -40,11 +30,8 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     r"""Switch-Transformer load-balancing loss over MoE layers that may have different expert counts.
 
-    For layer ``l`` with ``N_l`` experts, router probabilities ``p = softmax(logits)``, ``f_{l,e}``
-    the fraction of (token, slot) assignments of the top-``k_l`` routing that go to expert ``e``
-    (per token, so it sums to ``k_l``) and ``P_{l,e}`` the mean router probability of ``e``, the
-    layer's loss is ``N_l * sum_e f_{l,e} P_{l,e}`` (``k_l`` at perfect balance). Padding
-    (``attention_mask == 0``) is left out of both means.
+    Per layer ``N_l * sum_e f_{l,e} P_{l,e}`` (``f``: top-``k_l`` assignments per token going to ``e``,
+    ``P``: mean router probability of ``e``; ``k_l`` at perfect balance), padding left out.
 
     Args:
         router_logits: One ``(tokens, N_l)`` tensor per MoE layer (``tokens = batch * seq``).
@@ -65,21 +52,14 @@ def load_balancing_loss(
     fractions, probabilities, rows = [], [], []
     for layer_logits, k in zip(logits, top_ks):
         probs = torch.softmax(layer_logits.to(device).float(), dim=-1)
+        if mask is not None and mask.numel() != probs.shape[0]:
+            raise ValueError(f"attention_mask has {mask.numel()} tokens but the router logits have {probs.shape[0]}.")
+        weights = torch.ones(probs.shape[0], device=device) if mask is None else mask
         selected = torch.topk(probs, k, dim=-1).indices
         counts = torch.zeros(probs.shape[-1], dtype=torch.float32, device=device)
-        if mask is None:
-            counts = counts.scatter_add_(0, selected.reshape(-1), torch.ones(selected.numel(), device=device))
-            prob_sum = probs.sum(dim=0)
-            total = torch.tensor(float(probs.shape[0]), device=device)
-        else:
-            if mask.numel() != probs.shape[0]:
-                raise ValueError(f"attention_mask has {mask.numel()} tokens but the router logits have {probs.shape[0]}.")
-            counts = counts.scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(k))
-            prob_sum = (probs * mask.unsqueeze(-1)).sum(dim=0)
-            total = mask.sum()
-        fractions.append(counts)
-        probabilities.append(prob_sum)
-        rows.append(total)
+        fractions.append(counts.scatter_add_(0, selected.reshape(-1), weights.repeat_interleave(k)))
+        probabilities.append((probs * weights.unsqueeze(-1)).sum(dim=0))
+        rows.append(weights.sum())
     if per_layer:
         losses = [f.shape[0] * torch.sum((f / n) * (p / n)) for f, p, n in zip(fractions, probabilities, rows)]
         return torch.stack(losses).mean()
@@ -98,18 +78,16 @@ def load_balancing_loss(
 def moe_routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """``(router module, top_k)`` of every MoE layer, in module order.
 
-    Take them from the plain model before wrapping it (PEFT replaces the experts modules, after
-    which :func:`ompmoe.find_moe_layers` no longer recognises the layers; the routers stay).
+    Take them before wrapping the model: PEFT replaces the experts modules, which hides the layers.
     """
     return [(layer.router, layer.top_k) for layer in find_moe_layers(model)]
 
 
 @contextmanager
 def capture_router_logits(model_or_routers: nn.Module | Sequence[tuple[nn.Module, int]]) -> Iterator[list[torch.Tensor]]:
-    """Collect each MoE layer's router logits (output 0 of the router) during the forwards inside.
+    """Collect each MoE layer's router logits (router output 0), in module order, during the forwards inside.
 
-    Takes a model or the list of :func:`moe_routers`. Yields a list that fills in module order
-    per forward call; the hooks are removed on exit.
+    Takes a model or the list of :func:`moe_routers`; the hooks are removed on exit.
     """
     routers = moe_routers(model_or_routers) if isinstance(model_or_routers, nn.Module) else model_or_routers
     captured: list[torch.Tensor] = []
@@ -152,11 +130,8 @@ def causal_lm_loss(
 ) -> LossParts:
     """Causal-LM loss of ``batch`` (``input_ids``, optional ``attention_mask`` and ``labels``).
 
-    With ``aux_coef > 0`` the load-balancing loss of :func:`load_balancing_loss` over every MoE
-    layer is added with that weight. ``routers`` (from :func:`moe_routers`) must be given when
-    ``model`` wraps the Hugging Face model (a PEFT model); by default they are found in ``model``.
-    The model's own aux loss is always switched off (``output_router_logits=False``): it fails on
-    per-layer expert counts.
+    With ``aux_coef > 0`` :func:`load_balancing_loss` is added with that weight; the model's own aux loss
+    is switched off (it fails on per-layer counts). Give ``routers`` when ``model`` wraps the HF model (PEFT).
     """
     input_ids = batch["input_ids"]
     attention_mask = batch.get("attention_mask")

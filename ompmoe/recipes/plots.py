@@ -1,21 +1,9 @@
-"""Pictures of the selection: reconstruction-gain heatmaps, residual and routing-risk curves, and
-the table of high-contribution experts (the paper's Figures 1 and 4-7 and its Table of
-high-contribution experts), from a statistics object alone.
+"""Pictures of the selection from a statistics object alone: the paper's Figures 1 and 4-7 and its table
+of high-contribution experts.
 
-Uses matplotlib's Agg canvas directly (no pyplot, no display, no global backend change).
-Every file is written atomically. ``write_plots(stats, output_dir, plan=None)`` writes:
-
-- ``heatmaps.png``: per MoE layer (at most 12, evenly spaced), on one log scale, the gain ``Delta_e / ||Y||^2`` of every candidate (rows, in
-  selection order) at every greedy step (columns); experts not eligible at a step (already
-  selected, or in a group already picked this round) are blank.
-- ``residual_curves.png``: per layer, the normalized residual ``r_l(k)`` (left axis) and the
-  routing risk ``-log(C_l(k) + zeta)`` (right axis) against the number of experts kept; with a
-  plan, its kept count is marked and a non-OMP plan's own residual curve is drawn dashed.
-- ``residual_overview.png``: ``r_l(k)`` of all layers as one layers x k map, kept counts marked.
-- ``residual_curves.csv``: the curves as numbers (layer, k, ``r``, ``C``, risk).
-- with a plan, ``allocation.png`` / ``.csv``: experts kept per layer against the uniform count.
-- ``high_contribution.md`` / ``.csv``: layers whose first greedy pick alone leaves
-  ``r_l(1) < 0.1`` (one expert reconstructs over 90% of the routed output).
+:func:`write_plots` writes gain heatmaps, residual and routing-risk curves (PNG and CSV), the
+high-contribution table and, with a plan, the allocation. matplotlib's Agg canvas is used directly
+(no pyplot, no display, no global backend change); every file is written atomically.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.io import atomic_path, check_writable
-from ..engine.plan import PruningPlan
+from ..engine.plan import LayerPlan, PruningPlan
 from ..engine.progress import progress as progress_bar
 from ..engine.selection import PursuitResult, greedy_pursuit, routing_coverage
 from ..engine.statistics import LayerStats, MoEStats
@@ -93,6 +81,14 @@ def high_contribution_experts(
     return rows
 
 
+def _csv(header: list[str], rows: Sequence[Sequence[object]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
 def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "markdown",
                             threshold: float = HIGH_CONTRIBUTION_THRESHOLD) -> str:
     """The rows as a Markdown table (``fmt="markdown"``) or CSV (``fmt="csv"``).
@@ -100,30 +96,24 @@ def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "
     With no rows, the Markdown starts with a sentence saying that no layer reached ``threshold``.
     """
     if fmt == "csv":
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["layer", "layer_index", "expert", "residual_r1", "token_share"])
-        for row in rows:
-            writer.writerow([row.layer, row.layer_index, row.expert, repr(row.residual), repr(row.token_share)])
-        return buffer.getvalue()
+        return _csv(
+            ["layer", "layer_index", "expert", "residual_r1", "token_share"],
+            [[row.layer, row.layer_index, row.expert, repr(row.residual), repr(row.token_share)] for row in rows],
+        )
     if fmt != "markdown":
         raise ValueError(f"Unknown table format {fmt!r}; choose 'markdown' or 'csv'.")
-    lines = [
-        "| Layer | Layer index | Expert ID | Residual r_l(1) | Routed-token share |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    lines = ["| Layer | Layer index | Expert ID | Residual r_l(1) | Routed-token share |", "|---|---:|---:|---:|---:|"]
     lines += [
         f"| {row.layer} | {row.layer_index} | {row.expert} | {row.residual:.4f} | {row.token_share:.3f} |"
         for row in rows
     ]
-    if not rows:
-        sentence = (f"No layer qualifies: in every layer the first expert picked leaves r_l(1) >= {threshold:g} "
-                    f"(no single expert reconstructs {1 - threshold:.0%} of its layer's routed output).")
-        return sentence + "\n\n" + "\n".join(lines) + "\n"
-    return "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n"
+    if rows:
+        return table
+    return (f"No layer qualifies: in every layer the first expert picked leaves r_l(1) >= {threshold:g} "
+            f"(no single expert reconstructs {1 - threshold:.0%} of its layer's routed output).\n\n" + table)
 
 
-# --------------------------------------------------------------------------------- figures
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -133,26 +123,20 @@ def _figure(width: float, height: float):
     return figure
 
 
-def _integer_ticks():
-    """A tick locator that puts ticks on whole numbers only (expert counts)."""
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
-
-
 def _grid(count: int, max_columns: int = 6) -> tuple[int, int]:
     columns = max(1, min(count, max_columns))
     return math.ceil(count / columns), columns
 
 
-def _title(layer: LayerStats, position: int) -> str:
-    return f"layer {layer_index(layer.name, position)} ({layer.num_experts} experts)"
-
-
-def _save(figure, path: Path, overwrite: bool) -> Path:
+def _save(figure, path: Path, overwrite: bool) -> None:
     with atomic_path(path, overwrite=overwrite) as tmp:
         figure.savefig(tmp, format="png")
-    return path
+
+
+def _layer_ticks(layers: Sequence[LayerStats | LayerPlan], most: int) -> tuple[list[int], list[str]]:
+    """Positions of at most about ``most`` evenly spaced layers and their decoder-layer numbers."""
+    positions = list(range(0, len(layers), max(1, len(layers) // most)))
+    return positions, [str(layer_index(layers[i].name, i)) for i in positions]
 
 
 def heatmap_layers(num_layers: int, max_layers: int = 12) -> list[int]:
@@ -163,30 +147,23 @@ def heatmap_layers(num_layers: int, max_layers: int = 12) -> list[int]:
     return sorted({round(i * (num_layers - 1) / (max_layers - 1)) for i in range(max_layers)})
 
 
-def _gain_matrix(layer: LayerStats) -> tuple[np.ndarray, np.ndarray]:
-    """Gains (rows: experts in selection order, columns: steps; NaN where not eligible) and the order."""
-    result = _pursuit(layer)
-    assert result.gains is not None
-    gains = (result.gains.T[result.order] / layer.signal_energy).numpy()
-    return np.where(np.isneginf(gains), np.nan, gains), result.order.numpy()
-
-
 def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] | None = None,
                    progress: bool | None = False):
     """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale.
 
-    ``layers``: positions to draw (default :func:`heatmap_layers`). Panels grow with the expert
-    count so that every row stays at least 3 pixels high; gains below ``1e-6`` of the largest
-    and non-positive ones (adding the expert does not help) are drawn in cyan.
+    ``layers``: positions to draw (default :func:`heatmap_layers`). Gains below ``1e-6`` of the largest,
+    and non-positive ones, are drawn in cyan.
     """
     from matplotlib.colors import LogNorm
 
     positions = list(layers) if layers is not None else heatmap_layers(len(stats.layers))
     drawn = [(p, stats.layers[p]) for p in positions]
-    matrices = {}
+    matrices = {}  # position: (gains with rows in selection order and NaN where not eligible, the order)
     for position, layer in progress_bar(drawn, "ompmoe heatmaps", progress, unit="layer"):
         if layer.signal_energy > 0.0:
-            matrices[position] = _gain_matrix(layer)
+            result = _pursuit(layer)
+            gains = (result.gains.T[result.order] / layer.signal_energy).numpy()
+            matrices[position] = np.where(np.isneginf(gains), np.nan, gains), result.order.numpy()
     finite = [m[0][np.isfinite(m[0])] for m in matrices.values()]
     top = max((float(v.max()) for v in finite if v.size), default=1.0)
     top = top if top > 0 else 1.0
@@ -197,17 +174,15 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
     rows, columns = _grid(len(drawn), max_columns)
     figure = _figure(side * columns + 1.2, side * rows + 0.8)
     title = "Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step"
-    if len(drawn) < len(stats.layers):
-        title += f"\n{len(drawn)} of {len(stats.layers)} layers, evenly spaced; "
-    else:
-        title += "\n"
+    subset = len(drawn) < len(stats.layers)
+    title += f"\n{len(drawn)} of {len(stats.layers)} layers, evenly spaced; " if subset else "\n"
     title += "grey: not eligible (already selected); cyan: no gain (below $10^{-6}$ of the largest, or negative)"
     figure.suptitle(title)
     axes = figure.subplots(rows, columns, squeeze=False)
     cmap = _colormap("magma").with_extremes(under="#00bcd4")
     image = None
     for ax, (position, layer) in zip(axes.flat, drawn):
-        ax.set_title(_title(layer, position), fontsize=9)
+        ax.set_title(f"layer {layer_index(layer.name, position)} ({layer.num_experts} experts)", fontsize=9)
         if position not in matrices:
             ax.text(0.5, 0.5, "no routed tokens", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
@@ -215,10 +190,9 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
         gains, order = matrices[position]
         shown = np.ma.masked_invalid(np.where(np.isfinite(gains), np.maximum(gains, norm.vmin / 2), np.nan))
         image = ax.imshow(shown, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest", origin="upper")
-        n = layer.num_experts
         ax.set_xlabel("selection step", fontsize=8)
         ax.set_ylabel("expert id (selection order)", fontsize=8)
-        ticks = list(range(n)) if n <= 16 else list(range(0, n, max(1, n // 16)))
+        ticks = list(range(0, layer.num_experts, max(1, layer.num_experts // 16)))
         ax.set_yticks(ticks, [str(order[t]) for t in ticks], fontsize=6)
         ax.set_xticks(ticks, [str(t + 1) for t in ticks], fontsize=6)
     for ax in list(axes.flat)[len(drawn):]:
@@ -232,7 +206,7 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
 def _colormap(name: str):
     from matplotlib import colormaps
 
-    return colormaps[name].with_extremes(bad="#d9d9d9")  # blank: not eligible at that step
+    return colormaps[name].with_extremes(bad="#d9d9d9")  # grey: not eligible at that step, or no data
 
 
 def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -245,10 +219,9 @@ def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray, np.
 
 def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: float = 1e-6, max_columns: int = 8,
                     progress: bool | None = False):
-    """Per layer: OMP residual ``r_l(k)`` and routing risk ``-log(C_l(k) + zeta)`` (a ``Figure``).
+    """Per layer: OMP residual ``r_l(k)`` and routing risk ``-log(C_l(k) + zeta)`` (a ``Figure``)."""
+    from matplotlib.ticker import MaxNLocator
 
-    Each panel's title names its own kept count; one legend for the figure says what the lines are.
-    """
     columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
     rows, columns = _grid(len(stats.layers), columns)
     figure = _figure(3.2 * columns, 2.6 * rows + 1.1)
@@ -262,7 +235,7 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
     items = list(zip(axes.flat, stats.layers))
     for position, (ax, layer) in enumerate(progress_bar(items, "ompmoe residual curves", progress, unit="layer")):
         chosen = planned.get(layer.name)
-        kept = f": kept {chosen.num_kept}/{layer.num_experts}" if chosen is not None else f" ({layer.num_experts} experts)"
+        kept = f" ({layer.num_experts} experts)" if chosen is None else f": kept {chosen.num_kept}/{layer.num_experts}"
         ax.set_title(f"layer {layer_index(layer.name, position)}{kept}", fontsize=10)
         if layer.signal_energy <= 0.0:
             ax.text(0.5, 0.5, "no routed tokens", ha="center", va="center", transform=ax.transAxes)
@@ -272,7 +245,7 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
         (line,) = ax.plot(k, residual, color="tab:blue", lw=1.3)
         handles.setdefault("residual r(k) (OMP)", line)
         ax.set_ylim(-0.02, 1.02)
-        ax.xaxis.set_major_locator(_integer_ticks())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         twin = ax.twinx()
@@ -297,11 +270,8 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
 def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: bool | None = False):
     """All layers' ``r_l(k)`` as one map (rows: layers, columns: k), the plan's kept counts marked.
 
-    One row per layer reads at any depth (the paper's Figure 1a draws one curve per layer, which
-    tangles beyond a dozen layers); a white contour marks ``r = 0.1``.
+    Unlike the paper's Figure 1a (one curve per layer), it stays readable at any depth.
     """
-    from matplotlib import colormaps
-
     most = max(layer.num_experts for layer in stats.layers)
     residuals = np.full((len(stats.layers), most + 1), np.nan)
     for position, layer in enumerate(progress_bar(stats.layers, "ompmoe overview", progress, unit="layer")):
@@ -310,8 +280,7 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
     height = min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6))
     figure = _figure(7.5, height)
     ax = figure.subplots()
-    cmap = colormaps["viridis"].with_extremes(bad="#d9d9d9")
-    image = ax.imshow(np.ma.masked_invalid(residuals), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+    image = ax.imshow(np.ma.masked_invalid(residuals), aspect="auto", cmap=_colormap("viridis"), vmin=0.0, vmax=1.0,
                       interpolation="nearest", origin="upper", extent=(-0.5, most + 0.5, len(stats.layers) - 0.5, -0.5))
     if np.isfinite(residuals).sum() > 3 and len(stats.layers) > 1:
         ax.contour(np.arange(most + 1), np.arange(len(stats.layers)), np.nan_to_num(residuals, nan=1.0), levels=[0.1],
@@ -321,9 +290,7 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
         ax.plot(kept, np.arange(len(kept)), "o", color="tab:red", ms=max(2.0, min(5.0, 120 / len(kept))),
                 label=f"experts kept ({plan.method}/{plan.allocation}, ratio {plan.ratio:g})")
         ax.legend(loc="lower right", fontsize=8)
-    indices = [layer_index(layer.name, i) for i, layer in enumerate(stats.layers)]
-    step = max(1, len(indices) // 16)
-    ax.set_yticks(range(0, len(indices), step), [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
+    ax.set_yticks(*_layer_ticks(stats.layers, 16), fontsize=7)
     ax.set_xlabel("experts kept k")
     ax.set_ylabel("layer")
     ax.set_title("Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$")
@@ -333,6 +300,8 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
 
 def allocation_figure(stats: MoEStats, plan: PruningPlan):
     """Experts kept per layer by the plan, against the uniform allocation of the same ratio."""
+    from matplotlib.ticker import MaxNLocator
+
     figure = _figure(max(6.0, min(14.0, 0.18 * len(plan.layers) + 3.0)), 3.8)
     ax = figure.subplots()
     x = np.arange(len(plan.layers))
@@ -343,12 +312,10 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
     ax.bar(x, kept, color="tab:blue", width=0.85, label=f"kept ({plan.method}/{plan.allocation})")
     ax.step(np.append(x, x[-1] + 1) - 0.5, np.append(uniform, uniform[-1]), where="post", color="tab:red", lw=1.2,
             label=f"uniform: keep {1.0 - plan.achieved_ratio:.3f} of each layer")
-    indices = [layer_index(layer.name, i) for i, layer in enumerate(plan.layers)]
-    step = max(1, len(indices) // 24)
-    ax.set_xticks(x[::step], [str(indices[i]) for i in range(0, len(indices), step)], fontsize=7)
+    ax.set_xticks(*_layer_ticks(plan.layers, 24), fontsize=7)
     ax.set_xlim(-0.6, len(plan.layers) - 0.4)
     ax.set_ylim(0, total.max() * 1.3)  # room for the legend above the bars
-    ax.yaxis.set_major_locator(_integer_ticks())  # expert counts are whole numbers
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("experts")
     ax.set_title(f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")
@@ -359,29 +326,24 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
 
 def curves_csv(stats: MoEStats, zeta: float) -> str:
     """Every layer's OMP ``r_l(k)``, ``C_l(k)`` and risk for k = 0..N, one row per (layer, k)."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["layer", "layer_index", "k", "residual", "coverage", "risk"])
+    rows = []
     for position, layer in enumerate(stats.layers):
         if layer.signal_energy <= 0.0:
             continue
         residual, coverage, risk = _curves(layer, zeta)
-        for k in range(layer.num_experts + 1):
-            writer.writerow([layer.name, layer_index(layer.name, position), k, repr(float(residual[k])),
-                             repr(float(coverage[k])), repr(float(risk[k]))])
-    return buffer.getvalue()
+        rows += [[layer.name, layer_index(layer.name, position), k, repr(float(residual[k])), repr(float(coverage[k])),
+                  repr(float(risk[k]))] for k in range(layer.num_experts + 1)]
+    return _csv(["layer", "layer_index", "k", "residual", "coverage", "risk"], rows)
 
 
 def allocation_csv(plan: PruningPlan) -> str:
     """Per layer: experts, kept, the uniform count of the same ratio, and ``r(k)``, ``C(k)`` at the kept count."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["layer", "layer_index", "num_experts", "kept", "uniform_kept", "residual", "coverage"])
-    for position, layer in enumerate(plan.layers):
-        writer.writerow([layer.name, layer_index(layer.name, position), layer.num_experts, layer.num_kept,
-                         repr(layer.num_experts * (1.0 - plan.achieved_ratio)), repr(float(layer.residual[layer.num_kept])),
-                         repr(float(layer.coverage[layer.num_kept]))])
-    return buffer.getvalue()
+    return _csv(
+        ["layer", "layer_index", "num_experts", "kept", "uniform_kept", "residual", "coverage"],
+        [[layer.name, layer_index(layer.name, position), layer.num_experts, layer.num_kept,
+          repr(layer.num_experts * (1.0 - plan.achieved_ratio)), repr(float(layer.residual[layer.num_kept])),
+          repr(float(layer.coverage[layer.num_kept]))] for position, layer in enumerate(plan.layers)],
+    )
 
 
 def write_plots(
@@ -396,11 +358,8 @@ def write_plots(
 ) -> list[Path]:
     """Write the heatmaps, residual/risk curves (PNG and CSV) and high-contribution table into ``output_dir``.
 
-    ``plan`` (made from these statistics) marks each layer's kept count and adds the allocation
-    figure and CSV (:data:`PLAN_PLOT_FILES`); ``zeta`` defaults to the plan's, else ``1e-6``.
-    Returns the written paths (:data:`PLOT_FILES`, then those). Existing files are refused unless
-    ``overwrite``, before anything is drawn. ``progress``: bars on stderr (``None``: when stderr is
-    a terminal; drawing 48 x 128 layers takes seconds).
+    ``plan`` (made from these statistics) adds :data:`PLAN_PLOT_FILES`; ``zeta`` defaults to its, else ``1e-6``.
+    Existing files are refused, unless ``overwrite``, before anything is drawn. Returns the written paths.
     """
     output_dir = Path(output_dir)
     if plan is not None:
@@ -435,17 +394,7 @@ def write_plots(
 
 
 __all__ = [
-    "HighContributionExpert",
-    "PLAN_PLOT_FILES",
-    "PLOT_FILES",
-    "allocation_csv",
-    "allocation_figure",
-    "curves_csv",
-    "heatmap_layers",
-    "heatmap_figure",
-    "high_contribution_experts",
-    "high_contribution_table",
-    "overview_figure",
-    "residual_figure",
-    "write_plots",
+    "HighContributionExpert", "PLAN_PLOT_FILES", "PLOT_FILES", "allocation_csv", "allocation_figure", "curves_csv",
+    "heatmap_layers", "heatmap_figure", "high_contribution_experts", "high_contribution_table", "overview_figure",
+    "residual_figure", "write_plots",
 ]

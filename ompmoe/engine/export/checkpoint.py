@@ -1,15 +1,12 @@
 """Write a complete pruned checkpoint: weights in the source dtype, tokenizer, remote code, model card.
 
-Every path that writes a model (``save_pruned``, ``ompmoe prune``, the callback, the recipes) comes
-here, so each output directory loads in stock tools: ``AutoModelForCausalLM`` and ``AutoTokenizer``
-find everything they need, and ``README.md`` says what was done and how to load it.
+Every path that writes a model comes here, so each output directory loads in stock tools.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from torch import nn
 from ..adapters import architecture_of
 from .config import count_json_key, load_tokenizer
 from .hub_code import write_remote_code
-from .model_card import model_card
+from .model_card import _is_hub_id, model_card
 
 TOKENIZER_HINT = (
     "pass tokenizer=<hub id, path or tokenizer> to save_pruned (CLI: ompmoe prune --tokenizer ...; "
@@ -49,16 +46,15 @@ def source_dtype(model: nn.Module) -> torch.dtype | None:
         return None
     try:
         config_dict, _ = transformers.PreTrainedConfig.get_config_dict(name, local_files_only=True)
+        value = config_dict.get("dtype", config_dict.get("torch_dtype"))
+        return _resolve_dtype(str(value)) if value else None
     except (OSError, ValueError):
         return None
-    value = config_dict.get("dtype", config_dict.get("torch_dtype"))
-    resolved = getattr(torch, str(value).removeprefix("torch."), None) if value else None
-    return resolved if isinstance(resolved, torch.dtype) and resolved.is_floating_point else None
 
 
 def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
     """A tokenizer object from ``tokenizer`` (object, hub id or path) or else the model's source, or ``None``."""
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+    if hasattr(tokenizer, "save_pretrained"):
         return tokenizer
     candidates = [str(tokenizer)] if isinstance(tokenizer, (str, os.PathLike)) else []
     name = source_name(model)
@@ -79,10 +75,6 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
                     "directory with tokenizer files, or a tokenizer object."
                 ) from error
     return None
-
-
-def _is_hub_id(name: str) -> bool:
-    return not os.path.exists(name) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
 
 
 def _cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -114,21 +106,16 @@ def save_checkpoint(
 ) -> dict[str, Any]:
     """Write ``model`` and everything stock tools need into the (empty, temporary) ``directory``.
 
-    ``dtype``: the weights' dtype on disk; ``None`` keeps the source checkpoint's (read from its
-    config.json) or else the model's. Returns what was written: ``dtype``, ``tokenizer`` (bool),
-    ``remote_code`` (bool). ``final_path``: where ``directory`` will be moved (named in the warning).
+    ``dtype``: on disk; ``None`` keeps the source checkpoint's, else the model's. ``final_path``: where
+    ``directory`` will be moved (named in the warning). Returns ``dtype``, ``tokenizer``, ``remote_code``.
     """
     directory = Path(directory)
     target = _resolve_dtype(dtype) or source_dtype(model)
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    if target is not None and current is not None and target != current and "state_dict" not in save_kwargs:
+    cast = target is not None and current is not None and target != current and "state_dict" not in save_kwargs
+    if cast:
         save_kwargs["state_dict"] = _cast_state_dict(model, target)
-        model.save_pretrained(directory, **save_kwargs)
-        config = json.loads((directory / "config.json").read_text())
-        config["dtype"] = str(target).removeprefix("torch.")  # save_pretrained records the in-memory dtype
-        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    else:
-        model.save_pretrained(directory, **save_kwargs)
+    model.save_pretrained(directory, **save_kwargs)
     written_tokenizer = resolve_tokenizer(tokenizer, model)
     if written_tokenizer is not None:
         written_tokenizer.save_pretrained(directory)
@@ -141,23 +128,23 @@ def save_checkpoint(
             stacklevel=3,
         )
     config = json.loads((directory / "config.json").read_text())
+    if cast:
+        config["dtype"] = str(target).removeprefix("torch.")  # save_pretrained records the in-memory dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     record = config.get("ompmoe") or {}
     remote = bool(record) and not record.get("uniform", True)
     if remote:
-        spec = architecture_of(model)
         write_remote_code(
             directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
-            count_json_key(config["model_type"]), spec.router_attr,
+            count_json_key(config["model_type"]), architecture_of(model).router_attr,
         )
     info = {
         "dtype": str(config.get("dtype", "")).removeprefix("torch."),
         "tokenizer": written_tokenizer is not None,
         "remote_code": remote,
     }
-    card = model_card(
-        config=config, model_id=record.get("plan", {}).get("model_id") or source_name(model),
-        calibration=calibration, info=info,
-    )
+    model_id = record.get("plan", {}).get("model_id") or source_name(model)
+    card = model_card(config=config, model_id=model_id, calibration=calibration, info=info)
     (directory / "README.md").write_text(card)
     return info
 

@@ -1,9 +1,10 @@
-"""Read the config of a saved pruned checkpoint, old or new, without running its remote code."""
+"""Read the config of a saved pruned checkpoint without running its remote code."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -42,11 +43,8 @@ def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) 
 
 def non_uniform_config(path: str | os.PathLike) -> Any | None:
     """The stock config of a local non-uniform checkpoint (written with remote code), else ``None``."""
-    config_file = os.path.join(str(path), "config.json")
-    if not os.path.isfile(config_file):
-        return None
     try:
-        config_dict = json.loads(open(config_file, encoding="utf-8").read())
+        config_dict = json.loads(Path(path, "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     spec = ARCHITECTURES.get(config_dict.get("model_type")) if isinstance(config_dict, dict) else None

@@ -1,17 +1,10 @@
 """Self-contained remote code that lets stock transformers load a non-uniformly pruned checkpoint.
 
-A checkpoint whose MoE layers keep different expert counts cannot be described by the stock
-config (one count for all layers). Like hub repositories with custom code, the directory carries
-``configuration_ompmoe_pruned.py`` and ``modeling_ompmoe_pruned.py`` (named in ``auto_map``): they
-subclass the stock classes and build each layer at its own size, and import only torch and
-transformers, so ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where
-ompmoe is not installed (lm-eval, other machines). The model class runs the stock experts kernels
-(``grouped_mm`` by default, ``experts_implementation=`` / ``set_experts_implementation`` work).
-
-``config.json`` stays a valid stock config (the expert count is the largest layer's), so
-``AutoTokenizer``, which reads it, works without remote code. What refuses stock model classes is
-``"experts_implementation": HOW_TO_LOAD``: every stock model checks that value while it is built,
-before any weight is read, and raises an error quoting the text, which names both ways to load.
+The stock config has one expert count for all layers, so the directory carries its own config and
+model classes (named in ``auto_map``, importing only torch and transformers) for
+``trust_remote_code=True`` where ompmoe is not installed. ``config.json`` stays a valid stock config
+(largest count) for ``AutoTokenizer``; its ``"experts_implementation": HOW_TO_LOAD`` makes every stock
+model class refuse it before any weight is read, with an error quoting both ways to load.
 """
 
 from __future__ import annotations
@@ -146,14 +139,12 @@ def write_remote_code(
 ) -> None:
     """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
 
-    ``config.json`` must hold the ``ompmoe`` record (per-layer kept ids) written by ``save_pretrained``.
-    ``count_json_key`` is the key ``save_pretrained`` stores the expert count under (Qwen3-MoE:
-    ``num_local_experts``); it is set to the largest per-layer count.
+    ``config.json`` must hold the ``ompmoe`` record; ``count_json_key`` (:func:`count_json_key` of the
+    config module) is set to the largest per-layer count.
     """
     directory = Path(directory)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    per_layer = {name: len(ids) for name, ids in config["ompmoe"]["kept_experts"].items()}
     config_class, model_class = class_names(base_model)
     values = dict(
         base_config=base_config, base_model=base_model, router_attr=router_attr,
@@ -161,7 +152,7 @@ def write_remote_code(
     )
     (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
     (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
-    config[count_json_key] = max(per_layer.values())
+    config[count_json_key] = max(len(ids) for ids in config["ompmoe"]["kept_experts"].values())
     config["experts_implementation"] = HOW_TO_LOAD
     config["auto_map"] = {
         "AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.{config_class}",
@@ -178,8 +169,8 @@ def is_non_uniform(config_dict: dict[str, Any], count_key: str) -> bool:
 def stock_config_dict(config_dict: dict[str, Any], count_key: str) -> dict[str, Any]:
     """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it.
 
-    The refusing ``experts_implementation`` and ``auto_map`` are dropped, so the model loads as the stock class (ompmoe
-    sizes the layers itself) and a later ``save_pretrained`` does not point to code files it does not copy.
+    Drops ``experts_implementation`` (so the stock class loads; ompmoe sizes the layers) and ``auto_map``
+    (so a later ``save_pretrained`` does not point to code files it does not copy).
     """
     config_dict = dict(config_dict)
     if not is_non_uniform(config_dict, count_key):

@@ -1,8 +1,6 @@
 """The ``README.md`` model card of a pruned checkpoint, in the Hugging Face convention.
 
-YAML front matter (``base_model``, ``library_name``, ``tags``) lets the hub link the checkpoint to
-its base model; the body records what was pruned (method, ratio, allocation, per-layer counts,
-calibration) and how to load it, which differs between uniform and non-uniform plans.
+The front matter lets the hub link the checkpoint to its base model; the body says what was pruned and how to load it.
 """
 
 from __future__ import annotations
@@ -20,22 +18,13 @@ def _is_hub_id(name: str | None) -> bool:
 
 def front_matter(model_id: str | None, model_type: str | None, uniform: bool) -> dict[str, Any]:
     """The card's metadata; ``base_model`` only for a hub id (the hub rejects local paths)."""
-    meta: dict[str, Any] = {}
-    if _is_hub_id(model_id):
-        meta["base_model"] = model_id
-    meta["library_name"] = "transformers"
-    meta["pipeline_tag"] = "text-generation"
     tags = ["ompmoe", "moe", "expert-pruning", "uniform-experts" if uniform else "non-uniform-experts"]
     if model_type:
         tags.append(model_type)
     if not uniform:
         tags.append("custom_code")
-    meta["tags"] = tags
-    return meta
-
-
-def _fmt(value: Any, spec: str = "g") -> str:
-    return "not recorded" if value is None else format(value, spec)
+    base: dict[str, Any] = {"base_model": model_id} if _is_hub_id(model_id) else {}
+    return {**base, "library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
 
 
 def model_card(
@@ -47,24 +36,24 @@ def model_card(
     kept = record.get("kept_experts") or {}
     original = record.get("original_num_experts") or {}
     uniform = bool(record.get("uniform", True))
-    meta = front_matter(model_id, config.get("model_type"), uniform)
     total_kept = sum(len(ids) for ids in kept.values())
     total = sum(original.values())
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", ""]
-    lines.append(f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe")
-    lines.append("")
+    ratio = "not recorded" if plan.get("ratio") is None else format(plan["ratio"], "g")
+    meta = yaml.safe_dump(front_matter(model_id, config.get("model_type"), uniform), sort_keys=False).rstrip()
+    title = f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe"
+    lines = ["---", meta, "---", "", title, ""]
     if model_id and not _is_hub_id(model_id):
         lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
     lines += [
         "| | |",
         "|---|---|",
         f"| Method | {plan.get('method', 'not recorded')} |",
-        f"| Requested ratio (experts removed) | {_fmt(plan.get('ratio'))} |",
+        f"| Requested ratio (experts removed) | {ratio} |",
         f"| Achieved ratio | {f'{1 - total_kept / total:.4f}' if total else 'not recorded'} "
         f"({total_kept} of {total} routed experts kept) |",
         f"| Allocation | {plan.get('allocation', 'not recorded')} |",
         f"| Calibration data | {calibration or plan.get('calibration') or 'not recorded'} |",
-        f"| Calibration tokens | {_fmt(plan.get('num_tokens'), 'd') if plan.get('num_tokens') else 'not recorded'} |",
+        f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
         f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",
         f"| Tokenizer included | {'yes' if info.get('tokenizer') else 'no'} |",
         "",

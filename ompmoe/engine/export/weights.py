@@ -1,8 +1,6 @@
 """Refuse weight files that would load silently wrong: corrupt, non-floating, missing, unexpected or mis-shaped.
 
 transformers initialises a missing tensor at random and only logs it; an integer tensor is cast without a word.
-:func:`check_weight_files` reads the headers before loading, :func:`check_loading_info` what ``from_pretrained``
-reports after it; both raise :class:`CheckpointWeightsError` naming the file and the tensors.
 """
 
 from __future__ import annotations
