@@ -27,23 +27,9 @@ from ompmoe.engine.plan_choice import PlanChoice, choose_plan
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import AUTO, PruningStrategy, Strategy
 from ompmoe.lightning.pruning_steps import (
-    MODEL_DIR,
-    PLAN_FILE,
-    PLOTS_DIR,
-    STATS_FILE,
-    batch_token_weight,
-    choice_data,
-    check_adaptive_epsilon,
-    extra_strategies,
-    plan_metrics,
-    prune_and_adapt,
-    real_sample_count,
-    require_matplotlib,
-    summary_lines,
-    unsharded,
-    usable_tokenizer,
-    validate_strategies,
-    write_outputs,
+    MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, batch_token_weight, choice_data, check_adaptive_epsilon,
+    extra_strategies, plan_metrics, prune_and_adapt, real_sample_count, require_matplotlib, summary_lines,
+    unsharded, usable_tokenizer, validate_strategies, write_outputs,
 )
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]

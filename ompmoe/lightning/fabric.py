@@ -25,18 +25,8 @@ from ..engine.plan_choice import PlanChoice, choose_plan
 from ..engine.statistics import MoEStats
 from ..engine.strategy import AUTO, PruningStrategy, Strategy
 from .pruning_steps import (
-    batch_token_weight,
-    check_adaptive_epsilon,
-    extra_strategies,
-    plan_metrics,
-    prune_and_adapt,
-    real_sample_count,
-    require_matplotlib,
-    summary_lines,
-    tries_candidates,
-    unsharded,
-    usable_tokenizer,
-    validate_strategies,
+    batch_token_weight, check_adaptive_epsilon, extra_strategies, plan_metrics, prune_and_adapt, real_sample_count,
+    require_matplotlib, summary_lines, tries_candidates, unsharded, usable_tokenizer, validate_strategies,
     write_outputs,
 )
 
@@ -112,7 +102,8 @@ class FabricCalibration:
 
     Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any
     Fabric precision; FSDP1 (``strategy="fsdp"``) is refused. ``output_dir``, the ratio and the strategy's
-    statistics are checked here, before any forward pass.
+    statistics are checked here, before any forward pass. The arguments not listed below are as in
+    :class:`~ompmoe.callbacks.ExpertPruning` (``tokenizer`` may also be a tokenizer object).
 
     Args:
         fabric: The launched :class:`lightning.fabric.Fabric`.
@@ -120,7 +111,6 @@ class FabricCalibration:
         model_id: Model name recorded in the statistics; default: the config's ``_name_or_path``.
         sources: Calibration sources recorded in the statistics and the model card.
         inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.
-        The others: as in :class:`~ompmoe.callbacks.ExpertPruning` (``tokenizer`` may also be a tokenizer object).
     """
 
     def __init__(
