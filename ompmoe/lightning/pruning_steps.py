@@ -58,10 +58,8 @@ def extra_strategies(strategy: Strategy, ratios: Sequence[float]) -> list[Strate
 def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple[str, dict[str, int]]],
                         statistics: Sequence[str], owner: str = "ExpertPruning",
                         model_type: str | None = None) -> list[str]:
-    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected.
-
-    Returns the statistics to collect: ``statistics`` plus what every setting an ``auto`` strategy tries for
-    ``model_type`` needs. ``owner`` names the class whose option the message points to.
+    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected;
+    return the statistics to collect (``statistics`` plus what each setting ``auto`` tries for ``model_type`` needs).
     """
     statistics = list(statistics)
     for strategy in strategies:
@@ -134,10 +132,8 @@ def real_sample_count(sampler: Any) -> int | None:
 def batch_token_weight(
     inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
 ) -> torch.Tensor | None:
-    """Per-token weights of a batch: its attention mask, times 0 for samples past ``real_samples`` (repeats).
-
-    ``first_sample`` is the batch's first sample's position on this rank. ``None`` counts every token.
-    """
+    """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
+    ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     assert ids is not None
     num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
@@ -150,10 +146,8 @@ def batch_token_weight(
 
 
 def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
-    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0 (``None`` elsewhere).
-
-    Gathering is a collective, so every rank must call this.
-    """
+    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0 (``None`` elsewhere);
+    gathering is a collective, so every rank must call this."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in model.parameters()):
