@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
-from ._quiet import quiet_third_party
+from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
 from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
@@ -235,8 +235,6 @@ def lightning_cli(args: list[str] | None = None) -> None:
         args = [arg for arg in args if arg != "--quiet"]
         args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
         from transformers.utils import logging as hf_logging
-
-        from ._quiet import LIGHTNING_LOGGERS
 
         for name in LIGHTNING_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -41,7 +41,7 @@ def _ratios(value: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The options, named as in ``ompmoe fit`` (``--data.*`` as the data module's), defaults as ``configs/tiny.yaml``."""
+    """The options, named as in ``ompmoe fit`` (``--data.*`` as the data module's), defaults as configs/tiny.yaml."""
     p = argparse.ArgumentParser(
         prog="python -m ompmoe.lightning.fabric_prune",
         description="Calibrate and prune an MoE model with Lightning Fabric (DDP or FSDP2), as `ompmoe fit` does.",
