@@ -1,16 +1,12 @@
-r"""
-ExpertPruning
-^^^^^^^^^^^^^
+"""ExpertPruning: a Lightning callback that turns a calibration ``fit`` into an expert-pruning run.
 
-A Lightning callback that turns a calibration ``fit`` into an expert-pruning run: it streams
-OMP-MoE statistics during training batches on every rank, merges them exactly across ranks,
-hands them to a pruning strategy at the end of the fit and prunes the model.
+Statistics stream during training batches on every rank, are summed exactly across ranks, and at the end of
+the fit a pruning strategy plans from them and the model is pruned.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,29 +24,13 @@ from ompmoe.engine.io import check_writable, inputs_of, local_inputs
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PruningPlan
 from ompmoe.engine.plan_choice import PlanChoice, choose_plan
-from ompmoe.engine.pruning import prune
 from ompmoe.engine.statistics import MoEStats
 from ompmoe.engine.strategy import AUTO, PruningStrategy, Strategy
-from ompmoe.engine.summary import kept_summary, settings_summary
 from ompmoe.lightning.pruning_steps import (
-    MODEL_DIR,
-    PLAN_FILE,
-    PLOTS_DIR,
-    STATS_FILE,
-    auto_note,
-    batch_token_weight,
-    choice_data,
-    extra_strategies,
-    plan_metrics,
-    real_sample_count,
-    require_matplotlib,
-    unsharded,
-    usable_tokenizer,
-    validate_strategies,
-    write_outputs,
+    MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, batch_token_weight, choice_data, check_adaptive_epsilon,
+    extra_strategies, plan_metrics, prune_and_adapt, real_sample_count, require_matplotlib, summary_lines,
+    unsharded, usable_tokenizer, validate_strategies, write_outputs,
 )
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]
 
@@ -80,49 +60,36 @@ def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Modu
 class ExpertPruning(Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
-    Statistics are taken in training batches only (not in sanity checks or validation), with
-    padding tokens and the duplicate samples a ``DistributedSampler`` pads uneven datasets
-    with left out. They are summed across ranks before the strategy sees them.
+    Only training batches count (not sanity checks or validation), without padding tokens or the samples a
+    ``DistributedSampler`` repeats to even out the ranks.
 
     Args:
-        strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")``: ratio 0.5 with
-            the settings measured for the model's layout, the better of two tried on ``choice_blocks`` for softmax
-            routers (the statistics they need are collected; the paper's method is
-            ``PruningStrategy(method="omp", allocation="waterfill")``). Any object with ``validate(routings)`` and
-            ``plan(stats)`` works.
-        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/``
-            (atomically). ``None`` writes nothing.
+        strategy: What to prune; default ``PruningStrategy(method="auto", allocation="auto")``: ratio 0.5 with the
+            settings measured for the model's layout (the paper's: ``method="omp", allocation="waterfill"``).
+            Any object with ``validate(routings)`` and ``plan(stats)`` works.
+        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json`` and ``model/`` (atomically).
+            ``None`` writes nothing.
         overwrite: Replace an existing ``output_dir``.
         save_model: Also save the pruned model (and its tokenizer) under ``output_dir/model``.
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
-        extra_ratios: More ratios to plan from the same statistics, written as
-            ``plan-<ratio>.json`` (prune them later with ``ompmoe prune``).
-        plots: Also write reconstruction-gain heatmaps, residual/risk curves and the
-            high-contribution table under ``output_dir/plots`` (:mod:`ompmoe.recipes.plots`; needs matplotlib).
-        adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon
-            and the calibration alphas (mapped to the kept experts); the saved model carries it
-            and ``ompmoe.load_pruned`` re-applies it. Log its counters with
-            :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`.
+        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json``.
+        plots: Also write the plots of :mod:`ompmoe.recipes.plots` under ``output_dir/plots`` (needs matplotlib).
+        adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon (the saved
+            model carries it; log its counters with :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`).
         tokenizer: Tokenizer (hub id or path) saved with the model. Default: the LightningModule's
-            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's
-            source; a warning names this argument when none is found.
-        dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the
-            source checkpoint's, even when calibration ran in float32.
-        loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward of
-            the next-token loss per batch to the MoE outputs; no weight gradients). The module's
-            forward must run with gradients enabled (``CalibrationModule`` does when asked).
-        reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (needed by
-            ``omp_reroute``; one more router call and one expert evaluation per token).
-        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`;
-            ``loss_aware`` and ``reroute`` are shorthands for two of them).
-        evaluate_on: Held-out sets to report what pruning cost on (``heldout:prose``, ``heldout:code`` or any
-            calibration source): rank 0 prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
+            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's source.
+        dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the source checkpoint's.
+        loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward per batch
+            to the MoE outputs; the module's forward must run with gradients, as ``CalibrationModule`` does).
+        reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (for ``omp_reroute``).
+        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`).
+        evaluate_on: Held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source) on which rank 0
+            prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
         evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
-        choice_blocks: With ``method``/``allocation`` ``auto`` on a layout with several settings (softmax routers):
-            blocks of calibration text after the calibration blocks (the data module's ``choice_blocks(n)``, e.g.
-            ``ompmoe.CalibrationDataModule``) on which each candidate plan is tried; the plan whose pruned model has
-            the lowest loss there is kept (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048
-            tokens' worth). ``0``, or a data module without ``choice_blocks``: the layout's first setting.
+        choice_blocks: With ``auto`` on a layout with several settings: blocks of calibration text (the data
+            module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
+            (:func:`ompmoe.choose_plan`). ``None``: the data module's default; ``0`` (or a data module
+            without ``choice_blocks``): the layout's first setting.
     """
 
     def __init__(
@@ -145,9 +112,9 @@ class ExpertPruning(Callback):
         choice_blocks: int | None = None,
     ) -> None:
         if choice_blocks is not None and choice_blocks < 0:
-            raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); got {choice_blocks}.")
-        if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
-            raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
+            raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); "
+                             f"got {choice_blocks}.")
+        check_adaptive_epsilon(adaptive_epsilon)
         self.strategy = strategy if strategy is not None else PruningStrategy(method=AUTO, allocation=AUTO)
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.overwrite = overwrite
@@ -187,7 +154,6 @@ class ExpertPruning(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(output_dir=str(self.output_dir), strategy=repr(self.strategy))
 
-    # ------------------------------------------------------------------ set-up
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -208,13 +174,11 @@ class ExpertPruning(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = find_hf_model(pl_module, self.model_attribute)
-        layers = find_moe_layers(model)
-        routings = [(layer.name, layer.routing) for layer in layers]
+        routings = [(layer.name, layer.routing) for layer in find_moe_layers(model)]
         self._model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.statistics = validate_strategies([self.strategy, *self._extra_strategies()], routings, self.statistics,
                                               model_type=self._model_type)
-        datamodule = getattr(trainer, "datamodule", None)
-        self._datamodule = datamodule
+        self._datamodule = datamodule = getattr(trainer, "datamodule", None)
         describe = getattr(datamodule, "describe", None)
         self._collector = StatisticsCollector(
             model,
@@ -223,18 +187,21 @@ class ExpertPruning(Callback):
             statistics=self.statistics,
         )
         self._collector.to(pl_module.device)
-        if any(ext.needs_gradients for ext in self._collector.extensions.values()) and hasattr(pl_module, "needs_gradients"):
+        needs_gradients = any(ext.needs_gradients for ext in self._collector.extensions.values())
+        if needs_gradients and hasattr(pl_module, "needs_gradients"):
             pl_module.needs_gradients = True
         if self._restored is not None:
             self._load_metric_state(self._restored)
-        self._choice_data = choice_data(self.strategy, datamodule, self.choice_blocks, "ExpertPruning", self._model_type)
+        self._choice_data = choice_data(self.strategy, datamodule, self.choice_blocks, "ExpertPruning",
+                                        self._model_type)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._real_samples = None
         loader = trainer.train_dataloader
         self._batch_size = int(getattr(loader, "batch_size", None) or 1)
-        if self._restored is not None and not _is_stateful(loader):
+        # Lightning's stateful protocol: only such a loader resumes where it stopped.
+        stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+        if self._restored is not None and not stateful:
             rank_zero_warn(
                 "Resuming a calibration fit with a DataLoader that has no state_dict: Lightning restarts "
                 "it from its first batch, so some batches are counted twice and others never. Use "
@@ -242,7 +209,6 @@ class ExpertPruning(Callback):
             )
         self._real_samples = real_sample_count(getattr(loader, "sampler", None))
 
-    # --------------------------------------------------------------- gathering
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -269,7 +235,6 @@ class ExpertPruning(Callback):
         if self._collector is not None and self._collector._context is not None:
             self._collector.__exit__(None, None, None)
 
-    # ----------------------------------------------------------------- pruning
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._collector is not None
@@ -282,14 +247,13 @@ class ExpertPruning(Callback):
         heldout = self._heldout_sets(trainer) if model is not None and trainer.is_global_zero else {}
         before = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
-            prune(model, plan)
-            if self.adaptive_epsilon is not None:
-                from ompmoe.engine.adaptive import enable_adaptive
-
-                enable_adaptive(model, stats, self.adaptive_epsilon)
+            prune_and_adapt(model, plan, stats, self.adaptive_epsilon)
             self.pruned_model = model
         after = {name: perplexity(model, blocks, self._batch_size) for name, blocks in heldout.items()}
-        self._log(trainer, plan)
+        for logger in trainer.loggers:
+            logger.log_metrics(plan_metrics(plan), step=trainer.global_step)
+        for line in summary_lines(plan, self.strategy, self._model_type, self.choice):
+            rank_zero_info(line)
         if heldout:  # after the settings and kept lines: what the plan cost
             self._report_heldout(trainer, before, after)
         if trainer.is_global_zero and self.output_dir is not None:
@@ -309,7 +273,7 @@ class ExpertPruning(Callback):
         return plan
 
     def _heldout_sets(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-        """The ``evaluate_on`` sets as token blocks, cut by the calibration data module (or none without one)."""
+        """The ``evaluate_on`` sets as token blocks, cut by the calibration data module."""
         datamodule = getattr(trainer, "datamodule", None)
         if not self.evaluate_on:
             return {}
@@ -321,7 +285,8 @@ class ExpertPruning(Callback):
     def _report_heldout(self, trainer: pl.Trainer, before: dict[str, float], after: dict[str, float]) -> None:
         """Print and log what pruning cost on the held-out sets (per set: original -> pruned perplexity)."""
         self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
-        parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in self.heldout_perplexity.items()]
+        parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in
+                 self.heldout_perplexity.items()]
         rank_zero_info(f"ompmoe: held-out perplexity, original -> pruned: {', '.join(parts)}")
         metrics = {f"heldout_ppl/{name}/{kind}": value for name, pair in self.heldout_perplexity.items()
                    for kind, value in zip(("original", "pruned"), pair)}
@@ -334,22 +299,17 @@ class ExpertPruning(Callback):
 
     def _write(self, pl_module: pl.LightningModule, model: nn.Module, stats: MoEStats, plan: PruningPlan) -> None:
         assert self.output_dir is not None
+        tokenizer = self.tokenizer
+        if tokenizer is None and self.save_model:  # None: save_pruned tries the model's source (and warns)
+            owners = ((pl_module, "tokenizer"), (pl_module, "tokenizer_name"), (self._datamodule, "tokenizer"))
+            tokenizer = usable_tokenizer(getattr(owner, name, None) for owner, name in owners)
         write_outputs(
             self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
             extra=self._extra_strategies(), plots=self.plots, save_model=self.save_model,
-            tokenizer=_find_tokenizer(self.tokenizer, pl_module, self._datamodule) if self.save_model else None,
-            dtype=self.dtype, show_progress=self._progress,
+            tokenizer=tokenizer if self.save_model else None, dtype=self.dtype, show_progress=self._progress,
         )
         rank_zero_info(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
 
-    def _log(self, trainer: pl.Trainer, plan: PruningPlan) -> None:
-        metrics = plan_metrics(plan)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        rank_zero_info(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self._model_type, self.choice)}")
-        rank_zero_info(f"ompmoe: {kept_summary(plan)}")
-
-    # ------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
         """Statistics summed over all ranks so far; on resume rank 0 carries them on."""
@@ -359,7 +319,8 @@ class ExpertPruning(Callback):
         states: dict[str, torch.Tensor] = {}
         for prefix, metric in self._collector.metrics().items():
             with metric.sync_context(should_sync=distributed):
-                states.update({prefix + name: getattr(metric, name).detach().cpu().clone() for name in metric._defaults})
+                states.update({prefix + name: getattr(metric, name).detach().cpu().clone()
+                               for name in metric._defaults})
         return {"states": states}
 
     @override
@@ -371,7 +332,8 @@ class ExpertPruning(Callback):
     def _load_metric_state(self, state: dict[str, Any]) -> None:
         assert self._collector is not None
         metrics = self._collector.metrics()
-        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
         for name, value in state.get("states", {}).items():
             prefix = name.split(".", 1)[0] + "." if "." in name else ""
             if prefix not in metrics:
@@ -380,20 +342,3 @@ class ExpertPruning(Callback):
             current = getattr(target, name)
             # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
             setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))
-
-
-def _is_stateful(loader: Any) -> bool:
-    """Whether a data loader can save and restore its position (Lightning's stateful protocol)."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-
-
-def _find_tokenizer(explicit: str | None, pl_module: pl.LightningModule, datamodule: Any | None) -> Any | None:
-    """The tokenizer to save: the argument, the module's, the data module's (object or name), or ``None``.
-
-    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
-    """
-    if explicit is not None:
-        return explicit
-    candidates = [getattr(owner, attribute, None) for owner, attributes in
-                  ((pl_module, ("tokenizer", "tokenizer_name")), (datamodule, ("tokenizer",))) for attribute in attributes]
-    return usable_tokenizer(candidates)

@@ -1,17 +1,7 @@
 """Keep third-party messages a user of an ``ompmoe`` command cannot act on off their terminal.
 
-Called first thing by the command-line entry points (never by the library API, whose callers own
-their logging). What is dropped, and why nobody can act on it:
-
-* torchao's ``Failed to load ..._C_*.so`` for kernels built for other Python or CUDA versions, and
-  torch's "register_constant() on Enum subclasses is deprecated" for torchao's enums, printed
-  whenever transformers imports an installed torchao;
-* Hugging Face's "Loading weights" / "Writing model shards" bars and lm-eval's bars when stderr is
-  not a terminal (a log file or CI gets one line per update);
-* Lightning's informational lines (accelerator summary, seed, "fit stopped") and tips; warnings
-  and ompmoe's own ``ompmoe: ...`` lines stay;
-* Lightning 2.6's use of a torch pytree API that torch 2.13 deprecates, and peft's of a transformers
-  property that transformers 5 deprecates.
+Called first thing by the command-line entry points, never by the library API, whose callers own their logging.
+Warnings and ompmoe's own ``ompmoe: ...`` lines always stay.
 """
 
 from __future__ import annotations
@@ -21,48 +11,38 @@ import os
 import sys
 import warnings
 
+# torchao's ``Failed to load ..._C_*.so`` (kernels built for other Python or CUDA versions) and torch's
+# "register_constant() on Enum subclasses is deprecated" for torchao's enums, whenever transformers imports torchao.
 _DROPPED = {
     "torchao": ("Failed to load ",),
     "torch.utils._pytree": ("%s is an Enum subclass",),
 }
+# Lightning's informational lines (accelerator summary, seed, "fit stopped") and tips.
 LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning.fabric.utilities.seed", "lightning.pytorch.utilities.seed")
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
-class _OnlyOwnInfo(logging.Filter):
-    """Warnings and errors pass; of the info lines only ompmoe's own (``ompmoe: ...``) do."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or str(record.msg).startswith("ompmoe")
-
-
-def _add_once(logger: logging.Logger, kind: type, *args) -> None:
-    if not any(type(existing) is kind for existing in logger.filters):
-        logger.addFilter(kind(*args))
+def _keep(record: logging.LogRecord) -> bool:
+    """Logging filter: drop ``_DROPPED``'s messages and, on Lightning's loggers, info lines not ompmoe's own."""
+    message = str(record.msg)
+    if message.startswith(_DROPPED.get(record.name, ())):
+        return False
+    return record.name not in LIGHTNING_LOGGERS or record.levelno >= logging.WARNING or message.startswith("ompmoe")
 
 
 def quiet_third_party() -> None:
     """Install the filters above, best before torch, transformers or Lightning are imported."""
-    for name, prefixes in _DROPPED.items():
-        _add_once(logging.getLogger(name), _DropMessages, prefixes)
-    if not sys.stderr.isatty():
+    for name in (*_DROPPED, *LIGHTNING_LOGGERS):
+        logger = logging.getLogger(name)
+        if _keep not in logger.filters:
+            logger.addFilter(_keep)
+    if not sys.stderr.isatty():  # a log file or CI would get one line per progress-bar update
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
         os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's request-building bars (explicit disable=False wins)
         if "transformers" in sys.modules:  # already imported: switch its bars off directly
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-    for name in LIGHTNING_LOGGERS:
-        _add_once(logging.getLogger(name), _OnlyOwnInfo)
     # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only a Lightning
     # release can act on it.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

@@ -1,28 +1,20 @@
-"""The ``ompmoe`` command: LightningCLI for calibration fits, plus re-planning from saved statistics.
-
-- ``ompmoe fit -c configs/tiny.yaml``: calibrate and prune (the ExpertPruning callback in the config).
-- ``ompmoe prune --stats run/stats.safetensors --ratio 0.25,0.5 --output_dir plans``: new plans
-  (and, with ``--model``, pruned models) at other ratios without re-running calibration.
-- ``ompmoe plot --stats run/stats.safetensors --output_dir plots``: heatmaps, residual/risk
-  curves and the high-contribution table (:mod:`ompmoe.recipes.plots`).
-- ``ompmoe validate -c configs/eval/tiny.yaml`` (or ``test``): the lm-eval suite (:mod:`ompmoe.eval`).
-- ``ompmoe report original.json pruned.json``: Markdown table of evaluation results.
-"""
+"""The ``ompmoe`` command (``ompmoe --help`` lists its commands): LightningCLI for calibration fits and lm-eval
+suites, plus re-planning, plots and reports from saved statistics and results."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import numbers
-from argparse import ArgumentError
 import sys
+from argparse import ArgumentError
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from .cli_args import bare_flags, check_config_files, class_paths, list_option
-from ._quiet import quiet_third_party
+from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
 from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
@@ -33,11 +25,10 @@ from .engine.progress import progress
 
 
 def _ratios(ratio: Any) -> list[float]:
-    """``ratio`` as a list of distinct plain floats, refused before any work when it cannot be one.
+    """``ratio`` as a list of distinct plain floats (one number, NumPy's or torch's too, is a list of one).
 
-    One number (Python, NumPy or a one-element torch tensor) counts as a list of one; strings and
-    booleans are refused rather than guessed at; two ratios with the same plan file name
-    (``plan-<ratio:g>.json``) are refused, since the second would overwrite the first.
+    Strings and booleans are refused rather than guessed at, and so are two ratios with the same plan file name
+    (``plan-<ratio:g>.json``), since the second would overwrite the first.
     """
     if hasattr(ratio, "tolist") and not isinstance(ratio, (str, bytes)):  # numpy array/scalar, torch tensor
         ratio = ratio.tolist()
@@ -54,8 +45,7 @@ def _ratios(ratio: Any) -> list[float]:
                 f"({type(value).__name__})"
             )
         result.append(float(value))
-    names = [f"{value:g}" for value in result]
-    repeated = sorted({name for name in names if names.count(name) > 1}, key=names.index)
+    repeated = [name for name, count in Counter(f"{value:g}" for value in result).items() if count > 1]
     if repeated:
         raise ValueError(
             f"ratio {', '.join(repeated)} is given more than once ({values}); each ratio writes "
@@ -161,11 +151,11 @@ FIT_PLAN = "plan.json"
 
 
 def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics: same model
-    fingerprint, model id and token count), else the defaults.
+    """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics), else the
+    defaults; and the names taken from the fit's plan.
 
-    Also returns the names taken from the fit's plan. The method's options come from it only with its method. A method
-    or allocation ``auto`` is the fit's too: what ``auto`` chose there, by trying candidates on text this command lacks.
+    The method's options come from the plan only with its method. A method or allocation ``auto`` is the fit's too:
+    what ``auto`` chose there, by trying candidates on text this command lacks.
     """
     from .engine.plan import PruningPlan
     from .engine.strategy import AUTO, PruningStrategy
@@ -222,6 +212,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
 
 
 def _load_model(name: str, statistics: Any) -> Any:
+    """The model ``name`` (as a calibration fit loads it), refused unless ``statistics`` were collected on it."""
     from .lightning.calibration_module import CalibrationModule
 
     module = CalibrationModule(name)
@@ -231,15 +222,26 @@ def _load_model(name: str, statistics: Any) -> Any:
 
 
 def lightning_cli(args: list[str] | None = None) -> None:
+    """``ompmoe fit``/``predict`` (LightningCLI on the calibration modules) and ``validate``/``test`` (the lm-eval
+    suite of :mod:`ompmoe.eval`); ``--quiet`` turns off Lightning's bars, model summary and info lines."""
+    from unittest import mock
+
     from lightning.pytorch.cli import LightningCLI
 
     from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
 
-    args = list(sys.argv[1:] if args is None else args)
-    args, quiet = _fit_quiet(class_paths(args))
-    _quiet_lightning_logs(quiet)
-    with _own_argv():
-        if args and args[0] in EVAL_SUBCOMMANDS:  # validate/test: the lm-eval suite (ompmoe.eval)
+    args = class_paths(list(sys.argv[1:] if args is None else args))
+    if "--quiet" in args:  # as Lightning's own switches (:mod:`ompmoe._quiet` drops the rest)
+        args = [arg for arg in args if arg != "--quiet"]
+        args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+        from transformers.utils import logging as hf_logging
+
+        for name in LIGHTNING_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        hf_logging.disable_progress_bar()
+    # LightningCLI warns when it gets ``args`` while sys.argv also holds arguments: here ``args`` are always meant.
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        if args and args[0] in EVAL_SUBCOMMANDS:
             return eval_cli(args)
 
         from .lightning.calibration_data import CalibrationDataModule
@@ -254,49 +256,15 @@ def lightning_cli(args: list[str] | None = None) -> None:
         )
 
 
-def _fit_quiet(args: list[str]) -> tuple[list[str], bool]:
-    """``--quiet`` as Lightning's own switches: no progress bar, no model summary."""
-    if "--quiet" not in args:
-        return args, False
-    args = [arg for arg in args if arg != "--quiet"]
-    return args + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"], True
-
-
-def _quiet_lightning_logs(quiet: bool) -> None:
-    """With ``quiet``, Lightning's info lines and Hugging Face's progress bars are off too (:mod:`ompmoe._quiet` drops the rest)."""
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        from ._quiet import LIGHTNING_LOGGERS
-
-        for name in LIGHTNING_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
-        hf_logging.disable_progress_bar()
-
-
-@contextlib.contextmanager
-def _own_argv():
-    """Hide the process's ``sys.argv`` while LightningCLI parses the ``args`` it is given.
-
-    LightningCLI warns when it gets ``args`` and ``sys.argv`` also holds arguments, since it cannot
-    tell which were meant; here ``args`` always are (possibly rewritten by :mod:`ompmoe.cli_args`).
-    """
-    saved = sys.argv
-    sys.argv = saved[:1]
-    try:
-        yield
-    finally:
-        sys.argv = saved
-
-
 COMMANDS = {"prune": replan, "plot": plot}
+replan.__doc__ = with_registry_names(replan.__doc__ or "")  # ``ompmoe prune --help`` lists the built-in names
 
+# Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
+FLAGS = ("overwrite", "quiet")
 
-def _registry_help(function: Any) -> Any:
-    """``function`` with its docstring's placeholders filled with the built-in methods and allocations."""
-    if function is replan and "METHOD_NAMES" in (replan.__doc__ or ""):
-        replan.__doc__ = with_registry_names(replan.__doc__ or "")
-    return function
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError, OutputNotWritableError)
+"""What a command reports as one ``error:`` line. Not AttributeError or TypeError: that is how a bug shows itself,
+and its traceback must stay visible."""
 
 
 def _one_line(message: str, command: str) -> str:
@@ -319,11 +287,8 @@ class CommandError(SystemExit):
         return self.message
 
 
-# Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
-FLAGS = ("overwrite", "quiet")
-
-
 def main(argv: list[str] | None = None) -> None:
+    """The ``ompmoe`` command; a user error is one ``error:`` line on stderr and exit status 2."""
     quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -342,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
 
             args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
             try:
-                auto_cli(_registry_help(COMMANDS[argv[0]]), args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
+                auto_cli(COMMANDS[argv[0]], args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
             except ArgumentError as error:  # jsonargparse's multi-line message, as one line
                 raise ValueError(_one_line(str(error), argv[0])) from None
         elif is_plain_help(argv):  # Lightning's full help, built once and then printed from the cache
@@ -350,9 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             check_config_files(argv)
             lightning_cli(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
-            OutputNotWritableError) as error:
-        # Not AttributeError: that is how a bug shows itself, and its traceback must stay visible.
+    except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         raise CommandError(f"error: {error}") from None
 

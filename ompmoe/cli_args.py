@@ -1,9 +1,7 @@
-"""Command-line spellings the ``ompmoe`` command accepts beyond jsonargparse's own.
+"""Command-line spellings the ``ompmoe`` command accepts beyond jsonargparse's own, rewritten into its form.
 
-jsonargparse wants ``--ratio [0.25,0.5]`` and ``--overwrite true``; users type what other tools
-accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``), and the short class
-name in ``--trainer.callbacks.help ExpertPruning``. These functions rewrite such arguments into
-jsonargparse's form before parsing, leaving every other argument untouched.
+jsonargparse wants ``--ratio [0.25,0.5]``, ``--overwrite true`` and import paths; users type what other tools
+accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``, ``--trainer.callbacks.help ExpertPruning``).
 """
 
 from __future__ import annotations
@@ -19,10 +17,6 @@ CLASS_PATHS = {
     "CalibrationModule": "ompmoe.lightning.calibration_module.CalibrationModule",
     "CalibrationDataModule": "ompmoe.lightning.calibration_data.CalibrationDataModule",
 }
-
-
-def _is_option(token: str) -> bool:
-    return token.startswith("-") and not _is_number(token)
 
 
 def _is_number(token: str) -> bool:
@@ -42,26 +36,21 @@ def list_option(argv: Sequence[str], name: str) -> list[str]:
     flag, result, i = f"--{name}", [], 0
     while i < len(argv):
         token = argv[i]
-        if token == flag or token.startswith(flag + "="):
-            values = [token.split("=", 1)[1]] if "=" in token else []
-            i += 1
-            if not values:
-                while i < len(argv) and not _is_option(argv[i]):
-                    values.append(argv[i])
-                    i += 1
-            if len(values) == 1 and values[0].lstrip().startswith("["):
-                result += [flag, values[0]]
-            elif values:
-                items = [item.strip() for value in values for item in value.split(",") if item.strip()]
-                if items and all(_is_number(item) for item in items):
-                    result += [flag, "[" + ",".join(items) + "]"]
-                else:  # not a list of numbers: jsonargparse names the bad value as given
-                    result += [flag, *values]
-            else:
-                result.append(flag)  # no value: jsonargparse says what is missing
-            continue
-        result.append(token)
         i += 1
+        if token != flag and not token.startswith(flag + "="):
+            result.append(token)
+            continue
+        values = [token.split("=", 1)[1]] if "=" in token else []
+        while "=" not in token and i < len(argv) and (_is_number(argv[i]) or not argv[i].startswith("-")):
+            values.append(argv[i])
+            i += 1
+        items = [item.strip() for value in values for item in value.split(",") if item.strip()]
+        if len(values) == 1 and values[0].lstrip().startswith("["):
+            result += [flag, values[0]]
+        elif items and all(_is_number(item) for item in items):
+            result += [flag, "[" + ",".join(items) + "]"]
+        else:  # no value, or not a list of numbers: jsonargparse names what is wrong as given
+            result += [flag, *values]
     return result
 
 
@@ -92,9 +81,6 @@ def class_paths(argv: Sequence[str]) -> list[str]:
     return result
 
 
-__all__ = ["CLASS_PATHS", "bare_flags", "class_paths", "list_option"]
-
-
 def check_config_files(argv: Sequence[str]) -> None:
     """Every ``-c``/``--config`` file exists, else one line naming it and the nearest existing path.
 
@@ -111,3 +97,6 @@ def check_config_files(argv: Sequence[str]) -> None:
             continue
         if not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"config file {path!r} does not exist{nearest_path_hint(path)}")
+
+
+__all__ = ["CLASS_PATHS", "bare_flags", "class_paths", "list_option"]

@@ -1,8 +1,5 @@
-"""Help texts of the ``ompmoe`` command: the command list and the short ``-h`` of the Lightning commands.
-
-LightningCLI's own top-level help lists only its Trainer subcommands and its ``fit --help``
-runs to a thousand lines; a newcomer needs every command on one screen and the handful of
-options of a calibration fit. ``tests/test_cli.py`` checks that every option named here exists.
+"""Help texts of the ``ompmoe`` command: every command on one screen, and a one-screen ``-h`` of the Lightning
+commands, whose ``--help`` runs to a thousand lines. ``tests/test_cli.py`` checks that every option named here exists.
 """
 
 from __future__ import annotations
@@ -97,14 +94,10 @@ PREDICT_SHORT_HELP = (
 
 def short_help(command: str) -> str | None:
     """The one-screen ``-h`` of ``command``, or ``None`` where ``-h`` is the command's own full help."""
-    if command == "fit":
-        return FIT_SHORT_HELP
     if command in ("validate", "test"):
-        split = "the suite's validation split" if command == "validate" else "the suite's test split"
-        return EVAL_SHORT_HELP.format(command=command, split=split)
-    if command == "predict":
-        return PREDICT_SHORT_HELP
-    return None
+        split = "validation" if command == "validate" else "test"
+        return EVAL_SHORT_HELP.format(command=command, split=f"the suite's {split} split")
+    return {"fit": FIT_SHORT_HELP, "predict": PREDICT_SHORT_HELP}.get(command)
 
 
 def unknown_command(command: str) -> str:
@@ -132,8 +125,9 @@ def with_registry_names(doc: str) -> str:
     options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in defaults.items())}"
                         for name, defaults in BUILTIN_METHODS.items() if defaults)
     auto = "auto (the setting recommended for the model's architecture), "
-    return (doc.replace("METHOD_NAMES", auto + ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method")
-            .replace("ALLOCATION_NAMES", auto + ", ".join(BUILTIN_ALLOCATIONS)).replace("METHOD_OPTIONS", options))
+    methods = auto + ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method"
+    return (doc.replace("METHOD_NAMES", methods).replace("ALLOCATION_NAMES", auto + ", ".join(BUILTIN_ALLOCATIONS))
+            .replace("METHOD_OPTIONS", options))
 
 
 __all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "EVAL_OPTIONS", "FIT_OPTIONS", "FIT_SHORT_HELP",

@@ -1,9 +1,8 @@
 """The thousand-line ``ompmoe fit --help`` (and ``validate``/``test``/``predict --help``) from a cache.
 
-LightningCLI builds that text from the signatures of the Trainer, the modules and every callback,
-so it has to import torch and Lightning (about ten seconds). The text only changes with the
-installed packages, ompmoe's source and the terminal width, so the first call stores it under
-``$XDG_CACHE_HOME/ompmoe/help`` (default ``~/.cache``) and later calls print it at once.
+Building it imports torch and Lightning (about ten seconds), yet it only changes with the installed packages,
+ompmoe's source and the terminal width: the first call keeps it under ``$XDG_CACHE_HOME/ompmoe/help``
+(default ``~/.cache``) and later calls print it at once.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Calibration and pruning inside a Lightning Fabric loop (``fabric run``), as the Trainer callback does in a fit.
+"""Calibration and pruning inside a Lightning Fabric loop, as :class:`ompmoe.callbacks.ExpertPruning` does in a fit.
 
-:class:`FabricCalibration` is :class:`ompmoe.callbacks.ExpertPruning` for users who write their own
-loop with :class:`lightning.fabric.Fabric`: the same statistics hooks, the same exact cross-rank
-sums (torchmetrics states), the same handling of padding and of the samples a ``DistributedSampler``
-repeats, the same gathering of FSDP2-sharded weights and the same atomic outputs
-(:mod:`ompmoe.lightning.pruning_steps` holds the steps both share)::
-
-    fabric = Fabric(strategy="ddp"); fabric.launch()
-    model = fabric.setup(model)
-    calibration = FabricCalibration(fabric, model, PruningStrategy(ratio=0.5), output_dir="out")
-    calibration.run(fabric.setup_dataloaders(loader))   # or calibration.update(batch, loader) per batch
-    plan = calibration.finish()
-
+The same statistics hooks, exact cross-rank sums, FSDP2 gathering and atomic outputs (the steps of
+:mod:`ompmoe.lightning.pruning_steps`) for users who write their own loop; docs/usage.md shows one.
 ``python -m ompmoe.lightning.fabric_prune`` is a ready-made script built on it.
 """
 
@@ -32,20 +22,11 @@ from ..engine.collect import StatisticsCollector, as_model_inputs, check_calibra
 from ..engine.io import check_writable, local_inputs
 from ..engine.plan import PruningPlan
 from ..engine.plan_choice import PlanChoice, choose_plan
-from ..engine.pruning import prune
 from ..engine.statistics import MoEStats
 from ..engine.strategy import AUTO, PruningStrategy, Strategy
-from ..engine.summary import kept_summary, settings_summary
 from .pruning_steps import (
-    auto_note,
-    batch_token_weight,
-    extra_strategies,
-    plan_metrics,
-    real_sample_count,
-    require_matplotlib,
-    unsharded,
-    usable_tokenizer,
-    validate_strategies,
+    batch_token_weight, check_adaptive_epsilon, extra_strategies, plan_metrics, prune_and_adapt, real_sample_count,
+    require_matplotlib, summary_lines, tries_candidates, unsharded, usable_tokenizer, validate_strategies,
     write_outputs,
 )
 
@@ -97,8 +78,7 @@ def on_rank_zero(fabric: Any, function: Callable[[], T]) -> T:
 def check_output(fabric: Any, output_dir: str | Path, overwrite: bool = False, inputs: Iterable[str] = ()) -> Path:
     """Refuse, on every rank and before any model work, an ``output_dir`` that exists (without ``overwrite``),
     cannot be written, or holds the run's ``inputs``; rank 0 (the one that writes) decides."""
-    inputs = list(inputs)
-    return on_rank_zero(fabric, lambda: check_writable(output_dir, overwrite, directory=True, inputs=inputs))
+    return on_rank_zero(fabric, lambda: check_writable(output_dir, overwrite, directory=True, inputs=list(inputs)))
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
@@ -120,30 +100,14 @@ def _hf_model(model: nn.Module) -> nn.Module:
 class FabricCalibration:
     """Gather OMP-MoE statistics in a Fabric loop on every rank, sum them exactly, plan, prune and write once.
 
-    Works with a model that ``fabric.setup`` wrapped for a single device, DDP, or FSDP2
-    (``ModelParallelStrategy(parallelize_fn=fsdp2)``: each decoder layer is gathered whole for its
-    forward and the saved checkpoint is gathered whole on rank 0), in any Fabric precision. FSDP1
-    (``strategy="fsdp"``) is refused with the FSDP2 alternative, as ``ExpertPruning`` does.
-    ``output_dir``, the ratio and the strategy's statistics are checked here, before any forward pass.
+    Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any
+    Fabric precision; FSDP1 (``strategy="fsdp"``) is refused. ``output_dir``, the ratio and the strategy's
+    statistics are checked here, before any forward pass. The arguments not listed below are as in
+    :class:`~ompmoe.callbacks.ExpertPruning` (``tokenizer`` may also be a tokenizer object).
 
     Args:
         fabric: The launched :class:`lightning.fabric.Fabric`.
         model: The model ``fabric.setup`` returned (a Hugging Face MoE causal LM inside).
-        strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")`` (ratio 0.5, the
-            settings measured for the model's layout, whose statistics are then collected), as ``ExpertPruning``.
-        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json``, ``plots/`` and ``model/``
-            (atomically: a killed run leaves no partial output). ``None`` writes nothing.
-        overwrite: Replace an existing ``output_dir`` (one written by ompmoe).
-        save_model: Also save the pruned model (with its tokenizer and model card) under ``output_dir/model``.
-        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json``.
-        plots: Also write the plots of :mod:`ompmoe.recipes.plots` (needs matplotlib).
-        adaptive_epsilon: Switch on OMP-MoE+ adaptive inference with this epsilon after pruning.
-        tokenizer: Tokenizer (object, hub id or path) saved with the model; default: the model's source.
-        dtype: Weights dtype of the saved model; default: the source checkpoint's.
-        loss_aware: Also collect the loss-aware sums (one backward per batch to the MoE outputs, no
-            weight gradients); :meth:`update` runs the forward with gradients for them.
-        reroute: Also collect the rerouting-aware Grams (``omp_reroute``).
-        statistics: Names of more optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`).
         model_id: Model name recorded in the statistics; default: the config's ``_name_or_path``.
         sources: Calibration sources recorded in the statistics and the model card.
         inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.
@@ -173,8 +137,7 @@ class FabricCalibration:
 
         if isinstance(fabric.strategy, FSDPStrategy):
             raise ValueError(FSDP1_MESSAGE)
-        if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
-            raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
+        check_adaptive_epsilon(adaptive_epsilon)
         self.fabric = fabric
         self.model = model
         self.hf_model = _hf_model(model)
@@ -194,8 +157,7 @@ class FabricCalibration:
             check_output(fabric, self.output_dir, overwrite, self._inputs)
             if plots:
                 require_matplotlib("FabricCalibration")
-        layers = find_moe_layers(self.hf_model)
-        routings = [(layer.name, layer.routing) for layer in layers]
+        routings = [(layer.name, layer.routing) for layer in find_moe_layers(self.hf_model)]
         self.model_type = getattr(self.hf_model.config, "model_type", None)
         self.statistics = validate_strategies([self.strategy, *extra_strategies(self.strategy, self.extra_ratios)],
                                               routings, self.statistics, owner="FabricCalibration",
@@ -221,19 +183,12 @@ class FabricCalibration:
         self._position = 0
         self._real_samples: int | None = None
 
-    # --------------------------------------------------------------- gathering
     def update(self, batch: Any, dataloader: Any = None) -> None:
-        """Run the model on one batch with the statistics hooks and add its tokens.
+        """Run the model on one batch (input ids, or a dict with ``input_ids`` and ``attention_mask``) and add it.
 
-        ``batch`` is an input-id tensor ``(batch, seq)`` or a dict with ``input_ids`` (and
-        ``attention_mask``: padding is not counted). Pass the ``dataloader`` the batch comes from
-        (set up by ``fabric.setup_dataloaders``) so the samples its ``DistributedSampler`` repeats
-        to even out the ranks are not counted; positions restart with each new data loader.
-
-        Under DDP (and on one device) the forward runs on the model inside the DDP wrapper, a local
-        computation, so ranks may call this a different number of times. Under FSDP2 every forward
-        gathers weights from all ranks: each rank must call it equally often (a ``DistributedSampler``
-        sees to that), or use :meth:`run`, which keeps ranks with fewer batches in step.
+        Pass the ``dataloader`` the batch comes from so the samples its ``DistributedSampler`` repeats are
+        not counted. Under DDP the forward is local (ranks may call this unequally often); under FSDP2 it is a
+        collective: every rank must call this equally often, or use :meth:`run`.
         """
         self._check_open()
         if dataloader is not None and dataloader is not self._loader:
@@ -266,11 +221,6 @@ class FabricCalibration:
                 parameter.requires_grad_(True)
             self.hf_model.train(was_training)
 
-    def _idle_step(self) -> None:
-        """A forward (and backward) that counts nothing, so a rank out of batches joins the FSDP2 collectives."""
-        ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
-        self._forward({"input_ids": ids}, torch.zeros(1, 2, dtype=torch.float64, device=self.fabric.device))
-
     def run(self, dataloader: Iterable[Any]) -> int:
         """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank.
 
@@ -287,32 +237,27 @@ class FabricCalibration:
                 more = torch.tensor(float(batch is not _END), device=self.fabric.device)
                 if not bool(self.fabric.all_reduce(more, reduce_op="max") > 0):
                     break
-                if batch is _END:
-                    self._idle_step()
-                    continue
-            elif batch is _END:
+            if batch is not _END:
+                self.update(batch, dataloader)
+                count += 1
+            elif join:  # out of batches: a forward that counts nothing keeps this rank in the collectives
+                ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
+                self._forward({"input_ids": ids}, torch.zeros(1, 2, dtype=torch.float64, device=self.fabric.device))
+            else:
                 break
-            self.update(batch, dataloader)
-            count += 1
         return count
 
     def _check_open(self) -> None:
         if self.stats is not None:
             raise RuntimeError("FabricCalibration.finish() was called already; create a new FabricCalibration.")
 
-    # ----------------------------------------------------------------- pruning
     def finish(self, choice_blocks: torch.Tensor | None = None) -> PruningPlan:
         """Sum the statistics over ranks, plan on rank 0, prune every rank's model, write the outputs once.
 
-        Every rank must call it (the sums and the gathering of sharded weights are collectives).
-        Returns the plan (the same on every rank). Afterwards ``stats``, ``plan`` and, on rank 0
-        (every rank without sharding), ``pruned_model`` hold the results.
-
-        ``choice_blocks``: with ``method``/``allocation`` ``auto`` on a layout with several settings (softmax
-        routers), ``(num_blocks, seq_len)`` token ids of calibration text the loop did not feed (e.g.
-        ``CalibrationDataModule.choice_blocks()``); rank 0 tries every candidate plan on them and keeps the one whose
-        pruned model has the lowest loss (:func:`ompmoe.choose_plan`). Without them ``auto`` takes the layout's first
-        setting.
+        Every rank must call it (the sums and the gathering of sharded weights are collectives); it returns the
+        same plan on each. ``choice_blocks``: token ids ``(num_blocks, seq_len)`` the loop did not feed (e.g.
+        ``CalibrationDataModule.choice_blocks()``) on which ``auto`` tries its candidate plans and keeps the one
+        with the lowest loss (:func:`ompmoe.choose_plan`); without them it takes the layout's first setting.
         """
         self._check_open()
         fabric = self.fabric
@@ -322,10 +267,7 @@ class FabricCalibration:
             stats = self.collector.result()  # torchmetrics sums the states over ranks here
         model = unsharded(self.hf_model, fabric.is_global_zero)
         choice = None
-        if choice_blocks is not None and AUTO in (getattr(self.strategy, "method", None),
-                                                  getattr(self.strategy, "allocation", None)) \
-                and callable(getattr(self.strategy, "settings", None)) \
-                and len(self.strategy.settings(stats.model_type)) > 1:  # type: ignore[attr-defined]
+        if choice_blocks is not None and tries_candidates(self.strategy, stats.model_type):
             candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
             choice = on_rank_zero(fabric, lambda: choose_plan(model, candidates, choice_blocks))
             plan = candidates[choice.index]
@@ -334,26 +276,17 @@ class FabricCalibration:
             plan = on_rank_zero(fabric, lambda: self.strategy.plan(stats))
         self.choice = choice
         if model is not None:  # under FSDP2 only rank 0 holds (and prunes) the full model
-            prune(model, plan)
-            if self.adaptive_epsilon is not None:
-                from ..engine.adaptive import enable_adaptive
-
-                enable_adaptive(model, stats, self.adaptive_epsilon)
+            prune_and_adapt(model, plan, stats, self.adaptive_epsilon)
             self.pruned_model = model
         self.stats, self.plan = stats, plan
         fabric.log_dict(plan_metrics(plan))
-        fabric.print(f"ompmoe: {settings_summary(plan)}{auto_note(self.strategy, self.model_type, choice)}")
-        fabric.print(f"ompmoe: {kept_summary(plan)}")
+        for line in summary_lines(plan, self.strategy, self.model_type, choice):
+            fabric.print(line)
         if self.output_dir is not None:
-            on_rank_zero(fabric, lambda: self._write(model, stats, plan))
+            on_rank_zero(fabric, lambda: write_outputs(
+                self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
+                extra=extra_strategies(self.strategy_used, self.extra_ratios), plots=self.plots,
+                save_model=self.save_model, tokenizer=usable_tokenizer([self.tokenizer]) if self.save_model else None,
+                dtype=self.dtype, show_progress=None))
             fabric.print(f"ompmoe: wrote statistics, plan and pruned model to {self.output_dir}")
         return plan
-
-    def _write(self, model: nn.Module | None, stats: MoEStats, plan: PruningPlan) -> None:
-        assert self.output_dir is not None
-        write_outputs(
-            self.output_dir, stats=stats, plan=plan, model=model, overwrite=self.overwrite, inputs=self._inputs,
-            extra=extra_strategies(self.strategy_used, self.extra_ratios), plots=self.plots, save_model=self.save_model,
-            tokenizer=usable_tokenizer([self.tokenizer]) if self.save_model else None, dtype=self.dtype,
-            show_progress=None,
-        )

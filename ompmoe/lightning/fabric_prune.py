@@ -5,13 +5,10 @@ Run it under ``fabric run`` (Lightning 2.6 takes the script's path, not ``-m``):
     fabric run --accelerator cpu --devices 2 --strategy ddp "$(python -m ompmoe.lightning.fabric_prune --path)" \\
         --output_dir outputs/fabric
 
-or let it start its processes itself: ``python -m ompmoe.lightning.fabric_prune --accelerator cpu --devices 2
---strategy ddp``. The defaults are ``configs/tiny.yaml``'s (``shipped:tiny-moe`` on ``shipped:mix``,
-method and allocation ``auto``: on it ``omp_normalized`` with the ``loss`` allocation on loss-aware statistics), except that an existing
-``--output_dir`` is replaced only with ``--overwrite``. ``--strategy fsdp`` (also as ``fabric run --strategy
-fsdp``) shards each decoder layer with FSDP2 (Fabric's ``ModelParallelStrategy``), as ``ompmoe fit`` does with
-``configs/qwen3-30b-a3b.yaml``: Fabric's own ``fsdp`` is FSDP1, whose flat parameters cannot be sliced per
-expert (and which Fabric allows on GPUs only).
+or let it start its processes itself (``python -m ompmoe.lightning.fabric_prune --devices 2 --strategy ddp``).
+The defaults are ``configs/tiny.yaml``'s, but an existing ``--output_dir`` is replaced only with ``--overwrite``.
+``--strategy fsdp`` means FSDP2 per decoder layer: Fabric's own ``fsdp`` is FSDP1, whose flat parameters cannot be
+sliced per expert.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ def _ratios(value: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The options, named as in ``ompmoe fit`` (``--data.*`` as the data module's), defaults as ``configs/tiny.yaml``."""
+    """The options, named as in ``ompmoe fit`` (``--data.*`` as the data module's), defaults as configs/tiny.yaml."""
     p = argparse.ArgumentParser(
         prog="python -m ompmoe.lightning.fabric_prune",
         description="Calibrate and prune an MoE model with Lightning Fabric (DDP or FSDP2), as `ompmoe fit` does.",
@@ -171,13 +168,11 @@ def main(argv: list[str] | None = None) -> Any:
 
 def cli(argv: list[str] | None = None) -> None:
     """:func:`main` as a command: a user error is one ``error:`` line (from the first rank) and exit status 2."""
-    from ..engine.io import OutputNotWritableError
+    from ..cli import USER_ERRORS
 
     try:
         main(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError,
-            OutputNotWritableError) as error:
-        # Not AttributeError or TypeError: that is how a bug shows itself, and its traceback must stay visible.
+    except USER_ERRORS as error:
         if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
             print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

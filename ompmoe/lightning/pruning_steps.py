@@ -1,10 +1,6 @@
-"""The steps a calibration-and-pruning run takes, shared by the Trainer callback and the Fabric API.
-
-:class:`ompmoe.callbacks.ExpertPruning` (a ``Trainer.fit``) and :class:`ompmoe.FabricCalibration` (a
-Lightning Fabric loop) must weigh tokens, gather sharded weights and write their outputs the same
-way, so that a run gives the same statistics, plan and checkpoint whichever loop drove it. Each
-step lives here once and both call it. Nothing here imports Lightning.
-"""
+"""The steps of a calibration-and-pruning run, shared by :class:`ompmoe.callbacks.ExpertPruning` (a ``Trainer.fit``)
+and :class:`ompmoe.FabricCalibration` (a Fabric loop), so that either loop gives the same statistics, plan and
+checkpoint."""
 
 from __future__ import annotations
 
@@ -24,9 +20,10 @@ from ..engine.io import atomic_path
 from ..engine.plan import PruningPlan
 from ..engine.plan_choice import PlanChoice
 from ..engine.progress import progress
-from ..engine.pruning import save_pruned
+from ..engine.pruning import prune, save_pruned
 from ..engine.statistics import MoEStats
 from ..engine.strategy import AUTO, Strategy
+from ..engine.summary import kept_summary, settings_summary
 
 STATS_FILE = "stats.safetensors"
 PLAN_FILE = "plan.json"
@@ -45,6 +42,12 @@ def require_matplotlib(owner: str) -> None:
         ) from None
 
 
+def check_adaptive_epsilon(adaptive_epsilon: float | None) -> None:
+    """Refuse, before any model work, an OMP-MoE+ epsilon outside [0, 1]."""
+    if adaptive_epsilon is not None and not 0.0 <= adaptive_epsilon <= 1.0:
+        raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {adaptive_epsilon}.")
+
+
 def extra_strategies(strategy: Strategy, ratios: Sequence[float]) -> list[Strategy]:
     """``strategy`` at each of the ``extra_ratios`` (written as ``plan-<ratio>.json``)."""
     if ratios and not hasattr(strategy, "ratio"):
@@ -55,11 +58,8 @@ def extra_strategies(strategy: Strategy, ratios: Sequence[float]) -> list[Strate
 def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple[str, dict[str, int]]],
                         statistics: Sequence[str], owner: str = "ExpertPruning",
                         model_type: str | None = None) -> list[str]:
-    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected.
-
-    Returns the statistics to collect: ``statistics`` plus what every setting an ``auto`` strategy tries for
-    ``model_type`` needs. ``owner`` names the class whose option the message
-    points to.
+    """Refuse, before any forward pass, a ratio the model cannot meet or a strategy whose statistics are not collected;
+    return the statistics to collect (``statistics`` plus what each setting ``auto`` tries for ``model_type`` needs).
     """
     statistics = list(statistics)
     for strategy in strategies:
@@ -75,6 +75,13 @@ def validate_strategies(strategies: Iterable[Strategy], routings: Sequence[tuple
     return statistics
 
 
+def tries_candidates(strategy: Strategy, model_type: str | None) -> bool:
+    """Whether ``strategy`` is ``auto`` with several settings to try for ``model_type`` (a user's own class: no)."""
+    return (AUTO in (getattr(strategy, "method", None), getattr(strategy, "allocation", None))
+            and callable(getattr(strategy, "settings", None))
+            and len(strategy.settings(model_type)) > 1)  # type: ignore[attr-defined]
+
+
 def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
     """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
     auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
@@ -85,19 +92,21 @@ def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | N
     return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
 
 
+def summary_lines(plan: PruningPlan, strategy: Strategy, model_type: str | None,
+                  choice: PlanChoice | None) -> list[str]:
+    """The settings line and the kept line a run prints about its plan."""
+    return [f"ompmoe: {settings_summary(plan)}{auto_note(strategy, model_type, choice)}",
+            f"ompmoe: {kept_summary(plan)}"]
+
+
 def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, owner: str,
                 model_type: str | None) -> torch.Tensor | None:
-    """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no ``auto``, or a layout
-    with one setting: no trial).
+    """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no trial).
 
     Cut before the statistics pass, so too little text fails before any model work. A data module without
-    ``choice_blocks(n)`` gets a warning naming the fallback (the setting recommended for ``model_type``);
-    ``num_blocks=None`` takes the data module's default.
+    ``choice_blocks(n)`` gets a warning naming the fallback; ``num_blocks=None`` takes the data module's default.
     """
-    if AUTO not in (getattr(strategy, "method", None), getattr(strategy, "allocation", None)) or num_blocks == 0 \
-            or not callable(getattr(strategy, "settings", None)):  # a strategy of the user's own: nothing to try
-        return None
-    if len(strategy.settings(model_type)) == 1:  # type: ignore[attr-defined]  (one setting for this layout: no trial)
+    if num_blocks == 0 or not tries_candidates(strategy, model_type):
         return None
     if not callable(getattr(datamodule, "choice_blocks", None)):
         rank_zero_warn(
@@ -123,10 +132,8 @@ def real_sample_count(sampler: Any) -> int | None:
 def batch_token_weight(
     inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
 ) -> torch.Tensor | None:
-    """Per-token weights of a batch: its attention mask, times 0 for samples past ``real_samples`` (repeats).
-
-    ``first_sample`` is the batch's first sample's position on this rank. ``None`` counts every token.
-    """
+    """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
+    ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     assert ids is not None
     num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
@@ -139,10 +146,8 @@ def batch_token_weight(
 
 
 def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
-    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0.
-
-    Gathering is a collective, so every rank must call this; ranks other than 0 get ``None``.
-    """
+    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0 (``None`` elsewhere);
+    gathering is a collective, so every rank must call this."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(p, DTensor) for p in model.parameters()):
@@ -157,6 +162,15 @@ def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
     full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
     full.load_state_dict(state)
     return full.eval()
+
+
+def prune_and_adapt(model: nn.Module, plan: PruningPlan, stats: MoEStats, adaptive_epsilon: float | None) -> None:
+    """Prune ``model`` by ``plan``; with ``adaptive_epsilon``, switch on OMP-MoE+ adaptive inference."""
+    prune(model, plan)
+    if adaptive_epsilon is not None:
+        from ..engine.adaptive import enable_adaptive
+
+        enable_adaptive(model, stats, adaptive_epsilon)
 
 
 def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
@@ -198,10 +212,10 @@ def write_outputs(
     dtype: str | None = None,
     show_progress: bool | None = False,
 ) -> None:
-    """Write ``stats.safetensors``, ``plan.json`` (and ``plan-<ratio>.json``), plots and ``model/`` atomically.
+    """Write ``stats.safetensors``, ``plan.json`` (and ``plan-<ratio>.json``), plots and ``model/`` on rank 0.
 
-    Called on rank 0 only. Everything goes into a temporary sibling renamed into place at the end,
-    so a run killed at any point leaves the old output or none, never part of a new one.
+    Everything goes into a temporary sibling renamed into place at the end, so a run killed at any point
+    leaves the old output or none, never part of a new one.
     """
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         steps = ["statistics"] + (["plots"] if plots else []) + (["model"] if save_model else [])
