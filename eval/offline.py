@@ -79,7 +79,8 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
         if callable(config.custom_dataset):
             access.used[task] = "custom_dataset"
             return original(task_self, dataset_kwargs, **kwargs)
-        path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME, dict(dataset_kwargs or {}))
+        path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME,
+                                            dict(dataset_kwargs or {}))
         task_self.DATASET_PATH, task_self.DATASET_NAME = path, name
         if _is_local(path):
             access.used[task] = str(path)

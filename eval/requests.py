@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 SCORE = "score"
 GENERATE = "generate"
@@ -56,15 +57,13 @@ class RequestEncoder:
         truncation: Passed to the tokenizer when encoding generation contexts.
     """
 
-    @staticmethod
-    def create(tokenizer: Any, max_length: int, **kwargs: Any) -> Any:
+    @classmethod
+    def create(cls, tokenizer: Any, max_length: int, **kwargs: Any) -> Any:
         """A new encoder (an lm-eval ``TemplateLM``, imported here as lm-eval is optional)."""
         from lm_eval.api.model import TemplateLM
 
-        return type("RequestEncoderLM", (_EncoderMixin, TemplateLM), {})(tokenizer, max_length, **kwargs)
+        return type("RequestEncoderLM", (cls, TemplateLM), {})(tokenizer, max_length, **kwargs)
 
-
-class _EncoderMixin:
     def __init__(
         self,
         tokenizer: Any,
@@ -349,7 +348,8 @@ class WorkPlan:
         """Per request, the response lm-eval expects, from the items' results."""
         missing = [index for index in range(len(self.items)) if index not in results]
         if missing:
-            raise RuntimeError(f"{len(missing)} of {len(self.items)} work items have no result (e.g. item {missing[0]}).")
+            raise RuntimeError(
+                f"{len(missing)} of {len(self.items)} work items have no result (e.g. item {missing[0]}).")
         out = []
         for request in self.requests:
             kind = request.instance.request_type
@@ -373,42 +373,31 @@ class WorkPlan:
 
 def _chunks(entries: list, batch_size: int, max_batch_tokens: int | None, length) -> list[list]:
     chunks: list[list] = []
-    current: list = []
-    width = 0
+    width = 0  # padded length of the last chunk
     for entry in entries:
-        width_if_added = max(width, length(entry))
-        full = len(current) >= batch_size or (
-            max_batch_tokens is not None and current and width_if_added * (len(current) + 1) > max_batch_tokens
-        )
-        if full:
-            chunks.append(current)
-            current, width_if_added = [], length(entry)
-        current.append(entry)
-        width = width_if_added
-    if current:
-        chunks.append(current)
+        width = max(width, length(entry))
+        if not chunks or len(chunks[-1]) >= batch_size or (
+                max_batch_tokens is not None and width * (len(chunks[-1]) + 1) > max_batch_tokens):
+            chunks.append([])
+            width = length(entry)
+        chunks[-1].append(entry)
     return chunks
 
 
+def _right_padded(sequences: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    return pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in sequences], batch_first=True,
+                        padding_value=pad)
+
+
 def _score_batch(rows: list[tuple[tuple, list[tuple[int, tuple]]]], pad_token_id: int) -> dict[str, Any]:
-    width = max(len(tokens) for tokens, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    lengths = torch.zeros(len(rows), dtype=torch.long)
     targets = [(row, index, continuation) for row, (_, entries) in enumerate(rows) for index, continuation in entries]
-    cont_width = max(len(continuation) for _, _, continuation in targets)
-    target_tokens = torch.full((len(targets), cont_width), -1, dtype=torch.long)
-    for row, (tokens, _) in enumerate(rows):
-        input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)  # right padding, as HFLM
-        lengths[row] = len(tokens)
-    for position, (_, _, continuation) in enumerate(targets):
-        target_tokens[position, :len(continuation)] = torch.tensor(continuation, dtype=torch.long)
     return {
         "kind": SCORE,
-        "input_ids": input_ids,
-        "lengths": lengths,
+        "input_ids": _right_padded([tokens for tokens, _ in rows], pad_token_id),  # right padding, as HFLM
+        "lengths": torch.tensor([len(tokens) for tokens, _ in rows], dtype=torch.long),
         "target_items": torch.tensor([index for _, index, _ in targets], dtype=torch.long),
         "target_rows": torch.tensor([row for row, _, _ in targets], dtype=torch.long),
-        "target_tokens": target_tokens,
+        "target_tokens": _right_padded([continuation for _, _, continuation in targets], -1),
         "target_lengths": torch.tensor([len(continuation) for _, _, continuation in targets], dtype=torch.long),
     }
 
