@@ -1,27 +1,16 @@
 """Runs HumanEval programs for ompmoe.eval.humaneval; started as a script, one JSON job per stdin line.
 
-Standard library only, and single-threaded, so it can fork/exec a confined child per program (the
-evaluating process, with its model and threads, is never forked). Each program runs in a fresh
-``python -I -S -B`` child (see :func:`run_python`):
-
-- its own private working directory (0700, owned by the sandbox user, deleted afterwards), with
-  HOME and TMPDIR pointing there and an environment holding only PATH, HOME and TMPDIR;
-- resource limits (address space, CPU time, processes, file size, open files, no core dumps);
-- a fresh network namespace (``unshare(CLONE_NEWNET)``: no interface but a down loopback) when the
-  kernel allows it;
-- when the server runs as root, a dedicated unprivileged uid/gid (one per worker slot);
-- no inherited descriptors but stdin (the job, then /dev/null) and stdout (a pipe);
-- its own session; when it ends or times out, its process group and every process left with
-  the slot's uid are killed.
-
-The outcome is decided here: "passed" only when the harness exits 0 and its last output line is a
-random nonce that it prints after ``check(...)`` returned; a program ending its process early
-(``sys.exit``, ``os._exit``) or printing "passed" is scored as failed.
-Reply: one JSON string per job ("passed", "failed: ...", "timed out").
+Standard library only and single-threaded, so it can fork a confined ``python -I -S -B`` child per
+program (the evaluating process, with its model and threads, is never forked): private working
+directory, minimal environment, resource limits, empty network namespace, an unprivileged uid per
+worker slot when root, no inherited descriptors, process-group and uid kill (docs/reliability.md,
+"HumanEval execution"). "passed" only when the harness exits 0 and its last output line is the
+random nonce it prints after ``check(...)`` returned. Reply: one JSON string per job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -132,21 +121,14 @@ def _uid_processes(uid: int) -> list[tuple[int, bool]]:
 
 def _reap_orphans() -> None:
     """Reap exited children (orphaned grandchildren come to this subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    with contextlib.suppress(ChildProcessError):  # no children left
+        while os.waitpid(-1, os.WNOHANG)[0]:  # 0: children left, none exited
+            pass
 
 
 def _kill_uid(uid: int, wait_s: float = 5.0) -> None:
-    """SIGKILL every process of ``uid`` (leftovers that left the process group) until none, zombies included.
-
-    Zombies still count against RLIMIT_NPROC, so this waits until they are reaped (by this subreaper,
-    or by init for processes orphaned before).
-    """
+    """SIGKILL every process of ``uid`` (leftovers that left the process group) until none, zombies included:
+    zombies still count against RLIMIT_NPROC until they are reaped (by this subreaper, or by init)."""
     deadline = time.monotonic() + wait_s
     while True:
         processes = _uid_processes(uid)
@@ -154,22 +136,20 @@ def _kill_uid(uid: int, wait_s: float = 5.0) -> None:
             return
         for pid, zombie in processes:
             if not zombie:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
         _reap_orphans()
         time.sleep(0.005)
 
 
 def _verdict(output: bytes, nonce: str, returncode: int | None, timed_out: bool) -> str:
-    lines = output.decode("utf-8", "replace").rstrip("\n").split("\n")
-    last = lines[-1] if lines else ""
+    last = output.decode("utf-8", "replace").rstrip("\n").split("\n")[-1]
     if returncode == 0 and last == nonce:
         return "passed"
-    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL) and last != "timed out" and not last.startswith("failed: "):
+    reported = last == "timed out" or last.startswith("failed: ")
+    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not reported:
         return "timed out"
-    if last == "timed out" or last.startswith("failed: "):
+    if reported:
         return last
     if returncode is not None and returncode < 0:
         return f"failed: the program was killed by {signal.Signals(-returncode).name}"
@@ -190,16 +170,12 @@ def run_python(program: str, timeout: float, config: dict, slot: int = 0) -> str
             [config["python"], "-I", "-S", "-B", "-c", HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, cwd=workdir, env=env, close_fds=True, pass_fds=(), start_new_session=True,
             preexec_fn=lambda: _confine(config, uid, timeout))
-        try:
+        with contextlib.suppress(OSError):  # the child died early (e.g. out of memory at start)
             process.stdin.write(json.dumps({"program": program, "timeout": timeout, "nonce": nonce}).encode())
             process.stdin.close()
-        except OSError:  # the child died early (e.g. out of memory at start)
-            pass
         output, returncode, timed_out = _collect(process, time.monotonic() + timeout + 1)
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(process.pid, signal.SIGKILL)  # forked children (not yet reaped: the group id is ours)
-        except OSError:
-            pass
         if uid is not None:
             _kill_uid(uid)
         process.wait()

@@ -1,9 +1,4 @@
-"""``ompmoe validate`` / ``ompmoe test``: LightningCLI with EvalModule and LMEvalDataModule.
-
-``ompmoe fit`` keeps the calibration CLI (CalibrationModule + CalibrationDataModule); the
-evaluation subcommands get their own LightningCLI so their configs name an evaluation model and
-suite (``configs/eval/*.yaml``).
-"""
+"""``ompmoe validate`` / ``ompmoe test``: a LightningCLI of EvalModule and LMEvalDataModule (``configs/eval/``)."""
 
 from __future__ import annotations
 
@@ -11,6 +6,7 @@ EVAL_SUBCOMMANDS = ("validate", "test")
 
 
 def eval_cli(args: list[str] | None = None) -> None:
+    """Run the evaluation LightningCLI (``fit`` keeps the calibration CLI)."""
     from lightning.pytorch.cli import LightningCLI
 
     from .datamodule import LMEvalDataModule

@@ -1,8 +1,5 @@
-"""What makes two evaluation results comparable: same base model, same tokenizer, same task versions.
-
-The results JSON records fingerprints of the model's input embeddings (pruning never changes them,
-so a pruned model shares its original's) and of the tokenizer's vocabulary; ``ompmoe report``
-compares them with the baseline row's before it prints a "retained" percentage.
+"""What makes two evaluation results comparable: same base model (input embeddings, which pruning
+keeps), same tokenizer vocabulary, same task versions; ``ompmoe report`` checks them against its baseline.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Inference cost of an evaluation: wall time, tokens and requests, per task and in total.
+"""Inference cost of an evaluation (the paper's Table 6 "Cost"): wall time, tokens and requests.
 
-:class:`~ompmoe.eval.EvalModule` times every batch (one forward pass or one generation; the results
-are copied to the host, so the time includes the device work) and spreads the batch's seconds over
-its work items by their share of the batch's tokens. The datamodule then spreads each item's seconds
-and tokens over the lm-eval requests that use it (answer choices that share a context share its row)
-and sums them per task. The total wall time is measured; per-task seconds are that apportionment of
-measured batch times. The paper's "Cost" (Table 6) is the total. ``cpu_seconds`` (process CPU time of
-the loop, summed over ranks) is recorded too: on a CPU shared with other jobs it moves less than wall
-time.
-
-Tokens are the positions the model computed for an item: its input tokens (an input shared by several
-items counted once) and, for generation, the context plus every generated position (a row that
-stopped early runs on, padded, until its batch ends: that work is counted).
+Each batch's measured seconds are spread over its work items by their share of its tokens (the
+positions the model computed: a shared input counts once, a generation row counts every position up
+to the batch's end), then over the requests that use each item, and summed per task.
 """
 
 from __future__ import annotations
@@ -45,11 +36,8 @@ def batch_item_costs(batch: Mapping[str, Any], outputs: Mapping[int, Any], secon
 
 def cost_record(requests: Sequence[Any], items: Mapping[int, ItemCost], seconds: float,
                 **settings: Any) -> dict[str, Any]:
-    """The results file's ``ompmoe.cost``: totals, per task (``tasks``), and the run's ``settings``.
-
-    ``requests``: the work plan's requests (``instance.task_name``, ``items``); ``seconds``: the
-    measured wall time of the evaluation loop.
-    """
+    """The results file's ``ompmoe.cost``: totals, per task, and the run's ``settings``; ``seconds`` is the
+    measured wall time of the evaluation loop, ``requests`` the work plan's."""
     users = Counter(item for request in requests for item in request.items)
     tasks: dict[str, dict[str, float]] = defaultdict(lambda: {"seconds": 0.0, "tokens": 0.0, "requests": 0})
     for request in requests:

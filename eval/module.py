@@ -1,17 +1,13 @@
 """``EvalModule``: runs an LMEvalDataModule's batches through a Hugging Face causal LM.
 
-Forward-only (``trainer.validate`` / ``trainer.test``). Score batches: one forward pass, the
-log-probabilities (float32 log-softmax) of each continuation's tokens and whether greedy decoding
-would produce them. Generate batches: ``model.generate`` with the request's kwargs and lm-eval's stop
-sequences (left-padded contexts, as ``HFLM``). Every batch is timed (:mod:`ompmoe.eval.cost`). At the
-end of the epoch the results and costs of all ranks are gathered, rank 0 has the datamodule score
-them with lm-eval and write the JSON (with the inference cost, the device, dtype, experts
-implementation and the model's pruning plan and adaptive epsilon), and every rank logs the same
-metrics.
+Forward-only: score batches get each continuation's float32 log-probability and greedy match,
+generate batches ``model.generate`` with lm-eval's stop sequences. Every batch is timed
+(:mod:`ompmoe.eval.cost`); at the epoch's end rank 0 scores all ranks' results and writes the JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -23,6 +19,7 @@ from torch import nn
 
 from ..lightning.calibration_module import CalibrationModule
 from ..lightning.models import model_config
+from .comparability import weights_fingerprint
 from .cost import batch_item_costs, device_name
 from .labels import model_label
 from .requests import SCORE
@@ -34,15 +31,12 @@ class EvalModule(CalibrationModule):
     """A Hugging Face causal LM (original or pruned) evaluated by :class:`ompmoe.eval.LMEvalDataModule`.
 
     Args:
-        model: Hub id, local path (pruned models saved by ompmoe load with their per-layer expert
-            counts), ``tiny:<model_type>``, or a model instance.
+        model: Hub id, local path (including ompmoe's pruned checkpoints), ``tiny:<model_type>``, or an instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's models).
         tokenizer: Tokenizer id or path; defaults to ``model`` (``bytes`` for tiny models).
         trust_remote_code: Passed to ``from_pretrained``.
-        label: Row label in reports (default: the model name with its recorded plan: method,
-            allocation, pruned fraction, adaptive epsilon).
-        experts_implementation: transformers' experts implementation to run (``eager``,
-            ``grouped_mm``, ...; default: the model's own), recorded with the cost.
+        label: Row label in reports (default: the model name with its recorded pruning plan).
+        experts_implementation: transformers' experts implementation (``eager``, ``grouped_mm``, ...), recorded.
     """
 
     def __init__(
@@ -61,11 +55,9 @@ class EvalModule(CalibrationModule):
         self._loop_start = self._loop_cpu = 0.0
         self._tokenizer: Any = None
         self._results: dict[int, Any] = {}
-        self._logits_to_keep: bool | None = None
         self.eval_results: dict[str, Any] | None = None  # rank 0: lm-eval's results of the last epoch
         self.eval_metrics: dict[str, float] = {}  # every rank: the logged metrics
 
-    # ----------------------------------------------------------------------------- model side
     def configure_model(self) -> None:
         super().configure_model()
         if self.experts_implementation is not None:
@@ -82,7 +74,8 @@ class EvalModule(CalibrationModule):
                 if getattr(self.model_config(), "vocab_size", None) == 256:
                     name = BYTES
             if name is None:
-                raise ValueError("EvalModule needs tokenizer=... (a hub id or path) for a model instance without a name.")
+                raise ValueError(
+                    "EvalModule needs tokenizer=... (a hub id or path) for a model instance without a name.")
             self._tokenizer = load_tokenizer(name, trust_remote_code=self.trust_remote_code)
         return self._tokenizer
 
@@ -96,8 +89,8 @@ class EvalModule(CalibrationModule):
         return model_config(name, self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
-        """The model as the results file records it: name, pruning record and plan, adaptive epsilon,
-        dtype, experts implementation, base-model fingerprint and the row label."""
+        """The model as the results file records it (name, pruning, plan, adaptive epsilon, dtype, experts
+        implementation, base-model fingerprint, label)."""
         from ..engine.adaptive import adaptive_info
         from ..engine.pruning import pruning_info
 
@@ -117,8 +110,6 @@ class EvalModule(CalibrationModule):
         if adaptive:
             info["adaptive"] = {key: adaptive[key] for key in ("epsilon", "zeta") if key in adaptive}
         # Identity of the base model, for honest comparisons (ompmoe report): pruning keeps the embeddings.
-        from .comparability import weights_fingerprint
-
         plan = (record or {}).get("plan") or {}
         info["base_model"] = plan.get("model_id") if record else name
         info["weights_fingerprint"] = weights_fingerprint(self.model) if self.model is not None else None
@@ -130,29 +121,20 @@ class EvalModule(CalibrationModule):
         info["label"] = self.label or model_label(info)
         return info
 
-    # ----------------------------------------------------------------------------- steps
     def on_validation_epoch_start(self) -> None:
-        self._start_epoch()
-
-    def on_test_epoch_start(self) -> None:
-        self._start_epoch()
-
-    def _start_epoch(self) -> None:
         self._results, self._costs = {}, {}
         self._loop_start, self._loop_cpu = time.perf_counter(), time.process_time()
 
+    on_test_epoch_start = on_validation_epoch_start
+
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._run_timed(batch)
-
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._run_timed(batch)
-
-    def _run_timed(self, batch: Mapping[str, Any]) -> None:
         """Run one batch and record its items' share of its wall time and tokens."""
         start = time.perf_counter()
         outputs = self.run_batch(batch)  # ends with a copy to the host: the device work is done
         self._results.update(outputs)
         self._costs.update(batch_item_costs(batch, outputs, time.perf_counter() - start))
+
+    test_step = validation_step
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
@@ -168,13 +150,12 @@ class EvalModule(CalibrationModule):
             return self._score(batch)
         return self._generate(batch)
 
+    @functools.cached_property
     def _accepts_logits_to_keep(self) -> bool:
-        if self._logits_to_keep is None:
-            try:
-                self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-            except (TypeError, ValueError):
-                self._logits_to_keep = False
-        return self._logits_to_keep
+        try:
+            return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            return False
 
     def _score(self, batch: Mapping[str, Any]) -> dict[int, Any]:
         input_ids, lengths = batch["input_ids"], batch["lengths"]
@@ -182,12 +163,12 @@ class EvalModule(CalibrationModule):
         width = input_ids.shape[1]
         starts = lengths[rows] - counts  # first logit position that predicts a continuation token
         kwargs: dict[str, Any] = {}
-        if self._accepts_logits_to_keep():
+        if self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = int(width - starts.min())  # lm_head only where continuations are scored
         # Right padding and no attention mask, as HFLM: causal attention keeps padding out of every scored position.
         logits = self.model(input_ids=input_ids, use_cache=False, **kwargs).logits
         offset = width - logits.shape[1]
-        logprobs, greedy = [], []
+        logprobs, greedy, order = [], [], []
         for row in torch.unique(rows).tolist():
             row_lp = torch.log_softmax(logits[row].float(), dim=-1)
             row_argmax = row_lp.argmax(dim=-1)
@@ -197,11 +178,9 @@ class EvalModule(CalibrationModule):
                 picked = row_lp[start:start + count].gather(-1, wanted[:, None]).squeeze(-1)
                 logprobs.append(picked.sum())
                 greedy.append((row_argmax[start:start + count] == wanted).all())
-        order = torch.cat([(rows == row).nonzero().flatten() for row in torch.unique(rows).tolist()])
-        items = batch["target_items"][order].tolist()
-        values = torch.stack(logprobs).tolist()
-        flags = torch.stack(greedy).tolist()
-        return {item: (value, flag) for item, value, flag in zip(items, values, flags)}
+                order.append(target)
+        return dict(zip(batch["target_items"][order].tolist(),
+                        zip(torch.stack(logprobs).tolist(), torch.stack(greedy).tolist())))
 
     def _generate(self, batch: Mapping[str, Any]) -> dict[int, Any]:
         from lm_eval.models.utils_hf import stop_sequences_criteria
@@ -217,16 +196,15 @@ class EvalModule(CalibrationModule):
             input_ids=input_ids, attention_mask=attention_mask, max_length=width + int(batch["max_gen_toks"]),
             stopping_criteria=stopping, pad_token_id=tokenizer.pad_token_id, use_cache=True, **kwargs,
         )
-        generated = output[:, width:].tolist()
-        return {item: tokens for item, tokens in zip(batch["items"].tolist(), generated)}
+        return dict(zip(batch["items"].tolist(), output[:, width:].tolist()))
 
-    # ----------------------------------------------------------------------------- scoring
     def _data(self) -> Any:
         from .datamodule import LMEvalDataModule
 
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if not isinstance(datamodule, LMEvalDataModule):
-            raise TypeError("EvalModule needs an ompmoe.eval.LMEvalDataModule: trainer.validate(module, datamodule=...).")
+            raise TypeError(
+                "EvalModule needs an ompmoe.eval.LMEvalDataModule: trainer.validate(module, datamodule=...).")
         return datamodule
 
     def _finish(self, stage: str) -> None:
@@ -234,7 +212,8 @@ class EvalModule(CalibrationModule):
         strategy = self.trainer.strategy
         results, costs = self._results, self._costs
         seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
-        distributed = self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        distributed = (self.trainer.world_size > 1 and torch.distributed.is_available()
+                       and torch.distributed.is_initialized())
         if distributed:
             gathered: list[Any] = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds))
@@ -245,8 +224,9 @@ class EvalModule(CalibrationModule):
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
-                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds, "device": device_name(self.device),
-                       "threads": torch.get_num_threads(), "ranks": self.trainer.world_size}
+                run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds,
+                       "device": device_name(self.device), "threads": torch.get_num_threads(),
+                       "ranks": self.trainer.world_size}
                 scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage}, cost=run)
                 datamodule.write(scored)
                 self.eval_results = scored

@@ -1,23 +1,20 @@
 """Where lm-eval tasks read their data sets: the hub, its local cache, or local copies.
 
-lm-eval tasks load their data with ``datasets.load_dataset(dataset_path, dataset_name, ...)`` when
-they are built. :func:`dataset_access` wraps that for the duration of task loading:
+:func:`dataset_access` wraps lm-eval's data set loading while tasks are built:
 
 - ``dataset_overrides`` (keys: a task name, a data set path, or ``path:name``) point a task at a
-  local copy: a string is a local directory (for example a hub snapshot made with
-  ``huggingface-cli download --repo-type dataset <path> --local-dir <dir>``) used in place of the
-  hub path; a dict may set ``dataset_path``, ``dataset_name`` and ``dataset_kwargs`` (merged), e.g.
+  local copy: a string is a local directory (e.g. a hub snapshot) used in place of the hub path; a
+  dict may set ``dataset_path``, ``dataset_name`` and ``dataset_kwargs`` (merged), e.g.
   ``{"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "/data/arc/test.jsonl"}}}``.
-- ``data_dir``: a directory of such snapshots laid out as ``<data_dir>/<owner>/<name>`` (the hub
-  path); a task whose data set has a copy there reads it instead of the hub.
-- Offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or a hub that does not answer one
-  HEAD request, is detected *first*; then only the local ``datasets`` cache is read and a data set
-  that is not there raises :class:`DatasetUnavailableError` at once, naming the task, the data set
-  and both ways to supply a local copy (no download is attempted, so no retry loop).
+- ``data_dir``: snapshots laid out as ``<data_dir>/<owner>/<name>``, read instead of the hub.
+- Offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``, or a hub that does not answer) is detected
+  first; then only the local cache is read, and a missing data set raises
+  :class:`DatasetUnavailableError` at once (no download retry loop), naming both ways to supply it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -43,25 +40,19 @@ class _Access:
         if self.data_dir is not None and not self.data_dir.is_dir():
             raise FileNotFoundError(f"data_dir {str(self.data_dir)!r} is not a directory.")
         self.overrides = dict(overrides or {})
-        self._hub_state: str | None = None  # None: not probed yet; "" online; else why offline
         self.used: dict[str, str] = {}  # task -> where its data came from
 
+    @functools.cached_property
     def offline_reason(self) -> str:
-        if self._hub_state is None:
-            if offline_mode():
-                self._hub_state = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
-            elif not hub_reachable():
-                self._hub_state = "the Hugging Face hub cannot be reached"
-            else:
-                self._hub_state = ""
-        return self._hub_state
+        """Why the hub cannot be used ("" when it can), probed once."""
+        if offline_mode():
+            return "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+        if not hub_reachable():
+            return "the Hugging Face hub cannot be reached"
+        return ""
 
     def resolve(self, task: str, path: str | None, name: str | None, kwargs: dict[str, Any]) -> tuple:
-        override = None
-        for key in (task, f"{path}:{name}", path):
-            if key in self.overrides:
-                override = self.overrides[key]
-                break
+        override = next((self.overrides[key] for key in (task, f"{path}:{name}", path) if key in self.overrides), None)
         if isinstance(override, str):
             return str(Path(override).expanduser()), name, kwargs
         if isinstance(override, Mapping):
@@ -72,16 +63,6 @@ class _Access:
         if self.data_dir is not None and path and not _is_local(path) and (self.data_dir / path).is_dir():
             return str(self.data_dir / path), name, kwargs
         return path, name, kwargs
-
-    def message(self, task: str, path: str | None, name: str | None, reason: str) -> str:
-        dataset = f"{path!r}" + (f" (config {name!r})" if name else "")
-        return (
-            f"Task {task!r} needs the data set {dataset}, which is not in the local datasets cache, and it cannot "
-            f"be downloaded: {reason}. Where there is internet, run `huggingface-cli download --repo-type dataset "
-            f"{path} --local-dir <data_dir>/{path}` (or load it once to fill the cache), then pass "
-            f"data_dir=<data_dir> (CLI: --data.data_dir), or point this task at a local copy with "
-            f"dataset_overrides={{{task!r}: '/path/to/copy'}}."
-        )
 
 
 @contextmanager
@@ -98,12 +79,13 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
         if callable(config.custom_dataset):
             access.used[task] = "custom_dataset"
             return original(task_self, dataset_kwargs, **kwargs)
-        path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME, dict(dataset_kwargs or {}))
+        path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME,
+                                            dict(dataset_kwargs or {}))
         task_self.DATASET_PATH, task_self.DATASET_NAME = path, name
         if _is_local(path):
             access.used[task] = str(path)
             return original(task_self, merged, **kwargs)
-        reason = access.offline_reason()
+        reason = access.offline_reason
         if not reason:
             access.used[task] = f"hub:{path}"
             return original(task_self, merged, **kwargs)
@@ -111,7 +93,14 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
             with hub_offline():
                 result = original(task_self, merged, **kwargs)
         except Exception as error:
-            raise DatasetUnavailableError(access.message(task, path, name, reason)) from error
+            dataset = f"{path!r}" + (f" (config {name!r})" if name else "")
+            raise DatasetUnavailableError(
+                f"Task {task!r} needs the data set {dataset}, which is not in the local datasets cache, and it "
+                f"cannot be downloaded: {reason}. Where there is internet, run `huggingface-cli download --repo-type "
+                f"dataset {path} --local-dir <data_dir>/{path}` (or load it once to fill the cache), then pass "
+                f"data_dir=<data_dir> (CLI: --data.data_dir), or point this task at a local copy with "
+                f"dataset_overrides={{{task!r}: '/path/to/copy'}}."
+            ) from error
         access.used[task] = f"cache:{path}"
         return result
 

@@ -1,28 +1,11 @@
-"""Markdown tables like the paper's Table 1 from evaluation result files.
+"""Markdown tables like the paper's Table 1 (and Table 6's Cost/Speedup) from evaluation result files.
 
-Each results JSON written by :class:`ompmoe.eval.LMEvalDataModule` carries an ``ompmoe`` summary:
-a label, the model (with its pruning record and plan), one score per report column and the inference
-cost (wall time, tokens, requests). A table has one row per file, one column per score (accuracies as
-percentages), the average of the primary higher-is-better columns, that average as a percentage of
-the original model's ("retained"), and, when recorded, the evaluation time ("Cost") and the
-original's time divided by it ("Speedup"), as the paper's Table 6. The original is the ``baseline``
-file, else the first file of an unpruned model, else the first. Perplexities are shown as they are
-and left out of averages.
-
-The average covers only tasks every row scored (a finite number) and that tell the models apart: a
-task on which every row scores 0 or no row beats chance is flagged and left out, and the notes say
-which tasks were left out and why.
-
-Comparisons are honest or refused: a row whose base model (input-embedding fingerprint), tokenizer
-(vocabulary fingerprint) or task versions differ from the baseline's is refused unless
-``allow_mismatch`` (``--allow-mismatch``), which prints it marked and without a retained
-percentage. Scores carry lm-eval's standard errors (``±``) when it computed them, columns of tasks
-with fewer than ``noisy_items`` items are flagged as noisy (accuracy-like scores only: one item is
-100/n points; a perplexity gets no such note), and equal labels are made distinct. A results file
-with a key missing or of the wrong type is refused with one error naming the file and the key.
-
-``ompmoe report original.json omp-0.5.json reap-0.5.json [--output table.md [--overwrite]]``: the
-table never replaces one of its inputs, and an existing output only with ``--overwrite``.
+One row per results file, one column per score (accuracies in %), the average of the primary
+higher-is-better columns, its percentage of the baseline's ("retained"), and the recorded evaluation
+time. The average covers only tasks every row scored and that tell the models apart (the notes name
+the rest); rows of another base model, tokenizer or task version are refused unless ``allow_mismatch``;
+small tasks are flagged as noisy; a malformed results file is refused with one error naming the key.
+``ompmoe report a.json b.json [--output table.md]`` never replaces one of its inputs.
 """
 
 from __future__ import annotations
@@ -71,44 +54,43 @@ _SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
 _TABLES = ("n-samples", "results", "groups")  # mappings of task -> mapping
 
 
-def _type_name(kind: type) -> str:
-    return {dict: "an object", list: "a list", str: "a string"}.get(kind, kind.__name__)
+_TYPE_NAMES = {dict: "an object", list: "a list"}
 
 
 def check_results(data: Any, where: str) -> dict[str, Any]:
     """``data`` if it has every key the report reads, with the right types; else one
     :class:`ResultsFileError` naming ``where``, the key and the fix."""
     if not isinstance(data, dict):
-        raise ResultsFileError(f"{where} is not a results file: it holds {type(data).__name__}, not a JSON object. {_FIX}")
+        raise ResultsFileError(
+            f"{where} is not a results file: it holds {type(data).__name__}, not a JSON object. {_FIX}")
     if "ompmoe" not in data:
         raise ResultsFileError(
             f"{where} has no 'ompmoe' summary; it was not written by ompmoe.eval.LMEvalDataModule (plain lm-eval "
             f"output cannot be reported). {_FIX}"
         )
+
+    def check_type(dotted: str, value: Any, kind: type) -> None:
+        if not isinstance(value, kind):
+            raise ResultsFileError(
+                f"{where}: '{dotted}' must be {_TYPE_NAMES[kind]}, got {type(value).__name__}. {_FIX}")
+
     for path, kind, required in _SCHEMA:
         value: Any = data
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
-        if value is None and not required:
-            continue
-        dotted = ".".join(path)
-        if value is None:
-            raise ResultsFileError(f"{where} has no key '{dotted}'. {_FIX}")
-        if not isinstance(value, kind):
-            raise ResultsFileError(
-                f"{where}: '{dotted}' must be {_type_name(kind)}, got {type(value).__name__}. {_FIX}")
+        if value is None and required:
+            raise ResultsFileError(f"{where} has no key '{'.'.join(path)}'. {_FIX}")
+        if value is not None:
+            check_type(".".join(path), value, kind)
     for index, column in enumerate(data["ompmoe"]["columns"]):
         if not isinstance(column, dict) or not isinstance(column.get("name"), str):
-            raise ResultsFileError(f"{where}: 'ompmoe.columns[{index}]' must be an object with a string 'name'. {_FIX}")
+            raise ResultsFileError(
+                f"{where}: 'ompmoe.columns[{index}]' must be an object with a string 'name'. {_FIX}")
     for table in _TABLES:
         for task, entry in (data.get(table) or {}).items():
-            if not isinstance(entry, dict):
-                raise ResultsFileError(
-                    f"{where}: '{table}.{task}' must be {_type_name(dict)}, got {type(entry).__name__}. {_FIX}")
+            check_type(f"{table}.{task}", entry, dict)
     for group, subtasks in (data.get("group_subtasks") or {}).items():
-        if not isinstance(subtasks, list):
-            raise ResultsFileError(
-                f"{where}: 'group_subtasks.{group}' must be {_type_name(list)}, got {type(subtasks).__name__}. {_FIX}")
+        check_type(f"group_subtasks.{group}", subtasks, list)
     for task, entry in (data.get("n-samples") or {}).items():
         count = entry.get("effective", entry.get("original"))
         if isinstance(count, bool) or not isinstance(count, int):
@@ -140,11 +122,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         return None
     return float(value)
-
-
-def _average(values: Sequence[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return sum(present) / len(present) if present else None
 
 
 def _seconds(value: float) -> str:
@@ -209,15 +186,13 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
 
     Args:
         results: Result dicts or files from :class:`ompmoe.eval.LMEvalDataModule`.
-        baseline: Row (index or label) whose average is 100% ("original") and whose cost is speedup
-            1; default: the first unpruned model, else the first row.
+        baseline: Row (index or label) whose average is 100% and whose cost is speedup 1; default: the
+            first unpruned model, else the first row.
         labels: Row labels instead of the files' own.
         digits: Decimals of the scores.
-        allow_mismatch: Print rows that cannot be compared with the baseline (other base model,
-            tokenizer or task versions), marked, instead of refusing them.
+        allow_mismatch: Print rows that cannot be compared with the baseline, marked, instead of refusing them.
         noisy_items: Columns of tasks with fewer items are flagged as noisy.
-        cost_time: ``wall`` (the paper's Cost: wall time of the evaluation loop) or ``cpu`` (its
-            process CPU time, which other jobs on a shared CPU disturb less).
+        cost_time: ``wall`` (the paper's Cost) or ``cpu`` (process CPU time, less disturbed on a shared CPU).
     """
     if cost_time not in COST_TIMES:
         raise ValueError(f"cost_time must be one of {sorted(COST_TIMES)}, got {cost_time!r}.")
@@ -258,26 +233,24 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
     counts = {name: [item_count(row, column.get("source", name)) for row in rows] for name, column in columns.items()}
     fewest = {name: min((c for c in values if c is not None), default=None) for name, values in counts.items()}
     # Noise in the metric's own terms: "one item is x points" only for scores that are fractions of items.
-    noisy = {name: count for name, count in fewest.items() if percent(name) and count is not None and count < noisy_items}
+    noisy = {name: count for name, count in fewest.items()
+             if percent(name) and count is not None and count < noisy_items}
 
     # The average covers the primary higher-is-better tasks that every row scored (a finite number) and that tell
     # the models apart (not all 0, not all at chance); left-out tasks are named in the notes.
-    candidates = [i for i, (name, column) in enumerate(columns.items())
-                  if column.get("primary", True) and percent(name)]
     left_out: dict[str, str] = {}
     averaged: list[int] = []
-    for i in candidates:
-        name = list(columns)[i]
-        absent = [names[r] for r, values in enumerate(table) if values[i] is None]
-        if absent:
-            left_out[name] = f"no finite score for {', '.join(absent)}"
+    for i, (name, column) in enumerate(columns.items()):
+        if not (column.get("primary", True) and percent(name)):
             continue
-        reason = _uninformative([values[i] for values in table], columns[name].get("chance"), fewest[name])
+        absent = [names[r] for r, values in enumerate(table) if values[i] is None]
+        reason = (f"no finite score for {', '.join(absent)}" if absent else
+                  _uninformative([values[i] for values in table], column.get("chance"), fewest[name]))
         if reason:
             left_out[name] = reason
-            continue
-        averaged.append(i)
-    averages = [_average([values[i] for i in averaged]) if averaged else None for values in table]
+        else:
+            averaged.append(i)
+    averages = [sum(values[i] for i in averaged) / len(averaged) if averaged else None for values in table]
     base_average = averages[base]
 
     costs = [_number((summary.get("cost") or {}).get(COST_TIMES[cost_time])) for summary in summaries]
@@ -315,7 +288,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
             formatted += [MISSING if costs[index] is None else _seconds(costs[index]),
                           MISSING if speedup is None else f"{speedup:.2f}×"]
         lines.append("| " + " | ".join([_cell(name), *formatted]) + " |")
-    lower = [n for n, c in columns.items() if not c.get("higher_is_better", True)]
+    lower = [name for name in columns if not percent(name)]
     notes = [
         f"Scores in %, except {', '.join(map(_cell, lower))} (lower is better)" if lower else "Scores in %",
         f"Average over {', '.join(_cell(list(columns)[i]) for i in averaged)}" if averaged else "No column is averaged",
@@ -367,16 +340,8 @@ def report(results: list[str], output: str | None = None, baseline: str | None =
            noisy_items: int = NOISY_ITEMS, overwrite: bool = False, cost_time: str = "wall") -> str:
     """Print (and with ``output``, write) the Markdown table of evaluation result files.
 
-    Args:
-        results: Result JSON files written by ``ompmoe validate``/``test`` (LMEvalDataModule).
-        output: Also write the table to this Markdown file (atomically; never one of ``results``).
-        baseline: Label or row number of the original model (default: the first unpruned model).
-        labels: Row labels instead of the files' own.
-        digits: Decimals of the scores.
-        allow_mismatch: Print rows of another base model, tokenizer or task version, marked.
-        noisy_items: Flag columns of tasks with fewer items as noisy.
-        overwrite: Replace an existing ``output``.
-        cost_time: ``wall`` or ``cpu``: which recorded time the Cost column shows.
+    ``output`` is written atomically, never over one of ``results``, and over an existing file only with
+    ``overwrite``; the other arguments are :func:`report_table`'s.
     """
     from ..engine.io import atomic_path, check_writable
 

@@ -1,30 +1,22 @@
 """lm-eval requests -> token-level work items -> batches; model results -> lm-eval responses.
 
-lm-eval's ``Instance`` objects carry text (``(context, continuation)``, ``(text,)`` or
-``(context, gen_kwargs)``). :class:`RequestEncoder` tokenizes them exactly as lm-eval's ``HFLM``
-does (same special-token rules, empty-context prefix token, left truncation, rolling windows,
-generation kwargs and stop sequences), so metrics equal ``HFLM``'s on the same model.
-:class:`WorkPlan` turns the encoded requests into model work:
-
-- *score items* ``(model input, continuation)``: the log-probability of the continuation's tokens
-  and whether greedy decoding would produce them (loglikelihood requests, and each window of a
-  rolling-loglikelihood request). Items sharing a model input share one row of a batch (multiple
-  choice questions whose answers are one token, identical windows), like ``HFLM``'s logits cache.
-- *generate items*: greedy or sampled continuations of a context with a request's generation kwargs.
-
-Batches are built once, sorted by length (longest first) and homogeneous (score rows, or generate
-rows with identical generation kwargs), so a ``DistributedSampler`` can deal them to ranks.
+:class:`RequestEncoder` tokenizes lm-eval's ``Instance`` objects exactly as lm-eval's ``HFLM`` does,
+so metrics equal ``HFLM``'s on the same model. :class:`WorkPlan` turns them into *score items*
+(``(model input, continuation)``: log-probability and greedy match; items sharing a model input share
+a batch row, like ``HFLM``'s logits cache) and *generate items*, batched once, longest first and
+homogeneous, so a ``DistributedSampler`` can deal them to ranks.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 SCORE = "score"
 GENERATE = "generate"
@@ -34,12 +26,6 @@ GENERATE_UNTIL = "generate_until"
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither the config nor the tokenizer says
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
-
-
-def _lm_base() -> type:
-    from lm_eval.api.model import TemplateLM
-
-    return TemplateLM
 
 
 def resolve_max_length(config: Any, tokenizer: Any = None, default: int = DEFAULT_MAX_LENGTH) -> int:
@@ -58,30 +44,25 @@ def resolve_max_length(config: Any, tokenizer: Any = None, default: int = DEFAUL
 class RequestEncoder:
     """The tokenizer side of lm-eval's ``HFLM``: builds requests' contexts and token ids, runs no model.
 
-    Instances are ``lm_eval.api.model.TemplateLM`` objects (created by :meth:`create`), so lm-eval
-    can also use them to apply chat templates while building requests.
+    :meth:`create` makes ``TemplateLM`` objects, so lm-eval can also apply chat templates with them.
 
     Args:
         tokenizer: A Hugging Face tokenizer.
         max_length: Context length in tokens (``HFLM``'s ``max_length``).
         max_gen_toks: Default generation length when a task does not set one.
         add_bos_token: ``HFLM``'s ``add_bos_token`` (``None``: the tokenizer's default).
-        prefix_token_id: Token that conditions empty contexts and rolling windows; default BOS,
-            else EOS (as ``HFLM``).
-        chat_template_args: Extra keyword arguments of ``tokenizer.apply_chat_template``
-            (``{"enable_thinking": False}`` for Qwen3).
+        prefix_token_id: Token that conditions empty contexts and rolling windows (default BOS, else EOS).
+        chat_template_args: Extra keyword arguments of ``tokenizer.apply_chat_template``.
         think_end_token: Strip generations up to this token (string or id), as ``HFLM``.
         truncation: Passed to the tokenizer when encoding generation contexts.
     """
 
-    @staticmethod
-    def create(tokenizer: Any, max_length: int, **kwargs: Any) -> Any:
-        cls = type("RequestEncoderLM", (_EncoderMixin, _lm_base()), {})
-        return cls(tokenizer, max_length, **kwargs)
+    @classmethod
+    def create(cls, tokenizer: Any, max_length: int, **kwargs: Any) -> Any:
+        """A new encoder (an lm-eval ``TemplateLM``, imported here as lm-eval is optional)."""
+        from lm_eval.api.model import TemplateLM
 
-
-class _EncoderMixin:
-    backend = "causal"
+        return type("RequestEncoderLM", (cls, TemplateLM), {})(tokenizer, max_length, **kwargs)
 
     def __init__(
         self,
@@ -97,15 +78,14 @@ class _EncoderMixin:
     ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
-        self._max_length = int(max_length)
-        self._max_gen_toks = int(max_gen_toks)
+        self.max_length = int(max_length)
+        self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = dict(chat_template_args or {})
         self.think_end_token = think_end_token
         self.truncation = truncation
 
-    # --------------------------------------------------------------- HFLM's tokenizer properties
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
@@ -117,14 +97,6 @@ class _EncoderMixin:
         if self.tokenizer.bos_token_id is not None:
             return self.tokenizer.bos_token_id
         return self.tokenizer.eos_token_id
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
-
-    @property
-    def max_gen_toks(self) -> int:
-        return self._max_gen_toks
 
     @property
     def tokenizer_name(self) -> str:
@@ -165,10 +137,8 @@ class _EncoderMixin:
             chat_history = [message for message in chat_history if message["role"] != "system"]
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
 
-    # -------------------------------------------------------------------------- request encoding
     def _loglikelihood_tokens(self, requests: list, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
-        # TemplateLM.loglikelihood tokenizes (context, continuation) pairs and calls this with
-        # ((context, continuation), context_enc, continuation_enc): keep the encodings.
+        # TemplateLM.loglikelihood tokenizes the pairs and calls this: keep the encodings.
         return [(list(context), list(continuation)) for _, context, continuation in requests]
 
     def encode_loglikelihood(self, instances: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
@@ -225,12 +195,10 @@ class _EncoderMixin:
             think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None,
         )
 
-    # lm-eval's abstract model calls: this object never runs a model.
-    def loglikelihood_rolling(self, requests: Any, disable_tqdm: bool = False) -> list[float]:
-        raise NotImplementedError("RequestEncoder only encodes requests; the EvalModule runs the model.")
-
     def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
         raise NotImplementedError("RequestEncoder only encodes requests; the EvalModule runs the model.")
+
+    loglikelihood_rolling = generate_until  # lm-eval's abstract model calls: this object never runs a model
 
 
 def _has_prefix(text: str, prefix: str | None) -> bool:
@@ -238,11 +206,8 @@ def _has_prefix(text: str, prefix: str | None) -> bool:
 
 
 def make_replay_lm(responses: Mapping[int, list[Any]], encoder: Any = None) -> Any:
-    """An lm-eval ``LM`` that answers each request with the responses computed for it, in order.
-
-    ``responses`` maps ``id(instance)`` to that instance's responses, one per repeat; ``encoder``
-    (the requests' :class:`RequestEncoder`) answers lm-eval's chat-template questions.
-    """
+    """An lm-eval ``LM`` that answers each request with the responses computed for it (``responses``:
+    ``id(instance)`` -> one per repeat); ``encoder`` answers lm-eval's chat-template questions."""
     from lm_eval.api.model import LM
 
     class ReplayLM(LM):
@@ -272,14 +237,7 @@ def make_replay_lm(responses: Mapping[int, list[Any]], encoder: Any = None) -> A
                 out.append(queue.pop(0))
             return out
 
-        def loglikelihood(self, requests: list[Any]) -> list[Any]:
-            return self._replay(requests)
-
-        def loglikelihood_rolling(self, requests: list[Any]) -> list[Any]:
-            return self._replay(requests)
-
-        def generate_until(self, requests: list[Any]) -> list[Any]:
-            return self._replay(requests)
+        loglikelihood = loglikelihood_rolling = generate_until = _replay
 
     return ReplayLM()
 
@@ -299,8 +257,7 @@ class Request:
 class WorkPlan:
     """All model work of an evaluation: score and generate items, and the requests they answer.
 
-    Item ids are positions in :attr:`items`; the plan is deterministic given the instances, so every
-    rank that builds it from the same tasks gets the same ids.
+    Item ids are positions in :attr:`items`, deterministic given the instances, so all ranks agree on them.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -353,17 +310,14 @@ class WorkPlan:
                     until = list(spec["until"])
                 self.requests.append(Request(group, instance, list(items), tokens, until))
 
-    # ------------------------------------------------------------------------------- batching
     def batches(self, batch_size: int, max_batch_tokens: int | None = None, pad_token_id: int = 0,
                 world_size: int = 1) -> list[dict]:
         """Homogeneous batches, longest first: score rows (one per distinct model input), then
         generation rows grouped by generation kwargs.
 
-        With ``world_size`` > 1 each segment (score batches; generate batches of one kwargs) is padded
-        with repeats of its last batch to a multiple of ``world_size``, so that a ``DistributedSampler``
-        (which deals index ``i`` to rank ``i % world_size``) gives all ranks the same kind of batch at
-        every step: sharded models (FSDP) run their collectives in lockstep, and generation can use
-        ``synced_gpus``. Repeated batches produce identical results, merged away.
+        With ``world_size`` > 1 each segment is padded with repeats of its last batch to a multiple of
+        ``world_size``, so that ``DistributedSampler`` (index ``i`` to rank ``i % world_size``) gives all
+        ranks the same kind of batch at every step (FSDP collectives, ``synced_gpus``); repeats merge away.
         """
         rows: dict[tuple, list[tuple[int, tuple]]] = defaultdict(list)
         generate: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
@@ -390,12 +344,12 @@ class WorkPlan:
                                          lambda entry: len(entry[1]) + spec["max_gen_toks"])])
         return out
 
-    # ------------------------------------------------------------------------------- results
     def responses(self, results: Mapping[int, Any]) -> list[Any]:
         """Per request, the response lm-eval expects, from the items' results."""
         missing = [index for index in range(len(self.items)) if index not in results]
         if missing:
-            raise RuntimeError(f"{len(missing)} of {len(self.items)} work items have no result (e.g. item {missing[0]}).")
+            raise RuntimeError(
+                f"{len(missing)} of {len(self.items)} work items have no result (e.g. item {missing[0]}).")
         out = []
         for request in self.requests:
             kind = request.instance.request_type
@@ -409,9 +363,8 @@ class WorkPlan:
         return out
 
     def counts(self) -> dict[str, int]:
-        kinds = defaultdict(int)
-        for request in self.requests:
-            kinds[request.instance.request_type] += 1
+        """How many requests (per type), score items, score rows and generate items the plan holds."""
+        kinds = Counter(request.instance.request_type for request in self.requests)
         score = sum(1 for item in self.items if item[0] == SCORE)
         return {"requests": len(self.requests), **{f"requests_{k}": v for k, v in sorted(kinds.items())},
                 "score_items": score, "score_rows": len({item[1] for item in self.items if item[0] == SCORE}),
@@ -420,42 +373,31 @@ class WorkPlan:
 
 def _chunks(entries: list, batch_size: int, max_batch_tokens: int | None, length) -> list[list]:
     chunks: list[list] = []
-    current: list = []
-    width = 0
+    width = 0  # padded length of the last chunk
     for entry in entries:
-        width_if_added = max(width, length(entry))
-        full = len(current) >= batch_size or (
-            max_batch_tokens is not None and current and width_if_added * (len(current) + 1) > max_batch_tokens
-        )
-        if full:
-            chunks.append(current)
-            current, width_if_added = [], length(entry)
-        current.append(entry)
-        width = width_if_added
-    if current:
-        chunks.append(current)
+        width = max(width, length(entry))
+        if not chunks or len(chunks[-1]) >= batch_size or (
+                max_batch_tokens is not None and width * (len(chunks[-1]) + 1) > max_batch_tokens):
+            chunks.append([])
+            width = length(entry)
+        chunks[-1].append(entry)
     return chunks
 
 
+def _right_padded(sequences: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    return pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in sequences], batch_first=True,
+                        padding_value=pad)
+
+
 def _score_batch(rows: list[tuple[tuple, list[tuple[int, tuple]]]], pad_token_id: int) -> dict[str, Any]:
-    width = max(len(tokens) for tokens, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    lengths = torch.zeros(len(rows), dtype=torch.long)
     targets = [(row, index, continuation) for row, (_, entries) in enumerate(rows) for index, continuation in entries]
-    cont_width = max(len(continuation) for _, _, continuation in targets)
-    target_tokens = torch.full((len(targets), cont_width), -1, dtype=torch.long)
-    for row, (tokens, _) in enumerate(rows):
-        input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)  # right padding, as HFLM
-        lengths[row] = len(tokens)
-    for position, (_, _, continuation) in enumerate(targets):
-        target_tokens[position, :len(continuation)] = torch.tensor(continuation, dtype=torch.long)
     return {
         "kind": SCORE,
-        "input_ids": input_ids,
-        "lengths": lengths,
+        "input_ids": _right_padded([tokens for tokens, _ in rows], pad_token_id),  # right padding, as HFLM
+        "lengths": torch.tensor([len(tokens) for tokens, _ in rows], dtype=torch.long),
         "target_items": torch.tensor([index for _, index, _ in targets], dtype=torch.long),
         "target_rows": torch.tensor([row for row, _, _ in targets], dtype=torch.long),
-        "target_tokens": target_tokens,
+        "target_tokens": _right_padded([continuation for _, _, continuation in targets], -1),
         "target_lengths": torch.tensor([len(continuation) for _, _, continuation in targets], dtype=torch.long),
     }
 

@@ -1,10 +1,8 @@
 """Scoring and writing an evaluation's results (the requests are built by :mod:`ompmoe.eval.datamodule`).
 
-Rank 0 hands the responses back to ``lm_eval.evaluator.evaluate`` (through a replaying ``LM``, on
-the very request objects ``LMEvalDataModule.build`` made) for filtering, metrics and aggregation,
-adds the ``ompmoe`` summary that ``ompmoe report`` reads (label, model, one score per column with
-each multiple choice task's chance level, and the inference cost of :mod:`ompmoe.eval.cost`), and
-writes the results JSON.
+Rank 0 replays the responses to ``lm_eval.evaluator.evaluate`` on the very request objects ``build`` made,
+adds the ``ompmoe`` summary that ``ompmoe report`` reads (label, model, scores, chance levels, cost)
+and writes the results JSON.
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ if TYPE_CHECKING:
 
 def score(data: LMEvalDataModule, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
           cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """lm-eval results from every work item's result (all ranks' results merged).
-
-    ``cost``: the run's ``seconds`` (evaluation loop), ``items`` ({item: (seconds, tokens)}) and
-    settings (``device``, ``threads``, ``ranks``), recorded per task and in total as ``ompmoe.cost``.
-    """
+    """lm-eval results from every work item's result (all ranks' results merged); ``cost``: the run's
+    ``seconds``, ``items`` ({item: (seconds, tokens)}) and settings, recorded as ``ompmoe.cost``."""
     if data.plan is None:
         raise RuntimeError("Nothing to score: setup() has not run.")
     responses = [
@@ -162,8 +157,8 @@ def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mappin
 
 
 def _chance_levels(data: LMEvalDataModule, results: Mapping[str, Any]) -> dict[str, float]:
-    """Accuracy of guessing, per multiple choice task (mean of 1 / choices over its documents) and per
-    group of them (size-weighted over its tasks); the report leaves out tasks no model beats it on."""
+    """Accuracy of guessing per multiple choice task (mean of 1 / choices) and group (size-weighted);
+    the report leaves out tasks no model beats it on."""
     chance: dict[str, float] = {}
     sizes: dict[str, int] = {}
     for group in data.groups:
@@ -207,7 +202,6 @@ def _average(columns: Sequence[Column], scores: Mapping[str, Any]) -> float | No
     return sum(values) / len(values) if values else None
 
 
-# ---------------------------------------------------------------------------------- outputs
 def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     """Numeric metrics for the trainer's logger: ``task/metric[/filter]``, suite and overall averages."""
     flat: dict[str, float] = {}

@@ -1,11 +1,8 @@
 """The uids HumanEval programs run as (as root): one per worker slot, unique on this machine.
 
-A slot's uid is swept after every program (every process of that uid is killed), so it must belong to
-nothing else: not an account (``/etc/passwd``, ``/etc/group``), not a process that was running before the
-slot was taken (a daemon's, or another evaluation's), and not another slot of any evaluation on this
-machine. Slots are taken from a range far above the ones distributions and ``useradd`` hand out
-(``OMPMOE_SANDBOX_UID`` moves it), each held by an exclusive ``flock`` on a lock file for as long as its
-worker lives; the kernel drops the lock when the holder dies, so a killed evaluation frees its slots.
+A slot's uid is swept after every program, so it must belong to nothing else: no account, no process
+running before, no other slot. Slots come from a range far above account ranges (``OMPMOE_SANDBOX_UID``
+moves it), each held by an exclusive ``flock`` that the kernel drops when its holder dies.
 """
 
 from __future__ import annotations

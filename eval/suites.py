@@ -1,21 +1,14 @@
-"""The paper's evaluation suites, by name, with their settings and headline metrics.
+"""The paper's evaluation suites, by name: lm-eval tasks, the settings they run with, headline metrics.
 
-A suite is a set of lm-eval tasks (or groups) with the settings they are run with (few-shot count,
-chat template, generation kwargs) and the metrics a report shows for it. ``LMEvalDataModule``
-builds each suite's requests with its own settings, so suites with different settings (HumanEval's
-chat template, GSM8K's 5 shots) run in one evaluation.
+Perplexity protocol (``wikitext2``, ``c4``, ``perplexity``): the text is one document scored with
+lm-eval's rolling loglikelihood: non-overlapping windows of :data:`PERPLEXITY_WINDOW` tokens (or
+fewer, by the model's context or ``LMEvalDataModule(max_length=...)``), every token predicted once,
+the first conditioned on BOS (else EOS); ``token_perplexity`` is ``exp(-sum log p / tokens)``.
 
-Perplexity protocol (``wikitext2``, ``c4``, ``perplexity``): the text is scored as one document
-with lm-eval's rolling loglikelihood: non-overlapping windows, every token predicted
-exactly once, the first one conditioned on the BOS (else EOS) token. Windows are 4096 tokens
-(:data:`PERPLEXITY_WINDOW`), or the model's context or ``LMEvalDataModule(max_length=...)`` if smaller. ``token_perplexity`` is
-``exp(-sum log p / number of predicted tokens)``; lm-eval's ``word_perplexity``, ``byte_perplexity``
-and ``bits_per_byte`` are reported too.
-
-- WikiText-2: ``Salesforce/wikitext``, config ``wikitext-2-raw-v1``, split ``test``, all rows joined
-  with ``"\\n\\n"`` (the GPTQ/SparseGPT convention).
-- C4: ``allenai/c4``, file ``en/c4-validation.00000-of-00008.json.gz``, the first 1100 documents
-  joined with ``" "`` (GPTQ's C4 evaluation text; all of its tokens are scored).
+- WikiText-2: ``Salesforce/wikitext``, ``wikitext-2-raw-v1``, split ``test``, all rows joined with
+  ``"\\n\\n"`` (the GPTQ/SparseGPT convention).
+- C4: ``allenai/c4``, ``en/c4-validation.00000-of-00008.json.gz``, the first 1100 documents joined
+  with ``" "`` (GPTQ's C4 evaluation text).
 """
 
 from __future__ import annotations
@@ -149,32 +142,25 @@ HEADLINE_METRICS = ("acc", "exact_match", "pass@1", "score", "token_perplexity",
 
 def resolve_suites(names: list[str] | str | None) -> list[Suite]:
     """Suites by name (``paper`` expands to all of them), refusing unknown names with the list."""
-    if names is None:
+    out: dict[str, Suite] = {}  # by name, in first-seen order
+    for name in [names] if isinstance(names, str) else names or []:
+        if name not in SUITES:
+            raise ValueError(
+                f"Unknown suite {name!r}; available: {sorted(SUITES)}. Give lm-eval task names as tasks=[...].")
+        for part in PAPER_SUITES if name == "paper" else (name,):
+            out.setdefault(part, SUITES[part])
+    return list(out.values())
+
+
+def headline_columns(name: str, metrics: dict[str, Any],
+                     higher_is_better: dict[str, bool] | None = None) -> list[Column]:
+    """The report column of a task or group run by name: its first :data:`HEADLINE_METRICS` metric, else
+    its first numeric one."""
+    numeric = [key for key in metrics if "," in key and "_stderr" not in key and isinstance(metrics[key], (int, float))]
+    if not numeric:
         return []
-    if isinstance(names, str):
-        names = [names]
-    out: list[Suite] = []
-    for name in names:
-        if name == "paper":
-            out.extend(SUITES[n] for n in PAPER_SUITES)
-        elif name in SUITES:
-            out.append(SUITES[name])
-        else:
-            raise ValueError(f"Unknown suite {name!r}; available: {sorted(SUITES)}. Give lm-eval task names as tasks=[...].")
-    seen: set[str] = set()
-    return [suite for suite in out if not (suite.name in seen or seen.add(suite.name))]
-
-
-def headline_columns(name: str, metrics: dict[str, Any], higher_is_better: dict[str, bool] | None = None) -> list[Column]:
-    """The report column of a task or group run by name: its first :data:`HEADLINE_METRICS` metric."""
-    keys = [key for key in metrics if "," in key and "_stderr" not in key]
-    for metric in HEADLINE_METRICS:
-        for key in keys:
-            if key.split(",", 1)[0] == metric and isinstance(metrics[key], (int, float)):
-                better = (higher_is_better or {}).get(metric, "perplexity" not in metric)
-                return [Column(name, name, key, higher_is_better=bool(better))]
-    for key in keys:
-        if isinstance(metrics[key], (int, float)):
-            better = (higher_is_better or {}).get(key.split(",", 1)[0], True)
-            return [Column(name, name, key, higher_is_better=bool(better))]
-    return []
+    headline = [key for metric in HEADLINE_METRICS for key in numeric if key.split(",", 1)[0] == metric]
+    key = (headline or numeric)[0]
+    metric = key.split(",", 1)[0]
+    better = (higher_is_better or {}).get(metric, "perplexity" not in metric if headline else True)
+    return [Column(name, name, key, higher_is_better=bool(better))]

@@ -1,10 +1,7 @@
-"""Tokenizers for evaluation: the byte-level tokenizer of the tiny models as a Hugging Face tokenizer.
+"""Tokenizers for evaluation: the tiny models' byte-level vocabulary as a Hugging Face tokenizer.
 
-lm-eval needs a Hugging Face tokenizer (encode, decode, chat templates, stop sequences); the tiny
-models of :mod:`ompmoe.engine.tiny` read UTF-8 bytes as token ids (:func:`ompmoe.data.byte_tokens`).
-:func:`byte_tokenizer` is that mapping as a ``PreTrainedTokenizerFast``: text encodes to exactly its
-UTF-8 bytes, ids 0, 1 and 2 are the ``<pad>``, ``<s>`` and ``</s>`` tokens of the tiny configs (the
-control bytes 0x00-0x02 do not occur in text and cannot be encoded).
+lm-eval needs a Hugging Face tokenizer; the tiny models read UTF-8 bytes as token ids, and ids 0-2
+(control bytes that do not occur in text) are their ``<pad>``, ``<s>`` and ``</s>``.
 """
 
 from __future__ import annotations
@@ -22,19 +19,6 @@ SIMPLE_CHAT_TEMPLATE = (
 """A minimal chat template (for byte-level test models, which have none)."""
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what the ByteLevel decoder inverts)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
 def byte_tokenizer(chat_template: str | None = None, model_max_length: int | None = None) -> Any:
     """A ``PreTrainedTokenizerFast`` whose ids are UTF-8 bytes (vocabulary 256), for the tiny models.
 
@@ -45,16 +29,15 @@ def byte_tokenizer(chat_template: str | None = None, model_max_length: int | Non
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's table, inverted by ByteLevel
 
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     vocab = {table[byte]: byte for byte in range(256) if byte not in SPECIAL_TOKENS}
     vocab.update({token: index for index, token in SPECIAL_TOKENS.items()})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    kwargs: dict[str, Any] = {}
-    if model_max_length is not None:
-        kwargs["model_max_length"] = model_max_length
+    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=SPECIAL_TOKENS[0],
@@ -70,10 +53,7 @@ def byte_tokenizer(chat_template: str | None = None, model_max_length: int | Non
 
 
 def load_tokenizer(name: str | Any, trust_remote_code: bool = False) -> Any:
-    """A tokenizer instance from ``bytes`` (:func:`byte_tokenizer`), a hub id or a local path.
-
-    Tokenizer instances are returned as they are.
-    """
+    """A tokenizer from ``bytes`` (:func:`byte_tokenizer`), a hub id or a local path; instances as they are."""
     if not isinstance(name, str):
         return name
     if name == BYTES:
