@@ -1,16 +1,9 @@
 """Per-pair expert outputs from the experts' own grouped computation, with the module output bit for bit.
 
-The statistics need ``F_e(x)`` for every routed (token, expert) pair. transformers' ``grouped_mm``
-experts (the default in transformers 5) already compute exactly these rows, sorted by expert,
-before weighting and summing them. :func:`replay_grouped_mm` runs the same steps with the same
-kernels and returns those rows in token-major order alongside the module output, which is
-bit-identical to the native call: ``(F * g)[inv_perm] == F[inv_perm] * g`` elementwise. Compared
-with flattening the routing to one pair per row and calling the module, this saves a copy of the
-hidden states per pair, a sort, a weighting by ones and a gather.
-
-Implementations it cannot replay exactly (``eager``, ``batched_mm``, custom kernels, expert
-parallelism, transformers builds without the grouped helpers) report ``None`` from
-:func:`replayable`, and the caller falls back to the flattened call.
+transformers' ``grouped_mm`` experts already compute ``F_e(x)`` for every routed pair, sorted by expert;
+:func:`replay_grouped_mm` runs the same steps with the same kernels and also returns those rows, token-major
+(``(F * g)[inv_perm] == F[inv_perm] * g`` elementwise keeps the output bit-identical). Implementations it cannot
+replay exactly get ``None`` from :func:`replayable`, and the caller falls back to a flattened call.
 """
 
 from __future__ import annotations
@@ -44,8 +37,7 @@ def replay_grouped_mm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(module output, F, g * F)``: unweighted and weighted expert outputs, ``(tokens * top_k, d)`` token-major.
 
-    Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without
-    expert parallelism), so the output equals the native call's bit for bit.
+    Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism).
     """
     device = hidden_states.device
     num_tokens, num_top_k = top_k_index.shape
@@ -60,13 +52,13 @@ def replay_grouped_mm(
         weight, bias = experts.gate_up_proj, experts.gate_up_proj_bias if experts.has_bias else None
     else:
         weight, bias = experts.up_proj, experts.up_proj_bias if experts.has_bias else None
-    projected = _grouped_linear(
-        selected, weight, offsets, bias=None if bias is None else bias[expert_ids_g], is_transposed=experts.is_transposed
-    )
+    bias = None if bias is None else bias[expert_ids_g]
+    projected = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
     del selected
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
     down_bias = experts.down_proj_bias[expert_ids_g] if experts.has_bias else None
-    projected = _grouped_linear(projected, experts.down_proj, offsets, bias=down_bias, is_transposed=experts.is_transposed)
+    projected = _grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
+                                is_transposed=experts.is_transposed)
     if getattr(experts, "has_post_expert_norm", False):
         projected = experts.post_expert_norm(projected)
     inverse = torch.empty_like(perm)

@@ -1,11 +1,8 @@
 """Rerouting-aware selection: the paper's pursuit on the Gram of what removing an expert really changes.
 
-The paper scores a kept set by ``||sum_{e removed} V_e||^2``, as if a token's output simply lost
-the removed experts' contributions. After pruning, the native router gives the token's free slot
-to its next expert by routing score and renormalizes the weights, which makes up for part of the
-loss. ``omp_reroute`` runs the same greedy binary pursuit on the rerouting-aware Gram
-``sum_x <D_e(x), D_f(x)>`` (token-normalized by default, like ``omp_normalized``), with ``D_e(x)``
-the output change of the single removal of ``e`` (:mod:`ompmoe.engine.reroute_stats`).
+After pruning, the native router gives a token's free slot to its next expert and renormalizes, which the paper's
+``||sum_{e removed} V_e||^2`` ignores; ``D_e(x)`` (:mod:`ompmoe.engine.reroute_stats`) is the output change of
+removing ``e`` alone.
 """
 
 from __future__ import annotations
