@@ -1,9 +1,6 @@
-"""Architecture adapters: find the routed-expert blocks of a transformers 5.x MoE model.
-
-Every supported architecture shares one layout: a sparse block with a router returning
-``(logits, top_k_weights, top_k_index)`` and a fused ``.experts`` module whose parameters are indexed by expert on
-their first axis. An :class:`ArchitectureSpec` holds what differs. Shared experts and dense layers are never matched.
-"""
+"""Architecture adapters: find the routed-expert blocks (a router and fused ``.experts`` indexed by expert on their
+first axis) of a transformers 5.x MoE model; an :class:`ArchitectureSpec` holds what differs between architectures.
+Shared experts and dense layers are never matched."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Cross-layer budget allocation: how many experts each layer keeps, from the cost curves
-``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` and the feasible counts of every layer.
-
-Allocations live in one registry (:data:`ALLOCATIONS`, :func:`register_allocation`) read by ``plan_pruning``,
-strategies, the callback and the CLI.
-"""
+``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` and the feasible counts of every layer. Allocations live in one
+registry (:data:`ALLOCATIONS`, :func:`register_allocation`) read by ``plan_pruning``, strategies, callback and CLI."""
 
 from __future__ import annotations
 

@@ -13,16 +13,8 @@ from typing import Any
 
 import torch
 
-from .allocation import (
-    AllocationProblem,
-    LayerChoices,
-    allocation_cost,
-    check_feasible,
-    get_allocation,
-    layer_choices,
-    total_cost,
-    uniform_allocation,
-)
+from .allocation import (AllocationProblem, LayerChoices, allocation_cost, check_feasible, get_allocation,
+                         layer_choices, total_cost, uniform_allocation)
 from .io import atomic_path
 from .methods import SelectionMethod, SubsetSelection, get_method
 from .selection import prefix_residual, routing_coverage
@@ -193,10 +185,8 @@ def validate_budget(
 def check_plan_arguments(
     ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_kept_fraction: Any = 0.375, max_kept_fraction: Any = 0.875
 ) -> tuple[float, float, float, float, float]:
-    """Plain floats for the planning knobs, refused before any work if one would give a NaN plan.
-
-    ``zeta`` must be > 0: with ``zeta = 0`` keeping no expert costs ``-log 0 = inf``, and ``0 * inf`` is NaN.
-    """
+    """Plain floats for the planning knobs, refused before any work if one would give a NaN plan (``zeta`` must be > 0:
+    with ``zeta = 0`` keeping no expert costs ``-log 0 = inf``, and ``0 * inf`` is NaN)."""
     ratio = real_number("ratio", ratio)
     # The range [0, 1) is checked by validate_budget (InfeasibleBudgetError); 0 keeps every expert.
     risk_weight = real_number("risk_weight", risk_weight)
@@ -221,12 +211,9 @@ def plan_pruning(
     zeta: float = 1e-6,
     method_options: dict[str, Any] | None = None,
 ) -> PruningPlan:
-    """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
-
-    ``method``: a name in :data:`ompmoe.METHODS` (options in ``method_options``, recorded in
-    ``plan.extra["method_options"]``) or a method instance; ``allocation``: a name in :data:`ompmoe.ALLOCATIONS`.
-    ``min_kept_fraction``/``max_kept_fraction`` bound each layer's kept fraction under bounded allocations.
-    """
+    """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed, with a method
+    of :data:`ompmoe.METHODS` (or an instance; options recorded in ``plan.extra``) and an allocation of
+    :data:`ompmoe.ALLOCATIONS` (the kept-fraction bounds apply to bounded ones)."""
     selection_method = get_method(method, method_options)
     ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction = check_plan_arguments(
         ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction

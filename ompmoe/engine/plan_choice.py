@@ -1,9 +1,5 @@
-"""Choose among candidate plans by the pruned model's loss on held-out calibration blocks.
-
-No single method + allocation is best on every softmax-routed MoE (docs/quality/intervals.md), so ``auto`` plans
-with each setting of the layout and keeps the best: one forward per candidate through
-:func:`~ompmoe.engine.trial.pruned_view` (no copy of the model).
-"""
+"""Choose among candidate plans by the pruned model's loss on held-out calibration blocks: no single method and
+allocation is best on every softmax-routed MoE (docs/quality/intervals.md), so ``auto`` tries its settings."""
 
 from __future__ import annotations
 
@@ -52,10 +48,8 @@ def setting_name(plan: PruningPlan) -> str:
 
 def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: torch.Tensor,
                 batch_size: int = 4) -> PlanChoice:
-    """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (first on ties).
-
-    ``blocks``: ``(num_blocks, seq_len)`` held-out token ids. Candidates with the same kept experts are measured once.
-    """
+    """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (``(num_blocks, seq_len)``
+    held-out token ids; first on ties). Candidates with the same kept experts are measured once."""
     if not candidates:
         raise ValueError("choose_plan needs at least one candidate plan.")
     if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:

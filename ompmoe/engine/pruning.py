@@ -1,9 +1,5 @@
-"""Apply a plan to a model, save it, and load it back with per-layer expert counts.
-
-Pruning slices every tensor indexed by expert and updates every attribute that stores the count; the native router
-code is untouched, so it routes exactly as before over the kept experts. ``config.json`` records the kept original
-ids per layer under ``ompmoe``; a non-uniform checkpoint loads with :func:`load_pruned` (or its own modeling code).
-"""
+"""Apply a plan to a model, save it, and load it back with per-layer expert counts. Only tensors and counts indexed
+by expert change: the native router code routes exactly as before over the kept experts."""
 
 from __future__ import annotations
 
@@ -144,11 +140,8 @@ def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> N
 
 
 def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
-    """Remove the experts ``plan`` drops, in place, and return ``model``.
-
-    A plan that does not fit (:class:`PlanMismatchError`) or a quantized model (:class:`ompmoe.QuantizedModelError`:
-    prune first, then quantize) is refused with the model untouched.
-    """
+    """Remove the experts ``plan`` drops, in place, and return ``model``; a plan that does not fit
+    (:class:`PlanMismatchError`) or a quantized model (prune first, then quantize) leaves the model untouched."""
     check_not_quantized(model)
     layers = find_moe_layers(model)
     actual = model_fingerprint(model)
@@ -200,13 +193,9 @@ def save_pruned(
     inputs: Iterable[str | os.PathLike] = (),
     **save_kwargs: Any,
 ) -> Path:
-    """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use.
-
-    Writes the weights in ``dtype`` (default: the source checkpoint's), the tokenizer (object, hub id or path;
-    default: the model's source), a model card (``calibration`` describes the data) and, for a non-uniform plan, the
-    modeling code that ``trust_remote_code=True`` loads. Quantized models are refused: save the full-precision model
-    and quantize after loading. ``inputs``: paths the run reads (never replaced).
-    """
+    """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use: weights in ``dtype`` (default:
+    the source checkpoint's), tokenizer, model card (``calibration`` describes the data) and, for a non-uniform plan,
+    its modeling code. Quantized models are refused. ``inputs``: paths the run reads (never replaced)."""
     from .export.checkpoint import save_checkpoint
 
     check_savable(model)
@@ -244,12 +233,9 @@ def _causal_lm_class(config: Any) -> type:
 
 
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
-    """Load a model saved after :func:`prune`, whatever number of experts each layer kept.
-
-    Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...); remote code is off unless
-    ``trust_remote_code=True``. A never-pruned model loads as usual; saved adaptive inference is switched back on.
-    The pruning record is checked against the config before any weight is read.
-    """
+    """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
+    with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
+    off unless ``trust_remote_code=True``."""
     from .export.config import load_stock_config
     from .export.weights import check_loading_info, check_weight_files
 

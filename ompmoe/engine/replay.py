@@ -1,10 +1,6 @@
-"""Per-pair expert outputs from the experts' own grouped computation, with the module output bit for bit.
-
-transformers' ``grouped_mm`` experts already compute ``F_e(x)`` for every routed pair, sorted by expert;
-:func:`replay_grouped_mm` runs the same steps with the same kernels and also returns those rows, token-major
-(``(F * g)[inv_perm] == F[inv_perm] * g`` elementwise keeps the output bit-identical). Implementations it cannot
-replay exactly get ``None`` from :func:`replayable`, and the caller falls back to a flattened call.
-"""
+"""Per-pair expert outputs ``F_e(x)`` from the experts' own ``grouped_mm`` computation (same steps, same kernels), with
+the module output bit for bit; implementations it cannot replay exactly get ``None`` from :func:`replayable`, and the
+caller falls back to a flattened call."""
 
 from __future__ import annotations
 
@@ -35,10 +31,8 @@ def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Te
 def replay_grouped_mm(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(module output, F, g * F)``: unweighted and weighted expert outputs, ``(tokens * top_k, d)`` token-major.
-
-    Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism).
-    """
+    """``(module output, F, g * F)`` with expert outputs ``(tokens * top_k, d)`` token-major, mirroring
+    ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism)."""
     device = hidden_states.device
     num_tokens, num_top_k = top_k_index.shape
     hidden_dim = hidden_states.size(-1)

@@ -1,8 +1,5 @@
-"""Greedy binary pursuit (the paper's Algorithm 1) computed from Gram matrices.
-
-The correlation ``<R_t, V_e> = sum_{f not in E_t} G[f, e]`` drops by one Gram row per step, so the whole ordering
-costs ``O(N^2)`` per layer and is batched over layers of equal size.
-"""
+"""Greedy binary pursuit (the paper's Algorithm 1) computed from Gram matrices: the correlation
+``<R_t, V_e> = sum_{f not in E_t} G[f, e]`` drops by one Gram row per step, so an ordering costs ``O(N^2)``."""
 
 from __future__ import annotations
 
@@ -24,12 +21,9 @@ class PursuitResult:
 
 
 def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = True) -> PursuitResult:
-    """Order every expert by the greedy binary pursuit on ``gram`` (``(N, N)`` or ``(L, N, N)``), ties to the lowest id.
-
-    With ``num_groups > 1`` a step may only pick from the groups (contiguous id blocks) picked least so far, so
-    prefixes of multiples of ``num_groups`` keep the same count in each group, as group-limited routers need.
-    ``with_gains=False`` skips recording the ``(..., N, N)`` gains.
-    """
+    """Order every expert by the greedy binary pursuit on ``gram`` (``(N, N)`` or ``(L, N, N)``), ties to the lowest id;
+    with groups (contiguous id blocks) a step picks from the groups picked least so far, so prefixes of multiples of
+    ``num_groups`` keep the same count in each group, as group-limited routers need."""
     squeeze = gram.dim() == 2
     g = (gram.unsqueeze(0) if squeeze else gram).to(torch.float64)
     batch, n, _ = g.shape

@@ -1,8 +1,5 @@
-"""Pruning strategies: the decision step between statistics and a pruned model, as one object.
-
-The callback and the CLI only talk to the :class:`Strategy` protocol; :class:`PruningStrategy` covers every
-registered method and allocation, so a new method needs no strategy class of its own.
-"""
+"""Pruning strategies: the decision step between statistics and a pruned model. The callback and the CLI only talk to
+the :class:`Strategy` protocol; :class:`PruningStrategy` covers every registered method and allocation."""
 
 from __future__ import annotations
 
@@ -58,11 +55,9 @@ class PruningStrategy:
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: the
-            setting measured best for the model's layout; where it lists several, the one whose pruned model has the
-            lowest loss on held-out calibration blocks (:meth:`plan` alone takes the first).
-        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's greedy), or
-            ``auto`` (as ``method``).
+        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's), or ``auto``: the setting measured best
+            for the model's layout (where several, the one with the lowest held-out calibration loss).
+        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's), or ``auto``.
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
         max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.

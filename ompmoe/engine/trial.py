@@ -1,8 +1,5 @@
-"""Run a model as if a plan had pruned it, without copying it or touching its expert weights.
-
-Only the routers are sliced, as :func:`~ompmoe.prune` slices them, so the native routing code picks among the kept
-experts as the pruned model does; a pre-hook on each experts module maps the new ids back to the original experts.
-"""
+"""Run a model as if a plan had pruned it, without copying it or touching its expert weights: only the routers are
+sliced, and a pre-hook on each experts module maps the routers' new ids back to the original experts."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Expert-selection methods: one registry (:mod:`.registry`) and the built-in methods registered in it.
-
-Add a method in one file: a ``@register_method`` ``@dataclass`` subclass of :class:`SelectionMethod`.
-"""
+"""Expert-selection methods: one registry (:mod:`.registry`) and the built-in methods registered in it; a new
+method is one ``@register_method`` ``@dataclass`` subclass of :class:`SelectionMethod`."""
 
 # Importing registers the built-in methods, in the order of the README's method table.
 from . import omp, scores, subsets, loss, reroute  # noqa: F401,I001

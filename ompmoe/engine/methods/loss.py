@@ -1,10 +1,6 @@
-"""Selection and allocation in loss units, from the loss-aware sums of :mod:`ompmoe.engine.loss_stats`.
-
-Removing the experts of indicator ``u`` from a layer changes the calibration loss by about
-``dL(u) = -s^T u + 1/2 u^T H u`` (``s = loss_first_order``, ``H`` a loss Gram), in nats summed over the tokens: the
-same units in every layer, so the estimates add up across layers without the paper's normalization. ``loss_risk``
-scales the routing risk by ``dL_l(0)``, which plays the role of ``||Y_l||^2``.
-"""
+"""Selection and allocation in loss units (:mod:`ompmoe.engine.loss_stats`): removing the experts ``u`` of a layer
+changes the loss by about ``dL(u) = -s^T u + 1/2 u^T H u`` nats, the same units in every layer, so the estimates add
+up across layers without the paper's normalization (``loss_risk``: ``dL_l(0)`` plays the role of ``||Y_l||^2``)."""
 
 from __future__ import annotations
 
@@ -23,11 +19,8 @@ from .registry import Selection, SelectionMethod, kept_masks, register_method, r
 
 
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most.
-
-    ``u`` starts at all ones (every expert removed); with ``linear = 0`` and ``H = 2 G`` this is the greedy binary
-    pursuit on ``G``, in rounds of one expert per group like :func:`~ompmoe.engine.selection.greedy_pursuit`.
-    """
+    """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most, from ``u = 1``
+    (every expert removed): with ``linear = 0`` and ``H = 2 G``, the greedy binary pursuit on ``G`` (grouped alike)."""
     h = hessian.to(torch.float64)
     b = linear.to(torch.float64)
     n = h.shape[0]

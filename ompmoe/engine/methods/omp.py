@@ -29,11 +29,8 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
 
 @dataclass
 class GramPursuit(SelectionMethod):
-    """Base of every greedy binary pursuit (the paper's Algorithm 1), parameterized by the Gram it pursues.
-
-    A subclass names the statistics tensor in ``gram_key``, or overrides :meth:`gram_keys` (and :meth:`pursued_gram`
-    for a Gram built from several tensors).
-    """
+    """Base of every greedy binary pursuit (the paper's Algorithm 1), parameterized by the Gram it pursues: a subclass
+    names the statistics tensor in ``gram_key``, or overrides :meth:`gram_keys` (and :meth:`pursued_gram`)."""
 
     gram_key: ClassVar[str] = "gram"
     """The :class:`~ompmoe.engine.statistics.LayerStats` tensor the pursuit runs on."""
@@ -64,8 +61,7 @@ class OMP(GramPursuit):
 class OMPNormalized(GramPursuit):
     """greedy pursuit on the token-normalized Gram `sum_x V(x) V(x)^T / ||Y_x||^2`
 
-    Each token's routed output then has unit energy, so a few high-norm tokens cannot decide the selection.
-    """
+    Each token's routed output then has unit energy, so a few high-norm tokens cannot decide the selection."""
 
     name: ClassVar[str] = "omp_normalized"
     gram_key: ClassVar[str] = "gram_normalized"

@@ -1,10 +1,6 @@
-"""The one registry of expert-selection methods (:func:`register_method`), read by ``plan_pruning``, strategies,
-the callback, the CLI and the README's method table.
-
-A method is a dataclass subclass of :class:`SelectionMethod` (fields: its options; docstring's first line: what it
-keeps) returning per layer an ordering (expert ids, best first) or a :class:`SubsetSelection`. Every choice is
-allocated under the same cost: the reconstruction residual on the layer's Gram plus the routing coverage.
-"""
+"""The one registry of expert-selection methods, read by ``plan_pruning``, strategies, the callback, the CLI and the
+README's method table: dataclass subclasses of :class:`SelectionMethod` (fields: options; docstring's first line:
+what it keeps), registered with :func:`register_method`."""
 
 from __future__ import annotations
 
@@ -47,10 +43,8 @@ def require_statistic(layers: Sequence[LayerStats], key: str, what: str) -> None
 
 @dataclass
 class SubsetSelection:
-    """Kept sets per count for one layer, not necessarily nested: ``kept[k]`` (bool, ``N``) when keeping ``k``.
-
-    ``reference`` is a full ordering: :meth:`order_at` lists the kept set first, each part in reference order.
-    """
+    """Kept sets per count for one layer, not necessarily nested: ``kept[k]`` (bool, ``N``) when keeping ``k``;
+    ``reference``, a full ordering: :meth:`order_at` lists the kept set first, each part in reference order."""
 
     kept: torch.Tensor
     reference: torch.Tensor

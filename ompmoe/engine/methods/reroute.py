@@ -1,9 +1,5 @@
-"""Rerouting-aware selection: the paper's pursuit on the Gram of what removing an expert really changes.
-
-After pruning, the native router gives a token's free slot to its next expert and renormalizes, which the paper's
-``||sum_{e removed} V_e||^2`` ignores; ``D_e(x)`` (:mod:`ompmoe.engine.reroute_stats`) is the output change of
-removing ``e`` alone.
-"""
+"""Rerouting-aware selection: the paper's pursuit on the Gram of what removing an expert really changes, once the
+router gives the token's free slot to its next expert (which ``||sum_{e removed} V_e||^2`` ignores)."""
 
 from __future__ import annotations
 

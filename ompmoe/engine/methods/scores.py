@@ -13,11 +13,8 @@ from .registry import Selection, SelectionMethod, register_method
 
 
 def score_order(scores: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """Experts by descending score, ties to the lowest id; group-balanced when ``num_groups > 1``.
-
-    With groups (contiguous id blocks), round ``r`` takes the ``r``-th best expert of every group, best score first:
-    the same constraint as the grouped pursuit, so every method keeps the same count in each group.
-    """
+    """Experts by descending score, ties to the lowest id; with groups (contiguous id blocks), round ``r`` takes the
+    ``r``-th best expert of every group, best score first, so every method keeps the same count in each group."""
     scores = torch.nan_to_num(scores.detach().to("cpu", torch.float64), nan=float("-inf"))
     n = scores.numel()
     if n % num_groups:
@@ -93,8 +90,7 @@ class REAP(ScoreRanking):
 class Random(ScoreRanking):
     """a seeded random ranking
 
-    I.i.d. uniform scores per expert from ``torch.Generator().manual_seed(seed)``, drawn layer after layer.
-    """
+    I.i.d. uniform scores per expert from ``torch.Generator().manual_seed(seed)``, drawn layer after layer."""
 
     name: ClassVar[str] = "random"
     seed: int = 0

@@ -1,9 +1,5 @@
-"""Per-count set methods: the exact optimum of the reconstruction objective, and OMP + 1-swap refinement.
-
-Optima at different counts are not nested, so these methods return a
-:class:`~ompmoe.engine.methods.registry.SubsetSelection`. With groups, only group-balanced sets compete (per-group
-counts differing by at most one, so equal at the multiples of ``num_groups`` an allocation chooses).
-"""
+"""Per-count set methods (optima are not nested, hence a :class:`~.registry.SubsetSelection`): the exact optimum of
+the reconstruction objective, and OMP + 1-swap refinement. With groups, only group-balanced sets compete."""
 
 from __future__ import annotations
 
@@ -49,11 +45,8 @@ def check_exact_size(name: str, num_experts: int, max_subsets: int = EXACT_MAX_S
 
 def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EXACT_MAX_SUBSETS,
                   name: str = "layer", chunk: int = 1 << 15) -> torch.Tensor:
-    """``kept[k]`` = a set of ``k`` experts minimizing ``||Y - sum_{e in E} V_e||^2 = u^T G u``.
-
-    Enumerates all ``2^N`` subsets (the allocation needs every count); :class:`TooManySubsetsError` above
-    ``max_subsets``. Ties (within ``1e-12`` of the layer's energy scale) go to the lexicographically smallest ids.
-    """
+    """``kept[k]`` = a set of ``k`` experts minimizing ``u^T G u``, from all ``2^N`` subsets (the allocation needs every
+    count; :class:`TooManySubsetsError` above ``max_subsets``); ties go to the lexicographically smallest ids."""
     n = gram.shape[0]
     if n % num_groups:
         raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
@@ -81,22 +74,17 @@ def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EX
 
 def swap_refine(gram: torch.Tensor, kept: torch.Tensor, num_groups: int = 1,
                 max_rounds: int | None = None) -> torch.Tensor:
-    """Best-improvement 1-swap local search on ``u^T G u``, for every row of ``kept`` (``(K, N)`` bool).
-
-    A swap drops a kept expert ``i`` and keeps a dropped ``j`` of the same group, changing the energy by
-    ``2 c_i - 2 c_j + G_ii + G_jj - 2 G_ij`` (``c = G u``). Each round applies per row the best swap (ties to the
-    lowest ``i``, then ``j``) while it lowers the energy by more than ``1e-12`` of its scale, so the result is never
-    worse than the input.
-    """
+    """Best-improvement 1-swap local search on ``u^T G u`` for every row of ``kept`` (``(K, N)`` bool): swaps within a
+    group (ties to the lowest ``i``, then ``j``) while one lowers the energy by more than ``1e-12`` of its scale, so the
+    result is never worse than the input."""
     g = gram.to("cpu", torch.float64)
     n = g.shape[0]
     size = n // num_groups
     state = kept.clone().to("cpu", torch.bool)
     diagonal = g.diagonal()
-    # Swaps stay inside a group: work on the (group, i, j) blocks only. For a row,
-    # delta[g, i, j] = a_i + b_j - 2 G_ij; +inf in a or b marks swaps that are not allowed.
-    blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(num_groups)])
-    pair = -2.0 * blocks  # (groups, size, size)
+    # Dropping kept i and keeping dropped j (same group) changes the energy by delta[g, i, j] = a_i + b_j - 2 G_ij,
+    # a = 2 c + diag(G), b = diag(G) - 2 c with c = G u; +inf in a or b marks swaps that are not allowed.
+    pair = -2.0 * torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(num_groups)])
     tolerance = _tolerance(g)
     active = torch.arange(state.shape[0])
     rounds = 0
