@@ -41,7 +41,7 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
         hu = hu - h[:, chosen]
         taken[chosen] = True
         if num_groups > 1:
-            blocked[(chosen // group_size) * group_size : (chosen // group_size + 1) * group_size] = True
+            blocked.view(num_groups, group_size)[chosen // group_size] = True
     return torch.tensor(order, dtype=torch.long)
 
 
