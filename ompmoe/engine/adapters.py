@@ -1,14 +1,6 @@
-"""Architecture adapters: find the routed-expert blocks of a transformers 5.x MoE model.
-
-Every supported architecture shares one layout: a sparse block with a router (``.gate``, or
-``.router`` in GPT-OSS) that returns ``(logits, top_k_weights, top_k_index)`` and a fused
-``.experts`` module whose parameters are 3-D tensors indexed by expert on their first axis.
-The per-architecture hooks below only describe what differs: where the router lives, which
-config key stores the expert count, whether routing is group-limited, the names of the experts'
-forward arguments, and a tiny config for tests. Every architecture fact lives in its
-:class:`ArchitectureSpec`; :func:`register_architecture` adds one in one place.
-Shared experts and dense layers are never matched, so they are left alone.
-"""
+"""Architecture adapters: find the routed-expert blocks (a router and fused ``.experts`` indexed by expert on their
+first axis) of a transformers 5.x MoE model; an :class:`ArchitectureSpec` holds what differs between architectures.
+Shared experts and dense layers are never matched."""
 
 from __future__ import annotations
 
@@ -40,11 +32,8 @@ class ArchitectureSpec:
     count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
     """Attributes of the router and experts modules that hold the expert count (updated by pruning)."""
     auto: tuple[tuple[str, str], ...] = ("omp_normalized", "loss"), ("omp", "waterfill")
-    """``(method, allocation)`` settings ``PruningStrategy(method="auto")`` tries for this layout, the plan whose pruned
-    model has the lowest loss on held-out calibration blocks kept; the first is taken when there are no such blocks
-    (docs/quality/intervals.md). Softmax routers: the token-normalized pursuit with the loss allocation (the best with
-    a few large experts) and the paper's setting (the best with many small ones); sigmoid routers with a shared expert
-    and group routing: REAP's saliency with water-filling."""
+    """``(method, allocation)`` settings ``method="auto"`` tries for this layout (the first without held-out blocks);
+    softmax routers: the best with a few large experts and with many small ones (docs/quality/intervals.md)."""
     tiny_config: tuple[str, dict[str, Any]] | None = field(default=None, compare=False)
     """``(transformers config class name, overrides)`` of a tiny random test model (:mod:`ompmoe.engine.tiny`)."""
 
@@ -63,7 +52,7 @@ def _always_grouped(router: nn.Module) -> bool:
 
 SIGMOID_SHARED_GROUPED = (("reap", "waterfill"),)
 """What ``auto`` takes on the DeepSeek-V3 / GLM-4.5 layout (measured on ``shipped:tiny-moe-64``), without a trial:
-on that layout the lowest held-out calibration loss did not find the best plan."""
+there the lowest held-out calibration loss did not find the best plan."""
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {}
 """Supported ``config.model_type`` values and their specs (add one with :func:`register_architecture`)."""
@@ -98,7 +87,8 @@ register_architecture("mixtral", ArchitectureSpec(
 ))
 register_architecture("olmoe", ArchitectureSpec(
     "gate", "num_experts", _never,
-    tiny_config=("OlmoeConfig", dict(intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
+    tiny_config=("OlmoeConfig", dict(
+        intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
 ))
 register_architecture("deepseek_v2", ArchitectureSpec(
     "gate", "n_routed_experts", _deepseek_v2_grouped,
@@ -152,13 +142,8 @@ class MoELayer:
     @property
     def routing(self) -> dict[str, int]:
         """Router facts the planner needs, in a form that serializes to JSON."""
-        return {
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "num_groups": self.num_groups,
-            "topk_group": self.topk_group,
-            "group_score_topk": self.group_score_topk,
-        }
+        keys = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
+        return {key: getattr(self, key) for key in keys}
 
 
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -187,19 +172,9 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
     return ARCHITECTURES[model_type]
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
-    has_count = isinstance(getattr(module, "num_experts", None), int)
-    has_3d_weight = any(p.dim() == 3 for p in module.parameters(recurse=False))
-    return has_count and has_3d_weight
-
-
 def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.Module]]:
-    """``(name, block, router, experts)`` of every module with a router and an ``.experts`` child.
-
-    Found by attribute only, so it also finds blocks whose experts are quantized or otherwise not
-    fused 3-D weights (:func:`find_moe_layers` keeps the prunable ones). Empty for an
-    unsupported architecture.
-    """
+    """``(name, block, router, experts)`` of every module with a router and an ``.experts`` child, fused or not
+    (quantized experts too; :func:`find_moe_layers` keeps the prunable ones). Empty for an unsupported architecture."""
     spec = ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
     if spec is None:
         return []
@@ -213,32 +188,22 @@ def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
-    """List the routed-expert blocks of ``model`` in module order.
-
-    Raises a clear error for unsupported architectures and for models with no MoE layer.
-    """
+    """The routed-expert blocks (fused 3-D expert weights) of ``model`` in module order; a clear error for unsupported
+    architectures and for models with no MoE layer."""
     spec = architecture_of(model)
     layers: list[MoELayer] = []
     for name, module, router, experts in sparse_blocks(model):
-        if not _is_fused_experts(experts):
+        fused = any(p.dim() == 3 for p in experts.parameters(recurse=False))
+        if not (isinstance(getattr(experts, "num_experts", None), int) and fused):
             continue
-        num_experts = int(experts.num_experts)
         grouped = spec.is_group_limited(router)
         num_groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
-        topk_group = int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1
-        layers.append(
-            MoELayer(
-                name=clean_module_name(name),
-                block=module,
-                router=router,
-                experts=experts,
-                num_experts=num_experts,
-                top_k=int(router.top_k),
-                num_groups=num_groups,
-                topk_group=topk_group,
-                group_score_topk=spec.group_score_topk if grouped else 1,
-            )
-        )
+        layers.append(MoELayer(
+            name=clean_module_name(name), block=module, router=router, experts=experts,
+            num_experts=int(experts.num_experts), top_k=int(router.top_k), num_groups=num_groups,
+            topk_group=int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1,
+            group_score_topk=spec.group_score_topk if grouped else 1,
+        ))
     if not layers:
         raise ValueError(
             f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "

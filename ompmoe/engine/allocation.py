@@ -1,18 +1,8 @@
-"""Cross-layer budget allocation: how many experts each layer keeps.
-
-Each layer has a cost curve ``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` and a set of
-feasible counts (per-layer ratio bounds, at least ``top_k``, equal counts per router group).
-``uniform`` keeps the same fraction everywhere, ``waterfill`` is the paper's greedy, and
-``optimal`` solves the same separable problem exactly by dynamic programming.
-
-Allocations live in one registry (:data:`ALLOCATIONS`): a function of an
-:class:`AllocationProblem` registered with :func:`register_allocation` is usable everywhere
-(``plan_pruning(allocation=...)``, strategies, callback, CLI) without other edits.
-"""
+"""Cross-layer budget allocation: how many experts each layer keeps, from the cost curves
+``F_l(k) = r_l(k) + lambda * -log(C_l(k) + zeta)`` and the feasible counts of every layer. Allocations live in one
+registry (:data:`ALLOCATIONS`, :func:`register_allocation`) read by ``plan_pruning``, strategies, callback and CLI."""
 
 from __future__ import annotations
-
-from .names import did_you_mean
 
 import heapq
 import inspect
@@ -23,6 +13,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .names import did_you_mean
+
 
 class InfeasibleBudgetError(ValueError):
     """The requested pruning ratio cannot be met under the per-layer constraints."""
@@ -59,12 +52,8 @@ def minimum_kept(num_experts: int, top_k: int, num_groups: int, topk_group: int,
     return per_group * num_groups
 
 
-def layer_choices(
-    name: str,
-    routing: dict[str, int],
-    min_kept_fraction: float,
-    max_kept_fraction: float,
-) -> LayerChoices:
+def layer_choices(name: str, routing: dict[str, int], min_kept_fraction: float,
+                  max_kept_fraction: float) -> LayerChoices:
     """Feasible counts of one layer; ``low > high`` means the bounds leave nothing feasible."""
     n, step = routing["num_experts"], routing["num_groups"]
     floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
@@ -84,7 +73,8 @@ def target_kept(num_experts: Sequence[int], ratio: float) -> int:
     return round((1.0 - ratio) * sum(num_experts))
 
 
-def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fraction: float, max_kept_fraction: float) -> int:
+def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fraction: float,
+                   max_kept_fraction: float) -> int:
     """Return the kept-expert budget or explain which ratios and bounds would work."""
     total = sum(c.num_experts for c in choices)
     for c in choices:
@@ -92,8 +82,8 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fract
             raise InfeasibleBudgetError(
                 f"Layer {c.name} ({c.num_experts} experts) has no feasible kept count between "
                 f"min_kept_fraction={min_kept_fraction} and max_kept_fraction={max_kept_fraction} that its router "
-                f"accepts (needs at least {c.low} experts in multiples of {c.step}); raise max_kept_fraction to at least "
-                f"{c.low / c.num_experts:.3f}."
+                f"accepts (needs at least {c.low} experts in multiples of {c.step}); raise max_kept_fraction to at "
+                f"least {c.low / c.num_experts:.3f}."
             )
     budget = target_kept([c.num_experts for c in choices], ratio)
     step = math.gcd(*[c.step for c in choices])
@@ -119,7 +109,8 @@ def _prune_more_hint(choices: Sequence[LayerChoices], budget: int, total: int) -
                 f"{1.0 - floors / total:.4f}")
     for thousandths in range(999, -1, -1):  # the largest bound that fits, to three decimals
         fraction = thousandths / 1000
-        if sum(max(c.floor, c.step * math.ceil(math.ceil(fraction * c.num_experts - 1e-9) / c.step)) for c in choices) <= budget:
+        if sum(max(c.floor, c.step * math.ceil(math.ceil(fraction * c.num_experts - 1e-9) / c.step))
+               for c in choices) <= budget:
             return f" or lower min_kept_fraction to {fraction:.3f} or less to prune more"
     return " or lower min_kept_fraction to prune more"
 
@@ -152,8 +143,8 @@ def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: fl
 
 
 def waterfill_allocation(costs: Sequence[np.ndarray], choices: Sequence[LayerChoices], budget: int) -> list[int]:
-    """The paper's discrete water-filling: start every layer at its lowest count, then repeatedly
-    give one more expert (one per group for grouped routers) to the layer whose cost drops most per expert."""
+    """The paper's discrete water-filling: from every layer's lowest count, give one more expert (one per group)
+    to the layer whose cost drops most per expert until the budget is spent."""
     counts = [c.low for c in choices]
     remaining = budget - sum(counts)
     heap: list[tuple[float, int]] = []
@@ -209,7 +200,6 @@ def total_cost(costs: Sequence[np.ndarray], counts: Sequence[int]) -> float:
     return float(sum(cost[k] for cost, k in zip(costs, counts)))
 
 
-# ------------------------------------------------------------------------------------ registry
 @dataclass(frozen=True)
 class AllocationProblem:
     """What an allocation chooses from: one entry per MoE layer, in model order."""
@@ -257,7 +247,7 @@ ALLOCATIONS: dict[str, Allocation] = {}
 def register_allocation(
     name: str, *, bounded: bool = True, statistics: tuple[str, ...] = ()
 ) -> Callable[[Callable[[AllocationProblem], list[int]]], Callable[[AllocationProblem], list[int]]]:
-    """Decorator: register ``allocate(problem) -> counts`` under ``name`` (``bounded``, ``statistics``: see :class:`Allocation`)."""
+    """Decorator: register ``allocate(problem) -> counts`` under ``name`` (the options: see :class:`Allocation`)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"Allocation names must be identifier-like; got {name!r}.")
 
@@ -273,15 +263,14 @@ def register_allocation(
 
 def allocation_statistics(name: str) -> tuple[str, ...]:
     """The optional statistics allocation ``name`` needs (none for an unknown name: its own error comes later)."""
-    allocation = ALLOCATIONS.get(name)
-    return allocation.statistics if allocation is not None else ()
+    return ALLOCATIONS[name].statistics if name in ALLOCATIONS else ()
 
 
 def get_allocation(name: str) -> Allocation:
     """The registered allocation ``name``, or an error listing the registered names."""
     if not isinstance(name, str) or name not in ALLOCATIONS:
-        raise ValueError(f"Unknown allocation {name!r}{did_you_mean(name, ALLOCATIONS)}; choose one of {list(ALLOCATIONS)} "
-                         "or register one with ompmoe.register_allocation.")
+        raise ValueError(f"Unknown allocation {name!r}{did_you_mean(name, ALLOCATIONS)}; choose one of "
+                         f"{list(ALLOCATIONS)} or register one with ompmoe.register_allocation.")
     return ALLOCATIONS[name]
 
 

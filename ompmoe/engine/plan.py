@@ -13,16 +13,8 @@ from typing import Any
 
 import torch
 
-from .allocation import (
-    AllocationProblem,
-    LayerChoices,
-    allocation_cost,
-    check_feasible,
-    get_allocation,
-    layer_choices,
-    total_cost,
-    uniform_allocation,
-)
+from .allocation import (AllocationProblem, LayerChoices, allocation_cost, check_feasible, get_allocation,
+                         layer_choices, total_cost, uniform_allocation)
 from .io import atomic_path
 from .methods import SelectionMethod, SubsetSelection, get_method
 from .selection import prefix_residual, routing_coverage
@@ -37,7 +29,9 @@ def real_number(name: str, value: Any) -> float:
     """``value`` as a finite float: Python/NumPy reals and 0-d tensors pass; str, bool, NaN and inf do not."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number; got a tensor of shape {tuple(value.shape)} ({value.dtype}).")
+            raise TypeError(
+                f"{name} must be a real number; got a tensor of shape {tuple(value.shape)} ({value.dtype})."
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number (e.g. 0.5); got {type(value).__name__} {value!r}.")
@@ -55,13 +49,9 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value.item()
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 @dataclass
@@ -139,7 +129,9 @@ class PruningPlan:
             data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
             plan = cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-            raise PlanMismatchError(f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}") from None
+            raise PlanMismatchError(
+                f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}"
+            ) from None
         for layer in plan.layers:
             problem = _layer_problem(layer)
             if problem:
@@ -155,12 +147,14 @@ def _layer_problem(layer: LayerPlan) -> str | None:
     for field in ("residual", "coverage"):
         values = getattr(layer, field)
         if not isinstance(values, list) or len(values) != count + 1:
-            return f"has {len(values) if isinstance(values, list) else 'no'} {field} values; it needs {count + 1} (k = 0..{count})"
+            found = len(values) if isinstance(values, list) else "no"
+            return f"has {found} {field} values; it needs {count + 1} (k = 0..{count})"
         if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
             return f"has a {field} value that is not a number"
     for field in ("order", "kept"):
         ids = getattr(layer, field)
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in ids):
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
+                                                for i in ids):
             return f"has {field} ids outside 0..{count - 1}"
     return None
 
@@ -172,13 +166,9 @@ def validate_budget(
     min_kept_fraction: float = 0.375,
     max_kept_fraction: float = 0.875,
 ) -> tuple[list[LayerChoices], int | None]:
-    """Check a ratio against the layers' routing before any expensive work.
-
-    ``routings`` pairs layer names with :attr:`MoELayer.routing` (from a model) or
-    :attr:`LayerStats.routing` (from statistics). Returns the feasible counts per layer and the
-    kept-expert budget (``None`` for ``uniform``); raises :class:`InfeasibleBudgetError` naming
-    the values that would work.
-    """
+    """Check a ratio against the layers' routing (``(name, MoELayer.routing or LayerStats.routing)``) before any
+    expensive work: the feasible counts per layer and the kept-expert budget (``None`` for ``uniform``), or an
+    :class:`InfeasibleBudgetError` naming the values that would work."""
     spec = get_allocation(allocation)
     if not 0.0 < min_kept_fraction <= max_kept_fraction <= 1.0:
         raise ValueError(
@@ -195,11 +185,8 @@ def validate_budget(
 def check_plan_arguments(
     ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_kept_fraction: Any = 0.375, max_kept_fraction: Any = 0.875
 ) -> tuple[float, float, float, float, float]:
-    """Plain floats for the planning knobs, refused before any work if one would give a NaN plan.
-
-    ``zeta`` must be > 0: with ``zeta = 0`` the cost of keeping no expert (coverage 0) is
-    ``-log 0 = inf``, and ``0 * inf`` is NaN when ``risk_weight = 0``; the paper uses 1e-6.
-    """
+    """Plain floats for the planning knobs, refused before any work if one would give a NaN plan (``zeta`` must be > 0:
+    with ``zeta = 0`` keeping no expert costs ``-log 0 = inf``, and ``0 * inf`` is NaN)."""
     ratio = real_number("ratio", ratio)
     # The range [0, 1) is checked by validate_budget (InfeasibleBudgetError); 0 keeps every expert.
     risk_weight = real_number("risk_weight", risk_weight)
@@ -224,15 +211,9 @@ def plan_pruning(
     zeta: float = 1e-6,
     method_options: dict[str, Any] | None = None,
 ) -> PruningPlan:
-    """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed.
-
-    ``method`` is a name registered in :data:`ompmoe.METHODS` (its options in ``method_options``,
-    e.g. ``{"seed": 3}`` for ``random``) or a method instance; ``allocation`` a name in
-    :data:`ompmoe.ALLOCATIONS`. ``min_kept_fraction``/``max_kept_fraction`` bound the fraction
-    of experts each layer keeps under bounded allocations (``waterfill``, ``optimal``);
-    ``uniform`` keeps ``1 - ratio`` of every layer. The method's options are recorded in
-    ``plan.extra["method_options"]``.
-    """
+    """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed, with a method
+    of :data:`ompmoe.METHODS` (or an instance; options recorded in ``plan.extra``) and an allocation of
+    :data:`ompmoe.ALLOCATIONS` (the kept-fraction bounds apply to bounded ones)."""
     selection_method = get_method(method, method_options)
     ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction = check_plan_arguments(
         ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
@@ -261,32 +242,16 @@ def plan_pruning(
     # A per-count selection lists its kept set first, so ``kept == sorted(order[:count])`` always.
     orders = [s.order_at(k) if isinstance(s, SubsetSelection) else s for s, k in zip(selections, counts)]
     layers = [
-        LayerPlan(
-            name=layer.name,
-            num_experts=layer.num_experts,
-            order=order.tolist(),
-            residual=residual.tolist(),
-            coverage=coverage.tolist(),
-            kept=sorted(order[:count].tolist()),
-            top_k=layer.top_k,
-            num_groups=layer.num_groups,
-        )
+        LayerPlan(name=layer.name, num_experts=layer.num_experts, order=order.tolist(), residual=residual.tolist(),
+                  coverage=coverage.tolist(), kept=sorted(order[:count].tolist()), top_k=layer.top_k,
+                  num_groups=layer.num_groups)
         for layer, order, residual, coverage, count in zip(stats.layers, orders, residuals, coverages, counts)
     ]
     options = selection_method.options()
     return PruningPlan(
-        layers=layers,
-        ratio=ratio,
-        method=selection_method.name,
-        allocation=allocation,
-        risk_weight=risk_weight,
-        min_kept_fraction=min_kept_fraction,
-        max_kept_fraction=max_kept_fraction,
-        zeta=zeta,
-        fingerprint=stats.fingerprint,
-        model_id=stats.model_id,
-        num_tokens=stats.num_tokens,
-        cost=total_cost(costs, counts),
-        library_version=stats.library_version,
+        layers=layers, ratio=ratio, method=selection_method.name, allocation=allocation, risk_weight=risk_weight,
+        min_kept_fraction=min_kept_fraction, max_kept_fraction=max_kept_fraction, zeta=zeta,
+        fingerprint=stats.fingerprint, model_id=stats.model_id, num_tokens=stats.num_tokens,
+        cost=total_cost(costs, counts), library_version=stats.library_version,
         extra={"method_options": options} if options else {},
     )

@@ -1,11 +1,5 @@
-"""Choose among candidate plans by the pruned model's loss on held-out calibration blocks.
-
-No single method + allocation is best on every softmax-routed MoE (docs/quality/intervals.md): the
-token-normalized pursuit wins with a few large experts, the paper's pursuit with many small ones. ``method="auto"``
-therefore plans with each setting of the layout (one statistics pass serves them all) and keeps the plan whose
-pruned model predicts held-out calibration text best: one forward per candidate over blocks the statistics never
-saw, run through :func:`~ompmoe.engine.trial.pruned_view` (no copy of the model).
-"""
+"""Choose among candidate plans by the pruned model's loss on held-out calibration blocks: no single method and
+allocation is best on every softmax-routed MoE (docs/quality/intervals.md), so ``auto`` tries its settings."""
 
 from __future__ import annotations
 
@@ -22,9 +16,8 @@ from .trial import pruned_view
 
 
 CHOICE_TOKENS = 2048
-"""Held-out calibration tokens ``auto`` tries its candidates on by default (``ceil(CHOICE_TOKENS / seq_len)`` blocks):
-what the measurements used (docs/quality/intervals.md), at a cost that does not grow with the calibration set (one
-forward per candidate over these tokens)."""
+"""Held-out calibration tokens ``auto`` tries its candidates on by default: what the measurements used
+(docs/quality/intervals.md), at a cost that does not grow with the calibration set."""
 
 
 def default_choice_blocks(seq_len: int) -> int:
@@ -55,11 +48,8 @@ def setting_name(plan: PruningPlan) -> str:
 
 def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: torch.Tensor,
                 batch_size: int = 4) -> PlanChoice:
-    """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (first on ties).
-
-    ``blocks``: ``(num_blocks, seq_len)`` token ids the statistics did not see (held-out calibration text).
-    Candidates with the same kept experts are measured once.
-    """
+    """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (``(num_blocks, seq_len)``
+    held-out token ids; first on ties). Candidates with the same kept experts are measured once."""
     if not candidates:
         raise ValueError("choose_plan needs at least one candidate plan.")
     if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:

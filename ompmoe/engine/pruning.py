@@ -1,16 +1,5 @@
-"""Apply a plan to a model, save it, and load it back with per-layer expert counts.
-
-Pruning slices every tensor indexed by expert (fused expert weights and biases, router rows,
-router bias, score-correction bias) and updates every attribute that stores the count; the
-native router code is untouched, so its score function, top-k, normalization and scaling
-are exactly the original ones over the kept experts.
-
-The saved ``config.json`` records the kept original ids per layer under ``ompmoe``. A uniform
-plan also sets the config's expert count, so plain ``AutoModelForCausalLM.from_pretrained``
-loads it; a non-uniform checkpoint carries its own modeling code (:mod:`ompmoe.engine.export.hub_code`,
-``trust_remote_code=True``) and loads with :func:`load_pruned`, which builds each layer at its own
-size before transformers loads (and converts) the weights.
-"""
+"""Apply a plan to a model, save it, and load it back with per-layer expert counts. Only tensors and counts indexed
+by expert change: the native router code routes exactly as before over the kept experts."""
 
 from __future__ import annotations
 
@@ -24,21 +13,19 @@ import torch
 import transformers
 from torch import nn
 
+from .adaptive import restore_adaptive
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .io import atomic_path
 from .allocation import minimum_kept
+from .io import atomic_path
 from .plan import PlanMismatchError, PruningPlan
 from .quantized import check_not_quantized, check_savable
-from .adaptive import restore_adaptive
 from .record import CONFIG_KEY, pruning_info
 from .statistics import FingerprintMismatchError, model_fingerprint
 
 
 def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...]) -> dict[str, Any]:
-    """Keep rows ``index`` (ascending) of ``module``'s own tensors indexed by expert and set its counts.
-
-    Returns what was replaced (``parameters``, ``buffers``, ``attributes``), so it can be put back.
-    """
+    """Keep rows ``index`` (ascending) of ``module``'s own tensors indexed by expert and set its counts; returns what
+    was replaced (``parameters``, ``buffers``, ``attributes``), so it can be put back."""
     saved: dict[str, Any] = {"parameters": {}, "buffers": {}, "attributes": {}}
     for name, tensor in list(module.named_parameters(recurse=False)):
         if tensor.shape[0] == old:
@@ -63,25 +50,6 @@ def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[s
     layer.num_experts = int(index.numel())
 
 
-def _record_counts(model: nn.Module, kept: dict[str, list[int]], original: dict[str, int]) -> None:
-    """Write per-layer kept ids into the config and set the global count to what loading needs."""
-    spec = architecture_of(model)
-    counts = {len(ids) for ids in kept.values()}
-    count = max(counts)
-    setattr(model.config, spec.expert_count_key, count)
-    if getattr(model, "num_experts", None) is not None:
-        model.num_experts = count
-    record = {"kept_experts": kept, "original_num_experts": original, "uniform": len(counts) == 1}
-    if len(counts) > 1 and getattr(model.config, "output_router_logits", False):
-        # transformers' load-balancing loss needs one expert count for all layers; a non-uniform
-        # model would fail every forward. ompmoe's FinetuneModule uses a per-layer loss instead.
-        model.config.output_router_logits = False
-        record["router_aux_loss"] = True
-    elif (pruning_info(model) or {}).get("router_aux_loss"):
-        record["router_aux_loss"] = True
-    setattr(model.config, CONFIG_KEY, record)
-
-
 def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
     """``ids`` as a list of ints after checking each is an int in ``[0, num_experts)`` and unique."""
     if not isinstance(ids, (list, tuple)):
@@ -91,9 +59,7 @@ def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
     seen: set[int] = set()
     for value in ids:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise PlanMismatchError(
-                f"{where}: expert id {value!r} is a {type(value).__name__}, not an int. {fix}"
-            )
+            raise PlanMismatchError(f"{where}: expert id {value!r} is a {type(value).__name__}, not an int. {fix}")
         if not 0 <= int(value) < num_experts:
             raise PlanMismatchError(
                 f"{where}: expert id {int(value)} is out of range for {num_experts} experts "
@@ -106,11 +72,8 @@ def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
 
 
 def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | None = None) -> None:
-    """Check every layer of ``plan`` against ``model`` before anything is sliced (prune is all-or-nothing).
-
-    Names and order of the MoE layers, their count, each layer's expert count, and the kept ids
-    (ints, in range, unique, non-empty, enough for the native router, balanced over groups) must fit.
-    """
+    """Check every layer of ``plan`` against ``model`` before anything is sliced (prune is all-or-nothing): layer
+    names, order and expert counts, and kept ids (ints, in range, unique, enough for the router, group-balanced)."""
     layers = find_moe_layers(model) if layers is None else layers
     fix = "Make the plan with ompmoe.plan_pruning on statistics of this model."
     if len(plan.layers) != len(layers):
@@ -131,28 +94,25 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
                 f"{layer.num_experts}. {fix}"
             )
         kept = _check_ids(where, layer_plan.kept, layer.num_experts, fix)
-        r = layer.routing
-        floor = minimum_kept(layer.num_experts, r["top_k"], r["num_groups"], r["topk_group"], r["group_score_topk"])
+        floor = minimum_kept(**layer.routing)
         if len(kept) < floor:
             raise PlanMismatchError(
                 f"{where}: keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
                 f"{layer.num_groups} groups) needs at least {floor}. {fix}"
             )
-        if layer.num_groups > 1:
-            size = layer.num_experts // layer.num_groups
-            per_group = [sum(1 for e in kept if e // size == g) for g in range(layer.num_groups)]
-            if len(set(per_group)) != 1:
-                raise PlanMismatchError(
-                    f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
-                    f"router needs the same count in every group. {fix}"
-                )
+        size = layer.num_experts // layer.num_groups
+        per_group = [sum(1 for e in kept if e // size == g) for g in range(layer.num_groups)]
+        if len(set(per_group)) != 1:
+            raise PlanMismatchError(
+                f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
+                f"router needs the same count in every group. {fix}"
+            )
     _check_record(pruning_info(model), layers)
 
 
 def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> None:
-    """A pruning record must match the model's MoE layers: same names, ids unique and in range of the
-    original counts, as many as the layer has (``saved``: at most, as config.json builds every layer
-    at the largest count before the weights load)."""
+    """A pruning record must match the model's MoE layers: same names, ids unique and in range of the original counts,
+    as many as the layer has (``saved``: at most, as config.json builds every layer at the largest count)."""
     if record is None:
         return
     if saved:
@@ -180,13 +140,8 @@ def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> N
 
 
 def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
-    """Remove the experts ``plan`` drops, in place, and return ``model``.
-
-    The whole plan is checked against the model first (:func:`validate_plan`), so a plan that
-    does not fit raises :class:`PlanMismatchError` with the model untouched.
-    A quantized model is refused before anything changes (:class:`ompmoe.QuantizedModelError`):
-    prune first, then quantize.
-    """
+    """Remove the experts ``plan`` drops, in place, and return ``model``; a plan that does not fit
+    (:class:`PlanMismatchError`) or a quantized model (prune first, then quantize) leaves the model untouched."""
     check_not_quantized(model)
     layers = find_moe_layers(model)
     actual = model_fingerprint(model)
@@ -197,6 +152,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
             "and plan on this model, or load the model the plan was made for."
         )
     validate_plan(model, plan, layers)
+    spec = architecture_of(model)
     previous = pruning_info(model) or {}
     kept_original: dict[str, list[int]] = {}
     original_counts: dict[str, int] = dict(previous.get("original_num_experts", {}))
@@ -205,12 +161,24 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         earlier = previous.get("kept_experts", {}).get(layer.name, list(range(layer.num_experts)))
         original_counts.setdefault(layer.name, layer.num_experts)
         kept_original[layer.name] = [earlier[i] for i in kept]
-        _slice_layer(layer, torch.tensor(kept, dtype=torch.long), architecture_of(model).count_attributes)
-    _record_counts(model, kept_original, original_counts)
-    pruning_info(model)["plan"] = {  # what the model card reports about the plan
+        _slice_layer(layer, torch.tensor(kept, dtype=torch.long), spec.count_attributes)
+    counts = {len(ids) for ids in kept_original.values()}
+    setattr(model.config, spec.expert_count_key, max(counts))  # loading builds every layer at the largest count
+    if getattr(model, "num_experts", None) is not None:
+        model.num_experts = max(counts)
+    record = {"kept_experts": kept_original, "original_num_experts": original_counts, "uniform": len(counts) == 1}
+    if len(counts) > 1 and getattr(model.config, "output_router_logits", False):
+        # transformers' load-balancing loss needs one expert count for all layers; a non-uniform
+        # model would fail every forward. ompmoe's FinetuneModule uses a per-layer loss instead.
+        model.config.output_router_logits = False
+        record["router_aux_loss"] = True
+    elif previous.get("router_aux_loss"):
+        record["router_aux_loss"] = True
+    record["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
         "num_tokens": plan.num_tokens, "model_id": plan.model_id,
     }
+    setattr(model.config, CONFIG_KEY, record)
     return model
 
 
@@ -225,16 +193,9 @@ def save_pruned(
     inputs: Iterable[str | os.PathLike] = (),
     **save_kwargs: Any,
 ) -> Path:
-    """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use.
-
-    Writes the weights in ``dtype`` (default: the source checkpoint's, e.g. bf16 although
-    calibration ran in float32), the tokenizer (``tokenizer``: object, hub id or path; default:
-    the model's source; a :class:`~ompmoe.engine.export.checkpoint.MissingTokenizerWarning` names the
-    argument when none is found), a model card ``README.md`` (``calibration`` describes the data)
-    and, for a non-uniform plan, the modeling code that ``trust_remote_code=True`` loads.
-    Models quantized after loading (:func:`ompmoe.quantize_experts`, torchao tensors) are refused:
-    save the full-precision model and quantize after loading. ``inputs``: paths the run reads (never replaced).
-    """
+    """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use: weights in ``dtype`` (default:
+    the source checkpoint's), tokenizer, model card (``calibration`` describes the data) and, for a non-uniform plan,
+    its modeling code. Quantized models are refused. ``inputs``: paths the run reads (never replaced)."""
     from .export.checkpoint import save_checkpoint
 
     check_savable(model)
@@ -243,16 +204,6 @@ def save_pruned(
             model, tmp, tokenizer=tokenizer, dtype=dtype, calibration=calibration, final_path=path, **save_kwargs
         )
     return Path(path)
-
-
-def _resize_to_record(model: nn.Module, record: dict[str, Any]) -> None:
-    layers = find_moe_layers(model)
-    _check_record(record, layers, saved=True)
-    count_attributes = architecture_of(model).count_attributes
-    for layer in layers:
-        count = len(record["kept_experts"][layer.name])
-        if layer.num_experts != count:
-            _slice_layer(layer, torch.arange(count), count_attributes)
 
 
 def _causal_lm_class(config: Any) -> type:
@@ -282,20 +233,18 @@ def _causal_lm_class(config: Any) -> type:
 
 
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
-    """Load a model saved after :func:`prune`, whatever number of experts each layer kept.
-
-    Keyword arguments go to ``from_pretrained`` (``dtype``, ``device_map``, ...). A model that
-    was never pruned loads as usual. Adaptive inference saved with the model (OMP-MoE+,
-    ``config.ompmoe_adaptive``) is switched back on. It never prompts: remote code is off
-    unless ``trust_remote_code=True`` is passed. The pruning record is checked against the
-    config (layer names, ids unique and in range) before any weight is read.
-    """
-    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
+    with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
+    off unless ``trust_remote_code=True``."""
     from .export.config import load_stock_config
+    from .export.weights import check_loading_info, check_weight_files
 
-    _check_model_directory(path)
-    from .export.weights import check_weight_files
-
+    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    directory = Path(path)
+    if directory.is_dir() and not (directory / "config.json").is_file():  # e.g. a run's output (model in model/)
+        inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
+        hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
+        raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
     check_weight_files(path)
     base = _causal_lm_class(config)
@@ -309,32 +258,21 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
             )
 
         def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+            """Build each layer at its own size before transformers loads (and converts) the weights."""
             base.__init__(self, config, *args, **kwargs)
-            _resize_to_record(self, record)
+            layers = find_moe_layers(self)
+            _check_record(record, layers, saved=True)
+            for layer in layers:
+                count = len(record["kept_experts"][layer.name])
+                if layer.num_experts != count:
+                    _slice_layer(layer, torch.arange(count), architecture_of(self).count_attributes)
 
         cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model = _checked_from_pretrained(cls, path, config, from_pretrained_kwargs)
+    # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
+    kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
+    model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    check_loading_info(path, info)
     model.__class__ = base
     restore_adaptive(model)
     return model
-
-
-def _checked_from_pretrained(cls: type, path: str | os.PathLike, config: Any, kwargs: dict[str, Any]) -> nn.Module:
-    """``cls.from_pretrained`` that raises for missing, unexpected or mis-shaped tensors instead of logging them."""
-    from .export.weights import check_loading_info
-
-    kwargs = {**kwargs, "ignore_mismatched_sizes": True}  # mismatches are reported below, by name and shape
-    model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
-    check_loading_info(path, info)
-    return model
-
-
-def _check_model_directory(path: str | os.PathLike) -> None:
-    """A local directory without ``config.json`` (e.g. a run's output, whose model is in ``model/``) gets one clear error."""
-    directory = Path(path)
-    if not directory.is_dir() or (directory / "config.json").is_file():
-        return
-    inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
-    hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
-    raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 

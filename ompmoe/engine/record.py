@@ -1,8 +1,5 @@
-"""The pruning record a pruned model carries in its config (``config.ompmoe``).
-
-Kept in its own module so that pruning, checkpoint loading and adaptive inference can all read
-it without importing each other.
-"""
+"""The pruning record a pruned model carries in its config (``config.ompmoe``), in its own module so that pruning,
+checkpoint loading and adaptive inference can all read it without importing each other."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Per-pair expert outputs from the experts' own grouped computation, with the module output bit for bit.
-
-The statistics need ``F_e(x)`` for every routed (token, expert) pair. transformers' ``grouped_mm``
-experts (the default in transformers 5) already compute exactly these rows, sorted by expert,
-before weighting and summing them. :func:`replay_grouped_mm` runs the same steps with the same
-kernels and returns those rows in token-major order alongside the module output, which is
-bit-identical to the native call: ``(F * g)[inv_perm] == F[inv_perm] * g`` elementwise. Compared
-with flattening the routing to one pair per row and calling the module, this saves a copy of the
-hidden states per pair, a sort, a weighting by ones and a gather.
-
-Implementations it cannot replay exactly (``eager``, ``batched_mm``, custom kernels, expert
-parallelism, transformers builds without the grouped helpers) report ``None`` from
-:func:`replayable`, and the caller falls back to the flattened call.
-"""
+"""Per-pair expert outputs ``F_e(x)`` from the experts' own ``grouped_mm`` computation (same steps, same kernels), with
+the module output bit for bit; implementations it cannot replay exactly get ``None`` from :func:`replayable`, and the
+caller falls back to a flattened call."""
 
 from __future__ import annotations
 
@@ -42,11 +31,8 @@ def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Te
 def replay_grouped_mm(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(module output, F, g * F)``: unweighted and weighted expert outputs, ``(tokens * top_k, d)`` token-major.
-
-    Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without
-    expert parallelism), so the output equals the native call's bit for bit.
-    """
+    """``(module output, F, g * F)`` with expert outputs ``(tokens * top_k, d)`` token-major, mirroring
+    ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism)."""
     device = hidden_states.device
     num_tokens, num_top_k = top_k_index.shape
     hidden_dim = hidden_states.size(-1)
@@ -60,13 +46,13 @@ def replay_grouped_mm(
         weight, bias = experts.gate_up_proj, experts.gate_up_proj_bias if experts.has_bias else None
     else:
         weight, bias = experts.up_proj, experts.up_proj_bias if experts.has_bias else None
-    projected = _grouped_linear(
-        selected, weight, offsets, bias=None if bias is None else bias[expert_ids_g], is_transposed=experts.is_transposed
-    )
+    bias = None if bias is None else bias[expert_ids_g]
+    projected = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
     del selected
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
     down_bias = experts.down_proj_bias[expert_ids_g] if experts.has_bias else None
-    projected = _grouped_linear(projected, experts.down_proj, offsets, bias=down_bias, is_transposed=experts.is_transposed)
+    projected = _grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
+                                is_transposed=experts.is_transposed)
     if getattr(experts, "has_post_expert_norm", False):
         projected = experts.post_expert_norm(projected)
     inverse = torch.empty_like(perm)

@@ -1,9 +1,5 @@
-"""Greedy binary pursuit (the paper's Algorithm 1) computed from Gram matrices.
-
-With ``R_t = Y - sum_{e in E_t} V_e`` and ``Y = sum_e V_e``, the correlation
-``<R_t, V_e> = sum_{f not in E_t} G[f, e]`` drops by one Gram row per step, so the whole
-``N_e``-step ordering costs ``O(N_e^2)`` per layer and is batched over layers of equal size.
-"""
+"""Greedy binary pursuit (the paper's Algorithm 1) computed from Gram matrices: the correlation
+``<R_t, V_e> = sum_{f not in E_t} G[f, e]`` drops by one Gram row per step, so an ordering costs ``O(N^2)``."""
 
 from __future__ import annotations
 
@@ -21,20 +17,13 @@ class PursuitResult:
     residual: torch.Tensor
     """Normalized residual ``r(k) = ||R_k||^2 / ||Y||^2`` for ``k = 0..N`` (..., N + 1)."""
     gains: torch.Tensor | None
-    """``gains[..., t, e]`` = ``Delta_e`` at step ``t``; ``-inf`` for experts not eligible then
-    (``None`` when the pursuit ran with ``with_gains=False``)."""
+    """``gains[..., t, e]`` = ``Delta_e`` at step ``t`` (``-inf``: not eligible; ``None`` if ``with_gains=False``)."""
 
 
 def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = True) -> PursuitResult:
-    """Order every expert by the greedy binary pursuit on ``gram`` (``(N, N)`` or ``(L, N, N)``).
-
-    With ``num_groups > 1`` the pursuit is group-constrained: a step may only pick from the
-    groups (contiguous id blocks) that have been picked least so far, so every prefix whose
-    length is a multiple of ``num_groups`` keeps the same count in each group and a
-    group-limited native router still works after pruning. Ties go to the lowest id.
-    ``with_gains=False`` skips recording the ``(..., N, N)`` gains (``result.gains`` is then
-    ``None``); the ordering and residual curve are the same.
-    """
+    """Order every expert by the greedy binary pursuit on ``gram`` (``(N, N)`` or ``(L, N, N)``), ties to the lowest id;
+    with groups (contiguous id blocks) a step picks from the groups picked least so far, so prefixes of multiples of
+    ``num_groups`` keep the same count in each group, as group-limited routers need."""
     squeeze = gram.dim() == 2
     g = (gram.unsqueeze(0) if squeeze else gram).to(torch.float64)
     batch, n, _ = g.shape
@@ -47,9 +36,7 @@ def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = T
     correlation = g.sum(dim=1)  # <Y, V_e> = sum_f G[f, e]
     atom_energy = g.diagonal(dim1=1, dim2=2).contiguous()
     signal_energy = g.sum(dim=(1, 2))
-    # ``taken``: already selected. ``blocked``: not selectable at this step, i.e. taken or, for a
-    # grouped pursuit, in a group already picked in the current round of ``num_groups`` steps
-    # (exactly the groups not picked least so far).
+    # ``blocked``: taken, or (grouped) in a group already picked in this round of ``num_groups`` steps.
     taken = torch.zeros(batch, n, dtype=torch.bool, device=g.device)
     blocked = taken
     energy = signal_energy
@@ -80,10 +67,8 @@ def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = T
 
 
 def prefix_residual(gram: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Normalized residual ``r(k)`` of keeping the first ``k`` experts of any ``order``.
-
-    ``||Y - sum_{first k} V||^2`` equals the energy of the atoms left out, ``1_U^T G 1_U``.
-    """
+    """Normalized residual ``r(k)`` of keeping the first ``k`` experts of any ``order``: the energy of the atoms left
+    out, ``1_U^T G 1_U``, over ``||Y||^2``."""
     g = gram.to(torch.float64)
     n = order.numel()
     # Energy of the suffix order[k:], for k = 0..N: the diagonal of the 2-D cumulative sum of
@@ -106,10 +91,8 @@ def routing_coverage(routing_mass: torch.Tensor, order: torch.Tensor) -> torch.T
 
 
 def pursuit_on_atoms(atoms: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Algorithm 1 run literally on cached atoms ``(N, tokens, d)``: the reference the Gram path must match.
-
-    Holds every atom in memory (the paper's way); use it to validate and benchmark, not to prune.
-    """
+    """Algorithm 1 run literally on cached atoms ``(N, tokens, d)``, holding every atom in memory: the reference the
+    Gram path must match (to validate and benchmark, not to prune)."""
     atoms = atoms.to(torch.float64)
     residual = atoms.sum(dim=0)
     signal = float(residual.square().sum())

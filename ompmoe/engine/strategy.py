@@ -1,11 +1,5 @@
-"""Pruning strategies: the decision step between statistics and a pruned model, as one object.
-
-A strategy checks a ratio against a model's routing before calibration (``validate``) and turns
-statistics into a :class:`PruningPlan` (``plan``). The Lightning callback and the CLI only talk
-to the :class:`Strategy` protocol. :class:`PruningStrategy` covers every registered method and
-allocation (``PruningStrategy(ratio=0.5, method="reap", allocation="optimal")``), so a new method
-needs no strategy class of its own.
-"""
+"""Pruning strategies: the decision step between statistics and a pruned model. The callback and the CLI only talk to
+the :class:`Strategy` protocol; :class:`PruningStrategy` covers every registered method and allocation."""
 
 from __future__ import annotations
 
@@ -32,20 +26,20 @@ class Strategy(Protocol):
 
 
 AUTO = "auto"
-"""``method`` / ``allocation`` value: the settings of the model's layout (``ArchitectureSpec.auto``); where there are
-several, the plan whose pruned model has the lowest loss on held-out calibration blocks (:mod:`ompmoe.engine.plan_choice`),
-without such blocks the first."""
+"""``method`` / ``allocation`` value: the settings of the model's layout (``ArchitectureSpec.auto``), chosen among by
+:mod:`ompmoe.engine.plan_choice` (without held-out blocks, the first)."""
 
 
 def auto_settings(model_type: str | None) -> tuple[tuple[str, str], ...]:
-    """``(method, allocation)`` settings ``auto`` tries for ``model_type`` (``ArchitectureSpec.auto``; measured in
-    docs/quality/intervals.md), the one it takes without held-out blocks first."""
+    """``(method, allocation)`` settings ``auto`` tries for ``model_type``, the one it takes without held-out blocks
+    first."""
     spec = ARCHITECTURES.get(model_type) if model_type is not None else None
     if spec is None:
         raise ValueError(
             f"method/allocation 'auto' picks the setting recommended for the model's architecture, but the "
             f"statistics name {'no architecture' if model_type is None else f'model_type {model_type!r}'}; name "
-            f"them instead, e.g. method='omp_normalized', allocation='loss' (supported: {', '.join(sorted(ARCHITECTURES))})."
+            f"them instead, e.g. method='omp_normalized', allocation='loss' "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})."
         )
     return spec.auto
 
@@ -61,14 +55,9 @@ class PruningStrategy:
 
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
-        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's greedy pursuit), or ``auto``: the
-            setting measured best for the model's layout (``ArchitectureSpec.auto``); where it lists several
-            (softmax routers), the one whose plan's pruned model has the lowest loss on held-out calibration blocks
-            (what ``ExpertPruning``, ``FabricCalibration`` and ``ompmoe fit`` do, through :meth:`candidates` and
-            :func:`~ompmoe.choose_plan`); :meth:`plan` alone, with no model to try plans on, takes the first
-            (:func:`recommended_setting`).
-        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's greedy), or
-            ``auto`` (as ``method``).
+        method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's), or ``auto``: the setting measured best
+            for the model's layout (where several, the one with the lowest held-out calibration loss).
+        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's), or ``auto``.
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
         max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
@@ -89,21 +78,21 @@ class PruningStrategy:
         """This strategy with ``auto`` replaced by the setting recommended for ``model_type`` (else itself)."""
         if AUTO not in (self.method, self.allocation):
             return self
-        method, allocation = recommended_setting(model_type)
-        return dataclasses.replace(self, method=method if self.method == AUTO else self.method,
-                                   allocation=allocation if self.allocation == AUTO else self.allocation)
+        method, allocation = self.settings(model_type)[0]
+        return dataclasses.replace(self, method=method, allocation=allocation)
 
     def settings(self, model_type: str | None) -> list[tuple[str, str]]:
         """The ``(method, allocation)`` settings tried for ``model_type``: each of :func:`auto_settings` with the
         halves that are not ``auto`` kept, duplicates dropped; ``[(method, allocation)]`` without ``auto``."""
         if AUTO not in (self.method, self.allocation):
             return [(self.method, self.allocation)]
-        filled = [(method if self.method == AUTO else self.method, allocation if self.allocation == AUTO else self.allocation)
+        filled = [(method if self.method == AUTO else self.method,
+                   allocation if self.allocation == AUTO else self.allocation)
                   for method, allocation in auto_settings(model_type)]
         return list(dict.fromkeys(filled))
 
     def candidates(self, stats: MoEStats) -> list[PruningPlan]:
-        """One plan per setting of :meth:`settings`, all from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
+        """One plan per setting of :meth:`settings`, from the same statistics (:func:`~ompmoe.choose_plan` picks)."""
         return [dataclasses.replace(self, method=method, allocation=allocation).plan(stats)
                 for method, allocation in self.settings(stats.model_type)]
 
@@ -118,17 +107,8 @@ class PruningStrategy:
     def plan(self, stats: MoEStats) -> PruningPlan:
         if AUTO in (self.method, self.allocation):
             return self.resolved(stats.model_type).plan(stats)
-        return plan_pruning(
-            stats,
-            self.ratio,
-            method=self.method,
-            allocation=self.allocation,
-            risk_weight=self.risk_weight,
-            min_kept_fraction=self.min_kept_fraction,
-            max_kept_fraction=self.max_kept_fraction,
-            zeta=self.zeta,
-            method_options=self.method_options or None,
-        )
+        return plan_pruning(stats, self.ratio, self.method, self.allocation, self.risk_weight, self.min_kept_fraction,
+                            self.max_kept_fraction, self.zeta, self.method_options or None)
 
 
 def strategy_for(method: str, **kwargs: Any) -> PruningStrategy:

@@ -14,10 +14,8 @@ def kept_summary(plan: PruningPlan) -> str:
 
 
 def settings_summary(plan: PruningPlan) -> str:
-    """``method omp, allocation waterfill, risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06``
-
-    (then the method's options, if any): the settings a plan was made with, as recorded in it.
-    """
+    """The settings a plan was made with, then the method's options: ``method omp, allocation waterfill,
+    risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06``."""
     options = plan.extra.get("method_options") or {}
     return ", ".join([
         f"method {plan.method}", f"allocation {plan.allocation}", f"risk_weight {plan.risk_weight:g}",

@@ -1,12 +1,5 @@
-"""Run a model as if a plan had pruned it, without touching its expert weights.
-
-Choosing among candidate plans by what they cost (:mod:`ompmoe.engine.plan_choice`) needs the pruned
-model's loss for each candidate; a copy of the model per candidate would cost its whole size each
-time. Inside :func:`pruned_view` only the routers are sliced, exactly as :func:`~ompmoe.prune` slices
-them (a few rows per layer), so the native routing code picks, weights and groups among the kept
-experts as the pruned model does; a pre-hook on each fused experts module maps the router's new ids
-back to the original experts. Leaving the context restores every router tensor and count.
-"""
+"""Run a model as if a plan had pruned it, without copying it or touching its expert weights: only the routers are
+sliced, and a pre-hook on each experts module maps the routers' new ids back to the original experts."""
 
 from __future__ import annotations
 
@@ -25,11 +18,8 @@ from .pruning import slice_module, validate_plan
 
 @contextmanager
 def pruned_view(model: nn.Module, plan: PruningPlan) -> Iterator[nn.Module]:
-    """Within the context, ``model`` computes what ``ompmoe.prune(copy_of_model, plan)`` would.
-
-    The plan is checked first (:func:`~ompmoe.engine.pruning.validate_plan`); the model is unchanged after
-    the context, also when its body raises.
-    """
+    """Within the context, ``model`` computes what ``ompmoe.prune(copy_of_model, plan)`` would; the plan is checked
+    first, and the model is restored after the context, also when its body raises."""
     layers = find_moe_layers(model)
     validate_plan(model, plan, layers)
     spec = architecture_of(model)
@@ -46,26 +36,19 @@ def pruned_view(model: nn.Module, plan: PruningPlan) -> Iterator[nn.Module]:
         for hook in hooks:
             hook.remove()
         for layer, saved in zip(layers, restore):
-            _restore(layer.router, saved)
+            layer.router._buffers.update(saved["buffers"])
+            for name, value in {**saved["parameters"], **saved["attributes"]}.items():
+                setattr(layer.router, name, value)
 
 
 def _original_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, kept: torch.Tensor,
                   name: str) -> tuple[tuple, dict[str, Any]]:
-    """Experts pre-hook: the sliced router's ids ``0..K-1`` -> the original ids of the kept experts
-    (the ids are the experts' second argument, ``spec.experts_arguments[1]``)."""
+    """Experts pre-hook: the sliced router's ids ``0..K-1`` (argument ``name``) -> the kept experts' original ids."""
     if name in kwargs:
         kwargs[name] = kept.to(kwargs[name].device)[kwargs[name]]
     else:
         args = (args[0], kept.to(args[1].device)[args[1]], *args[2:])
     return args, kwargs
-
-
-def _restore(module: nn.Module, saved: dict[str, Any]) -> None:
-    for name, value in saved["parameters"].items():
-        setattr(module, name, value)
-    module._buffers.update(saved["buffers"])
-    for name, value in saved["attributes"].items():
-        setattr(module, name, value)
 
 
 __all__ = ["pruned_view"]

@@ -1,46 +1,17 @@
-"""Expert-selection methods: one registry (:mod:`.registry`) and the built-in methods registered in it.
+"""Expert-selection methods: one registry (:mod:`.registry`) and the built-in methods registered in it; a new
+method is one ``@register_method`` ``@dataclass`` subclass of :class:`SelectionMethod`."""
 
-Add a method in one file: a ``@register_method`` ``@dataclass`` subclass of :class:`SelectionMethod`
-(see :mod:`.registry`); importing the module registers it everywhere.
-"""
-
-from . import omp, scores, subsets  # noqa: F401 - importing registers the built-in methods
-from . import loss  # noqa: F401,I001 - loss-aware methods and allocations, listed after the others
-from . import reroute  # noqa: F401,I001 - rerouting-aware method (statistics collected with reroute=True)
-from .registry import (
-    METHODS,
-    Selection,
-    SelectionMethod,
-    SubsetSelection,
-    get_method,
-    method_class,
-    method_table,
-    option_defaults,
-    register_method,
-    removed_energy,
-)
+# Importing registers the built-in methods, in the order of the README's method table.
+from . import omp, scores, subsets, loss, reroute  # noqa: F401,I001
+from .registry import (METHODS, Selection, SelectionMethod, SubsetSelection, get_method, method_class, method_table,
+                       option_defaults, register_method, removed_energy)
 from .omp import omp_orderings
 from .scores import ScoreRanking, reap_scores, score_order
 from .subsets import EXACT_MAX_SUBSETS, TooManySubsetsError, check_exact_size, exact_subsets, swap_refine
 
 __all__ = [
-    "EXACT_MAX_SUBSETS",
-    "METHODS",
-    "ScoreRanking",
-    "Selection",
-    "SelectionMethod",
-    "SubsetSelection",
-    "TooManySubsetsError",
-    "check_exact_size",
-    "exact_subsets",
-    "get_method",
-    "method_class",
-    "method_table",
-    "omp_orderings",
-    "option_defaults",
-    "reap_scores",
-    "register_method",
-    "removed_energy",
-    "score_order",
+    "EXACT_MAX_SUBSETS", "METHODS", "ScoreRanking", "Selection", "SelectionMethod", "SubsetSelection",
+    "TooManySubsetsError", "check_exact_size", "exact_subsets", "get_method", "method_class", "method_table",
+    "omp_orderings", "option_defaults", "reap_scores", "register_method", "removed_energy", "score_order",
     "swap_refine",
 ]

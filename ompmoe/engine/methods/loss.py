@@ -1,28 +1,6 @@
-"""Selection and allocation in loss units, from the loss-aware sums of :mod:`ompmoe.engine.loss_stats`.
-
-Removing the experts ``U`` of a layer (indicator ``u``) changes the calibration loss by about
-
-    dL(u) = -s^T u + 1/2 u^T H u,    s = loss_first_order,  H = gram_loss (or another loss Gram),
-
-in nats summed over the calibration tokens; divided by the token count it is a per-token loss
-increase. Unlike the paper's normalized residual ``r_l(k)`` these estimates are in the same
-units in every layer, so they add up across layers without normalization, and the budget goes
-where the summed estimate is smallest (exact dynamic program under the usual per-layer bounds).
-
-Methods (registered in :data:`ompmoe.METHODS`, usable as ``plan_pruning(method=...)``):
-
-- ``omp_loss``: greedy pursuit on ``gram_loss`` (the paper's Algorithm 1 in the loss metric),
-- ``omp_grad``: greedy pursuit on ``gram_grad`` (per-token weight ``||d_x||^2``),
-- ``omp_fisher``: greedy pursuit on ``gram_fisher`` (per-token diagonal Fisher),
-- ``loss_newton``: greedy minimization of ``dL(u)`` with the first-order term,
-- ``omp_hybrid``: greedy pursuit on the token-normalized Gram plus ``loss_weight`` times ``gram_grad``, each
-  divided by its trace (reconstruction where every token counts alike, plus where the loss is sensitive).
-
-Allocations (registered in :data:`ompmoe.ALLOCATIONS`): ``loss`` (DP over ``sum_l dL_l(k_l) / T``) and
-``loss_risk``: the paper's per-layer cost ``r_l(k) + lambda * -log(C_l(k) + zeta)`` measured in loss
-units, i.e. ``dL_l(k) + lambda * dL_l(0) * -log(C_l(k) + zeta)`` (``dL_l(0)``, the estimate for
-removing the whole layer, plays the role of ``||Y_l||^2``, so each layer weighs by its loss scale).
-"""
+"""Selection and allocation in loss units (:mod:`ompmoe.engine.loss_stats`): removing the experts ``u`` of a layer
+changes the loss by about ``dL(u) = -s^T u + 1/2 u^T H u`` nats, the same units in every layer, so the estimates add
+up across layers without the paper's normalization (``loss_risk``: ``dL_l(0)`` plays the role of ``||Y_l||^2``)."""
 
 from __future__ import annotations
 
@@ -37,16 +15,12 @@ import torch
 from ..allocation import AllocationProblem, optimal_allocation, register_allocation
 from ..statistics import LayerStats
 from .omp import GramPursuit
-from .registry import Selection, SelectionMethod, register_method, require_statistic
+from .registry import Selection, SelectionMethod, kept_masks, register_method, removed_energy, require_statistic
+
 
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most.
-
-    ``u`` starts at all ones (every expert removed); keeping ``e`` lowers ``q`` by
-    ``(H u)_e - H_ee / 2 - linear_e``. With ``linear = 0`` and ``H = 2 G`` this is the greedy
-    binary pursuit on ``G``. Group-limited routers (``num_groups > 1``) pick in rounds of one
-    expert per group, like :func:`~ompmoe.engine.selection.greedy_pursuit`. Ties go to the lowest id.
-    """
+    """Order experts by greedily keeping the one that lowers ``q(u) = -linear^T u + 1/2 u^T H u`` most, from ``u = 1``
+    (every expert removed): with ``linear = 0`` and ``H = 2 G``, the greedy binary pursuit on ``G`` (grouped alike)."""
     h = hessian.to(torch.float64)
     b = linear.to(torch.float64)
     n = h.shape[0]
@@ -61,13 +35,13 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
     for step in range(n):
         if num_groups > 1 and step % num_groups == 0:
             blocked = taken.clone()
-        drop = (hu - half_diagonal - b).masked_fill(blocked, float("-inf"))
-        chosen = int(drop.argmax())  # first maximum: ties go to the lowest id
+        # keeping e lowers q by (H u)_e - H_ee / 2 - linear_e; the first maximum breaks ties to the lowest id
+        chosen = int((hu - half_diagonal - b).masked_fill(blocked, float("-inf")).argmax())
         order.append(chosen)
         hu = hu - h[:, chosen]
         taken[chosen] = True
         if num_groups > 1:
-            blocked[(chosen // group_size) * group_size : (chosen // group_size + 1) * group_size] = True
+            blocked.view(num_groups, group_size)[chosen // group_size] = True
     return torch.tensor(order, dtype=torch.long)
 
 
@@ -136,10 +110,10 @@ class OMPHybrid(GramPursuit):
     loss_weight: float = 1.0
 
     def __post_init__(self) -> None:  # refused when the strategy is built, before any calibration
-        if not (isinstance(self.loss_weight, (int, float)) and math.isfinite(self.loss_weight) and self.loss_weight >= 0):
-            raise ValueError(
-                f"omp_hybrid's loss_weight must be a finite number >= 0 (0 is omp_normalized), got {self.loss_weight!r}."
-            )
+        weight = self.loss_weight
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"omp_hybrid's loss_weight must be a finite number >= 0 (0 is omp_normalized), "
+                             f"got {weight!r}.")
 
     def gram_keys(self) -> tuple[str, ...]:
         return ("gram_grad", "gram_normalized")
@@ -148,20 +122,10 @@ class OMPHybrid(GramPursuit):
         return hybrid_gram(layer, self.loss_weight)
 
 
-def kept_masks(selection: torch.Tensor | object, num_experts: int) -> torch.Tensor:
-    """``(N + 1, N)`` bool: the experts kept at each count, from an ordering or a ``SubsetSelection``."""
-    if isinstance(selection, torch.Tensor):
-        ranks = torch.empty(num_experts, dtype=torch.long)
-        ranks[selection] = torch.arange(num_experts)
-        return ranks.unsqueeze(0) < torch.arange(num_experts + 1).unsqueeze(1)
-    return selection.kept.bool()  # SubsetSelection
-
-
 def loss_estimate(hessian: torch.Tensor, linear: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """``dL(u) = -linear^T u + 1/2 u^T H u`` with ``u`` the experts left out, for each row of ``kept``."""
-    u = (~kept.bool()).to(torch.float64)
-    h = hessian.to(torch.float64)
-    return -(u @ linear.to(torch.float64)) + 0.5 * ((u @ h) * u).sum(-1)
+    kept = kept.bool()
+    return -((~kept).to(torch.float64) @ linear.to(torch.float64)) + 0.5 * removed_energy(hessian, kept)
 
 
 def loss_curves(layers: Sequence[LayerStats], selections: Sequence[object], num_tokens: int) -> list[np.ndarray]:
@@ -185,12 +149,8 @@ def loss_allocation_costs(
     risk_weight: float,
     zeta: float,
 ) -> list[np.ndarray]:
-    """Cost curves of a loss allocation: the loss estimate, plus for ``loss_risk`` the routing risk
-    scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``.
-
-    The allocation itself is the exact dynamic program of
-    :func:`~ompmoe.engine.allocation.optimal_allocation` over these curves.
-    """
+    """Cost curves of a loss allocation (minimized by :func:`~ompmoe.engine.allocation.optimal_allocation`): the loss
+    estimate, plus for ``loss_risk`` the routing risk scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``."""
     if allocation not in ("loss", "loss_risk"):
         raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of ['loss', 'loss_risk'].")
     curves = loss_curves(layers, selections, num_tokens)
@@ -200,23 +160,23 @@ def loss_allocation_costs(
     return [curve + risk_weight * max(float(curve[0]), 0.0) * risk for curve, risk in zip(curves, risks)]
 
 
-def _loss_problem_costs(problem: AllocationProblem, allocation: str) -> list[np.ndarray]:
+def _allocate_in_loss_units(problem: AllocationProblem, allocation: str) -> list[int]:
+    assert problem.budget is not None
     if problem.stats is None or problem.selections is None or problem.coverages is None:
         raise ValueError(f"Allocation {allocation!r} needs the statistics and selections (use ompmoe.plan_pruning).")
     stats = problem.stats
-    return loss_allocation_costs(stats.layers, problem.selections, problem.coverages, stats.num_tokens, allocation,
-                                 problem.risk_weight, problem.zeta)
+    costs = loss_allocation_costs(stats.layers, problem.selections, problem.coverages, stats.num_tokens, allocation,
+                                  problem.risk_weight, problem.zeta)
+    return optimal_allocation(costs, problem.choices, problem.budget)
 
 
 @register_allocation("loss", statistics=("loss_aware",))
 def _loss(problem: AllocationProblem) -> list[int]:
     """the exact minimum (dynamic program) of the summed per-token loss estimates `sum_l dL_l(k_l)` under the kept-fraction bounds (loss-aware statistics)"""
-    assert problem.budget is not None
-    return optimal_allocation(_loss_problem_costs(problem, "loss"), problem.choices, problem.budget)
+    return _allocate_in_loss_units(problem, "loss")
 
 
 @register_allocation("loss_risk", statistics=("loss_aware",))
 def _loss_risk(problem: AllocationProblem) -> list[int]:
     """as `loss`, plus the routing risk `lambda dL_l(0) -log(C_l(k) + zeta)` (the paper's per-layer cost in loss units)"""
-    assert problem.budget is not None
-    return optimal_allocation(_loss_problem_costs(problem, "loss_risk"), problem.choices, problem.budget)
+    return _allocate_in_loss_units(problem, "loss_risk")

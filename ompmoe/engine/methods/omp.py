@@ -1,4 +1,4 @@
-"""OMP-MoE's greedy binary pursuit (the paper's method, ``omp``) and the one class every pursuit on another Gram uses."""
+"""OMP-MoE's greedy binary pursuit (the paper's method, ``omp``) and the class every pursuit on another Gram uses."""
 
 from __future__ import annotations
 
@@ -21,21 +21,16 @@ def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
     for i, layer in enumerate(layers):
         shapes.setdefault((layer.num_experts, layer.num_groups), []).append(i)
     for (_, num_groups), indices in shapes.items():
-        grams = torch.stack([layers[i].gram for i in indices])
-        result = greedy_pursuit(grams, num_groups=num_groups, with_gains=False)
-        for row, i in enumerate(indices):
-            orders[i] = result.order[row]
+        result = greedy_pursuit(torch.stack([layers[i].gram for i in indices]), num_groups=num_groups, with_gains=False)
+        for i, order in zip(indices, result.order):
+            orders[i] = order
     return orders  # type: ignore[return-value]
 
 
 @dataclass
 class GramPursuit(SelectionMethod):
-    """Base of every greedy binary pursuit (the paper's Algorithm 1): one class, parameterized by the Gram it pursues.
-
-    A subclass names the statistics tensor in ``gram_key`` (or, when an option picks it, overrides
-    :meth:`gram_keys`; when the Gram is built from several tensors, also :meth:`pursued_gram`);
-    missing tensors are refused with one message (:func:`~.registry.require_layer_tensor`) before any work.
-    """
+    """Base of every greedy binary pursuit (the paper's Algorithm 1), parameterized by the Gram it pursues: a subclass
+    names the statistics tensor in ``gram_key``, or overrides :meth:`gram_keys` (and :meth:`pursued_gram`)."""
 
     gram_key: ClassVar[str] = "gram"
     """The :class:`~ompmoe.engine.statistics.LayerStats` tensor the pursuit runs on."""
@@ -50,7 +45,7 @@ class GramPursuit(SelectionMethod):
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         for key in self.gram_keys():
             require_statistic(layers, key, f"Method {self.name!r}")
-        return list(omp_orderings([dataclasses.replace(layer, gram=self.pursued_gram(layer)) for layer in layers]))
+        return omp_orderings([dataclasses.replace(layer, gram=self.pursued_gram(layer)) for layer in layers])
 
 
 @register_method
@@ -66,9 +61,7 @@ class OMP(GramPursuit):
 class OMPNormalized(GramPursuit):
     """greedy pursuit on the token-normalized Gram `sum_x V(x) V(x)^T / ||Y_x||^2`
 
-    Each token's routed output then has unit energy, so a few high-norm tokens cannot decide
-    the selection. Needs statistics with ``gram_normalized`` (collected since that version).
-    """
+    Each token's routed output then has unit energy, so a few high-norm tokens cannot decide the selection."""
 
     name: ClassVar[str] = "omp_normalized"
     gram_key: ClassVar[str] = "gram_normalized"

@@ -1,29 +1,8 @@
-"""The one registry of expert-selection methods.
-
-A method is a dataclass subclass of :class:`SelectionMethod` whose fields are its options (with
-their defaults) and whose docstring's first line is what it keeps. Registering it with
-:func:`register_method` is all it takes: :func:`ompmoe.plan_pruning`, :class:`ompmoe.PruningStrategy`,
-the Lightning callback, ``ompmoe prune --method NAME --method_options.OPTION V`` and the README's
-method table all read this registry::
-
-    @register_method
-    @dataclass
-    class Largest(SelectionMethod):
-        \"\"\"largest routing mass (example)\"\"\"
-        name: ClassVar[str] = "largest"
-        def select(self, layers):
-            return [score_order(layer.routing_mass, layer.num_groups) for layer in layers]
-
-A method returns, per layer, either a full ordering (a 1-D tensor of expert ids, best first: a
-layer keeping ``k`` experts keeps the first ``k``) or a :class:`SubsetSelection` (a kept set per
-count, not necessarily nested). Allocation always scores a layer's choice by the reconstruction
-residual on the layer's Gram and the routing coverage of the kept set, whatever the method
-selected with, so all methods are allocated under the same cost.
-"""
+"""The one registry of expert-selection methods, read by ``plan_pruning``, strategies, the callback, the CLI and the
+README's method table: dataclass subclasses of :class:`SelectionMethod` (fields: options; docstring's first line:
+what it keeps), registered with :func:`register_method`."""
 
 from __future__ import annotations
-
-from ..names import did_you_mean
 
 import dataclasses
 import importlib
@@ -34,15 +13,12 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import torch
 
+from ..names import did_you_mean
 from ..statistics import LayerStats
 
 
 def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind: str, how: str) -> None:
-    """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it.
-
-    One message for every method or allocation that needs an optional statistic:
-    ``"{what} needs {kind} statistics ('key'), which these statistics lack (layers [...]). Collect them with {how}."``
-    """
+    """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it."""
     missing = [layer.name for layer in layers if getattr(layer, key) is None]
     if missing:
         raise ValueError(
@@ -57,21 +33,18 @@ def require_statistic(layers: Sequence[LayerStats], key: str, what: str) -> None
 
     provider = extension_providing(key)
     if provider is not None:
-        require_layer_tensor(layers, key, what, provider.kind, f"ompmoe.collect_stats(model, batches, {provider.how()}) "
-                             f"or ExpertPruning(..., {provider.how()})")
+        how = provider.how()
+        require_layer_tensor(layers, key, what, provider.kind,
+                             f"ompmoe.collect_stats(model, batches, {how}) or ExpertPruning(..., {how})")
     else:
-        require_layer_tensor(layers, key, what, "current",
-                             "this ompmoe (they were written by an older one): re-run collect_stats or the calibration fit")
+        require_layer_tensor(layers, key, what, "current", "this ompmoe (they were written by an older one): "
+                             "re-run collect_stats or the calibration fit")
 
 
 @dataclass
 class SubsetSelection:
-    """Kept sets per count for one layer, not necessarily nested.
-
-    ``kept[k]`` (bool, ``N``) marks the experts kept when the layer keeps ``k`` of them.
-    ``reference`` is a full ordering used to list experts: :meth:`order_at` puts the kept set
-    first, each part in reference order, so ``sorted(order_at(k)[:k]) == kept_ids(k)``.
-    """
+    """Kept sets per count for one layer, not necessarily nested: ``kept[k]`` (bool, ``N``) when keeping ``k``;
+    ``reference``, a full ordering: :meth:`order_at` lists the kept set first, each part in reference order."""
 
     kept: torch.Tensor
     reference: torch.Tensor
@@ -97,10 +70,7 @@ class SubsetSelection:
 
 
 def removed_energy(gram: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """``||Y - sum_{e kept} V_e||^2 = u^T G u`` with ``u`` the indicator of the experts left out.
-
-    ``kept`` is ``(..., N)`` bool; returns ``(...)`` float64.
-    """
+    """``||Y - sum_{e kept} V_e||^2 = u^T G u`` with ``u`` the experts left out; ``kept`` ``(..., N)`` bool."""
     g = gram.to(torch.float64)
     u = (~kept).to(torch.float64)
     return ((u @ g) * u).sum(-1)
@@ -110,6 +80,15 @@ Selection = Union[torch.Tensor, SubsetSelection]
 """What a method returns for one layer: an ordering (best first) or a kept set per count."""
 
 
+def kept_masks(selection: Selection, num_experts: int) -> torch.Tensor:
+    """``(N + 1, N)`` bool: the experts kept at each count, from an ordering or a ``SubsetSelection``."""
+    if isinstance(selection, torch.Tensor):
+        ranks = torch.empty(num_experts, dtype=torch.long)
+        ranks[selection] = torch.arange(num_experts)
+        return ranks.unsqueeze(0) < torch.arange(num_experts + 1).unsqueeze(1)
+    return selection.kept.bool()
+
+
 @dataclass
 class SelectionMethod:
     """Base of every selection method: options are dataclass fields, ``name`` a class variable."""
@@ -117,7 +96,7 @@ class SelectionMethod:
     name: ClassVar[str] = ""
     """The method's name in ``plan_pruning(method=...)``, plans, configs and the CLI."""
     statistics: ClassVar[tuple[str, ...]] = ()
-    """Optional statistics it needs (names of :data:`ompmoe.engine.extensions.STATISTICS`), checked before calibration."""
+    """Optional statistics it needs (:data:`ompmoe.engine.extensions.STATISTICS` names), checked before calibration."""
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         """One :data:`Selection` per layer, from the layers' statistics."""
@@ -150,7 +129,9 @@ def register_method(cls: M) -> M:
         raise ValueError(f"{cls.__name__}.name must be an identifier-like method name; got {cls.name!r}.")
     existing = METHODS.get(cls.name)
     if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(f"A method named {cls.name!r} is already registered ({existing.__module__}.{existing.__qualname__}).")
+        raise ValueError(
+            f"A method named {cls.name!r} is already registered ({existing.__module__}.{existing.__qualname__})."
+        )
     METHODS[cls.name] = cls
     return cls
 
@@ -162,11 +143,8 @@ def option_defaults(name: str) -> dict[str, Any]:
 
 
 def method_class(name: str) -> type[SelectionMethod]:
-    """The registered class of ``name``, or an error listing the registered names.
-
-    ``name`` may also be an import path ``package.module.ClassName`` of a method defined outside
-    ompmoe: importing the module registers it (so configs and the CLI can name it directly).
-    """
+    """The registered class of ``name`` (or of an import path ``package.module.ClassName``, which importing registers),
+    else an error listing the registered names."""
     if isinstance(name, str) and name not in METHODS and "." in name:
         module_name, _, class_name = name.rpartition(".")
         try:
@@ -177,8 +155,8 @@ def method_class(name: str) -> type[SelectionMethod]:
             raise ValueError(f"{name} is not a method registered with @ompmoe.register_method.")
         return cls
     if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"Unknown method {name!r}{did_you_mean(name, METHODS)}; choose one of {sorted(METHODS)} or register "
-                         "one with ompmoe.register_method.")
+        raise ValueError(f"Unknown method {name!r}{did_you_mean(name, METHODS)}; choose one of {sorted(METHODS)} or "
+                         "register one with ompmoe.register_method.")
     return METHODS[name]
 
 
@@ -194,8 +172,7 @@ def get_method(name: str | SelectionMethod, options: dict[str, Any] | None = Non
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(
-            f"Method {name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"its options are {valid or 'none'}."
+            f"Method {name!r} has no option {', '.join(map(repr, unknown))}; its options are {valid or 'none'}."
         )
     return cls(**options)
 
@@ -204,8 +181,7 @@ def method_table() -> str:
     """The README's Markdown table of registered methods, their options and what they keep."""
     rows = ["| `method` | options (defaults) | keeps the experts with |", "|---|---|---|"]
     for name, cls in METHODS.items():
-        defaults = option_defaults(name)
-        options = ", ".join(f"`{key}={value!r}`" for key, value in defaults.items()) or "-"
+        options = ", ".join(f"`{key}={value!r}`" for key, value in option_defaults(name).items()) or "-"
         summary = cls.summary().replace("|", "\\|")  # a pipe inside a cell would split it
         rows.append(f"| `{name}` | {options} | {summary} |")
     return "\n".join(rows)

@@ -1,12 +1,5 @@
-"""Rerouting-aware selection: the paper's pursuit on the Gram of what removing an expert really changes.
-
-The paper scores a kept set by ``||sum_{e removed} V_e||^2``, as if a token's output simply lost
-the removed experts' contributions. After pruning, the native router gives the token's free slot
-to its next expert by routing score and renormalizes the weights, which makes up for part of the
-loss. ``omp_reroute`` runs the same greedy binary pursuit on the rerouting-aware Gram
-``sum_x <D_e(x), D_f(x)>`` (token-normalized by default, like ``omp_normalized``), with ``D_e(x)``
-the output change of the single removal of ``e`` (:mod:`ompmoe.engine.reroute_stats`).
-"""
+"""Rerouting-aware selection: the paper's pursuit on the Gram of what removing an expert really changes, once the
+router gives the token's free slot to its next expert (which ``||sum_{e removed} V_e||^2`` ignores)."""
 
 from __future__ import annotations
 

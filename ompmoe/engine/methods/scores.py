@@ -1,10 +1,4 @@
-"""Score rankings: keep the experts with the best per-expert score (the field's baselines).
-
-Scores sort descending, ties to the lowest id. On group-limited routers (``num_groups > 1``)
-every method keeps the same number of experts in each group: rankings go in rounds of
-``num_groups`` picks with at most one pick per group per round (best score first), the same
-constraint as the grouped pursuit.
-"""
+"""Score rankings: keep the experts with the best per-expert score (the field's baselines)."""
 
 from __future__ import annotations
 
@@ -19,27 +13,16 @@ from .registry import Selection, SelectionMethod, register_method
 
 
 def score_order(scores: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """Experts by descending score, ties to the lowest id; group-balanced when ``num_groups > 1``.
-
-    With groups (contiguous id blocks), round ``r`` takes the ``r``-th best expert of every
-    group, and the picks of a round go best score first: exactly "at each step, the best
-    expert of a group not yet picked in this round of ``num_groups`` steps".
-    """
+    """Experts by descending score, ties to the lowest id; with groups (contiguous id blocks), round ``r`` takes the
+    ``r``-th best expert of every group, best score first, so every method keeps the same count in each group."""
     scores = torch.nan_to_num(scores.detach().to("cpu", torch.float64), nan=float("-inf"))
     n = scores.numel()
     if n % num_groups:
         raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
     order = torch.sort(scores, descending=True, stable=True).indices
-    if num_groups == 1:
-        return order
     group = order // (n // num_groups)
-    rank_in_group = torch.zeros(n, dtype=torch.long)
-    seen = torch.zeros(num_groups, dtype=torch.long)
-    for position, g in enumerate(group.tolist()):
-        rank_in_group[position] = seen[g]
-        seen[g] += 1
-    key = rank_in_group * n + torch.arange(n)
-    return order[torch.argsort(key)]
+    rank_in_group = (torch.nn.functional.one_hot(group, num_groups).cumsum(0) - 1)[torch.arange(n), group]
+    return order[torch.sort(rank_in_group, stable=True).indices]
 
 
 class ScoreRanking(SelectionMethod):
@@ -107,9 +90,7 @@ class REAP(ScoreRanking):
 class Random(ScoreRanking):
     """a seeded random ranking
 
-    I.i.d. uniform scores per expert from ``torch.Generator().manual_seed(seed)``, drawn layer
-    after layer (group-balanced like every method).
-    """
+    I.i.d. uniform scores per expert from ``torch.Generator().manual_seed(seed)``, drawn layer after layer."""
 
     name: ClassVar[str] = "random"
     seed: int = 0

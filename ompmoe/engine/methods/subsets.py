@@ -1,11 +1,5 @@
-"""Per-count set methods: the exact optimum of the reconstruction objective, and OMP + 1-swap refinement.
-
-Exact optima at different counts are not nested (the best 6 experts need not contain the best
-5), so these methods return a :class:`~ompmoe.engine.methods.registry.SubsetSelection`: a layer
-allocated ``k`` experts keeps the set for ``k``, and the allocation sees ``r(k)`` and ``C(k)``
-of those sets. With groups, only group-balanced sets compete (per-group counts differing by at
-most one, equal at multiples of ``num_groups``, the only counts an allocation chooses there).
-"""
+"""Per-count set methods (optima are not nested, hence a :class:`~.registry.SubsetSelection`): the exact optimum of
+the reconstruction objective, and OMP + 1-swap refinement. With groups, only group-balanced sets compete."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ import torch
 
 from ..statistics import LayerStats
 from .omp import omp_orderings
-from .registry import Selection, SelectionMethod, SubsetSelection, register_method, removed_energy
+from .registry import Selection, SelectionMethod, SubsetSelection, kept_masks, register_method, removed_energy
 
 EXACT_MAX_SUBSETS = 2_000_000
 """Default limit on the subsets the ``exact`` method may enumerate per layer (``2^N``)."""
@@ -35,8 +29,6 @@ def _tolerance(gram: torch.Tensor) -> float:
 
 def _balanced(kept: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Whether each kept set has per-group counts differing by at most one."""
-    if num_groups == 1:
-        return torch.ones(kept.shape[:-1], dtype=torch.bool)
     per_group = kept.reshape(*kept.shape[:-1], num_groups, -1).sum(-1)
     return per_group.amax(-1) - per_group.amin(-1) <= 1
 
@@ -53,13 +45,8 @@ def check_exact_size(name: str, num_experts: int, max_subsets: int = EXACT_MAX_S
 
 def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EXACT_MAX_SUBSETS,
                   name: str = "layer", chunk: int = 1 << 15) -> torch.Tensor:
-    """``kept[k]`` = a set of ``k`` experts minimizing ``||Y - sum_{e in E} V_e||^2 = u^T G u``.
-
-    Enumerates all ``2^N`` subsets (every count is needed for the allocation curves) and
-    refuses with :class:`TooManySubsetsError` above ``max_subsets``. With groups, only
-    group-balanced sets compete. Ties (energies within ``1e-12`` of the layer's energy scale)
-    go to the lexicographically smallest sorted id list.
-    """
+    """``kept[k]`` = a set of ``k`` experts minimizing ``u^T G u``, from all ``2^N`` subsets (the allocation needs every
+    count; :class:`TooManySubsetsError` above ``max_subsets``); ties go to the lexicographically smallest ids."""
     n = gram.shape[0]
     if n % num_groups:
         raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
@@ -69,44 +56,35 @@ def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EX
     # lexicographically smallest id list has the largest code.
     shifts = torch.arange(n - 1, -1, -1, dtype=torch.long)
     best_energy = torch.full((n + 1,), float("inf"), dtype=torch.float64)
-    energies, counts, valid_parts = [], [], []
-    for start in range(0, 2**n, chunk):
-        codes = torch.arange(start, min(start + chunk, 2**n), dtype=torch.long)
-        kept = ((codes.unsqueeze(1) >> shifts) & 1).bool()
+    codes = torch.arange(2**n, dtype=torch.long)
+    parts = []
+    for part in codes.split(chunk):
+        kept = ((part.unsqueeze(1) >> shifts) & 1).bool()
         energy = removed_energy(g, kept)
         count = kept.sum(1)
         valid = _balanced(kept, num_groups)
-        energies.append(energy)
-        counts.append(count)
-        valid_parts.append(valid)
         best_energy.scatter_reduce_(0, count[valid], energy[valid], reduce="amin")
-    energy, count, valid = torch.cat(energies), torch.cat(counts), torch.cat(valid_parts)
-    codes = torch.arange(2**n, dtype=torch.long)
+        parts.append((energy, count, valid))
+    energy, count, valid = (torch.cat(column) for column in zip(*parts))
     tied = valid & (energy <= best_energy[count] + _tolerance(g))
     best_code = torch.full((n + 1,), -1, dtype=torch.long).scatter_reduce_(0, count[tied], codes[tied], reduce="amax")
     assert bool((best_code >= 0).all()), "every count has a group-balanced set"
     return ((best_code.unsqueeze(1) >> shifts) & 1).bool()
 
 
-def swap_refine(gram: torch.Tensor, kept: torch.Tensor, num_groups: int = 1, max_rounds: int | None = None) -> torch.Tensor:
-    """Best-improvement 1-swap local search on ``u^T G u``, for every row of ``kept`` (``(K, N)`` bool).
-
-    A swap drops a kept expert ``i`` and keeps a dropped expert ``j`` (of the same group when
-    ``num_groups > 1``, so group balance is kept); it changes the residual energy by
-    ``2 c_i - 2 c_j + G_ii + G_jj - 2 G_ij`` with ``c = G u``. Each round applies, per row, the
-    swap that lowers the energy most (ties to the lowest ``i``, then ``j``) if it lowers it by
-    more than ``1e-12`` of the energy scale; rows stop when none does, i.e. when no single swap
-    improves them. Energies only go down, so the result is never worse than the input.
-    """
+def swap_refine(gram: torch.Tensor, kept: torch.Tensor, num_groups: int = 1,
+                max_rounds: int | None = None) -> torch.Tensor:
+    """Best-improvement 1-swap local search on ``u^T G u`` for every row of ``kept`` (``(K, N)`` bool): swaps within a
+    group (ties to the lowest ``i``, then ``j``) while one lowers the energy by more than ``1e-12`` of its scale, so the
+    result is never worse than the input."""
     g = gram.to("cpu", torch.float64)
     n = g.shape[0]
     size = n // num_groups
     state = kept.clone().to("cpu", torch.bool)
     diagonal = g.diagonal()
-    # Swaps stay inside a group: work on the (group, i, j) blocks only. For a row,
-    # delta[g, i, j] = a_i + b_j - 2 G_ij; +inf in a or b marks swaps that are not allowed.
-    blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(num_groups)])
-    pair = -2.0 * blocks  # (groups, size, size)
+    # Dropping kept i and keeping dropped j (same group) changes the energy by delta[g, i, j] = a_i + b_j - 2 G_ij,
+    # a = 2 c + diag(G), b = diag(G) - 2 c with c = G u; +inf in a or b marks swaps that are not allowed.
+    pair = -2.0 * torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(num_groups)])
     tolerance = _tolerance(g)
     active = torch.arange(state.shape[0])
     rounds = 0
@@ -144,10 +122,9 @@ class Exact(SelectionMethod):
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         for layer in layers:  # every layer is checked before any enumeration
             check_exact_size(layer.name, layer.num_experts, self.max_subsets)
-        orders = omp_orderings(layers)
         return [
-            SubsetSelection(kept=exact_subsets(layer.gram, layer.num_groups, self.max_subsets, name=layer.name), reference=order)
-            for layer, order in zip(layers, orders)
+            SubsetSelection(exact_subsets(layer.gram, layer.num_groups, self.max_subsets, name=layer.name), order)
+            for layer, order in zip(layers, omp_orderings(layers))
         ]
 
 
@@ -159,11 +136,7 @@ class OMPSwap(SelectionMethod):
     name: ClassVar[str] = "omp_swap"
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        selections: list[Selection] = []
-        for layer, order in zip(layers, omp_orderings(layers)):
-            n = layer.num_experts
-            position = torch.empty(n, dtype=torch.long)
-            position[order] = torch.arange(n)
-            prefixes = position.unsqueeze(0) < torch.arange(n + 1).unsqueeze(1)  # (N + 1, N): greedy k-prefixes
-            selections.append(SubsetSelection(kept=swap_refine(layer.gram, prefixes, layer.num_groups), reference=order))
-        return selections
+        return [
+            SubsetSelection(swap_refine(layer.gram, kept_masks(order, layer.num_experts), layer.num_groups), order)
+            for layer, order in zip(layers, omp_orderings(layers))
+        ]
