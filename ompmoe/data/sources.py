@@ -358,14 +358,16 @@ class TextSource:
         if self.kind == "local":
             prefix = f"{self.source}:" if self.preset is not None else ""
             return f"{prefix}file:{','.join(self.files)}{suffix}"
-        preset = self.preset
-        parts = [preset.path if preset is not None else self.source]
-        if preset is not None and preset.name:
-            parts.append(preset.name)
-        files = self.data_files or ([preset.data_files] if preset is not None and preset.data_files else [])
-        if files:
-            parts.append(",".join(files))
-        return ":".join([*parts, self.split]) + suffix
+        path, kwargs = self._hub_arguments()
+        files = kwargs.get("data_files")
+        parts = [path, kwargs.get("name"), ",".join(files) if isinstance(files, list) else files]
+        return ":".join([*filter(None, parts), self.split]) + suffix
+
+    def _hub_arguments(self) -> tuple[str, dict[str, Any]]:
+        """The hub path and the ``load_dataset`` keywords besides the split (config name, data files)."""
+        preset = self.preset or Preset(self.source)
+        kwargs = {"name": preset.name, "data_files": self.data_files or preset.data_files}
+        return preset.path, {key: value for key, value in kwargs.items() if value}
 
     def prefetch(self) -> None:
         """Load a hub data set into the cache (and keep it); fail early if it cannot be had."""
@@ -377,14 +379,8 @@ class TextSource:
         if self._hub_rows is not None:
             return self._hub_rows
         datasets = _require_datasets()
-        preset = self.preset
-        path = preset.path if preset is not None else self.source
-        kwargs: dict[str, Any] = {"split": self.split}
-        if preset is not None and preset.name:
-            kwargs["name"] = preset.name
-        files: Any = self.data_files or (preset.data_files if preset is not None else None)
-        if files:
-            kwargs["data_files"] = files
+        path, kwargs = self._hub_arguments()
+        kwargs["split"] = self.split
         offline = offline_mode()
         if offline or not hub_reachable():
             reason = "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if offline else "the hub is unreachable"

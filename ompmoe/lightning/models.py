@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from ..data import resolve_shipped
+from ..data.sources import BYTES as BYTES_TOKENIZER, require_hub_model
 
 TINY_PREFIX = "tiny:"
 """``tiny:<model_type>``: a tiny random model of a supported architecture (offline tests and demos)."""
-BYTES_TOKENIZER = "bytes"
-"""Tokenizer name of the tiny models: UTF-8 bytes as token ids."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -36,8 +35,6 @@ def resolve_model(name: str) -> str:
     shipped name, a local path that does not exist, or a hub id that is neither cached nor reachable."""
     path = resolve_shipped(name)
     if path == name and not Path(name).expanduser().exists():
-        from ..data.sources import require_hub_model
-
         require_hub_model(name)
     return path
 
