@@ -1,12 +1,5 @@
-r"""
-AdaptiveInferenceMonitor
-^^^^^^^^^^^^^^^^^^^^^^^^
-
-A Lightning callback that logs OMP-MoE+ adaptive-inference counters (average experts per token,
-skip ratio, routed-expert FLOPs ratio; overall and per MoE layer) at the end of every
-validation and test epoch. It can also switch adaptive inference on, from a statistics file or
-from the settings saved with the model, which is how ``--trainer.callbacks`` turns it on from
-the command line.
+"""AdaptiveInferenceMonitor: a Lightning callback that logs OMP-MoE+ adaptive-inference counters and can
+switch adaptive inference on (how ``--trainer.callbacks`` turns it on from the command line).
 """
 
 from __future__ import annotations
@@ -39,20 +32,15 @@ from .pruning import find_hf_model
 class AdaptiveInferenceMonitor(Callback):
     """Log OMP-MoE+ counters at the end of validation and test epochs (sanity checks excluded).
 
-    Logged (through ``LightningModule.log``, so they reach every logger and ``trainer.validate``'s
-    results): ``<stage>/adaptive/avg_experts_per_token``, ``skip_ratio`` and ``flops_ratio`` over all
-    MoE layers, and with ``per_layer`` the same three per layer as
-    ``<stage>/adaptive/<layer name>/<counter>``; ``<stage>`` is ``val`` or ``test``. Counters are
-    summed over ranks before the ratios are taken. The last report is kept in ``self.report``.
+    Logged through ``LightningModule.log``: ``<stage>/adaptive/avg_experts_per_token``, ``skip_ratio`` and
+    ``flops_ratio`` over all MoE layers (``<stage>``: ``val`` or ``test``), with ``per_layer`` also as
+    ``<stage>/adaptive/<layer name>/<counter>``; counters are summed over ranks. The last report is ``self.report``.
 
     Args:
-        epsilon: Switch adaptive inference on (or change its epsilon) when validation or testing
-            starts. ``None`` leaves the model as it is: a model loaded with ``ompmoe.load_pruned``
-            already carries its saved setting, and one loaded with plain ``from_pretrained``
-            gets it re-applied.
-        stats: A ``stats.safetensors`` (or :class:`ompmoe.MoEStats`) giving the alphas when
-            ``epsilon`` is set; defaults to the alphas saved with the model. Statistics of the
-            unpruned model work for a pruned one.
+        epsilon: Switch adaptive inference on (or change its epsilon) when validation or testing starts.
+            ``None`` keeps the model's setting (re-applying the saved one after plain ``from_pretrained``).
+        stats: A ``stats.safetensors`` (or :class:`ompmoe.MoEStats`) giving the alphas when ``epsilon`` is
+            set; defaults to the alphas saved with the model. Statistics of the unpruned model work too.
         per_layer: Also log per-layer counters.
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
     """
@@ -73,11 +61,11 @@ class AdaptiveInferenceMonitor(Callback):
         self.report: dict[str, dict[str, Any]] = {}
         self._warned = False
 
-    # ---------------------------------------------------------------- switching on
     def _model(self, pl_module: pl.LightningModule) -> nn.Module:
         return find_hf_model(pl_module, self.model_attribute)
 
-    def _switch_on(self, pl_module: pl.LightningModule) -> bool:
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = self._model(pl_module)
         if self.epsilon is not None:
             if self.stats is not None:
@@ -101,26 +89,18 @@ class AdaptiveInferenceMonitor(Callback):
                     "pass `epsilon` (and `stats`) to switch it on. Nothing will be logged."
                 )
                 self._warned = True
-            return False
-        return True
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.epsilon is not None or not is_adaptive(self._model(pl_module)):
-            self._switch_on(pl_module)
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_validation_start(trainer, pl_module)
 
-    # -------------------------------------------------------------------- logging
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reset_adaptive_counters(self._model(pl_module))
 
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        reset_adaptive_counters(self._model(pl_module))
+        self.on_validation_epoch_start(trainer, pl_module)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -132,8 +112,7 @@ class AdaptiveInferenceMonitor(Callback):
         self._log(trainer, pl_module, "test")
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        model = self._model(pl_module)
-        histograms = adaptive_histograms(model)
+        histograms = adaptive_histograms(self._model(pl_module))
         if not histograms:
             return
         report: dict[str, dict[str, Any]] = {}

@@ -1,7 +1,6 @@
-"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe model.
+"""Shipped data: calibration text and block cutting, the two-domain corpus and the shipped tiny-moe models.
 
-Calibration text from anywhere (presets, the hub, local files) and its token packing: :mod:`.sources`.
-"""
+Calibration text from anywhere (presets, the hub, local files) and its token packing: :mod:`.sources`."""
 
 from __future__ import annotations
 
@@ -30,23 +29,22 @@ def byte_tokens(text: str) -> torch.Tensor:
 
 
 def token_blocks(token_ids: torch.Tensor, seq_len: int, num_blocks: int) -> torch.Tensor:
-    """First ``num_blocks`` non-overlapping blocks of ``seq_len`` tokens; the remainder is dropped.
-
-    Raises before any model work if the stream is too short, saying how many tokens it has and needs.
-    """
+    """First ``num_blocks`` non-overlapping blocks of ``seq_len`` tokens; the remainder is dropped. Raises before
+    any model work if the stream is too short, saying how many tokens it has and needs."""
     if seq_len <= 0 or num_blocks <= 0:
         raise ValueError(f"seq_len and num_blocks must be positive; got seq_len={seq_len}, num_blocks={num_blocks}.")
     needed = seq_len * num_blocks
     found = int(token_ids.numel())
     if found < needed:
         # Only suggest values that are allowed (positive); with none, say how much text is missing.
-        lower = [f"{name} to {value}" for name, value in (("num_blocks", found // seq_len), ("seq_len", found // num_blocks)) if value > 0]
+        lower = [f"{name} to {value}" for name, value in (("num_blocks", found // seq_len),
+                                                            ("seq_len", found // num_blocks)) if value > 0]
         hint = f"add text, or lower {' or '.join(lower)}" if lower else f"add text ({needed - found} more tokens)"
-        raise ValueError(f"Calibration text has {found} tokens but {num_blocks} blocks of {seq_len} need {needed}: {hint}.")
+        raise ValueError(f"Calibration text has {found} tokens but {num_blocks} blocks of {seq_len} need {needed}: "
+                         f"{hint}.")
     return token_ids.reshape(-1)[:needed].view(num_blocks, seq_len)
 
 
-# ------------------------------------------------------------------------ two-domain corpus
 CORPUS_DIR = "corpus"
 CORPUS_DOMAINS = ("prose", "code")
 """Domains of the shipped corpus: ``prose`` (Python/IDLE documentation), ``code`` (stdlib source)."""
@@ -74,16 +72,14 @@ def shipped_model_path(name: str = "tiny-moe") -> Path:
     """Directory of a model shipped with ompmoe (config, safetensors weights, tokenizer, card)."""
     name = name.removeprefix(SHIPPED_PREFIX)
     if name not in SHIPPED_MODELS:
-        raise ValueError(f"Unknown shipped model {name!r}; available: {', '.join(SHIPPED_PREFIX + m for m in SHIPPED_MODELS)}.")
+        names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
+        raise ValueError(f"Unknown shipped model {name!r}; available: {names}.")
     return Path(str(resources.files(__name__).joinpath(name)))
 
 
 def resolve_shipped(spec: str) -> str:
-    """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is.
-
-    A misspelt shipped name or a local path that does not exist fails here, with the names or the
-    nearest existing path, instead of later as a confusing hub error about repository ids.
-    """
+    """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is. A misspelt
+    shipped name or a missing local path fails here, with a hint, not later as a confusing hub error."""
     if not isinstance(spec, str):
         return spec
     if spec.startswith(SHIPPED_PREFIX):

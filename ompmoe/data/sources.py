@@ -1,17 +1,14 @@
 """Calibration text sources, Lightning-free: presets, hub access, local files, token packing.
 
-The paper's protocol (appendix "Dataset Processing and Calibration"): raw text is tokenized
-directly, *without* a chat template, the documents' tokens are concatenated into one stream with
-the tokenizer's eos token between documents, and the stream is cut into the first ``num_blocks``
-non-overlapping blocks of ``seq_len`` tokens (4096 x 64). The domain sets
-(``allenai/tulu-3-sft-personas-math``, ``theblackcat102/evol-codealpaca-v1``) are shuffled with
-seed 42 first. :class:`ompmoe.CalibrationDataModule` is the Lightning face of :class:`TextSource`;
-:mod:`ompmoe.eval.offline` uses the hub helpers. :mod:`datasets` is imported only when a hub data
-set or a json/parquet file is read.
+As in the paper (appendix "Dataset Processing and Calibration"): raw text without a chat template, documents
+joined by eos, the first ``num_blocks`` blocks of ``seq_len`` tokens kept; the domain sets shuffled with seed 42.
 """
 
 from __future__ import annotations
 
+import codecs
+import gzip
+import json
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -43,9 +40,8 @@ class HubUnavailableError(ConnectionError):
     """A hub model or data set was asked for while offline (or the hub is unreachable) and is not cached."""
 
 
-# ------------------------------------------------------------------------------ rows -> text
-def _join(parts: Iterable[Any], sep: str = "\n\n") -> str:
-    return sep.join(str(part) for part in parts if part is not None and str(part) != "")
+def _join(parts: Iterable[str]) -> str:
+    return "\n\n".join(part for part in parts if part)
 
 
 def _as_text(value: Any) -> str:
@@ -91,7 +87,6 @@ def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
         yield "".join(article)
 
 
-# --------------------------------------------------------------------- .txt files in pieces
 def _cut(text: str, force: bool) -> int:
     """Where to end a piece so that tokenizing the pieces gives the whole text's tokens: before a space
     that follows a non-space (a pre-tokenizer boundary of byte-level BPE and SentencePiece).
@@ -108,8 +103,6 @@ def _cut(text: str, force: bool) -> int:
 
 def _utf8_error(path: str) -> ValueError:
     """Where the first invalid UTF-8 sequence of ``path`` is (byte offset and line), and the fix."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = newlines = 0
     detail = "invalid UTF-8"
@@ -167,7 +160,6 @@ class TextFile:
         return "".join(self.chunks())
 
 
-# --------------------------------------------------------------------------- sources by name
 @dataclass(frozen=True)
 class Preset:
     """A named calibration source on the Hugging Face hub."""
@@ -210,24 +202,16 @@ HELDOUT_CORPUS = corpus_sources("heldout", "heldout", mix=False)
 
 def local_format(path: str) -> str | None:
     """``text``, ``json`` or ``parquet`` by the file name's extension; ``None`` if unsupported."""
-    name = Path(path).name.lower()
-    for suffix, kind in sorted(LOCAL_SUFFIXES.items(), key=lambda item: -len(item[0])):
-        if name.endswith(suffix):
-            return kind
-    return None
+    matches = [suffix for suffix in LOCAL_SUFFIXES if Path(path).name.lower().endswith(suffix)]
+    return LOCAL_SUFFIXES[max(matches, key=len)] if matches else None
 
 
-# ------------------------------------------------------------------------------ hub access
 def offline_mode() -> bool:
     """Offline mode as the environment says *now* (or as the hub libraries read it at import)."""
-    if any(os.environ.get(var, "").upper() in _TRUE for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return True
-    try:
-        from huggingface_hub import constants
+    from huggingface_hub import constants  # a dependency of transformers
 
-        return bool(constants.HF_HUB_OFFLINE)
-    except ImportError:  # pragma: no cover - datasets depends on huggingface_hub
-        return False
+    flags = (os.environ.get(var, "").upper() for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(flag in _TRUE for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_reachable() -> bool:
@@ -279,7 +263,7 @@ def hub_offline() -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
-def _require_datasets() -> Any:
+def _require_datasets() -> Any:  # imported only when a hub data set or a json/parquet file is read
     try:
         import datasets
     except ImportError as error:  # pragma: no cover - exercised only without the extra
@@ -319,18 +303,14 @@ def _looks_like_hub_name(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
 
 
-# ------------------------------------------------------------------------------- the source
 Encoder = tuple[Callable[[list[str]], list[list[int]]], int | None]
 """``(batch of texts -> token ids, eos id or None)``: see :func:`text_encoder`."""
 
 
 class TextSource:
-    """Where calibration documents come from, checked at construction (see
-    :class:`ompmoe.CalibrationDataModule` for the meaning of the arguments).
-
-    ``corpus``: source names -> (domains, split) of the shipped corpus accepted besides
-    :data:`SHIPPED_CORPUS` (e.g. ``train:mix`` for fine-tuning).
-    """
+    """Where calibration documents come from, checked at construction (arguments as in
+    :class:`ompmoe.CalibrationDataModule`; ``corpus``: source names -> (domains, split) of the shipped
+    corpus accepted besides :data:`SHIPPED_CORPUS`, e.g. ``train:mix`` for fine-tuning)."""
 
     def __init__(self, source: str, data_files: Sequence[str] = (), text_field: str | None = None,
                  split: str = "train", seed: int | None = None,
@@ -378,16 +358,17 @@ class TextSource:
         if self.kind == "local":
             prefix = f"{self.source}:" if self.preset is not None else ""
             return f"{prefix}file:{','.join(self.files)}{suffix}"
-        preset = self.preset
-        parts = [preset.path if preset is not None else self.source]
-        if preset is not None and preset.name:
-            parts.append(preset.name)
-        files = self.data_files or ([preset.data_files] if preset is not None and preset.data_files else [])
-        if files:
-            parts.append(",".join(files))
-        return ":".join([*parts, self.split]) + suffix
+        path, kwargs = self._hub_arguments()
+        files = kwargs.get("data_files")
+        parts = [path, kwargs.get("name"), ",".join(files) if isinstance(files, list) else files]
+        return ":".join([*filter(None, parts), self.split]) + suffix
 
-    # ------------------------------------------------------------------------------- reading
+    def _hub_arguments(self) -> tuple[str, dict[str, Any]]:
+        """The hub path and the ``load_dataset`` keywords besides the split (config name, data files)."""
+        preset = self.preset or Preset(self.source)
+        kwargs = {"name": preset.name, "data_files": self.data_files or preset.data_files}
+        return preset.path, {key: value for key, value in kwargs.items() if value}
+
     def prefetch(self) -> None:
         """Load a hub data set into the cache (and keep it); fail early if it cannot be had."""
         if self.kind == "hub":
@@ -398,14 +379,8 @@ class TextSource:
         if self._hub_rows is not None:
             return self._hub_rows
         datasets = _require_datasets()
-        preset = self.preset
-        path = preset.path if preset is not None else self.source
-        kwargs: dict[str, Any] = {"split": self.split}
-        if preset is not None and preset.name:
-            kwargs["name"] = preset.name
-        files: Any = self.data_files or (preset.data_files if preset is not None else None)
-        if files:
-            kwargs["data_files"] = files
+        path, kwargs = self._hub_arguments()
+        kwargs["split"] = self.split
         offline = offline_mode()
         if offline or not hub_reachable():
             reason = "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)" if offline else "the hub is unreachable"
@@ -455,7 +430,8 @@ class TextSource:
                 f"Calibration source {self.describe()!r} has no text field {self.field!r}; its columns are "
                 f"{columns}. Set text_field to one of them."
             )
-        texts = (_as_text(value) for value in _iter_column(rows, self.field))
+        texts = (_as_text(value) for chunk in rows.select_columns([self.field]).iter(batch_size=256)
+                 for value in chunk[self.field])  # read lazily, in chunks
         yield from wikitext_articles(texts) if (preset is not None and preset.articles) else texts
 
     def items(self, domain: str | None = None) -> Iterator[str | TextFile]:
@@ -478,11 +454,8 @@ class TextSource:
             yield item.read() if isinstance(item, TextFile) else item
 
     def blocks(self, encoder: Encoder, seq_len: int, num_blocks: int) -> torch.Tensor:
-        """``(num_blocks, seq_len)`` token ids; too little text raises, saying how much there is.
-
-        A corpus source of several domains cuts each domain's share of the blocks from its own
-        stream and interleaves them (the first domain first).
-        """
+        """``(num_blocks, seq_len)`` token ids (too little text raises); a corpus source of several domains cuts
+        each domain's share from its own stream and interleaves them, the first domain first."""
         if self.kind != "corpus" or len(self.domains) == 1:
             return token_blocks(token_stream(self.items(), encoder, seq_len * num_blocks), seq_len, num_blocks)
         parts = []
@@ -495,7 +468,6 @@ class TextSource:
         return torch.stack([parts[i][j] for j, i in order])
 
 
-# ---------------------------------------------------------------------------- token packing
 def text_encoder(tokenizer: Any) -> Encoder:
     """The encoder (no special tokens) of a tokenizer, or of its name or path (``shipped:`` too, ``bytes``)."""
     if isinstance(tokenizer, str):
@@ -537,14 +509,12 @@ def token_stream(documents: Iterable[str | TextFile], encoder: Encoder, needed: 
         """One document given in pieces: eos before it, none between its pieces."""
         lead: str | None = ""  # leading whitespace-only pieces, kept until the document proves non-blank
         for piece in pieces:
-            if lead is not None:
-                if not piece.strip():
-                    lead += piece
-                    continue
-                piece, lead = lead + piece, None
-                if add(encode([piece])[0], True):
-                    return True
-            elif add(encode([piece])[0], False):
+            if lead is not None and not piece.strip():
+                lead += piece
+                continue
+            starts_document = lead is not None
+            piece, lead = (lead or "") + piece, None
+            if add(encode([piece])[0], starts_document):
                 return True
         return False
 
@@ -566,9 +536,6 @@ def _malformed(files: list[str], builder: str, error: Exception) -> ValueError:
     first file and line that is not a JSON record (found by reading the files, on this error path only)."""
     cause = error.__cause__ or error.__context__ or error
     if builder == "json":
-        import gzip
-        import json
-
         for file in files:
             opener = gzip.open if file.endswith(".gz") else open
             with opener(file, "rb") as handle:
@@ -595,13 +562,3 @@ def _malformed(files: list[str], builder: str, error: Exception) -> ValueError:
         f"Check that each is a valid {builder} file (json: one object per line with a text field; "
         "parquet: a table with a text column), or give the text as a UTF-8 .txt file."
     )
-
-
-def _iter_column(rows: Any, field: str) -> Iterator[Any]:
-    """Values of one column, read lazily in chunks (a ``datasets.Dataset`` or a list of dicts)."""
-    if hasattr(rows, "select_columns") and hasattr(rows, "iter"):
-        for chunk in rows.select_columns([field]).iter(batch_size=256):
-            yield from chunk[field]
-        return
-    for row in rows:
-        yield row[field]

@@ -1,27 +1,7 @@
-"""OMP-MoE+ (the paper's OMP-MoE dagger): energy-based adaptive expert skipping at inference.
+"""OMP-MoE+ (the paper's OMP-MoE dagger): energy-based adaptive expert skipping at inference (``docs/adaptive.md``).
 
-For every MoE layer and token, the native top-``K`` experts ``e_1..e_K`` with router weights
-``g_1..g_K`` get a predicted contribution energy ``E_j = g_j^2 * alpha_{e_j}``, where
-``alpha_e = E||F_e(x)||^2`` comes from the calibration statistics. Sorted by ``E`` (descending,
-ties in slot order), the token keeps the shortest prefix ``m`` with
-``1 - S_m / (S_K + zeta) <= epsilon`` (``S_m`` the prefix sums, ``zeta = 1e-6``) and treats the
-other experts' contributions as zero, without renormalising the kept weights. When no prefix
-qualifies (``epsilon = 0``, or a total energy ``S_K`` below ``zeta (1 - epsilon) / epsilon``) the
-token keeps all ``K``. The router itself is untouched.
-
-Skipped experts are never computed. A forward pre-hook on each fused ``experts`` module compacts
-the kept (token, expert) pairs into a flattened ``(pairs, 1)`` routing, so the model's own
-experts implementation (``eager``, ``grouped_mm``, ``batched_mm``, GPT-OSS's clamped biased
-experts, ...) runs only the kept pairs with their native weights; a forward hook scatter-adds
-the pair outputs back per token. No "empty slot" index is used. When a call skips nothing (always
-the case at ``epsilon = 0``), the experts module gets its original arguments, so the output is
-bit-identical to the plain model's. With skips, the per-token sum of the kept contributions runs
-in slot order (in float32 for half-precision models), which may differ from the native summation
-order in the last bits.
-
-Counters per layer (tokens seen, kept pairs, histogram of kept experts per token) count every
-token the layer sees, padding included. Epsilon and the alphas live in ``config.ompmoe_adaptive``
-so ``save_pretrained`` keeps them and :func:`ompmoe.load_pruned` re-applies them.
+Hooks on each fused ``experts`` module run only the kept (token, expert) pairs through the model's own experts
+code; the settings live in ``config.ompmoe_adaptive``, so ``save_pretrained`` keeps them.
 """
 
 from __future__ import annotations
@@ -45,36 +25,18 @@ ZETA = 1e-6
 STATE_ATTR = "_ompmoe_adaptive"
 
 
-
-def _argument_names() -> tuple[tuple[str, ...], ...]:
-    """Per position, the names the registered architectures give the experts' forward arguments."""
-    return tuple(
-        tuple(dict.fromkeys(spec.experts_arguments[position] for spec in ARCHITECTURES.values()))
-        for position in range(3)
-    )
-
-
-# --------------------------------------------------------------------------------------- the rule
 @torch.no_grad()
-def adaptive_keep_mask(
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    alphas: torch.Tensor,
-    epsilon: float,
-    zeta: float = ZETA,
-) -> torch.Tensor:
-    """Which of each token's top-k slots OMP-MoE+ keeps: a ``(tokens, K)`` bool mask.
-
-    ``alphas`` holds one energy coefficient per expert of the layer. Energies and prefix sums are
-    computed in float64 (float32 on devices without float64).
-    """
+def adaptive_keep_mask(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, alphas: torch.Tensor, epsilon: float,
+                       zeta: float = ZETA) -> torch.Tensor:
+    """Which of each token's top-k slots OMP-MoE+ keeps (a ``(tokens, K)`` bool mask), given one energy coefficient
+    per expert in ``alphas``; computed in float64 (float32 on devices without it)."""
     device = top_k_weights.device
     dtype = torch.float32 if device.type == "mps" else torch.float64
     num_tokens, top_k = top_k_index.shape
     if num_tokens == 0 or top_k == 0:
         return torch.ones(num_tokens, top_k, dtype=torch.bool, device=device)
-    g = top_k_weights.detach().to(dtype)
-    energy = g * g * alphas.to(device=device, dtype=dtype)[top_k_index]
+    weights = top_k_weights.detach().to(dtype)
+    energy = weights * weights * alphas.to(device=device, dtype=dtype)[top_k_index]
     order = torch.sort(energy, dim=1, descending=True, stable=True).indices
     prefix = energy.gather(1, order).cumsum(dim=1)
     enough = (1.0 - prefix / (prefix[:, -1:] + zeta)) <= epsilon
@@ -84,7 +46,6 @@ def adaptive_keep_mask(
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
 
-# ------------------------------------------------------------------------------- per-layer state
 @dataclass
 class _AdaptiveState:
     """Attached to one ``experts`` module (as ``_ompmoe_adaptive``) while adaptive inference is on."""
@@ -109,26 +70,27 @@ class _AdaptiveState:
         # scatter_add_ rather than bincount, which reads the maximum back to the host (a GPU sync).
         counts = torch.zeros(self.top_k + 1, dtype=torch.long, device=kept_per_token.device)
         counts.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
-        if self.histogram is None:
-            self.histogram = counts
-        else:
-            self.histogram = self.histogram.to(counts.device) + counts
+        self.histogram = counts if self.histogram is None else self.histogram.to(counts.device) + counts
+
+    def counts(self) -> torch.Tensor:
+        """The kept-experts histogram since the last reset (zeros before the first call)."""
+        return self.histogram if self.histogram is not None else torch.zeros(self.top_k + 1, dtype=torch.long)
 
     def reset(self) -> None:
         self.histogram = None
 
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Per position, the names the registered architectures give the experts' forward arguments.
+    positions = [tuple(dict.fromkeys(spec.experts_arguments[position] for spec in ARCHITECTURES.values()))
+                 for position in range(3)]
     values = list(args[:3])
-    argument_names = _argument_names()
-    for names in argument_names[len(values) :]:
-        for name in names:
-            if name in kwargs:
-                values.append(kwargs[name])
-                break
-        else:
+    for names in positions[len(values):]:
+        name = next((name for name in names if name in kwargs), None)
+        if name is None:
             raise TypeError(f"ompmoe adaptive inference: experts module called without {names[0]!r}.")
-    if len(args) > 3 or any(key not in {n for names in argument_names for n in names} for key in kwargs):
+        values.append(kwargs[name])
+    if len(args) > 3 or not {name for names in positions for name in names}.issuperset(kwargs):
         raise TypeError("ompmoe adaptive inference: unexpected extra arguments to the experts module.")
     return values[0], values[1], values[2]
 
@@ -167,46 +129,37 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tenso
         return None
     token_ids, num_tokens, dtype = state.pending
     state.pending = None
+    # Kept contributions summed in slot order (float32 for half precision): may differ in the last bits.
     accumulate = torch.float32 if output.dtype in (torch.float16, torch.bfloat16) else output.dtype
     summed = torch.zeros(num_tokens, output.shape[-1], dtype=accumulate, device=output.device)
     summed.index_add_(0, token_ids, output.to(accumulate))
     return summed.to(dtype)
 
 
-# --------------------------------------------------------------------------------------- alphas
-def _as_alpha_source(stats_or_alphas: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(stats_or_alphas, MoEStats):
-        if stats_or_alphas.model_type not in (None, model.config.model_type):
-            raise ValueError(
-                f"These statistics are of a {stats_or_alphas.model_type!r} model; this model is "
-                f"{model.config.model_type!r}."
-            )
-        return {layer.name: layer.alpha for layer in stats_or_alphas.layers}
-    if isinstance(stats_or_alphas, Mapping):
-        return {str(name): torch.as_tensor(value, dtype=torch.float64) for name, value in stats_or_alphas.items()}
-    raise TypeError(
-        "enable_adaptive needs ompmoe.MoEStats or a dict {layer name: alphas}; got "
-        f"{type(stats_or_alphas).__name__}."
-    )
-
-
-def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoELayer] | None = None) -> dict[str, torch.Tensor]:
-    """Per-layer alphas for ``model``'s current experts (float64, CPU), matched by layer name.
-
-    Alphas with one entry per current expert are used as they are (statistics collected on this
-    model, pruned or not). On a pruned model, alphas with one entry per ORIGINAL expert (statistics
-    of the model before pruning) are indexed with the kept ids recorded in ``config.ompmoe``.
+def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
+                   layers: Sequence[MoELayer] | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer alphas for ``model``'s current experts (float64, CPU), matched by layer name: as given when they
+    have one per current expert, else (statistics of the unpruned model) indexed with the kept ids in ``config.ompmoe``.
     """
     layers = list(layers) if layers is not None else find_moe_layers(model)
-    source = _as_alpha_source(stats_or_alphas, model)
+    counts: dict[str, torch.Tensor] = {}
+    if isinstance(stats_or_alphas, MoEStats):
+        if stats_or_alphas.model_type not in (None, model.config.model_type):
+            raise ValueError(f"These statistics are of a {stats_or_alphas.model_type!r} model; this model is "
+                             f"{model.config.model_type!r}.")
+        source = {layer.name: layer.alpha for layer in stats_or_alphas.layers}
+        counts = {layer.name: layer.token_count for layer in stats_or_alphas.layers}
+    elif isinstance(stats_or_alphas, Mapping):
+        source = {str(name): torch.as_tensor(value, dtype=torch.float64) for name, value in stats_or_alphas.items()}
+    else:
+        raise TypeError("enable_adaptive needs ompmoe.MoEStats or a dict {layer name: alphas}; got "
+                        f"{type(stats_or_alphas).__name__}.")
     unknown = sorted(set(source) - {layer.name for layer in layers})
     if unknown:
         raise ValueError(f"Alphas given for layers this model does not have: {unknown}.")
     record = pruning_info(model) or {}
     kept = record.get("kept_experts", {})
     original = record.get("original_num_experts", {})
-    counts = ({layer.name: layer.token_count for layer in stats_or_alphas.layers}
-              if isinstance(stats_or_alphas, MoEStats) else {})
     resolved: dict[str, torch.Tensor] = {}
     unseen: dict[str, list[int]] = {}
     for layer in layers:
@@ -215,15 +168,14 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoEL
         alphas = source[layer.name].detach().reshape(-1).to("cpu", torch.float64)
         ids = torch.arange(alphas.numel())  # ids in the statistics of this layer's current experts
         if alphas.numel() != layer.num_experts:
-            if layer.name in kept and alphas.numel() == original.get(layer.name):
-                ids = torch.tensor(kept[layer.name], dtype=torch.long)
-                alphas = alphas[ids]
-            else:
+            if layer.name not in kept or alphas.numel() != original.get(layer.name):
                 pruned = f" (pruned from {original[layer.name]})" if layer.name in original else ""
                 raise ValueError(
                     f"Layer {layer.name} has {layer.num_experts} experts{pruned} but {alphas.numel()} alphas were "
                     "given: use statistics collected on this model, or on the model it was pruned from."
                 )
+            ids = torch.tensor(kept[layer.name], dtype=torch.long)
+            alphas = alphas[ids]
         if not bool(torch.isfinite(alphas).all()) or bool((alphas < 0).any()):
             raise ValueError(f"Alphas of layer {layer.name} must be finite and non-negative.")
         resolved[layer.name] = alphas.clone()
@@ -241,27 +193,11 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any, layers: Sequence[MoEL
     return resolved
 
 
-# -------------------------------------------------------------------------------------- the API
-def enable_adaptive(
-    model: nn.Module,
-    stats_or_alphas: MoEStats | Mapping[str, Any],
-    epsilon: float = 0.1,
-    *,
-    zeta: float = ZETA,
-) -> nn.Module:
-    """Switch on OMP-MoE+ adaptive expert skipping in every MoE layer of ``model`` (in place).
-
-    Args:
-        model: A supported transformers 5.x MoE model, pruned or not.
-        stats_or_alphas: :class:`ompmoe.MoEStats` (``alpha_e = E||F_e(x)||^2`` per layer) or a dict
-            ``{layer name: alphas}``; on a pruned model, statistics of the original model are mapped
-            to the kept experts through ``config.ompmoe`` (see :func:`resolve_alphas`).
-        epsilon: Relative energy each token may drop, in ``[0, 1]``; 0 keeps every expert.
-        zeta: Stabiliser in the denominator of the rule.
-
-    Calling it again replaces the previous settings (and resets the counters). The settings are
-    stored in ``model.config.ompmoe_adaptive`` so they are saved with the model.
-    """
+def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, Any], epsilon: float = 0.1, *,
+                    zeta: float = ZETA) -> nn.Module:
+    """Switch on OMP-MoE+ in every MoE layer of ``model`` (in place; again: new settings, counters reset), with alphas
+    from :class:`ompmoe.MoEStats` or a dict ``{layer name: alphas}`` (:func:`resolve_alphas`); ``epsilon`` in
+    ``[0, 1]`` is the relative energy a token may drop (0 keeps every expert), ``zeta`` the rule's stabiliser."""
     epsilon = float(epsilon)
     if not 0.0 <= epsilon <= 1.0 or math.isnan(epsilon):
         raise ValueError(f"epsilon must lie in [0, 1]; got {epsilon}.")
@@ -277,37 +213,27 @@ def enable_adaptive(
             layer.experts.register_forward_pre_hook(_pre_hook, with_kwargs=True),
             layer.experts.register_forward_hook(_post_hook, with_kwargs=True),
         ]
-    setattr(
-        model.config,
-        CONFIG_KEY,
-        {
-            "epsilon": epsilon,
-            "zeta": float(zeta),
-            "alphas": {name: [float(a) for a in values] for name, values in alphas.items()},
-        },
-    )
+    alpha_lists = {name: [float(alpha) for alpha in values] for name, values in alphas.items()}
+    setattr(model.config, CONFIG_KEY, {"epsilon": epsilon, "zeta": float(zeta), "alphas": alpha_lists})
     return model
 
 
+def _adaptive_modules(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(getattr(module, STATE_ATTR, None), _AdaptiveState)]
+
+
 def _states(model: nn.Module) -> list[_AdaptiveState]:
-    return [
-        getattr(module, STATE_ATTR)
-        for module in model.modules()
-        if isinstance(getattr(module, STATE_ATTR, None), _AdaptiveState)
-    ]
+    return [getattr(module, STATE_ATTR) for module in _adaptive_modules(model)]
 
 
 def disable_adaptive(model: nn.Module) -> nn.Module:
     """Remove adaptive inference (hooks, counters and ``config.ompmoe_adaptive``); plain model again."""
-    for module in model.modules():
-        state = getattr(module, STATE_ATTR, None)
-        if isinstance(state, _AdaptiveState):
-            for handle in state.handles:
-                handle.remove()
-            delattr(module, STATE_ATTR)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, CONFIG_KEY):
-        delattr(config, CONFIG_KEY)
+    for module in _adaptive_modules(model):
+        for handle in getattr(module, STATE_ATTR).handles:
+            handle.remove()
+        delattr(module, STATE_ATTR)
+    if hasattr(getattr(model, "config", None), CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
     return model
 
 
@@ -323,10 +249,8 @@ def adaptive_info(model_or_config: Any) -> dict[str, Any] | None:
 
 
 def restore_adaptive(model: nn.Module) -> bool:
-    """Re-apply the adaptive settings saved in ``model.config`` (after ``from_pretrained``).
-
-    Returns whether a record was found. :func:`ompmoe.load_pruned` calls it for you.
-    """
+    """Re-apply the adaptive settings saved in ``model.config`` after ``from_pretrained`` (``load_pruned`` does);
+    whether a record was found."""
     record = adaptive_info(model)
     if not record:
         return False
@@ -335,21 +259,23 @@ def restore_adaptive(model: nn.Module) -> bool:
 
 
 def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str, Any]]:
-    """Counters since the last reset, per MoE layer.
-
-    Each entry: ``tokens``, ``top_k``, ``kept_pairs`` (expert executions), ``avg_experts_per_token``,
-    ``skip_ratio`` (skipped share of the ``tokens * top_k`` native executions), ``flops_ratio``
-    (routed-expert FLOPs relative to plain top-k, ``E[m] / K``), ``histogram`` (tokens that kept
-    ``m`` experts, ``m = 0..K``) and ``epsilon``. :func:`adaptive_summary` gives the model-wide
-    line (all layers together) and :func:`adaptive_totals` its numbers.
-    """
+    """Counters since the last reset per MoE layer: ``tokens``, ``top_k``, ``kept_pairs`` (expert executions),
+    ``avg_experts_per_token``, ``skip_ratio`` (of the ``tokens * top_k`` native ones), ``flops_ratio`` (``E[m] / K``),
+    ``histogram`` (tokens that kept ``m = 0..K`` experts) and ``epsilon``."""
     report: dict[str, dict[str, Any]] = {}
     for state in _states(model):
-        histogram = state.histogram.cpu() if state.histogram is not None else torch.zeros(state.top_k + 1, dtype=torch.long)
-        report[state.name] = layer_counts(histogram, state.top_k, epsilon=state.epsilon)
+        report[state.name] = layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
         if reset:
             state.reset()
     return report
+
+
+def _ratios(tokens: int, kept: int, total: int) -> dict[str, float]:
+    return {
+        "avg_experts_per_token": kept / tokens if tokens else float("nan"),
+        "skip_ratio": 1.0 - kept / total if total else float("nan"),
+        "flops_ratio": kept / total if total else float("nan"),
+    }
 
 
 def layer_counts(histogram: torch.Tensor, top_k: int, epsilon: float | None = None) -> dict[str, Any]:
@@ -357,17 +283,8 @@ def layer_counts(histogram: torch.Tensor, top_k: int, epsilon: float | None = No
     histogram = histogram.reshape(-1).to(torch.long).cpu()
     tokens = int(histogram.sum())
     kept = int((histogram * torch.arange(histogram.numel())).sum())
-    total = tokens * top_k
-    return {
-        "tokens": tokens,
-        "top_k": top_k,
-        "kept_pairs": kept,
-        "avg_experts_per_token": kept / tokens if tokens else float("nan"),
-        "skip_ratio": 1.0 - kept / total if total else float("nan"),
-        "flops_ratio": kept / total if total else float("nan"),
-        "histogram": histogram.tolist(),
-        "epsilon": epsilon,
-    }
+    return {"tokens": tokens, "top_k": top_k, "kept_pairs": kept, **_ratios(tokens, kept, tokens * top_k),
+            "histogram": histogram.tolist(), "epsilon": epsilon}
 
 
 def adaptive_totals(report: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
@@ -375,20 +292,13 @@ def adaptive_totals(report: Mapping[str, Mapping[str, Any]]) -> dict[str, float]
     tokens = sum(entry["tokens"] for entry in report.values())
     kept = sum(entry["kept_pairs"] for entry in report.values())
     total = sum(entry["tokens"] * entry["top_k"] for entry in report.values())
-    return {
-        "tokens": float(tokens),
-        "avg_experts_per_token": kept / tokens if tokens else float("nan"),
-        "skip_ratio": 1.0 - kept / total if total else float("nan"),
-        "flops_ratio": kept / total if total else float("nan"),
-    }
+    return {"tokens": float(tokens), **_ratios(tokens, kept, total)}
 
 
 def adaptive_summary(model_or_report: nn.Module | Mapping[str, Mapping[str, Any]]) -> str:
-    """One model-wide line from a model's counters (or an :func:`adaptive_report`).
-
-    ``adaptive (epsilon 0.1): 2.91 of 4 experts per token and layer, skip ratio 0.272, routed-expert
-    FLOPs ratio 0.728, over 2048 tokens in 6 MoE layers``.
-    """
+    """One model-wide line from a model's counters (or an :func:`adaptive_report`), e.g. ``adaptive (epsilon 0.1):
+    2.91 of 4 experts per token and layer, skip ratio 0.272, routed-expert FLOPs ratio 0.728, over 2048 tokens in 6
+    MoE layers``."""
     report = adaptive_report(model_or_report) if isinstance(model_or_report, nn.Module) else model_or_report
     if not report:
         return "adaptive inference is off (no MoE layer has it enabled)"
@@ -412,29 +322,11 @@ def reset_adaptive_counters(model: nn.Module) -> None:
 
 def adaptive_histograms(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     """Raw per-layer ``(histogram, top_k)``, for summing over distributed ranks before reporting."""
-    return {
-        state.name: (
-            state.histogram if state.histogram is not None else torch.zeros(state.top_k + 1, dtype=torch.long),
-            state.top_k,
-        )
-        for state in _states(model)
-    }
+    return {state.name: (state.counts(), state.top_k) for state in _states(model)}
 
 
 __all__ = [
-    "CONFIG_KEY",
-    "ZETA",
-    "adaptive_histograms",
-    "adaptive_info",
-    "adaptive_keep_mask",
-    "adaptive_report",
-    "adaptive_summary",
-    "adaptive_totals",
-    "disable_adaptive",
-    "enable_adaptive",
-    "is_adaptive",
-    "layer_counts",
-    "reset_adaptive_counters",
-    "resolve_alphas",
-    "restore_adaptive",
+    "CONFIG_KEY", "ZETA", "adaptive_histograms", "adaptive_info", "adaptive_keep_mask", "adaptive_report",
+    "adaptive_summary", "adaptive_totals", "disable_adaptive", "enable_adaptive", "is_adaptive", "layer_counts",
+    "reset_adaptive_counters", "resolve_alphas", "restore_adaptive",
 ]

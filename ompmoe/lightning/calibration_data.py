@@ -1,11 +1,8 @@
-"""Calibration data as a Lightning DataModule over :mod:`ompmoe.data.sources`.
-
-This module imports :mod:`lightning`; the core package does not (``ompmoe.CalibrationDataModule``
-is resolved lazily).
-"""
+"""Calibration data as a Lightning DataModule over :mod:`ompmoe.data.sources` (imported lazily by ``ompmoe``)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -61,9 +58,7 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_from = self._resume_from, 0
         self._batches_yielded = start
-        for index, batch in enumerate(super().__iter__()):
-            if index < start:
-                continue
+        for index, batch in itertools.islice(enumerate(super().__iter__()), start, None):
             self._batches_yielded = index + 1
             yield batch
 
@@ -75,47 +70,38 @@ class ResumableDataLoader(DataLoader):
 
 
 class CalibrationDataModule(pl.LightningDataModule):
-    """Calibration blocks for OMP-MoE statistics, built as in the paper (:mod:`ompmoe.data.sources`).
+    """Calibration blocks for OMP-MoE statistics, cut as in the paper (see :mod:`ompmoe.data.sources`).
 
-    Documents are read in order (shuffled first for the domain presets), each tokenized on its own
-    with ``add_special_tokens=False`` and no chat template, and concatenated into one token stream
-    with the tokenizer's eos token between documents (none for ``bytes``); blank documents are
-    skipped and reading stops once ``seq_len * num_blocks`` tokens are there. The first
-    ``num_blocks`` blocks of ``seq_len`` tokens are kept; too little text raises in ``setup``, before
-    any model work. Batches are ``{"input_ids": LongTensor(batch, seq_len), "attention_mask": ones}``
-    in block order. Offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``) or with the hub unreachable,
-    a hub data set missing from the local cache raises :class:`HubUnavailableError` at once.
+    The first ``num_blocks`` blocks of ``seq_len`` tokens of the documents' token stream (eos between
+    documents, no chat template); too little text raises in ``setup``, before any model work. Batches are
+    ``{"input_ids": LongTensor(batch, seq_len), "attention_mask": ones}`` in block order. A hub data set that
+    is not cached raises :class:`HubUnavailableError` at once when offline (``HF_HUB_OFFLINE`` or
+    ``HF_DATASETS_OFFLINE``) or with the hub unreachable.
 
     Args:
-        source: What to calibrate on. A preset: ``wikitext2`` (``wikitext``, ``wikitext-2-raw-v1``),
-            ``c4`` (``allenai/c4``, file ``en/c4-train.00000-of-01024.json.gz``), ``tulu-math``
-            (``allenai/tulu-3-sft-personas-math``, shuffled with seed 42; messages' contents as raw
-            text), ``evol-code`` (``theblackcat102/evol-codealpaca-v1``, shuffled with seed 42;
-            instruction + output) or ``shipped`` (Python docs text shipped with ompmoe, offline).
-            Or the calibration split of the shipped two-domain corpus (offline; the text the shipped
-            ``shipped:tiny-moe`` model was *not* trained on): ``shipped:prose`` (Python/IDLE
-            documentation), ``shipped:code`` (standard-library source) or ``shipped:mix`` (the first
-            ``ceil(num_blocks / 2)`` prose blocks and ``floor(num_blocks / 2)`` code blocks,
-            interleaved prose, code, prose, ...).
-            Or any hub data set as ``owner/name`` (field ``text_field``). Or a local file: ``.txt``
-            (the whole file is one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz``
-            (one document per record, field ``text_field``) or ``.parquet`` (same).
-        tokenizer: Hugging Face tokenizer name or local path (``AutoTokenizer.from_pretrained``), or
-            ``bytes`` (UTF-8 bytes, vocabulary 256) for the tiny demo models. If unset, the
-            ``tokenizer_name`` or else ``model_name_or_path`` attribute of the trainer's
-            LightningModule is used.
+        source: What to calibrate on. A preset: ``wikitext2`` (``wikitext-2-raw-v1``), ``c4`` (``allenai/c4``,
+            ``en/c4-train.00000-of-01024.json.gz``), ``tulu-math`` (``allenai/tulu-3-sft-personas-math``,
+            seed 42, messages as raw text), ``evol-code`` (``theblackcat102/evol-codealpaca-v1``, seed 42,
+            instruction + output) or ``shipped`` (Python docs text shipped with ompmoe). Or the shipped
+            corpus's calibration split (offline, not trained on): ``shipped:prose`` (Python/IDLE docs),
+            ``shipped:code`` (stdlib source) or ``shipped:mix`` (``ceil(num_blocks / 2)`` prose and
+            ``floor(num_blocks / 2)`` code blocks, interleaved). Or a hub data set as ``owner/name``. Or a
+            local file: ``.txt`` (one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz`` or
+            ``.parquet`` (one document per record, field ``text_field``).
+        tokenizer: Hugging Face tokenizer name or local path, or ``bytes`` (UTF-8 bytes, vocabulary 256) for
+            the tiny demo models. Unset: the ``tokenizer_name`` or else ``model_name_or_path`` attribute of
+            the trainer's LightningModule.
         seq_len: Tokens per calibration block (the paper: 4096).
         num_blocks: Number of blocks kept (the paper: 64); seq_len * num_blocks tokens in all.
         batch_size: Blocks per batch.
-        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub
-            name: local files (read instead of the hub, keeping the preset's text format and
-            shuffle, e.g. a downloaded copy of the preset's data) or, if they are not local paths,
+        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub name:
+            local files read instead of the hub (keeping the preset's text format and shuffle), or else
             file patterns inside the hub repository.
-        text_field: Column holding the text, for hub names and json/parquet files (default
-            ``text``); with a preset it replaces the preset's own text format.
+        text_field: Column holding the text, for hub names and json/parquet files (default ``text``); with
+            a preset it replaces the preset's own text format.
         split: Data set split to read.
-        seed: Shuffle the documents with this seed before reading (``datasets.Dataset.shuffle``).
-            Default: the preset's (42 for ``tulu-math`` and ``evol-code``), else no shuffle.
+        seed: Shuffle the documents with this seed before reading. Default: the preset's (42 for
+            ``tulu-math`` and ``evol-code``), else no shuffle.
         num_workers: DataLoader worker processes.
     """
 
@@ -168,13 +154,12 @@ class CalibrationDataModule(pl.LightningDataModule):
         """The raw-text documents in reading order (lazily, as the stream consumes them)."""
         return self._text.documents()
 
-    # ------------------------------------------------------------------------------- tokenizer
     def _tokenizer_name(self) -> str:
         if self.tokenizer:
             return self.tokenizer
         module = getattr(getattr(self, "trainer", None), "lightning_module", None)
         for attribute in ("tokenizer_name", "model_name_or_path"):
-            value = getattr(module, attribute, None) if module is not None else None
+            value = getattr(module, attribute, None)
             if value:
                 return str(value)
         raise ValueError(
@@ -212,7 +197,6 @@ class CalibrationDataModule(pl.LightningDataModule):
                 "setting recommended for the architecture)."
             ) from None
 
-    # ------------------------------------------------------------------------------- lightning
     def prepare_data(self) -> None:
         """Fetch a hub data set into the cache once (rank 0); fail early if it cannot be had."""
         if self._text is not None:

@@ -34,14 +34,12 @@ class CalibrationModule(pl.LightningModule):
     and :class:`ompmoe.CalibrationDataModule`.
 
     Args:
-        model: A Hugging Face model id or local path, ``tiny:<model_type>`` for a tiny random
-            model (offline tests and demos), ``shipped:tiny-moe`` for the small Qwen3-MoE trained
-            on Python docs and source that ships with ompmoe (offline), ``shipped:tiny-moe-64`` for
-            the fine-grained GLM-4.5-style one (64 experts, grouped sigmoid routing),
-            ``shipped:tiny-moe-a3b`` for the Qwen3-30B-A3B-style one (64 experts, top-8, softmax), or a
-            model instance.
+        model: A Hugging Face model id or local path, ``tiny:<model_type>`` (a tiny random model), a model
+            shipped with ompmoe (offline): ``shipped:tiny-moe`` (small Qwen3-MoE), ``shipped:tiny-moe-64``
+            (GLM-4.5-style, 64 experts, grouped sigmoid routing) or ``shipped:tiny-moe-a3b`` (Qwen3-30B-A3B-style,
+            64 experts, top-8), or a model instance.
         dtype: Weights dtype when loading (``bfloat16`` for the paper's runs); ``None`` keeps the
-            checkpoint's (float32 for ``shipped:tiny-moe``, whose weights are stored in bf16).
+            checkpoint's (float32 for shipped models, whose weights are stored in bf16).
         tokenizer: Tokenizer id or path saved with the pruned model; defaults to ``model``
             (``bytes`` for tiny models; ``shipped:<model>`` resolves to the shipped directory).
         trust_remote_code: Passed to ``from_pretrained``.
@@ -73,16 +71,12 @@ class CalibrationModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Load the model lazily so strategies such as FSDP can shard it as it is created."""
         if self.model is None:
-            self.model = self._load_model()
+            if self.model_name_or_path is None:
+                raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
+            self.model = load_model(self.model_name_or_path, self.torch_dtype, self.trust_remote_code)
         self.model.eval()
         if self.device_mesh is not None:
             shard_model(self.model, self.device_mesh)
-
-    def _load_model(self) -> nn.Module:
-        name = self.model_name_or_path
-        if name is None:
-            raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")
-        return load_model(name, self.torch_dtype, self.trust_remote_code)
 
     def train(self, mode: bool = True) -> CalibrationModule:
         # Lightning switches modules to train mode during fit; routers (Mixtral) jitter there.
@@ -95,27 +89,23 @@ class CalibrationModule(pl.LightningModule):
         return self.model(**inputs, use_cache=False)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._warn_beyond_positions(batch["input_ids"].shape[-1])
-        with torch.set_grad_enabled(self.needs_gradients):
-            self(**batch)
-
-    def _warn_beyond_positions(self, seq_len: int) -> None:
-        """Once: blocks longer than the model's positions calibrate on positions it never trained on."""
+        # Once: blocks longer than the model's positions calibrate on positions it never trained on.
+        seq_len = batch["input_ids"].shape[-1]
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and seq_len > limit and not getattr(self, "_warned_positions", False):
             self._warned_positions = True
             warnings.warn(f"Calibration blocks of {seq_len} tokens exceed the model's max_position_embeddings "
                           f"({limit}); statistics past position {limit} describe inputs the model was not trained on. "
-                          f"Set the data module's seq_len to {limit} or less.", UserWarning, stacklevel=2)
+                          f"Set the data module's seq_len to {limit} or less.", UserWarning)
+        with torch.set_grad_enabled(self.needs_gradients):
+            self(**batch)
 
     def configure_optimizers(self) -> list:
-        # An empty list, not None: Lightning warns about None ("this fit will run with no optimizer"),
-        # which is exactly what a forward-only calibration fit means to do.
+        # An empty list, not None: Lightning warns about None, yet no optimizer is the point of this fit.
         return []
 
     def on_fit_start(self) -> None:
-        # Lightning warns at the start of training about modules in eval mode; here that is the
-        # design (see ``train``), so this one message is ignored until training has started.
+        # Lightning warns about modules in eval mode at the start of training; here that is the design.
         warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
         self._eval_mode_filter = warnings.filters[0]
 

@@ -1,8 +1,8 @@
-"""Fine-tuning data: training blocks as in calibration, plus held-out validation blocks per domain.
+"""Fine-tuning data: training blocks as in calibration, plus one validation set per domain.
 
-Fine-tuning a pruned model on a mix of domains can help one and hurt another (on the shipped
-model, code improved while held-out prose perplexity rose); one validation set per domain,
-logged as ``val_loss/<name>`` and ``val_ppl/<name>`` by :class:`ompmoe.FinetuneModule`, shows it.
+Fine-tuning on a mix of domains can help one and hurt another (on the shipped model, code improved while
+held-out prose perplexity rose); :class:`ompmoe.FinetuneModule` logs ``val_loss/<name>`` and ``val_ppl/<name>``
+per set to show it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -27,20 +28,14 @@ SHIPPED_DEFAULT_SOURCE = "train:mix"
 
 
 def shipped_origin(model: Any) -> str | None:
-    """``shipped:<name>`` when ``model`` is a shipped model or was pruned from one, else ``None``.
-
-    ``model``: a name or path (``shipped:tiny-moe``, a checkpoint written by :func:`ompmoe.save_pruned`)
-    or a model instance; a pruned model's record names the model its statistics came from.
-    """
+    """``shipped:<name>`` when ``model`` (a name, a path saved by :func:`ompmoe.save_pruned` or an instance) is a
+    shipped model or was pruned from one (its record names the model its statistics came from), else ``None``."""
     if isinstance(model, str) and model.startswith("shipped:"):
         return model
-    record = None
     if isinstance(model, (str, os.PathLike)):
-        config = os.path.join(os.fspath(model), "config.json")
-        if os.path.isfile(config):
-            with open(config, encoding="utf-8") as file:
-                record = json.load(file).get("ompmoe")
-    elif model is not None:
+        config = Path(model, "config.json")
+        record = json.loads(config.read_text(encoding="utf-8")).get("ompmoe") if config.is_file() else None
+    else:
         record = getattr(getattr(model, "config", None), "ompmoe", None)
     origin = ((record or {}).get("plan") or {}).get("model_id")
     return origin if isinstance(origin, str) and origin.startswith("shipped:") else None
@@ -64,12 +59,10 @@ class FinetuneDataModule(CalibrationDataModule):
         source: Training text: any ``CalibrationDataModule`` source, or ``train:prose`` / ``train:code`` /
             ``train:mix`` (the shipped corpus's train split). ``None`` (default): :func:`default_source` of
             the attached module's model, i.e. ``train:mix`` for a shipped model or one pruned from it.
-        val_sources: Validation sets, each named by its entry: any ``CalibrationDataModule`` source
-            (a preset, hub name or local file), or ``heldout:prose`` / ``heldout:code`` (the held-out
-            split of the shipped corpus). Empty: no validation. The default, the shipped corpus's
-            calibration split (``shipped:prose``, ``shipped:code``), is neither trained on (``train:*``)
-            nor what held-out perplexity is reported on (``heldout:*``), so the best state it picks
-            does not flatter the reported numbers.
+        val_sources: Validation sets, each named by its entry: any ``CalibrationDataModule`` source, or
+            ``heldout:prose`` / ``heldout:code`` (the shipped corpus's held-out split); empty: no validation.
+            The default, the corpus's calibration split, is neither trained on nor reported on (``heldout:*``),
+            so the best state it picks does not flatter the reported numbers.
         val_blocks: Blocks of ``seq_len`` tokens in each validation set.
         **kwargs: The other ``CalibrationDataModule`` arguments (``tokenizer``, ``seq_len``,
             ``num_blocks``, ``batch_size``, ...).
@@ -90,7 +83,8 @@ class FinetuneDataModule(CalibrationDataModule):
         self.val_sources = list(val_sources)
         for name in self.val_sources:
             if name.startswith(HELDOUT_PREFIX) and name not in HELDOUT_CORPUS:
-                raise ValueError(f"Unknown held-out set {name!r}; use one of {', '.join(HELDOUT_CORPUS)} or a data source.")
+                raise ValueError(f"Unknown held-out set {name!r}; use one of {', '.join(HELDOUT_CORPUS)} or a data "
+                                 "source.")
         if len(set(self.val_sources)) != len(self.val_sources):
             raise ValueError(f"val_sources names a set twice: {self.val_sources}.")
         self.val_blocks = val_blocks

@@ -1,30 +1,7 @@
-"""A LightningModule that fine-tunes a pruned MoE (full or LoRA) with the causal-LM loss.
+"""A LightningModule that fine-tunes a pruned MoE (full or LoRA) with the causal-LM loss (recipe: ``docs/recipes.md``).
 
-The fine-tuning counterpart of :class:`ompmoe.CalibrationModule`: the same Trainer and
-``FinetuneDataModule`` (training blocks, validation sets per domain) continue from a pruned model;
-the measured recipe (``docs/recipes.md``, ``benchmarks/finetune_recovery.py``)::
-
-    python -m ompmoe.lightning.finetune_module fit --model.model outputs/tiny/model --model.save_dir outputs/tiny-ft \
-        --model.teacher shipped:tiny-moe --model.distill_weight 1.0 --model.lora_rank 8 --model.learning_rate 1e-3 --model.warmup_steps 5 \
-        --data.tokenizer outputs/tiny/model --data.seq_len 256 --data.num_blocks 800 --data.batch_size 4 \
-        --data.val_sources '[shipped:prose,shipped:code]' --data.val_blocks 4 \
-        --trainer.max_epochs 1 --trainer.val_check_interval 0.25 --trainer.accelerator cpu --trainer.logger false
-
-The best state on the mean validation loss (the starting model included) is restored at the end
-of training (``keep_best``), so the saved model is never worse on it than the one the fit began with.
-
-The loss is :func:`ompmoe.recipes.finetune.causal_lm_loss`: next-token cross-entropy plus, when the
-model's config sets ``output_router_logits`` (or ``aux_loss_coef`` is given), the per-layer
-load-balancing loss of :func:`ompmoe.recipes.finetune.load_balancing_loss`, which unlike transformers'
-own aux loss works when layers kept different numbers of experts.
-
-LoRA (``lora_rank > 0``, needs ``peft``) adapts every ``nn.Linear`` of the attention blocks
-(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, or DeepSeek's ``q_a_proj``/``q_b_proj``/
-``kv_a_proj_with_mqa``/``kv_b_proj``) and, with ``lora_experts=True``, the fused 3-D routed-expert
-weights through PEFT's ``target_parameters`` (one rank-``r`` update per expert). Routers, norms,
-embeddings and the LM head stay frozen. At the end of the fit the adapters are merged into the
-weights and, with ``save_dir``, the plain model is written with :func:`ompmoe.save_pruned`, so
-:func:`ompmoe.load_pruned` loads it like any pruned checkpoint.
+LoRA adapters are merged at the end of the fit, so the model written to ``save_dir`` loads with
+:func:`ompmoe.load_pruned` like any pruned checkpoint.
 """
 
 from __future__ import annotations
@@ -43,25 +20,16 @@ from ..recipes.finetune import LossParts, causal_lm_loss, moe_routers, router_au
 
 def attention_linear_names(model: nn.Module) -> list[str]:
     """Leaf names of the ``nn.Linear`` modules inside attention blocks (``self_attn``), sorted."""
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and ".self_attn." in f".{name}"
-    }
-    return sorted(names)
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and ".self_attn." in f".{name}"})
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Suffixes ``experts.<name>`` of the fused 3-D routed-expert weights (PEFT ``target_parameters``)."""
     from ..engine.adapters import find_moe_layers
 
-    names = {
-        f"experts.{name}"
-        for layer in find_moe_layers(model)
-        for name, parameter in layer.experts.named_parameters(recurse=False)
-        if parameter.dim() == 3
-    }
-    return sorted(names)
+    return sorted({f"experts.{name}" for layer in find_moe_layers(model)
+                   for name, parameter in layer.experts.named_parameters(recurse=False) if parameter.dim() == 3})
 
 
 class FinetuneModule(pl.LightningModule):
@@ -72,25 +40,23 @@ class FinetuneModule(pl.LightningModule):
             any per-layer expert counts), a hub id, ``tiny:<model_type>``, or a model instance.
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
-        lora_rank: 0 for a full fine-tune; otherwise the LoRA rank (needs ``peft``).
+        lora_rank: 0 for a full fine-tune; otherwise the LoRA rank (needs ``peft``) of the attention ``nn.Linear``
+            modules; routers, norms, embeddings and the LM head stay frozen.
         lora_alpha: LoRA scaling numerator (default ``2 * lora_rank``).
         lora_dropout: Dropout on the LoRA input.
         lora_experts: Also adapt the fused routed-expert weights (PEFT ``target_parameters``).
-        aux_loss_coef: Weight of the per-layer load-balancing loss; ``None`` takes the model's
-            ``router_aux_loss_coef`` when ``config.output_router_logits`` is set, else 0.
-        per_layer_aux_loss: ``True``: mean of each layer's loss (any expert counts). ``False``:
-            transformers' pooled value (uniform counts only).
+        aux_loss_coef: Weight of the load-balancing loss; ``None``: the model's ``router_aux_loss_coef`` when
+            ``config.output_router_logits`` is set, else 0.
+        per_layer_aux_loss: Mean of each layer's loss (any expert counts); ``False``: transformers' pooled
+            value (uniform counts only).
         dtype: Weights dtype when loading (``None`` keeps the checkpoint's).
         tokenizer: Tokenizer name for ``CalibrationDataModule`` (``bytes`` for tiny models).
-        teacher: The unpruned model to distill from (a name or path as ``model``, or an instance):
-            the training loss becomes ``(1 - distill_weight) * lm_loss + distill_weight * KL(teacher ||
-            model)`` per token. ``None``: no distillation.
+        teacher: The unpruned model to distill from (as ``model``): the loss becomes ``(1 - distill_weight) *
+            lm_loss + distill_weight * KL(teacher || model)`` per token. ``None``: no distillation.
         distill_weight: Weight of the distillation term (used only with ``teacher``).
         warmup_steps: Linear learning-rate warm-up over this many optimizer steps (0: constant rate).
-        keep_best: Track the mean validation loss (mean over the validation sets), starting with the
-            model before training, and at the end of training restore the best state if the last is
-            worse (a warning says so). Keeps one copy of the trainable parameters. Needs validation
-            data; without it, nothing is tracked.
+        keep_best: At the end of training, restore the state (the starting model included) with the best mean
+            validation loss if the last is worse, with a warning; keeps one copy of the trainable parameters.
         save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
         overwrite: Replace an existing ``save_dir``.
         trust_remote_code: Passed to ``from_pretrained``.
@@ -164,12 +130,14 @@ class FinetuneModule(pl.LightningModule):
         # Kept out of the module tree: it is ``self.model`` itself or the model inside its PEFT wrapper.
         self.__dict__["_hf_model"] = model
 
-    # ------------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
         if self._hf_model is not None:
             return
         if self.model is None:
-            self.model = self._load_model()
+            if not self.model_name_or_path:
+                raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model "
+                                 "instance.")
+            self.model = load_model(self.model_name_or_path, self.torch_dtype, self.trust_remote_code)
         self._set_hf_model(self.model)
         self._routers = moe_routers(self.model)  # before PEFT replaces the experts modules
         if self.lora_rank > 0:
@@ -183,27 +151,20 @@ class FinetuneModule(pl.LightningModule):
         if self._teacher is None:
             self.__dict__["_teacher"] = load_model(str(self.teacher_name_or_path), self.torch_dtype,
                                                    self.trust_remote_code)
-        teacher = self._teacher.eval().requires_grad_(False)
-        return teacher.to(self.device)
+        return self._teacher.eval().requires_grad_(False).to(self.device)
 
     def distillation_loss(self, batch: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Mean per-token ``KL(teacher || model)`` of the next-token distributions (padding left out)."""
+        mask = batch.get("attention_mask")
         with torch.no_grad():
-            teacher_logits = self.teacher_model()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                                                  use_cache=False).logits
+            teacher = self.teacher_model()
+            teacher_logits = teacher(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits
         target = torch.log_softmax(teacher_logits.float(), dim=-1)
         per_token = (target.exp() * (target - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
-        mask = batch.get("attention_mask")
         if mask is None:
             return per_token.mean()
         mask = mask.to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum()
-
-    def _load_model(self) -> nn.Module:
-        name = self.model_name_or_path
-        if not name:
-            raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model instance.")
-        return load_model(name, self.torch_dtype, self.trust_remote_code)
 
     def _with_lora(self, model: nn.Module) -> nn.Module:
         try:
@@ -249,12 +210,9 @@ class FinetuneModule(pl.LightningModule):
 
         save_pruned(self.merged_model(), path, tokenizer=tokenizer, overwrite=overwrite)
 
-    # ------------------------------------------------------------------------------------- loss
     @property
     def aux_coef(self) -> float:
-        if self.aux_loss_coef is not None:
-            return float(self.aux_loss_coef)
-        return router_aux_coef(self.hf_model.config)
+        return float(self.aux_loss_coef) if self.aux_loss_coef is not None else router_aux_coef(self.hf_model.config)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> LossParts:
         """Causal-LM loss (+ per-layer load-balancing loss) of one batch."""
@@ -277,26 +235,31 @@ class FinetuneModule(pl.LightningModule):
             self.log("train_aux_loss", parts.aux_loss, batch_size=size)
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+    def _add_loss(self, sums: dict[int, list[float]], index: int, batch: dict[str, torch.Tensor]) -> LossParts:
+        """The loss of one validation batch, added to ``sums[index]`` as ``[loss * blocks, blocks]``."""
         parts = self.compute_loss(batch)
-        sums = self._val_sums.setdefault(dataloader_idx, [0.0, 0.0])
-        sums[0] += float(parts.lm_loss) * batch["input_ids"].shape[0]
-        sums[1] += batch["input_ids"].shape[0]
-        self.log(self._val_key("val_loss", dataloader_idx), parts.lm_loss, prog_bar=True,
-                 batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
+        size = batch["input_ids"].shape[0]
+        total = sums.setdefault(index, [0.0, 0.0])
+        total[0] += float(parts.lm_loss) * size
+        total[1] += size
+        return parts
 
-    def _val_key(self, metric: str, dataloader_idx: int) -> str:
-        """``val_loss``, or ``val_loss/<name>`` per validation set of a :class:`ompmoe.FinetuneDataModule`."""
-        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None)
-        return f"{metric}/{names[dataloader_idx]}" if names else metric
+    def _val_names(self) -> list[str]:
+        """The validation sets' names of a :class:`ompmoe.FinetuneDataModule` (``val_loss/<name>``), else none."""
+        return getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        parts = self._add_loss(self._val_sums, dataloader_idx, batch)
+        names = self._val_names()
+        self.log(f"val_loss/{names[dataloader_idx]}" if names else "val_loss", parts.lm_loss, prog_bar=True,
+                 batch_size=batch["input_ids"].shape[0], sync_dist=True, add_dataloader_idx=False)
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
 
     def on_validation_epoch_end(self) -> None:
         # Blocks are equally long and unpadded, so exp(mean loss) is each set's token perplexity.
-        names = getattr(getattr(self.trainer, "datamodule", None), "val_names", None) or []
-        for name in names:
+        for name in self._val_names():
             loss = self.trainer.callback_metrics.get(f"val_loss/{name}")
             if loss is not None:
                 self.log(f"val_ppl/{name}", torch.exp(loss), add_dataloader_idx=False)
@@ -306,15 +269,11 @@ class FinetuneModule(pl.LightningModule):
                 self.log("val_loss/mean", mean, add_dataloader_idx=False)
             self._candidate(mean)
 
-    # -------------------------------------------------------------------------- best state
     def _mean_validation_loss(self, sums: dict[int, list[float]]) -> float:
         """Mean over the validation sets of each set's mean per-block loss (summed over ranks)."""
         totals = torch.tensor([sums[i] for i in sorted(sums)], dtype=torch.float64, device=self.device)
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         return float((totals[:, 0] / totals[:, 1]).mean())
-
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
     def _candidate(self, mean: float) -> None:
         """Record the current state's mean validation loss; keep a copy of it if it is the best so far."""
@@ -325,7 +284,8 @@ class FinetuneModule(pl.LightningModule):
             return  # this state was already evaluated
         self.validation_history.append((step, mean))
         if self._best is None or mean < self._best[1]:
-            self._best = (step, mean, self._trainable_state())
+            self._best = (step, mean, {name: value.detach().clone() for name, value in self.model.named_parameters()
+                                       if value.requires_grad})
 
     @torch.no_grad()
     def _validate_now(self) -> None:
@@ -342,13 +302,9 @@ class FinetuneModule(pl.LightningModule):
         sums: dict[int, list[float]] = {}
         for index, (loader, limit) in enumerate(zip(loaders, limits)):
             for number, batch in enumerate(loader):
-                if number >= limit:
+                if number >= limit:  # may be inf
                     break
-                batch = self.transfer_batch_to_device(batch, self.device, index)
-                size = batch["input_ids"].shape[0]
-                sums.setdefault(index, [0.0, 0.0])
-                sums[index][0] += float(self.compute_loss(batch).lm_loss) * size
-                sums[index][1] += size
+                self._add_loss(sums, index, self.transfer_batch_to_device(batch, self.device, index))
         self.model.train(was_training)
         if sums:
             self._candidate(self._mean_validation_loss(sums))

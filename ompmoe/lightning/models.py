@@ -1,9 +1,5 @@
-"""Model names as users give them: hub ids, local paths, ``tiny:<model_type>`` and ``shipped:<name>``.
-
-One place for what the calibration, fine-tuning and evaluation modules all need: load the model
-(pruned checkpoints with any per-layer expert counts included), read its config without
-weights, and pick the tokenizer that goes with it.
-"""
+"""Model names as users give them (hub ids, local paths, ``tiny:<model_type>``, ``shipped:<name>``): load the
+model or its config and pick its tokenizer, for the calibration, fine-tuning and evaluation modules."""
 
 from __future__ import annotations
 
@@ -14,11 +10,10 @@ import torch
 from torch import nn
 
 from ..data import resolve_shipped
+from ..data.sources import BYTES as BYTES_TOKENIZER, require_hub_model
 
 TINY_PREFIX = "tiny:"
 """``tiny:<model_type>``: a tiny random model of a supported architecture (offline tests and demos)."""
-BYTES_TOKENIZER = "bytes"
-"""Tokenizer name of the tiny models: UTF-8 bytes as token ids."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -40,8 +35,6 @@ def resolve_model(name: str) -> str:
     shipped name, a local path that does not exist, or a hub id that is neither cached nor reachable."""
     path = resolve_shipped(name)
     if path == name and not Path(name).expanduser().exists():
-        from ..data.sources import require_hub_model
-
         require_hub_model(name)
     return path
 
@@ -49,8 +42,7 @@ def resolve_model(name: str) -> str:
 def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM named ``name``; checkpoints pruned by ompmoe load with their per-layer counts.
 
-    ``dtype=None`` keeps the checkpoint's dtype, except for shipped models (stored in bf16 for
-    size only), which load in float32.
+    ``dtype=None`` keeps the checkpoint's dtype, except for shipped models (bf16 on disk for size only): float32.
     """
     if is_tiny(name):
         from ..engine.tiny import tiny_model
