@@ -214,15 +214,21 @@ def offline_mode() -> bool:
     return any(flag in _TRUE for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
-def hub_reachable() -> bool:
-    """One HEAD request to the hub endpoint (proxies honoured), no retries."""
-    try:
-        from huggingface_hub import constants, get_session
+_ANSWERED: set[str] = set()  # hub endpoints that answered in this process: a model name checked twice costs one probe
 
-        get_session().head(constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
+
+def hub_reachable() -> bool:
+    """One HEAD request to the hub endpoint (proxies honoured), no retries; once it answered, no more requests."""
+    from huggingface_hub import constants, get_session
+
+    if constants.ENDPOINT in _ANSWERED:
         return True
+    try:
+        get_session().head(constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
     except Exception:  # any transport failure: DNS, refused, timeout, proxy
         return False
+    _ANSWERED.add(constants.ENDPOINT)
+    return True
 
 
 def require_hub_model(repo_id: str) -> None:

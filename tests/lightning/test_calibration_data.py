@@ -309,6 +309,39 @@ def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
     assert time.perf_counter() - start < 5
 
 
+def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
+    """CalibrationModule checks the name when built and load_model again: one HEAD request once the hub answered,
+    a new one each time while it does not."""
+    import huggingface_hub
+
+    import ompmoe.data.sources as module
+    from ompmoe.lightning.models import resolve_model
+
+    heads = []
+
+    class Session:
+        reachable = True
+
+        def head(self, url, timeout):
+            heads.append((url, timeout))
+            if not self.reachable:
+                raise ConnectionError("refused")
+
+    session = Session()
+    monkeypatch.setattr(module, "_ANSWERED", set())
+    monkeypatch.setattr(module, "offline_mode", lambda: False)
+    monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename: None)
+    session.reachable = False
+    for _ in range(2):
+        with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
+            resolve_model("someone/moe")
+    assert len(heads) == 2
+    session.reachable = True
+    assert [resolve_model("someone/moe") for _ in range(2)] == ["someone/moe", "someone/moe"]
+    assert len(heads) == 3 and heads[-1][1] == module._PROBE_TIMEOUT_S
+
+
 def test_source_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Unknown calibration source 'wikitext'.*wikitext2.*owner/name"):
         CalibrationDataModule("wikitext")
