@@ -89,7 +89,7 @@ class ExpertPruning(Callback):
         choice_blocks: With ``auto`` on a layout with several settings: blocks of calibration text (the data
             module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
             (:func:`ompmoe.choose_plan`). ``None``: the data module's default; ``0`` (or a data module
-            without ``choice_blocks``): the layout's first setting.
+            without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
     """
 
     def __init__(

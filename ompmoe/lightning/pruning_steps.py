@@ -103,12 +103,15 @@ def choice_data(strategy: Strategy, datamodule: Any, num_blocks: int | None, own
                 model_type: str | None) -> torch.Tensor | None:
     """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no trial).
 
-    Cut before the statistics pass, so too little text fails before any model work. A data module without
-    ``choice_blocks(n)`` gets a warning naming the fallback; ``num_blocks=None`` takes the data module's default.
+    Cut before the statistics pass, so too little text fails before any model work. ``num_blocks=None`` takes the
+    data module's default; a data module without ``choice_blocks(n)`` (a plain DataLoader) means the layout's first
+    setting, with a warning only when ``num_blocks`` was asked for.
     """
     if num_blocks == 0 or not tries_candidates(strategy, model_type):
         return None
     if not callable(getattr(datamodule, "choice_blocks", None)):
+        if num_blocks is None:
+            return None
         rank_zero_warn(
             f"{owner}: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, but the data "
             f"module ({type(datamodule).__name__}) has no choice_blocks(n) (ompmoe.CalibrationDataModule has); using "

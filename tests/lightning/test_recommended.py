@@ -107,6 +107,17 @@ def test_auto_without_blocks_to_try_its_candidates_on_says_so_and_takes_the_reco
     assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == ("omp_normalized", "loss")
 
 
+def test_the_default_callback_on_a_plain_dataloader_takes_the_recommended_setting_without_a_warning(recwarn,
+                                                                                                    monkeypatch):
+    logged = []
+    monkeypatch.setattr(ompmoe.callbacks.pruning, "rank_zero_info", logged.append)
+    callback = ExpertPruning()
+    trainer(callbacks=[callback]).fit(CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2), batch_size=2))
+    assert [str(w.message) for w in recwarn if "choice_blocks" in str(w.message)] == []
+    assert callback.choice is None and (callback.plan.method, callback.plan.allocation) == ("omp_normalized", "loss")
+    assert logged[0].endswith("(method and allocation 'auto': recommended for qwen3_moe, docs/quality/intervals.md)")
+
+
 def test_a_layout_with_one_setting_takes_it_without_a_trial_or_a_warning(recwarn):
     data = ompmoe.CalibrationDataModule("shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2)
     callback = ExpertPruning()
