@@ -72,24 +72,28 @@ class ExpertPruning(Callback):
         overwrite: Replace an existing ``output_dir``.
         save_model: Also save the pruned model (and its tokenizer) under ``output_dir/model``.
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
-        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json``.
+        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json`` (prune them
+            later with ``ompmoe prune``).
         plots: Also write the plots of :mod:`ompmoe.recipes.plots` under ``output_dir/plots`` (needs matplotlib).
         adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon (the saved
             model carries it; log its counters with :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`).
         tokenizer: Tokenizer (hub id or path) saved with the model. Default: the LightningModule's
-            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's source.
+            ``tokenizer``/``tokenizer_name``, else the data module's ``tokenizer``, else the model's source; a
+            warning names this argument when none is found.
         dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the source checkpoint's.
         loss_aware: Also collect the loss-aware sums of :mod:`ompmoe.engine.loss_stats` (one backward per batch
             to the MoE outputs; the module's forward must run with gradients, as ``CalibrationModule`` does).
-        reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (for ``omp_reroute``).
-        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`).
+        reroute: Also collect the rerouting-aware Grams of :mod:`ompmoe.engine.reroute_stats` (for ``omp_reroute``;
+            one more router call and one expert evaluation per token).
+        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`;
+            ``loss_aware`` and ``reroute`` are shorthands for two of them).
         evaluate_on: Held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source) on which rank 0
             prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned``.
         evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
         choice_blocks: With ``auto`` on a layout with several settings: blocks of calibration text (the data
             module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
-            (:func:`ompmoe.choose_plan`). ``None``: the data module's default; ``0`` (or a data module
-            without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
+            (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth); ``0`` (or a
+            data module without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
     """
 
     def __init__(

@@ -74,8 +74,9 @@ class LMEvalDataModule(pl.LightningDataModule):
     process or many (up to float rounding; this bridge's log-softmax is float32 even with bf16 weights).
 
     Args:
-        suites: Paper suites by name (:data:`ompmoe.eval.SUITES`), or ``paper`` for all of them; each
-            runs with its own paper settings.
+        suites: Paper suites by name (:data:`ompmoe.eval.SUITES`): ``zeroshot8``, ``gsm8k``, ``bbh``, ``longbench``,
+            ``humaneval``, ``wikitext2``, ``c4``, ``perplexity``, or ``paper`` for all of them; each runs with its own
+            paper settings.
         tasks: Any lm-eval task or group names (or task YAML paths), run with this module's settings.
         include_path: Extra directories of lm-eval task configs (``TaskManager(include_path=...)``).
         num_fewshot: Few-shot count for ``tasks`` (``None``: each task's own default).

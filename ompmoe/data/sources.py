@@ -9,8 +9,10 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import math
 import os
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -214,20 +216,21 @@ def offline_mode() -> bool:
     return any(flag in _TRUE for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
-_ANSWERED: set[str] = set()  # hub endpoints that answered in this process: a model name checked twice costs one probe
+_ANSWER_KEPT_S = 60.0  # a hub that answered is taken as reachable this long: one probe for a name checked twice
+_ANSWERED: dict[str, float] = {}  # endpoint -> time.monotonic() of its last answer
 
 
 def hub_reachable() -> bool:
-    """One HEAD request to the hub endpoint (proxies honoured), no retries; once it answered, no more requests."""
+    """One HEAD request to the hub endpoint (proxies honoured), no retries; none while its last answer is recent."""
     from huggingface_hub import constants, get_session
 
-    if constants.ENDPOINT in _ANSWERED:
+    if time.monotonic() - _ANSWERED.get(constants.ENDPOINT, -math.inf) < _ANSWER_KEPT_S:
         return True
     try:
         get_session().head(constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
     except Exception:  # any transport failure: DNS, refused, timeout, proxy
         return False
-    _ANSWERED.add(constants.ENDPOINT)
+    _ANSWERED[constants.ENDPOINT] = time.monotonic()
     return True
 
 

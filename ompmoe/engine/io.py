@@ -395,13 +395,16 @@ def atomic_path(
             _remove(tmp)
         if lock is not None:
             lock.release()  # before the directories it lives in are removed
+            lock = None
         for made in reversed(created):
             try:
                 made.rmdir()
             except OSError:
                 break
         raise
-    lock.release()
+    finally:
+        if lock is not None:  # also when the clean-up above itself fails
+            lock.release()
 
 
 def _make_parents(directory: Path) -> list[Path]:

@@ -56,7 +56,8 @@ class PruningStrategy:
     Args:
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
         method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's), or ``auto``: the setting measured best
-            for the model's layout (where several, the one with the lowest held-out calibration loss).
+            for the model's layout (where several, the one with the lowest held-out calibration loss; :meth:`plan`
+            alone, with no model to try plans on, takes the first).
         allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's), or ``auto``.
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
@@ -107,8 +108,10 @@ class PruningStrategy:
     def plan(self, stats: MoEStats) -> PruningPlan:
         if AUTO in (self.method, self.allocation):
             return self.resolved(stats.model_type).plan(stats)
-        return plan_pruning(stats, self.ratio, self.method, self.allocation, self.risk_weight, self.min_kept_fraction,
-                            self.max_kept_fraction, self.zeta, self.method_options or None)
+        return plan_pruning(stats, self.ratio, method=self.method, allocation=self.allocation,
+                            risk_weight=self.risk_weight, min_kept_fraction=self.min_kept_fraction,
+                            max_kept_fraction=self.max_kept_fraction, zeta=self.zeta,
+                            method_options=self.method_options or None)
 
 
 def strategy_for(method: str, **kwargs: Any) -> PruningStrategy:

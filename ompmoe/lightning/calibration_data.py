@@ -70,38 +70,47 @@ class ResumableDataLoader(DataLoader):
 
 
 class CalibrationDataModule(pl.LightningDataModule):
-    """Calibration blocks for OMP-MoE statistics, cut as in the paper (see :mod:`ompmoe.data.sources`).
+    """Calibration blocks for OMP-MoE statistics, built as in the paper (:mod:`ompmoe.data.sources`).
 
-    The first ``num_blocks`` blocks of ``seq_len`` tokens of the documents' token stream (eos between
-    documents, no chat template); too little text raises in ``setup``, before any model work. Batches are
-    ``{"input_ids": LongTensor(batch, seq_len), "attention_mask": ones}`` in block order. A hub data set that
-    is not cached raises :class:`HubUnavailableError` at once when offline (``HF_HUB_OFFLINE`` or
-    ``HF_DATASETS_OFFLINE``) or with the hub unreachable.
+    Documents are read in order (shuffled first for the domain presets), each tokenized on its own
+    with ``add_special_tokens=False`` and no chat template, and concatenated into one token stream
+    with the tokenizer's eos token between documents (none for ``bytes``); blank documents are
+    skipped and reading stops once ``seq_len * num_blocks`` tokens are there. The first
+    ``num_blocks`` blocks of ``seq_len`` tokens are kept; too little text raises in ``setup``, before
+    any model work. Batches are ``{"input_ids": LongTensor(batch, seq_len), "attention_mask": ones}``
+    in block order. Offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``) or with the hub unreachable,
+    a hub data set missing from the local cache raises :class:`HubUnavailableError` at once.
 
     Args:
-        source: What to calibrate on. A preset: ``wikitext2`` (``wikitext-2-raw-v1``), ``c4`` (``allenai/c4``,
-            ``en/c4-train.00000-of-01024.json.gz``), ``tulu-math`` (``allenai/tulu-3-sft-personas-math``,
-            seed 42, messages as raw text), ``evol-code`` (``theblackcat102/evol-codealpaca-v1``, seed 42,
-            instruction + output) or ``shipped`` (Python docs text shipped with ompmoe). Or the shipped
-            corpus's calibration split (offline, not trained on): ``shipped:prose`` (Python/IDLE docs),
-            ``shipped:code`` (stdlib source) or ``shipped:mix`` (``ceil(num_blocks / 2)`` prose and
-            ``floor(num_blocks / 2)`` code blocks, interleaved). Or a hub data set as ``owner/name``. Or a
-            local file: ``.txt`` (one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz`` or
-            ``.parquet`` (one document per record, field ``text_field``).
-        tokenizer: Hugging Face tokenizer name or local path, or ``bytes`` (UTF-8 bytes, vocabulary 256) for
-            the tiny demo models. Unset: the ``tokenizer_name`` or else ``model_name_or_path`` attribute of
-            the trainer's LightningModule.
+        source: What to calibrate on. A preset: ``wikitext2`` (``wikitext``, ``wikitext-2-raw-v1``),
+            ``c4`` (``allenai/c4``, file ``en/c4-train.00000-of-01024.json.gz``), ``tulu-math``
+            (``allenai/tulu-3-sft-personas-math``, shuffled with seed 42; messages' contents as raw
+            text), ``evol-code`` (``theblackcat102/evol-codealpaca-v1``, shuffled with seed 42;
+            instruction + output) or ``shipped`` (Python docs text shipped with ompmoe, offline).
+            Or the calibration split of the shipped two-domain corpus (offline; the text the shipped
+            ``shipped:tiny-moe`` model was *not* trained on): ``shipped:prose`` (Python/IDLE
+            documentation), ``shipped:code`` (standard-library source) or ``shipped:mix`` (the first
+            ``ceil(num_blocks / 2)`` prose blocks and ``floor(num_blocks / 2)`` code blocks,
+            interleaved prose, code, prose, ...).
+            Or any hub data set as ``owner/name`` (field ``text_field``). Or a local file: ``.txt``
+            (the whole file is one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz``
+            (one document per record, field ``text_field``) or ``.parquet`` (same).
+        tokenizer: Hugging Face tokenizer name or local path (``AutoTokenizer.from_pretrained``), or
+            ``bytes`` (UTF-8 bytes, vocabulary 256) for the tiny demo models. If unset, the
+            ``tokenizer_name`` or else ``model_name_or_path`` attribute of the trainer's
+            LightningModule is used.
         seq_len: Tokens per calibration block (the paper: 4096).
         num_blocks: Number of blocks kept (the paper: 64); seq_len * num_blocks tokens in all.
         batch_size: Blocks per batch.
-        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub name:
-            local files read instead of the hub (keeping the preset's text format and shuffle), or else
+        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub
+            name: local files (read instead of the hub, keeping the preset's text format and
+            shuffle, e.g. a downloaded copy of the preset's data) or, if they are not local paths,
             file patterns inside the hub repository.
-        text_field: Column holding the text, for hub names and json/parquet files (default ``text``); with
-            a preset it replaces the preset's own text format.
+        text_field: Column holding the text, for hub names and json/parquet files (default
+            ``text``); with a preset it replaces the preset's own text format.
         split: Data set split to read.
-        seed: Shuffle the documents with this seed before reading. Default: the preset's (42 for
-            ``tulu-math`` and ``evol-code``), else no shuffle.
+        seed: Shuffle the documents with this seed before reading (``datasets.Dataset.shuffle``).
+            Default: the preset's (42 for ``tulu-math`` and ``evol-code``), else no shuffle.
         num_workers: DataLoader worker processes.
     """
 

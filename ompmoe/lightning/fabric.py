@@ -102,12 +102,26 @@ class FabricCalibration:
 
     Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any
     Fabric precision; FSDP1 (``strategy="fsdp"``) is refused. ``output_dir``, the ratio and the strategy's
-    statistics are checked here, before any forward pass. The arguments not listed below are as in
-    :class:`~ompmoe.callbacks.ExpertPruning` (``tokenizer`` may also be a tokenizer object).
+    statistics are checked here, before any forward pass.
 
     Args:
         fabric: The launched :class:`lightning.fabric.Fabric`.
         model: The model ``fabric.setup`` returned (a Hugging Face MoE causal LM inside).
+        strategy: What to prune; defaults to ``PruningStrategy(method="auto", allocation="auto")`` (ratio 0.5, the
+            settings measured for the model's layout, whose statistics are then collected), as ``ExpertPruning``.
+        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json``, ``plots/`` and ``model/``
+            (atomically: a killed run leaves no partial output). ``None`` writes nothing.
+        overwrite: Replace an existing ``output_dir`` (one written by ompmoe).
+        save_model: Also save the pruned model (with its tokenizer and model card) under ``output_dir/model``.
+        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json``.
+        plots: Also write the plots of :mod:`ompmoe.recipes.plots` (needs matplotlib).
+        adaptive_epsilon: Switch on OMP-MoE+ adaptive inference with this epsilon after pruning.
+        tokenizer: Tokenizer (object, hub id or path) saved with the model; default: the model's source.
+        dtype: Weights dtype of the saved model; default: the source checkpoint's.
+        loss_aware: Also collect the loss-aware sums (one backward per batch to the MoE outputs, no
+            weight gradients); :meth:`update` runs the forward with gradients for them.
+        reroute: Also collect the rerouting-aware Grams (``omp_reroute``).
+        statistics: Names of more optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`).
         model_id: Model name recorded in the statistics; default: the config's ``_name_or_path``.
         sources: Calibration sources recorded in the statistics and the model card.
         inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.

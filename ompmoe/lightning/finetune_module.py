@@ -56,7 +56,8 @@ class FinetuneModule(pl.LightningModule):
         distill_weight: Weight of the distillation term (used only with ``teacher``).
         warmup_steps: Linear learning-rate warm-up over this many optimizer steps (0: constant rate).
         keep_best: At the end of training, restore the state (the starting model included) with the best mean
-            validation loss if the last is worse, with a warning; keeps one copy of the trainable parameters.
+            validation loss if the last is worse, with a warning; keeps one copy of the trainable parameters. Needs
+            validation data; without it, nothing is tracked.
         save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
         overwrite: Replace an existing ``save_dir``.
         trust_remote_code: Passed to ``from_pretrained``.

@@ -310,8 +310,8 @@ def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
 
 
 def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
-    """CalibrationModule checks the name when built and load_model again: one HEAD request once the hub answered,
-    a new one each time while it does not."""
+    """CalibrationModule checks the name when built and load_model again: one HEAD request while the hub's last
+    answer is recent, a new one each time while it does not answer or once the answer is old."""
     import huggingface_hub
 
     import ompmoe.data.sources as module
@@ -328,7 +328,7 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
                 raise ConnectionError("refused")
 
     session = Session()
-    monkeypatch.setattr(module, "_ANSWERED", set())
+    monkeypatch.setattr(module, "_ANSWERED", {})
     monkeypatch.setattr(module, "offline_mode", lambda: False)
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename: None)
@@ -340,6 +340,11 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
     session.reachable = True
     assert [resolve_model("someone/moe") for _ in range(2)] == ["someone/moe", "someone/moe"]
     assert len(heads) == 3 and heads[-1][1] == module._PROBE_TIMEOUT_S
+    module._ANSWERED[heads[-1][0]] -= module._ANSWER_KEPT_S  # the answer is now as old as it may be
+    session.reachable = False
+    with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
+        resolve_model("someone/moe")
+    assert len(heads) == 4
 
 
 def test_source_errors(tmp_path):
