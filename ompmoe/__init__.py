@@ -21,6 +21,7 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ".engine.io": ("OutputExistsError", "OutputNotReplaceableError", "OutputNotWritableError"),
     ".engine.plan_choice": ("PlanChoice", "choose_plan"),
     ".engine.trial": ("pruned_view",),
+    ".engine.run": ("LocalContext", "PruningRun", "RunOptions"),
     ".engine.plan": ("LayerPlan", "PlanMismatchError", "PruningPlan", "plan_pruning"),
     ".engine.pruning": ("load_pruned", "prune", "pruning_info", "save_pruned"),
     ".engine.quantized": ("QuantizedModelError",),
@@ -37,11 +38,11 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ".lightning.fabric": ("FabricCalibration",),
     ".lightning.finetune_module": ("FinetuneModule",),
     ".lightning.finetune_data": ("FinetuneDataModule",),
-    ".recipes.plots": ("write_plots",),
+    ".engine.export.plots": ("write_plots",),
 }
 _LAZY_ATTRIBUTES = {name: module for module, names in _LAZY_MODULES.items() for name in names}
 
 __all__ = ["__version__", *(name for name, module in _LAZY_ATTRIBUTES.items()
-                            if not module.startswith((".lightning", ".recipes.plots")))]
+                            if not module.startswith((".lightning", ".engine.export.plots")))]
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES)

@@ -13,11 +13,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .cli_args import bare_flags, check_config_files, class_paths, list_option
+from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths, list_option,
+                       user_errors)
 from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
-from .engine.io import OutputNotWritableError, atomic_path, check_writable, local_inputs
+from .engine.io import atomic_path, check_writable, local_inputs
 from .engine.progress import progress
 
 # torch-backed modules load inside the commands, so help and argument errors answer at once; no TYPE_CHECKING
@@ -105,7 +106,7 @@ def replan(
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
     from .engine.summary import kept_summary, settings_summary
-    from .lightning.pruning_steps import auto_note
+    from .engine.run import auto_note
 
     ratio = _ratios(ratio)
     fit_plan = Path(stats).parent / FIT_PLAN
@@ -197,7 +198,7 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     """
     from .engine.plan import PruningPlan
     from .engine.statistics import MoEStats
-    from .recipes.plots import write_plots
+    from .engine.export.plots import write_plots
 
     inputs = local_inputs(stats, plan)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
@@ -247,7 +248,17 @@ def lightning_cli(args: list[str] | None = None) -> None:
         from .lightning.calibration_data import CalibrationDataModule
         from .lightning.calibration_module import CalibrationModule
 
-        LightningCLI(
+        class CalibrationCLI(LightningCLI):
+            """``fit`` with the short pruning options every front door takes (``--ratio``, ``--output_dir``, ...)."""
+
+            def add_arguments_to_parser(self, parser: Any) -> None:
+                add_run_options(parser, short_only=True)
+
+            def before_instantiate_classes(self) -> None:
+                config = self.config.get(self.subcommand, self.config)
+                apply_short_options(config, self.subcommand)
+
+        CalibrationCLI(
             CalibrationModule,
             CalibrationDataModule,
             save_config_kwargs={"overwrite": True},
@@ -256,15 +267,38 @@ def lightning_cli(args: list[str] | None = None) -> None:
         )
 
 
+def apply_short_options(config: Any, subcommand: str | None) -> None:
+    """Move ``--ratio``/``--method``/``--allocation``/``--output_dir``/``--overwrite`` into the config's
+    ``ExpertPruning`` callback (its strategy for the first three); refuse them where there is none."""
+    given = {name: config.get(name) for name in SHORT_OPTIONS if config.get(name) is not None}
+    for name in SHORT_OPTIONS:
+        config.pop(name, None)
+    if not given:
+        return
+    callbacks = [cb for cb in (config.get("trainer.callbacks") or [])
+                 if str(cb.get("class_path", "")).endswith("ExpertPruning")]
+    if len(callbacks) != 1:
+        raise ValueError(f"--{next(iter(given))} sets the ExpertPruning callback's option, but the {subcommand} "
+                         f"config has {len(callbacks) or 'no'} ExpertPruning callbacks; add one (as "
+                         "configs/tiny.yaml does) or set the option on it as --trainer.callbacks.init_args.<name>.")
+    init_args = callbacks[0].init_args
+    for name, value in given.items():
+        if SHORT_OPTIONS[name] == "run":
+            init_args[name] = value
+        elif init_args.get("strategy") is None:
+            raise ValueError(f"--{name} sets the ExpertPruning callback's strategy, which the config leaves out; "
+                             "give it as configs/tiny.yaml does (class_path: ompmoe.PruningStrategy).")
+        else:
+            init_args.strategy.init_args[name] = value
+
+
 COMMANDS = {"prune": replan, "plot": plot}
 replan.__doc__ = with_registry_names(replan.__doc__ or "")  # ``ompmoe prune --help`` lists the built-in names
 
 # Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
 FLAGS = ("overwrite", "quiet")
 
-USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError, OutputNotWritableError)
-"""What a command reports as one ``error:`` line. Not AttributeError or TypeError: that is how a bug shows itself,
-and its traceback must stay visible."""
+USER_ERRORS = user_errors()
 
 
 def _one_line(message: str, command: str) -> str:
@@ -314,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             print_help(argv, lightning_cli)
         else:
             check_config_files(argv)
-            lightning_cli(argv)
+            lightning_cli(bare_flags(argv, ("overwrite",)))
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         raise CommandError(f"error: {error}") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
@@ -99,4 +100,71 @@ def check_config_files(argv: Sequence[str]) -> None:
             raise FileNotFoundError(f"config file {path!r} does not exist{nearest_path_hint(path)}")
 
 
-__all__ = ["CLASS_PATHS", "bare_flags", "class_paths", "list_option"]
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a command reports as one ``error:`` line. Not AttributeError or TypeError: that is how a bug shows
+    itself, and its traceback must stay visible."""
+    from .engine.io import OutputNotWritableError
+
+    return (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError, OutputNotWritableError)
+
+
+SHORT_OPTIONS = {"ratio": "strategy", "method": "strategy", "allocation": "strategy", "output_dir": "run",
+                 "overwrite": "run"}
+"""The options every front door takes by their short names (``fit`` maps them into its ``ExpertPruning``)."""
+SCRIPT_SKIPS = {"strategy", "tokenizer", "dtype"}
+"""Run options a script names otherwise: the strategy's own fields, ``--model.tokenizer``, ``--save_dtype``."""
+
+
+def add_run_options(parser: Any, short_only: bool = False) -> None:
+    """Every option of :class:`~ompmoe.engine.run.RunOptions` and ``PruningStrategy`` as a flat ``--name``, with
+    the help of their one declaration; ``short_only``: just :data:`SHORT_OPTIONS`, all defaulting to ``None``
+    (given ones then replace the config's)."""
+    from .engine.run import RunOptions
+    from .engine.strategy import PruningStrategy
+
+    if short_only:
+        for name, owner in SHORT_OPTIONS.items():
+            source = PruningStrategy if owner == "strategy" else RunOptions
+            field = source.__dataclass_fields__[name]
+            annotation = {"ratio": float, "overwrite": bool}.get(name, str)
+            parser.add_argument(f"--{name}", type=annotation | None, default=None,  # type: ignore[operator]
+                                help=f"{_field_help(source, name)} (replaces the ExpertPruning callback's "
+                                     f"{'strategy.' * (owner == 'strategy')}{field.name})")
+        return
+    parser.add_class_arguments(PruningStrategy, None)
+    parser.add_class_arguments(RunOptions, None, skip=SCRIPT_SKIPS)
+    parser.add_argument("--save_dtype", type=str | None, default=None, help=_field_help(RunOptions, "dtype"))
+
+
+def _field_help(cls: type, name: str) -> str:
+    """The ``Args:`` text of ``name`` in ``cls``'s docstring (its one declaration), on one line."""
+    import docstring_parser  # jsonargparse[signatures] reads help from docstrings with it too
+
+    docs = {param.arg_name: param.description for param in docstring_parser.parse(cls.__doc__ or "").params}
+    return " ".join((docs.get(name) or "").split())
+
+
+def run_from_arguments(args: Any, owner: str, **changes: Any) -> Any:
+    """The :class:`~ompmoe.engine.run.PruningRun` the flat options of :func:`add_run_options` describe (validated)."""
+    import dataclasses
+
+    from .engine.run import PruningRun, RunOptions
+    from .engine.strategy import PruningStrategy
+
+    strategy = PruningStrategy(**{f.name: args[f.name] for f in dataclasses.fields(PruningStrategy)})
+    options = {f.name: args[f.name] for f in dataclasses.fields(RunOptions) if f.name not in SCRIPT_SKIPS}
+    return PruningRun(RunOptions(strategy=strategy, dtype=args.save_dtype, **options, **changes), owner=owner)
+
+
+def parse_or_raise(parser: Any, argv: Sequence[str], prog: str) -> Any:
+    """``parser.parse_args`` with jsonargparse's multi-line usage errors as one ``ValueError`` line."""
+    from argparse import ArgumentError
+
+    try:
+        return parser.parse_args(list(argv))
+    except ArgumentError as error:
+        raise ValueError(f"{' '.join(str(error).split())} (see {prog} --help)") from None
+
+
+__all__ = ["CLASS_PATHS", "SHORT_OPTIONS", "add_run_options", "bare_flags", "class_paths", "list_option",
+           "parse_or_raise", "run_from_arguments", "user_errors"]

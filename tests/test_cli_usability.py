@@ -195,7 +195,7 @@ def test_readme_main_job_prints_no_warning(tmp_path):
 
 
 def test_ompmoe_itself_does_not_import_torchao():
-    code = ("import sys, ompmoe, ompmoe.cli, ompmoe.recipes.plots, ompmoe.recipes.quantization, ompmoe.engine.summary; "
+    code = ("import sys, ompmoe, ompmoe.cli, ompmoe.engine.export.plots, ompmoe.recipes.quantization, ompmoe.engine.summary; "
             "print('torchao' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "False", done.stderr

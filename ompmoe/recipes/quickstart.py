@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from .. import collect_stats, find_moe_layers, load_pruned, plan_pruning, prune, save_pruned
-from ..engine.plan import validate_budget
+from ..cli_args import user_errors
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
 from ..engine.export.checkpoint import MissingTokenizerWarning
-from ..engine.io import OutputNotWritableError, atomic_path, check_writable
-from ..engine.summary import settings_summary
+from ..engine.pruning import load_pruned
+from ..engine.run import LocalContext, PruningRun, RunOptions
+from ..engine.strategy import PruningStrategy
 from ..engine.tiny import tiny_model
 
 
@@ -57,9 +57,14 @@ def demo_model_and_data(model: str, model_type: str, seq_len: int, num_blocks: i
     return network, calibration, held_out, model, "shipped:prose,code calibration splits"
 
 
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, blocks: torch.Tensor) -> float:
-    return float(model(blocks, labels=blocks).loss.exp())
+class _HeldOut:
+    """The demo's held-out blocks, as the run's ``evaluate_on`` reads them from a data module."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+    def heldout_blocks(self, name: str, num_blocks: int) -> torch.Tensor:
+        return self.blocks
 
 
 def prune_tiny_model(
@@ -76,7 +81,8 @@ def prune_tiny_model(
     batch_size: int = 4,
     overwrite: bool = False,
 ) -> dict[str, float]:
-    """Prune a tiny ``model_type`` MoE calibrated on the shipped text; write stats, plan and model.
+    """Prune a tiny ``model_type`` MoE calibrated on the shipped text with :class:`ompmoe.PruningRun` (the paper's
+    ``omp``); write stats, plan and model, and check that the saved model reloads to the same logits.
 
     Args:
         output_dir: Directory for ``stats.safetensors``, ``plan.json`` and ``model/``.
@@ -92,56 +98,36 @@ def prune_tiny_model(
         batch_size: Blocks per forward pass.
         overwrite: Replace an existing ``output_dir``.
     """
-    inputs = [str(DATA_DIR)]  # the shipped model and text: an output holding them is never replaced
-    out = check_writable(output_dir, overwrite, directory=True, inputs=inputs)
+    strategy = PruningStrategy(ratio=ratio, allocation=allocation, risk_weight=risk_weight,
+                               min_kept_fraction=min_kept_fraction, max_kept_fraction=max_kept_fraction)
+    run = PruningRun(RunOptions(strategy=strategy, output_dir=output_dir, overwrite=overwrite, plots=False,
+                                evaluate_on=["held-out"]), owner="ompmoe-demo")
+    context = LocalContext()
+    run.check_output(context, [str(DATA_DIR)])  # the shipped model and text: never replaced
     model_name = model
     model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
-    validate_budget([(layer.name, layer.routing) for layer in find_moe_layers(model)], ratio, allocation, min_kept_fraction, max_kept_fraction)
-
     start = time.perf_counter()
-    stats = collect_stats(model, blocks.split(batch_size), model_id=model_id, source=source)
-    plan = plan_pruning(
-        stats, ratio, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
-        max_kept_fraction=max_kept_fraction
-    )
+    run.start(model, context, model_id=model_id, sources=[source], data=_HeldOut(held_out))
+    run.collect(blocks.split(batch_size))
+    with warnings.catch_warnings():
+        if model_name == RANDOM_MODEL:  # byte tokens: there is no tokenizer to save, and no flag could add one
+            warnings.simplefilter("ignore", MissingTokenizerWarning)
+            print("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer files")
+        plan = run.finish(context)
     probe = blocks[:2, :64]
     with torch.no_grad():
-        original_logits = model(probe).logits
-    original_ppl = perplexity(model, held_out)
-    prune(model, plan)
-    with torch.no_grad():
-        pruned_logits = model(probe).logits
-    pruned_ppl = perplexity(model, held_out)
-
-    with atomic_path(out, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        stats.save(tmp / "stats.safetensors")
-        plan.save(tmp / "plan.json")
-        with warnings.catch_warnings():
-            if model_name == RANDOM_MODEL:  # byte tokens: there is no tokenizer to save, and no flag could add one
-                warnings.simplefilter("ignore", MissingTokenizerWarning)
-            save_pruned(model, tmp / "model", calibration="shipped:python-docs")
-        with torch.no_grad():
-            # Saved in the source checkpoint's dtype (bf16 for the shipped model, lossless: its weights are bf16
-            # values); reload in the dtype the in-memory model computed in to compare logits exactly.
-            dtype = next(model.parameters()).dtype
-            reloaded_logits = load_pruned(tmp / "model", dtype=dtype)(probe).logits
-        if not torch.equal(reloaded_logits, pruned_logits):
-            raise RuntimeError("The reloaded pruned model does not reproduce the in-memory logits.")
+        # Saved in the source checkpoint's dtype (bf16 for the shipped model, lossless: its weights are bf16
+        # values); reloaded in the dtype the in-memory model computed in, the logits must be the same bits.
+        reloaded = load_pruned(Path(output_dir) / "model", dtype=next(model.parameters()).dtype)
+        if not torch.equal(reloaded(probe).logits, model(probe).logits):
+            raise RuntimeError(f"The pruned model saved in {output_dir}/model does not reproduce the in-memory logits.")
     elapsed = time.perf_counter() - start
-    print(f"ompmoe: {model_id}, {stats.num_tokens} calibration tokens, ratio {ratio}; {settings_summary(plan)}")
-    print(f"{'layer':<22}{'kept':>8}{'r(k)':>10}{'C(k)':>10}")
-    for layer in plan.layers:
-        k = layer.num_kept
-        print(f"{layer.name:<22}{k:>4}/{layer.num_experts:<3}{layer.residual[k]:>10.4f}{layer.coverage[k]:>10.4f}")
-    drift = float((pruned_logits - original_logits).abs().max())
-    meaning = "" if model_name == SHIPPED_MODEL else " (random model: meaningless)"
-    if model_name == RANDOM_MODEL:
-        print("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer files")
-    print(f"held-out perplexity ({held_out.numel()} tokens){meaning}: {original_ppl:.2f} before, {pruned_ppl:.2f} after pruning")
-    print(f"removed {plan.achieved_ratio:.3f} of routed experts; max logit change {drift:.4f}; "
-          f"reload identical; {elapsed:.1f}s; wrote {Path(out).resolve()}")
-    return {"achieved_ratio": plan.achieved_ratio, "seconds": elapsed, "perplexity_before": original_ppl,
-            "perplexity_after": pruned_ppl}
+    before, after = run.heldout_perplexity["held-out"]
+    print(f"ompmoe-demo: {held_out.numel()} held-out tokens"
+          f"{'' if model_name == SHIPPED_MODEL else ' (random model: perplexity means nothing)'}; "
+          f"reload identical; {elapsed:.1f}s; wrote {Path(output_dir).resolve()}")
+    return {"achieved_ratio": plan.achieved_ratio, "seconds": elapsed, "perplexity_before": before,
+            "perplexity_after": after}
 
 
 def main() -> None:
@@ -152,7 +138,7 @@ def main() -> None:
     quiet_third_party()
     try:
         auto_cli(prune_tiny_model, description=__doc__)
-    except (ValueError, FileExistsError, FileNotFoundError, OutputNotWritableError) as error:
+    except user_errors() as error:
         raise SystemExit(f"error: {error}") from None
 
 

@@ -290,8 +290,9 @@ def test_the_script_prints_its_path_for_fabric_run(capsys):
     fabric_prune.main(["--path"])
     assert capsys.readouterr().out.strip() == os.path.abspath(fabric_prune.__file__)
     defaults = fabric_prune.parser().parse_args([])
-    assert (defaults.model, defaults.source, defaults.seq_len, defaults.num_blocks, defaults.batch_size) == (
-        "shipped:tiny-moe", "shipped:mix", 256, 16, 4)  # configs/tiny.yaml's job
+    assert (defaults.model.model, defaults.data.source, defaults.data.seq_len, defaults.data.num_blocks,
+            defaults.data.batch_size, defaults.evaluate_on) == (
+        "shipped:tiny-moe", "shipped:mix", 256, 16, 4, ["heldout:prose", "heldout:code"])  # configs/tiny.yaml's job
     assert (defaults.ratio, defaults.method, defaults.allocation, defaults.loss_aware) == (
         0.5, "auto", "auto", False)  # auto collects the loss-aware statistics the recommended setting needs
 

@@ -1,4 +1,4 @@
-"""ompmoe.recipes.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
+"""ompmoe.engine.export.plots: PNG files, the high-contribution table, the callback's plots and `ompmoe plot`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import ompmoe
 from ompmoe import MoEStats, OutputExistsError, collect_stats, plan_pruning
 from ompmoe.cli import main
-from ompmoe.recipes.plots import (
+from ompmoe.engine.export.plots import (
     PLAN_PLOT_FILES,
     PLOT_FILES,
     high_contribution_experts,
@@ -196,7 +196,7 @@ def test_synthetic_statistics_have_the_requested_shape_and_are_valid(large, tmp_
 def test_heatmaps_at_scale_share_one_log_scale_with_readable_rows(large):
     from matplotlib.colors import LogNorm
 
-    from ompmoe.recipes.plots import heatmap_figure, heatmap_layers
+    from ompmoe.engine.export.plots import heatmap_figure, heatmap_layers
 
     stats, _ = large
     assert heatmap_layers(48) == [0, 4, 9, 13, 17, 21, 26, 30, 34, 38, 43, 47]
@@ -214,7 +214,7 @@ def test_heatmaps_at_scale_share_one_log_scale_with_readable_rows(large):
 
 
 def test_residual_panels_name_their_own_kept_count(large):
-    from ompmoe.recipes.plots import residual_figure
+    from ompmoe.engine.export.plots import residual_figure
 
     stats, plan = large
     figure = residual_figure(stats, plan)
@@ -225,7 +225,7 @@ def test_residual_panels_name_their_own_kept_count(large):
 
 
 def test_overview_is_a_layers_by_k_map_with_the_kept_counts(large):
-    from ompmoe.recipes.plots import overview_figure
+    from ompmoe.engine.export.plots import overview_figure
 
     stats, plan = large
     figure = overview_figure(stats, plan)
@@ -253,7 +253,7 @@ def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
     for layer in small.layers:
         mine = [float(r["residual"]) for r in curves if r["layer"] == layer.name]
         assert mine == ompmoe.greedy_pursuit(layer.gram).residual.tolist()
-    from ompmoe.recipes.plots import allocation_figure
+    from ompmoe.engine.export.plots import allocation_figure
 
     ax = allocation_figure(stats, plan).axes[0]
     kept_bars = [patch.get_height() for patch in ax.containers[1]]
@@ -263,7 +263,7 @@ def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
 
 def test_expert_counts_get_whole_number_ticks():
     from ompmoe.engine.synthetic import synthetic_stats
-    from ompmoe.recipes.plots import allocation_figure, residual_figure
+    from ompmoe.engine.export.plots import allocation_figure, residual_figure
 
     small = synthetic_stats(6, 16, 4)
     plan = plan_pruning(small, 0.5)
@@ -284,7 +284,7 @@ def test_residual_curves_are_near_square_with_readable_text(num_layers, columns,
     write_plots(small, tmp_path, plan=plan_pruning(small, 0.5), progress=False)
     width, height = png_size(tmp_path / "residual_curves.png")
     assert 0.8 <= width / height <= 2.0, (width, height)  # not a strip
-    from ompmoe.recipes.plots import residual_figure
+    from ompmoe.engine.export.plots import residual_figure
 
     figure = residual_figure(small, plan_pruning(small, 0.5))
     panels = [ax for ax in figure.axes if ax.get_title()]

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.io import atomic_path, check_writable
-from ..engine.plan import LayerPlan, PruningPlan
-from ..engine.progress import progress as progress_bar
-from ..engine.selection import PursuitResult, greedy_pursuit, routing_coverage
-from ..engine.statistics import LayerStats, MoEStats
+from ..io import atomic_path, check_writable
+from ..plan import LayerPlan, PruningPlan
+from ..progress import progress as progress_bar
+from ..selection import PursuitResult, greedy_pursuit, routing_coverage
+from ..statistics import LayerStats, MoEStats
 
 HEATMAPS = "heatmaps.png"
 RESIDUAL_CURVES = "residual_curves.png"

@@ -1,0 +1,539 @@
+"""The pruning run, owned once: collect → merge across ranks → plan → choose (``auto``) → prune → adapt → evaluate →
+write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script, ``ompmoe fit``, the
+demo) is a thin adapter over :class:`PruningRun`: it drives the forwards and lends its ranks (:class:`RunContext`);
+options are declared, documented and validated here, once, before any model work."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from .adapters import find_moe_layers
+from .collect import StatisticsCollector, as_model_inputs, check_calibration_inputs, selected_statistics
+from .extensions import check_statistics, required_statistics
+from .io import atomic_path, check_writable
+from .perplexity import perplexity
+from .plan import PruningPlan
+from .plan_choice import PlanChoice, choose_plan
+from .progress import progress
+from .pruning import prune, save_pruned
+from .statistics import MoEStats
+from .strategy import AUTO, PruningStrategy, Strategy
+from .summary import kept_summary, settings_summary
+
+STATS_FILE = "stats.safetensors"
+PLAN_FILE = "plan.json"
+MODEL_DIR = "model"
+PLOTS_DIR = "plots"
+T = TypeVar("T")
+
+
+@dataclass
+class RunOptions:
+    """What a pruning run does; the one declaration of these options, their defaults and their help.
+
+    Args:
+        strategy: What to prune; default ``PruningStrategy(method="auto", allocation="auto")``: ratio 0.5 with the
+            settings measured for the model's layout (the paper's: ``method="omp", allocation="waterfill"``).
+            Any object with ``validate(routings)`` and ``plan(stats)`` works.
+        output_dir: Where rank 0 writes ``stats.safetensors``, ``plan.json``, ``plots/`` and ``model/``
+            (atomically: a killed run leaves no partial output). ``None`` writes nothing.
+        overwrite: Replace an existing ``output_dir`` (one written by ompmoe).
+        save_model: Also save the pruned model (with its tokenizer and model card) under ``output_dir/model``.
+        extra_ratios: More ratios planned from the same statistics, written as ``plan-<ratio>.json`` (prune them
+            later with ``ompmoe prune``).
+        plots: Also write the plots of :mod:`ompmoe.engine.export.plots` under ``output_dir/plots`` (needs matplotlib).
+        adaptive_epsilon: After pruning, switch on OMP-MoE+ adaptive inference with this epsilon (the saved
+            model carries it; log its counters with :class:`~ompmoe.callbacks.AdaptiveInferenceMonitor`).
+        tokenizer: Tokenizer (object, hub id or path) saved with the model. Default: the one the run's model or
+            data names, else the model's source; a warning names this argument when none is found.
+        dtype: Weights dtype of the saved model (``bfloat16``, ``float32``, ...); default: the source checkpoint's.
+        loss_aware: Also collect the loss-aware sums (one backward per batch to the MoE outputs, no weight
+            gradients; the forward must run with gradients, as ``CalibrationModule`` does).
+        reroute: Also collect the rerouting-aware Grams (for ``omp_reroute``; one more router call and one
+            expert evaluation per token).
+        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`;
+            ``loss_aware`` and ``reroute`` are shorthands for two of them).
+        evaluate_on: Held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source) on which rank 0
+            prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned`` (needs a data module with
+            ``heldout_blocks``, e.g. ``ompmoe.CalibrationDataModule``).
+        evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
+        choice_blocks: With ``auto`` on a layout with several settings: blocks of calibration text (the data
+            module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
+            (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth); ``0`` (or a
+            data module without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
+    """
+
+    strategy: Strategy | None = None
+    output_dir: str | None = None
+    overwrite: bool = False
+    save_model: bool = True
+    extra_ratios: list[float] | None = None
+    plots: bool = True
+    adaptive_epsilon: float | None = None
+    tokenizer: Any = None
+    dtype: str | None = None
+    loss_aware: bool = False
+    reroute: bool = False
+    statistics: list[str] | None = None
+    evaluate_on: list[str] | None = None
+    evaluate_blocks: int = 8
+    choice_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice_blocks is not None and self.choice_blocks < 0:
+            raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); "
+                             f"got {self.choice_blocks}.")
+        if self.adaptive_epsilon is not None and not 0.0 <= self.adaptive_epsilon <= 1.0:
+            raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {self.adaptive_epsilon}.")
+        if self.strategy is None:
+            self.strategy = PruningStrategy(method=AUTO, allocation=AUTO)
+        self.extra_ratios = list(self.extra_ratios or [])
+        if self.extra_ratios and not hasattr(self.strategy, "ratio"):
+            raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
+        self.statistics = selected_statistics(self.statistics or (), loss_aware=self.loss_aware, reroute=self.reroute)
+        self.evaluate_on = list(self.evaluate_on or [])
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
+
+
+class RunContext(Protocol):
+    """What a loop lends the run: its rank and its collectives (Lightning's Trainer, Fabric, or one process)."""
+
+    is_global_zero: bool
+    world_size: int
+
+    def broadcast(self, obj: T, src: int = 0) -> T: ...
+
+    def barrier(self, name: str) -> None: ...
+
+    def print(self, line: str) -> None: ...
+
+    def warn(self, message: str) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float]) -> None: ...
+
+
+class LocalContext:
+    """One process, no loggers: what a Python script or the demo lends the run."""
+
+    is_global_zero = True
+    world_size = 1
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return obj
+
+    def barrier(self, name: str) -> None:
+        pass
+
+    def print(self, line: str) -> None:
+        print(line)
+
+    def warn(self, message: str) -> None:
+        warnings.warn(message, stacklevel=3)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        pass
+
+
+def on_rank_zero(context: RunContext, function: Callable[[], T]) -> T:
+    """``function()`` run on rank 0 only, its result (or its exception) given to every rank.
+
+    Every rank raises the same error, so none is left waiting in a collective for a rank that stopped.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    if context.is_global_zero:
+        try:
+            result = function()
+        except Exception as caught:  # handed to every rank below, then raised on each
+            error = caught
+    if context.world_size > 1:
+        result, error = context.broadcast((result, error), src=0)
+    if error is not None:
+        raise error
+    return result
+
+
+def require_matplotlib(owner: str) -> None:
+    """Fail before calibration when plots are asked for and matplotlib is missing (``owner``: who asked)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"{owner}(plots=True) writes PNG plots with matplotlib, which is not installed: "
+            "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
+        ) from None
+
+
+def tries_candidates(strategy: Strategy, model_type: str | None) -> bool:
+    """Whether ``strategy`` is ``auto`` with several settings to try for ``model_type`` (a user's own class: no)."""
+    return (AUTO in (getattr(strategy, "method", None), getattr(strategy, "allocation", None))
+            and callable(getattr(strategy, "settings", None))
+            and len(strategy.settings(model_type)) > 1)  # type: ignore[attr-defined]
+
+
+def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
+    """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
+    auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
+    if not auto:
+        return ""
+    if choice is not None:
+        return f" ({' and '.join(auto)} 'auto': {choice.summary()})"
+    return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
+
+
+def real_sample_count(sampler: Any) -> int | None:
+    """How many samples of this rank are real when a ``DistributedSampler`` pads an uneven data set, else ``None``.
+
+    The sampler repeats samples from the start of the data set so every rank gets as many; on each
+    rank the repeats come last, after ``len(range(rank, len(dataset), num_replicas))`` real ones.
+    """
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]
+    return None
+
+
+def batch_token_weight(
+    inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
+) -> torch.Tensor | None:
+    """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
+    ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    assert ids is not None
+    num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
+    weight = inputs.get("attention_mask")
+    if real_samples is not None and first_sample + num_samples > real_samples:
+        real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < real_samples
+        sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
+        weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
+    return weight
+
+
+def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
+    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0 (``None`` elsewhere);
+    gathering is a collective, so every rank must call this."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_global_zero:
+        return None
+    dtype = next(iter(state.values())).dtype
+    full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    full.load_state_dict(state)
+    return full.eval()
+
+
+def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
+    """The first candidate that names or is a tokenizer to save with the model, else ``None``.
+
+    Tokenizer objects, hub ids and paths count; ``bytes`` and ``tiny:`` names (no files to save) do not.
+    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
+    """
+    for value in candidates:
+        if value is not None and hasattr(value, "save_pretrained"):
+            return value
+        if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
+            return value
+    return None
+
+
+def plan_metrics(plan: PruningPlan) -> dict[str, float]:
+    """What a run logs about its plan: achieved ratio, cost, and per layer the kept count, residual and coverage."""
+    metrics: dict[str, float] = {"ompmoe/achieved_ratio": plan.achieved_ratio, "ompmoe/cost": plan.cost}
+    for layer in plan.layers:
+        metrics[f"ompmoe/{layer.name}/kept"] = float(layer.num_kept)
+        metrics[f"ompmoe/{layer.name}/residual"] = float(layer.residual[layer.num_kept])
+        metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
+    return metrics
+
+
+class PruningRun:
+    """One calibration-and-pruning run: options checked at construction, then :meth:`start` on the model, one
+    :meth:`batch` context per forward (or :meth:`collect` over batches), and :meth:`finish` on every rank.
+
+    ``owner`` is the name error messages tell the user to pass options to (``ExpertPruning``, ``FabricCalibration``).
+    """
+
+    def __init__(self, options: RunOptions | None = None, owner: str = "PruningRun", **changes: Any) -> None:
+        self.options = dataclasses.replace(options, **changes) if options is not None else RunOptions(**changes)
+        self.owner = owner
+        if self.options.output_dir is not None and self.options.plots:
+            require_matplotlib(owner)
+        self.strategy: Strategy = self.options.strategy  # type: ignore[assignment]
+        self.strategy_used: Strategy = self.strategy
+        """The strategy with ``auto`` replaced by the chosen setting (the extra ratios are planned with it)."""
+        self.statistics = list(self.options.statistics or [])
+        self.collector: StatisticsCollector | None = None
+        self.model_type: str | None = None
+        self.inputs: list[str] = []
+        self.tokenizer: Any = None
+        self.data: Any = None
+        self.choice_data: torch.Tensor | None = None
+        self.batch_size = 0
+        """The most samples a batch had (the batch size for the choice and held-out perplexity; 4 if none)."""
+        self.stats: MoEStats | None = None
+        self.plan: PruningPlan | None = None
+        self.choice: PlanChoice | None = None
+        """What ``auto`` tried and chose (rank 0's choice, on every rank), when it had blocks to try them on."""
+        self.pruned_model: nn.Module | None = None
+        self.heldout_perplexity: dict[str, tuple[float, float]] = {}
+        """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
+
+    # -- before any model work -------------------------------------------------------------------------------------
+    def check_output(self, context: RunContext, inputs: Sequence[str] = ()) -> None:
+        """Refuse, on every rank, an ``output_dir`` that exists (without ``overwrite``), cannot be written, or holds
+        the run's ``inputs`` (model, tokenizer, data files); rank 0, the one that writes, decides."""
+        self.inputs = list(inputs)
+        if self.options.output_dir is not None:
+            on_rank_zero(context, lambda: check_writable(self.options.output_dir, self.options.overwrite,
+                                                         directory=True, inputs=self.inputs))
+
+    def start(self, model: nn.Module, context: RunContext, *, model_id: str | None = None,
+              sources: Sequence[str] | None = None, data: Any = None, tokenizers: Iterable[Any] = ()
+              ) -> StatisticsCollector:
+        """Check the strategies against ``model``'s layers, cut ``auto``'s choice blocks from ``data`` (too little
+        text fails here, before any forward) and instrument the model. ``tokenizers``: where the saved tokenizer
+        may come from when ``options.tokenizer`` is not given, in order."""
+        options = self.options
+        routings = [(layer.name, layer.routing) for layer in find_moe_layers(model)]
+        self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.statistics = self._validate_strategies(routings)
+        self.data = data
+        if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
+            raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
+                             "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
+        self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
+        self.collector = StatisticsCollector(model, model_id=model_id, sources=list(sources or []),
+                                             statistics=self.statistics)
+        self.choice_data = self._choice_data(context)
+        return self.collector
+
+    def _validate_strategies(self, routings: Sequence[tuple[str, dict[str, int]]]) -> list[str]:
+        """Refuse a ratio the model cannot meet or a strategy whose statistics are not collected; return the
+        statistics to collect (those asked for plus what each setting ``auto`` tries needs)."""
+        statistics = list(self.statistics)
+        for strategy in [self.strategy, *self._extra_strategies()]:
+            resolved = strategy.resolved(self.model_type) if hasattr(strategy, "resolved") else strategy
+            tried = [strategy]
+            if resolved is not strategy:  # ``auto``: what each setting it tries needs
+                tried = [dataclasses.replace(strategy, method=m, allocation=a)  # type: ignore[type-var]
+                         for m, a in strategy.settings(self.model_type)]  # type: ignore[attr-defined]
+                for each in tried:
+                    statistics = selected_statistics(
+                        [*statistics, *required_statistics(each.method, each.allocation)])  # type: ignore[attr-defined]
+            for each in tried:
+                each.validate(routings)
+                check_statistics(each, statistics, self.owner)
+        return statistics
+
+    def _choice_data(self, context: RunContext) -> torch.Tensor | None:
+        """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no trial).
+
+        ``choice_blocks=None`` takes the data module's default; a data module without ``choice_blocks(n)`` (a plain
+        DataLoader) means the layout's first setting, with a warning only when a number was asked for.
+        """
+        num_blocks = self.options.choice_blocks
+        if num_blocks == 0 or not tries_candidates(self.strategy, self.model_type):
+            return None
+        if not callable(getattr(self.data, "choice_blocks", None)):
+            if num_blocks is not None:
+                context.warn(
+                    f"{self.owner}: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, "
+                    f"but the data module ({type(self.data).__name__}) has no choice_blocks(n) "
+                    "(ompmoe.CalibrationDataModule has); using the setting recommended for "
+                    f"{self.model_type} instead. Pass choice_blocks=0 to silence this.")
+            return None
+        return self.data.choice_blocks(num_blocks)
+
+    # -- collect -----------------------------------------------------------------------------------------------------
+    @property
+    def needs_gradients(self) -> bool:
+        """Whether a statistic runs a backward (the forward must then run with gradients)."""
+        return self.collector is not None and any(ext.needs_gradients for ext in self.collector.extensions.values())
+
+    def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
+                    real_samples: int | None = None) -> None:
+        """Instrument the next forward on ``inputs``: padding and samples past ``real_samples`` count nothing."""
+        collector = self._collector()
+        check_calibration_inputs(collector.model, inputs)  # before the forward: no wrong sums
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        assert ids is not None
+        self.batch_size = max(self.batch_size, int(ids.shape[0]))
+        weight = batch_token_weight(inputs, first_sample, real_samples)
+        collector.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
+        collector.__enter__()
+
+    def end_batch(self) -> None:
+        """Stop instrumenting (also after a failed forward)."""
+        if self.collector is not None and self.collector._context is not None:
+            self.collector.__exit__(None, None, None)
+            self.collector.metric.token_weight = None
+
+    def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
+        """One instrumented forward per batch in this process (the demo's and a script's loop); returns the count."""
+        collector = self._collector()
+        model = collector.model
+        for ext in collector.extensions.values():
+            ext.standalone()  # the forward's output is dropped: no step reuses its graph
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        collector.to(device)
+        count = 0
+        for batch in progress(batches, "ompmoe statistics", show_progress, unit="batch"):
+            self.forward(as_model_inputs(batch, device))
+            count += 1
+        return count
+
+    def forward(self, inputs: dict[str, torch.Tensor], first_sample: int = 0, real_samples: int | None = None,
+                autocast: Any = None) -> None:
+        """One instrumented forward in eval mode (and the loss-aware backward), parameters frozen meanwhile."""
+        model = self._collector().model
+        was_training = model.training
+        frozen = [p for p in model.parameters() if p.requires_grad] if self.needs_gradients else []
+        model.eval()  # routers of Mixtral and others jitter in train mode
+        self.begin_batch(inputs, first_sample, real_samples)
+        try:
+            with torch.set_grad_enabled(self.needs_gradients), autocast if autocast is not None else _nothing():
+                for parameter in frozen:  # the loss-aware backward needs the outputs' gradients only
+                    parameter.requires_grad_(False)
+                model(**inputs, use_cache=False)
+        finally:
+            self.end_batch()
+            for parameter in frozen:
+                parameter.requires_grad_(True)
+            model.train(was_training)
+
+    def _collector(self) -> StatisticsCollector:
+        if self.collector is None:
+            raise RuntimeError(f"{self.owner}: start(model, ...) must come before any batch.")
+        if self.stats is not None:
+            raise RuntimeError(f"{self.owner}.finish() was called already; create a new {self.owner}.")
+        return self.collector
+
+    # -- after the last batch ----------------------------------------------------------------------------------------
+    def finish(self, context: RunContext, choice_blocks: torch.Tensor | None = None,
+               show_progress: bool | None = False) -> PruningPlan:
+        """Merge the statistics over ranks, plan (choosing on rank 0), prune, evaluate, print, log and write once.
+
+        Every rank must call it (the sums and the gathering of sharded weights are collectives); it returns the
+        same plan on each. ``choice_blocks``: token ids to try ``auto``'s candidates on, in place of the data's.
+        """
+        collector = self._collector()
+        with warnings.catch_warnings():
+            # A rank that got no batch has an empty (zero) share of the sums: that is no mistake here.
+            warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+            stats = collector.result()  # torchmetrics sums the states over ranks here
+        model = unsharded(collector.model, context.is_global_zero)
+        plan = self._plan(context, stats, model, self.choice_data if choice_blocks is None else choice_blocks)
+        self.stats, self.plan = stats, plan
+        heldout = self._heldout_sets() if model is not None and context.is_global_zero else {}
+        batch_size = self.batch_size or 4
+        before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
+        if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
+            prune(model, plan)
+            if self.options.adaptive_epsilon is not None:
+                from .adaptive import enable_adaptive
+
+                enable_adaptive(model, stats, self.options.adaptive_epsilon)
+            self.pruned_model = model
+        after = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
+        context.log_metrics(plan_metrics(plan))
+        for line in self.summary_lines():
+            context.print(line)
+        if heldout:  # after the settings and kept lines: what the plan cost
+            self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
+            context.print(self.heldout_line())
+            context.log_metrics({f"heldout_ppl/{name}/{kind}": value for name, pair in self.heldout_perplexity.items()
+                                 for kind, value in zip(("original", "pruned"), pair)})
+        if self.options.output_dir is not None:
+            on_rank_zero(context, lambda: self.write(model, show_progress))
+            context.print(f"ompmoe: wrote statistics, plan and pruned model to {self.options.output_dir}")
+        context.barrier("ompmoe-pruning-written")
+        return plan
+
+    def _plan(self, context: RunContext, stats: MoEStats, model: nn.Module | None,
+              blocks: torch.Tensor | None) -> PruningPlan:
+        """The strategy's plan; for ``auto`` with choice blocks, the candidate rank 0 measured best (on every rank)."""
+        if blocks is None or not tries_candidates(self.strategy, stats.model_type):
+            return on_rank_zero(context, lambda: self.strategy.plan(stats))
+        candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
+        self.choice = on_rank_zero(context, lambda: choose_plan(model, candidates, blocks, self.batch_size or 4))
+        plan = candidates[self.choice.index]
+        self.strategy_used = dataclasses.replace(self.strategy, method=plan.method,  # type: ignore[type-var]
+                                                 allocation=plan.allocation)
+        return plan
+
+    def _heldout_sets(self) -> dict[str, torch.Tensor]:
+        """The ``evaluate_on`` sets as token blocks, cut by the calibration data module."""
+        return {name: self.data.heldout_blocks(name, self.options.evaluate_blocks)
+                for name in self.options.evaluate_on or []}
+
+    def _extra_strategies(self) -> list[Strategy]:
+        """``extra_ratios`` with the strategy's settings (once ``auto`` chose, the chosen setting)."""
+        return [dataclasses.replace(self.strategy_used, ratio=ratio)  # type: ignore[type-var]
+                for ratio in self.options.extra_ratios or []]
+
+    def summary_lines(self) -> list[str]:
+        """The settings line and the kept line every front door prints about its plan."""
+        assert self.plan is not None
+        return [f"ompmoe: {settings_summary(self.plan)}{auto_note(self.strategy, self.model_type, self.choice)}",
+                f"ompmoe: {kept_summary(self.plan)}"]
+
+    def heldout_line(self) -> str:
+        """``ompmoe: held-out perplexity, original -> pruned: heldout:prose 30.10 -> 33.52, ...``."""
+        parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in
+                 self.heldout_perplexity.items()]
+        return f"ompmoe: held-out perplexity, original -> pruned: {', '.join(parts)}"
+
+    def write(self, model: nn.Module | None, show_progress: bool | None = False) -> None:
+        """Write ``stats.safetensors``, ``plan.json`` (and ``plan-<ratio>.json``), plots and ``model/``.
+
+        Everything goes into a temporary sibling renamed into place at the end, so a run killed at any point
+        leaves the old output or none, never part of a new one.
+        """
+        options, stats, plan = self.options, self.stats, self.plan
+        assert options.output_dir is not None and stats is not None and plan is not None
+        with atomic_path(options.output_dir, overwrite=options.overwrite, directory=True, inputs=self.inputs) as tmp:
+            steps = ["statistics"] + (["plots"] if options.plots else []) + (["model"] if options.save_model else [])
+            bar = iter(progress(steps, "ompmoe writing", show_progress, unit="part"))
+            next(bar)
+            stats.save(tmp / STATS_FILE)
+            plan.save(tmp / PLAN_FILE)
+            for strategy in self._extra_strategies():
+                strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")  # type: ignore[attr-defined]
+            if options.plots:
+                from .export.plots import write_plots
+
+                next(bar)
+                write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=show_progress)
+            if options.save_model:
+                assert model is not None
+                next(bar)
+                save_pruned(model, tmp / MODEL_DIR, tokenizer=self.tokenizer, dtype=options.dtype,
+                            calibration="; ".join(stats.sources) or None)
+            next(bar, None)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+__all__ = ["LocalContext", "PruningRun", "RunContext", "RunOptions", "on_rank_zero"]
