@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -20,7 +19,8 @@ from typing_extensions import override
 from ompmoe.engine.adapters import ARCHITECTURES
 from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.strategy import Strategy
-from ompmoe.engine.run import MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, PruningRun, RunOptions, real_sample_count
+from ompmoe.engine.collect import real_sample_count
+from ompmoe.engine.run import MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, PruningRun, RunOptions
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]
 
@@ -134,7 +134,7 @@ class ExpertPruning(Callback):
         if self.pruning.needs_gradients and hasattr(pl_module, "needs_gradients"):
             pl_module.needs_gradients = True
         if self._restored is not None:
-            self._load_metric_state(self._restored)
+            collector.load_state_dict(self._restored.get("states", {}))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -187,30 +187,10 @@ class ExpertPruning(Callback):
         """Statistics summed over all ranks so far; on resume rank 0 carries them on."""
         if self.pruning.collector is None:
             return dict(self._restored or {})
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        states: dict[str, torch.Tensor] = {}
-        for prefix, metric in self.pruning.collector.metrics().items():
-            with metric.sync_context(should_sync=distributed):
-                states.update({prefix + name: getattr(metric, name).detach().cpu().clone()
-                               for name in metric._defaults})
-        return {"states": states}
+        return {"states": self.pruning.collector.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
         if self.pruning.collector is not None:
-            self._load_metric_state(state_dict)
-
-    def _load_metric_state(self, state: dict[str, Any]) -> None:
-        assert self.pruning.collector is not None
-        metrics = self.pruning.collector.metrics()
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank = torch.distributed.get_rank() if distributed else 0
-        for name, value in state.get("states", {}).items():
-            prefix = name.split(".", 1)[0] + "." if "." in name else ""
-            if prefix not in metrics:
-                continue  # statistics this fit does not collect
-            target, name = metrics[prefix], name.removeprefix(prefix)
-            current = getattr(target, name)
-            # Global sums resume on rank 0 only, so the final cross-rank sum stays exact.
-            setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+            self.pruning.collector.load_state_dict(state_dict.get("states", {}))

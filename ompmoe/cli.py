@@ -106,7 +106,7 @@ def replan(
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
     from .engine.summary import kept_summary, settings_summary
-    from .engine.run import auto_note
+    from .engine.summary import auto_note
 
     ratio = _ratios(ratio)
     fit_plan = Path(stats).parent / FIT_PLAN

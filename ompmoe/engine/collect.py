@@ -14,6 +14,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler
 from torchmetrics import Metric
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
@@ -360,6 +361,29 @@ class StatisticsCollector:
         finally:
             self.metric.token_weight = None
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every sum so far, summed over ranks when distributed, by ``prefix + state name`` (for checkpoints)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        states: dict[str, torch.Tensor] = {}
+        for prefix, metric in self.metrics().items():
+            with metric.sync_context(should_sync=distributed):
+                states.update({prefix + name: getattr(metric, name).detach().cpu().clone()
+                               for name in metric._defaults})
+        return states
+
+    def load_state_dict(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Resume from :meth:`state_dict`: the global sums go to rank 0 only (zeros elsewhere), so the final
+        cross-rank sum stays exact; sums of statistics not collected here are ignored."""
+        metrics = self.metrics()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
+        for name, value in states.items():
+            prefix = name.split(".", 1)[0] + "." if "." in name else ""
+            if prefix in metrics:
+                target, name = metrics[prefix], name.removeprefix(prefix)
+                current = getattr(target, name)
+                setattr(target, name, value.to(current) if rank == 0 else torch.zeros_like(current))
+
     def result(self) -> MoEStats:
         """The statistics so far (after any distributed sync the caller performed)."""
         layers, num_tokens = self.metric.compute()
@@ -375,6 +399,33 @@ class StatisticsCollector:
             model_type=self.model.config.model_type,
             sources=self.sources,
         )
+
+
+def real_sample_count(sampler: Any) -> int | None:
+    """How many samples of this rank are real when a ``DistributedSampler`` pads an uneven data set, else ``None``.
+
+    The sampler repeats samples from the start of the data set so every rank gets as many; on each
+    rank the repeats come last, after ``len(range(rank, len(dataset), num_replicas))`` real ones.
+    """
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]
+    return None
+
+
+def batch_token_weight(
+    inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
+) -> torch.Tensor | None:
+    """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
+    ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    assert ids is not None
+    num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
+    weight = inputs.get("attention_mask")
+    if real_samples is not None and first_sample + num_samples > real_samples:
+        real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < real_samples
+        sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
+        weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
+    return weight
 
 
 def selected_statistics(

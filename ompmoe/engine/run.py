@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DistributedSampler
 
 from .adapters import find_moe_layers
-from .collect import StatisticsCollector, as_model_inputs, check_calibration_inputs, selected_statistics
+from .collect import (StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs,
+                      selected_statistics)
+from .export.checkpoint import usable_tokenizer
+from .export.plots import require_matplotlib
 from .extensions import check_statistics, required_statistics
 from .io import atomic_path, check_writable
 from .perplexity import perplexity
@@ -25,15 +27,15 @@ from .plan import PruningPlan
 from .plan_choice import PlanChoice, choose_plan
 from .progress import progress
 from .pruning import prune, save_pruned
+from .ranks import RunContext, on_rank_zero, unsharded
 from .statistics import MoEStats
-from .strategy import AUTO, PruningStrategy, Strategy
-from .summary import kept_summary, settings_summary
+from .strategy import AUTO, PruningStrategy, Strategy, tries_candidates
+from .summary import auto_note, kept_summary, plan_metrics, settings_summary
 
 STATS_FILE = "stats.safetensors"
 PLAN_FILE = "plan.json"
 MODEL_DIR = "model"
 PLOTS_DIR = "plots"
-T = TypeVar("T")
 
 
 @dataclass
@@ -104,162 +106,6 @@ class RunOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
-
-
-class RunContext(Protocol):
-    """What a loop lends the run: its rank and its collectives (Lightning's Trainer, Fabric, or one process)."""
-
-    is_global_zero: bool
-    world_size: int
-
-    def broadcast(self, obj: T, src: int = 0) -> T: ...
-
-    def barrier(self, name: str) -> None: ...
-
-    def print(self, line: str) -> None: ...
-
-    def warn(self, message: str) -> None: ...
-
-    def log_metrics(self, metrics: dict[str, float]) -> None: ...
-
-
-class LocalContext:
-    """One process, no loggers: what a Python script or the demo lends the run."""
-
-    is_global_zero = True
-    world_size = 1
-
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        return obj
-
-    def barrier(self, name: str) -> None:
-        pass
-
-    def print(self, line: str) -> None:
-        print(line)
-
-    def warn(self, message: str) -> None:
-        warnings.warn(message, stacklevel=3)
-
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        pass
-
-
-def on_rank_zero(context: RunContext, function: Callable[[], T]) -> T:
-    """``function()`` run on rank 0 only, its result (or its exception) given to every rank.
-
-    Every rank raises the same error, so none is left waiting in a collective for a rank that stopped.
-    """
-    result: Any = None
-    error: BaseException | None = None
-    if context.is_global_zero:
-        try:
-            result = function()
-        except Exception as caught:  # handed to every rank below, then raised on each
-            error = caught
-    if context.world_size > 1:
-        result, error = context.broadcast((result, error), src=0)
-    if error is not None:
-        raise error
-    return result
-
-
-def require_matplotlib(owner: str) -> None:
-    """Fail before calibration when plots are asked for and matplotlib is missing (``owner``: who asked)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            f"{owner}(plots=True) writes PNG plots with matplotlib, which is not installed: "
-            "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
-        ) from None
-
-
-def tries_candidates(strategy: Strategy, model_type: str | None) -> bool:
-    """Whether ``strategy`` is ``auto`` with several settings to try for ``model_type`` (a user's own class: no)."""
-    return (AUTO in (getattr(strategy, "method", None), getattr(strategy, "allocation", None))
-            and callable(getattr(strategy, "settings", None))
-            and len(strategy.settings(model_type)) > 1)  # type: ignore[attr-defined]
-
-
-def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
-    """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
-    auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
-    if not auto:
-        return ""
-    if choice is not None:
-        return f" ({' and '.join(auto)} 'auto': {choice.summary()})"
-    return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
-
-
-def real_sample_count(sampler: Any) -> int | None:
-    """How many samples of this rank are real when a ``DistributedSampler`` pads an uneven data set, else ``None``.
-
-    The sampler repeats samples from the start of the data set so every rank gets as many; on each
-    rank the repeats come last, after ``len(range(rank, len(dataset), num_replicas))`` real ones.
-    """
-    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-        return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]
-    return None
-
-
-def batch_token_weight(
-    inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
-) -> torch.Tensor | None:
-    """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
-    ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
-    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-    assert ids is not None
-    num_samples, seq_len = int(ids.shape[0]), int(ids.shape[1])
-    weight = inputs.get("attention_mask")
-    if real_samples is not None and first_sample + num_samples > real_samples:
-        real = torch.arange(first_sample, first_sample + num_samples, device=ids.device) < real_samples
-        sample_weight = real.to(torch.float64).unsqueeze(1).expand(num_samples, seq_len)
-        weight = sample_weight if weight is None else weight.to(torch.float64) * sample_weight
-    return weight
-
-
-def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
-    """``model`` itself, or for FSDP-sharded (DTensor) parameters a full CPU copy on rank 0 (``None`` elsewhere);
-    gathering is a collective, so every rank must call this."""
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_global_zero:
-        return None
-    dtype = next(iter(state.values())).dtype
-    full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-    full.load_state_dict(state)
-    return full.eval()
-
-
-def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
-    """The first candidate that names or is a tokenizer to save with the model, else ``None``.
-
-    Tokenizer objects, hub ids and paths count; ``bytes`` and ``tiny:`` names (no files to save) do not.
-    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
-    """
-    for value in candidates:
-        if value is not None and hasattr(value, "save_pretrained"):
-            return value
-        if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
-            return value
-    return None
-
-
-def plan_metrics(plan: PruningPlan) -> dict[str, float]:
-    """What a run logs about its plan: achieved ratio, cost, and per layer the kept count, residual and coverage."""
-    metrics: dict[str, float] = {"ompmoe/achieved_ratio": plan.achieved_ratio, "ompmoe/cost": plan.cost}
-    for layer in plan.layers:
-        metrics[f"ompmoe/{layer.name}/kept"] = float(layer.num_kept)
-        metrics[f"ompmoe/{layer.name}/residual"] = float(layer.residual[layer.num_kept])
-        metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
-    return metrics
 
 
 class PruningRun:
@@ -407,7 +253,7 @@ class PruningRun:
         model.eval()  # routers of Mixtral and others jitter in train mode
         self.begin_batch(inputs, first_sample, real_samples)
         try:
-            with torch.set_grad_enabled(self.needs_gradients), autocast if autocast is not None else _nothing():
+            with torch.set_grad_enabled(self.needs_gradients), autocast if autocast is not None else nullcontext():
                 for parameter in frozen:  # the loss-aware backward needs the outputs' gradients only
                     parameter.requires_grad_(False)
                 model(**inputs, use_cache=False)
@@ -528,12 +374,4 @@ class PruningRun:
             next(bar, None)
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-__all__ = ["LocalContext", "PruningRun", "RunContext", "RunOptions", "on_rank_zero"]
+__all__ = ["PruningRun", "RunOptions"]

@@ -114,6 +114,14 @@ class PruningStrategy:
                             method_options=self.method_options or None)
 
 
+def tries_candidates(strategy: Strategy, model_type: str | None) -> bool:
+    """Whether ``strategy`` is ``auto`` with several settings to try for ``model_type`` (a user's own class: no)."""
+    return (AUTO in (getattr(strategy, "method", None), getattr(strategy, "allocation", None))
+            and callable(getattr(strategy, "settings", None))
+            and len(strategy.settings(model_type)) > 1)  # type: ignore[attr-defined]
+
+
+
 def strategy_for(method: str, **kwargs: Any) -> PruningStrategy:
     """``PruningStrategy(method=method, ...)``; method options may be passed directly (``seed=3``)."""
     cls = METHODS.get(method) if isinstance(method, str) else None

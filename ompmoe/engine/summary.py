@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .plan import PruningPlan
+from .plan_choice import PlanChoice
+from .strategy import AUTO, Strategy
 
 
 def kept_summary(plan: PruningPlan) -> str:
@@ -24,4 +26,24 @@ def settings_summary(plan: PruningPlan) -> str:
     ])
 
 
-__all__ = ["kept_summary", "settings_summary"]
+def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
+    """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
+    auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
+    if not auto:
+        return ""
+    if choice is not None:
+        return f" ({' and '.join(auto)} 'auto': {choice.summary()})"
+    return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
+
+
+def plan_metrics(plan: PruningPlan) -> dict[str, float]:
+    """What a run logs about its plan: achieved ratio, cost, and per layer the kept count, residual and coverage."""
+    metrics: dict[str, float] = {"ompmoe/achieved_ratio": plan.achieved_ratio, "ompmoe/cost": plan.cost}
+    for layer in plan.layers:
+        metrics[f"ompmoe/{layer.name}/kept"] = float(layer.num_kept)
+        metrics[f"ompmoe/{layer.name}/residual"] = float(layer.residual[layer.num_kept])
+        metrics[f"ompmoe/{layer.name}/coverage"] = float(layer.coverage[layer.num_kept])
+    return metrics
+
+
+__all__ = ["auto_note", "kept_summary", "plan_metrics", "settings_summary"]

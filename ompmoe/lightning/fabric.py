@@ -19,7 +19,8 @@ from ..engine.collect import as_model_inputs
 from ..engine.io import local_inputs
 from ..engine.plan import PruningPlan
 from ..engine.strategy import Strategy
-from ..engine.run import PruningRun, RunOptions, real_sample_count
+from ..engine.collect import real_sample_count
+from ..engine.run import PruningRun, RunOptions
 
 _END = object()
 

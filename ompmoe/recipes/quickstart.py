@@ -19,7 +19,8 @@ from ..cli_args import user_errors
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
 from ..engine.export.checkpoint import MissingTokenizerWarning
 from ..engine.pruning import load_pruned
-from ..engine.run import LocalContext, PruningRun, RunOptions
+from ..engine.ranks import LocalContext
+from ..engine.run import PruningRun, RunOptions
 from ..engine.strategy import PruningStrategy
 from ..engine.tiny import tiny_model
 

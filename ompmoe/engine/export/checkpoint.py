@@ -161,3 +161,17 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32' (or None: the source's).")
     return resolved
+
+
+def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
+    """The first candidate that names or is a tokenizer to save with the model, else ``None``.
+
+    Tokenizer objects, hub ids and paths count; ``bytes`` and ``tiny:`` names (no files to save) do not.
+    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
+    """
+    for value in candidates:
+        if value is not None and hasattr(value, "save_pretrained"):
+            return value
+        if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
+            return value
+    return None

@@ -25,6 +25,17 @@ from ..progress import progress as progress_bar
 from ..selection import PursuitResult, greedy_pursuit, routing_coverage
 from ..statistics import LayerStats, MoEStats
 
+def require_matplotlib(owner: str) -> None:
+    """Fail before calibration when plots are asked for and matplotlib is missing (``owner``: who asked)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"{owner}(plots=True) writes PNG plots with matplotlib, which is not installed: "
+            "pip install matplotlib (or ompmoe[plots]), or pass plots=False."
+        ) from None
+
+
 HEATMAPS = "heatmaps.png"
 RESIDUAL_CURVES = "residual_curves.png"
 RESIDUAL_OVERVIEW = "residual_overview.png"
