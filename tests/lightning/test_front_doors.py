@@ -31,9 +31,12 @@ def lightning_lines():
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("lightning.pytorch")
+    level = logger.level  # an earlier in-process ``--quiet`` run may have raised it
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture
