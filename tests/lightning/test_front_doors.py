@@ -25,18 +25,11 @@ def summary(text: str) -> list[str]:
 
 
 @pytest.fixture
-def lightning_lines():
-    """What Lightning's rank-zero info lines said (its logger writes to the stream it found at import)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning.pytorch")
-    level = logger.level  # an earlier in-process ``--quiet`` run may have raised it
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+def lightning_lines(monkeypatch):
+    """What the Trainer's run printed (its rank-zero info lines), whatever logging state earlier tests left."""
+    lines: list[str] = []
+    monkeypatch.setattr("ompmoe.callbacks.pruning.rank_zero_info", lines.append)
+    return lines
 
 
 @pytest.fixture
@@ -55,7 +48,7 @@ def test_fit_the_fabric_script_and_the_callback_write_the_same_plan(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     main(["fit", "-c", str(REPO / "configs" / "tiny.yaml"), *DATA, *OPTIONS, "--output_dir", "outputs/reap",
           "--trainer.callbacks.init_args.plots", "false", "--trainer.enable_progress_bar", "false"])
-    fit_lines = summary("\n".join(record.getMessage() for record in lightning_lines))
+    fit_lines = summary("\n".join(lightning_lines))
     lightning_lines.clear()
     fabric_prune.main(["--accelerator", "cpu", "--devices", "1", *DATA, *OPTIONS, "--output_dir", "fabric",
                        "--plots", "false"])
@@ -67,7 +60,7 @@ def test_fit_the_fabric_script_and_the_callback_write_the_same_plan(tmp_path, mo
                enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
         ompmoe.CalibrationModule("shipped:tiny-moe"),
         ompmoe.CalibrationDataModule("shipped:mix", seq_len=64, num_blocks=4, batch_size=2))
-    callback_lines = summary("\n".join(record.getMessage() for record in lightning_lines))
+    callback_lines = summary("\n".join(lightning_lines))
 
     plans = [ompmoe.PruningPlan.load(Path(out) / "plan.json") for out in ("outputs/reap", "fabric", "callback")]
     assert (plans[0].method, plans[0].ratio) == ("reap", 0.25)
