@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import ompmoe  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
-from ompmoe.engine.extensions import required_statistics  # noqa: E402
+from ompmoe.engine.methods import required_statistics  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.strategy import strategy_for  # noqa: E402
 

@@ -12,18 +12,9 @@ import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
-from torch import nn
 
-from ompmoe.engine.adaptive import (
-    adaptive_histograms,
-    adaptive_info,
-    adaptive_totals,
-    enable_adaptive,
-    is_adaptive,
-    layer_counts,
-    reset_adaptive_counters,
-    restore_adaptive,
-)
+from ompmoe.engine.adaptive import (adaptive_histograms, adaptive_info, adaptive_totals, enable_adaptive, is_adaptive,
+                                    layer_counts, reset_adaptive_counters, restore_adaptive)
 from ompmoe.engine.statistics import MoEStats
 
 from .pruning import find_hf_model
@@ -61,12 +52,9 @@ class AdaptiveInferenceMonitor(Callback):
         self.report: dict[str, dict[str, Any]] = {}
         self._warned = False
 
-    def _model(self, pl_module: pl.LightningModule) -> nn.Module:
-        return find_hf_model(pl_module, self.model_attribute)
-
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        model = self._model(pl_module)
+        model = find_hf_model(pl_module, self.model_attribute)
         if self.epsilon is not None:
             if self.stats is not None:
                 if not isinstance(self.stats, MoEStats):
@@ -96,7 +84,7 @@ class AdaptiveInferenceMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        reset_adaptive_counters(self._model(pl_module))
+        reset_adaptive_counters(find_hf_model(pl_module, self.model_attribute))
 
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -112,7 +100,7 @@ class AdaptiveInferenceMonitor(Callback):
         self._log(trainer, pl_module, "test")
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        histograms = adaptive_histograms(self._model(pl_module))
+        histograms = adaptive_histograms(find_hf_model(pl_module, self.model_attribute))
         if not histograms:
             return
         report: dict[str, dict[str, Any]] = {}

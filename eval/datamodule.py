@@ -12,42 +12,37 @@ import hashlib
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from . import results
 from .requests import RequestEncoder, WorkPlan, resolve_max_length
-from .results import evaluate_responses, flat_metrics, score, write_results
-from .suites import TASKS_DIR, Column, Suite, resolve_suites
+from .suites import SETTINGS, TASKS_DIR, Suite, resolve_suites
 from .tokenization import load_tokenizer
 
 __all__ = ["LMEvalDataModule"]
 
-TASKS = "tasks"  # name of the request group of tasks given by name
-SETTINGS = ("num_fewshot", "apply_chat_template", "fewshot_as_multiturn", "chat_template_args", "gen_kwargs")
-"""What a request group's tasks are built and scored with (a suite's, or the module's for ``tasks``)."""
+TASKS = "tasks"  # name of the suite of the tasks given by name
 
 
 @dataclass
 class RequestGroup:
-    """Tasks built and scored with one set of settings: a suite, or the tasks given by name."""
+    """The tasks of a suite, loaded and encoded with its settings (the tasks given by name form a suite too)."""
 
-    name: str
-    specs: list[str]
-    settings: dict[str, Any]
-    suite: Suite | None = None
+    suite: Suite
     loaded: dict[str, Any] | None = None
     encoder: Any = None
-    columns: list[Column] = field(default_factory=list)
 
-
-def _identity(batch: Any) -> Any:
-    return batch
+    @property
+    def name(self) -> str:
+        return self.suite.name
 
 
 def _already_built(*args: Any, **kwargs: Any) -> None:
@@ -56,8 +51,6 @@ def _already_built(*args: Any, **kwargs: Any) -> None:
 
 def _seed(random_seed: int | None, numpy_seed: int | None, torch_seed: int | None) -> None:
     """The seeds ``lm_eval.simple_evaluate`` sets before it loads tasks."""
-    import numpy as np
-
     if random_seed is not None:
         random.seed(random_seed)
     if numpy_seed is not None:
@@ -185,10 +178,8 @@ class LMEvalDataModule(pl.LightningDataModule):
         if self.plan is not None:
             return
         module = self.trainer.lightning_module if self.trainer is not None else None
-        tokenizer = self.tokenizer
-        if tokenizer is None and module is not None and hasattr(module, "get_tokenizer"):
-            tokenizer = module.get_tokenizer()
-        config = module.model_config() if module is not None and hasattr(module, "model_config") else None
+        tokenizer = module.get_tokenizer() if self.tokenizer is None and hasattr(module, "get_tokenizer") else None
+        config = module.model_config() if hasattr(module, "model_config") else None
         self.build(tokenizer, config=config, world_size=self._sampler_kwargs()["num_replicas"])
         self._check_ranks_agree()
 
@@ -208,7 +199,7 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.tokenizer_ = tokenizer = configure_pad_token(load_tokenizer(tokenizer), model_config=config)  # as HFLM
         base_length = self.max_length or resolve_max_length(config, tokenizer)
         self.groups = self._request_groups()
-        task_manager = self._task_manager([spec for group in self.groups for spec in group.specs])
+        task_manager = self._task_manager([spec for group in self.groups for spec in group.suite.tasks])
         plan = WorkPlan()
         from lm_eval.evaluator_utils import get_sample_size
 
@@ -216,27 +207,27 @@ class LMEvalDataModule(pl.LightningDataModule):
 
         with dataset_access(self.data_dir, self.dataset_overrides) as access:
             for index, group in enumerate(self.groups):
+                suite = group.suite
                 _seed(*self.seeds)
                 try:
-                    loaded = task_manager.load(group.specs)
+                    loaded = task_manager.load(list(suite.tasks))
                 except KeyError as error:
                     raise ValueError(
-                        f"Unknown lm-eval task in {group.specs}: {error}. Task names: `lm-eval ls tasks`; local task "
-                        "directories go in include_path."
+                        f"Unknown lm-eval task in {list(suite.tasks)}: {error}. Task names: `lm-eval ls tasks`; local "
+                        "task directories go in include_path."
                     ) from None
-                self._configure(loaded, group.settings)
-                cap = group.suite.max_length if group.suite is not None else None
-                max_length = min(cap, base_length) if cap else base_length
+                self._configure(loaded, suite)
+                max_length = min(suite.max_length, base_length) if suite.max_length else base_length
                 encoder = RequestEncoder.create(
                     tokenizer, max_length, max_gen_toks=self.max_gen_toks, add_bos_token=self.add_bos_token,
-                    chat_template_args=group.settings["chat_template_args"], think_end_token=self.think_end_token,
+                    chat_template_args=suite.chat_template_args, think_end_token=self.think_end_token,
                 )
-                chat = bool(group.settings["apply_chat_template"])
+                chat = bool(suite.apply_chat_template)
                 for task in loaded["tasks"].values():
                     task.build_all_requests(
                         limit=get_sample_size(task, self.limit), rank=0, world_size=1, cache_requests=False,
                         system_instruction=self.system_instruction, apply_chat_template=chat,
-                        fewshot_as_multiturn=group.settings["fewshot_as_multiturn"],
+                        fewshot_as_multiturn=suite.fewshot_as_multiturn,
                         chat_template=encoder.apply_chat_template if chat else None,
                         tokenizer_name=encoder.tokenizer_name if chat else "",
                     )
@@ -251,15 +242,11 @@ class LMEvalDataModule(pl.LightningDataModule):
         return plan
 
     def _request_groups(self) -> list[RequestGroup]:
-        def settings(source: Any) -> dict[str, Any]:  # a suite's own, or this module's for the tasks by name
-            found = {key: getattr(source, key) for key in SETTINGS}
-            return {**found, "chat_template_args": dict(found["chat_template_args"])}
-
-        groups = [RequestGroup(suite.name, list(suite.tasks), settings(suite), suite=suite, columns=list(suite.columns))
-                  for suite in self.suites]
-        if self.tasks:
-            groups.append(RequestGroup(TASKS, list(self.tasks), settings(self)))
-        return groups
+        suites = list(self.suites)
+        if self.tasks:  # with this module's settings; their report columns are chosen from their results
+            settings = {key: getattr(self, key) for key in SETTINGS}
+            suites.append(Suite(TASKS, tuple(self.tasks), (), description="lm-eval tasks by name", **settings))
+        return [RequestGroup(suite) for suite in suites]
 
     def _task_manager(self, specs: Sequence[str]) -> Any:
         """lm-eval's TaskManager; indexing lm-eval's own ~15k task configs (slow) only when needed."""
@@ -278,7 +265,7 @@ class LMEvalDataModule(pl.LightningDataModule):
             return local
         return TaskManager(include_path=paths, include_defaults=True, metadata=self.metadata or None)
 
-    def _configure(self, loaded: dict[str, Any], settings: dict[str, Any]) -> None:
+    def _configure(self, loaded: dict[str, Any], suite: Suite) -> None:
         """The task overrides of ``simple_evaluate`` (gen_kwargs, num_fewshot, few-shot seed); refuse
         code-executing tasks without the opt-in before any model work."""
         for name, task in loaded["tasks"].items():
@@ -287,11 +274,11 @@ class LMEvalDataModule(pl.LightningDataModule):
                     f"Task {name!r} executes model-written code. Opt in with confirm_run_unsafe_code=True "
                     "(CLI: --data.confirm_run_unsafe_code true), preferably inside a sandbox."
                 )
-            if task.get_config("output_type") == "generate_until" and settings["gen_kwargs"]:
-                task.set_config(key="generation_kwargs", value=dict(settings["gen_kwargs"]), update=True)
-            if settings["num_fewshot"] is not None:
+            if task.get_config("output_type") == "generate_until" and suite.gen_kwargs:
+                task.set_config(key="generation_kwargs", value=dict(suite.gen_kwargs), update=True)
+            if suite.num_fewshot is not None:
                 if task.get_config("num_fewshot") != 0:
-                    task.set_config(key="num_fewshot", value=settings["num_fewshot"])
+                    task.set_config(key="num_fewshot", value=suite.num_fewshot)
             elif task.get_config("num_fewshot") is None:
                 task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=self.fewshot_random_seed)
@@ -314,7 +301,7 @@ class LMEvalDataModule(pl.LightningDataModule):
 
     def _sampler_kwargs(self) -> dict[str, int]:
         """Data-parallel replicas and this rank's index, as Lightning's DistributedSampler would get them."""
-        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) if self.trainer is not None else None
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
         return {"num_replicas": int(kwargs["num_replicas"]), "rank": int(kwargs["rank"])} if kwargs else {
             "num_replicas": 1, "rank": 0}
 
@@ -327,23 +314,12 @@ class LMEvalDataModule(pl.LightningDataModule):
             # Batch i goes to rank i % replicas, unshuffled; WorkPlan.batches padded each segment for that.
             sampler = DistributedSampler(self.batches, shuffle=False, drop_last=False, **sampler_kwargs)
         return DataLoader(self.batches, batch_size=None, shuffle=False, sampler=sampler,  # a list is a dataset
-                          num_workers=self.num_workers, collate_fn=_identity)
+                          num_workers=self.num_workers)
 
     test_dataloader = val_dataloader
 
-    def score(self, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
-              cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """lm-eval results from every work item's result (all ranks' merged): :func:`~.results.score`."""
-        return score(self, results, model_info, cost)
-
-    def evaluate_responses(self, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,
-                           cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Hand one response per request (``plan.requests`` order) to lm-eval to filter, score and aggregate."""
-        return evaluate_responses(self, responses, model_info, cost)
-
-    flat_metrics = staticmethod(flat_metrics)
-
-    def write(self, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
-        """Write ``results`` as JSON (atomically) to ``path`` or ``output_path``; returns the file."""
-        target = path or self.output_path
-        return None if target is None else write_results(results, target)
+    # Scoring and writing (ompmoe.eval.results) as methods: ``self`` is their ``data``.
+    score = results.score
+    evaluate_responses = results.evaluate_responses
+    flat_metrics = staticmethod(results.flat_metrics)
+    write = results.write

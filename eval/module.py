@@ -84,9 +84,7 @@ class EvalModule(CalibrationModule):
         if self.model is not None:
             return self.model.config
         name = self.model_name_or_path
-        if name is None:
-            return None
-        return model_config(name, self.trust_remote_code)
+        return None if name is None else model_config(name, self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
         """The model as the results file records it (name, pruning, plan, adaptive epsilon, dtype, experts

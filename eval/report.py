@@ -51,7 +51,7 @@ _SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
     (("groups",), dict, False),
     (("group_subtasks",), dict, False),
 )
-_TABLES = ("n-samples", "results", "groups")  # mappings of task -> mapping
+_TABLES = {"n-samples": dict, "results": dict, "groups": dict, "group_subtasks": list}  # task -> entry of this type
 
 
 _TYPE_NAMES = {dict: "an object", list: "a list"}
@@ -86,11 +86,9 @@ def check_results(data: Any, where: str) -> dict[str, Any]:
         if not isinstance(column, dict) or not isinstance(column.get("name"), str):
             raise ResultsFileError(
                 f"{where}: 'ompmoe.columns[{index}]' must be an object with a string 'name'. {_FIX}")
-    for table in _TABLES:
+    for table, kind in _TABLES.items():
         for task, entry in (data.get(table) or {}).items():
-            check_type(f"{table}.{task}", entry, dict)
-    for group, subtasks in (data.get("group_subtasks") or {}).items():
-        check_type(f"group_subtasks.{group}", subtasks, list)
+            check_type(f"{table}.{task}", entry, kind)
     for task, entry in (data.get("n-samples") or {}).items():
         count = entry.get("effective", entry.get("original"))
         if isinstance(count, bool) or not isinstance(count, int):

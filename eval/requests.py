@@ -44,17 +44,8 @@ def resolve_max_length(config: Any, tokenizer: Any = None, default: int = DEFAUL
 class RequestEncoder:
     """The tokenizer side of lm-eval's ``HFLM``: builds requests' contexts and token ids, runs no model.
 
-    :meth:`create` makes ``TemplateLM`` objects, so lm-eval can also apply chat templates with them.
-
-    Args:
-        tokenizer: A Hugging Face tokenizer.
-        max_length: Context length in tokens (``HFLM``'s ``max_length``).
-        max_gen_toks: Default generation length when a task does not set one.
-        add_bos_token: ``HFLM``'s ``add_bos_token`` (``None``: the tokenizer's default).
-        prefix_token_id: Token that conditions empty contexts and rolling windows (default BOS, else EOS).
-        chat_template_args: Extra keyword arguments of ``tokenizer.apply_chat_template``.
-        think_end_token: Strip generations up to this token (string or id), as ``HFLM``.
-        truncation: Passed to the tokenizer when encoding generation contexts.
+    :meth:`create` makes ``TemplateLM`` objects, so lm-eval can also apply chat templates with them. The
+    arguments are ``HFLM``'s; ``max_gen_toks`` is the generation length of tasks that do not set one.
     """
 
     @classmethod
@@ -71,20 +62,16 @@ class RequestEncoder:
         *,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
-        prefix_token_id: int | None = None,
         chat_template_args: Mapping[str, Any] | None = None,
         think_end_token: str | int | None = None,
-        truncation: bool = False,
     ) -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
-        self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = dict(chat_template_args or {})
         self.think_end_token = think_end_token
-        self.truncation = truncation
 
     @property
     def eot_token_id(self) -> int:
@@ -92,8 +79,6 @@ class RequestEncoder:
 
     @property
     def prefix_token_id(self) -> int:
-        if self.custom_prefix_token_id is not None:
-            return self.custom_prefix_token_id
         if self.tokenizer.bos_token_id is not None:
             return self.tokenizer.bos_token_id
         return self.tokenizer.eos_token_id
@@ -116,16 +101,6 @@ class RequestEncoder:
             encoding = encoding[-left_truncate_len:]
         return encoding
 
-    def context_tokens(self, context: str, max_ctx_len: int) -> list[int]:
-        """A generation context as ``HFLM.tok_batch_encode`` encodes it (one string, no padding)."""
-        kwargs: dict[str, Any] = {}
-        if _has_prefix(context, getattr(self.tokenizer, "bos_token", None)):
-            kwargs["add_special_tokens"] = False
-        elif self.add_bos_token is not None:
-            kwargs["add_special_tokens"] = self.add_bos_token
-        ids = self.tokenizer(context, truncation=self.truncation, **kwargs)["input_ids"]
-        return list(ids[-max_ctx_len:]) if max_ctx_len else list(ids)
-
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         import jinja2
 
@@ -138,12 +113,8 @@ class RequestEncoder:
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
 
     def _loglikelihood_tokens(self, requests: list, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
-        # TemplateLM.loglikelihood tokenizes the pairs and calls this: keep the encodings.
+        # TemplateLM.loglikelihood tokenizes the pairs as HFLM and calls this: keep the encodings.
         return [(list(context), list(continuation)) for _, context, continuation in requests]
-
-    def encode_loglikelihood(self, instances: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
-        """``(context_enc, continuation_enc)`` per loglikelihood request, as ``HFLM`` encodes them."""
-        return self.loglikelihood(list(instances), disable_tqdm=True)
 
     def encode_rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
         """The disjoint ``(context, prediction)`` windows of a rolling-loglikelihood request."""
@@ -169,6 +140,7 @@ class RequestEncoder:
         return {"until": until, "max_gen_toks": max_gen_toks, "generate_kwargs": kwargs}
 
     def encode_generation(self, context: str, gen_kwargs: Mapping[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        """The context as ``HFLM.tok_batch_encode`` encodes it (one string, no padding), and its generation spec."""
         spec = self.generation_spec(gen_kwargs)
         max_ctx_len = self.max_length - spec["max_gen_toks"]
         if max_ctx_len <= 0:
@@ -176,7 +148,12 @@ class RequestEncoder:
                 f"Generation asks for {spec['max_gen_toks']} new tokens but the model's context is only "
                 f"{self.max_length} tokens; raise max_length or lower max_gen_toks."
             )
-        return self.context_tokens(context, max_ctx_len), spec
+        kwargs: dict[str, Any] = {}
+        if _has_prefix(context, getattr(self.tokenizer, "bos_token", None)):
+            kwargs["add_special_tokens"] = False
+        elif self.add_bos_token is not None:
+            kwargs["add_special_tokens"] = self.add_bos_token
+        return list(self.tokenizer(context, truncation=False, **kwargs)["input_ids"][-max_ctx_len:]), spec
 
     def decode_generation(self, tokens: Sequence[int], until: Sequence[str]) -> str:
         """Generated token ids -> the response lm-eval scores (``HFLM``'s post-processing)."""
@@ -205,25 +182,17 @@ def _has_prefix(text: str, prefix: str | None) -> bool:
     return bool(prefix) and text.startswith(prefix)
 
 
-def make_replay_lm(responses: Mapping[int, list[Any]], encoder: Any = None) -> Any:
+def make_replay_lm(responses: Mapping[int, list[Any]]) -> Any:
     """An lm-eval ``LM`` that answers each request with the responses computed for it (``responses``:
-    ``id(instance)`` -> one per repeat); ``encoder`` answers lm-eval's chat-template questions."""
+    ``id(instance)`` -> one per repeat)."""
     from lm_eval.api.model import LM
 
     class ReplayLM(LM):
+        tokenizer_name = ""  # evaluate() reads it for chat tasks to build requests; ours were built in setup()
+
         def __init__(self) -> None:
             super().__init__()
             self._queues = {key: list(values) for key, values in responses.items()}
-
-        @property
-        def tokenizer_name(self) -> str:
-            return encoder.tokenizer_name if encoder is not None else ""
-
-        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-            return encoder.apply_chat_template(chat_history, add_generation_prompt)
-
-        def chat_template(self, chat_template: bool | str = False) -> str | None:
-            return encoder.chat_template(chat_template) if encoder is not None else ""
 
         def _replay(self, requests: list[Any]) -> list[Any]:
             out = []
@@ -284,7 +253,7 @@ class WorkPlan:
     def add(self, group: int, instances: Sequence[Any], encoder: Any) -> None:
         """Encode ``instances`` (one request type or mixed) and add their requests, in order."""
         loglikelihood = [inst for inst in instances if inst.request_type == LOGLIKELIHOOD]
-        encoded = iter(encoder.encode_loglikelihood(loglikelihood)) if loglikelihood else iter(())
+        encoded = iter(encoder.loglikelihood(loglikelihood, disable_tqdm=True))  # encodings: _loglikelihood_tokens
         for instance in instances:
             kind = instance.request_type
             if kind == LOGLIKELIHOOD:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .comparability import tokenizer_fingerprint
 from .cost import cost_record
 from .requests import ROLLING, make_replay_lm
-from .suites import Column, headline_columns
+from .suites import SETTINGS, Column, headline_columns
 
 if TYPE_CHECKING:
     from .datamodule import LMEvalDataModule
@@ -64,11 +64,11 @@ def evaluate_responses(data: LMEvalDataModule, responses: Sequence[Any], model_i
                 instance.filtered_resps = {}
         with allow_execution() if data.confirm_run_unsafe_code else nullcontext():
             out = evaluate(
-                lm=make_replay_lm(queues, group.encoder), task_dict=group.loaded, limit=data.limit,
+                lm=make_replay_lm(queues), task_dict=group.loaded, limit=data.limit,
                 bootstrap_iters=data.bootstrap_iters, log_samples=data.log_samples,
                 system_instruction=data.system_instruction,
-                apply_chat_template=bool(group.settings["apply_chat_template"]),
-                fewshot_as_multiturn=group.settings["fewshot_as_multiturn"],
+                apply_chat_template=bool(group.suite.apply_chat_template),
+                fewshot_as_multiturn=group.suite.fewshot_as_multiturn,
                 confirm_run_unsafe_code=data.confirm_run_unsafe_code,
             )
         for key, value in out.items():
@@ -129,19 +129,20 @@ def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mappin
     info = dict(model_info or {})
     suites: dict[str, Any] = {}
     columns: list[Column] = []
-    for group in data.groups:
-        group_columns = list(group.columns)
-        if group.suite is None:
-            for spec in group.specs:
+    for suite in (group.suite for group in data.groups):
+        group_columns = list(suite.columns)
+        if not group_columns:  # the tasks given by name: each its headline metric
+            for spec in suite.tasks:
                 name = Path(spec).stem if os.path.exists(spec) else spec
                 group_columns += headline_columns(name, _metrics_of(results, name),
                                                   results.get("higher_is_better", {}).get(name))
         scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in group_columns}
-        suites[group.name] = {
+        settings = {key: value for key, value in suite.settings().items() if key in SETTINGS}
+        suites[suite.name] = {
             "scores": scores,
             "average": _average(group_columns, scores),
-            "settings": {**group.settings, "tasks": list(group.specs)},
-            "description": group.suite.description if group.suite else "lm-eval tasks by name",
+            "settings": {**settings, "tasks": list(suite.tasks)},
+            "description": suite.description,
         }
         columns += group_columns
     scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in columns}
@@ -221,12 +222,16 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
-def write_results(results: Mapping[str, Any], target: str | os.PathLike) -> Path:
-    """Write ``results`` as JSON, atomically, to ``target`` (a directory gets ``results.json``)."""
+def write(data: LMEvalDataModule, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
+    """Write ``results`` as JSON, atomically, to ``path`` or ``data.output_path`` (a directory gets
+    ``results.json``); returns the file."""
     from lm_eval.utils import handle_non_serializable
 
     from ..engine.io import atomic_path
 
+    target = path or data.output_path
+    if target is None:
+        return None
     if Path(target).is_dir() or os.fspath(target).endswith(os.sep):
         target = Path(target) / "results.json"
     target = Path(target)

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from ._sandbox_server import proc_statuses
+
 UID_ENV = "OMPMOE_SANDBOX_UID"
 DEFAULT_FIRST_UID = 2_000_000_000
 """First candidate uid: above the account ranges of Linux distributions and the sub-uid ranges of containers."""
@@ -55,19 +57,7 @@ def lock_directory() -> Path:
 
 def process_uids() -> set[int]:
     """Every uid (real, effective, saved, file system) of every running process."""
-    found: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as handle:
-                for line in handle:
-                    if line.startswith("Uid:"):
-                        found.update(int(value) for value in line.split()[1:])
-                        break
-        except OSError:  # the process ended meanwhile
-            continue
-    return found
+    return {int(value) for _, fields in proc_statuses() for value in fields.get("Uid", "").split()}
 
 
 def is_account(uid: int) -> bool:

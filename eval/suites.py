@@ -21,6 +21,8 @@ TASKS_DIR = Path(__file__).parent / "tasks"
 """lm-eval task configs shipped with ompmoe (perplexity protocols, offline HumanEval)."""
 PERPLEXITY_WINDOW = 4096
 """Tokens per perplexity window (capped by the model's context and ``LMEvalDataModule(max_length=...)``)."""
+SETTINGS = ("num_fewshot", "apply_chat_template", "fewshot_as_multiturn", "chat_template_args", "gen_kwargs")
+"""What a suite's tasks are built and scored with (``LMEvalDataModule``'s own for the tasks given by name)."""
 
 
 @dataclass(frozen=True)

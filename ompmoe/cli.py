@@ -293,7 +293,6 @@ def apply_short_options(config: Any, subcommand: str | None) -> None:
 
 
 COMMANDS = {"prune": replan, "plot": plot}
-replan.__doc__ = with_registry_names(replan.__doc__ or "")  # ``ompmoe prune --help`` lists the built-in names
 
 # Boolean parameters of the prune/plot commands, accepted bare (``--overwrite`` = ``--overwrite true``).
 FLAGS = ("overwrite", "quiet")
@@ -321,6 +320,20 @@ class CommandError(SystemExit):
         return self.message
 
 
+def command_cli(argv: list[str]) -> None:
+    """``ompmoe prune``/``plot``: jsonargparse on the function; its help names the registered methods."""
+    from jsonargparse import auto_cli
+
+    command = COMMANDS[argv[0]]
+    if {"-h", "--help"} & set(argv[1:]) and "METHOD_NAMES" in (command.__doc__ or ""):
+        command.__doc__ = with_registry_names(command.__doc__ or "")
+    args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
+    try:
+        auto_cli(command, args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
+    except ArgumentError as error:  # jsonargparse's multi-line message, as one line
+        raise ValueError(_one_line(str(error), argv[0])) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``ompmoe`` command; a user error is one ``error:`` line on stderr and exit status 2."""
     quiet_third_party()
@@ -336,16 +349,10 @@ def main(argv: list[str] | None = None) -> None:
             from .eval.report import report_cli
 
             report_cli(argv[1:])
-        elif argv[0] in COMMANDS:
-            from jsonargparse import auto_cli
-
-            args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
-            try:
-                auto_cli(COMMANDS[argv[0]], args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
-            except ArgumentError as error:  # jsonargparse's multi-line message, as one line
-                raise ValueError(_one_line(str(error), argv[0])) from None
+        elif argv[0] in COMMANDS and not is_plain_help(argv):
+            command_cli(argv)
         elif is_plain_help(argv):  # Lightning's full help, built once and then printed from the cache
-            print_help(argv, lightning_cli)
+            print_help(argv, command_cli if argv[0] in COMMANDS else lightning_cli)
         else:
             check_config_files(argv)
             lightning_cli(bare_flags(argv, ("overwrite",)))

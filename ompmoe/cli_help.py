@@ -109,26 +109,19 @@ def unknown_command(command: str) -> str:
     return f"unknown command {command!r}: {hint}the commands are {', '.join(COMMANDS)} (see ompmoe --help)"
 
 
-# The built-in methods (with their options' defaults) and allocations, for ``ompmoe prune --help`` without
-# importing torch; tests/test_cli_startup.py checks them against ompmoe.METHODS and ompmoe.ALLOCATIONS.
-BUILTIN_METHODS: dict[str, dict[str, object]] = {
-    "omp": {}, "omp_normalized": {}, "frequency": {}, "routing_mass": {}, "ean": {}, "reap": {},
-    "random": {"seed": 0}, "static_energy": {}, "exact": {"max_subsets": 2000000}, "omp_swap": {}, "omp_loss": {},
-    "omp_grad": {}, "omp_fisher": {}, "loss_newton": {}, "omp_hybrid": {"loss_weight": 1.0},
-    "omp_reroute": {"token_normalized": True},
-}
-BUILTIN_ALLOCATIONS = ["uniform", "waterfill", "optimal", "loss", "loss_risk"]
-
-
 def with_registry_names(doc: str) -> str:
-    """``doc`` with METHOD_NAMES, ALLOCATION_NAMES and METHOD_OPTIONS spelled out (the built-in ones)."""
-    options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in defaults.items())}"
-                        for name, defaults in BUILTIN_METHODS.items() if defaults)
+    """``doc`` with METHOD_NAMES, ALLOCATION_NAMES and METHOD_OPTIONS spelled out from the registries (it imports
+    them, and torch: ``ompmoe prune --help`` is built once and then printed from the help cache)."""
+    from .engine.methods import METHODS, option_defaults  # first: importing the methods registers their allocations
+    from .engine.allocation import ALLOCATIONS
+
+    options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in option_defaults(name).items())}"
+                        for name in METHODS if option_defaults(name))
     auto = "auto (the setting recommended for the model's architecture), "
-    methods = auto + ", ".join(BUILTIN_METHODS) + " or one registered with ompmoe.register_method"
-    return (doc.replace("METHOD_NAMES", methods).replace("ALLOCATION_NAMES", auto + ", ".join(BUILTIN_ALLOCATIONS))
+    methods = auto + ", ".join(METHODS) + " or one registered with ompmoe.register_method"
+    return (doc.replace("METHOD_NAMES", methods).replace("ALLOCATION_NAMES", auto + ", ".join(ALLOCATIONS))
             .replace("METHOD_OPTIONS", options))
 
 
-__all__ = ["BUILTIN_ALLOCATIONS", "BUILTIN_METHODS", "COMMANDS", "EVAL_OPTIONS", "FIT_OPTIONS", "FIT_SHORT_HELP",
+__all__ = ["COMMANDS", "EVAL_OPTIONS", "FIT_OPTIONS", "FIT_SHORT_HELP",
            "TOP_HELP", "short_help", "unknown_command", "with_registry_names"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-CACHED_COMMANDS = ("fit", "validate", "test", "predict")
+CACHED_COMMANDS = ("fit", "validate", "test", "predict", "prune")
 _PACKAGES = ("ompmoe", "lightning", "jsonargparse", "torch", "transformers", "lm_eval")
 
 

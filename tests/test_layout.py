@@ -74,26 +74,31 @@ def test_eval_never_imports_the_recipes_and_the_callbacks_never_import_eval():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_no_import_cycles_between_modules():
+def _ancestors(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every edge: each module a file imports (at any depth, ``__init__`` files included) and the packages that import
+    runs first, except the importer's own packages (Python has run those before the importer)."""
     modules = {_module_name(path): path for path in _sources("ompmoe", "callbacks", "eval")}
-    graph = {name: {target for target in _imports(path) if target in modules and target != name and
-                    not name.startswith(target + ".")} for name, path in modules.items()}
-    graph = {name: {t for t in targets if not t.endswith("__init__")} for name, targets in graph.items()}
+    graph = {}
+    for name, path in modules.items():
+        targets = {t for target in _imports(path) if target in modules for t in {target, *_ancestors(target)}}
+        graph[name] = {t for t in targets if t in modules and t != name and t not in _ancestors(name)}
+    return graph
 
-    def packages_of(name: str) -> set[str]:
-        parts = name.split(".")
-        return {".".join(parts[:i]) for i in range(1, len(parts))}
 
-    # Edges into a package's __init__ (re-exports) are not cycles of implementation modules.
-    graph = {name: {t for t in targets if t not in packages_of(name) and not modules[t].name == "__init__.py"}
-             for name, targets in graph.items() if modules[name].name != "__init__.py"}
+def test_no_import_cycles_between_modules():
+    graph = _import_graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node: str) -> None:
         state[node] = 1
         stack.append(node)
-        for target in sorted(graph.get(node, ())):
+        for target in sorted(graph[node]):
             if state.get(target) == 1:
                 raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(target):] + [target])}")
             if target not in state:
@@ -104,6 +109,32 @@ def test_no_import_cycles_between_modules():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+LAYERS = (
+    ("ompmoe._lazy", "ompmoe._quiet", "ompmoe.engine"),
+    ("ompmoe.data",),
+    ("ompmoe.cli_args",),
+    ("ompmoe.lightning", "ompmoe.callbacks"),
+    ("ompmoe.eval",),
+    ("ompmoe.recipes",),
+    ("ompmoe.cli", "ompmoe.cli_help", "ompmoe.help_cache", "ompmoe.__main__"),
+)
+"""Bottom to top: a module imports its own layer and the ones below, never one above."""
+
+
+def _layer(name: str) -> int:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes):
+            return rank
+    raise AssertionError(f"{name} belongs to no layer of tests/test_layout.py's LAYERS; add it there")
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = _import_graph()
+    upward = sorted(f"{name} -> {target}" for name, targets in graph.items() if name != "ompmoe"
+                    for target in targets if target != "ompmoe" and _layer(target) > _layer(name))
+    assert not upward, upward
 
 
 def test_importing_the_engine_loads_no_lightning_and_no_recipe():

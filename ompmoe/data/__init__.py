@@ -4,14 +4,13 @@ Calibration text from anywhere (presets, the hub, local files) and its token pac
 
 from __future__ import annotations
 
-import difflib
 import gzip
 import json
 import sys
 from importlib import resources
 from pathlib import Path
 
-from ..engine.names import looks_local, nearest_path_hint
+from ..engine.names import SHIPPED_MODELS, SHIPPED_PREFIX, resolve_shipped, shipped_model_path  # noqa: F401
 
 import torch
 
@@ -50,11 +49,6 @@ CORPUS_DOMAINS = ("prose", "code")
 """Domains of the shipped corpus: ``prose`` (Python/IDLE documentation), ``code`` (stdlib source)."""
 CORPUS_SPLITS = ("train", "calibration", "heldout")
 """Fixed splits of each domain (by whole documents; see ``corpus/README.md``)."""
-SHIPPED_PREFIX = "shipped:"
-SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64", "tiny-moe-a3b")
-"""Models shipped in this directory, named ``shipped:<name>`` as a model or tokenizer spec."""
-
-
 def corpus_path(domain: str, split: str) -> Path:
     """Path of ``corpus/<domain>-<split>.jsonl.gz`` (one ``{"id", "text"}`` record per document)."""
     if domain not in CORPUS_DOMAINS or split not in CORPUS_SPLITS:
@@ -66,33 +60,6 @@ def corpus_documents(domain: str, split: str) -> list[dict[str, str]]:
     """The documents of one split of one domain, in their fixed order, as ``{"id", "text"}`` dicts."""
     with gzip.open(corpus_path(domain, split), "rt", encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
-
-
-def shipped_model_path(name: str = "tiny-moe") -> Path:
-    """Directory of a model shipped with ompmoe (config, safetensors weights, tokenizer, card)."""
-    name = name.removeprefix(SHIPPED_PREFIX)
-    if name not in SHIPPED_MODELS:
-        names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
-        raise ValueError(f"Unknown shipped model {name!r}; available: {names}.")
-    return Path(str(resources.files(__name__).joinpath(name)))
-
-
-def resolve_shipped(spec: str) -> str:
-    """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is. A misspelt
-    shipped name or a missing local path fails here, with a hint, not later as a confusing hub error."""
-    if not isinstance(spec, str):
-        return spec
-    if spec.startswith(SHIPPED_PREFIX):
-        name = spec.removeprefix(SHIPPED_PREFIX)
-        if name not in SHIPPED_MODELS:
-            close = difflib.get_close_matches(name, SHIPPED_MODELS, n=1)
-            hint = f"did you mean {SHIPPED_PREFIX + close[0]!r}? " if close else ""
-            names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
-            raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {names}")
-        return str(shipped_model_path(spec))
-    if looks_local(spec) and not Path(spec).expanduser().exists():
-        raise FileNotFoundError(f"path {spec!r} does not exist{nearest_path_hint(spec)}")
-    return spec
 
 
 def corpus_token_stream(tokenizer, domain: str, split: str, max_tokens: int | None = None) -> torch.Tensor:

@@ -35,7 +35,6 @@ _TOKENIZE_BATCH = 32  # documents tokenized per tokenizer call
 _TEXT_CHUNK = 64 * 1024  # characters of a .txt file read (and tokenized) at a time
 _TEXT_WINDOW_MAX = 16 * _TEXT_CHUNK  # a window without a cut point is cut here regardless
 _PROBE_TIMEOUT_S = 5.0  # one HEAD request to the hub before any download, no retries
-_TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 class HubUnavailableError(ConnectionError):
@@ -213,7 +212,7 @@ def offline_mode() -> bool:
     from huggingface_hub import constants  # a dependency of transformers
 
     flags = (os.environ.get(var, "").upper() for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    return any(flag in _TRUE for flag in flags) or bool(constants.HF_HUB_OFFLINE)
+    return any(flag in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
 _ANSWER_KEPT_S = 60.0  # a hub that answered is taken as reachable this long: one probe for a name checked twice
@@ -408,22 +407,23 @@ class TextSource:
             self._hub_rows = datasets.load_dataset(path, **kwargs)
         return self._hub_rows
 
-    def _load_local(self) -> Any:
-        """``.txt`` files as :class:`TextFile` (shuffled if a seed applies), else a ``datasets.Dataset``."""
+    def _local_items(self) -> Iterator[str | TextFile]:
+        """``.txt`` files as :class:`TextFile` (shuffled if a seed applies), else the documents of the records."""
         builder = local_format(self.files[0])
         if builder == "text":
             texts = [TextFile(file) for file in self.files]
             if self.seed is not None:
                 random.Random(self.seed).shuffle(texts)
-            return texts
+            return iter(texts)
         datasets = _require_datasets()
         from datasets.exceptions import DatasetGenerationError
         from pyarrow import ArrowException
 
         try:
-            return datasets.load_dataset(builder, data_files=self.files, split="train")
+            rows = datasets.load_dataset(builder, data_files=self.files, split="train")
         except (DatasetGenerationError, ArrowException) as error:  # malformed file: name it, say the fix
             raise _malformed(self.files, builder, error) from error
+        return self._rows_to_text(rows)
 
     def _rows_to_text(self, rows: Any) -> Iterator[str]:
         """Documents of a ``datasets.Dataset``: shuffled if a seed applies, then formatted."""
@@ -452,8 +452,7 @@ class TextSource:
             for name in self.domains if domain is None else (domain,):
                 yield from (doc["text"] for doc in corpus_documents(name, self.corpus_split))
         elif self.kind == "local":
-            loaded = self._load_local()
-            yield from loaded if isinstance(loaded, list) else self._rows_to_text(loaded)
+            yield from self._local_items()
         else:
             yield from self._rows_to_text(self._load_hub())
 

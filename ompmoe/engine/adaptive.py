@@ -6,7 +6,6 @@ code; the settings live in ``config.ompmoe_adaptive``, so ``save_pretrained`` ke
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,11 +72,8 @@ class _AdaptiveState:
         self.histogram = counts if self.histogram is None else self.histogram.to(counts.device) + counts
 
     def counts(self) -> torch.Tensor:
-        """The kept-experts histogram since the last reset (zeros before the first call)."""
+        """The kept-experts histogram since the last reset (``histogram = None``; zeros before the first call)."""
         return self.histogram if self.histogram is not None else torch.zeros(self.top_k + 1, dtype=torch.long)
-
-    def reset(self) -> None:
-        self.histogram = None
 
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,7 +195,7 @@ def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, A
     from :class:`ompmoe.MoEStats` or a dict ``{layer name: alphas}`` (:func:`resolve_alphas`); ``epsilon`` in
     ``[0, 1]`` is the relative energy a token may drop (0 keeps every expert), ``zeta`` the rule's stabiliser."""
     epsilon = float(epsilon)
-    if not 0.0 <= epsilon <= 1.0 or math.isnan(epsilon):
+    if not 0.0 <= epsilon <= 1.0:  # NaN too
         raise ValueError(f"epsilon must lie in [0, 1]; got {epsilon}.")
     if not zeta > 0:
         raise ValueError(f"zeta must be positive; got {zeta}.")
@@ -266,7 +262,7 @@ def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str
     for state in _states(model):
         report[state.name] = layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
         if reset:
-            state.reset()
+            state.histogram = None
     return report
 
 
@@ -317,7 +313,7 @@ def adaptive_summary(model_or_report: nn.Module | Mapping[str, Mapping[str, Any]
 def reset_adaptive_counters(model: nn.Module) -> None:
     """Zero every layer's counters."""
     for state in _states(model):
-        state.reset()
+        state.histogram = None
 
 
 def adaptive_histograms(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:

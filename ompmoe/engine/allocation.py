@@ -52,15 +52,20 @@ def minimum_kept(num_experts: int, top_k: int, num_groups: int, topk_group: int,
     return per_group * num_groups
 
 
+def _lowest(num_experts: int, step: int, floor: int, min_kept_fraction: float) -> int:
+    return step * math.ceil(max(math.ceil(min_kept_fraction * num_experts - 1e-9), floor) / step)
+
+
+def _highest(num_experts: int, step: int, max_kept_fraction: float) -> int:
+    return step * math.floor(min(math.floor(max_kept_fraction * num_experts + 1e-9), num_experts) / step)
+
+
 def layer_choices(name: str, routing: dict[str, int], min_kept_fraction: float,
                   max_kept_fraction: float) -> LayerChoices:
     """Feasible counts of one layer; ``low > high`` means the bounds leave nothing feasible."""
-    n, step = routing["num_experts"], routing["num_groups"]
-    floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
-    low = max(math.ceil(min_kept_fraction * n - 1e-9), floor)
-    low = step * math.ceil(low / step)
-    high = step * math.floor(min(math.floor(max_kept_fraction * n + 1e-9), n) / step)
-    return LayerChoices(name=name, num_experts=n, low=low, high=high, step=step, floor=step * math.ceil(floor / step))
+    n, step, floor = routing["num_experts"], routing["num_groups"], minimum_kept(**routing)
+    return LayerChoices(name=name, num_experts=n, low=_lowest(n, step, floor, min_kept_fraction),
+                        high=_highest(n, step, max_kept_fraction), step=step, floor=step * math.ceil(floor / step))
 
 
 def target_kept(num_experts: Sequence[int], ratio: float) -> int:
@@ -109,8 +114,7 @@ def _prune_more_hint(choices: Sequence[LayerChoices], budget: int, total: int) -
                 f"{1.0 - floors / total:.4f}")
     for thousandths in range(999, -1, -1):  # the largest bound that fits, to three decimals
         fraction = thousandths / 1000
-        if sum(max(c.floor, c.step * math.ceil(math.ceil(fraction * c.num_experts - 1e-9) / c.step))
-               for c in choices) <= budget:
+        if sum(_lowest(c.num_experts, c.step, c.floor, fraction) for c in choices) <= budget:
             return f" or lower min_kept_fraction to {fraction:.3f} or less to prune more"
     return " or lower min_kept_fraction to prune more"
 
@@ -119,8 +123,7 @@ def _prune_less_hint(choices: Sequence[LayerChoices], budget: int) -> str:
     """The smallest max_kept_fraction (three decimals) under which ``budget`` experts can be kept."""
     for thousandths in range(0, 1001):
         fraction = thousandths / 1000
-        if sum(c.step * math.floor(min(math.floor(fraction * c.num_experts + 1e-9), c.num_experts) / c.step)
-               for c in choices) >= budget:
+        if sum(_highest(c.num_experts, c.step, fraction) for c in choices) >= budget:
             return f" or raise max_kept_fraction to {fraction:.3f} or more to prune less"
     return " or raise max_kept_fraction to prune less"
 
@@ -130,9 +133,8 @@ def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: fl
     target_kept([routing["num_experts"] for _, routing in routings], ratio)  # rejects ratios outside [0, 1)
     counts = []
     for name, routing in routings:
-        n, step = routing["num_experts"], routing["num_groups"]
+        n, step, floor = routing["num_experts"], routing["num_groups"], minimum_kept(**routing)
         keep = step * round((1.0 - ratio) * n / step)
-        floor = minimum_kept(n, routing["top_k"], step, routing["topk_group"], routing["group_score_topk"])
         if keep < floor:
             raise InfeasibleBudgetError(
                 f"Uniform ratio={ratio} keeps {keep} of {n} experts in layer {name}, but its router needs at "

@@ -8,7 +8,7 @@ for every routed pair; the block still gets exactly ``sum_k g_k F_{e_k}(x)``. No
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 import warnings
 
@@ -17,16 +17,12 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 from torchmetrics import Metric
 
+from . import methods  # noqa: F401  (importing it registers the built-in statistics extensions)
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .extensions import PairCallback, StatisticsExtension, extension
+from .extensions import CANCELLED_TOKEN, PairCallback, StatisticsExtension, extension, selected_statistics
 from .replay import replayable
 from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
-
-CANCELLED_TOKEN = 1e-6
-"""A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
-cancel to within float32 rounding) gets no weight in the token-normalized Gram."""
-
 
 @contextmanager
 def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Iterator[None]:
@@ -302,14 +298,14 @@ class StatisticsCollector:
     """Instruments a model so every forward pass adds to its statistics (driven by ``collect_stats`` or a callback)."""
 
     def __init__(
-        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None, loss_aware: bool = False,
-        reroute: bool = False, statistics: Iterable[str] = (),
+        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None,
+        statistics: Iterable[str] = (), **extension_flags: bool,
     ) -> None:
         architecture_of(model)
         self.model = model
         self.layers = find_moe_layers(model)
         self.metric = MoEStatsMetric(self.layers)
-        names = selected_statistics(statistics, loss_aware=loss_aware, reroute=reroute)
+        names = selected_statistics(statistics, **extension_flags)
         self.extensions: dict[str, StatisticsExtension] = {
             name: extension(name)(model, self.layers, lambda: self.metric.token_weight) for name in names
         }
@@ -318,6 +314,8 @@ class StatisticsCollector:
         self.sources = list(sources or [])
         self._context: ExitStack | None = None
         self._warned = False
+        self.batch_size = 0
+        """The most samples a calibration batch had (the batch size of later passes over held-out text)."""
 
     def metrics(self) -> dict[str, Metric]:
         """Every sum-state metric by its checkpoint prefix: ``""`` for the core sums, ``"loss."``, ``"reroute."``..."""
@@ -360,6 +358,61 @@ class StatisticsCollector:
             return self.model(**inputs, use_cache=False)
         finally:
             self.metric.token_weight = None
+
+    @property
+    def needs_gradients(self) -> bool:
+        """Whether an extension runs a backward (the forward must then run with gradients)."""
+        return any(ext.needs_gradients for ext in self.extensions.values())
+
+    def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
+                    real_samples: int | None = None) -> None:
+        """Instrument the next forward on ``inputs`` (a loop that runs it itself, like Lightning's): padding and
+        the samples past ``real_samples`` count nothing; ``first_sample`` is the batch's position on this rank."""
+        check_calibration_inputs(self.model, inputs)  # before the forward: no wrong sums
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        assert ids is not None
+        self.batch_size = max(self.batch_size, int(ids.shape[0]))
+        weight = batch_token_weight(inputs, first_sample, real_samples)
+        self.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
+        self.__enter__()
+
+    def end_batch(self) -> None:
+        """Stop instrumenting (also after a failed forward)."""
+        if self._context is not None:
+            self.__exit__(None, None, None)
+            self.metric.token_weight = None
+
+    def calibrate(self, inputs: dict[str, torch.Tensor], first_sample: int = 0, real_samples: int | None = None,
+                  autocast: Any = None) -> None:
+        """One instrumented forward in eval mode (routers of Mixtral and others jitter in train mode), and the
+        extensions' backward with the parameters frozen meanwhile (no weight gradient)."""
+        model, gradients = self.model, self.needs_gradients
+        was_training = model.training
+        frozen = [p for p in model.parameters() if p.requires_grad] if gradients else []
+        model.eval()
+        self.begin_batch(inputs, first_sample, real_samples)
+        try:
+            with torch.set_grad_enabled(gradients), autocast if autocast is not None else nullcontext():
+                for parameter in frozen:
+                    parameter.requires_grad_(False)
+                model(**inputs, use_cache=False)
+        finally:
+            self.end_batch()
+            for parameter in frozen:
+                parameter.requires_grad_(True)
+            model.train(was_training)
+
+    def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
+        """:meth:`calibrate` on each batch in this process, on the model's device; returns the number of batches."""
+        for ext in self.extensions.values():
+            ext.standalone()  # the forward's output is dropped: no step reuses its graph
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.to(device)
+        count = 0
+        for batch in progress_bar(batches, "ompmoe statistics", show_progress, unit="batch"):
+            self.calibrate(as_model_inputs(batch, device))
+            count += 1
+        return count
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every sum so far, summed over ranks when distributed, by ``prefix + state name`` (for checkpoints)."""
@@ -428,15 +481,6 @@ def batch_token_weight(
     return weight
 
 
-def selected_statistics(
-    statistics: Iterable[str] = (), *, loss_aware: bool = False, reroute: bool = False
-) -> list[str]:
-    """The optional statistics to collect, in order: ``statistics`` plus the ``loss_aware``/``reroute`` shorthands."""
-    names = list(statistics) + ["reroute"] * reroute + ["loss_aware"] * loss_aware
-    return list(dict.fromkeys(names))
-
-
-@torch.no_grad()
 def collect_stats(
     model: nn.Module,
     batches: Iterable[Any],
@@ -444,36 +488,17 @@ def collect_stats(
     model_id: str | None = None,
     source: str | None = None,
     progress: bool | None = None,
-    loss_aware: bool = False,
-    reroute: bool = False,
     statistics: Iterable[str] = (),
+    **extension_flags: bool,
 ) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` (input-id tensors or dicts for ``model(**batch)``), one forward each.
 
     Masked padding is not counted; the model runs in eval mode (some routers jitter in train mode), then is restored.
     ``progress``: a stderr bar (``None``: when stderr is a terminal). ``model_id``/``source`` are recorded.
-    ``statistics`` names optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`); ``loss_aware=True``
-    (one backward of the next-token loss per batch, parameters frozen) and ``reroute=True`` are shorthands.
+    ``statistics`` names optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`); a flag named after one
+    asks for it too (``loss_aware=True``: one backward of the next-token loss per batch, parameters frozen).
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,
-                                    loss_aware=loss_aware, reroute=reroute, statistics=statistics)
-    for ext in collector.extensions.values():
-        ext.standalone()
-    gradients = any(ext.needs_gradients for ext in collector.extensions.values())
-    frozen = [p for p in model.parameters() if p.requires_grad] if gradients else []
-    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
-    collector.to(device)
-    was_training = model.training
-    model.eval()
-    iterator: Iterable[Any] = progress_bar(batches, "ompmoe statistics", progress, unit="batch")
-    try:
-        with collector, torch.set_grad_enabled(gradients):
-            if gradients:
-                model.requires_grad_(False)
-            for batch in iterator:
-                collector.forward(as_model_inputs(batch, device))
-    finally:
-        model.train(was_training)
-        for parameter in frozen:
-            parameter.requires_grad_(True)
+                                    statistics=statistics, **extension_flags)
+    collector.collect(batches, progress)
     return collector.result()

@@ -6,8 +6,7 @@ hooks and checkpoint prefix; methods and allocations declare the ones they need 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
@@ -17,6 +16,10 @@ from torchmetrics import Metric
 if TYPE_CHECKING:
     from .adapters import MoELayer
     from .statistics import LayerStats
+
+CANCELLED_TOKEN = 1e-6
+"""A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
+cancel to within float32 rounding) gets no weight in the token-normalized Grams."""
 
 PairCallback = Callable[..., None]
 """``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
@@ -122,56 +125,21 @@ def register_statistics(cls: E) -> E:
     return cls
 
 
-BUILTIN_MODULES = ("ompmoe.engine.loss_stats", "ompmoe.engine.reroute_stats")
-"""Modules whose import registers the built-in extensions (named, not imported here: they import this module)."""
-
-
-def statistics_extensions() -> dict[str, type[StatisticsExtension]]:
-    """Every registered extension (importing the built-in ones registers them)."""
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-    return STATISTICS
-
-
 def extension(name: str) -> type[StatisticsExtension]:
-    known = statistics_extensions()
-    if name not in known:
-        raise ValueError(f"Unknown statistics {name!r}; choose from {sorted(known)}.")
-    return known[name]
+    """The registered extension ``name`` (the built-in ones register when :mod:`ompmoe.engine.methods` is imported)."""
+    if name not in STATISTICS:
+        raise ValueError(f"Unknown statistics {name!r}; choose from {sorted(STATISTICS)}.")
+    return STATISTICS[name]
 
 
 def extension_providing(key: str) -> type[StatisticsExtension] | None:
-    """The extension that fills the ``LayerStats`` field ``key`` (``None`` for the core sums)."""
-    return next((cls for cls in statistics_extensions().values() if key in cls.tensors), None)
+    """The extension that fills the ``LayerStats`` tensor ``key`` (``None`` for the core sums)."""
+    return next((cls for cls in STATISTICS.values() if key in cls.tensors), None)
 
 
-def required_statistics(method: Any = None, allocation: Any = None) -> dict[str, list[str]]:
-    """``{extension name: ["method 'x'", "allocation 'y'"]}``: the optional statistics a method and an allocation need.
-
-    ``method`` is a registered name or a ``SelectionMethod``; unknown names need nothing here (validated later).
-    """
-    from .allocation import allocation_statistics
-    from .methods import METHODS
-
-    needs: dict[str, list[str]] = {}
-    method_class = METHODS.get(method) if isinstance(method, str) else method
-    for name in getattr(method_class, "statistics", ()):
-        needs.setdefault(name, []).append(f"method {getattr(method_class, 'name', method)!r}")
-    for name in allocation_statistics(allocation) if isinstance(allocation, str) else ():
-        needs.setdefault(name, []).append(f"allocation {allocation!r}")
-    return needs
-
-
-def check_statistics(strategy: object, collected: Collection[str], owner: str = "ExpertPruning") -> None:
-    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``.
-
-    ``owner`` is what the message tells the user to pass the option to (``ExpertPruning``, ``FabricCalibration``).
-    """
-    needs = required_statistics(getattr(strategy, "method", None), getattr(strategy, "allocation", None))
-    for name, users in needs.items():
-        if name not in collected:
-            cls = extension(name)
-            raise ValueError(
-                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, "
-                f"which this calibration would not collect: pass {owner}(..., {cls.how()})."
-            )
+def selected_statistics(statistics: Iterable[str] = (), **flags: bool) -> list[str]:
+    """The optional statistics to collect, in order: ``statistics`` plus every extension named by a true flag
+    (``loss_aware=True`` is ``statistics=["loss_aware"]``)."""
+    for name in flags:
+        extension(name)
+    return list(dict.fromkeys([*statistics, *(name for name, wanted in flags.items() if wanted)]))

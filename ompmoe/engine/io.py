@@ -95,11 +95,10 @@ class _RunLock:
     """The lock this run holds on ``.{name}.{owner}.{token}.lock`` while its temporaries exist."""
 
     def __init__(self, path: Path) -> None:
-        prefix = f".{path.name}.{_owner()}."
         identity = json.dumps(_identity()).encode()
         while True:
             self.token = secrets.token_hex(4)
-            self.path = path.parent / f"{prefix}{self.token}.lock"
+            self.path = self.sibling(path, "lock")
             self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.write(self.fd, identity)
             try:
@@ -129,9 +128,7 @@ def _step(name: str) -> None:
 
 def clean_leftovers(path: str | os.PathLike) -> list[Path]:
     """Remove temporaries of dead ompmoe runs for ``path``; restore an aside copy if ``path`` itself is missing.
-
-    Returns the removed or restored entries (lock files not listed).
-    """
+    Returns the removed or restored entries (lock files not listed)."""
     path = Path(path)
     if not path.parent.is_dir():
         return []
@@ -227,7 +224,6 @@ def check_writable(
     path: str | os.PathLike, overwrite: bool, *, directory: bool | None = None, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
     """Fail before any expensive work if ``path`` cannot be written or must not be replaced; clean leftovers.
-
     ``inputs``: files the run reads, never replaced. ``directory``: whether the output is a directory (None: either).
     """
     path = _normalised(Path(path))
@@ -278,9 +274,7 @@ def _check_name_lengths(path: Path) -> None:
 
 def local_inputs(*values: Any) -> list[str]:
     """The local files and directories among ``values`` (paths, lists of them, ``None``): what a run reads from disk.
-
-    Strings naming nothing on disk (hub ids, ``tiny:`` names) are left out; pass the result as ``inputs=``.
-    """
+    Strings naming nothing on disk (hub ids, ``tiny:`` names) are left out; pass the result as ``inputs=``."""
     found: list[str] = []
     for value in values:
         if isinstance(value, (list, tuple)):
@@ -366,10 +360,8 @@ def _commit(
 def atomic_path(
     path: str | os.PathLike, overwrite: bool = False, directory: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` to write into; move it into place only on success.
-
-    Directory outputs get the :data:`MARKER` file, so a later run may replace them.
-    """
+    """Yield a temporary sibling of ``path`` to write into; move it into place only on success. Directory outputs
+    get the :data:`MARKER` file, so a later run may replace them."""
     inputs = list(inputs)
     path = check_writable(path, overwrite, directory=directory, inputs=inputs)
     created = _make_parents(path.parent)
@@ -433,5 +425,5 @@ def _default_permissions(path: Path, directory: bool) -> None:
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
+    else:
         path.unlink(missing_ok=True)

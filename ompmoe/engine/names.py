@@ -1,10 +1,43 @@
-"""Names users type: telling a path from a hub id, the nearest existing path, the closest registered name (no torch)."""
+"""Names users type, resolved in one place (no torch): ``shipped:<name>`` models, telling a path from a hub id, the
+nearest existing path, the closest registered name."""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from importlib import resources
 from pathlib import Path
+
+SHIPPED_PREFIX = "shipped:"
+SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64", "tiny-moe-a3b")
+"""Models shipped in ``ompmoe/data/``, named ``shipped:<name>`` as a model or tokenizer spec."""
+
+
+def shipped_model_path(name: str = "tiny-moe") -> Path:
+    """Directory of a model shipped with ompmoe (config, safetensors weights, tokenizer, card)."""
+    name = name.removeprefix(SHIPPED_PREFIX)
+    if name not in SHIPPED_MODELS:
+        names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
+        raise ValueError(f"Unknown shipped model {name!r}; available: {names}.")
+    return Path(str(resources.files("ompmoe").joinpath("data", name)))
+
+
+def resolve_shipped(spec: str) -> str:
+    """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is. A misspelt
+    shipped name or a missing local path fails here, with a hint, not later as a confusing hub error."""
+    if not isinstance(spec, str):
+        return spec
+    if spec.startswith(SHIPPED_PREFIX):
+        name = spec.removeprefix(SHIPPED_PREFIX)
+        if name not in SHIPPED_MODELS:
+            close = difflib.get_close_matches(name, SHIPPED_MODELS, n=1)
+            hint = f"did you mean {SHIPPED_PREFIX + close[0]!r}? " if close else ""
+            names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
+            raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {names}")
+        return str(shipped_model_path(spec))
+    if looks_local(spec) and not Path(spec).expanduser().exists():
+        raise FileNotFoundError(f"path {spec!r} does not exist{nearest_path_hint(spec)}")
+    return spec
 
 
 def looks_local(spec: str) -> bool:

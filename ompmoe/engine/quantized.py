@@ -49,18 +49,13 @@ def _describe(tensor: torch.Tensor) -> str:
 
 
 def find_quantized(model: nn.Module) -> str | None:
-    """Why ``model`` counts as quantized for pruning, or ``None`` if it does not.
-
-    Checks ``config.quantization_config`` (transformers integrations), :func:`quantize_experts`, and the
-    routers' and routed experts' tensors (tensor subclasses such as torchao's, non-floating parameters).
-    """
+    """Why ``model`` counts as quantized for pruning, or ``None`` if it does not: ``config.quantization_config``
+    (transformers integrations), :func:`quantize_experts`, or the routers' and routed experts' tensors (tensor
+    subclasses such as torchao's, non-floating parameters)."""
     quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)
     if quantization_config:
-        method = (
-            quantization_config.get("quant_method")
-            if isinstance(quantization_config, dict)
-            else getattr(quantization_config, "quant_method", None)
-        )
+        method = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)
+                  else getattr(quantization_config, "quant_method", None))
         method = getattr(method, "value", method)
         return f"config.quantization_config is set (quant_method={method!r})"
     for block_name, _, router, experts in sparse_blocks(model):
@@ -95,12 +90,10 @@ def check_not_quantized(model: nn.Module) -> None:
 
 
 def check_savable(model: nn.Module) -> None:
-    """Raise :class:`QuantizedModelError` if ``save_pretrained`` would not write ``model`` faithfully.
-
-    :func:`quantize_experts` weights would be saved under parametrization names that ``from_pretrained``
-    ignores (silently re-initialised), and transformers cannot serialise torchao tensors without a
-    ``config.quantization_config`` (with one, the integration saves the model).
-    """
+    """Raise :class:`QuantizedModelError` if ``save_pretrained`` would not write ``model`` faithfully:
+    :func:`quantize_experts` weights would be saved under parametrization names that ``from_pretrained`` ignores
+    (silently re-initialised), and transformers cannot serialise torchao tensors without a
+    ``config.quantization_config`` (with one, the integration saves the model)."""
     if getattr(getattr(model, "config", None), "quantization_config", None):
         return
     by_ompmoe = (

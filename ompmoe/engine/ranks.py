@@ -5,50 +5,34 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from torch import nn
 
 T = TypeVar("T")
 
 
-class RunContext(Protocol):
-    """What a loop lends the run: its rank and its collectives (Lightning's Trainer, Fabric, or one process)."""
-
-    is_global_zero: bool
-    world_size: int
-
-    def broadcast(self, obj: T, src: int = 0) -> T: ...
-
-    def barrier(self, name: str) -> None: ...
-
-    def print(self, line: str) -> None: ...
-
-    def warn(self, message: str) -> None: ...
-
-    def log_metrics(self, metrics: dict[str, float]) -> None: ...
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
-class LocalContext:
-    """One process, no loggers: what a Python script or the demo lends the run."""
+@dataclass
+class RunContext:
+    """What a loop lends the run: its rank, its collectives, where lines, warnings and metrics go. The defaults are
+    one process without loggers (a Python script, the demo); Lightning's Trainer and Fabric lend their own."""
 
-    is_global_zero = True
-    world_size = 1
+    is_global_zero: bool = True
+    world_size: int = 1
+    broadcast: Callable[..., Any] = lambda obj, src=0: obj
+    barrier: Callable[[str], None] = lambda name: None
+    print: Callable[[str], None] = print
+    warn: Callable[[str], None] = _warn
+    log_metrics: Callable[[dict[str, float]], None] = lambda metrics: None
 
-    def broadcast(self, obj: T, src: int = 0) -> T:
-        return obj
 
-    def barrier(self, name: str) -> None:
-        pass
-
-    def print(self, line: str) -> None:
-        print(line)
-
-    def warn(self, message: str) -> None:
-        warnings.warn(message, stacklevel=3)
-
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        pass
+LocalContext = RunContext
+"""One process, no loggers: ``ompmoe.LocalContext()`` is what a script lends :class:`ompmoe.PruningRun`."""
 
 
 def on_rank_zero(context: RunContext, function: Callable[[], T]) -> T:
@@ -87,7 +71,6 @@ def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
     full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
     full.load_state_dict(state)
     return full.eval()
-
 
 
 __all__ = ["LocalContext", "RunContext", "on_rank_zero", "unsharded"]

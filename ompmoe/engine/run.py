@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,11 @@ import torch
 from torch import nn
 
 from .adapters import find_moe_layers
-from .collect import (StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs,
-                      selected_statistics)
+from .collect import StatisticsCollector
 from .export.checkpoint import usable_tokenizer
 from .export.plots import require_matplotlib
-from .extensions import check_statistics, required_statistics
+from .extensions import selected_statistics
+from .methods import check_statistics, required_statistics
 from .io import atomic_path, check_writable
 from .perplexity import perplexity
 from .plan import PruningPlan
@@ -130,8 +129,6 @@ class PruningRun:
         self.tokenizer: Any = None
         self.data: Any = None
         self.choice_data: torch.Tensor | None = None
-        self.batch_size = 0
-        """The most samples a batch had (the batch size for the choice and held-out perplexity; 4 if none)."""
         self.stats: MoEStats | None = None
         self.plan: PruningPlan | None = None
         self.choice: PlanChoice | None = None
@@ -210,58 +207,26 @@ class PruningRun:
     @property
     def needs_gradients(self) -> bool:
         """Whether a statistic runs a backward (the forward must then run with gradients)."""
-        return self.collector is not None and any(ext.needs_gradients for ext in self.collector.extensions.values())
+        return self.collector is not None and self.collector.needs_gradients
 
     def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
                     real_samples: int | None = None) -> None:
-        """Instrument the next forward on ``inputs``: padding and samples past ``real_samples`` count nothing."""
-        collector = self._collector()
-        check_calibration_inputs(collector.model, inputs)  # before the forward: no wrong sums
-        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-        assert ids is not None
-        self.batch_size = max(self.batch_size, int(ids.shape[0]))
-        weight = batch_token_weight(inputs, first_sample, real_samples)
-        collector.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
-        collector.__enter__()
+        """Instrument the next forward, which the loop runs (:meth:`StatisticsCollector.begin_batch`)."""
+        self._collector().begin_batch(inputs, first_sample, real_samples)
 
     def end_batch(self) -> None:
         """Stop instrumenting (also after a failed forward)."""
-        if self.collector is not None and self.collector._context is not None:
-            self.collector.__exit__(None, None, None)
-            self.collector.metric.token_weight = None
-
-    def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
-        """One instrumented forward per batch in this process (the demo's and a script's loop); returns the count."""
-        collector = self._collector()
-        model = collector.model
-        for ext in collector.extensions.values():
-            ext.standalone()  # the forward's output is dropped: no step reuses its graph
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        collector.to(device)
-        count = 0
-        for batch in progress(batches, "ompmoe statistics", show_progress, unit="batch"):
-            self.forward(as_model_inputs(batch, device))
-            count += 1
-        return count
+        if self.collector is not None:
+            self.collector.end_batch()
 
     def forward(self, inputs: dict[str, torch.Tensor], first_sample: int = 0, real_samples: int | None = None,
                 autocast: Any = None) -> None:
-        """One instrumented forward in eval mode (and the loss-aware backward), parameters frozen meanwhile."""
-        model = self._collector().model
-        was_training = model.training
-        frozen = [p for p in model.parameters() if p.requires_grad] if self.needs_gradients else []
-        model.eval()  # routers of Mixtral and others jitter in train mode
-        self.begin_batch(inputs, first_sample, real_samples)
-        try:
-            with torch.set_grad_enabled(self.needs_gradients), autocast if autocast is not None else nullcontext():
-                for parameter in frozen:  # the loss-aware backward needs the outputs' gradients only
-                    parameter.requires_grad_(False)
-                model(**inputs, use_cache=False)
-        finally:
-            self.end_batch()
-            for parameter in frozen:
-                parameter.requires_grad_(True)
-            model.train(was_training)
+        """One instrumented forward (:meth:`StatisticsCollector.calibrate`)."""
+        self._collector().calibrate(inputs, first_sample, real_samples, autocast)
+
+    def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
+        """One instrumented forward per batch in this process (a script's or the demo's loop); returns the count."""
+        return self._collector().collect(batches, show_progress)
 
     def _collector(self) -> StatisticsCollector:
         if self.collector is None:
@@ -284,10 +249,11 @@ class PruningRun:
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
             stats = collector.result()  # torchmetrics sums the states over ranks here
         model = unsharded(collector.model, context.is_global_zero)
-        plan = self._plan(context, stats, model, self.choice_data if choice_blocks is None else choice_blocks)
+        batch_size = collector.batch_size or 4  # the calibration's (blocks as long as its own), 4 if it had none
+        blocks = self.choice_data if choice_blocks is None else choice_blocks
+        plan = self._plan(context, stats, model, blocks, batch_size)
         self.stats, self.plan = stats, plan
         heldout = self._heldout_sets() if model is not None and context.is_global_zero else {}
-        batch_size = self.batch_size or 4
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             prune(model, plan)
@@ -311,13 +277,13 @@ class PruningRun:
         context.barrier("ompmoe-pruning-written")
         return plan
 
-    def _plan(self, context: RunContext, stats: MoEStats, model: nn.Module | None,
-              blocks: torch.Tensor | None) -> PruningPlan:
+    def _plan(self, context: RunContext, stats: MoEStats, model: nn.Module | None, blocks: torch.Tensor | None,
+              batch_size: int) -> PruningPlan:
         """The strategy's plan; for ``auto`` with choice blocks, the candidate rank 0 measured best (on every rank)."""
         if blocks is None or not tries_candidates(self.strategy, stats.model_type):
             return on_rank_zero(context, lambda: self.strategy.plan(stats))
         candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
-        self.choice = on_rank_zero(context, lambda: choose_plan(model, candidates, blocks, self.batch_size or 4))
+        self.choice = on_rank_zero(context, lambda: choose_plan(model, candidates, blocks, batch_size))
         plan = candidates[self.choice.index]
         self.strategy_used = dataclasses.replace(self.strategy, method=plan.method,  # type: ignore[type-var]
                                                  allocation=plan.allocation)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .adapters import find_moe_layers
+from .extensions import STATISTICS, extension_providing
 from .io import atomic_path
 from .safetensors_header import CorruptSafetensorsError, read_header
 
@@ -33,17 +34,8 @@ SYMMETRY_TOLERANCE = 1e-6
 
 def optional_tensors() -> tuple[str, ...]:
     """Tensors a statistics file may lack: the newer core sums and every registered extension's."""
-    from .extensions import statistics_extensions
-
-    extension_tensors = (key for cls in statistics_extensions().values() for key in cls.tensors)
+    extension_tensors = (key for cls in STATISTICS.values() for key in cls.tensors)
     return tuple(dict.fromkeys([*CORE_OPTIONAL_TENSORS, *extension_tensors]))
-
-
-def signed_tensors() -> tuple[str, ...]:
-    """Optional tensors whose values may be negative (first-order loss terms)."""
-    from .extensions import statistics_extensions
-
-    return tuple(key for cls in statistics_extensions().values() for key in cls.signed)
 
 
 class FingerprintMismatchError(ValueError):
@@ -81,29 +73,15 @@ class LayerStats:
     gram_normalized: torch.Tensor | None = None
     """Token-normalized Gram ``sum_x <V_e(x), V_f(x)> / ||Y_x||^2`` (tokens whose atoms cancel left out), the
     ``omp_normalized`` objective; ``None`` in older statistics."""
-    gram_grad: torch.Tensor | None = None
-    """Loss-aware (:mod:`ompmoe.engine.loss_stats`): ``sum_x ||d_x||^2 <V_e(x), V_f(x)>``."""
-    gram_loss: torch.Tensor | None = None
-    """Loss-aware: rank-1 projection Gram ``sum_x a_e(x) a_f(x)``, ``a_e(x) = <d_x, V_e(x)>``."""
-    gram_fisher: torch.Tensor | None = None
-    """Loss-aware: diagonal-Fisher Gram ``sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)``."""
-    loss_first_order: torch.Tensor | None = None
-    """Loss-aware: first-order term ``sum_x a_e(x)`` per expert (may be negative)."""
-    gram_reroute: torch.Tensor | None = None
-    """Rerouting-aware (:mod:`ompmoe.engine.reroute_stats`): ``sum_x <D_e(x), D_f(x)>``, ``D_e(x)`` the output
-    change when ``e`` is removed and the router re-routes."""
-    gram_reroute_normalized: torch.Tensor | None = None
-    """Rerouting-aware: ``sum_x <D_e(x), D_f(x)> / ||Y_x||^2``."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Sums of registered statistics extensions that have no field above (read them as attributes too)."""
+    """Sums of statistics extensions (``gram_loss``, ``gram_reroute``...): read them as attributes, ``None`` when
+    these statistics lack them."""
 
     def __getattr__(self, key: str) -> Any:
         """An extension's tensor without a field: from ``extra``, ``None`` when these statistics lack it."""
         if key.startswith("__") or key == "extra":
             raise AttributeError(key)
-        from .extensions import extension_providing
-
-        if extension_providing(key) is None:
+        if extension_providing(key) is None and key not in self.__dict__.get("extra", {}):
             raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
         return self.__dict__.get("extra", {}).get(key)
 
@@ -140,7 +118,8 @@ class LayerStats:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         tensors = {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
-        tensors.update({key: getattr(self, key) for key in optional_tensors() if getattr(self, key) is not None})
+        if self.gram_normalized is not None:
+            tensors["gram_normalized"] = self.gram_normalized
         tensors.update(self.extra)
         return tensors
 
@@ -281,14 +260,22 @@ def _layers_from_file(
     infos = meta.get("layers")
     if not isinstance(infos, list) or not infos:
         raise StatsFileError(f"{path}: the metadata lists no layers. {fix}")
-    optional, signed = optional_tensors(), signed_tensors()
-    known = {f"layers.{i}.{key}" for i in range(len(infos)) for key in ("gram", *PER_EXPERT_SUMS, *optional)}
-    extra = sorted(set(tensors) - known)
-    if extra:
+    by_layer: list[dict[str, torch.Tensor]] = [{} for _ in infos]
+    undescribed = []
+    for full_name, tensor in tensors.items():
+        layer, _, key = full_name.rpartition(".")
+        index = layer.removeprefix("layers.")
+        if layer.startswith("layers.") and index.isdigit() and int(index) < len(infos):
+            by_layer[int(index)][key] = tensor
+        else:
+            undescribed.append(full_name)
+    if undescribed:
         raise StatsFileError(
             f"{path}: the metadata lists {len(infos)} layers but the file holds tensors it does not describe "
-            f"({extra[0]}, ...). {fix}"
+            f"({sorted(undescribed)[0]}, ...). {fix}"
         )
+    signed = {key for cls in STATISTICS.values() for key in cls.signed}
+    core = ("gram", *PER_EXPERT_SUMS)
     layers = []
     for i, info in enumerate(infos):
         name = info.get("name") if isinstance(info, dict) else None
@@ -300,11 +287,11 @@ def _layers_from_file(
             raise StatsFileError(f"{where}: the metadata has no valid name or routing ({bad or 'name'}). {fix}")
         n = routing["num_experts"]
         found: dict[str, torch.Tensor] = {}
-        for key in ("gram", *PER_EXPERT_SUMS, *optional):
-            tensor = tensors.get(f"layers.{i}.{key}")
+        # An extension's tensors are kept even when it is not registered here (a plugin not imported, a newer ompmoe)
+        present = [*optional_tensors(), *sorted(by_layer[i])]
+        for key in dict.fromkeys([*core, *(key for key in present if key in by_layer[i])]):
+            tensor = by_layer[i].get(key)
             if tensor is None:
-                if key in optional:
-                    continue
                 raise StatsFileError(f"{where}: tensor {key!r} is missing (the metadata lists layer {i}). {fix}")
             is_gram = key.startswith("gram")
             shape = (n, n) if is_gram else (n,)
@@ -318,7 +305,8 @@ def _layers_from_file(
             if not bool(torch.isfinite(tensor).all()):
                 raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
             values = tensor.diagonal() if is_gram else tensor
-            if key not in signed and bool((values < 0).any()):
+            unsigned = is_gram or key in core or (extension_providing(key) is not None and key not in signed)
+            if unsigned and bool((values < 0).any()):
                 raise StatsFileError(
                     f"{where}: tensor {key!r} has negative {'diagonal' if is_gram else 'values'} "
                     f"({float(values.min())}); these are sums of squares or counts. {fix}"

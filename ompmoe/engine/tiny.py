@@ -24,14 +24,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 """``model_type -> (config class, overrides)`` of the built-in architectures' tiny models (from their specs)."""
 
 
-def tiny_model_types() -> list[str]:
-    """Registered architectures that have a tiny config."""
-    return sorted(name for name, spec in ARCHITECTURES.items() if spec.tiny_config is not None)
-
-
 def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedConfig:
-    """A small config of ``model_type`` (see :data:`TINY_CONFIGS`), with ``overrides`` applied."""
-    available = tiny_model_types()
+    """A small config of ``model_type`` (see :data:`TINY_CONFIGS`; later registered architectures too), with
+    ``overrides`` applied."""
+    available = sorted(name for name, spec in ARCHITECTURES.items() if spec.tiny_config is not None)
     if model_type not in available:
         raise ValueError(f"No tiny config for {model_type!r}; available: {available}.")
     class_name, arch = ARCHITECTURES[model_type].tiny_config  # type: ignore[misc]

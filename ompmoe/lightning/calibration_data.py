@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,20 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..engine.plan_choice import default_choice_blocks
-from ..data.sources import (
-    HELDOUT_CORPUS,
-    PRESETS,
-    Encoder,
-    HubUnavailableError,
-    TextFile,
-    TextSource,
-    evol_code_text,
-    text_encoder,
-    text_pieces,
-    token_stream,
-    tulu_text,
-    wikitext_articles,
-)
+from ..data.sources import (HELDOUT_CORPUS, PRESETS, Encoder, HubUnavailableError, TextFile, TextSource,
+                             evol_code_text, text_encoder, text_pieces, tulu_text, wikitext_articles)
 
 __all__ = [  # with names of ompmoe.data.sources that were always importable from here
     "PRESETS", "CalibrationBlocks", "CalibrationDataModule", "HubUnavailableError", "TextFile", "evol_code_text",
@@ -50,10 +38,8 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader whose position Lightning saves in checkpoints, so a resumed calibration fit
     continues after the last batch it saw instead of replaying the first ones."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._batches_yielded = 0
-        self._resume_from = 0
+    _batches_yielded = 0
+    _resume_from = 0
 
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_from = self._resume_from, 0
@@ -156,21 +142,18 @@ class CalibrationDataModule(pl.LightningDataModule):
         return TextSource(self.source, self.data_files, self.text_field, self.split, self.seed, corpus=self.corpus)
 
     def describe(self) -> str:
-        """Short description of the calibration source, for the statistics metadata."""
         return self._text.describe()
 
     def documents(self) -> Iterator[str]:
-        """The raw-text documents in reading order (lazily, as the stream consumes them)."""
         return self._text.documents()
 
     def _tokenizer_name(self) -> str:
         if self.tokenizer:
             return self.tokenizer
         module = getattr(getattr(self, "trainer", None), "lightning_module", None)
-        for attribute in ("tokenizer_name", "model_name_or_path"):
-            value = getattr(module, attribute, None)
-            if value:
-                return str(value)
+        name = getattr(module, "tokenizer_name", None) or getattr(module, "model_name_or_path", None)
+        if name:
+            return str(name)
         raise ValueError(
             "CalibrationDataModule needs a tokenizer: pass tokenizer=<hub name or local path> "
             "(or 'bytes' for the tiny demo models), or attach it to a Trainer whose LightningModule "
@@ -179,10 +162,6 @@ class CalibrationDataModule(pl.LightningDataModule):
 
     def _encoder(self) -> Encoder:
         return text_encoder(self._tokenizer_name())
-
-    def token_stream(self, needed: int, documents: Iterable[str] | None = None) -> torch.Tensor:
-        """The first ``needed`` tokens of the stream (of ``documents`` if given) as a 1-D LongTensor."""
-        return token_stream(self._text.items() if documents is None else documents, self._encoder(), needed)
 
     def heldout_blocks(self, name: str, num_blocks: int) -> torch.Tensor:
         """``num_blocks`` blocks of another text, cut like the calibration blocks: ``heldout:prose`` /
@@ -221,25 +200,19 @@ class CalibrationDataModule(pl.LightningDataModule):
         """``(num_blocks, seq_len)`` LongTensor of calibration token ids (built on first use)."""
         if self._blocks is None:
             self.setup()
-        assert self._blocks is not None
         return self._blocks
 
     @property
     def num_tokens(self) -> int:
-        """Calibration tokens in all: ``num_blocks * seq_len``."""
         return int(self.blocks.numel())
 
     @property
     def dataset(self) -> CalibrationBlocks:
-        """The blocks as a map-style dataset (one block per item)."""
         return CalibrationBlocks(self.blocks)
 
     def train_dataloader(self) -> DataLoader:
         """Batches of ``batch_size`` blocks in block order (no shuffle), resumable mid-epoch."""
-        return ResumableDataLoader(
-            self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers, drop_last=False
-        )
+        return ResumableDataLoader(self.dataset, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def predict_dataloader(self) -> DataLoader:
-        """The same batches as :meth:`train_dataloader`, for ``Trainer.predict``."""
-        return self.train_dataloader()
+        return self.train_dataloader()  # the same batches, for Trainer.predict

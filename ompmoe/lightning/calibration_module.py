@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .models import TINY_PREFIX, default_tokenizer, is_tiny, load_model, resolve_dtype, resolve_model
+from .models import TINY_PREFIX, default_tokenizer, is_tiny, load_model, model_and_name, resolve_dtype, resolve_model
 
 EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
 
@@ -58,14 +58,9 @@ class CalibrationModule(pl.LightningModule):
         """Set by ``ExpertPruning(loss_aware=True)``: run the forward with gradients enabled (no optimizer step)."""
         self.torch_dtype = resolve_dtype(dtype)
         self.trust_remote_code = trust_remote_code
-        if isinstance(model, nn.Module):
-            self.model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-            self.model: nn.Module | None = model
-        else:
-            if isinstance(model, str) and not is_tiny(model):
-                resolve_model(model)  # a name that cannot load fails here, before the Trainer starts
-            self.model_name_or_path = model
-            self.model = None
+        self.model, self.model_name_or_path = model_and_name(model)
+        if isinstance(model, str) and not is_tiny(model):
+            resolve_model(model)  # a name that cannot load fails here, before the Trainer starts
         self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
 
     def configure_model(self) -> None:

@@ -6,6 +6,7 @@ outputs); this adapter lends it Fabric's ranks. ``python -m ompmoe.lightning.fab
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,16 +16,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..engine.adapters import architecture_of
-from ..engine.collect import as_model_inputs
+from ..engine.collect import as_model_inputs, real_sample_count
 from ..engine.io import local_inputs
 from ..engine.plan import PruningPlan
-from ..engine.strategy import Strategy
-from ..engine.collect import real_sample_count
+from ..engine.ranks import RunContext
 from ..engine.run import PruningRun, RunOptions
+from ..engine.strategy import Strategy
 
 _END = object()
 
-__all__ = ["FabricCalibration", "FabricContext", "fsdp2"]
+__all__ = ["FabricCalibration", "fabric_context", "fsdp2"]
 
 FSDP1_MESSAGE = (
     "FabricCalibration shards with FSDP2: use lightning.fabric.strategies.ModelParallelStrategy("
@@ -44,30 +45,16 @@ def fsdp2(model: nn.Module, device_mesh: Any) -> nn.Module:
     return model
 
 
-class FabricContext:
-    """Fabric's ranks and loggers, as :class:`~ompmoe.engine.run.RunContext`."""
+def fabric_context(fabric: Any) -> RunContext:
+    """Fabric's ranks, collectives and loggers, as the run's :class:`~ompmoe.engine.ranks.RunContext`."""
+    is_global_zero = fabric.global_rank == 0
 
-    def __init__(self, fabric: Any) -> None:
-        self.fabric = fabric
-        self.is_global_zero, self.world_size = fabric.global_rank == 0, fabric.world_size
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.fabric.broadcast(obj, src=src)
-
-    def barrier(self, name: str) -> None:
-        self.fabric.barrier(name)
-
-    def print(self, line: str) -> None:
-        self.fabric.print(line)
-
-    def warn(self, message: str) -> None:
-        if self.is_global_zero:
-            import warnings
-
+    def warn(message: str) -> None:
+        if is_global_zero:
             warnings.warn(message, stacklevel=3)
 
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        self.fabric.log_dict(metrics)
+    return RunContext(is_global_zero, fabric.world_size, fabric.broadcast, fabric.barrier, fabric.print, warn,
+                      fabric.log_dict)
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
@@ -103,17 +90,20 @@ class FabricCalibration:
         inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.
         data: A data module with ``choice_blocks(n)`` / ``heldout_blocks(name, n)`` (``ompmoe.CalibrationDataModule``)
             for ``auto``'s trial and ``evaluate_on``.
+        pruning: A :class:`ompmoe.PruningRun` built (and checked) already, in place of ``strategy`` and options.
     """
 
     def __init__(self, fabric: Any, model: nn.Module, strategy: Strategy | None = None, model_id: str | None = None,
                  sources: Sequence[str] | None = None, inputs: Sequence[str] = (), data: Any = None,
-                 **options: Any) -> None:
+                 pruning: PruningRun | None = None, **options: Any) -> None:
         from lightning.fabric.strategies import FSDPStrategy
 
         if isinstance(fabric.strategy, FSDPStrategy):
             raise ValueError(FSDP1_MESSAGE)
-        self.pruning = PruningRun(RunOptions(strategy=strategy, **options), owner="FabricCalibration")
-        self.fabric, self.model, self.context = fabric, model, FabricContext(fabric)
+        if pruning is not None and (strategy is not None or options):
+            raise ValueError("FabricCalibration takes either pruning= or a strategy and options, not both.")
+        self.pruning = pruning or PruningRun(RunOptions(strategy=strategy, **options), owner="FabricCalibration")
+        self.fabric, self.model, self.context = fabric, model, fabric_context(fabric)
         self.hf_model = _hf_model(model)
         model_id = model_id or getattr(self.hf_model.config, "_name_or_path", None) or None
         tokenizer = self.pruning.options.tokenizer

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> Any:
     from lightning.fabric import Fabric
 
     from ..engine.io import inputs_of
-    from .fabric import FabricCalibration, FabricContext
+    from .fabric import FabricCalibration, fabric_context
 
     classes = p.instantiate_classes(args)  # checks the model name and the data source, reads nothing yet
     module, datamodule = classes.model, classes.data
@@ -103,15 +103,15 @@ def main(argv: list[str] | None = None) -> Any:
     if os.environ.get("LT_CLI_USED") != "1":  # fabric run has started the processes already
         fabric.launch()
     fabric.seed_everything(args.seed_everything)
-    run = run_from_arguments(args, "FabricCalibration")  # every option checked before the model loads
+    # every option checked before the model loads
+    run = run_from_arguments(args, "FabricCalibration", tokenizer=module.tokenizer_name)
     inputs = inputs_of(module, datamodule)
-    run.check_output(FabricContext(fabric), inputs)
+    run.check_output(fabric_context(fabric), inputs)
     datamodule.prepare_data()  # a hub data set that cannot be had fails here, before the model loads
     module.configure_model()
     model = fabric.setup(module.model.eval())
     calibration = FabricCalibration(fabric, model, model_id=module.model_name_or_path, inputs=inputs,
-                                    sources=[datamodule.describe()], data=datamodule,
-                                    **{**vars(run.options), "tokenizer": module.tokenizer_name})
+                                    sources=[datamodule.describe()], data=datamodule, pruning=run)
     datamodule.setup("fit")
     calibration.run(fabric.setup_dataloaders(datamodule.train_dataloader()))
     calibration.finish()

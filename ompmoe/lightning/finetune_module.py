@@ -14,8 +14,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from .models import default_tokenizer, load_model, resolve_dtype
-from ..recipes.finetune import LossParts, causal_lm_loss, moe_routers, router_aux_coef
+from ..engine.adapters import find_moe_layers
+from ..engine.io import check_writable, inputs_of
+from ..engine.pruning import save_pruned
+from .finetune_loss import LossParts, causal_lm_loss, moe_routers, router_aux_coef
+from .models import default_tokenizer, load_model, model_and_name, resolve_dtype
 
 
 def attention_linear_names(model: nn.Module) -> list[str]:
@@ -26,8 +29,6 @@ def attention_linear_names(model: nn.Module) -> list[str]:
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Suffixes ``experts.<name>`` of the fused 3-D routed-expert weights (PEFT ``target_parameters``)."""
-    from ..engine.adapters import find_moe_layers
-
     return sorted({f"experts.{name}" for layer in find_moe_layers(model)
                    for name, parameter in layer.experts.named_parameters(recurse=False) if parameter.dim() == 3})
 
@@ -114,32 +115,20 @@ class FinetuneModule(pl.LightningModule):
         self.save_dir = save_dir
         self.overwrite = overwrite
         self.trust_remote_code = trust_remote_code
-        if isinstance(model, nn.Module):
-            self.model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-            self.model: nn.Module | None = model
-        else:
-            self.model_name_or_path = str(model)
-            self.model = None
+        self.model, self.model_name_or_path = model_and_name(model)
         self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
-        self._routers: list[tuple[nn.Module, int]] | None = None
-        self._set_hf_model(None)
-        self._merged = False
+        self._routers: list[tuple[nn.Module, int]] | None = None  # set once, by configure_model
         # Kept out of the module tree: never trained, saved or counted as this module's parameters.
         self.__dict__["_teacher"] = teacher if isinstance(teacher, nn.Module) else None
 
-    def _set_hf_model(self, model: nn.Module | None) -> None:
-        # Kept out of the module tree: it is ``self.model`` itself or the model inside its PEFT wrapper.
-        self.__dict__["_hf_model"] = model
-
     def configure_model(self) -> None:
-        if self._hf_model is not None:
+        if self._routers is not None:
             return
         if self.model is None:
             if not self.model_name_or_path:
                 raise ValueError("FinetuneModule needs a pruned model path, a hub id, 'tiny:<model_type>' or a model "
                                  "instance.")
             self.model = load_model(self.model_name_or_path, self.torch_dtype, self.trust_remote_code)
-        self._set_hf_model(self.model)
         self._routers = moe_routers(self.model)  # before PEFT replaces the experts modules
         if self.lora_rank > 0:
             self.model = self._with_lora(self.model)
@@ -188,27 +177,21 @@ class FinetuneModule(pl.LightningModule):
     @property
     def hf_model(self) -> nn.Module:
         """The Hugging Face model being fine-tuned (inside the PEFT wrapper, if any)."""
-        if self._hf_model is None:
-            self.configure_model()
-        assert self._hf_model is not None
-        return self._hf_model
+        self.configure_model()
+        unwrap = getattr(self.model, "get_base_model", None)  # a PEFT wrapper's
+        return self.model if unwrap is None else unwrap()
 
     def merged_model(self) -> nn.Module:
         """The plain Hugging Face model with the LoRA updates merged in (no-op for full fine-tunes).
 
         Merging ends LoRA training: afterwards the module holds (and trains) the merged model.
         """
-        self.configure_model()
-        if self.lora_rank > 0 and not self._merged:
+        if self.model is not self.hf_model:  # the PEFT wrapper of an unmerged LoRA fine-tune
             self.model = self.model.merge_and_unload()
-            self._set_hf_model(self.model)
-            self._merged = True
-        return self._hf_model
+        return self.model
 
     def save_pruned(self, path: str | os.PathLike, overwrite: bool = False, tokenizer: Any | None = None) -> None:
         """Merge LoRA (if any) and write the model with :func:`ompmoe.save_pruned`."""
-        from ..engine.pruning import save_pruned
-
         save_pruned(self.merged_model(), path, tokenizer=tokenizer, overwrite=overwrite)
 
     @property
@@ -348,8 +331,6 @@ class FinetuneModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Refuse an unusable ``save_dir`` (existing, or holding the model or data read) before training."""
         if stage == "fit" and self.save_dir is not None:
-            from ..engine.io import check_writable, inputs_of
-
             self._inputs = inputs_of(self, getattr(self.trainer, "datamodule", None))
             check_writable(self.save_dir, self.overwrite, directory=True, inputs=self._inputs)
 
@@ -358,8 +339,6 @@ class FinetuneModule(pl.LightningModule):
             return
         model = self.merged_model()
         if self.trainer.is_global_zero:
-            from ..engine.pruning import save_pruned
-
             # The data module's tokenizer, else save_pruned takes the source checkpoint's (or warns).
             tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer != "bytes" else None

@@ -30,6 +30,13 @@ def is_tiny(name: Any) -> bool:
     return isinstance(name, str) and name.startswith(TINY_PREFIX)
 
 
+def model_and_name(model: str | nn.Module | None) -> tuple[nn.Module | None, str | None]:
+    """``(instance, name)`` of a model given as an instance (named by its config's ``_name_or_path``) or by name."""
+    if isinstance(model, nn.Module):
+        return model, getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    return None, None if model is None else str(model)
+
+
 def resolve_model(name: str) -> str:
     """``name`` as ``from_pretrained`` takes it, refused at once when it cannot be loaded: a misspelt
     shipped name, a local path that does not exist, or a hub id that is neither cached nor reachable."""

@@ -8,18 +8,14 @@ from typing import ClassVar
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from ompmoe import MoEStats, collect_stats, plan_pruning
 from ompmoe.engine.collect import StatisticsCollector
-from ompmoe.engine.extensions import (
-    STATISTICS,
-    LayerSumsMetric,
-    StatisticsExtension,
-    check_statistics,
-    register_statistics,
-    required_statistics,
-)
-from ompmoe.engine.methods import METHODS, SelectionMethod, register_method, score_order
+from ompmoe.engine.extensions import STATISTICS, LayerSumsMetric, StatisticsExtension, register_statistics
+from ompmoe.engine.methods import (METHODS, SelectionMethod, check_statistics, register_method, required_statistics,
+                                   score_order)
 from ompmoe.engine.methods.registry import require_statistic
 from ompmoe.engine.strategy import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
@@ -160,3 +156,28 @@ def test_layer_stats_without_an_extension_tensor_read_none_and_unknown_names_sti
     with pytest.raises(AttributeError, match="has no attribute 'no_such_sum'"):
         layer.no_such_sum  # noqa: B018
     assert dataclasses.replace(layer).extra == {}
+
+
+def test_a_file_with_an_extension_this_process_lacks_loads_with_its_tensors_kept(tmp_path):
+    """Statistics of a plugin not imported here (or of a newer ompmoe) load, keep the tensors, and are still checked."""
+    stats = collect_stats(tiny_model("qwen3_moe", num_hidden_layers=2), batches())
+    n = stats.layers[0].num_experts
+    gram = torch.eye(n, dtype=torch.float64) * 3
+    signed = -torch.arange(n, dtype=torch.float64)
+    extended = dataclasses.replace(stats, layers=[layer.with_tensors({"gram_plugin": gram, "plugin_first_order": signed})
+                                                  for layer in stats.layers])
+    loaded = MoEStats.load(extended.save(tmp_path / "plugin.safetensors"))
+    for layer in loaded.layers:
+        assert torch.equal(layer.gram_plugin, gram) and torch.equal(layer.plugin_first_order, signed)
+    assert plan_pruning(loaded, 0.5) == plan_pruning(stats, 0.5)
+    # A Gram's diagonal is a sum of squares whoever wrote it: a negative one is refused all the same.
+    broken = dataclasses.replace(stats, layers=[layer.with_tensors({"gram_plugin": -gram}) for layer in stats.layers])
+    with pytest.raises(ValueError, match=r"layer 0 \(model.layers.1.mlp\): tensor 'gram_plugin' has negative diagonal"):
+        MoEStats.load(broken.save(tmp_path / "broken.safetensors"))
+    # A tensor of a layer the metadata does not list is refused, as before.
+    path = tmp_path / "plugin.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    save_file({**load_file(str(path)), "layers.9.gram_plugin": gram}, str(tmp_path / "extra.safetensors"), metadata)
+    with pytest.raises(ValueError, match="holds tensors it does not describe"):
+        MoEStats.load(tmp_path / "extra.safetensors")

@@ -10,7 +10,7 @@ import torch
 
 from ompmoe import collect_stats, plan_pruning
 from ompmoe.engine.allocation import layer_choices
-from ompmoe.engine.methods.loss import (
+from ompmoe.engine.methods.loss.selection import (
     greedy_quadratic,
     kept_masks,
     loss_curves,

@@ -1,4 +1,4 @@
-"""Loss-aware statistics (ompmoe.engine.loss_stats) against a literal per-token autograd implementation."""
+"""Loss-aware statistics (ompmoe.engine.methods.loss) against a literal per-token autograd implementation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ompmoe import MoEStats, collect_stats, find_moe_layers
 from ompmoe.engine.collect import StatisticsCollector
-from ompmoe.engine.loss_stats import LOSS_TENSORS, LossAwareError
+from ompmoe.engine.methods.loss import LOSS_TENSORS, LossAwareError
 
 from reference import capture_block_inputs, literal_layer, make_model, random_ids
 

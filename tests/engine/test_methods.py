@@ -19,7 +19,7 @@ from ompmoe.engine.methods import (
     score_order,
     swap_refine,
 )
-from ompmoe.engine.collect import CANCELLED_TOKEN
+from ompmoe.engine.extensions import CANCELLED_TOKEN
 from ompmoe.engine.selection import greedy_pursuit
 from ompmoe.engine.statistics import LayerStats
 from ompmoe.engine.strategy import PruningStrategy, strategy_for

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
-from ompmoe.engine.collect import CANCELLED_TOKEN
+from ompmoe.engine.extensions import CANCELLED_TOKEN
 from ompmoe.engine.methods import get_method
-from ompmoe.engine.reroute_stats import REROUTE_TENSORS, RerouteError, check_reroutable
+from ompmoe.engine.methods.reroute import REROUTE_TENSORS, RerouteError, check_reroutable
 from ompmoe.engine.selection import greedy_pursuit
 
 from reference import assert_gram_close, capture_block_inputs, make_model, random_ids
@@ -148,8 +148,7 @@ def test_reroute_statistics_round_trip_and_old_files_still_load(tmp_path):
     for a, b in zip(loaded.layers, stats.layers):
         for key in REROUTE_TENSORS:
             assert torch.equal(getattr(a, key), getattr(b, key))
-    old = dataclasses.replace(stats, layers=[dataclasses.replace(layer, gram_reroute=None, gram_reroute_normalized=None)
-                                             for layer in stats.layers])
+    old = dataclasses.replace(stats, layers=[dataclasses.replace(layer, extra={}) for layer in stats.layers])
     old_loaded = MoEStats.load(old.save(tmp_path / "old.safetensors"))
     assert all(layer.gram_reroute is None and layer.gram_reroute_normalized is None for layer in old_loaded.layers)
     assert plan_pruning(old_loaded, 0.5) == plan_pruning(stats, 0.5)

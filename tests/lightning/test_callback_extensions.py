@@ -12,9 +12,9 @@ from ompmoe.engine.tiny import tiny_model
 def filled_callback(statistics: list[str]) -> ExpertPruning:
     callback = ExpertPruning(statistics=statistics)
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
-    callback._collector = StatisticsCollector(model, statistics=callback.statistics)
+    callback.pruning.collector = StatisticsCollector(model, statistics=callback.statistics)
     generator = torch.Generator().manual_seed(4)
-    for metric in callback._collector.metrics().values():
+    for metric in callback.pruning.collector.metrics().values():
         for name in metric._defaults:
             state = getattr(metric, name)
             setattr(metric, name, torch.rand(state.shape, generator=generator, dtype=state.dtype))
@@ -28,10 +28,10 @@ def test_extension_states_round_trip_through_the_checkpoint_under_their_prefix()
     assert {"gram_0", "reroute.gram_reroute_0", "reroute.gram_reroute_normalized_0", "loss.gram_loss_0",
             "loss.loss_first_order_0", "loss.loss_sum"} <= names
     resumed = ExpertPruning(loss_aware=True, reroute=True)
-    resumed._collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2), statistics=resumed.statistics)
+    resumed.pruning.collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2), statistics=resumed.statistics)
     resumed.load_state_dict(state)
-    for prefix, metric in resumed._collector.metrics().items():
-        original = saved._collector.metrics()[prefix]
+    for prefix, metric in resumed.pruning.collector.metrics().items():
+        original = saved.pruning.collector.metrics()[prefix]
         for name in metric._defaults:
             assert torch.equal(getattr(metric, name), getattr(original, name)), prefix + name
 
@@ -39,7 +39,7 @@ def test_extension_states_round_trip_through_the_checkpoint_under_their_prefix()
 def test_states_of_statistics_this_fit_does_not_collect_are_ignored():
     state = filled_callback(["loss_aware"]).state_dict()
     plain = ExpertPruning()
-    plain._collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2))
+    plain.pruning.collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2))
     plain.load_state_dict(state)
-    assert set(plain._collector.metrics()) == {""}
-    assert torch.equal(plain._collector.metric.gram_0, state["states"]["gram_0"])
+    assert set(plain.pruning.collector.metrics()) == {""}
+    assert torch.equal(plain.pruning.collector.metric.gram_0, state["states"]["gram_0"])

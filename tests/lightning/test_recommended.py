@@ -138,7 +138,7 @@ def test_too_little_text_for_the_choice_blocks_fails_before_the_statistics_pass(
         "Calibration text has 100 tokens: too few for the 5 calibration blocks and the 2 more that method 'auto' "
         "tries its candidate plans on (7 blocks of 16). Add text, lower num_blocks, or set choice_blocks=0 (auto then "
         "takes the setting recommended for the architecture).")
-    assert callback.stats is None and callback._collector.metric.num_tokens == 0
+    assert callback.stats is None and callback.pruning.collector.metric.num_tokens == 0
 
 
 def test_choice_blocks_must_not_be_negative():

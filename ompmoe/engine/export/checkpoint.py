@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import transformers
 from torch import nn
 
 from ..adapters import architecture_of
+from ..names import resolve_shipped
 from .config import count_json_key, load_tokenizer
 from .hub_code import write_remote_code
 from .model_card import _is_hub_id, model_card
@@ -63,8 +65,6 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
     for candidate in candidates:
         if candidate == "bytes" or candidate.startswith("tiny:"):
             continue
-        from ...data import resolve_shipped
-
         try:
             path = resolve_shipped(candidate)
             return load_tokenizer(path, local_files_only=not _is_hub_id(path))

@@ -35,9 +35,9 @@ def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) 
     model_type = config_dict.get("model_type")
     key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
     refuse_earlier_format(config_dict, key, path)
-    if key is not None and is_non_uniform(config_dict, key):
+    if key is not None and is_non_uniform(config_dict):
         config_class = transformers.CONFIG_MAPPING[model_type]
-        return config_class.from_dict(stock_config_dict(config_dict, key), name_or_path=str(path))
+        return config_class.from_dict(stock_config_dict(config_dict), name_or_path=str(path))
     return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
@@ -51,7 +51,7 @@ def non_uniform_config(path: str | os.PathLike) -> Any | None:
     if spec is None:
         return None
     refuse_earlier_format(config_dict, spec.expert_count_key, path)
-    return load_stock_config(path) if is_non_uniform(config_dict, spec.expert_count_key) else None
+    return load_stock_config(path) if is_non_uniform(config_dict) else None
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:

@@ -128,24 +128,16 @@ class {model_class}(_BaseForCausalLM):
 '''
 
 
-def class_names(base_model: str) -> tuple[str, str]:
-    """Names of the remote config and model classes for the stock causal-LM class ``base_model``."""
-    stem = base_model.removesuffix("ForCausalLM")
-    return f"OmpmoePruned{stem}Config", f"OmpmoePruned{base_model}"
-
-
 def write_remote_code(
     directory: str | Path, base_config: str, base_model: str, count_json_key: str, router_attr: str
 ) -> None:
-    """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` point to it.
-
-    ``config.json`` must hold the ``ompmoe`` record; ``count_json_key`` (:func:`count_json_key` of the
-    config module) is set to the largest per-layer count.
-    """
+    """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` (which must hold the
+    ``ompmoe`` record) point to it; its ``count_json_key`` is set to the largest per-layer count."""
     directory = Path(directory)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    config_class, model_class = class_names(base_model)
+    config_class = f"OmpmoePruned{base_model.removesuffix('ForCausalLM')}Config"
+    model_class = f"OmpmoePruned{base_model}"
     values = dict(
         base_config=base_config, base_model=base_model, router_attr=router_attr,
         config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD,
@@ -161,20 +153,13 @@ def write_remote_code(
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def is_non_uniform(config_dict: dict[str, Any], count_key: str) -> bool:
+def is_non_uniform(config_dict: dict[str, Any]) -> bool:
     """Whether ``config_dict`` is a checkpoint written by :func:`write_remote_code`."""
     return config_dict.get("experts_implementation") == HOW_TO_LOAD
 
 
-def stock_config_dict(config_dict: dict[str, Any], count_key: str) -> dict[str, Any]:
-    """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it.
-
-    Drops ``experts_implementation`` (so the stock class loads; ompmoe sizes the layers) and ``auto_map``
-    (so a later ``save_pretrained`` does not point to code files it does not copy).
-    """
-    config_dict = dict(config_dict)
-    if not is_non_uniform(config_dict, count_key):
-        return config_dict
-    del config_dict["experts_implementation"]
-    config_dict.pop("auto_map", None)
-    return config_dict
+def stock_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """``config_dict`` of a checkpoint written by :func:`write_remote_code`, as the stock config class takes it:
+    without ``experts_implementation`` (so the stock class loads; ompmoe sizes the layers) and ``auto_map`` (so a
+    later ``save_pretrained`` does not point to code files it does not copy)."""
+    return {key: value for key, value in config_dict.items() if key not in ("experts_implementation", "auto_map")}

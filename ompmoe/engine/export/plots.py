@@ -102,10 +102,8 @@ def _csv(header: list[str], rows: Sequence[Sequence[object]]) -> str:
 
 def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "markdown",
                             threshold: float = HIGH_CONTRIBUTION_THRESHOLD) -> str:
-    """The rows as a Markdown table (``fmt="markdown"``) or CSV (``fmt="csv"``).
-
-    With no rows, the Markdown starts with a sentence saying that no layer reached ``threshold``.
-    """
+    """The rows as a Markdown table (``fmt="markdown"``) or CSV (``fmt="csv"``); with no rows, the Markdown starts
+    with a sentence saying that no layer reached ``threshold``."""
     if fmt == "csv":
         return _csv(
             ["layer", "layer_index", "expert", "residual_r1", "token_share"],
@@ -134,9 +132,17 @@ def _figure(width: float, height: float):
     return figure
 
 
-def _grid(count: int, max_columns: int = 6) -> tuple[int, int]:
+def _panels(count: int, max_columns: int, size: tuple[float, float], margin: tuple[float, float], title: str):
+    """A figure of ``count`` panels of ``size`` inches in rows of at most ``max_columns`` (the spare ones hidden),
+    ``margin`` inches added for titles and legends; returns the figure, its axes grid and the number of columns."""
     columns = max(1, min(count, max_columns))
-    return math.ceil(count / columns), columns
+    rows = math.ceil(count / columns)
+    figure = _figure(size[0] * columns + margin[0], size[1] * rows + margin[1])
+    figure.suptitle(title)
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for ax in list(axes.flat)[count:]:
+        ax.set_axis_off()
+    return figure, axes, columns
 
 
 def _save(figure, path: Path, overwrite: bool) -> None:
@@ -160,11 +166,8 @@ def heatmap_layers(num_layers: int, max_layers: int = 12) -> list[int]:
 
 def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] | None = None,
                    progress: bool | None = False):
-    """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale.
-
-    ``layers``: positions to draw (default :func:`heatmap_layers`). Gains below ``1e-6`` of the largest,
-    and non-positive ones, are drawn in cyan.
-    """
+    """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale. ``layers``: positions
+    to draw (default :func:`heatmap_layers`). Gains below ``1e-6`` of the largest, and non-positive ones, are cyan."""
     from matplotlib.colors import LogNorm
 
     positions = list(layers) if layers is not None else heatmap_layers(len(stats.layers))
@@ -182,14 +185,11 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
     norm = LogNorm(vmin=max(top * 1e-6, smallest), vmax=top)
     most = max((layer.num_experts for _, layer in drawn), default=1)
     side = max(2.6, most * 3.0 / 120 + 0.8)  # inches: >= 3 px per expert row at 120 dpi
-    rows, columns = _grid(len(drawn), max_columns)
-    figure = _figure(side * columns + 1.2, side * rows + 0.8)
     title = "Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step"
     subset = len(drawn) < len(stats.layers)
     title += f"\n{len(drawn)} of {len(stats.layers)} layers, evenly spaced; " if subset else "\n"
     title += "grey: not eligible (already selected); cyan: no gain (below $10^{-6}$ of the largest, or negative)"
-    figure.suptitle(title)
-    axes = figure.subplots(rows, columns, squeeze=False)
+    figure, axes, _ = _panels(len(drawn), max_columns, (side, side), (1.2, 0.8), title)
     cmap = _colormap("magma").with_extremes(under="#00bcd4")
     image = None
     for ax, (position, layer) in zip(axes.flat, drawn):
@@ -206,8 +206,6 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
         ticks = list(range(0, layer.num_experts, max(1, layer.num_experts // 16)))
         ax.set_yticks(ticks, [str(order[t]) for t in ticks], fontsize=6)
         ax.set_xticks(ticks, [str(t + 1) for t in ticks], fontsize=6)
-    for ax in list(axes.flat)[len(drawn):]:
-        ax.set_axis_off()
     if image is not None:
         bar = figure.colorbar(image, ax=axes, fraction=0.03, pad=0.01, shrink=0.9, extend="min")
         bar.set_label("gain $\\Delta_e / \\|Y\\|^2$ (log scale, shared by all panels)")
@@ -233,14 +231,11 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
     """Per layer: OMP residual ``r_l(k)`` and routing risk ``-log(C_l(k) + zeta)`` (a ``Figure``)."""
     from matplotlib.ticker import MaxNLocator
 
-    columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
-    rows, columns = _grid(len(stats.layers), columns)
-    figure = _figure(3.2 * columns, 2.6 * rows + 1.1)
     title = "Normalized residual $r_l(k)$ (OMP, blue) and routing risk $-\\log(C_l(k)+\\zeta)$ (orange)"
     if plan is not None:
         title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}; red line and title: experts kept"
-    figure.suptitle(title)
-    axes = figure.subplots(rows, columns, squeeze=False)
+    columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
+    figure, axes, columns = _panels(len(stats.layers), columns, (3.2, 2.6), (0.0, 1.1), title)
     planned = {layer.name: layer for layer in plan.layers} if plan is not None else {}
     handles: dict[str, object] = {}
     items = list(zip(axes.flat, stats.layers))
@@ -272,17 +267,13 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
             ax.set_ylabel("residual", fontsize=9, color="tab:blue")
         if position >= len(stats.layers) - columns:
             ax.set_xlabel("experts kept k", fontsize=9)
-    for ax in list(axes.flat)[len(stats.layers):]:
-        ax.set_axis_off()
     figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles), fontsize=10)
     return figure
 
 
 def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: bool | None = False):
-    """All layers' ``r_l(k)`` as one map (rows: layers, columns: k), the plan's kept counts marked.
-
-    Unlike the paper's Figure 1a (one curve per layer), it stays readable at any depth.
-    """
+    """All layers' ``r_l(k)`` as one map (rows: layers, columns: k), the plan's kept counts marked; unlike the
+    paper's Figure 1a (one curve per layer), it stays readable at any depth."""
     most = max(layer.num_experts for layer in stats.layers)
     residuals = np.full((len(stats.layers), most + 1), np.nan)
     for position, layer in enumerate(progress_bar(stats.layers, "ompmoe overview", progress, unit="layer")):
@@ -367,25 +358,20 @@ def write_plots(
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> list[Path]:
-    """Write the heatmaps, residual/risk curves (PNG and CSV) and high-contribution table into ``output_dir``.
-
+    """Write the heatmaps, residual/risk curves (PNG and CSV) and high-contribution table into ``output_dir``;
     ``plan`` (made from these statistics) adds :data:`PLAN_PLOT_FILES`; ``zeta`` defaults to its, else ``1e-6``.
-    Existing files are refused, unless ``overwrite``, before anything is drawn. Returns the written paths.
-    """
-    output_dir = Path(output_dir)
-    if plan is not None:
-        names = [layer.name for layer in stats.layers]
-        if [layer.name for layer in plan.layers] != names or plan.fingerprint != stats.fingerprint:
-            raise ValueError(
-                f"The plan (fingerprint {plan.fingerprint}) was not made from these statistics "
-                f"(fingerprint {stats.fingerprint}); pass the plan written next to them."
-            )
+    Existing files are refused, unless ``overwrite``, before anything is drawn. Returns the written paths."""
+    if plan is not None and ([layer.name for layer in plan.layers] != [layer.name for layer in stats.layers]
+                             or plan.fingerprint != stats.fingerprint):
+        raise ValueError(
+            f"The plan (fingerprint {plan.fingerprint}) was not made from these statistics "
+            f"(fingerprint {stats.fingerprint}); pass the plan written next to them."
+        )
     zeta = zeta if zeta is not None else (plan.zeta if plan is not None else 1e-6)
-    names = PLOT_FILES + (PLAN_PLOT_FILES if plan is not None else ())
-    paths = {name: output_dir / name for name in names}
+    paths = {name: Path(output_dir, name) for name in PLOT_FILES + (PLAN_PLOT_FILES if plan is not None else ())}
     for path in paths.values():
         check_writable(path, overwrite)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
     _save(heatmap_figure(stats, progress=progress), paths[HEATMAPS], overwrite)
     _save(residual_figure(stats, plan, zeta, progress=progress), paths[RESIDUAL_CURVES], overwrite)
     _save(overview_figure(stats, plan, progress=progress), paths[RESIDUAL_OVERVIEW], overwrite)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, Union
 
 import torch
 
+from ..allocation import allocation_statistics
+from ..extensions import extension, extension_providing
 from ..names import did_you_mean
 from ..statistics import LayerStats
 
@@ -29,8 +31,6 @@ def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind
 
 def require_statistic(layers: Sequence[LayerStats], key: str, what: str) -> None:
     """Refuse statistics lacking ``key``, naming the extension that collects it (or, for a core sum, re-collection)."""
-    from ..extensions import extension_providing
-
     provider = extension_providing(key)
     if provider is not None:
         how = provider.how()
@@ -185,3 +185,32 @@ def method_table() -> str:
         summary = cls.summary().replace("|", "\\|")  # a pipe inside a cell would split it
         rows.append(f"| `{name}` | {options} | {summary} |")
     return "\n".join(rows)
+
+
+def required_statistics(method: Any = None, allocation: Any = None) -> dict[str, list[str]]:
+    """``{extension name: ["method 'x'", "allocation 'y'"]}``: the optional statistics a method and an allocation need.
+
+    ``method`` is a registered name or a ``SelectionMethod``; unknown names need nothing here (validated later).
+    """
+    needs: dict[str, list[str]] = {}
+    cls = METHODS.get(method) if isinstance(method, str) else method
+    for name in getattr(cls, "statistics", ()):
+        needs.setdefault(name, []).append(f"method {getattr(cls, 'name', method)!r}")
+    for name in allocation_statistics(allocation) if isinstance(allocation, str) else ():
+        needs.setdefault(name, []).append(f"allocation {allocation!r}")
+    return needs
+
+
+def check_statistics(strategy: object, collected: Collection[str], owner: str = "ExpertPruning") -> None:
+    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``.
+
+    ``owner`` is what the message tells the user to pass the option to (``ExpertPruning``, ``FabricCalibration``).
+    """
+    needs = required_statistics(getattr(strategy, "method", None), getattr(strategy, "allocation", None))
+    for name, users in needs.items():
+        if name not in collected:
+            cls = extension(name)
+            raise ValueError(
+                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, "
+                f"which this calibration would not collect: pass {owner}(..., {cls.how()})."
+            )

@@ -12,10 +12,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..allocation import AllocationProblem, optimal_allocation, register_allocation
-from ..statistics import LayerStats
-from .omp import GramPursuit
-from .registry import Selection, SelectionMethod, kept_masks, register_method, removed_energy, require_statistic
+from ...allocation import AllocationProblem, optimal_allocation, register_allocation
+from ...statistics import LayerStats
+from ..omp import GramPursuit
+from ..registry import Selection, SelectionMethod, kept_masks, register_method, removed_energy, require_statistic
 
 
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:

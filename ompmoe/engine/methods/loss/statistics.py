@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .adapters import MoELayer
-from .extensions import LayerSumsMetric, StatisticsExtension, register_statistics
+from ...adapters import MoELayer
+from ...extensions import LayerSumsMetric, StatisticsExtension, register_statistics
 
 LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
 """Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by loss-aware collection."""

@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .adapters import MoELayer
-from .collect import CANCELLED_TOKEN
-from .extensions import LayerSumsMetric, StatisticsExtension, register_statistics
+from ...adapters import MoELayer
+from ...extensions import CANCELLED_TOKEN, LayerSumsMetric, StatisticsExtension, register_statistics
 
 REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
 """Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
