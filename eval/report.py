@@ -368,13 +368,19 @@ def _refuse_input_as_output(output: str | Path, results: Sequence[str | Path]) -
 
 
 def report_cli(argv: list[str] | None = None) -> str:
-    """``ompmoe report RESULTS.json [RESULTS.json ...] [--output table.md] [--baseline LABEL|ROW]``."""
+    """``ompmoe report RESULTS.json [RESULTS.json ...] [--output table.md] [--baseline LABEL|ROW]``.
+
+    Bad input (arguments, results files, an output that may not be written) raises a ``ValueError`` or ``OSError``
+    of :func:`ompmoe.cli_args.user_errors`, which ``ompmoe`` prints as one ``error:`` line with exit status 2, as
+    for every other command.
+    """
     import argparse
     import sys
 
     from ..cli_args import bare_flags
 
     parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0])
+    parser.error = _usage_error  # type: ignore[method-assign]  # one line, not argparse's usage text
     parser.add_argument("results", nargs="+", help="result JSON files of ompmoe validate/test (LMEvalDataModule)")
     parser.add_argument("--output", help="also write the table to this Markdown file (refused if it exists)")
     parser.add_argument("--overwrite", type=_true_or_false, default=False, metavar="true|false",
@@ -390,12 +396,14 @@ def report_cli(argv: list[str] | None = None) -> str:
     parser.add_argument("--cost-time", choices=sorted(COST_TIMES), default="wall",
                         help="Cost column: wall time of the evaluation loop (default, the paper's) or its CPU time")
     args = parser.parse_args(bare_flags(list(sys.argv[1:] if argv is None else argv), ["overwrite"]))
-    try:
-        return report(args.results, output=args.output, baseline=args.baseline, labels=args.labels,
-                      digits=args.digits, allow_mismatch=args.allow_mismatch, noisy_items=args.noisy_items,
-                      overwrite=args.overwrite, cost_time=args.cost_time)
-    except (IncomparableResultsError, ResultsFileError) as error:
-        raise SystemExit(f"error: {error}") from None
+    return report(args.results, output=args.output, baseline=args.baseline, labels=args.labels,
+                  digits=args.digits, allow_mismatch=args.allow_mismatch, noisy_items=args.noisy_items,
+                  overwrite=args.overwrite, cost_time=args.cost_time)
+
+
+def _usage_error(message: str) -> None:
+    """argparse's usage error as one ``ValueError`` line, as ``ompmoe prune``/``plot`` answer theirs."""
+    raise ValueError(f"{' '.join(message.split())} (see ompmoe report --help)")
 
 
 def _true_or_false(value: str) -> bool:

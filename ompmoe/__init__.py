@@ -46,4 +46,5 @@ _LAZY_ATTRIBUTES = {name: module for module, names in _LAZY_MODULES.items() for 
 __all__ = ["__version__", *(name for name, module in _LAZY_ATTRIBUTES.items()
                             if not module.startswith((".lightning", ".engine.export.plots")))]
 
-__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES)
+# Importing the methods registers the built-in methods, allocations and statistics, which loading statistics needs.
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY_ATTRIBUTES, first=".engine.methods")

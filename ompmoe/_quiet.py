@@ -1,7 +1,7 @@
 """Keep third-party messages a user of an ``ompmoe`` command cannot act on off their terminal.
 
 Called first thing by the command-line entry points, never by the library API, whose callers own their logging.
-Warnings and ompmoe's own ``ompmoe: ...`` lines always stay.
+Warnings and ompmoe's own ``ompmoe: ...`` lines always stay; ompmoe's warnings print as one ``warning:`` line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,20 @@ _DROPPED = {
 # Lightning's informational lines (accelerator summary, seed, "fit stopped") and tips.
 LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "lightning.fabric.utilities.seed", "lightning.pytorch.utilities.seed")
+
+
+_OWN_SOURCES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder) + os.sep
+                     for folder in ("ompmoe", "callbacks", "eval"))
+"""Where ompmoe's own code lies (``callbacks/`` and ``eval/`` sit beside ``ompmoe/`` in an editable install)."""
+_stock_format = warnings.formatwarning
+
+
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """ompmoe's own warnings as one ``warning:`` line: what to do is in the message, not in a source line."""
+    if os.path.abspath(filename).startswith(_OWN_SOURCES):
+        return f"warning: {message}\n"
+    return _stock_format(message, category, filename, lineno, line)
 
 
 def _keep(record: logging.LogRecord) -> bool:
@@ -43,6 +57,7 @@ def quiet_third_party() -> None:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
+    warnings.formatwarning = _format_warning
     # Lightning 2.6 calls a torch.utils._pytree API that torch 2.13 deprecates, on every fit; only a Lightning
     # release can act on it.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

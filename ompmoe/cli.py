@@ -165,7 +165,12 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[d
     given = {name: None if name in auto else value for name, value in given.items()}
     plan = None
     if any(value is None for value in given.values()) and fit_plan.is_file():
-        plan = PruningPlan.load(fit_plan)
+        try:
+            plan = PruningPlan.load(fit_plan)
+        except ValueError as error:
+            raise ValueError(f"{error} (ompmoe prune reads the fit's plan beside --stats for the settings not given; "
+                             "give --method, --allocation, --risk_weight, --min_kept_fraction, --max_kept_fraction, "
+                             "--zeta and --method_options to do without it)") from None
         made_from = (plan.fingerprint, plan.model_id, plan.num_tokens)
         plan = plan if made_from == (statistics.fingerprint, statistics.model_id, statistics.num_tokens) else None
     defaults = {field.name: field.default for field in dataclasses.fields(PruningStrategy)}

@@ -101,8 +101,11 @@ def check_config_files(argv: Sequence[str]) -> None:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """What a command reports as one ``error:`` line. Not AttributeError or TypeError: that is how a bug shows
-    itself, and its traceback must stay visible."""
+    """What a command reports as one ``error:`` line (exit status 2). Not AttributeError or TypeError: that is how a
+    bug shows itself, and its traceback must stay visible. A write that fails midway (full disk, file-size limit,
+    quota, read-only file system; safetensors' and other libraries' errors too) arrives as ``OutputNotWritableError``
+    (``ompmoe.engine.io.atomic_path`` converts it), and so does another live run writing the same output
+    (``OutputInUseError``)."""
     from .engine.io import OutputNotWritableError
 
     return (ValueError, FileExistsError, FileNotFoundError, ConnectionError, PermissionError, OutputNotWritableError)

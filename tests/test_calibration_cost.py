@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -16,16 +15,59 @@ import quality  # noqa: E402
 import quality_report  # noqa: E402
 
 
-def test_peak_memory_sees_an_allocation_freed_before_the_end():
-    """The peak of a pass that allocates and frees 256 MiB is counted (above what was resident before)."""
-    def allocate() -> None:
-        block = torch.ones(64, 1024, 1024)  # 256 MiB, written so it is resident
-        del block
+def test_peak_memory_resets_the_mark_before_the_pass_and_reads_it_around_it(monkeypatch):
+    """The order that makes a freed allocation count, without measuring this process's memory: the peak mark is
+    reset, read (the resident size before), the pass runs, the mark is read again; extra = after - before."""
+    events = []
+    marks = iter([1000.0, 1256.5])
+    monkeypatch.setattr(calibration_cost, "_reset_peak_rss", lambda: events.append("reset") or True)
+    monkeypatch.setattr(calibration_cost, "_max_rss_mib", lambda: events.append("read") or next(marks))
+    monkeypatch.setattr("gc.collect", lambda *args: events.append("gc") or 0)
+    result = calibration_cost.measure_peak_memory(lambda: events.append("pass"))
+    assert events == ["gc", "reset", "read", "pass", "read"]
+    assert result == {"before_mib": 1000.0, "peak_mib": 1256.5, "extra_mib": 256.5,
+                      "memory_method": "peak RSS mark (VmHWM) reset before the pass"}
 
-    result = calibration_cost.measure_peak_memory(allocate)
-    assert result["memory_method"] == "peak RSS mark (VmHWM) reset before the pass"
-    assert 250 <= result["extra_mib"] <= 300
-    assert calibration_cost.measure_peak_memory(lambda: None)["extra_mib"] < 16
+    monkeypatch.setattr(calibration_cost, "_reset_peak_rss", lambda: False)  # no /proc/self/clear_refs
+    monkeypatch.setattr(calibration_cost, "_max_rss_mib", iter([10.0, 12.0]).__next__)
+    assert calibration_cost.measure_peak_memory(lambda: None)["memory_method"] == (
+        "difference of peak RSS marks (the mark could not be reset: lower bound)")
+
+
+def test_peak_rss_mark_is_vmhwm_else_ru_maxrss(monkeypatch):
+    """``VmHWM`` of /proc/self/status in MiB (kB / 1024); ``ru_maxrss`` (kB on Linux) where the file cannot be read;
+    the reset writes ``5`` to /proc/self/clear_refs and says whether it could."""
+    import builtins
+    import io
+    import resource
+
+    status = "Name:\tpython\nVmPeak:\t 9999 kB\nVmHWM:\t  262144 kB\nVmRSS:\t 1024 kB\n"
+    written = []
+
+    class ClearRefs(io.StringIO):
+        def close(self):
+            written.append(self.getvalue())
+            super().close()
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if path == "/proc/self/status":
+            return io.StringIO(status)
+        if path == "/proc/self/clear_refs" and mode == "w":
+            return ClearRefs()
+        raise OSError(f"test: {path}")
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert calibration_cost._max_rss_mib() == 256.0
+    assert calibration_cost._reset_peak_rss() is True and written == ["5"]
+
+    def no_proc(path, *args, **kwargs):
+        raise OSError(f"test: {path}")
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    monkeypatch.setattr(resource, "getrusage", lambda who: type(usage)((*usage[:2], 3072, *usage[3:])))
+    assert calibration_cost._max_rss_mib() == 3.0
+    assert calibration_cost._reset_peak_rss() is False
 
 
 def test_interleaved_medians_and_ratios():

@@ -4,6 +4,7 @@ Issue 26 (items 1 and 9) and issue 21 (item 6): every entry point (``ompmoe fit`
 ``ompmoe prune``, ``ompmoe plot``, ``ompmoe-demo``, the fine-tuning CLI) passes what it reads to the output check.
 """
 
+import json
 import warnings
 from pathlib import Path
 
@@ -217,6 +218,31 @@ def test_prune_beside_no_plan_of_these_statistics_uses_the_defaults(tmp_path, ca
         f"max_kept_fraction, zeta, method_options from the fit's plan {tmp_path / 'plan.json'})")
 
 
+def test_a_fit_plan_from_a_newer_ompmoe_still_serves_and_a_broken_one_is_named_as_the_fits(tmp_path, capsys):
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [byte_tokens("calibration text " * 8)[None]])
+    stats_file = stats.save(tmp_path / "stats.safetensors")
+    fit_plan = ompmoe.plan_pruning(stats, 0.5, method="random", allocation="uniform", method_options={"seed": 3})
+    newer = {**fit_plan.to_dict(), "notes": "a newer field"}
+    newer["layers"] = [{**layer, "score": 1.0} for layer in newer["layers"]]
+    (tmp_path / "plan.json").write_text(json.dumps(newer))
+    with pytest.warns(UserWarning) as caught:
+        main(["prune", "--stats", str(stats_file), "--ratio", "0.5", "--output_dir", str(tmp_path / "p")])
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'plan.json'} has keys this ompmoe does not know, ignored: notes, score "
+        f"(written by ompmoe {fit_plan.library_version})."]
+    assert ompmoe.PruningPlan.load(tmp_path / "p" / "plan-0.5.json") == fit_plan  # the fit's settings, taken
+    (tmp_path / "plan.json").write_text(json.dumps({**fit_plan.to_dict(), "layers": [{"name": "x"}]}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as error:
+        main(["prune", "--stats", str(stats_file), "--ratio", "0.5", "--output_dir", str(tmp_path / "q")])
+    assert error.value.code == 2 and not (tmp_path / "q").exists()
+    line = capsys.readouterr().err
+    assert line.startswith(f"error: {tmp_path / 'plan.json'} is not a valid ompmoe plan (TypeError: ")
+    assert line.endswith("(ompmoe prune reads the fit's plan beside --stats for the settings not given; give --method, "
+                         "--allocation, --risk_weight, --min_kept_fraction, --max_kept_fraction, --zeta and "
+                         "--method_options to do without it)\n") and line.count("\n") == 1
+
+
 def test_an_input_that_is_a_symlink_inside_the_output_counts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("real.txt").write_text("text")
@@ -226,3 +252,31 @@ def test_an_input_that_is_a_symlink_inside_the_output_counts(tmp_path, monkeypat
         check_writable("out", overwrite=True, directory=True, inputs=["out/calib.txt"])
     assert str(error.value) == contains("out", "out/calib.txt")
     check_writable("out", overwrite=True, directory=True, inputs=["real.txt"])  # the target alone does not block
+
+
+def test_the_card_names_the_model_pruned_and_says_in_one_line_that_the_statistics_name_another(tmp_path):
+    """Statistics collected as another model (a renamed copy, a mirror) never put that name on the pruned model."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    from ompmoe.engine.names import shipped_model_path
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(shipped_model_path("tiny-moe"), dtype=torch.float32)
+    stats = ompmoe.collect_stats(model, [byte_tokens(shipped_text()[:64])[None] + 3],
+                                 model_id="no-such-org/no-such-model")
+    stats.save(tmp_path / "stats.safetensors")
+    done = subprocess.run([sys.executable, "-m", "ompmoe", "prune", "--stats", "stats.safetensors", "--ratio", "0.5",
+                           "--model", "shipped:tiny-moe", "--output_dir", "out", "--quiet"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = [line for line in done.stderr.splitlines() if "no-such" in line]
+    assert own == ["warning: The statistics were collected as 'no-such-org/no-such-model' but the model pruned was "
+                   "loaded from 'shipped:tiny-moe'; the model card and config.json name 'shipped:tiny-moe'."]
+    card = (tmp_path / "out" / "model-0.5" / "README.md").read_text()
+    assert "# shipped:tiny-moe, experts pruned with ompmoe" in card and "base_model:" not in card
+    assert "Statistics collected as `no-such-org/no-such-model`." in card
+    record = json.loads((tmp_path / "out" / "model-0.5" / "config.json").read_text())["ompmoe"]["plan"]
+    assert (record["model_id"], record["statistics_model_id"]) == ("shipped:tiny-moe", "no-such-org/no-such-model")

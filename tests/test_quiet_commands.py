@@ -25,9 +25,10 @@ OWN_WARNING = re.compile(re.escape(str(Path(ompmoe.__file__).parents[1])) + r"/(
 
 
 def foreign_lines(stderr: str) -> list[str]:
-    """Lines that are neither ompmoe's ``ompmoe...`` messages nor warnings raised in ompmoe's source."""
+    """Lines that are neither ompmoe's ``ompmoe...`` messages nor its one-line ``warning: ...`` (the commands print
+    warnings raised in ompmoe's source so) nor, from a command that does not, such a warning's first line."""
     return [line for line in stderr.splitlines()
-            if line.strip() and not line.startswith("ompmoe") and not OWN_WARNING.match(line)]
+            if line.strip() and not line.startswith(("ompmoe", "warning: ")) and not OWN_WARNING.match(line)]
 
 
 def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -71,3 +72,19 @@ def test_every_command_keeps_stderr_to_its_own_lines(tmp_path):
     for command in commands:
         done = run(command, tmp_path)
         assert foreign_lines(done.stderr) == [], f"{' '.join(command)} printed:\n{done.stderr}"
+
+
+def test_ompmoe_warnings_are_one_line_and_others_keep_their_format():
+    code = ("import warnings\nfrom ompmoe._quiet import quiet_third_party\nquiet_third_party()\n"
+            "import ompmoe.engine.plan as plan\n"
+            "warnings.warn_explicit('ours', UserWarning, plan.__file__, 1)\n"
+            "warnings.warn_explicit('theirs', UserWarning, warnings.__file__, 1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    lines = done.stderr.splitlines()
+    assert lines[0] == "warning: ours" and lines[1].startswith(f"{warnings_file()}:1: UserWarning: theirs"), done.stderr
+
+
+def warnings_file() -> str:
+    import warnings
+
+    return warnings.__file__

@@ -2,7 +2,10 @@
 
 An output is written into a hidden temporary sibling under a run lock (``flock``) and renamed into place only on
 success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and what killed
-runs left is cleaned by the next run for the same target once their run is known dead.
+runs left is cleaned by the next run for the same target once their run is known dead. An output another live run
+is writing is refused up front (:class:`OutputInUseError`); a write that fails midway for want of space, file size,
+quota or a writable file system, whatever library raised it, ends as one :class:`OutputNotWritableError` naming the
+output and the cause, the previous output untouched.
 """
 
 from __future__ import annotations
@@ -36,7 +39,16 @@ class OutputNotReplaceableError(FileExistsError):
 
 
 class OutputNotWritableError(OSError):
-    """The destination's directory cannot be written (read-only file system, permissions, not a directory, ...)."""
+    """The destination cannot be written: read-only file system, permissions, not a directory (found before any
+    work), or a write that failed midway (full disk, file-size limit, quota), whatever library raised it."""
+
+
+class OutputInUseError(OutputNotWritableError):
+    """Another live ompmoe run is writing the destination now (it holds the run lock there); ``errno`` is EBUSY.
+    ``str()`` is the message alone (no ``[Errno 16]``)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def _host() -> str:
@@ -72,8 +84,34 @@ def _dead(identity: dict[str, str]) -> bool:
     return False
 
 
-def _claim(lock: Path) -> int | None:
-    """An open descriptor holding the lock of a dead run, or None while its run may be alive (or cannot be told)."""
+def _read_identity(fd: int) -> dict[str, str]:
+    """The identity JSON a lock file holds (``{}`` when unreadable or not yet written)."""
+    with suppress(OSError, ValueError):
+        identity = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        if isinstance(identity, dict):
+            return {str(key): str(value) for key, value in identity.items()}
+    return {}
+
+
+def _alive(identity: dict[str, str]) -> bool:
+    """Whether the process a lock file names is known alive: same host, boot and PID namespace, and its pid exists."""
+    mine = _identity()
+    if not identity or any(identity.get(key) != mine[key] for key in ("host", "boot_id", "pid_namespace")):
+        return False
+    try:
+        os.kill(int(identity["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _claim(lock: Path, live: list[dict[str, str]] | None = None) -> int | None:
+    """An open descriptor holding the lock of a dead run, or None while its run may be alive (or cannot be told).
+    A run known to be alive (its ``flock`` held; without ``flock``, its identity) is appended to ``live``."""
     try:
         fd = os.open(lock, os.O_RDWR)
     except OSError:
@@ -81,12 +119,16 @@ def _claim(lock: Path) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd  # the kernel released its owner's lock: that process is gone
-    except BlockingIOError:
-        pass  # held by a live process
+    except BlockingIOError:  # held by a live process
+        if live is not None:
+            live.append(_read_identity(fd))
     except OSError:  # no flock here: the identity written in the file decides
+        identity = _read_identity(fd)
         with suppress(ValueError, TypeError, AttributeError):
-            if _dead(json.loads(os.read(fd, 4096) or b"{}")):
+            if _dead(identity):
                 return fd
+        if live is not None and _alive(identity):
+            live.append(identity)
     os.close(fd)
     return None
 
@@ -129,7 +171,11 @@ def _step(name: str) -> None:
 def clean_leftovers(path: str | os.PathLike) -> list[Path]:
     """Remove temporaries of dead ompmoe runs for ``path``; restore an aside copy if ``path`` itself is missing.
     Returns the removed or restored entries (lock files not listed)."""
-    path = Path(path)
+    return _sweep(Path(path), [])
+
+
+def _sweep(path: Path, live: list[dict[str, str]]) -> list[Path]:
+    """:func:`clean_leftovers`, also appending to ``live`` the identity of each live run writing ``path`` now."""
     if not path.parent.is_dir():
         return []
     pattern = re.compile(
@@ -141,7 +187,7 @@ def clean_leftovers(path: str | os.PathLike) -> list[Path]:
             runs.setdefault((match["owner"], match["token"]), {})[match["kind"]] = entry
     handled = []
     for entries in runs.values():
-        fd = _claim(entries["lock"]) if "lock" in entries else None
+        fd = _claim(entries["lock"], live) if "lock" in entries else None
         if fd is None:
             continue
         try:  # other ranks of the same job may clean concurrently: losing that race is fine
@@ -223,18 +269,33 @@ def _probe(path: Path) -> None:
 def check_writable(
     path: str | os.PathLike, overwrite: bool, *, directory: bool | None = None, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
-    """Fail before any expensive work if ``path`` cannot be written or must not be replaced; clean leftovers.
+    """Fail before any expensive work if ``path`` cannot be written or must not be replaced, or if another live run is
+    writing it now (:class:`OutputInUseError`, also with ``overwrite``); clean what dead runs left.
     ``inputs``: files the run reads, never replaced. ``directory``: whether the output is a directory (None: either).
     """
     path = _normalised(Path(path))
     _check_name_lengths(path)
-    clean_leftovers(path)
+    live: list[dict[str, str]] = []
+    _sweep(path, live)
+    if live:
+        raise OutputInUseError(errno.EBUSY, _in_use_message(path, live[0]))
     if os.path.lexists(path):
         if not overwrite:
             raise OutputExistsError(_exists_message(path))
         _check_replaceable(path, directory, inputs)
     _probe(path)
     return path
+
+
+def _in_use_message(path: Path, holder: dict[str, str]) -> str:
+    """``another ompmoe run (pid 123) is writing X now; ...``: who, as far as its lock file tells."""
+    mine = _identity()
+    who = f"pid {holder['pid']}" if holder.get("pid") else "pid unknown"
+    if holder.get("host") and holder["host"] != mine["host"]:
+        who += f" on host {holder['host']}"
+    elif holder.get("pid_namespace") and holder["pid_namespace"] != mine["pid_namespace"]:
+        who += ", in another container or PID namespace"
+    return f"another ompmoe run ({who}) is writing {path} now; wait for it to finish, or choose another output path"
 
 
 def _normalised(path: Path) -> Path:
@@ -361,9 +422,12 @@ def atomic_path(
     path: str | os.PathLike, overwrite: bool = False, directory: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` to write into; move it into place only on success. Directory outputs
-    get the :data:`MARKER` file, so a later run may replace them."""
+    get the :data:`MARKER` file, so a later run may replace them. A write that fails for want of space, quota, file
+    size or a writable file system, whichever library raised it, leaves as one :class:`OutputNotWritableError`
+    naming ``path`` and the cause (the original error is its ``__cause__``); every other error passes unchanged."""
     inputs = list(inputs)
     path = check_writable(path, overwrite, directory=directory, inputs=inputs)
+    existed = os.path.lexists(path)
     created = _make_parents(path.parent)
     tmp: Path | None = None
     lock: _RunLock | None = None
@@ -382,7 +446,11 @@ def atomic_path(
         _default_permissions(tmp, directory)
         _step("written")
         _commit(tmp, path, overwrite, directory, inputs, lock)
-    except BaseException:
+    except BaseException as error:
+        try:  # before the temporary, the evidence, is removed; never in the way of the original error
+            failure = _write_failure(error, path, tmp, existed)
+        except Exception:  # pragma: no cover - a defect here must not hide what went wrong
+            failure = None
         if tmp is not None:
             _remove(tmp)
         if lock is not None:
@@ -393,10 +461,116 @@ def atomic_path(
                 made.rmdir()
             except OSError:
                 break
+        if failure is not None:
+            raise failure from error
         raise
     finally:
         if lock is not None:  # also when the clean-up above itself fails
             lock.release()
+
+
+_WRITE_ERRNOS = {
+    errno.ENOSPC: "Free space on that file system or choose another output path.",
+    errno.EDQUOT: "Free space within your quota or choose another output path.",
+    errno.EFBIG: "Raise the limit (ulimit -f) or choose another output path.",
+    errno.EROFS: "Choose another output path, on a writable file system.",
+}
+"""What a write that fails midway can tell: full disk, quota, file-size limit, read-only file system; and the fix."""
+
+_BUGS = (TypeError, AttributeError, NameError, LookupError, AssertionError, ArithmeticError, NotImplementedError,
+         RecursionError, ImportError, SyntaxError)
+"""Exceptions that show a bug, never converted: their traceback must stay visible."""
+
+_ERRNO_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+"""How other libraries quote the operating system's error: Rust's io::Error (safetensors, tokenizers) and Python's."""
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """The full-disk / size-limit / quota / read-only errno behind ``error`` (an ``OSError`` or any library's error
+    quoting one, directly or as its cause), or None: anything else, and every bug, is left as it is."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen and isinstance(current, Exception):
+        seen.add(id(current))
+        if isinstance(current, _BUGS):
+            return None
+        if isinstance(current, OSError):
+            if current.errno in _WRITE_ERRNOS:
+                return current.errno
+        elif not isinstance(current, ValueError):  # a user error's text may quote anything; its cause still counts
+            for match in _ERRNO_TEXT.finditer(str(current)):
+                code = int(match[1] or match[2])
+                if code in _WRITE_ERRNOS:
+                    return code
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _file_size_limit() -> int | None:
+    """This process's RLIMIT_FSIZE in bytes, or None when unlimited."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _being_written(error: BaseException, tmp: Path | None) -> str:
+    """The file the failed write was at, relative to the output (``model/config.json``), or ``""`` when not known
+    (libraries may delete their partial file): a nested output's, else the ``OSError``'s file name."""
+    if isinstance(error, OutputNotWritableError) and getattr(error, "output", None) is not None:
+        inner = Path(error.output)
+        if tmp is not None and inner.is_relative_to(tmp):
+            return str(Path(inner.relative_to(tmp), error.file or ""))  # type: ignore[attr-defined]
+        return error.file or ""  # type: ignore[attr-defined]
+    named = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    if not isinstance(named, (str, bytes, os.PathLike)) or not named:
+        return ""
+    candidate = Path(os.fsdecode(named))
+    if tmp is not None and candidate.is_relative_to(tmp):
+        relative = candidate.relative_to(tmp)
+        return "" if relative == Path(".") else str(relative)
+    return "" if candidate == tmp else str(candidate)
+
+
+def _write_failure(error: BaseException, path: Path, tmp: Path | None, existed: bool
+                   ) -> OutputNotWritableError | None:
+    """``error`` as one :class:`OutputNotWritableError` naming ``path`` and the cause, if it is a write that failed
+    for want of space, quota, file size or a writable file system; None for anything else (bugs included)."""
+    code = _errno_of(error)
+    if code is None:
+        return None
+    file = _being_written(error, tmp)
+    reason, fix = os.strerror(code), _WRITE_ERRNOS[code]
+    if code == errno.EFBIG:
+        limit = _file_size_limit()
+        if limit is not None:
+            reason += f" (this process may write files of at most {_size(limit)}: ulimit -f)"
+        else:
+            reason += " (larger than this file system allows)"
+            fix = "Choose another output path, on a file system that allows larger files."
+    if file:
+        reason += f" while writing {file}"
+    package = type(error).__module__.split(".")[0]
+    library = type(error).__name__ if package == "builtins" else f"{package}.{type(error).__name__}"
+    if isinstance(error, OutputNotWritableError):  # a nested output's: what it said about the library
+        detail = getattr(error, "detail", "")
+    else:  # the library that was writing: safetensors (the weights), tokenizers, ...
+        detail = "" if isinstance(error, OSError) else f" (reported by {library})"
+    kept = "the previous output is unchanged" if existed else "nothing was written there"
+    failure = OutputNotWritableError(code, f"cannot write {path}: {reason}{detail}; {kept}. {fix}")
+    failure.output, failure.file, failure.detail = str(path), file, detail  # type: ignore[attr-defined]
+    return failure
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:g} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
+        count /= 1024  # type: ignore[assignment]
+    return str(count)
 
 
 def _make_parents(directory: Path) -> list[Path]:

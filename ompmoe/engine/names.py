@@ -40,6 +40,27 @@ def resolve_shipped(spec: str) -> str:
     return spec
 
 
+def loaded_name(name_or_path: str | None) -> str | None:
+    """The name a model was loaded as (transformers' ``_name_or_path``): its hub id or path, ``shipped:<name>`` for
+    a shipped model's directory, ``None`` for a model built from a config."""
+    if not name_or_path:
+        return None
+    path = Path(str(name_or_path)).expanduser()
+    if path.is_dir():
+        for name in SHIPPED_MODELS:
+            if path.resolve() == shipped_model_path(name).resolve():
+                return SHIPPED_PREFIX + name
+    return str(name_or_path)
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names name the same model (a path however spelt, a ``shipped:`` name or its directory)."""
+    a, b = loaded_name(a) or a, loaded_name(b) or b
+    if a == b:
+        return True
+    return Path(a).expanduser().exists() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 def looks_local(spec: str) -> bool:
     """A hub id is ``name`` or ``owner/name``; anything else with a slash, or under an existing directory, is a path."""
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec:

@@ -6,8 +6,9 @@ import json
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,8 @@ class PruningPlan:
         try:
             data = json.loads(path.read_text())
             data.pop("achieved_ratio", None)
+            unknown = _drop_unknown(data, cls)
+            unknown |= {key for layer in data["layers"] for key in _drop_unknown(layer, LayerPlan)}
             data["layers"] = [LayerPlan(**layer) for layer in data["layers"]]
             plan = cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
@@ -136,7 +139,20 @@ class PruningPlan:
             problem = _layer_problem(layer)
             if problem:
                 raise PlanMismatchError(f"{path}: layer {layer.name!r} {problem}. {fix}")
+        if unknown:
+            warnings.warn(f"{path} has keys this ompmoe does not know, ignored: {', '.join(sorted(unknown))} "
+                          f"(written by ompmoe {plan.library_version or 'of another version'}).", stacklevel=2)
         return plan
+
+
+def _drop_unknown(data: Any, cls: type) -> set[str]:
+    """Remove from the dict ``data`` the keys that are no field of ``cls`` (a newer ompmoe's); return them."""
+    if not isinstance(data, dict):
+        return set()
+    unknown = set(data) - {f.name for f in fields(cls)}
+    for key in unknown:
+        del data[key]
+    return unknown
 
 
 def _layer_problem(layer: LayerPlan) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from .adaptive import restore_adaptive
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .allocation import minimum_kept
 from .io import atomic_path
+from .names import loaded_name, same_model
 from .plan import PlanMismatchError, PruningPlan
 from .quantized import check_not_quantized, check_savable
 from .record import CONFIG_KEY, pruning_info
@@ -174,10 +176,16 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         record["router_aux_loss"] = True
     elif previous.get("router_aux_loss"):
         record["router_aux_loss"] = True
+    # The card and the record name the model that was pruned; statistics collected under another name say so.
+    loaded = loaded_name(getattr(model.config, "_name_or_path", None))
     record["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
-        "num_tokens": plan.num_tokens, "model_id": plan.model_id,
+        "num_tokens": plan.num_tokens, "model_id": loaded or plan.model_id,
     }
+    if loaded and plan.model_id and not same_model(plan.model_id, loaded):
+        record["plan"]["statistics_model_id"] = plan.model_id
+        warnings.warn(f"The statistics were collected as {plan.model_id!r} but the model pruned was loaded from "
+                      f"{loaded!r}; the model card and config.json name {loaded!r}.", stacklevel=2)
     setattr(model.config, CONFIG_KEY, record)
     return model
 

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,8 @@ class MoEStats:
         version = meta.get("format_version")
         if version != FORMAT_VERSION:
             raise StatsFileError(
-                f"{path} has statistics format {version!r}; this ompmoe reads format {FORMAT_VERSION} only. {fix}")
+                f"{path} has statistics format {version!r} (written by ompmoe {meta.get('library_version') or '?'}); "
+                f"this ompmoe reads format {FORMAT_VERSION} only: load it with that version, or {fix[0].lower()}{fix[1:]}")
         try:
             tensors = load_file(str(path))
         except Exception as error:  # safetensors raises its own error types for truncated files
@@ -276,6 +278,11 @@ def _layers_from_file(
         )
     signed = {key for cls in STATISTICS.values() for key in cls.signed}
     core = ("gram", *PER_EXPERT_SUMS)
+    unregistered = sorted({key for tensors_of in by_layer for key in tensors_of
+                           if key not in core and key not in optional_tensors()})
+    if unregistered:
+        warnings.warn(f"{path} holds statistics no registered extension fills ({', '.join(unregistered)}); they are "
+                      "kept in LayerStats.extra (import the extension that collects them to use them).", stacklevel=3)
     layers = []
     for i, info in enumerate(infos):
         name = info.get("name") if isinstance(info, dict) else None

@@ -353,10 +353,14 @@ def shipped_pruned(tmp_path_factory) -> dict:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(SHIPPED)
     batches = [torch.tensor([tokenizer(shipped_text()[i * 2000:(i + 1) * 2000])["input_ids"][:128]]) for i in range(4)]
-    stats = ompmoe.collect_stats(model, batches, model_id="org/tiny-moe")
+    stats = ompmoe.collect_stats(model, batches, model_id="org/tiny-moe")  # a hub mirror, say: not what was loaded
     plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
     assert not plan.is_uniform
-    ompmoe.prune(model, plan)
+    with pytest.warns(UserWarning) as caught:
+        ompmoe.prune(model, plan)
+    assert [str(w.message) for w in caught] == [
+        "The statistics were collected as 'org/tiny-moe' but the model pruned was loaded from 'shipped:tiny-moe'; "
+        "the model card and config.json name 'shipped:tiny-moe'."]
     with warnings.catch_warnings():
         warnings.simplefilter("error", MissingTokenizerWarning)  # found from the model's source
         ompmoe.save_pruned(model, root / "bf16", calibration="shipped corpus (python docs and source)")
@@ -411,13 +415,16 @@ def test_model_card_front_matter_and_contents(shipped_pruned):
     card = (shipped_pruned["root"] / "bf16" / "README.md").read_text()
     _, front, body = card.split("---\n", 2)
     meta = yaml.safe_load(front)
-    assert meta == {
-        "base_model": "org/tiny-moe",
+    assert meta == {  # the card names the model that was loaded: a shipped one is no hub id, so no base_model
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": ["ompmoe", "moe", "expert-pruning", "non-uniform-experts", "qwen3_moe", "custom_code"],
     }
     plan, stats = shipped_pruned["plan"], shipped_pruned["stats"]
+    assert body.startswith("\n# shipped:tiny-moe, experts pruned with ompmoe\n\nBase model: `shipped:tiny-moe` (not a "
+                           "Hugging Face Hub id, so no `base_model` above).\n\nStatistics collected as `org/tiny-moe`.\n")
+    record = json.loads((shipped_pruned["root"] / "bf16" / "config.json").read_text())["ompmoe"]["plan"]
+    assert (record["model_id"], record["statistics_model_id"]) == ("shipped:tiny-moe", "org/tiny-moe")
     assert "| Method | omp |" in body
     assert "| Requested ratio (experts removed) | 0.5 |" in body
     assert "| Allocation | waterfill |" in body
@@ -434,6 +441,20 @@ def test_model_card_front_matter_and_contents(shipped_pruned):
     assert 'from_pretrained("path/to/this/directory", trust_remote_code=True)' in body
     assert "pretrained=path/to/this/directory,trust_remote_code=True" in body
     assert 'AutoTokenizer.from_pretrained("path/to/this/directory")  # needs no remote code' in body
+
+
+def test_the_card_of_a_hub_model_names_it_as_base_model_and_no_other_statistics(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.config._name_or_path = "org/tiny-moe"  # as from_pretrained("org/tiny-moe") records it
+    stats = ompmoe.collect_stats(model, [INPUT_IDS])
+    assert stats.model_id == "org/tiny-moe"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the statistics name the loaded model: no warning
+        ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform"))
+    ompmoe.save_pruned(model, tmp_path / "m", tokenizer=str(SHIPPED))
+    _, front, body = (tmp_path / "m" / "README.md").read_text().split("---\n", 2)
+    assert yaml.safe_load(front)["base_model"] == "org/tiny-moe"
+    assert body.startswith("\n# tiny-moe, experts pruned with ompmoe\n\n| |") and "Statistics collected as" not in body
 
 
 def test_lm_eval_hf_runs_on_the_non_uniform_checkpoint_without_ompmoe(shipped_pruned, tmp_path):

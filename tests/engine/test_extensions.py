@@ -166,7 +166,11 @@ def test_a_file_with_an_extension_this_process_lacks_loads_with_its_tensors_kept
     signed = -torch.arange(n, dtype=torch.float64)
     extended = dataclasses.replace(stats, layers=[layer.with_tensors({"gram_plugin": gram, "plugin_first_order": signed})
                                                   for layer in stats.layers])
-    loaded = MoEStats.load(extended.save(tmp_path / "plugin.safetensors"))
+    with pytest.warns(UserWarning) as caught:
+        loaded = MoEStats.load(extended.save(tmp_path / "plugin.safetensors"))
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'plugin.safetensors'} holds statistics no registered extension fills (gram_plugin, "
+        "plugin_first_order); they are kept in LayerStats.extra (import the extension that collects them to use them)."]
     for layer in loaded.layers:
         assert torch.equal(layer.gram_plugin, gram) and torch.equal(layer.plugin_first_order, signed)
     assert plan_pruning(loaded, 0.5) == plan_pruning(stats, 0.5)

@@ -226,7 +226,11 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_temporary(tmp_path):
     tmp_name = live.stdout.readline().strip()
     assert tmp_name.startswith(f".out.{io._host()}-{pid}.") and tmp_name.endswith(".tmp")
     assert clean_leftovers(tmp_path / "out") == []
-    check_writable(tmp_path / "out", overwrite=False, directory=True)  # what the next run does first
+    # What the next run does first: it refuses (issue 36), and deletes nothing of the live run.
+    with pytest.raises(io.OutputInUseError) as info:
+        check_writable(tmp_path / "out", overwrite=False, directory=True)
+    assert str(info.value) == (f"another ompmoe run (pid {pid}, in another container or PID namespace) is writing "
+                               f"{tmp_path / 'out'} now; wait for it to finish, or choose another output path")
     assert (tmp_path / tmp_name / "part").read_text() == "half"
     live.communicate("\n")
     assert live.returncode == 0

@@ -318,10 +318,11 @@ def test_load_rejects_missing_and_foreign_files(tmp_path):
         MoEStats.load(foreign)
     # A future format version is refused rather than misread.
     stats = collect_stats(make_model("olmoe"), [random_ids()])
-    meta = {**stats.metadata(), "format_version": 99}
+    meta = {**stats.metadata(), "format_version": 99, "library_version": "9.0"}
     future = tmp_path / "future.safetensors"
     save_file({"layers.0.gram": torch.zeros(1)}, str(future), metadata={"ompmoe": json.dumps(meta)})
-    with pytest.raises(ValueError, match="statistics format 99; this ompmoe reads format 2 only"):
+    with pytest.raises(ValueError, match=r"statistics format 99 \(written by ompmoe 9.0\); this ompmoe reads format 2 "
+                                         r"only: load it with that version, or re-collect it"):
         MoEStats.load(future)
 
 

@@ -201,8 +201,9 @@ def test_statistics_of_an_earlier_format_get_one_clear_error(stats, tmp_path):
     save_file(tensors, str(path), metadata={"ompmoe": json.dumps(meta)})
     with pytest.raises(StatsFileError) as error:
         MoEStats.load(path)
-    assert str(error.value) == (f"{path} has statistics format 1; this ompmoe reads format 2 only. "
-                                "Re-collect it: ompmoe.collect_stats(model, batches).save(path).")
+    assert str(error.value) == (f"{path} has statistics format 1 (written by ompmoe {stats.library_version}); this "
+                                "ompmoe reads format 2 only: load it with that version, or re-collect it: "
+                                "ompmoe.collect_stats(model, batches).save(path).")
 
 
 # ----------------------------------------------------------------------------- stats files

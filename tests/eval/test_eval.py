@@ -397,16 +397,25 @@ def test_offline_missing_data_set_is_an_immediate_clear_error_and_local_copies_w
     import datasets.config
     import huggingface_hub.constants
 
+    from offline_guards import guard_offline
+
+    from ompmoe.eval import offline
     from ompmoe.eval.offline import DatasetUnavailableError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    start = time.perf_counter()
-    with pytest.raises(DatasetUnavailableError) as error:
-        LMEvalDataModule(suites=["wikitext2"], max_length=256).build("bytes")
-    assert time.perf_counter() - start < 15
+    probes = []
+    monkeypatch.setattr(offline, "hub_reachable", lambda: probes.append("probe") or True)
+    with monkeypatch.context() as guarded:
+        guard = guard_offline(guarded)
+        with pytest.raises(DatasetUnavailableError) as error:
+            LMEvalDataModule(suites=["wikitext2"], max_length=256).build("bytes")
+    # Immediate without a clock: one read of the local cache with the hub libraries forced offline, no connection
+    # attempted, no retry back-off slept, the hub not probed (offline mode says enough).
+    guard.assert_one_cache_only_read("Salesforce/wikitext")
+    assert probes == []
     message = str(error.value)
     assert "Task 'ompmoe_wikitext2_ppl' needs the data set 'Salesforce/wikitext' (config 'wikitext-2-raw-v1')" in message
     assert "offline mode is on" in message and "data_dir" in message and "dataset_overrides" in message

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import ompmoe  # noqa: E402
 from ompmoe.data.sources import HubUnavailableError, evol_code_text, tulu_text, wikitext_articles  # noqa: E402
 from ompmoe.lightning.calibration_data import CalibrationDataModule  # noqa: E402
 from ompmoe.data import byte_tokens, shipped_text  # noqa: E402
+from offline_guards import guard_offline  # noqa: E402
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -278,14 +278,21 @@ def offline_empty_cache(monkeypatch, tmp_path):
         ("someone/some-corpus", "someone/some-corpus"),
     ],
 )
-def test_hub_source_offline_fails_fast_and_clearly(offline_empty_cache, source, name):
+def test_hub_source_offline_fails_fast_and_clearly(offline_empty_cache, monkeypatch, source, name):
+    """Fast without a clock: one read of the local cache with the hub libraries forced offline, no connection
+    attempted, no retry back-off slept, and the hub is not even probed (offline mode says enough)."""
     from huggingface_hub import constants
 
+    import ompmoe.data.sources as module
+
     dm = CalibrationDataModule(source, tokenizer="bytes", seq_len=8, num_blocks=1)
-    start = time.perf_counter()
+    probes = []
+    monkeypatch.setattr(module, "hub_reachable", lambda: probes.append("probe") or True)
+    guard = guard_offline(monkeypatch)
     with pytest.raises(HubUnavailableError) as info:
         dm.prepare_data()
-    assert time.perf_counter() - start < 5
+    guard.assert_one_cache_only_read(name)  # the path given to load_dataset, which the message names
+    assert probes == []
     message = str(info.value)
     assert repr(name) in message and "offline mode" in message
     assert "local files" in message and ".jsonl" in message and "source='shipped'" in message
@@ -303,10 +310,11 @@ def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setattr(module, "offline_mode", lambda: False)
     monkeypatch.setattr(module, "hub_reachable", lambda: False)  # never touch the network in tests
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    start = time.perf_counter()
+    guard = guard_offline(monkeypatch)
     with pytest.raises(HubUnavailableError, match="'allenai/c4'.*unreachable"):
         CalibrationDataModule("c4", tokenizer="bytes").prepare_data()
-    assert time.perf_counter() - start < 5
+    # Fast without a clock: the unreachable hub turns the read into one cache-only read, no connection, no back-off.
+    guard.assert_one_cache_only_read("allenai/c4")
 
 
 def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -158,30 +159,74 @@ def test_the_documented_cli_recipe_parses(capsys):
     assert trainer["max_epochs"] == int(flags["--trainer.max_epochs"])
 
 
+def literal_mean_token_kl(first: torch.Tensor, second: torch.Tensor, mask: torch.Tensor | None) -> float:
+    """Literal, in float64: mean over the real tokens (``mask`` 1; all tokens without one) of
+    ``KL(first || second) = sum_v P_first(v) * (log P_first(v) - log P_second(v))`` of the next-token distributions."""
+    log_p = torch.log_softmax(first.double(), dim=-1)
+    log_q = torch.log_softmax(second.double(), dim=-1)
+    per_token = []
+    for row in range(first.shape[0]):
+        for position in range(first.shape[1]):
+            if mask is None or mask[row, position] == 1:
+                p, q = log_p[row, position].tolist(), log_q[row, position].tolist()
+                per_token.append(sum(math.exp(p[v]) * (p[v] - q[v]) for v in range(first.shape[-1])))
+    return sum(per_token) / len(per_token)
+
+
 def test_distillation_loss_is_the_mean_token_kl_to_the_teacher():
+    """KL(teacher || student) per real token, padding left out, mean over the real tokens (the documented loss);
+    the teacher differs from the student (another seed, a sharper LM head) so every wrong variant gives another
+    value: the reverse KL, the mean over padding too, a teacher that does not see the padding mask, the sum."""
     from ompmoe.engine.tiny import tiny_model
 
-    torch.manual_seed(0)
-    student, teacher = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    student, teacher = tiny_model("qwen3_moe", seed=0), tiny_model("qwen3_moe", seed=1)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20.0)  # a peaked teacher: KL(t || s) and KL(s || t) are far apart
+    teacher_state = {name: p.clone() for name, p in teacher.state_dict().items()}
     module = ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=0.25)
     module.configure_model()
-    ids = torch.randint(0, student.config.vocab_size, (2, 12))
+    torch.manual_seed(0)
+    ids = torch.randint(3, student.config.vocab_size, (2, 12))
     mask = torch.ones_like(ids)
-    mask[1, 8:] = 0
+    mask[0, 10:] = 0  # right padding
+    mask[1, :3] = 0  # left padding: the teacher's real tokens differ when it does not see the mask
     batch = {"input_ids": ids, "attention_mask": mask}
     with torch.no_grad():
-        p = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits, -1)
-        q = torch.log_softmax(student(input_ids=ids, attention_mask=mask).logits, -1)
-    kl = (p.exp() * (p - q)).sum(-1)
-    expected = kl[mask.bool()].mean()
-    assert module.distillation_loss(batch, student(input_ids=ids, attention_mask=mask).logits).item() == \
-        pytest.approx(expected.item(), rel=1e-5)
+        teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits
+        teacher_unmasked = teacher(input_ids=ids).logits
+    student_logits = student(input_ids=ids, attention_mask=mask).logits.detach().requires_grad_(True)
+
+    expected = literal_mean_token_kl(teacher_logits, student_logits.detach(), mask)
+    wrong = {
+        "KL(student || teacher)": literal_mean_token_kl(student_logits.detach(), teacher_logits, mask),
+        "mean over padding too": literal_mean_token_kl(teacher_logits, student_logits.detach(), None),
+        "teacher without the mask": literal_mean_token_kl(teacher_unmasked, student_logits.detach(), mask),
+        "sum over tokens": expected * int(mask.sum()),
+    }
+    loss = module.distillation_loss(batch, student_logits)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    for name, value in wrong.items():
+        assert abs(value - expected) > 1e-4 * expected, name  # ten times the tolerance
+        assert loss.item() != pytest.approx(value, rel=1e-5), name
+    # The gradient reaches the student's logits: d KL / d logits = (softmax(student) - P_teacher) / real tokens.
+    loss.backward()
+    gradient = (torch.softmax(student_logits.detach().double(), -1) - torch.softmax(teacher_logits.double(), -1))
+    gradient = gradient * mask[..., None] / mask.sum()
+    torch.testing.assert_close(student_logits.grad.double(), gradient, atol=1e-7, rtol=1e-4)
+    # Without an attention mask every token counts (and the teacher sees no mask either).
+    with torch.no_grad():
+        plain = student(input_ids=ids).logits
+    assert module.distillation_loss({"input_ids": ids}, plain).item() == pytest.approx(
+        literal_mean_token_kl(teacher_unmasked, plain, None), rel=1e-5)
+    for name, p in teacher.state_dict().items():  # the teacher is only read
+        assert torch.equal(p, teacher_state[name]), name
+    assert all(p.grad is None for p in teacher.parameters())
+
     lm = module.compute_loss(batch).lm_loss
     module.log = lambda *args, **kwargs: None  # no trainer attached
     assert module.training_step(batch, 0).item() == pytest.approx((0.75 * lm + 0.25 * expected).item(), rel=1e-5)
     itself = ompmoe.FinetuneModule(teacher, teacher=teacher)
-    assert itself.distillation_loss(batch, teacher(input_ids=ids, attention_mask=mask).logits).item() == \
-        pytest.approx(0.0, abs=1e-6)
+    assert itself.distillation_loss(batch, teacher_logits).item() == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError) as error:
         ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=1.5)
     assert str(error.value) == "distill_weight must lie in [0, 1]; got 1.5."

@@ -10,6 +10,7 @@ import torch
 
 import ompmoe
 from reference import shipped_model, shipped_tokenizer, train_split_log_unigram
+from model_cards import check_last_subset_point
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, resolve_shipped, shipped_model_path, token_blocks
 
 MODEL_DIR = shipped_model_path("tiny-moe-a3b")
@@ -69,6 +70,15 @@ def test_forward_is_finite_and_beats_a_literal_unigram_baseline(model, tokenizer
         unigram = math.exp(-float(log_unigram[targets].mean()))
         assert measured < unigram / UNIGRAM_FACTOR, (domain, measured, unigram)
         assert stated[domain] == pytest.approx(metrics["perplexity"][domain]["heldout"]["perplexity"], abs=0.006)
+        # The card's subset rows end at this number, measured on the float32 weights before the bfloat16 cast.
+        assert measured == pytest.approx(metrics["training"]["heldout_curve"][-1][domain], rel=5e-3)
+
+
+@pytest.mark.parametrize("domain", ["prose", "code"])
+def test_the_cards_subset_rows_end_at_the_shipped_weights_perplexity(model, tokenizer, domain):
+    """The card's subset rows' last column (the end of training), recomputed from the shipped weights; the earlier
+    columns are of weights that are not shipped."""
+    check_last_subset_point("tiny-moe-a3b", model, tokenizer, domain, (BLOCKS, SEQ_LEN))
 
 
 def test_statistics_pruning_and_load_pruned_round_trip(model, tokenizer, tmp_path):

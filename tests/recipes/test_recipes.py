@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from copy import deepcopy
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from ompmoe.data import byte_tokens, shipped_text, token_blocks
 from ompmoe.recipes.finetune import capture_router_logits, causal_lm_loss, load_balancing_loss
 from ompmoe.recipes.quantization import QuantizedModelError, model_size_bytes, quantization_summary, tensor_nbytes
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
+from quantization_reference import group_size_used, reference_quantize
 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -149,7 +151,7 @@ def test_finetune_cli_continues_from_pruned_checkpoint(stats, tmp_path):
 def test_torchao_quantize_touches_only_nn_linear(stats, blocks):
     quantization = pytest.importorskip("torchao.quantization")
     model = pruned_model(stats, "waterfill")
-    reference = logits(model, blocks[:2])
+    full_precision = deepcopy(model)
     quantization.quantize_(model, quantization.Int8WeightOnlyConfig(set_inductor_config=False))
     summary = quantization_summary(model)
     # 3 layers x q/k/v/o, the dense MLP of layer 0 (mlp_only_layers) and the LM head: 16 nn.Linear.
@@ -164,56 +166,114 @@ def test_torchao_quantize_touches_only_nn_linear(stats, blocks):
     weight = model.lm_head.weight
     # int8 codes + float32 scale + int8 zero point per row.
     assert type(weight).__name__ == "Int8Tensor" and tensor_nbytes(weight) == 256 * 32 + 256 * 4 + 256
-    torch.testing.assert_close(logits(model, blocks[:2]), reference, atol=0.05, rtol=0)
+    # The logits are those of torchao's dequantized weights (a tolerance for float rounding, not for quantization).
+    reference = deepcopy(full_precision)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                reference.get_submodule(name).weight.copy_(module.weight.dequantize())
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(reference, blocks[:2]), atol=1e-5, rtol=0)
+    assert not torch.equal(logits(full_precision, blocks[:2]), logits(reference, blocks[:2]))  # quantized
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_experts_all_implementations_and_generation(stats, blocks, bits):
-    model = pruned_model(stats, "waterfill")
-    reference = logits(model, blocks[:2])
+EXPERTS_SCALE = 3.0  # tiny random experts barely move the logits (0.01); scaled by 3 they move them by about 0.2
+
+
+def scale_experts(model: torch.nn.Module, factor: float = EXPERTS_SCALE) -> torch.nn.Module:
+    """Multiply every fused routed-expert weight by ``factor``, so that the experts dominate the logits."""
+    with torch.no_grad():
+        for layer in ompmoe.find_moe_layers(model):
+            for p in layer.experts.parameters(recurse=False):
+                if p.dim() == 3:
+                    p.mul_(factor)
+    return model
+
+
+def with_expert_weights(model: torch.nn.Module, weights) -> torch.nn.Module:
+    """A full-precision copy of ``model`` whose fused routed-expert weights are ``weights(layer_index, name, w)``."""
+    copy = deepcopy(model)
+    with torch.no_grad():
+        for i, layer in enumerate(ompmoe.find_moe_layers(copy)):
+            for name, p in layer.experts.named_parameters(recurse=False):
+                if p.dim() == 3:
+                    p.copy_(weights(i, name, p.detach().clone()))
+    return copy
+
+
+def experts_effect(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """How far the logits move when every routed expert outputs zero (what a tolerance must stay well below)."""
+    zeroed = with_expert_weights(model, lambda i, name, w: torch.zeros_like(w))
+    return float((logits(zeroed, ids) - logits(model, ids)).abs().max())
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 32), (4, 32), (4, 8)])
+def test_quantize_experts_all_implementations_and_generation(stats, blocks, bits, group_size):
+    """The quantized model computes with the reference's dequantized expert weights (tests/quantization_reference.py)
+    in every experts implementation: its logits are those of a full-precision copy that holds them, to float
+    rounding, far below what the experts move."""
+    model = scale_experts(pruned_model(stats, "waterfill"))
+    ids = blocks[:2]
+    assert experts_effect(model, ids) > 0.1
+    reference = with_expert_weights(model, lambda i, name, w: reference_quantize(w, bits, group_size)[2])
     size = model_size_bytes(model)
-    expert_bytes = sum(
-        p.numel() * 4 for layer in ompmoe.find_moe_layers(model) for p in layer.experts.parameters() if p.dim() == 3
-    )
-    names = ompmoe.quantize_experts(model, bits=bits)
+    shapes = [tuple(p.shape) for layer in ompmoe.find_moe_layers(model) for p in layer.experts.parameters() if p.dim() == 3]
+    names = ompmoe.quantize_experts(model, bits=bits, group_size=group_size)
     assert names == [f"model.layers.{i}.mlp.experts.{n}" for i in (1, 2) for n in ("gate_up_proj", "down_proj")]
     summary = quantization_summary(model)
     assert (summary.expert_weights_quantized, summary.expert_weights, summary.linear_quantized) == (4, 4, 0)
-    codes = expert_bytes // 4 if bits == 8 else expert_bytes // 8
-    assert size - model_size_bytes(model) > expert_bytes - codes - expert_bytes // 8  # scales cost little
-    tolerance = 0.02 if bits == 8 else 0.2
+    # Exactly the float32 weights out, the codes (one byte, or half a byte, per value) and float32 scales in.
+    saved = 0
+    for experts, rows, width in shapes:
+        groups = 1 if bits == 8 else width // group_size_used(bits, group_size, width)
+        saved += experts * rows * (width * 4 - width * bits // 8 - groups * 4)
+    assert size - model_size_bytes(model) == saved
     per_impl = {}
     for implementation in ("eager", "grouped_mm", "batched_mm"):
         model.set_experts_implementation(implementation)
-        per_impl[implementation] = logits(model, blocks[:2])
-        torch.testing.assert_close(per_impl[implementation], reference, atol=tolerance, rtol=0)
+        reference.set_experts_implementation(implementation)
+        per_impl[implementation] = logits(model, ids)
+        torch.testing.assert_close(per_impl[implementation], logits(reference, ids), atol=1e-5, rtol=0)
     torch.testing.assert_close(per_impl["eager"], per_impl["grouped_mm"], atol=1e-4, rtol=0)
     generated = model.generate(blocks[:1, :8], max_new_tokens=6, do_sample=False, output_router_logits=False)
-    assert generated.shape == (1, 14) and torch.equal(generated[:, :8], blocks[:1, :8])
+    reference.set_experts_implementation("eager")
+    model.set_experts_implementation("eager")
+    expected = reference.generate(blocks[:1, :8], max_new_tokens=6, do_sample=False, output_router_logits=False)
+    assert generated.shape == (1, 14) and torch.equal(generated, expected)
     layer = model.model.layers[1].mlp.experts
     assert layer.parametrizations.gate_up_proj[0].cached is None  # the dense copy lives only during a forward
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_quantize_experts_every_architecture(model_type, blocks):
-    model = tiny_model(model_type)
-    reference = logits(model, blocks[:1, :16])
+    """Every architecture's logits after int8 quantization are those of its reference dequantized weights, with
+    experts scaled so that they move the logits far more than the tolerance."""
+    model = scale_experts(tiny_model(model_type))
+    ids = blocks[:1, :16]
+    tolerance = 1e-4 * float(logits(model, ids).abs().max())
+    assert experts_effect(model, ids) > 100 * tolerance
+    reference = with_expert_weights(model, lambda i, name, w: reference_quantize(w, 8, 32)[2])
     count = sum(p.dim() == 3 for layer in ompmoe.find_moe_layers(model) for p in layer.experts.parameters())
     assert len(ompmoe.quantize_experts(model)) == count
-    relative = (logits(model, blocks[:1, :16]) - reference).abs().max() / reference.abs().max()
-    assert relative < 0.02
+    torch.testing.assert_close(logits(model, ids), logits(reference, ids), atol=tolerance, rtol=0)
 
 
 def test_torchao_int8_tensor_on_expert_parameters_with_eager_experts(stats, blocks):
     quantization = pytest.importorskip("torchao.quantization")
-    model = pruned_model(stats, "uniform")
-    reference = logits(model, blocks[:2])
+    model = scale_experts(pruned_model(stats, "uniform"))
+    ids = blocks[:2]
+    assert experts_effect(model, ids) > 0.1
     model.set_experts_implementation("eager")  # Int8Tensor has no transpose/bmm/_grouped_mm kernels
+    full_precision = deepcopy(model)
+    layers = [layer.name for layer in ompmoe.find_moe_layers(model)]
     config = quantization.FqnToConfig({r"re:.*\.experts\.(gate_up_proj|down_proj)$": quantization.Int8WeightOnlyConfig(set_inductor_config=False)})
     quantization.quantize_(model, config, filter_fn=None)
     summary = quantization_summary(model)
     assert (summary.expert_weights_quantized, summary.linear_quantized) == (4, 0)
-    torch.testing.assert_close(logits(model, blocks[:2]), reference, atol=0.02, rtol=0)
+    # The logits are those of torchao's own dequantized weights: the experts run on the quantized tensors.
+    reference = with_expert_weights(
+        full_precision, lambda i, name, w: getattr(model.get_submodule(f"{layers[i]}.experts"), name).dequantize())
+    assert all(type(model.get_submodule(f"{name}.experts").down_proj).__name__ == "Int8Tensor" for name in layers)
+    torch.testing.assert_close(logits(model, ids), logits(reference, ids), atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------ order

@@ -44,6 +44,8 @@ def model_card(
     lines = ["---", meta, "---", "", title, ""]
     if model_id and not _is_hub_id(model_id):
         lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
+    if plan.get("statistics_model_id"):
+        lines += [f"Statistics collected as `{plan['statistics_model_id']}`.", ""]
     lines += [
         "| | |",
         "|---|---|",
