@@ -13,8 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths, list_option,
-                       user_errors)
+from .cli_args import (SHORT_OPTIONS, CommandError, add_run_options, bare_flags, check_config_files, class_paths,
+                       fail, list_option, user_errors)
 from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
@@ -314,17 +314,6 @@ def _one_line(message: str, command: str) -> str:
     return f"{' '.join(message.split())} (see ompmoe {command} --help)"
 
 
-class CommandError(SystemExit):
-    """Exit status 2, as argparse's usage errors; ``str()`` is the one ``error:`` line already printed."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
 def command_cli(argv: list[str]) -> None:
     """``ompmoe prune``/``plot``: jsonargparse on the function; its help names the registered methods."""
     from jsonargparse import auto_cli
@@ -362,8 +351,10 @@ def main(argv: list[str] | None = None) -> None:
             check_config_files(argv)
             lightning_cli(bare_flags(argv, ("overwrite",)))
     except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise CommandError(f"error: {error}") from None
+        fail(error)
+    except KeyboardInterrupt:  # one line, not Python's traceback; 130 as a shell reports Ctrl-C
+        print("ompmoe: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

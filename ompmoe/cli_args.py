@@ -6,9 +6,10 @@ accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``, ``--
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
@@ -100,6 +101,23 @@ def check_config_files(argv: Sequence[str]) -> None:
             raise FileNotFoundError(f"config file {path!r} does not exist{nearest_path_hint(path)}")
 
 
+class CommandError(SystemExit):
+    """Exit status 2, as argparse's usage errors; ``str()`` is the one ``error:`` line already printed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def fail(error: BaseException) -> NoReturn:
+    """End a command on a user error: its one ``error:`` line on stderr, exit status 2."""
+    print(f"error: {error}", file=sys.stderr)
+    raise CommandError(f"error: {error}") from None
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a command reports as one ``error:`` line (exit status 2). Not AttributeError or TypeError: that is how a
     bug shows itself, and its traceback must stay visible. A write that fails midway (full disk, file-size limit,
@@ -169,5 +187,5 @@ def parse_or_raise(parser: Any, argv: Sequence[str], prog: str) -> Any:
         raise ValueError(f"{' '.join(str(error).split())} (see {prog} --help)") from None
 
 
-__all__ = ["CLASS_PATHS", "SHORT_OPTIONS", "add_run_options", "bare_flags", "class_paths", "list_option",
+__all__ = ["CLASS_PATHS", "CommandError", "SHORT_OPTIONS", "fail", "add_run_options", "bare_flags", "class_paths", "list_option",
            "parse_or_raise", "run_from_arguments", "user_errors"]

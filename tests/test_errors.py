@@ -198,3 +198,46 @@ def test_report_escapes_hostile_labels_and_names():
     assert rows[0] == "| Model | arc\\|easy acc | Average | Retained (%) |"
     assert rows[3] == "| evil \\| 1 \\| 2 \\| \\| forged \\| row \\| | 50.00 | 50.00 | 100.0 |"
     assert {row.replace("\\|", "").count("|") for row in rows} == {5}
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys):
+    import ompmoe.cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ompmoe.cli, "command_cli", interrupted)
+    with pytest.raises(SystemExit) as info:
+        main(["plot", "--stats", "s", "--output_dir", "o"])
+    assert info.value.code == 130 and capsys.readouterr().err == "ompmoe: interrupted\n"
+
+
+def test_a_bare_overwrite_is_true_on_the_demo_and_the_fabric_script(monkeypatch, tmp_path, capsys):
+    import sys
+
+    import ompmoe.recipes.quickstart as quickstart
+    from ompmoe.lightning import fabric_prune
+
+    given = []
+
+    def prune_tiny_model(output_dir: str = "outputs/demo", overwrite: bool = False) -> None:
+        given.append((output_dir, overwrite))
+
+    monkeypatch.setattr(quickstart, "prune_tiny_model", prune_tiny_model)
+    monkeypatch.setattr(sys, "argv", ["ompmoe-demo", "--overwrite", "--output_dir", str(tmp_path)])
+    quickstart.main()
+    assert given == [(str(tmp_path), True)]
+    assert fabric_prune.main(["--overwrite", "--path"]) is None  # --path: print the path once parsed, and stop
+    assert capsys.readouterr().out.strip().endswith("fabric_prune.py")
+
+
+def test_the_finetuning_cli_ends_bad_input_in_one_line_with_status_2(tmp_path, capsys):
+    from ompmoe.lightning.finetune_module import main as finetune_main
+
+    with pytest.raises(SystemExit) as info:
+        finetune_main(["fit", "--model.model", str(tmp_path / "no-model"), "--model.save_dir", str(tmp_path / "out"),
+                       "--trainer.accelerator", "cpu"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: path {str(tmp_path / 'no-model')!r} does not exist; {str(tmp_path)!r} exists")
+    assert not (tmp_path / "out").exists()

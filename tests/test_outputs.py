@@ -109,7 +109,7 @@ def test_finetune_refuses_a_save_dir_holding_its_model_before_training(earlier_r
     with pytest.raises(OutputNotReplaceableError) as error:
         finetune(tmp_path, "out/model-0.25", "out", "--model.overwrite", "true")
     assert str(error.value) == contains("out", "out/model-0.25")
-    with pytest.raises(ompmoe.engine.io.OutputExistsError, match=r"^out already exists; pass overwrite=True"):
+    with pytest.raises(ompmoe.engine.io.OutputExistsError, match=r"^out already exists; pass --overwrite \(overwrite=True in Python\)"):
         finetune(tmp_path, "tiny:qwen3_moe", "out")
     assert names(earlier_run) == before and steps == []
 
@@ -144,7 +144,7 @@ def test_dot_dot_in_an_output_path_is_resolved_and_leaves_no_directory(tmp_path)
     assert names(tmp_path) == ["X", "stats.safetensors"] and names(tmp_path / "X") == [MARKER, "plan-0.5.json"]
     with pytest.raises(SystemExit) as error:  # X exists now: refused up front as X, no "appeared while writing"
         main(["prune", "--stats", stats_file, "--ratio", "0.5", "--output_dir", str(tmp_path / "X" / "new" / "..")])
-    assert str(error.value) == (f"error: {tmp_path / 'X'} already exists; pass overwrite=True (CLI: --overwrite true) "
+    assert str(error.value) == (f"error: {tmp_path / 'X'} already exists; pass --overwrite (overwrite=True in Python) "
                                 "to replace it, or choose another output path.")
     assert names(tmp_path / "X") == [MARKER, "plan-0.5.json"]
 

@@ -210,7 +210,7 @@ def _sweep(path: Path, live: list[dict[str, str]]) -> list[Path]:
 
 def _exists_message(path: Path) -> str:
     return (
-        f"{path} already exists; pass overwrite=True (CLI: --overwrite true) to replace it, "
+        f"{path} already exists; pass --overwrite (overwrite=True in Python) to replace it, "
         "or choose another output path."
     )
 

@@ -80,10 +80,11 @@ def _fabric_strategy(name: str | None, devices: str | None, num_nodes: int | Non
 
 def main(argv: list[str] | None = None) -> Any:
     """Parse ``argv``, calibrate, prune and write; returns the :class:`~ompmoe.FabricCalibration` (for tests)."""
-    from ..cli_args import parse_or_raise, run_from_arguments
+    from ..cli_args import bare_flags, parse_or_raise, run_from_arguments
 
     p = parser()
-    args = parse_or_raise(p, sys.argv[1:] if argv is None else argv, "python -m ompmoe.lightning.fabric_prune")
+    argv = bare_flags(sys.argv[1:] if argv is None else argv, ("overwrite",))  # --overwrite alone: true
+    args = parse_or_raise(p, argv, "python -m ompmoe.lightning.fabric_prune")
     if args.path:
         print(os.path.abspath(__file__))
         return None

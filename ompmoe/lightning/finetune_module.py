@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from ..cli_args import fail, user_errors
 from ..engine.adapters import find_moe_layers
 from ..engine.io import check_writable, inputs_of
 from ..engine.pruning import save_pruned
@@ -355,8 +356,11 @@ def main(args: list[str] | None = None) -> None:
     from .finetune_data import FinetuneDataModule
 
     quiet_third_party()
-    LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args,
-                 seed_everything_default=0)  # reproducible by default, as `ompmoe fit`'s configs
+    try:
+        LightningCLI(FinetuneModule, FinetuneDataModule, save_config_kwargs={"overwrite": True}, args=args,
+                     seed_everything_default=0)  # reproducible by default, as `ompmoe fit`'s configs
+    except user_errors() as error:  # one line and exit status 2, as every ompmoe command
+        fail(error)
 
 
 if __name__ == "__main__":

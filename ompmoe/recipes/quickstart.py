@@ -9,13 +9,14 @@ architecture (byte tokens of the shipped text; its perplexity means nothing).
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..cli_args import user_errors
+from ..cli_args import bare_flags, fail, user_errors
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
 from ..engine.export.checkpoint import MissingTokenizerWarning
 from ..engine.pruning import load_pruned
@@ -137,10 +138,10 @@ def main() -> None:
     from .._quiet import quiet_third_party
 
     quiet_third_party()
-    try:
-        auto_cli(prune_tiny_model, description=__doc__)
+    try:  # a bare --overwrite means --overwrite true, as on every command
+        auto_cli(prune_tiny_model, description=__doc__, args=bare_flags(sys.argv[1:], ("overwrite",)))
     except user_errors() as error:
-        raise SystemExit(f"error: {error}") from None
+        fail(error)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_failure_leaves_nothing_and_existing_output_is_kept(tmp_path):
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "keep.txt").write_text("old")
-    with pytest.raises(OutputExistsError, match="keep.txt already exists; pass overwrite=True"):
+    with pytest.raises(OutputExistsError, match=r"keep.txt already exists; pass --overwrite \(overwrite=True in Python\)"):
         with atomic_path(tmp_path / "keep.txt"):
             pass
     with pytest.raises(RuntimeError):
@@ -146,7 +146,7 @@ def test_output_that_appears_while_running_is_kept(tmp_path, monkeypatch):
             (out / "plan-0.25.json").write_text("other job")
 
     monkeypatch.setattr(io, "_step", other_job_commits)
-    with pytest.raises(SystemExit, match=r"error: .*out already exists; pass overwrite=True \(CLI: --overwrite true\).*"
+    with pytest.raises(SystemExit, match=r"error: .*out already exists; pass --overwrite \(overwrite=True in Python\).*"
                                          r"appeared while this run was writing; it was kept"):
         main(["prune", "--stats", str(stats), "--ratio", "[0.5]", "--output_dir", str(out)])
     assert names(out) == [MARKER, "plan-0.25.json"] and (out / "plan-0.25.json").read_text() == "other job"
@@ -185,8 +185,9 @@ def test_read_only_file_system_is_reported_before_any_work(tmp_path, monkeypatch
     with pytest.raises(OutputNotWritableError, match="Read-only file system"):
         prune_tiny_model(output_dir=str(tmp_path / "demo"))
     monkeypatch.setattr(sys, "argv", ["ompmoe-demo", "--output_dir", str(tmp_path / "demo")])
-    with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*demo: Read-only file system"):
+    with pytest.raises(SystemExit, match=r"^error: \[Errno 30\] cannot write .*demo: Read-only file system") as info:
         demo_main()
+    assert info.value.code == 2  # bad input, as every command
     assert names(tmp_path) == []
 
 

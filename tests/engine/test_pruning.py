@@ -529,7 +529,7 @@ def test_save_refuses_existing_directory_without_overwrite(tmp_path):
     target.mkdir()
     (target / "keep.txt").write_text("precious")
 
-    with pytest.raises(ompmoe.OutputExistsError, match=r"already exists; pass overwrite=True") as error:
+    with pytest.raises(ompmoe.OutputExistsError, match=r"already exists; pass --overwrite \(overwrite=True in Python\)") as error:
         ompmoe.save_pruned(model, target)
     assert isinstance(error.value, FileExistsError)
     assert str(target) in str(error.value)

@@ -298,7 +298,7 @@ def test_save_refuses_to_overwrite(tmp_path):
     with pytest.raises(OutputExistsError) as info:
         second.save(path)
     assert str(info.value) == (
-        f"{path} already exists; pass overwrite=True (CLI: --overwrite true) to replace it, or choose another output path."
+        f"{path} already exists; pass --overwrite (overwrite=True in Python) to replace it, or choose another output path."
     )
     assert isinstance(info.value, FileExistsError)
     assert path.read_bytes() == before

@@ -101,7 +101,7 @@ def test_bad_input_stops_before_the_calibration_pass(tmp_path):
     existing = tmp_path / "existing"
     existing.mkdir()
     counter = ForwardCounter()
-    with pytest.raises(OutputExistsError, match="already exists; pass overwrite=True"):
+    with pytest.raises(OutputExistsError, match=r"already exists; pass --overwrite \(overwrite=True in Python\)"):
         trainer([ExpertPruning(output_dir=str(existing)), counter]).fit(
             CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2))
         )

@@ -174,7 +174,7 @@ def test_bad_settings_are_refused_before_any_forward_pass(tmp_path, fabric):
     (tmp_path / "existing").mkdir()
     with pytest.raises(OutputExistsError) as error:
         FabricCalibration(fabric, model, output_dir=tmp_path / "existing")
-    assert str(error.value) == (f"{tmp_path / 'existing'} already exists; pass overwrite=True (CLI: --overwrite true) "
+    assert str(error.value) == (f"{tmp_path / 'existing'} already exists; pass --overwrite (overwrite=True in Python) "
                                 "to replace it, or choose another output path.")
     with pytest.raises(InfeasibleBudgetError, match=r"use a ratio in \[0.1250, 0.6250\]"):
         FabricCalibration(fabric, model, ompmoe.PruningStrategy(ratio=0.9), output_dir=tmp_path / "new")
@@ -308,5 +308,5 @@ def test_the_script_refuses_an_existing_output_before_loading_the_model(tmp_path
         fabric_prune.cli(["--accelerator", "cpu", "--devices", "1", "--output_dir", "out"])
     assert exit_status.value.code == 2 and loaded == []
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "error: out already exists; pass overwrite=True (CLI: --overwrite true) to replace it, or choose another "
+        "error: out already exists; pass --overwrite (overwrite=True in Python) to replace it, or choose another "
         "output path.")

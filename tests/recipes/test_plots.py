@@ -159,7 +159,7 @@ def test_cli_plot_command(stats, tmp_path, capsys):
     assert str(tmp_path / "plots" / "heatmaps.png") in capsys.readouterr().out
     with pytest.raises(SystemExit) as error:
         main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots")])
-    assert "already exists; pass overwrite=True" in str(error.value)
+    assert "already exists; pass --overwrite (overwrite=True in Python)" in str(error.value)
     main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots"), "--overwrite", "true"])
     with pytest.raises(SystemExit) as error:
         main(["plot", "--stats", str(tmp_path / "missing.safetensors"), "--output_dir", str(tmp_path / "p2")])
