@@ -106,10 +106,10 @@ def test_finetune_refuses_a_save_dir_holding_its_model_before_training(earlier_r
     steps = []
     monkeypatch.setattr(FinetuneModule, "training_step", lambda self, *args: steps.append(args))
     before = names(earlier_run)
-    with pytest.raises(OutputNotReplaceableError) as error:
+    with pytest.raises(SystemExit) as error:  # the fine-tuning CLI: one error line, status 2
         finetune(tmp_path, "out/model-0.25", "out", "--model.overwrite", "true")
-    assert str(error.value) == contains("out", "out/model-0.25")
-    with pytest.raises(ompmoe.engine.io.OutputExistsError, match=r"^out already exists; pass --overwrite \(overwrite=True in Python\)"):
+    assert error.value.code == 2 and str(error.value) == "error: " + contains("out", "out/model-0.25")
+    with pytest.raises(SystemExit, match=r"^error: out already exists; pass --overwrite \(overwrite=True in Python\)"):
         finetune(tmp_path, "tiny:qwen3_moe", "out")
     assert names(earlier_run) == before and steps == []
 

@@ -590,10 +590,20 @@ def _make_parents(directory: Path) -> list[Path]:
 
 
 def _default_permissions(path: Path, directory: bool) -> None:
-    """Temporaries are created private (0600/0700); give the result the usual umask permissions."""
+    """Temporaries are created private (0600/0700), and so are some files in them (transformers writes
+    ``model.safetensors`` 0600): give the result and everything in it the usual umask permissions, so a shared
+    output directory is readable by those the umask lets read it."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)
+    for root, folders, files in os.walk(path) if directory else ():
+        for name in folders:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask, follow_symlinks=False)
+        for name in files:
+            file = os.path.join(root, name)
+            if not os.path.islink(file):
+                executable = os.stat(file).st_mode & 0o111
+                os.chmod(file, (0o777 if executable else 0o666) & ~umask)
 
 
 def _remove(path: Path) -> None:

@@ -41,6 +41,7 @@ def test_failure_leaves_nothing_and_existing_output_is_kept(tmp_path):
 import errno
 import json
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -328,3 +329,24 @@ def test_sigkill_while_replacing_leaves_a_whole_output(tmp_path, point, exchange
     check_writable(target, overwrite=True, directory=True)  # the next run for the same target
     assert names(tmp_path) == ["out"]
     assert state() == (after_kill or "old")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_a_directory_output_and_every_file_in_it_get_the_umask_permissions(tmp_path, umask):
+    """Libraries write some files private (transformers: model.safetensors 0600); a shared output stays readable."""
+    previous = os.umask(umask)
+    try:
+        with atomic_path(tmp_path / "out", directory=True) as tmp:
+            (tmp / "sub").mkdir(mode=0o700)
+            for name in ("private.bin", "sub/nested.json"):
+                descriptor = os.open(tmp / name, os.O_CREAT | os.O_WRONLY, 0o600)
+                os.close(descriptor)
+            (tmp / "run.sh").write_text("")
+            os.chmod(tmp / "run.sh", 0o700)
+    finally:
+        os.umask(previous)
+    mode = {path.relative_to(tmp_path / "out").as_posix(): stat.S_IMODE(path.stat().st_mode)
+            for path in (tmp_path / "out").rglob("*")}
+    assert mode == {"private.bin": 0o666 & ~umask, "sub": 0o777 & ~umask, "sub/nested.json": 0o666 & ~umask,
+                    "run.sh": 0o777 & ~umask, MARKER: 0o666 & ~umask}
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
