@@ -87,8 +87,8 @@ def quantize_experts(model: nn.Module, bits: int = 8, group_size: int = 32) -> l
         model: A supported transformers 5.x MoE model (pruned or not), not quantized yet.
         bits: 8 (one scale per expert and row) or 4 (one scale per ``group_size`` values of a row,
             packed two per byte).
-        group_size: Int4 group size along the last axis; rows whose length it does not divide
-            use one group per row.
+        group_size: Int4 group size along the last axis (even); rows whose length it does not divide,
+            and ``0``, use one group per row.
 
     Returns the names of the quantized parameters. Codes and scales replace each weight
     (``torch.nn.utils.parametrize``); the dense weight is rebuilt once per forward of its experts module,
@@ -96,6 +96,8 @@ def quantize_experts(model: nn.Module, bits: int = 8, group_size: int = 32) -> l
     """
     if bits not in (4, 8):
         raise ValueError(f"quantize_experts supports bits=8 or bits=4; got {bits}.")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size must be an int >= 0 (0: one group per row); got {group_size!r}.")
     layers = find_moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no fused routed-expert weights to quantize.")
@@ -111,7 +113,8 @@ def quantize_experts(model: nn.Module, bits: int = 8, group_size: int = 32) -> l
             groups = group_size if bits == 4 and group_size > 0 and width % group_size == 0 else width
             if bits == 4 and groups % 2:
                 raise ValueError(
-                    f"int4 packing needs an even group size; {layer.name}.experts.{name} rows have {width}."
+                    f"int4 packing needs an even group size; {layer.name}.experts.{name} would use groups of "
+                    f"{groups} (group_size={group_size}, rows of {width})."
                 )
             weight.requires_grad_(False)
             parametrize.register_parametrization(experts, name, DequantizedExpertWeight(bits, groups), unsafe=True)

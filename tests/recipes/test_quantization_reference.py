@@ -133,9 +133,17 @@ def test_the_defaults_are_int8_per_row_and_int4_groups_of_32(bits):
         assert bits_equal(codes, expected[0]) and bits_equal(scales, expected[1]) and bits_equal(dense, expected[2])
 
 
-def test_an_odd_int4_group_is_refused():
-    with pytest.raises(ValueError, match="int4 packing needs an even group size"):
-        ompmoe.quantize_experts(tiny_model("qwen3_moe"), bits=4, group_size=1)
+def test_an_odd_int4_group_and_a_negative_group_size_are_refused_naming_the_group():
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError) as error:
+        ompmoe.quantize_experts(model, bits=4, group_size=1)
+    assert str(error.value) == ("int4 packing needs an even group size; model.layers.1.mlp.experts.gate_up_proj would "
+                                "use groups of 1 (group_size=1, rows of 32).")
+    for bad in (-2, 2.0, True):
+        with pytest.raises(ValueError) as error:
+            ompmoe.quantize_experts(model, bits=4, group_size=bad)
+        assert str(error.value) == f"group_size must be an int >= 0 (0: one group per row); got {bad!r}."
+    assert not any(p.dtype in (torch.int8, torch.uint8) for p in model.parameters())  # refused before any change
 
 
 SILU_LIPSCHITZ = 1.1  # max |silu'(x)| = 1.0998 (x = 2.40)
