@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (SHORT_OPTIONS, CommandError, add_run_options, bare_flags, check_config_files, class_paths,
+from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths,
                        fail, list_option, user_errors)
 from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
