@@ -103,10 +103,10 @@ def replan(
         dtype: Weights dtype of the saved models; default: the source checkpoint's.
         quiet: No progress bar and no summary lines (errors are still printed).
     """
+    from .engine.run import PruningRun
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
-    from .engine.summary import kept_summary, settings_summary
-    from .engine.summary import auto_note
+    from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
     fit_plan = Path(stats).parent / FIT_PLAN
@@ -116,34 +116,28 @@ def replan(
     settings, taken = _settings(statistics, fit_plan, dict(
         method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
         max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
-    strategies = [PruningStrategy(ratio=r, **settings) for r in ratio]
-    routings = [(layer.name, layer.routing) for layer in statistics.layers]
-    for strategy in strategies:
-        strategy.validate(routings)
+    runs = [PruningRun(owner="ompmoe prune", strategy=PruningStrategy(ratio=r, **settings), tokenizer=tokenizer,
+                       dtype=dtype, plots=False) for r in ratio]
+    for run in runs:  # plans are microseconds: all made (and checked) before any model loads
+        run.replan(statistics)
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
     written = []
     show = False if quiet else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        for strategy in progress(strategies, "ompmoe prune", show, unit="ratio"):
-            plan = strategy.plan(statistics)
+        for run in progress(runs, "ompmoe prune", show, unit="ratio"):
+            plan = run.plan
             if not quiet and not written:
-                print(f"ompmoe prune: {settings_summary(plan)}{auto_note(strategy, statistics.model_type)}"
+                print(f"ompmoe prune: {settings_summary(plan)}{auto_note(run.strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
-            name = f"{strategy.ratio:g}"
+            name = f"{run.strategy.ratio:g}"
             plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if model is not None:
-                from .engine.pruning import prune, save_pruned
-
-                pruned = prune(_load_model(model, statistics), plan)
-                save_pruned(
-                    pruned, tmp / f"model-{name}", tokenizer=tokenizer, dtype=dtype,
-                    calibration="; ".join(statistics.sources) or None,
-                )
+                run.save_model(run.apply(_load_model(model, statistics)), tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
             if not quiet:
-                print(f"ratio {strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
+                print(f"ratio {run.strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
     return written
 
 

@@ -256,12 +256,7 @@ class PruningRun:
         heldout = self._heldout_sets() if model is not None and context.is_global_zero else {}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
-            prune(model, plan)
-            if self.options.adaptive_epsilon is not None:
-                from .adaptive import enable_adaptive
-
-                enable_adaptive(model, stats, self.options.adaptive_epsilon)
-            self.pruned_model = model
+            self.apply(model)
         after = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
@@ -276,6 +271,33 @@ class PruningRun:
             context.print(f"ompmoe: wrote statistics, plan and pruned model to {self.options.output_dir}")
         context.barrier("ompmoe-pruning-written")
         return plan
+
+    def replan(self, stats: MoEStats) -> PruningPlan:
+        """Plan from saved statistics (``ompmoe prune``): the strategy checked against their layers, then planned."""
+        self.model_type = stats.model_type
+        for strategy in [self.strategy, *self._extra_strategies()]:
+            strategy.validate([(layer.name, layer.routing) for layer in stats.layers])
+        self.stats, self.tokenizer = stats, self.options.tokenizer
+        self.plan = self._plan(RunContext(), stats, None, None, 0)
+        return self.plan
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Prune ``model`` in place by the run's plan, then switch on adaptive inference if asked: the one place a
+        plan becomes a pruned model, for every front door."""
+        assert self.plan is not None and self.stats is not None
+        prune(model, self.plan)
+        if self.options.adaptive_epsilon is not None:
+            from .adaptive import enable_adaptive
+
+            enable_adaptive(model, self.stats, self.options.adaptive_epsilon)
+        self.pruned_model = model
+        return model
+
+    def save_model(self, model: nn.Module, path: Any) -> None:
+        """Save the pruned ``model`` (stock checkpoint, tokenizer, model card) at ``path``."""
+        assert self.stats is not None
+        save_pruned(model, path, tokenizer=self.tokenizer, dtype=self.options.dtype,
+                    calibration="; ".join(self.stats.sources) or None)
 
     def _plan(self, context: RunContext, stats: MoEStats, model: nn.Module | None, blocks: torch.Tensor | None,
               batch_size: int) -> PruningPlan:
@@ -335,8 +357,7 @@ class PruningRun:
             if options.save_model:
                 assert model is not None
                 next(bar)
-                save_pruned(model, tmp / MODEL_DIR, tokenizer=self.tokenizer, dtype=options.dtype,
-                            calibration="; ".join(stats.sources) or None)
+                self.save_model(model, tmp / MODEL_DIR)
             next(bar, None)
 
 
