@@ -24,7 +24,10 @@ Two models, sections ``--models``:
              tokens, timing on 512 tokens; no perplexity (random weights).
 
 Both the ``grouped_mm`` (transformers' default) and ``eager`` experts implementations are timed on
-the shipped model, ``grouped_mm`` at the real shape.
+the shipped model, ``grouped_mm`` at the real shape. ``--paths`` times ``grouped_mm`` experts with each
+skipping path of ``enable_adaptive(path=...)``: ``auto`` (``masked`` for ``grouped_mm``: static shapes, no
+host read), ``masked`` and ``compact`` (the kept pairs gathered into a flattened call; always the path of
+``eager``).
 """
 
 from __future__ import annotations
@@ -81,11 +84,11 @@ class BlockTimer:
         self.cpu += time.process_time() - self._start_cpu
 
 
-def configure(model: torch.nn.Module, stats: ompmoe.MoEStats, epsilon: float | None) -> None:
+def configure(model: torch.nn.Module, stats: ompmoe.MoEStats, epsilon: float | None, path: str = "auto") -> None:
     if epsilon is None:
         disable_adaptive(model)
     else:
-        enable_adaptive(model, stats, epsilon)
+        enable_adaptive(model, stats, epsilon, path=path)
 
 
 @torch.no_grad()
@@ -95,14 +98,17 @@ def perplexity(model: torch.nn.Module, blocks: torch.Tensor, batch: int) -> floa
 
 
 @torch.no_grad()
-def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int) -> list[dict[str, float]]:
+def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int,
+              paths: tuple[str, ...] = ("auto",)) -> list[dict[str, float]]:
+    """One row per (epsilon, path), all interleaved in each round; epsilon 0 and off once (no path applies)."""
     timer = BlockTimer(model)
-    settings: list[float | None] = [None, *EPSILONS]
+    settings: list[tuple[float | None, str]] = [(None, "auto"), (0.0, "auto")]
+    settings += [(epsilon, path) for epsilon in EPSILONS if epsilon != 0.0 for path in paths]
     samples = {i: {"moe": [], "moe_cpu": [], "wall": [], "cpu": []} for i in range(len(settings))}
     counters: dict[int, dict[str, float]] = {}
     for round_ in range(repeats + 1):  # round 0 warms up
-        for i, epsilon in enumerate(settings):
-            configure(model, stats, epsilon)
+        for i, (epsilon, path) in enumerate(settings):
+            configure(model, stats, epsilon, path)
             timer.wall = timer.cpu = 0.0
             cpu, wall = time.process_time(), time.perf_counter()
             model(timing_batch)
@@ -116,8 +122,8 @@ def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int) ->
             samples[i]["wall"].append(wall)
             samples[i]["cpu"].append(cpu)
     results = []
-    for i, epsilon in enumerate(settings):
-        configure(model, stats, epsilon)
+    for i, (epsilon, path) in enumerate(settings):
+        configure(model, stats, epsilon, path)
         if epsilon is not None:
             reset_adaptive_counters(model)
         ppl = perplexity(model, held_out, batch) if held_out is not None else float("nan")
@@ -127,6 +133,7 @@ def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int) ->
         results.append(
             {
                 "epsilon": epsilon,
+                "path": path if epsilon else "",
                 **{key: statistics.median(values) for key, values in samples[i].items()},
                 "counters": counters.get(i),
                 "held_out_counters": held,
@@ -140,7 +147,7 @@ def benchmark(model, stats, timing_batch, held_out, repeats: int, batch: int) ->
 def print_table(results: list[dict], top_k: int) -> None:
     base = next(r for r in results if r["epsilon"] == 0.0)
     print(
-        f"{'epsilon':>8} {'experts/tok':>11} {'skip':>6} {'FLOPs':>6} {'MoE ms':>7} {'MoE x':>6} {'MoE x cpu':>9} "
+        f"{'epsilon':>8} {'path':>7} {'experts/tok':>11} {'skip':>6} {'FLOPs':>6} {'MoE ms':>7} {'MoE x':>6} {'MoE x cpu':>9} "
         f"{'fwd ms':>7} {'fwd x':>6} {'fwd x cpu':>9} {'overhead':>8} {'held-out ppl':>12}"
     )
     for r in results:
@@ -153,20 +160,25 @@ def print_table(results: list[dict], top_k: int) -> None:
         timing = r["counters"] if r["epsilon"] is not None else None
         overhead = f"{r['moe_cpu'] / base['moe_cpu'] - timing['flops_ratio']:+.3f}" if timing else ""
         print(
-            f"{label:>8} {avg:>11} {skip:>6} {flops:>6} {r['moe'] * 1e3:>7.1f} {base['moe'] / r['moe']:>6.2f} "
+            f"{label:>8} {r['path']:>7} {avg:>11} {skip:>6} {flops:>6} {r['moe'] * 1e3:>7.1f} {base['moe'] / r['moe']:>6.2f} "
             f"{base['moe_cpu'] / r['moe_cpu']:>9.2f} {r['wall'] * 1e3:>7.1f} {base['wall'] / r['wall']:>6.2f} "
             f"{base['cpu'] / r['cpu']:>9.2f} {overhead:>8} {r['ppl']:>12.2f}"
         )
 
 
 def main() -> None:
+    global EPSILONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--real_repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="sequences of 256 tokens per forward pass")
     parser.add_argument("--models", nargs="+", default=["shipped", "real"], choices=["shipped", "real"])
     parser.add_argument("--implementations", nargs="+", default=["grouped_mm", "eager"])
+    parser.add_argument("--paths", nargs="+", default=["auto"], choices=["auto", "masked", "compact"],
+                        help="skipping paths timed for grouped_mm experts (eager always uses compact)")
+    parser.add_argument("--epsilons", nargs="+", type=float, default=list(EPSILONS))
     args = parser.parse_args()
+    EPSILONS = tuple(args.epsilons) if 0.0 in args.epsilons else (0.0, *args.epsilons)
     torch.set_num_threads(1)
     started = time.perf_counter()
     print("experts/tok, skip and FLOPs (= E[m]/K, routed experts) are counted on the held-out tokens (real shape: "
@@ -186,7 +198,8 @@ def main() -> None:
         for implementation in args.implementations:
             model.set_experts_implementation(implementation)
             print(f"experts implementation: {implementation}")
-            results = benchmark(model, stats, held_out[: args.batch], held_out, args.repeats, args.batch)
+            paths = tuple(args.paths) if implementation == "grouped_mm" else ("auto",)
+            results = benchmark(model, stats, held_out[: args.batch], held_out, args.repeats, args.batch, paths)
             print_table(results, layers[0].top_k)
             print()
     if "real" in args.models:
@@ -200,7 +213,7 @@ def main() -> None:
             f"128 experts, top-8, width 768; alphas from {stats.num_tokens} tokens; timing: 512 tokens per "
             f"forward, median of {args.real_repeats}, 1 thread; grouped_mm"
         )
-        results = benchmark(model, stats, timing_batch, None, args.real_repeats, 1)
+        results = benchmark(model, stats, timing_batch, None, args.real_repeats, 1, tuple(args.paths))
         print_table(results, 8)
         print()
     print(f"total {time.perf_counter() - started:.0f} s")

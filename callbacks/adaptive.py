@@ -36,13 +36,8 @@ class AdaptiveInferenceMonitor(Callback):
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
     """
 
-    def __init__(
-        self,
-        epsilon: float | None = None,
-        stats: str | None = None,
-        per_layer: bool = True,
-        model_attribute: str | None = None,
-    ) -> None:
+    def __init__(self, epsilon: float | None = None, stats: str | None = None, per_layer: bool = True,
+                 model_attribute: str | None = None) -> None:
         if epsilon is not None and not 0.0 <= float(epsilon) <= 1.0:
             raise ValueError(f"epsilon must lie in [0, 1]; got {epsilon}.")
         self.epsilon = epsilon
@@ -56,11 +51,8 @@ class AdaptiveInferenceMonitor(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = find_hf_model(pl_module, self.model_attribute)
         if self.epsilon is not None:
-            if self.stats is not None:
-                if not isinstance(self.stats, MoEStats):
-                    self.stats = MoEStats.load(Path(self.stats))  # read once
-                source: Any = self.stats
-            else:
+            source: Any = self.stats
+            if source is None:
                 record = adaptive_info(model)
                 if not record:
                     raise ValueError(
@@ -68,27 +60,24 @@ class AdaptiveInferenceMonitor(Callback):
                         "or of the model it was pruned from) unless the model was saved with adaptive inference."
                     )
                 source = record["alphas"]
+            elif not isinstance(source, MoEStats):
+                source = self.stats = MoEStats.load(Path(source))  # read once
             enable_adaptive(model, source, float(self.epsilon))
             rank_zero_info(f"ompmoe: adaptive inference on (epsilon={float(self.epsilon):g})")
-        elif not is_adaptive(model) and not restore_adaptive(model):
-            if not self._warned:
-                rank_zero_warn(
-                    "AdaptiveInferenceMonitor: adaptive inference is off and the model carries no saved setting; "
-                    "pass `epsilon` (and `stats`) to switch it on. Nothing will be logged."
-                )
-                self._warned = True
+        elif not is_adaptive(model) and not restore_adaptive(model) and not self._warned:
+            rank_zero_warn(
+                "AdaptiveInferenceMonitor: adaptive inference is off and the model carries no saved setting; "
+                "pass `epsilon` (and `stats`) to switch it on. Nothing will be logged."
+            )
+            self._warned = True
 
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_start(trainer, pl_module)
+    on_test_start = on_validation_start
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reset_adaptive_counters(find_hf_model(pl_module, self.model_attribute))
 
-    @override
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_epoch_start(trainer, pl_module)
+    on_test_epoch_start = on_validation_epoch_start
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -6,6 +6,7 @@ The run itself (statistics, plan, ``auto``'s choice, pruning, held-out perplexit
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ from ompmoe.engine.collect import real_sample_count
 from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.ranks import RunContext
 from ompmoe.engine.strategy import Strategy
-from ompmoe.engine.run import MODEL_DIR, PLAN_FILE, PLOTS_DIR, STATS_FILE, PruningRun, RunOptions
+from ompmoe.engine.run import PruningRun, RunOptions
+from ompmoe.lightning.fabric import RunResults
 
-__all__ = ["ExpertPruning", "MissingModelError", "find_hf_model", "MODEL_DIR", "PLAN_FILE", "PLOTS_DIR", "STATS_FILE"]
+__all__ = ["ExpertPruning", "MissingModelError", "find_hf_model"]
 
 
 class MissingModelError(AttributeError, ValueError):
@@ -59,7 +61,7 @@ def trainer_context(trainer: pl.Trainer) -> RunContext:
                       rank_zero_info, rank_zero_warn, log_metrics)
 
 
-class ExpertPruning(Callback):
+class ExpertPruning(RunResults, Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
     Only training batches count (not sanity checks or validation), without padding tokens or the samples a
@@ -77,15 +79,6 @@ class ExpertPruning(Callback):
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        """The run's options and results (``strategy``, ``output_dir``, ``stats``, ``plan``, ``choice``, ...)."""
-        run = self.__dict__.get("pruning")
-        if run is not None and name in RunOptions.__dataclass_fields__ and name not in ("strategy", "statistics"):
-            return getattr(run.options, name)
-        if run is not None and not name.startswith("__"):
-            return getattr(run, name)
-        raise AttributeError(name)
 
     @property
     @override
@@ -105,8 +98,8 @@ class ExpertPruning(Callback):
                 "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
             )
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
-        inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None)) + local_inputs(self.pruning.options.tokenizer)
-        self.pruning.check_output(trainer_context(trainer), inputs)
+        inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None))
+        self.pruning.check_output(trainer_context(trainer), inputs + local_inputs(self.pruning.options.tokenizer))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -115,9 +108,9 @@ class ExpertPruning(Callback):
         describe = getattr(datamodule, "describe", None)
         tokenizers = (getattr(owner, name, None) for owner, name in (
             (pl_module, "tokenizer"), (pl_module, "tokenizer_name"), (datamodule, "tokenizer")))
-        collector = self.pruning.start(model, trainer_context(trainer), model_id=getattr(pl_module, "model_name_or_path",
-                                   None), sources=[describe()] if callable(describe) else None, data=datamodule,
-                                   tokenizers=tokenizers)
+        model_id = getattr(pl_module, "model_name_or_path", None)
+        collector = self.pruning.start(model, trainer_context(trainer), model_id=model_id, data=datamodule,
+                                       sources=[describe()] if callable(describe) else None, tokenizers=tokenizers)
         collector.to(pl_module.device)
         if self.pruning.needs_gradients and hasattr(pl_module, "needs_gradients"):
             pl_module.needs_gradients = True
@@ -155,12 +148,15 @@ class ExpertPruning(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.pruning.end_batch()
+        if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:  # then Lightning exits with status 1
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            print(self.pruning.interrupted_line(done, trainer.num_training_batches), file=sys.stderr)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
         self.pruning.finish(trainer_context(trainer),
-                        show_progress=None if trainer.progress_bar_callback is not None else False)
+                            show_progress=None if trainer.progress_bar_callback is not None else False)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -12,4 +12,9 @@ def eval_cli(args: list[str] | None = None) -> None:
     from .datamodule import LMEvalDataModule
     from .module import EvalModule
 
-    LightningCLI(EvalModule, LMEvalDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    from ompmoe.cli_options import OneLineErrors
+
+    class EvalCLI(OneLineErrors, LightningCLI):
+        """No abbreviated options; a mistyped one is one error line with the option meant."""
+
+    EvalCLI(EvalModule, LMEvalDataModule, save_config_kwargs={"overwrite": True}, args=args)

@@ -45,10 +45,6 @@ class RequestGroup:
         return self.suite.name
 
 
-def _already_built(*args: Any, **kwargs: Any) -> None:
-    """Stands in for ``Task.build_all_requests`` when scoring: the requests were built in ``setup``."""
-
-
 def _seed(random_seed: int | None, numpy_seed: int | None, torch_seed: int | None) -> None:
     """The seeds ``lm_eval.simple_evaluate`` sets before it loads tasks."""
     if random_seed is not None:
@@ -232,7 +228,8 @@ class LMEvalDataModule(pl.LightningDataModule):
                         tokenizer_name=encoder.tokenizer_name if chat else "",
                     )
                     plan.add(index, task.instances, encoder)
-                    task.build_all_requests = _already_built  # evaluate() must score these very instances
+                    # evaluate() must score these very instances, not build new ones
+                    task.build_all_requests = lambda *args, **kwargs: None
                 group.loaded, group.encoder = loaded, encoder
             self.data_sources = dict(access.used)
         self.plan = plan
@@ -260,8 +257,7 @@ class LMEvalDataModule(pl.LightningDataModule):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"include_path {path!r} does not exist.")
         local = TaskManager(include_path=paths, include_defaults=False, metadata=self.metadata or None)
-        wanted = [spec for spec in specs if not os.path.exists(spec)]
-        if all(spec in local.all_tasks for spec in wanted):
+        if all(os.path.exists(spec) or spec in local.all_tasks for spec in specs):
             return local
         return TaskManager(include_path=paths, include_defaults=True, metadata=self.metadata or None)
 
@@ -290,9 +286,8 @@ class LMEvalDataModule(pl.LightningDataModule):
         sha = hashlib.sha256()
         for item in self.plan.items:
             sha.update(repr(item).encode())
-        digest = sha.hexdigest()
         digests: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(digests, digest)
+        torch.distributed.all_gather_object(digests, sha.hexdigest())
         if len(set(digests)) > 1:
             raise RuntimeError(
                 "Ranks built different lm-eval requests (non-deterministic task loading?); every rank must see the "
@@ -301,25 +296,19 @@ class LMEvalDataModule(pl.LightningDataModule):
 
     def _sampler_kwargs(self) -> dict[str, int]:
         """Data-parallel replicas and this rank's index, as Lightning's DistributedSampler would get them."""
-        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
-        return {"num_replicas": int(kwargs["num_replicas"]), "rank": int(kwargs["rank"])} if kwargs else {
-            "num_replicas": 1, "rank": 0}
+        return getattr(self.trainer, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
 
     def val_dataloader(self) -> DataLoader:
         if self.batches is None:
             raise RuntimeError("LMEvalDataModule.setup() (or build()) must run before its dataloaders are used.")
-        sampler_kwargs = self._sampler_kwargs()
-        sampler = None
-        if sampler_kwargs["num_replicas"] > 1:
-            # Batch i goes to rank i % replicas, unshuffled; WorkPlan.batches padded each segment for that.
-            sampler = DistributedSampler(self.batches, shuffle=False, drop_last=False, **sampler_kwargs)
+        kwargs = self._sampler_kwargs()
+        # Batch i goes to rank i % replicas, unshuffled; WorkPlan.batches padded each segment for that.
+        sampler = DistributedSampler(self.batches, shuffle=False, **kwargs) if kwargs["num_replicas"] > 1 else None
         return DataLoader(self.batches, batch_size=None, shuffle=False, sampler=sampler,  # a list is a dataset
                           num_workers=self.num_workers)
 
     test_dataloader = val_dataloader
 
-    # Scoring and writing (ompmoe.eval.results) as methods: ``self`` is their ``data``.
+    # Scoring (ompmoe.eval.results) as methods: ``self`` is their ``data``.
     score = results.score
     evaluate_responses = results.evaluate_responses
-    flat_metrics = staticmethod(results.flat_metrics)
-    write = results.write

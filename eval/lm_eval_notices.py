@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import logging
 
-TASK_LOGGER = "lm_eval.api.task"
 METADATA_NOTICE = "Custom kwargs can be passed to `--metadata` in console"
 
 
-class DropMetadataNotice(logging.Filter):
-    """Drops lm-eval's ``--metadata`` notice about ``custom_dataset`` tasks."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return METADATA_NOTICE not in str(record.msg)
+def _not_the_metadata_notice(record: logging.LogRecord) -> bool:
+    return METADATA_NOTICE not in str(record.msg)
 
 
 def drop_metadata_notice() -> None:
-    """Install :class:`DropMetadataNotice` on lm-eval's task logger (once)."""
-    logger = logging.getLogger(TASK_LOGGER)
-    if not any(isinstance(f, DropMetadataNotice) for f in logger.filters):
-        logger.addFilter(DropMetadataNotice())
-
-
-__all__ = ["METADATA_NOTICE", "DropMetadataNotice", "drop_metadata_notice"]
+    """Install the filter on lm-eval's task logger (once)."""
+    logger = logging.getLogger("lm_eval.api.task")
+    if _not_the_metadata_notice not in logger.filters:
+        logger.addFilter(_not_the_metadata_notice)

@@ -2,13 +2,15 @@
 
 Forward-only: score batches get each continuation's float32 log-probability and greedy match,
 generate batches ``model.generate`` with lm-eval's stop sequences. Every batch is timed
-(:mod:`ompmoe.eval.cost`); at the epoch's end rank 0 scores all ranks' results and writes the JSON.
+(:mod:`ompmoe.eval.cost`); at the epoch's end a timing probe re-runs some batches, warmed up and repeated
+(:mod:`ompmoe.eval.timing`), then rank 0 scores all ranks' results and writes the JSON.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -19,10 +21,12 @@ from torch import nn
 
 from ..lightning.calibration_module import CalibrationModule
 from ..lightning.models import model_config
+from . import results as scoring
 from .comparability import weights_fingerprint
 from .cost import batch_item_costs, device_name
 from .labels import model_label
 from .requests import SCORE
+from .timing import inputs_fingerprint, probe_indices, timing_record
 
 __all__ = ["EvalModule"]
 
@@ -37,6 +41,10 @@ class EvalModule(CalibrationModule):
         trust_remote_code: Passed to ``from_pretrained``.
         label: Row label in reports (default: the model name with its recorded pruning plan).
         experts_implementation: transformers' experts implementation (``eager``, ``grouped_mm``, ...), recorded.
+        timing_repeats: Timed passes of the timing probe after the loop (the report's Speedup and its interval;
+            0: no probe, the speedup is then unrated).
+        timing_batches: Batches in the timing probe, evenly spaced over this rank's length-sorted batches.
+        timing_warmup: Untimed passes over the probe before the timed ones.
     """
 
     def __init__(
@@ -47,10 +55,20 @@ class EvalModule(CalibrationModule):
         trust_remote_code: bool = False,
         label: str | None = None,
         experts_implementation: str | None = None,
+        timing_repeats: int = 5,
+        timing_batches: int = 8,
+        timing_warmup: int = 1,
     ) -> None:
         super().__init__(model=model, dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+        for name, value in (("timing_repeats", timing_repeats), ("timing_batches", timing_batches),
+                            ("timing_warmup", timing_warmup)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}.")
         self.label = label
         self.experts_implementation = experts_implementation
+        self.timing_repeats, self.timing_batches, self.timing_warmup = timing_repeats, timing_batches, timing_warmup
+        self._probe: list[Mapping[str, Any]] = []  # this epoch's probe batches (already on the device)
+        self._probe_at: set[int] = set()
         self._costs: dict[int, tuple[float, float]] = {}
         self._loop_start = self._loop_cpu = 0.0
         self._tokenizer: Any = None
@@ -108,8 +126,7 @@ class EvalModule(CalibrationModule):
         if adaptive:
             info["adaptive"] = {key: adaptive[key] for key in ("epsilon", "zeta") if key in adaptive}
         # Identity of the base model, for honest comparisons (ompmoe report): pruning keeps the embeddings.
-        plan = (record or {}).get("plan") or {}
-        info["base_model"] = plan.get("model_id") if record else name
+        info["base_model"] = (record.get("plan") or {}).get("model_id") if record else name
         info["weights_fingerprint"] = weights_fingerprint(self.model) if self.model is not None else None
         try:
             info["dtype"] = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -120,7 +137,10 @@ class EvalModule(CalibrationModule):
         return info
 
     def on_validation_epoch_start(self) -> None:
-        self._results, self._costs = {}, {}
+        self._results, self._costs, self._probe = {}, {}, []
+        counts = (self.trainer.num_test_batches if self.trainer.testing else self.trainer.num_val_batches) or [0]
+        total = int(counts[0]) if math.isfinite(counts[0]) else 0
+        self._probe_at = set(probe_indices(total, self.timing_batches if self.timing_repeats else 0))
         self._loop_start, self._loop_cpu = time.perf_counter(), time.process_time()
 
     on_test_epoch_start = on_validation_epoch_start
@@ -131,6 +151,8 @@ class EvalModule(CalibrationModule):
         outputs = self.run_batch(batch)  # ends with a copy to the host: the device work is done
         self._results.update(outputs)
         self._costs.update(batch_item_costs(batch, outputs, time.perf_counter() - start))
+        if batch_idx in self._probe_at:
+            self._probe.append(batch)
 
     test_step = validation_step
 
@@ -144,9 +166,7 @@ class EvalModule(CalibrationModule):
     @torch.no_grad()
     def run_batch(self, batch: Mapping[str, Any]) -> dict[int, Any]:
         """``{item id: result}`` of one batch: ``(logprob, is_greedy)`` or the generated token ids."""
-        if batch["kind"] == SCORE:
-            return self._score(batch)
-        return self._generate(batch)
+        return self._score(batch) if batch["kind"] == SCORE else self._generate(batch)
 
     @functools.cached_property
     def _accepts_logits_to_keep(self) -> bool:
@@ -207,40 +227,87 @@ class EvalModule(CalibrationModule):
 
     def _finish(self, stage: str) -> None:
         datamodule = self._data()
-        strategy = self.trainer.strategy
         results, costs = self._results, self._costs
         seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
         distributed = (self.trainer.world_size > 1 and torch.distributed.is_available()
                        and torch.distributed.is_initialized())
+        probe = self._time_probe(distributed)
+        self._probe = []
         if distributed:
             gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds))
-            results = {key: value for part, _, _, _ in gathered for key, value in part.items()}
-            costs = {key: value for _, part, _, _ in gathered for key, value in part.items()}
+            torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds, probe))
+            results = {key: value for part, *_ in gathered for key, value in part.items()}
+            costs = {key: value for _, part, *_ in gathered for key, value in part.items()}
             seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
             cpu_seconds = sum(part[3] for part in gathered)
+            probes = [part[4] for part in gathered]
+        else:
+            probes = [probe]
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
                 run = {"seconds": seconds, "items": costs, "cpu_seconds": cpu_seconds,
                        "device": device_name(self.device), "threads": torch.get_num_threads(),
                        "ranks": self.trainer.world_size}
+                timing = _merge_probes(probes, self.timing_warmup)
+                if timing is not None:
+                    run["timing"] = timing
                 scored = datamodule.score(results, model_info={**self.model_info(), "stage": stage}, cost=run)
-                datamodule.write(scored)
+                scoring.write(datamodule, scored)
                 self.eval_results = scored
-                payload = datamodule.flat_metrics(scored)
+                payload = scoring.flat_metrics(scored)
             except Exception as error:  # let the other ranks fail too instead of waiting forever
                 payload = error
                 if not distributed:
                     raise
         if distributed:
-            payload = strategy.broadcast(payload, src=0)
+            payload = self.trainer.strategy.broadcast(payload, src=0)
         if isinstance(payload, Exception):
             raise RuntimeError(f"Scoring on rank 0 failed: {payload!r}") from payload
         self.eval_metrics = dict(payload)
         for name, value in self.eval_metrics.items():
             # Every rank logs rank 0's values; "max" of equal values keeps them exact (and Lightning quiet).
             self.log(name, value, sync_dist=distributed, reduce_fx="max")
+
+    def _time_probe(self, distributed: bool) -> dict[str, Any] | None:
+        """This rank's timing probe: the kept batches run ``timing_warmup`` times untimed, then
+        ``timing_repeats`` times timed (wall and process CPU time per pass); ``None`` without a probe."""
+        batches = self._probe
+        if not (self.timing_repeats and batches):
+            return None
+        tokens = 0
+        wall: list[float] = []
+        cpu: list[float] = []
+        # The probe must not move any random state the scoring or a later epoch sees (sampling tasks).
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for repeat in range(self.timing_warmup + self.timing_repeats):
+                if distributed:
+                    self.trainer.strategy.barrier()  # every rank starts each pass together
+                start, start_cpu = time.perf_counter(), time.process_time()
+                for batch in batches:
+                    outputs = self.run_batch(batch)  # ends with a copy to the host: the device work is done
+                    if repeat == 0:
+                        tokens += sum(count for _, count in batch_item_costs(batch, outputs, 0.0).values())
+                if repeat >= self.timing_warmup:
+                    wall.append(time.perf_counter() - start)
+                    cpu.append(time.process_time() - start_cpu)
+        return {"seconds": wall, "cpu_seconds": cpu, "batches": len(batches), "tokens": tokens,
+                "inputs": inputs_fingerprint(batches)}
+
+
+def _merge_probes(probes: list[dict[str, Any] | None], warmup: int) -> dict[str, Any] | None:
+    """All ranks' probes as one ``ompmoe.cost.timing`` record: per pass the slowest rank's wall time and the
+    ranks' summed CPU time (the ranks run at once, as in the loop); ``None`` without a probe."""
+    probes = [probe for probe in probes if probe is not None]
+    if not probes:
+        return None
+    repeats = min(len(probe["seconds"]) for probe in probes)
+    wall = [max(probe["seconds"][index] for probe in probes) for index in range(repeats)]
+    cpu = [sum(probe["cpu_seconds"][index] for probe in probes) for index in range(repeats)]
+    inputs = probes[0]["inputs"] if len(probes) == 1 else "+".join(probe["inputs"] for probe in probes)
+    return timing_record(wall, cpu, warmup=warmup, batches=sum(probe["batches"] for probe in probes),
+                         tokens=round(sum(probe["tokens"] for probe in probes)), inputs=inputs)
 
 
 def _has_tokenizer_files(directory: str) -> bool:

@@ -5,6 +5,8 @@ higher-is-better columns, its percentage of the baseline's ("retained"), and the
 time. The average covers only tasks every row scored and that tell the models apart (the notes name
 the rest); rows of another base model, tokenizer or task version are refused unless ``allow_mismatch``;
 small tasks are flagged as noisy; a malformed results file is refused with one error naming the key.
+Speedup comes from the repeated timing probe (:mod:`ompmoe.eval.timing`), printed with its interval, or
+``n.s.`` when the interval does not tell it apart from 1; files without repeated timing are marked unrated.
 ``ompmoe report a.json b.json [--output table.md]`` never replaces one of its inputs.
 """
 
@@ -19,11 +21,14 @@ from typing import Any
 
 from .comparability import NOISY_ITEMS, item_count, problems, stderr_of, unrecorded
 from .labels import model_label
+from .timing import MIN_REPEATS, TIMES, samples_of, speedup as timed_speedup
 
 MISSING = "–"
 MARK = "⚠"
 NOISY = "†"
 LEFT_OUT = "‡"
+UNRATED = "§"
+NOT_SIGNIFICANT = "n.s."
 
 
 class IncomparableResultsError(ValueError):
@@ -44,6 +49,9 @@ _SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
     (("ompmoe", "scores"), dict, True),
     (("ompmoe", "model"), dict, False),
     (("ompmoe", "cost"), dict, False),
+    (("ompmoe", "cost", "timing"), dict, False),
+    (("ompmoe", "cost", "timing", "seconds"), list, False),
+    (("ompmoe", "cost", "timing", "cpu_seconds"), list, False),
     (("config",), dict, False),
     (("versions",), dict, False),
     (("n-samples",), dict, False),
@@ -93,6 +101,12 @@ def check_results(data: Any, where: str) -> dict[str, Any]:
         count = entry.get("effective", entry.get("original"))
         if isinstance(count, bool) or not isinstance(count, int):
             raise ResultsFileError(f"{where}: 'n-samples.{task}.effective' must be an integer, got {count!r}. {_FIX}")
+    timing = (data["ompmoe"].get("cost") or {}).get("timing") or {}
+    for name in TIMES:
+        for index, value in enumerate(timing.get(name) or []):
+            if _number(value) is None or value < 0:
+                raise ResultsFileError(f"{where}: 'ompmoe.cost.timing.{name}[{index}]' must be a finite number of "
+                                       f"seconds >= 0, got {value!r}. {_FIX}")
     return data
 
 
@@ -213,9 +227,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
 
     def cell(summary: Mapping[str, Any], name: str) -> float | None:
         value = _number(summary["scores"].get(name))
-        if value is None:
-            return None
-        return 100 * value if percent(name) else value
+        return 100 * value if value is not None and percent(name) else value
 
     table = [[cell(summary, name) for name in columns] for summary in summaries]
     base = _baseline_index(summaries, names, baseline)
@@ -253,6 +265,8 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
 
     costs = [_number((summary.get("cost") or {}).get(COST_TIMES[cost_time])) for summary in summaries]
     with_cost = any(cost is not None for cost in costs)
+    speedups, unrated, not_significant, timed = _speedups(summaries, names, base, costs, COST_TIMES[cost_time],
+                                                           set(mismatched))
 
     def header_name(name: str) -> str:
         return name + (f" {NOISY}" if name in noisy else "") + (f" {LEFT_OUT}" if name in left_out else "")
@@ -264,27 +278,23 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
     any_stderr = False
     for index, (name, values, average) in enumerate(zip(names, table, averages)):
         retained = 100 * average / base_average if average is not None and base_average else None
-        speedup = costs[base] / costs[index] if costs[base] and costs[index] else None
+        speedup = speedups[index]
         if index in mismatched:
             name, retained, speedup = f"{name} {MARK}", None, None
         formatted = []
         for column_name, value in zip(columns, values):
-            if value is None:
-                formatted.append(MISSING)
-                continue
             column = columns[column_name]
             error = stderr_of(rows[index], column.get("source", column_name), column.get("metric", ""))
-            if error is not None:
+            if value is None or error is None:
+                formatted.append(MISSING if value is None else f"{value:.{digits}f}")
+            else:
                 any_stderr = True
                 error = 100 * error if percent(column_name) else error
                 formatted.append(f"{value:.{digits}f} ± {error:.{digits}f}")
-            else:
-                formatted.append(f"{value:.{digits}f}")
         formatted += [MISSING if average is None else f"{average:.{digits}f}",
                       MISSING if retained is None else f"{retained:.1f}"]
         if with_cost:
-            formatted += [MISSING if costs[index] is None else _seconds(costs[index]),
-                          MISSING if speedup is None else f"{speedup:.2f}×"]
+            formatted += [MISSING if costs[index] is None else _seconds(costs[index]), speedup or MISSING]
         lines.append("| " + " | ".join([_cell(name), *formatted]) + " |")
     lower = [name for name in columns if not percent(name)]
     notes = [
@@ -300,7 +310,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
                  "on " + "; ".join(f"{_cell(n)}: {s}" for n, s in measured))
         what = "wall time" if cost_time == "wall" else "process CPU time"
         notes.append(f"Cost: {what} of the evaluation loop (model work, without task loading and scoring) {where}")
-        notes.append(f"Speedup: {_cell(names[base])}'s Cost divided by the row's")
+        notes += _speedup_notes(summaries, names, base, unrated, not_significant, timed, cost_time)
     if any_stderr:
         notes.append("± is lm-eval's standard error")
     for column_name, count in noisy.items():
@@ -314,6 +324,77 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
         notes.append(f"Base model or tokenizer not recorded for {', '.join(map(_cell, missing))} "
                      "(older results files): their comparability was not checked")
     return "\n".join(lines) + "\n\n" + ". ".join(notes) + ".\n"
+
+
+def _speedups(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base: int, costs: Sequence[float | None],
+              time: str, mismatched: set[int]) -> tuple[list[str | None], dict[int, str], dict[int, str], bool]:
+    """Each row's Speedup cell (``None``: nothing to show), the unrated rows (why), the ``n.s.`` rows (their
+    speedup with its interval) and whether any row was timed, by :func:`ompmoe.eval.timing.speedup` on the
+    repeated timing of ``time``."""
+    timings = [(summary.get("cost") or {}).get("timing") or {} for summary in summaries]
+    samples = [samples_of(timing, time) for timing in timings]
+    cells: list[str | None] = []
+    unrated: dict[int, str] = {}
+    not_significant: dict[int, str] = {}
+    timed = False
+    for index, cost in enumerate(costs):
+        if index == base:
+            cells.append("1.00×" if cost is not None else None)
+            continue
+        if index in mismatched or (samples[index] is None and (cost is None or costs[base] is None)):
+            cells.append(None)
+            continue
+        inputs = (timings[base].get("inputs"), timings[index].get("inputs"))
+        if samples[base] is not None and samples[index] is not None and (None in inputs or inputs[0] == inputs[1]):
+            timed = True
+            found = timed_speedup(samples[base], samples[index])
+            if found.significant:
+                cells.append(str(found))
+            else:
+                cells.append(NOT_SIGNIFICANT)
+                not_significant[index] = str(found)
+            continue
+        if samples[index] is None:
+            unrated[index] = "no repeated timing recorded"
+        elif samples[base] is None:
+            unrated[index] = f"{_cell(names[base])} has no repeated timing"
+        else:
+            unrated[index] = f"its timing probe ran other inputs than {_cell(names[base])}'s"
+        cells.append(f"{costs[base] / cost:.2f}× {UNRATED}" if cost and costs[base] else UNRATED)
+    return cells, unrated, not_significant, timed
+
+
+def _speedup_notes(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base: int, unrated: Mapping[int, str],
+                   not_significant: Mapping[int, str], timed: bool, cost_time: str) -> list[str]:
+    """What the Speedup column means, and the footnotes of its ``n.s.`` and unrated cells."""
+    base_name = _cell(names[base])
+    notes = []
+    if timed:
+        timing = (summaries[base].get("cost") or {}).get("timing") or {}
+        warmup = timing.get("warmup")
+        probe = (f"{timing.get('batches')} batches, {timing.get('tokens')} tokens, run again after the loop: "
+                 f"{warmup} warm-up pass{'' if warmup == 1 else 'es'}, then {timing.get('repeats')} timed repeats")
+        what = "wall time" if cost_time == "wall" else "process CPU time"
+        notes.append(
+            f"Speedup: {base_name}'s median {what} over the repeats of its timing probe ({probe}) divided by the "
+            "row's, not the ratio of the Cost columns (one pass each, warm-up included); in parentheses the lowest "
+            f"and highest ratio of one {base_name} repeat to one row repeat")
+    elif not unrated:
+        notes.append(f"Speedup: {base_name}'s Cost divided by the row's")
+    if not_significant:
+        rows = "; ".join(f"{_cell(names[index])} {value}" for index, value in not_significant.items())
+        notes.append(f"{NOT_SIGNIFICANT}: speedup not told apart from 1.00× (its interval includes 1.00, or its "
+                     f"half-width is not smaller than its distance from 1): {rows}")
+    if unrated:
+        by_reason: dict[str, list[str]] = {}
+        for index, reason in unrated.items():
+            by_reason.setdefault(reason, []).append(_cell(names[index]))
+        reasons = "; ".join(f"{', '.join(rows)} ({reason})" for reason, rows in by_reason.items())
+        notes.append(
+            f"{UNRATED} Speedup unrated for {reasons}: {base_name}'s Cost divided by the row's, one run each, so its "
+            f"run-to-run spread is unknown. Results files written before the timing probe, or with fewer than "
+            f"{MIN_REPEATS} timed repeats, record no spread; evaluate again to rate it")
+    return notes
 
 
 def _baseline_index(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], baseline: int | str | None) -> int:
@@ -379,8 +460,9 @@ def report_cli(argv: list[str] | None = None) -> str:
 
     from ..cli_args import bare_flags
 
-    parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0])
-    parser.error = _usage_error  # type: ignore[method-assign]  # one line, not argparse's usage text
+    parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0],
+                                     allow_abbrev=False)  # --cost-tim is a typo, not --cost-time
+    parser.error = lambda message: _usage_error(message, parser)  # type: ignore[method-assign]  # one line
     parser.add_argument("results", nargs="+", help="result JSON files of ompmoe validate/test (LMEvalDataModule)")
     parser.add_argument("--output", help="also write the table to this Markdown file (refused if it exists)")
     parser.add_argument("--overwrite", type=_true_or_false, default=False, metavar="true|false",
@@ -396,14 +478,14 @@ def report_cli(argv: list[str] | None = None) -> str:
     parser.add_argument("--cost-time", choices=sorted(COST_TIMES), default="wall",
                         help="Cost column: wall time of the evaluation loop (default, the paper's) or its CPU time")
     args = parser.parse_args(bare_flags(list(sys.argv[1:] if argv is None else argv), ["overwrite"]))
-    return report(args.results, output=args.output, baseline=args.baseline, labels=args.labels,
-                  digits=args.digits, allow_mismatch=args.allow_mismatch, noisy_items=args.noisy_items,
-                  overwrite=args.overwrite, cost_time=args.cost_time)
+    return report(**vars(args))
 
 
-def _usage_error(message: str) -> None:
-    """argparse's usage error as one ``ValueError`` line, as ``ompmoe prune``/``plot`` answer theirs."""
-    raise ValueError(f"{' '.join(message.split())} (see ompmoe report --help)")
+def _usage_error(message: str, parser: argparse.ArgumentParser) -> None:
+    """argparse's usage error as one ``ValueError`` line naming the option meant, as every ``ompmoe`` command."""
+    from ompmoe.cli_options import parser_options, unknown_options_line
+
+    raise ValueError(unknown_options_line(message, parser_options(parser), "ompmoe report"))
 
 
 def _true_or_false(value: str) -> bool:

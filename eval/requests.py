@@ -255,28 +255,23 @@ class WorkPlan:
         loglikelihood = [inst for inst in instances if inst.request_type == LOGLIKELIHOOD]
         encoded = iter(encoder.loglikelihood(loglikelihood, disable_tqdm=True))  # encodings: _loglikelihood_tokens
         for instance in instances:
-            kind = instance.request_type
+            kind, tokens, until = instance.request_type, 0, None
             if kind == LOGLIKELIHOOD:
-                context, continuation = next(encoded)
-                items = [self._score_item(context, continuation, encoder.max_length)]
-                tokens = 0
+                items = [self._score_item(*next(encoded), encoder.max_length)]
             elif kind == ROLLING:
                 windows = encoder.encode_rolling(instance.args[0])
                 items = [self._score_item(context, prediction, encoder.max_length) for context, prediction in windows]
                 tokens = sum(len(prediction) for _, prediction in windows)
             elif kind == GENERATE_UNTIL:
-                context, gen_kwargs = instance.args[0], instance.args[1]
-                tokens_in, spec = encoder.encode_generation(context, gen_kwargs)
-                spec_key = json.dumps(spec, sort_keys=True, default=str)
+                tokens_in, spec = encoder.encode_generation(instance.args[0], instance.args[1])
+                key = (GENERATE, tuple(tokens_in), json.dumps(spec, sort_keys=True, default=str))
                 sampled = bool(spec["generate_kwargs"].get("do_sample"))
-                tokens = 0
+                until = list(spec["until"])
             else:
                 raise ValueError(f"Unsupported lm-eval request type {kind!r} (task {instance.task_name!r}).")
             for _ in range(max(1, int(instance.repeats or 1))):
-                until = None
                 if kind == GENERATE_UNTIL:
-                    items = [self._item((GENERATE, tuple(tokens_in), spec_key), dedupe=not sampled)]
-                    until = list(spec["until"])
+                    items = [self._item(key, dedupe=not sampled)]
                 self.requests.append(Request(group, instance, list(items), tokens, until))
 
     def batches(self, batch_size: int, max_batch_tokens: int | None = None, pad_token_id: int = 0,
@@ -372,13 +367,9 @@ def _score_batch(rows: list[tuple[tuple, list[tuple[int, tuple]]]], pad_token_id
 
 
 def _generate_batch(entries: list[tuple[int, tuple]], spec: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
-    width = max(len(tokens) for _, tokens in entries)
-    input_ids = torch.full((len(entries), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(entries), width), dtype=torch.long)
-    for row, (_, tokens) in enumerate(entries):
-        if tokens:
-            input_ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)  # left padding
-            attention_mask[row, width - len(tokens):] = 1
+    # Left padding: the right-padded reversed rows, reversed back.
+    input_ids = _right_padded([tokens[::-1] for _, tokens in entries], pad_token_id).flip(1)
+    attention_mask = _right_padded([[1] * len(tokens) for _, tokens in entries], 0).flip(1)
     return {
         "kind": GENERATE,
         "input_ids": input_ids,

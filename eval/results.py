@@ -7,6 +7,7 @@ and writes the results JSON.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -137,7 +138,7 @@ def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mappin
                 group_columns += headline_columns(name, _metrics_of(results, name),
                                                   results.get("higher_is_better", {}).get(name))
         scores = {column.name: _metrics_of(results, column.source).get(column.metric) for column in group_columns}
-        settings = {key: value for key, value in suite.settings().items() if key in SETTINGS}
+        settings = copy.deepcopy({key: getattr(suite, key) for key in SETTINGS})
         suites[suite.name] = {
             "scores": scores,
             "average": _average(group_columns, scores),
@@ -160,8 +161,7 @@ def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mappin
 def _chance_levels(data: LMEvalDataModule, results: Mapping[str, Any]) -> dict[str, float]:
     """Accuracy of guessing per multiple choice task (mean of 1 / choices) and group (size-weighted);
     the report leaves out tasks no model beats it on."""
-    chance: dict[str, float] = {}
-    sizes: dict[str, int] = {}
+    levels: dict[str, tuple[float, int]] = {}  # name -> (chance, items)
     for group in data.groups:
         for name, task in (group.loaded or {}).get("tasks", {}).items():
             if task.get_config("output_type") != "multiple_choice":
@@ -169,13 +169,12 @@ def _chance_levels(data: LMEvalDataModule, results: Mapping[str, Any]) -> dict[s
             docs = {instance.doc_id: instance.doc for instance in task.instances}
             choices = [len(task.doc_to_choice(doc)) for doc in docs.values()]
             if choices and all(choices):
-                chance[name] = sum(1 / count for count in choices) / len(choices)
-                sizes[name] = len(choices)
+                levels[name] = sum(1 / count for count in choices) / len(choices), len(choices)
     subtasks = results.get("group_subtasks") or {}
 
     def level(name: str) -> tuple[float, int] | None:
-        if name in chance:
-            return chance[name], sizes[name]
+        if name in levels:
+            return levels[name]
         parts = [level(task) for task in subtasks.get(name, [])]
         if not parts or any(part is None for part in parts):
             return None
@@ -185,8 +184,8 @@ def _chance_levels(data: LMEvalDataModule, results: Mapping[str, Any]) -> dict[s
     for name in subtasks:
         found = level(name)
         if found is not None:
-            chance[name] = found[0]
-    return chance
+            levels[name] = found
+    return {name: chance for name, (chance, _) in levels.items()}
 
 
 def _metrics_of(results: Mapping[str, Any], name: str) -> dict[str, Any]:

@@ -52,17 +52,6 @@ class Suite:
     description: str = ""
     extra: str | None = None  # pip extra of ompmoe the suite needs beyond ``eval``
 
-    def settings(self) -> dict[str, Any]:
-        return {
-            "tasks": list(self.tasks),
-            "num_fewshot": self.num_fewshot,
-            "apply_chat_template": self.apply_chat_template,
-            "fewshot_as_multiturn": self.fewshot_as_multiturn,
-            "chat_template_args": dict(self.chat_template_args),
-            "gen_kwargs": dict(self.gen_kwargs) if self.gen_kwargs else None,
-            "max_length": self.max_length,
-        }
-
 
 ZEROSHOT8_TASKS = ("arc_challenge", "arc_easy", "boolq", "hellaswag", "mmlu", "openbookqa", "rte", "winogrande")
 

@@ -37,7 +37,6 @@ def byte_tokenizer(chat_template: str | None = None, model_max_length: int | Non
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=SPECIAL_TOKENS[0],
@@ -45,9 +44,9 @@ def byte_tokenizer(chat_template: str | None = None, model_max_length: int | Non
         eos_token=SPECIAL_TOKENS[2],
         name_or_path=BYTES,
         split_special_tokens=True,  # text always encodes to its own bytes, "<s>" included
-        **kwargs,
+        model_max_length=model_max_length,  # None: transformers' "unset"
     )
-    if chat_template is not None:
+    if chat_template is not None:  # chat_template=None would be saved as "chat_template": null
         tokenizer.chat_template = chat_template
     return tokenizer
 

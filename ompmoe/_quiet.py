@@ -1,15 +1,19 @@
-"""Keep third-party messages a user of an ``ompmoe`` command cannot act on off their terminal.
+"""Keep third-party messages a user of ompmoe cannot act on off their terminal.
 
-Called first thing by the command-line entry points, never by the library API, whose callers own their logging.
-Warnings and ompmoe's own ``ompmoe: ...`` lines always stay; ompmoe's warnings print as one ``warning:`` line.
+:func:`quiet_third_party` is called first thing by the command-line entry points, never by the library API, whose
+callers own their logging. Warnings and ompmoe's own ``ompmoe: ...`` lines always stay; ompmoe's warnings print as one
+``warning:`` line. The library API instead wraps its own calls into transformers (model loads and saves) in
+:func:`quiet_calls`, which changes nothing outside them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 # torchao's ``Failed to load ..._C_*.so`` (kernels built for other Python or CUDA versions) and torch's
 # "register_constant() on Enum subclasses is deprecated" for torchao's enums, whenever transformers imports torchao.
@@ -62,4 +66,48 @@ def quiet_third_party() -> None:
     # release can act on it.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # peft (LoRA fine-tuning) reads a property transformers 5 deprecates; only a peft release can act on it.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING, category=FutureWarning)
+
+
+GRADIENT_CHECKPOINTING = "`is_gradient_checkpointing` is deprecated"
+"""transformers 5's FutureWarning when peft's ``get_peft_model`` reads the property (``PeftModel.__init__``)."""
+
+
+def _no_bar(factory: object, args: tuple, kwargs: dict) -> object:
+    """transformers' tqdm hook inside :func:`quiet_calls`: an empty bar."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.EmptyTqdm(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_calls() -> Iterator[None]:
+    """Around ompmoe's own calls into transformers (``from_pretrained``, ``save_pretrained``, building a tiny model):
+    no ``Loading weights`` / ``Writing model shards`` bars, and the lines the first import of transformers' modeling
+    code prints through torchao (``Failed to load ..._C_*.so``, torch's ``register_constant() on Enum subclasses``)
+    dropped. Everything is put back on exit, so the caller's own calls keep their bars and logging; the hub's download
+    bars are left alone. Nests; not meant for calls made from several threads at once."""
+    from transformers.utils import logging as hf_logging
+
+    added = []
+    for name in _DROPPED:
+        logger = logging.getLogger(name)
+        if _keep not in logger.filters:  # quiet_third_party() may have installed it for good
+            logger.addFilter(_keep)
+            added.append(logger)
+    hook = getattr(hf_logging, "set_tqdm_hook", None)
+    previous = getattr(hf_logging, "_tqdm_hook", None)
+    switch = hook is None and hf_logging.is_progress_bar_enabled()  # a transformers release without the hook
+    if hook is not None:  # transformers' own bars only (weights, shards), not the hub's downloads
+        hook(_no_bar)
+    elif switch:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook(previous)
+        elif switch:
+            hf_logging.enable_progress_bar()
+        for logger in added:
+            logger.removeFilter(_keep)

@@ -4,6 +4,7 @@ suites, plus re-planning, plots and reports from saved statistics and results.""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
@@ -16,8 +17,10 @@ from typing import Any
 from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths,
                        fail, list_option, user_errors)
 from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
+from .cli_options import PARSER_SETTINGS, OneLineErrors, unknown_options_line
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
+from .engine.input_kinds import check_input_kind
 from .engine.io import atomic_path, check_writable, local_inputs
 from .engine.progress import progress
 
@@ -109,6 +112,7 @@ def replan(
     from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
+    check_input_kind(stats, "statistics")
     fit_plan = Path(stats).parent / FIT_PLAN
     inputs = local_inputs(stats, fit_plan, model, tokenizer)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
@@ -199,6 +203,9 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     from .engine.statistics import MoEStats
     from .engine.export.plots import write_plots
 
+    check_input_kind(stats, "statistics")
+    if plan is not None:
+        check_input_kind(plan, "plan")
     inputs = local_inputs(stats, plan)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
@@ -247,7 +254,7 @@ def lightning_cli(args: list[str] | None = None) -> None:
         from .lightning.calibration_data import CalibrationDataModule
         from .lightning.calibration_module import CalibrationModule
 
-        class CalibrationCLI(LightningCLI):
+        class CalibrationCLI(OneLineErrors, LightningCLI):
             """``fit`` with the short pruning options every front door takes (``--ratio``, ``--output_dir``, ...)."""
 
             def add_arguments_to_parser(self, parser: Any) -> None:
@@ -305,7 +312,8 @@ def _one_line(message: str, command: str) -> str:
         given = message.rsplit("Given value:", 1)[-1] if "Given value:" in message else message.rsplit("value:", 1)[-1]
         return (f"ratio must be a number between 0 and 1 or a list of them, e.g. --ratio 0.5 or "
                 f"--ratio [0.25,0.5]; got {given.strip()}")
-    return f"{' '.join(message.split())} (see ompmoe {command} --help)"
+    options = [f"--{name}" for name in inspect.signature(COMMANDS[command]).parameters]
+    return unknown_options_line(message, options, f"ompmoe {command}")
 
 
 def command_cli(argv: list[str]) -> None:
@@ -317,7 +325,7 @@ def command_cli(argv: list[str]) -> None:
         command.__doc__ = with_registry_names(command.__doc__ or "")
     args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
     try:
-        auto_cli(command, args=args, prog=f"ompmoe {argv[0]}", exit_on_error=False)
+        auto_cli(command, args=args, prog=f"ompmoe {argv[0]}", **PARSER_SETTINGS)
     except ArgumentError as error:  # jsonargparse's multi-line message, as one line
         raise ValueError(_one_line(str(error), argv[0])) from None
 

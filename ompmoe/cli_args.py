@@ -146,11 +146,10 @@ def add_run_options(parser: Any, short_only: bool = False) -> None:
     if short_only:
         for name, owner in SHORT_OPTIONS.items():
             source = PruningStrategy if owner == "strategy" else RunOptions
-            field = source.__dataclass_fields__[name]
             annotation = {"ratio": float, "overwrite": bool}.get(name, str)
             parser.add_argument(f"--{name}", type=annotation | None, default=None,  # type: ignore[operator]
                                 help=f"{_field_help(source, name)} (replaces the ExpertPruning callback's "
-                                     f"{'strategy.' * (owner == 'strategy')}{field.name})")
+                                     f"{'strategy.' * (owner == 'strategy')}{name})")
         return
     parser.add_class_arguments(PruningStrategy, None)
     parser.add_class_arguments(RunOptions, None, skip=SCRIPT_SKIPS)
@@ -165,7 +164,7 @@ def _field_help(cls: type, name: str) -> str:
     return " ".join((docs.get(name) or "").split())
 
 
-def run_from_arguments(args: Any, owner: str, **changes: Any) -> Any:
+def run_from_arguments(args: Any, owner: str, tokenizer: Any = None) -> Any:
     """The :class:`~ompmoe.engine.run.PruningRun` the flat options of :func:`add_run_options` describe (validated)."""
     import dataclasses
 
@@ -174,18 +173,20 @@ def run_from_arguments(args: Any, owner: str, **changes: Any) -> Any:
 
     strategy = PruningStrategy(**{f.name: args[f.name] for f in dataclasses.fields(PruningStrategy)})
     options = {f.name: args[f.name] for f in dataclasses.fields(RunOptions) if f.name not in SCRIPT_SKIPS}
-    return PruningRun(RunOptions(strategy=strategy, dtype=args.save_dtype, **options, **changes), owner=owner)
+    return PruningRun(RunOptions(strategy=strategy, dtype=args.save_dtype, tokenizer=tokenizer, **options), owner=owner)
 
 
 def parse_or_raise(parser: Any, argv: Sequence[str], prog: str) -> Any:
     """``parser.parse_args`` with jsonargparse's multi-line usage errors as one ``ValueError`` line."""
     from argparse import ArgumentError
 
+    from .cli_options import parser_options, unknown_options_line
+
     try:
         return parser.parse_args(list(argv))
     except ArgumentError as error:
-        raise ValueError(f"{' '.join(str(error).split())} (see {prog} --help)") from None
+        raise ValueError(unknown_options_line(str(error), parser_options(parser), prog)) from None
 
 
-__all__ = ["CLASS_PATHS", "CommandError", "SHORT_OPTIONS", "fail", "add_run_options", "bare_flags", "class_paths", "list_option",
-           "parse_or_raise", "run_from_arguments", "user_errors"]
+__all__ = ["CLASS_PATHS", "CommandError", "SHORT_OPTIONS", "fail", "add_run_options", "bare_flags", "class_paths",
+           "list_option", "parse_or_raise", "run_from_arguments", "user_errors"]

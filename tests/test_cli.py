@@ -89,7 +89,7 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
     assert "These statistics were collected on a different model" in str(error.value)
     assert not (tmp_path / "p").exists()
     with pytest.raises(SystemExit) as error:
-        main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:llama"}))])
+        main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:llama"})), "--overwrite"])
     assert str(error.value) == (
         "error: No tiny config for 'llama'; available: ['deepseek_v2', 'deepseek_v3', 'glm4_moe', "
         "'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']."
@@ -109,3 +109,33 @@ def test_paper_configs_parse_with_the_papers_settings(name, capsys):
     assert (config["data"]["source"], config["data"]["seq_len"], config["data"]["num_blocks"]) == ("wikitext2", 4096, 64)
     assert config["trainer"]["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
     assert callback["init_args"]["extra_ratios"] == [0.25]
+
+
+def test_fit_refuses_an_existing_output_unless_overwrite_is_given(tmp_path, capsys):
+    """One overwrite rule: the demo config refuses to replace its output, as ``prune`` does; ``--overwrite`` replaces."""
+    assert yaml.safe_load((CONFIGS / "tiny.yaml").read_text())["trainer"]["callbacks"][0]["init_args"]["overwrite"] is False
+    config = tiny_config(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "plan.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(config), "--trainer.enable_progress_bar=false"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "pass --overwrite" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["plan.json"]  # nothing replaced or added
+
+
+def test_fit_names_a_folder_that_holds_no_model_before_any_work(tmp_path, capsys):
+    """Not the tokenizer library's error about sentencepiece: the folder is named, with the model inside it if any."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("calibration notes")
+    (tmp_path / "old" / "model").mkdir(parents=True)
+    (tmp_path / "old" / "model" / "config.json").write_text("{}")
+    for folder, expected in [("notes", f"error: {tmp_path / 'notes'} holds no model (no config.json)"),
+                             ("old", f"error: {tmp_path / 'old'} holds no model (no config.json); model/ does: "
+                                     f"pass {tmp_path / 'old' / 'model'} instead")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "-c", str(tiny_config(tmp_path)), "--model.model", str(tmp_path / folder)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [expected]
+        assert not (tmp_path / "run").exists()

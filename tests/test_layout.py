@@ -114,7 +114,7 @@ def test_no_import_cycles_between_modules():
 LAYERS = (
     ("ompmoe._lazy", "ompmoe._quiet", "ompmoe.engine"),
     ("ompmoe.data",),
-    ("ompmoe.cli_args",),
+    ("ompmoe.cli_args", "ompmoe.cli_options"),
     ("ompmoe.lightning", "ompmoe.callbacks"),
     ("ompmoe.eval",),
     ("ompmoe.recipes",),

@@ -57,7 +57,7 @@ def test_fit_refuses_an_output_dir_holding_its_model_or_data(earlier_run, tmp_pa
     before = names(earlier_run)
     config = tiny_config(tmp_path, "out", **{"model.model": model, "data.source": source, "data.tokenizer": "bytes"})
     with pytest.raises(SystemExit) as error:
-        main(["fit", "-c", str(config)])
+        main(["fit", "-c", str(config), "--overwrite"])  # even when asked to replace it
     assert str(error.value) == f"error: {contains('out', named)}"
     assert names(earlier_run) == before and ompmoe.load_pruned("out/model-0.25") is not None
 

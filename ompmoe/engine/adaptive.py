@@ -1,11 +1,24 @@
 """OMP-MoE+ (the paper's OMP-MoE dagger): energy-based adaptive expert skipping at inference (``docs/adaptive.md``).
 
-Hooks on each fused ``experts`` module run only the kept (token, expert) pairs through the model's own experts
-code; the settings live in ``config.ompmoe_adaptive``, so ``save_pretrained`` keeps them.
+Hooks on each fused ``experts`` module evaluate the rule per call. Two ways to skip the dropped (token, expert) pairs:
+
+- **masked** (``grouped_mm`` experts, the transformers default): the experts' own grouped computation runs with the
+  skipped slots sorted past the last group (so the grouped GEMMs never compute them) and their rows zeroed before the
+  per-token sum. Shapes are static and nothing is read back to the host: no synchronization, CUDA-graph friendly.
+- **compact** (every implementation: ``eager``, ``batched_mm``, custom modules): the kept pairs are gathered into a
+  flattened ``(pairs, 1)`` routing for the model's own experts code and added back per token; one host read (the
+  number of kept pairs) per call, which on a GPU waits for the device.
+
+``path="auto"`` (the default) takes ``masked`` for ``grouped_mm`` experts on an accelerator and ``compact`` elsewhere,
+decided per call from the tensors' device: on CPU the host read costs nothing and the compaction also spares the
+skipped rows' gathers and elementwise work, so ``compact`` is faster there (``docs/adaptive.md``).
+
+The settings live in ``config.ompmoe_adaptive``, so ``save_pretrained`` keeps them.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +29,7 @@ from torch import nn
 
 from .adapters import ARCHITECTURES, MoELayer, find_moe_layers
 from .record import pruning_info
+from . import replay as _replay
 from .statistics import MoEStats
 
 CONFIG_KEY = "ompmoe_adaptive"
@@ -45,6 +59,12 @@ def adaptive_keep_mask(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, a
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
 
+MASKED = "masked"
+COMPACT = "compact"
+AUTO_PATH = "auto"
+PATHS = (AUTO_PATH, MASKED, COMPACT)
+
+
 @dataclass
 class _AdaptiveState:
     """Attached to one ``experts`` module (as ``_ompmoe_adaptive``) while adaptive inference is on."""
@@ -54,9 +74,13 @@ class _AdaptiveState:
     epsilon: float
     zeta: float
     top_k: int
+    path: str = AUTO_PATH  # as asked: AUTO_PATH, MASKED or COMPACT (see the module docstring)
+    masked_ok: bool = False  # grouped_mm experts whose computation masked_grouped_mm mirrors
     histogram: torch.Tensor | None = None  # (K + 1,) int64 on the layer's device: tokens per kept count
     handles: list[Any] = field(default_factory=list)
-    pending: tuple[torch.Tensor, int, torch.dtype] | None = None
+    pending: tuple[torch.Tensor, int, torch.dtype] | None = None  # compact path: hook -> post-hook
+    keep: torch.Tensor | None = None  # masked path: pre-hook -> masked forward
+    forward: Any = None  # masked path: the bound forward installed on the experts module
     _device_alphas: torch.Tensor | None = None
 
     def alphas_on(self, device: torch.device) -> torch.Tensor:
@@ -66,14 +90,26 @@ class _AdaptiveState:
         return self._device_alphas
 
     def record(self, kept_per_token: torch.Tensor) -> None:
+        """Add one call's kept counts to the histogram on the layer's device, in place (no host read, so also inside
+        a captured CUDA graph); the host reads it only when a report asks."""
+        device = kept_per_token.device
+        if self.histogram is None or self.histogram.device != device:
+            previous = self.histogram
+            self.histogram = torch.zeros(self.top_k + 1, dtype=torch.long, device=device)
+            if previous is not None:
+                self.histogram += previous.to(device)
         # scatter_add_ rather than bincount, which reads the maximum back to the host (a GPU sync).
-        counts = torch.zeros(self.top_k + 1, dtype=torch.long, device=kept_per_token.device)
-        counts.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
-        self.histogram = counts if self.histogram is None else self.histogram.to(counts.device) + counts
+        self.histogram.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
+
+    def path_on(self, device: torch.device) -> str:
+        """The path a call on ``device`` takes."""
+        if not self.masked_ok or self.path == COMPACT:
+            return COMPACT
+        return MASKED if self.path == MASKED or device.type != "cpu" else COMPACT
 
     def counts(self) -> torch.Tensor:
         """The kept-experts histogram since the last reset (``histogram = None``; zeros before the first call)."""
-        return self.histogram if self.histogram is not None else torch.zeros(self.top_k + 1, dtype=torch.long)
+        return self.histogram.clone() if self.histogram is not None else torch.zeros(self.top_k + 1, dtype=torch.long)
 
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,9 +127,82 @@ def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, 
     return values[0], values[1], values[2]
 
 
+def masked_path_supported(experts: nn.Module) -> bool:
+    """Whether ``experts`` runs transformers' ``grouped_mm`` computation that :func:`masked_grouped_mm` mirrors (no
+    expert parallelism, the transformers helpers importable); other modules use the compact path."""
+    return _replay.replayable(experts) is not None
+
+
+def masked_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The ``grouped_mm`` experts output with only the ``keep`` slots (a ``(tokens, K)`` bool mask) contributing.
+
+    Mirrors ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step, except that skipped slots get
+    the expert id ``num_experts``: the sort puts them after every real group, ``histc`` leaves them out of the group
+    sizes, so the grouped GEMMs never compute their rows, and those rows (left uninitialized by the kernel) are zeroed
+    before the per-token sum. Every shape is static and nothing is read back to the host. With nothing skipped it is
+    the native computation, op for op.
+    """
+    device = hidden_states.device
+    num_tokens, num_top_k = top_k_index.shape
+    hidden_dim = hidden_states.size(-1)
+    num_experts = experts.num_experts
+    expert_ids = top_k_index.reshape(-1).masked_fill(~keep.reshape(-1), num_experts)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    selected = hidden_states[perm // num_top_k]
+    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
+    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    skipped_g = (expert_ids_g == num_experts).unsqueeze(-1)
+    bias_ids = expert_ids_g.clamp(max=num_experts - 1) if experts.has_bias else None
+    if experts.has_gate:
+        weight, bias = experts.gate_up_proj, experts.gate_up_proj_bias if experts.has_bias else None
+    else:
+        weight, bias = experts.up_proj, experts.up_proj_bias if experts.has_bias else None
+    bias = None if bias is None else bias[bias_ids]
+    projected = _replay._grouped_linear(selected, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
+    del selected
+    projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
+    down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
+    projected = _replay._grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
+                                        is_transposed=experts.is_transposed)
+    if getattr(experts, "has_post_expert_norm", False):
+        projected = experts.post_expert_norm(projected)
+    weighted = projected * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    del projected
+    weighted.masked_fill_(skipped_g, 0.0)  # the skipped rows hold whatever the kernel left there (NaN included)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=device)
+    weighted = weighted[inverse]
+    return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def _masked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Installed as the ``forward`` of a ``grouped_mm`` experts module: the masked computation when the pre-hook left
+    a keep mask, else the module's own forward (hooks paused, ``epsilon = 0``, or nothing to skip)."""
+    state: _AdaptiveState | None = getattr(self, STATE_ATTR, None)
+    keep = None if state is None else state.keep
+    if keep is None:
+        return type(self).forward(self, *args, **kwargs)
+    state.keep = None
+    hidden, index, weights = _split_args(args, kwargs)
+    return masked_grouped_mm(self, hidden, index, weights, keep)
+
+
+def _install_masked_forward(module: nn.Module, state: _AdaptiveState) -> bool:
+    """Put the masked forward on ``module`` unless something else already replaced its forward; whether it is there."""
+    current = module.__dict__.get("forward")
+    if current is None:
+        state.forward = types.MethodType(_masked_forward, module)
+        module.forward = state.forward
+        return True
+    return current is state.forward
+
+
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _AdaptiveState = getattr(module, STATE_ATTR)
     state.pending = None
+    state.keep = None
     hidden, index, weights = _split_args(args, kwargs)
     if state.alphas.numel() != module.num_experts:
         raise RuntimeError(
@@ -106,6 +215,13 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
         return None
     keep = adaptive_keep_mask(index, weights, state.alphas_on(index.device), state.epsilon, state.zeta)
     state.record(keep.sum(dim=1))
+    if state.path_on(index.device) == MASKED:
+        if state.forward is not None and module.__dict__.get("forward") is state.forward:
+            state.keep = keep  # the masked forward runs this call: no host read
+            return None
+        # Someone replaced the forward (an instrumenting context, or it was deleted): this call takes the compact
+        # path; the masked forward comes back for the next call if nothing else holds the slot.
+        _install_masked_forward(module, state)
     pairs = keep.reshape(-1).nonzero().squeeze(1)  # token-major, slots ascending; the one host sync
     if pairs.numel() == keep.numel():
         return None  # nothing skipped: the native call, bit for bit
@@ -121,6 +237,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
     state: _AdaptiveState = getattr(module, STATE_ATTR)
+    state.keep = None  # unused if the forward was not the masked one
     if state.pending is None:
         return None
     token_ids, num_tokens, dtype = state.pending
@@ -190,21 +307,32 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
 
 
 def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, Any], epsilon: float = 0.1, *,
-                    zeta: float = ZETA) -> nn.Module:
+                    zeta: float = ZETA, path: str = AUTO_PATH) -> nn.Module:
     """Switch on OMP-MoE+ in every MoE layer of ``model`` (in place; again: new settings, counters reset), with alphas
     from :class:`ompmoe.MoEStats` or a dict ``{layer name: alphas}`` (:func:`resolve_alphas`); ``epsilon`` in
-    ``[0, 1]`` is the relative energy a token may drop (0 keeps every expert), ``zeta`` the rule's stabiliser."""
+    ``[0, 1]`` is the relative energy a token may drop (0 keeps every expert), ``zeta`` the rule's stabiliser.
+    ``path`` picks how skipped pairs are skipped: ``auto`` (``masked`` for ``grouped_mm`` experts on an accelerator,
+    ``compact`` on CPU, per call), ``masked`` (wherever the experts are ``grouped_mm``: :func:`masked_path_supported`)
+    or ``compact``; all compute the same rule and the same output up to rounding."""
     epsilon = float(epsilon)
     if not 0.0 <= epsilon <= 1.0:  # NaN too
         raise ValueError(f"epsilon must lie in [0, 1]; got {epsilon}.")
     if not zeta > 0:
         raise ValueError(f"zeta must be positive; got {zeta}.")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}; got {path!r}.")
     layers = find_moe_layers(model)
     alphas = resolve_alphas(model, stats_or_alphas, layers)
     disable_adaptive(model)
     for layer in layers:
-        state = _AdaptiveState(layer.name, alphas[layer.name], epsilon, float(zeta), layer.top_k)
+        state = _AdaptiveState(layer.name, alphas[layer.name], epsilon, float(zeta), layer.top_k, path=path,
+                               masked_ok=masked_path_supported(layer.experts))
         setattr(layer.experts, STATE_ATTR, state)
+        weight = next(layer.experts.parameters(), None)
+        if weight is not None:  # now, so that no call copies them to the device (a host sync on a GPU)
+            state.alphas_on(weight.device)
+        if state.masked_ok and path != COMPACT and not _install_masked_forward(layer.experts, state):
+            state.masked_ok = False  # its forward is already replaced by something else: compact
         state.handles = [
             layer.experts.register_forward_pre_hook(_pre_hook, with_kwargs=True),
             layer.experts.register_forward_hook(_post_hook, with_kwargs=True),
@@ -225,8 +353,11 @@ def _states(model: nn.Module) -> list[_AdaptiveState]:
 def disable_adaptive(model: nn.Module) -> nn.Module:
     """Remove adaptive inference (hooks, counters and ``config.ompmoe_adaptive``); plain model again."""
     for module in _adaptive_modules(model):
-        for handle in getattr(module, STATE_ATTR).handles:
+        state = getattr(module, STATE_ATTR)
+        for handle in state.handles:
             handle.remove()
+        if state.forward is not None and module.__dict__.get("forward") is state.forward:
+            del module.forward  # the class forward (and its implementation dispatch) is back
         delattr(module, STATE_ATTR)
     if hasattr(getattr(model, "config", None), CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
@@ -316,13 +447,25 @@ def reset_adaptive_counters(model: nn.Module) -> None:
         state.histogram = None
 
 
+def adaptive_paths(model: nn.Module) -> dict[str, str]:
+    """Per MoE layer, the skipping path its calls take where its experts' weights now are (``masked`` or
+    ``compact``)."""
+    paths = {}
+    for module in _adaptive_modules(model):
+        state = getattr(module, STATE_ATTR)
+        weight = next(module.parameters(), None)
+        paths[state.name] = state.path_on(weight.device if weight is not None else torch.device("cpu"))
+    return paths
+
+
 def adaptive_histograms(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     """Raw per-layer ``(histogram, top_k)``, for summing over distributed ranks before reporting."""
     return {state.name: (state.counts(), state.top_k) for state in _states(model)}
 
 
 __all__ = [
-    "CONFIG_KEY", "ZETA", "adaptive_histograms", "adaptive_info", "adaptive_keep_mask", "adaptive_report",
-    "adaptive_summary", "adaptive_totals", "disable_adaptive", "enable_adaptive", "is_adaptive", "layer_counts",
-    "reset_adaptive_counters", "resolve_alphas", "restore_adaptive",
+    "CONFIG_KEY", "ZETA", "adaptive_histograms", "adaptive_info", "adaptive_keep_mask", "adaptive_paths",
+    "adaptive_report", "adaptive_summary", "adaptive_totals", "disable_adaptive", "enable_adaptive",
+    "is_adaptive", "layer_counts", "masked_grouped_mm", "masked_path_supported", "reset_adaptive_counters",
+    "resolve_alphas", "restore_adaptive",
 ]

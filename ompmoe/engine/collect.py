@@ -442,6 +442,9 @@ class StatisticsCollector:
         layers, num_tokens = self.metric.compute()
         for ext in self.extensions.values():
             layers = ext.fill(layers)
+        # Planning runs on the CPU whatever device collected (the sums are small; a GPU pass left them on cuda).
+        layers = [LayerStats.from_tensors(layer.name, layer.routing, {key: value.cpu() for key, value in
+                                                                      layer.tensors().items()}) for layer in layers]
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
         return MoEStats(

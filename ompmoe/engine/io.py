@@ -16,11 +16,13 @@ import fcntl
 import json
 import os
 import re
+import resource
 import secrets
 import shutil
 import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +72,6 @@ def _identity() -> dict[str, str]:
     return {"host": _host(), "boot_id": boot_id, "pid_namespace": pid_namespace, "pid": str(os.getpid())}
 
 
-def _dead(identity: dict[str, str]) -> bool:
-    """Whether the process a lock file names is known dead: same host, boot and PID namespace, and no such pid."""
-    mine = _identity()
-    if any(identity.get(key) != mine[key] for key in ("host", "boot_id", "pid_namespace")):
-        return False
-    try:
-        os.kill(int(identity["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, KeyError):
-        return False
-    return False
-
-
 def _read_identity(fd: int) -> dict[str, str]:
     """The identity JSON a lock file holds (``{}`` when unreadable or not yet written)."""
     with suppress(OSError, ValueError):
@@ -93,11 +81,12 @@ def _read_identity(fd: int) -> dict[str, str]:
     return {}
 
 
-def _alive(identity: dict[str, str]) -> bool:
-    """Whether the process a lock file names is known alive: same host, boot and PID namespace, and its pid exists."""
+def _pid_alive(identity: dict[str, str]) -> bool | None:
+    """Whether the process a lock file names is alive; None when that cannot be told here: no pid, or another host,
+    boot or PID namespace (where the same pid names another process)."""
     mine = _identity()
-    if not identity or any(identity.get(key) != mine[key] for key in ("host", "boot_id", "pid_namespace")):
-        return False
+    if any(identity.get(key) != mine[key] for key in ("host", "boot_id", "pid_namespace")):
+        return None
     try:
         os.kill(int(identity["pid"]), 0)
     except ProcessLookupError:
@@ -105,11 +94,11 @@ def _alive(identity: dict[str, str]) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     except (OSError, ValueError, KeyError):
-        return False
+        return None
     return True
 
 
-def _claim(lock: Path, live: list[dict[str, str]] | None = None) -> int | None:
+def _claim(lock: Path, live: list[dict[str, str]]) -> int | None:
     """An open descriptor holding the lock of a dead run, or None while its run may be alive (or cannot be told).
     A run known to be alive (its ``flock`` held; without ``flock``, its identity) is appended to ``live``."""
     try:
@@ -120,14 +109,13 @@ def _claim(lock: Path, live: list[dict[str, str]] | None = None) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd  # the kernel released its owner's lock: that process is gone
     except BlockingIOError:  # held by a live process
-        if live is not None:
-            live.append(_read_identity(fd))
+        live.append(_read_identity(fd))
     except OSError:  # no flock here: the identity written in the file decides
         identity = _read_identity(fd)
-        with suppress(ValueError, TypeError, AttributeError):
-            if _dead(identity):
-                return fd
-        if live is not None and _alive(identity):
+        alive = _pid_alive(identity)
+        if alive is False:
+            return fd
+        if alive:
             live.append(identity)
     os.close(fd)
     return None
@@ -168,14 +156,11 @@ def _step(name: str) -> None:
     """No-op between the steps of a commit; tests replace it to kill the process at a chosen point."""
 
 
-def clean_leftovers(path: str | os.PathLike) -> list[Path]:
+def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None = None) -> list[Path]:
     """Remove temporaries of dead ompmoe runs for ``path``; restore an aside copy if ``path`` itself is missing.
-    Returns the removed or restored entries (lock files not listed)."""
-    return _sweep(Path(path), [])
-
-
-def _sweep(path: Path, live: list[dict[str, str]]) -> list[Path]:
-    """:func:`clean_leftovers`, also appending to ``live`` the identity of each live run writing ``path`` now."""
+    Returns the removed or restored entries (lock files not listed); appends to ``live`` the identity of each live
+    run writing ``path`` now."""
+    path, live = Path(path), [] if live is None else live
     if not path.parent.is_dir():
         return []
     pattern = re.compile(
@@ -190,19 +175,18 @@ def _sweep(path: Path, live: list[dict[str, str]]) -> list[Path]:
         fd = _claim(entries["lock"], live) if "lock" in entries else None
         if fd is None:
             continue
-        try:  # other ranks of the same job may clean concurrently: losing that race is fine
-            for kind in ("old", "tmp"):
-                entry = entries.get(kind)
-                if entry is None or not os.path.lexists(entry):
-                    continue
-                if kind == "old" and not os.path.lexists(path):
-                    os.rename(entry, path)  # killed between "old -> aside" and "new -> target": bring the old one back
-                else:
-                    _remove(entry)
-                handled.append(entry)
-            entries["lock"].unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
+        try:
+            with suppress(FileNotFoundError):  # other ranks of the same job may clean concurrently: losing is fine
+                for kind in ("old", "tmp"):
+                    entry = entries.get(kind)
+                    if entry is None or not os.path.lexists(entry):
+                        continue
+                    if kind == "old" and not os.path.lexists(path):
+                        os.rename(entry, path)  # killed between "old -> aside" and "new -> target": restore the old
+                    else:
+                        _remove(entry)
+                    handled.append(entry)
+                entries["lock"].unlink(missing_ok=True)
         finally:
             os.close(fd)
     return sorted(handled)
@@ -276,7 +260,7 @@ def check_writable(
     path = _normalised(Path(path))
     _check_name_lengths(path)
     live: list[dict[str, str]] = []
-    _sweep(path, live)
+    clean_leftovers(path, live)
     if live:
         raise OutputInUseError(errno.EBUSY, _in_use_message(path, live[0]))
     if os.path.lexists(path):
@@ -345,14 +329,11 @@ def local_inputs(*values: Any) -> list[str]:
     return found
 
 
-INPUT_ATTRIBUTES = ("model_name_or_path", "tokenizer_name", "tokenizer", "source", "data_files", "val_sources")
-"""Attributes :func:`inputs_of` reads: those of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
-
-
 def inputs_of(*owners: Any) -> list[str]:
-    """Local paths a LightningModule / data module reads (model, tokenizer, data files, validation sources)."""
-    return local_inputs(*(getattr(owner, name, None)
-                          for owner in owners if owner is not None for name in INPUT_ATTRIBUTES))
+    """Local paths a LightningModule / data module reads (model, tokenizer, data files, validation sources): the
+    attributes of ``CalibrationModule``, ``FinetuneModule`` and their data modules."""
+    names = ("model_name_or_path", "tokenizer_name", "tokenizer", "source", "data_files", "val_sources")
+    return local_inputs(*(getattr(owner, name, None) for owner in owners if owner is not None for name in names))
 
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
@@ -456,11 +437,9 @@ def atomic_path(
         if lock is not None:
             lock.release()  # before the directories it lives in are removed
             lock = None
-        for made in reversed(created):
-            try:
+        with suppress(OSError):
+            for made in reversed(created):
                 made.rmdir()
-            except OSError:
-                break
         if failure is not None:
             raise failure from error
         raise
@@ -481,7 +460,7 @@ _BUGS = (TypeError, AttributeError, NameError, LookupError, AssertionError, Arit
          RecursionError, ImportError, SyntaxError)
 """Exceptions that show a bug, never converted: their traceback must stay visible."""
 
-_ERRNO_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+_ERRNO_TEXT = re.compile(r"(?:\(os error |\[Errno )(\d+)[)\]]")
 """How other libraries quote the operating system's error: Rust's io::Error (safetensors, tokenizers) and Python's."""
 
 
@@ -490,102 +469,76 @@ def _errno_of(error: BaseException) -> int | None:
     quoting one, directly or as its cause), or None: anything else, and every bug, is left as it is."""
     seen: set[int] = set()
     current: BaseException | None = error
-    while current is not None and id(current) not in seen and isinstance(current, Exception):
+    while isinstance(current, Exception) and not isinstance(current, _BUGS) and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, _BUGS):
-            return None
         if isinstance(current, OSError):
-            if current.errno in _WRITE_ERRNOS:
-                return current.errno
-        elif not isinstance(current, ValueError):  # a user error's text may quote anything; its cause still counts
-            for match in _ERRNO_TEXT.finditer(str(current)):
-                code = int(match[1] or match[2])
-                if code in _WRITE_ERRNOS:
-                    return code
+            codes = [current.errno]
+        else:  # a user error's (ValueError's) text may quote anything; its cause still counts
+            codes = [] if isinstance(current, ValueError) else [int(c) for c in _ERRNO_TEXT.findall(str(current))]
+        for code in codes:
+            if code in _WRITE_ERRNOS:
+                return code
         current = current.__cause__ or current.__context__
     return None
-
-
-def _file_size_limit() -> int | None:
-    """This process's RLIMIT_FSIZE in bytes, or None when unlimited."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    except (ImportError, OSError, ValueError, AttributeError):
-        return None
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _being_written(error: BaseException, tmp: Path | None) -> str:
     """The file the failed write was at, relative to the output (``model/config.json``), or ``""`` when not known
     (libraries may delete their partial file): a nested output's, else the ``OSError``'s file name."""
-    if isinstance(error, OutputNotWritableError) and getattr(error, "output", None) is not None:
-        inner = Path(error.output)
-        if tmp is not None and inner.is_relative_to(tmp):
-            return str(Path(inner.relative_to(tmp), error.file or ""))  # type: ignore[attr-defined]
-        return error.file or ""  # type: ignore[attr-defined]
-    named = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    nested = getattr(error, "output", None) if isinstance(error, OutputNotWritableError) else None
+    named = nested or (error.filename if isinstance(error, OSError) else None)
     if not isinstance(named, (str, bytes, os.PathLike)) or not named:
         return ""
-    candidate = Path(os.fsdecode(named))
+    candidate, inner = Path(os.fsdecode(named)), error.file if nested else ""  # type: ignore[attr-defined]
     if tmp is not None and candidate.is_relative_to(tmp):
-        relative = candidate.relative_to(tmp)
+        relative = Path(candidate.relative_to(tmp), inner)
         return "" if relative == Path(".") else str(relative)
-    return "" if candidate == tmp else str(candidate)
+    return inner if nested else str(candidate)
 
 
 def _write_failure(error: BaseException, path: Path, tmp: Path | None, existed: bool
                    ) -> OutputNotWritableError | None:
-    """``error`` as one :class:`OutputNotWritableError` naming ``path`` and the cause, if it is a write that failed
-    for want of space, quota, file size or a writable file system; None for anything else (bugs included)."""
+    """``error`` as one :class:`OutputNotWritableError` naming ``path`` and the cause, or None (:func:`_errno_of`)."""
     code = _errno_of(error)
     if code is None:
         return None
-    file = _being_written(error, tmp)
     reason, fix = os.strerror(code), _WRITE_ERRNOS[code]
     if code == errno.EFBIG:
-        limit = _file_size_limit()
-        if limit is not None:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
             reason += f" (this process may write files of at most {_size(limit)}: ulimit -f)"
         else:
             reason += " (larger than this file system allows)"
             fix = "Choose another output path, on a file system that allows larger files."
+    file = _being_written(error, tmp)
     if file:
         reason += f" while writing {file}"
-    package = type(error).__module__.split(".")[0]
-    library = type(error).__name__ if package == "builtins" else f"{package}.{type(error).__name__}"
-    if isinstance(error, OutputNotWritableError):  # a nested output's: what it said about the library
-        detail = getattr(error, "detail", "")
-    else:  # the library that was writing: safetensors (the weights), tokenizers, ...
-        detail = "" if isinstance(error, OSError) else f" (reported by {library})"
+    detail = getattr(error, "detail", "") if isinstance(error, OutputNotWritableError) else ""  # a nested output's
+    if not isinstance(error, OSError):  # the library that was writing: safetensors (the weights), tokenizers, ...
+        package = type(error).__module__.split(".")[0]
+        detail = f" (reported by {'' if package == 'builtins' else package + '.'}{type(error).__name__})"
     kept = "the previous output is unchanged" if existed else "nothing was written there"
     failure = OutputNotWritableError(code, f"cannot write {path}: {reason}{detail}; {kept}. {fix}")
     failure.output, failure.file, failure.detail = str(path), file, detail  # type: ignore[attr-defined]
     return failure
 
 
-def _size(count: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:g} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
-        count /= 1024  # type: ignore[assignment]
-    return str(count)
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:.3g} GiB"
 
 
 def _make_parents(directory: Path) -> list[Path]:
     """Create ``directory`` and its missing ancestors; return those this call created, outermost first."""
-    missing = []
-    while not os.path.isdir(directory) and directory != directory.parent:
-        missing.append(directory)
-        directory = directory.parent
+    missing = takewhile(lambda ancestor: not os.path.isdir(ancestor), [directory, *directory.parents])
     created = []
-    for made in reversed(missing):
-        try:
+    for made in reversed(list(missing)):
+        with suppress(FileExistsError):  # made meanwhile by another rank: not ours to remove
             made.mkdir()
-        except FileExistsError:
-            continue  # made meanwhile by another rank: not ours to remove
-        created.append(made)
+            created.append(made)
     return created
 
 
@@ -597,13 +550,10 @@ def _default_permissions(path: Path, directory: bool) -> None:
     os.umask(umask)
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)
     for root, folders, files in os.walk(path) if directory else ():
-        for name in folders:
-            os.chmod(os.path.join(root, name), 0o777 & ~umask, follow_symlinks=False)
-        for name in files:
-            file = os.path.join(root, name)
-            if not os.path.islink(file):
-                executable = os.stat(file).st_mode & 0o111
-                os.chmod(file, (0o777 if executable else 0o666) & ~umask)
+        for entry in (os.path.join(root, name) for name in folders + files):
+            if not os.path.islink(entry):  # directories and executables get x
+                executable = os.path.isdir(entry) or os.stat(entry).st_mode & 0o111
+                os.chmod(entry, (0o777 if executable else 0o666) & ~umask)
 
 
 def _remove(path: Path) -> None:

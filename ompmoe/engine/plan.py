@@ -16,6 +16,7 @@ import torch
 
 from .allocation import (AllocationProblem, LayerChoices, allocation_cost, check_feasible, get_allocation,
                          layer_choices, total_cost, uniform_allocation)
+from .input_kinds import check_input_kind
 from .io import atomic_path
 from .methods import SelectionMethod, SubsetSelection, get_method
 from .selection import prefix_residual, routing_coverage
@@ -123,6 +124,7 @@ class PruningPlan:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"No plan file at {path}; create one with ompmoe.plan_pruning(...).save(path).")
+        check_input_kind(path, "plan")  # statistics or results given as a plan
         fix = "Re-create it with ompmoe.plan_pruning(stats, ratio).save(path)."
         try:
             data = json.loads(path.read_text())
@@ -160,18 +162,18 @@ def _layer_problem(layer: LayerPlan) -> str | None:
     count = layer.num_experts
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         return f"has num_experts {count!r}"
-    for field in ("residual", "coverage"):
-        values = getattr(layer, field)
+    for name in ("residual", "coverage"):
+        values = getattr(layer, name)
         if not isinstance(values, list) or len(values) != count + 1:
             found = len(values) if isinstance(values, list) else "no"
-            return f"has {found} {field} values; it needs {count + 1} (k = 0..{count})"
+            return f"has {found} {name} values; it needs {count + 1} (k = 0..{count})"
         if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
-            return f"has a {field} value that is not a number"
-    for field in ("order", "kept"):
-        ids = getattr(layer, field)
+            return f"has a {name} value that is not a number"
+    for name in ("order", "kept"):
+        ids = getattr(layer, name)
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
                                                 for i in ids):
-            return f"has {field} ids outside 0..{count - 1}"
+            return f"has {name} ids outside 0..{count - 1}"
     return None
 
 

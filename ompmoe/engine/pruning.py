@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 
+from .._quiet import quiet_calls
 from .adaptive import restore_adaptive
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .allocation import minimum_kept
@@ -240,6 +241,17 @@ def _causal_lm_class(config: Any) -> type:
     return expected
 
 
+def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) -> None:
+    """Refuse a local folder that holds no model (a run's output, a data folder) with the folder inside that does,
+    if any, as ``how(inner)`` (e.g. ``--model.model run/model``), before anything tries to read it."""
+    directory = Path(path)
+    if directory.is_dir() and not (directory / "config.json").is_file():  # e.g. a run's output (model in model/)
+        inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
+        hint = f"; {inner[0].name}/ does: {how(str(inner[0]))}" if inner else ""
+        raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
+
+
+@quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
     with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
@@ -248,11 +260,7 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     from .export.weights import check_loading_info, check_weight_files
 
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
-    directory = Path(path)
-    if directory.is_dir() and not (directory / "config.json").is_file():  # e.g. a run's output (model in model/)
-        inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
-        hint = f"; {inner[0].name}/ does: ompmoe.load_pruned({str(inner[0])!r})" if inner else ""
-        raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
+    require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
     check_weight_files(path)
     base = _causal_lm_class(config)

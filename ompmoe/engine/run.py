@@ -327,6 +327,13 @@ class PruningRun:
         return [f"ompmoe: {settings_summary(self.plan)}{auto_note(self.strategy, self.model_type, self.choice)}",
                 f"ompmoe: {kept_summary(self.plan)}"]
 
+    def interrupted_line(self, batches_done: int, batches: int | None = None) -> str:
+        """The one line a front door prints on Ctrl-C during calibration: nothing was written, so re-run."""
+        of = f" of {batches}" if batches else ""
+        kept = f" ({self.options.output_dir} is as it was)" if self.options.output_dir is not None else ""
+        return (f"ompmoe: interrupted after {batches_done}{of} calibration batches; nothing was written{kept}: "
+                "run the same command again to redo it")
+
     def heldout_line(self) -> str:
         """``ompmoe: held-out perplexity, original -> pruned: heldout:prose 30.10 -> 33.52, ...``."""
         parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in

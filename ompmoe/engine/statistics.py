@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import find_moe_layers
 from .extensions import STATISTICS, extension_providing
+from .input_kinds import check_input_kind
 from .io import atomic_path
 from .safetensors_header import CorruptSafetensorsError, read_header
 
@@ -212,6 +213,7 @@ class MoEStats:
         if not path.is_file():
             raise FileNotFoundError(
                 f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
+        check_input_kind(path, "statistics")  # a plan or a model's weights given as statistics
         fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
         try:
             read_header(path)  # sizes, offsets and shapes, before safetensors trusts them
@@ -298,37 +300,35 @@ def _layers_from_file(
         present = [*optional_tensors(), *sorted(by_layer[i])]
         for key in dict.fromkeys([*core, *(key for key in present if key in by_layer[i])]):
             tensor = by_layer[i].get(key)
-            if tensor is None:
-                raise StatsFileError(f"{where}: tensor {key!r} is missing (the metadata lists layer {i}). {fix}")
-            is_gram = key.startswith("gram")
-            shape = (n, n) if is_gram else (n,)
-            if tuple(tensor.shape) != shape:
-                raise StatsFileError(
-                    f"{where}: tensor {key!r} has shape {tuple(tensor.shape)} but the metadata says "
-                    f"{n} experts (expected {shape}). {fix}"
-                )
-            if tensor.dtype != torch.float64:
-                raise StatsFileError(f"{where}: tensor {key!r} is {tensor.dtype}, expected torch.float64. {fix}")
-            if not bool(torch.isfinite(tensor).all()):
-                raise StatsFileError(f"{where}: tensor {key!r} holds NaN or inf values. {fix}")
-            values = tensor.diagonal() if is_gram else tensor
-            unsigned = is_gram or key in core or (extension_providing(key) is not None and key not in signed)
-            if unsigned and bool((values < 0).any()):
-                raise StatsFileError(
-                    f"{where}: tensor {key!r} has negative {'diagonal' if is_gram else 'values'} "
-                    f"({float(values.min())}); these are sums of squares or counts. {fix}"
-                )
-            if is_gram:
-                gap = float((tensor - tensor.T).abs().max())
-                scale = float(tensor.abs().max())
-                if gap > SYMMETRY_TOLERANCE * max(scale, 1e-300):
-                    raise StatsFileError(
-                        f"{where}: tensor {key!r} is not symmetric (max |G - G^T| = {gap:.3g}, "
-                        f"max |G| = {scale:.3g}). {fix}"
-                    )
+            unsigned = key in core or (extension_providing(key) is not None and key not in signed)
+            problem = (f"is missing (the metadata lists layer {i})" if tensor is None
+                       else _tensor_problem(key, tensor, n, unsigned))
+            if problem:
+                raise StatsFileError(f"{where}: tensor {key!r} {problem}. {fix}")
             found[key] = tensor
         layers.append(LayerStats.from_tensors(name, routing, found))  # type: ignore[arg-type]
     return layers
+
+
+def _tensor_problem(key: str, tensor: torch.Tensor, n: int, unsigned: bool) -> str | None:
+    """What is wrong with one tensor of a layer of ``n`` experts (a Gram is ``n x n``), or None."""
+    is_gram = key.startswith("gram")
+    shape = (n, n) if is_gram else (n,)
+    if tuple(tensor.shape) != shape:
+        return f"has shape {tuple(tensor.shape)} but the metadata says {n} experts (expected {shape})"
+    if tensor.dtype != torch.float64:
+        return f"is {tensor.dtype}, expected torch.float64"
+    if not bool(torch.isfinite(tensor).all()):
+        return "holds NaN or inf values"
+    values = tensor.diagonal() if is_gram else tensor
+    if (unsigned or is_gram) and bool((values < 0).any()):
+        what = "diagonal" if is_gram else "values"
+        return f"has negative {what} ({float(values.min())}); these are sums of squares or counts"
+    if is_gram:
+        gap, scale = float((tensor - tensor.T).abs().max()), float(tensor.abs().max())
+        if gap > SYMMETRY_TOLERANCE * max(scale, 1e-300):
+            return f"is not symmetric (max |G - G^T| = {gap:.3g}, max |G| = {scale:.3g})"
+    return None
 
 
 FINGERPRINT_CONFIG_KEYS = (

@@ -11,13 +11,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..engine.plan_choice import default_choice_blocks
-from ..data.sources import (HELDOUT_CORPUS, PRESETS, Encoder, HubUnavailableError, TextFile, TextSource,
-                             evol_code_text, text_encoder, text_pieces, tulu_text, wikitext_articles)
+from ..data.sources import HELDOUT_CORPUS, Encoder, TextSource, text_encoder
 
-__all__ = [  # with names of ompmoe.data.sources that were always importable from here
-    "PRESETS", "CalibrationBlocks", "CalibrationDataModule", "HubUnavailableError", "TextFile", "evol_code_text",
-    "text_pieces", "tulu_text", "wikitext_articles",
-]
+__all__ = ["CalibrationBlocks", "CalibrationDataModule"]
 
 
 class CalibrationBlocks(Dataset):

@@ -45,13 +45,8 @@ class CalibrationModule(pl.LightningModule):
         trust_remote_code: Passed to ``from_pretrained``.
     """
 
-    def __init__(
-        self,
-        model: str | nn.Module = "tiny:qwen3_moe",
-        dtype: str | None = None,
-        tokenizer: str | None = None,
-        trust_remote_code: bool = False,
-    ) -> None:
+    def __init__(self, model: str | nn.Module = "tiny:qwen3_moe", dtype: str | None = None,
+                 tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.needs_gradients = False

@@ -6,6 +6,8 @@ outputs); this adapter lends it Fabric's ranks. ``python -m ompmoe.lightning.fab
 
 from __future__ import annotations
 
+import itertools
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -18,13 +20,15 @@ from ..engine.adapters import architecture_of
 from ..engine.collect import as_model_inputs, real_sample_count
 from ..engine.io import local_inputs
 from ..engine.plan import PruningPlan
+from ..engine.plan_choice import PlanChoice
 from ..engine.ranks import RunContext
 from ..engine.run import PruningRun, RunOptions
+from ..engine.statistics import MoEStats
 from ..engine.strategy import Strategy
 
 _END = object()
 
-__all__ = ["FabricCalibration", "fabric_context", "fsdp2"]
+__all__ = ["FabricCalibration", "RunResults", "fabric_context", "fsdp2"]
 
 FSDP1_MESSAGE = (
     "FabricCalibration shards with FSDP2: use lightning.fabric.strategies.ModelParallelStrategy("
@@ -72,7 +76,38 @@ def _hf_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-class FabricCalibration:
+class RunResults:
+    """What a front door's run (``self.pruning``, a :class:`ompmoe.PruningRun`) found, read-only, once it finished."""
+
+    pruning: PruningRun
+
+    @property
+    def stats(self) -> MoEStats | None:
+        """The statistics, summed over every rank."""
+        return self.pruning.stats
+
+    @property
+    def plan(self) -> PruningPlan | None:
+        """The plan every rank pruned with."""
+        return self.pruning.plan
+
+    @property
+    def choice(self) -> PlanChoice | None:
+        """What ``auto`` tried and chose (every candidate's loss), when it had blocks to try them on."""
+        return self.pruning.choice
+
+    @property
+    def pruned_model(self) -> nn.Module | None:
+        """The pruned model (under FSDP2, rank 0's full copy; ``None`` on the other ranks)."""
+        return self.pruning.pruned_model
+
+    @property
+    def heldout_perplexity(self) -> dict[str, tuple[float, float]]:
+        """``{set: (original, pruned)}`` perplexity on the ``evaluate_on`` sets (rank 0)."""
+        return self.pruning.heldout_perplexity
+
+
+class FabricCalibration(RunResults):
     """Gather OMP-MoE statistics in a Fabric loop on every rank, sum them exactly, plan, prune and write once.
 
     Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any
@@ -89,7 +124,8 @@ class FabricCalibration:
         inputs: Local files the run reads (data files): an ``output_dir`` holding them is never replaced.
         data: A data module with ``choice_blocks(n)`` / ``heldout_blocks(name, n)`` (``ompmoe.CalibrationDataModule``)
             for ``auto``'s trial and ``evaluate_on``.
-        pruning: A :class:`ompmoe.PruningRun` built (and checked) already, in place of ``strategy`` and options.
+        pruning: A :class:`ompmoe.PruningRun` whose output was checked already (``check_output``), in place of
+            ``strategy`` and options (``inputs`` then go unused).
     """
 
     def __init__(self, fabric: Any, model: nn.Module, strategy: Strategy | None = None, model_id: str | None = None,
@@ -105,27 +141,17 @@ class FabricCalibration:
         self.fabric, self.model, self.context = fabric, model, fabric_context(fabric)
         self.hf_model = _hf_model(model)
         model_id = model_id or getattr(self.hf_model.config, "_name_or_path", None) or None
-        tokenizer = self.pruning.options.tokenizer
-        self.pruning.check_output(self.context, local_inputs(model_id, tokenizer if isinstance(tokenizer, str) else None,
-                                                         list(inputs)))
-        self.pruning.start(self.hf_model, self.context, model_id=model_id, sources=sources, data=data)
-        self.pruning.collector.to(fabric.device)  # type: ignore[union-attr]
-        for ext in self.pruning.collector.extensions.values():  # type: ignore[union-attr]
+        if pruning is None:  # what the run reads (local model, tokenizer, data files) must outlive its output
+            self.pruning.check_output(self.context, local_inputs(model_id, self.pruning.options.tokenizer, *inputs))
+        collector = self.pruning.start(self.hf_model, self.context, model_id=model_id, sources=sources, data=data)
+        collector.to(fabric.device)
+        for ext in collector.extensions.values():
             ext.standalone()  # the forward's output is dropped: no step reuses its graph
         self.sharded = any(isinstance(p, DTensor) for p in self.hf_model.parameters())
         """Whether the weights are FSDP2-sharded (every forward is then a collective)."""
-        self.num_batches = 0
-        """Batches this rank has added (including batches of repeats, which add no tokens)."""
         self._loader: Any = None
         self._position = 0
         self._real_samples: int | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        """The run's results and settings (``stats``, ``plan``, ``choice``, ``strategy_used``, ``statistics``, ...)."""
-        run = self.__dict__.get("pruning")
-        if run is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(run, name) if hasattr(run, name) else getattr(run.options, name)
 
     def update(self, batch: Any, dataloader: Any = None) -> None:
         """Run the model on one batch (input ids, or a dict with ``input_ids`` and ``attention_mask``) and add it.
@@ -138,10 +164,8 @@ class FabricCalibration:
             self._loader, self._position = dataloader, 0
             self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
         inputs = as_model_inputs(batch, self.fabric.device)
-        num_samples = int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
         self.pruning.forward(inputs, self._position, self._real_samples, self.fabric.autocast())
-        self._position += num_samples
-        self.num_batches += 1
+        self._position += int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
 
     def run(self, dataloader: Iterable[Any]) -> int:
         """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank.
@@ -150,22 +174,23 @@ class FabricCalibration:
         is done, since each forward gathers weights from all ranks.
         """
         join = self.sharded and self.fabric.world_size > 1
-        iterator = iter(dataloader)
         count = 0
-        while True:
-            batch = next(iterator, _END)
-            if join:
+        for batch in itertools.chain(dataloader, itertools.repeat(_END) if join else ()):
+            if join:  # does any rank have a batch left?
                 more = torch.tensor(float(batch is not _END), device=self.fabric.device)
-                if not bool(self.fabric.all_reduce(more, reduce_op="max") > 0):
+                if self.fabric.all_reduce(more, reduce_op="max") == 0:
                     break
-            if batch is not _END:
-                self.update(batch, dataloader)
-                count += 1
-            elif join:  # out of batches: a forward that counts nothing keeps this rank in the collectives
+            if batch is _END:  # out of batches: a forward that counts nothing keeps this rank in the collectives
                 ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
                 self.pruning.forward({"input_ids": ids}, real_samples=0)
             else:
-                break
+                try:
+                    self.update(batch, dataloader)
+                except KeyboardInterrupt:  # one line on rank 0, then the interrupt goes on (the script exits 130)
+                    if self.fabric.is_global_zero:
+                        print(self.pruning.interrupted_line(count, _length(dataloader)), file=sys.stderr)
+                    raise
+                count += 1
         return count
 
     def finish(self, choice_blocks: torch.Tensor | None = None) -> PruningPlan:
@@ -178,3 +203,8 @@ class FabricCalibration:
         return self.pruning.finish(self.context, choice_blocks=choice_blocks, show_progress=None)
 
 
+def _length(dataloader: Iterable[Any]) -> int | None:
+    try:
+        return len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        return None

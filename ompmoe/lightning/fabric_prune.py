@@ -36,7 +36,9 @@ def parser() -> Any:
     from .calibration_data import CalibrationDataModule
     from .calibration_module import CalibrationModule
 
-    p = ArgumentParser(prog="python -m ompmoe.lightning.fabric_prune", exit_on_error=False,
+    from ..cli_options import PARSER_SETTINGS
+
+    p = ArgumentParser(prog="python -m ompmoe.lightning.fabric_prune", **PARSER_SETTINGS,
                        description="Calibrate and prune an MoE model with Lightning Fabric (DDP or FSDP2), as "
                                    "`ompmoe fit` does.")
     p.add_argument("--path", action="store_true", help="print this script's path (for `fabric run PATH`) and exit")
@@ -97,21 +99,18 @@ def main(argv: list[str] | None = None) -> Any:
     module, datamodule = classes.model, classes.data
     if datamodule.tokenizer is None:
         datamodule.tokenizer = module.tokenizer_name
-    options = {key: value for key, value in (("accelerator", args.accelerator), ("devices", args.devices),
-                                             ("num_nodes", args.num_nodes), ("precision", args.precision))
-               if value is not None}
+    options = {key: args[key] for key in ("accelerator", "devices", "num_nodes", "precision") if args[key] is not None}
     fabric = Fabric(strategy=_fabric_strategy(args.strategy, args.devices, args.num_nodes), **options)
     if os.environ.get("LT_CLI_USED") != "1":  # fabric run has started the processes already
         fabric.launch()
     fabric.seed_everything(args.seed_everything)
-    # every option checked before the model loads
-    run = run_from_arguments(args, "FabricCalibration", tokenizer=module.tokenizer_name)
-    inputs = inputs_of(module, datamodule)
-    run.check_output(fabric_context(fabric), inputs)
+    # every option checked before the model loads; FabricCalibration takes this run as it is
+    run = run_from_arguments(args, "FabricCalibration", module.tokenizer_name)
+    run.check_output(fabric_context(fabric), inputs_of(module, datamodule))
     datamodule.prepare_data()  # a hub data set that cannot be had fails here, before the model loads
     module.configure_model()
     model = fabric.setup(module.model.eval())
-    calibration = FabricCalibration(fabric, model, model_id=module.model_name_or_path, inputs=inputs,
+    calibration = FabricCalibration(fabric, model, model_id=module.model_name_or_path,
                                     sources=[datamodule.describe()], data=datamodule, pruning=run)
     datamodule.setup("fit")
     calibration.run(fabric.setup_dataloaders(datamodule.train_dataloader()))
@@ -129,6 +128,8 @@ def cli(argv: list[str] | None = None) -> None:
         if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
             print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # the calibration loop printed its line; 130 as a shell reports Ctrl-C
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -70,13 +70,8 @@ class FinetuneDataModule(CalibrationDataModule):
 
     corpus = TRAIN_CORPUS  # besides shipped:*; source=None: decided in setup, from the attached module's model
 
-    def __init__(
-        self,
-        source: str | None = None,
-        val_sources: Sequence[str] = ("shipped:prose", "shipped:code"),
-        val_blocks: int = 8,
-        **kwargs,
-    ) -> None:
+    def __init__(self, source: str | None = None, val_sources: Sequence[str] = ("shipped:prose", "shipped:code"),
+                 val_blocks: int = 8, **kwargs) -> None:
         super().__init__(source, **kwargs)
         if val_blocks <= 0:
             raise ValueError(f"val_blocks must be positive; got {val_blocks}.")

@@ -23,12 +23,8 @@ IGNORE_INDEX = -100
 """Label value that the causal-LM loss ignores (padding)."""
 
 
-def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor],
-    top_k: int | Sequence[int],
-    attention_mask: torch.Tensor | None = None,
-    per_layer: bool = True,
-) -> torch.Tensor:
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int | Sequence[int],
+                        attention_mask: torch.Tensor | None = None, per_layer: bool = True) -> torch.Tensor:
     r"""Switch-Transformer load-balancing loss over MoE layers that may have different expert counts.
 
     Per layer ``N_l * sum_e f_{l,e} P_{l,e}`` (``f``: top-``k_l`` assignments per token going to ``e``,
@@ -85,9 +81,8 @@ def moe_routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 
 
 @contextmanager
-def capture_router_logits(
-    model_or_routers: nn.Module | Sequence[tuple[nn.Module, int]],
-) -> Iterator[list[torch.Tensor]]:
+def capture_router_logits(model_or_routers: nn.Module | Sequence[tuple[nn.Module, int]]
+                          ) -> Iterator[list[torch.Tensor]]:
     """Collect each MoE layer's router logits (router output 0), in module order, during the forwards inside.
 
     Takes a model or the list of :func:`moe_routers`; the hooks are removed on exit.
@@ -124,13 +119,8 @@ def causal_lm_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     return labels
 
 
-def causal_lm_loss(
-    model: nn.Module,
-    batch: dict[str, torch.Tensor],
-    aux_coef: float = 0.0,
-    per_layer: bool = True,
-    routers: Sequence[tuple[nn.Module, int]] | None = None,
-) -> LossParts:
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], aux_coef: float = 0.0, per_layer: bool = True,
+                   routers: Sequence[tuple[nn.Module, int]] | None = None) -> LossParts:
     """Causal-LM loss of ``batch`` (``input_ids``, optional ``attention_mask`` and ``labels``).
 
     With ``aux_coef > 0`` :func:`load_balancing_loss` is added with that weight; the model's own aux loss

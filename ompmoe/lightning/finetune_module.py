@@ -6,20 +6,29 @@ LoRA adapters are merged at the end of the fit, so the model written to ``save_d
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+import sys
+import time
+import warnings
+from typing import Any, TextIO
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
+if __name__ == "__main__":  # the command, before torch loads OpenMP: its threads sleep, not spin, while they wait
+    # (on 2 cores shared with other work, spinning threads made each step of the recipe 15 times slower).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ..cli_args import fail, user_errors
-from ..engine.adapters import find_moe_layers
-from ..engine.io import check_writable, inputs_of
-from ..engine.pruning import save_pruned
-from .finetune_loss import LossParts, causal_lm_loss, moe_routers, router_aux_coef
-from .models import default_tokenizer, load_model, model_and_name, resolve_dtype
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .._quiet import GRADIENT_CHECKPOINTING  # noqa: E402
+from ..cli_args import fail, user_errors  # noqa: E402
+from ..engine.adapters import find_moe_layers  # noqa: E402
+from ..engine.io import check_writable, inputs_of  # noqa: E402
+from ..engine.pruning import save_pruned  # noqa: E402
+from .finetune_loss import LossParts, causal_lm_loss, moe_routers, router_aux_coef  # noqa: E402
+from .models import default_tokenizer, load_model, model_and_name, resolve_dtype  # noqa: E402
 
 
 def attention_linear_names(model: nn.Module) -> list[str]:
@@ -32,6 +41,95 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     """Suffixes ``experts.<name>`` of the fused 3-D routed-expert weights (PEFT ``target_parameters``)."""
     return sorted({f"experts.{name}" for layer in find_moe_layers(model)
                    for name, parameter in layer.experts.named_parameters(recurse=False) if parameter.dim() == 3})
+
+
+def _duration(seconds: float) -> str:
+    """``45s``, ``4m05s``, ``1h02m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class ProgressLines(pl.Callback):
+    """Plain progress lines for a log file or CI, where a progress bar shows nothing useful, on rank 0's stderr::
+
+        ompmoe: fine-tuning step 12/200, loss 4.3187, 2m05s elapsed, about 32m40s left
+
+    One at the first optimizer step, then every ``every_seconds`` seconds (and every ``every_n_steps`` steps if given),
+    and one at the last step. ``loss`` is the mean training loss of the batches since the previous line; the time left
+    is the time per step since the first line (validations included; for the first line, since the first batch) times
+    the steps left of ``Trainer.estimated_stepping_batches`` (left out when the fit has no step limit).
+    :class:`FinetuneModule` adds one when stderr is not a terminal and the Trainer's progress bar is on
+    (``enable_progress_bar``, the default).
+    """
+
+    clock = staticmethod(time.monotonic)
+    """Seconds, for the elapsed and left times."""
+
+    def __init__(self, every_seconds: float = 30.0, every_n_steps: int | None = None,
+                 stream: TextIO | None = None) -> None:
+        if every_seconds <= 0 or (every_n_steps is not None and every_n_steps <= 0):
+            raise ValueError(f"every_seconds and every_n_steps must be positive; got {every_seconds}, {every_n_steps}.")
+        self.every_seconds = float(every_seconds)
+        self.every_n_steps = every_n_steps
+        self.stream = stream
+        self._reset()
+
+    def _reset(self) -> None:
+        self._started: float | None = None  # monotonic time at the start of training
+        self._first: tuple[int, float] | None = None  # (global step, time) before the first batch
+        self._last: tuple[int, float] | None = None  # (global step, time) of the last line
+        self._rate_from: tuple[int, float] | None = None  # (global step, time) of the first line
+        self._losses: list[float] = []
+        self._total = math.inf  # optimizer steps of the fit
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+        self._started = self.clock()
+        self._total = float(trainer.estimated_stepping_batches)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._first is None:  # after the module's own start (FinetuneModule validates the starting model)
+            self._first = (int(trainer.global_step), self.clock())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):  # divided by the accumulation count for the backward: undo it
+            self._losses.append(float(loss.detach()) * trainer.accumulate_grad_batches)
+        step, now = int(trainer.global_step), self.clock()
+        if self._first is None or step == self._first[0] or (self._last is not None and step == self._last[0]):
+            return  # no optimizer step yet, or this step has its line
+        total = self._total
+        due = (self._last is None or step >= total or now - self._last[1] >= self.every_seconds
+               or (self.every_n_steps is not None and step % self.every_n_steps == 0))
+        if due:
+            self._print(trainer, step, now, total)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = int(trainer.global_step)
+        if self._first is not None and step != self._first[0] and (self._last is None or step != self._last[0]):
+            self._print(trainer, step, self.clock(), self._total)  # stopped early (max_time, a callback)
+
+    def _print(self, trainer: pl.Trainer, step: int, now: float, total: float) -> None:
+        # The rate runs from the first line on, so that the first step's one-off costs (loading a teacher) do not count.
+        since_step, since = self._rate_from or self._first or (step, now)
+        self._last, self._rate_from = (step, now), self._rate_from or (step, now)
+        losses, self._losses = self._losses, []
+        if not trainer.is_global_zero:
+            return
+        finite = math.isfinite(total)
+        parts = [f"step {step}/{int(total)}" if finite else f"step {step}"]
+        if losses:
+            parts.append(f"loss {sum(losses) / len(losses):.4f}")
+        parts.append(f"{_duration(now - (now if self._started is None else self._started))} elapsed")
+        if finite and since_step < step < total:
+            parts.append(f"about {_duration((now - since) / (step - since_step) * (total - step))} left")
+        print(f"ompmoe: fine-tuning {', '.join(parts)}", file=self.stream or sys.stderr, flush=True)
 
 
 class FinetuneModule(pl.LightningModule):
@@ -173,7 +271,9 @@ class FinetuneModule(pl.LightningModule):
             target_parameters=expert_parameter_names(model) if self.lora_experts else None,
             bias="none",
         )
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates; only peft can act on it
+            warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING, category=FutureWarning)
+            return get_peft_model(model, config)
 
     @property
     def hf_model(self) -> nn.Module:
@@ -318,6 +418,15 @@ class FinetuneModule(pl.LightningModule):
             f"the final state (step {final_step}) had {final:.4f}."
         )
 
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """:class:`ProgressLines` when stderr is not a terminal (a log file, CI) and the Trainer's progress bar is on:
+        the bar shows nothing useful there (none at all under ``python -m ompmoe.lightning.finetune_module``)."""
+        trainer = self._trainer
+        if (trainer is None or trainer.progress_bar_callback is None or sys.stderr.isatty()
+                or any(isinstance(callback, ProgressLines) for callback in trainer.callbacks)):
+            return []
+        return [ProgressLines()]
+
     def configure_optimizers(self) -> Any:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         if not parameters:
@@ -325,8 +434,7 @@ class FinetuneModule(pl.LightningModule):
         optimizer = torch.optim.AdamW(parameters, lr=self.learning_rate, weight_decay=self.weight_decay)
         if not self.warmup_steps:
             return optimizer
-        warmup = self.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / self.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def setup(self, stage: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._quiet import quiet_calls
 from ..data import resolve_shipped
 from ..data.sources import BYTES as BYTES_TOKENIZER, require_hub_model
 
@@ -43,9 +44,15 @@ def resolve_model(name: str) -> str:
     path = resolve_shipped(name)
     if path == name and not Path(name).expanduser().exists():
         require_hub_model(name)
+    from ..engine.input_kinds import check_input_kind
+    from ..engine.pruning import require_model_directory
+
+    check_input_kind(path, "model")  # a run's folder, a plan or statistics given as the model
+    require_model_directory(path, lambda inner: f"pass {inner} instead")
     return path
 
 
+@quiet_calls()  # tiny models too: their first build imports transformers' modeling code (torchao's lines)
 def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM named ``name``; checkpoints pruned by ompmoe load with their per-layer counts.
 
@@ -62,6 +69,7 @@ def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: b
     return load_pruned(path, dtype=dtype or default, trust_remote_code=trust_remote_code)
 
 
+@quiet_calls()
 def model_config(name: str, trust_remote_code: bool = False) -> Any:
     """The config of the model named ``name``, without loading weights."""
     if is_tiny(name):

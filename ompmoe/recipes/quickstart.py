@@ -13,9 +13,11 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from .._quiet import quiet_calls
 from ..cli_args import bare_flags, fail, user_errors
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
 from ..engine.export.checkpoint import MissingTokenizerWarning
@@ -32,7 +34,8 @@ DATA_DIR = Path(__file__).parents[1] / "data"
 RANDOM_MODEL = "tiny"
 
 
-def demo_model_and_data(model: str, model_type: str, seq_len: int, num_blocks: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, str, str]:
+def demo_model_and_data(model: str, model_type: str, seq_len: int,
+                        num_blocks: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, str, str]:
     """``(model, calibration blocks, held-out blocks, model id, source)`` of the demo.
 
     The shipped model gets half its blocks from each domain's calibration split and is scored on
@@ -40,15 +43,19 @@ def demo_model_and_data(model: str, model_type: str, seq_len: int, num_blocks: i
     """
     if model == RANDOM_MODEL:
         blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks + 2)
-        return tiny_model(model_type), blocks[:num_blocks], blocks[num_blocks:], f"ompmoe.engine.tiny:{model_type}", "shipped:python-docs"
+        with quiet_calls():  # its first build imports transformers' modeling code (torchao's lines)
+            network = tiny_model(model_type)
+        return (network, blocks[:num_blocks], blocks[num_blocks:], f"ompmoe.engine.tiny:{model_type}",
+                "shipped:python-docs")
     if model != SHIPPED_MODEL:
-        raise ValueError(f"model must be {SHIPPED_MODEL!r} (the trained shipped model) or {RANDOM_MODEL!r} (a random tiny "
-                         f"model of model_type); got {model!r}. For other checkpoints use `ompmoe fit`.")
+        raise ValueError(f"model must be {SHIPPED_MODEL!r} (the trained shipped model) or {RANDOM_MODEL!r} (a random "
+                         f"tiny model of model_type); got {model!r}. For other checkpoints use `ompmoe fit`.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_shipped(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # stored in bf16 for size
+    with quiet_calls():  # no "Loading weights" bar nor torchao's import lines
+        network = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # stored in bf16 for size
     per_domain = [(num_blocks + 1) // 2, num_blocks // 2]
     calibration = torch.cat([
         token_blocks(corpus_token_stream(tokenizer, domain, "calibration", seq_len * count), seq_len, count)
@@ -57,16 +64,6 @@ def demo_model_and_data(model: str, model_type: str, seq_len: int, num_blocks: i
     held_out = torch.cat([token_blocks(corpus_token_stream(tokenizer, domain, "heldout", seq_len), seq_len, 1)
                           for domain in ("prose", "code")])
     return network, calibration, held_out, model, "shipped:prose,code calibration splits"
-
-
-class _HeldOut:
-    """The demo's held-out blocks, as the run's ``evaluate_on`` reads them from a data module."""
-
-    def __init__(self, blocks: torch.Tensor) -> None:
-        self.blocks = blocks
-
-    def heldout_blocks(self, name: str, num_blocks: int) -> torch.Tensor:
-        return self.blocks
 
 
 def prune_tiny_model(
@@ -88,8 +85,10 @@ def prune_tiny_model(
 
     Args:
         output_dir: Directory for ``stats.safetensors``, ``plan.json`` and ``model/``.
-        model: ``shipped:tiny-moe`` (the trained shipped Qwen3-MoE) or ``tiny`` (a random tiny model of ``model_type``).
-        model_type: Architecture of the random tiny model (see ``ompmoe.supported_model_types()``); only with ``model=tiny``.
+        model: ``shipped:tiny-moe`` (the trained shipped Qwen3-MoE) or ``tiny`` (a random tiny model of
+            ``model_type``).
+        model_type: Architecture of the random tiny model (see ``ompmoe.supported_model_types()``); only with
+            ``model=tiny``.
         ratio: Fraction of routed experts removed over all MoE layers (0.5 removes half).
         allocation: ``uniform``, ``waterfill`` or ``optimal``.
         risk_weight: Lambda of the routing-risk term of the allocation cost.
@@ -109,7 +108,9 @@ def prune_tiny_model(
     model_name = model
     model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
     start = time.perf_counter()
-    run.start(model, context, model_id=model_id, sources=[source], data=_HeldOut(held_out))
+    # the held-out blocks, where the run's evaluate_on reads them from a data module
+    data = SimpleNamespace(heldout_blocks=lambda name, num_blocks: held_out)
+    run.start(model, context, model_id=model_id, sources=[source], data=data)
     run.collect(blocks.split(batch_size))
     with warnings.catch_warnings():
         if model_name == RANDOM_MODEL:  # byte tokens: there is no tokenizer to save, and no flag could add one
@@ -122,7 +123,8 @@ def prune_tiny_model(
         # values); reloaded in the dtype the in-memory model computed in, the logits must be the same bits.
         reloaded = load_pruned(Path(output_dir) / "model", dtype=next(model.parameters()).dtype)
         if not torch.equal(reloaded(probe).logits, model(probe).logits):
-            raise RuntimeError(f"The pruned model saved in {output_dir}/model does not reproduce the in-memory logits.")
+            raise RuntimeError(f"The pruned model saved in {output_dir}/model does not reproduce the in-memory "
+                               "logits.")
     elapsed = time.perf_counter() - start
     before, after = run.heldout_perplexity["held-out"]
     print(f"ompmoe-demo: {held_out.numel()} held-out tokens"

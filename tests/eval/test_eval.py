@@ -29,6 +29,7 @@ from ompmoe.data import byte_tokens, shipped_text, token_blocks  # noqa: E402
 from ompmoe.eval import SUITES, EvalModule, LMEvalDataModule, byte_tokenizer  # noqa: E402
 from ompmoe.eval.requests import GENERATE, SCORE  # noqa: E402
 from ompmoe.eval.suites import resolve_suites  # noqa: E402
+from ompmoe.eval.timing import inputs_fingerprint, probe_indices, speedup  # noqa: E402
 from ompmoe.engine.tiny import tiny_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
@@ -189,6 +190,8 @@ def test_two_process_metrics_equal_single_process(single, tmp_path, mode):
     assert cost["ranks"] == 2 and cost["requests"] == single_cost["requests"]
     assert {task: (entry["requests"], entry["tokens"]) for task, entry in cost["tasks"].items()} == {
         task: (entry["requests"], entry["tokens"]) for task, entry in single_cost["tasks"].items()}
+    # The timing probe ran on both ranks (8 batches each), repeats aligned by a barrier.
+    assert cost["timing"]["batches"] == 16 and len(cost["timing"]["seconds"]) == 5
 
 
 def test_work_plan_pads_each_segment_for_the_ranks(single):
@@ -276,8 +279,14 @@ def test_report_table_original_vs_pruned(single, tmp_path, capsys):
     assert original_row[1] == f"{100 * first['scores']['tiny_group']:.2f}"
     assert original_row[3] == f"{first['scores']['tiny_ppl']:.2f}"  # perplexity as is, no stderr (lm-eval's N/A)
     assert float(original_row[-2]) == pytest.approx(first["cost"]["seconds"], rel=0.01)
-    assert pruned_row[-1] == f"{first['cost']['seconds'] / second['cost']['seconds']:.2f}× |"
     text = table_file.read_text()
+    # Speedup from the two files' timing probes (same inputs): the number with its interval, or n.s. with a note.
+    found = speedup(first["cost"]["timing"]["seconds"], second["cost"]["timing"]["seconds"])
+    assert first["cost"]["timing"]["inputs"] == second["cost"]["timing"]["inputs"]
+    assert pruned_row[-1] == (f"{found} |" if found.significant else "n.s. |")
+    assert (f"n.s.: speedup not told apart from 1.00× (its interval includes 1.00, or its half-width is not smaller "
+            f"than its distance from 1): Qwen3MoeForCausalLM (omp, waterfill, -50% experts) {found}." in text) == (
+        not found.significant)
     assert "‡ tiny_gen is left out of Average and Retained: every model scores 0" in text
     assert ("‡ tiny_group is left out of Average and Retained: no model scores above chance (25.0%, or within one "
             f"item ({100 / items:.1f} points) of it)" in text) == at_chance
@@ -316,6 +325,21 @@ def test_bridge_records_time_tokens_and_requests_per_task(single):
     assert sum(entry["seconds"] for entry in tasks.values()) == pytest.approx(cost["model_seconds"], rel=1e-9)
     assert (cost["device"], cost["threads"], cost["ranks"]) == ("cpu", torch.get_num_threads(), 1)
     assert written["ompmoe"]["model"]["experts_implementation"] == tiny_model("qwen3_moe").config._experts_implementation
+    # The timing probe: 8 of the batches, evenly spaced, run once untimed and 5 times timed after the loop.
+    timing = cost["timing"]
+    probe = [data.batches[index] for index in probe_indices(len(data.batches), 8)]
+    assert len(data.batches) > 8 and {batch["kind"] for batch in probe} == {SCORE, GENERATE}
+    assert (timing["repeats"], timing["warmup"], timing["batches"]) == (5, 1, 8)
+    assert timing["inputs"] == inputs_fingerprint(probe)  # the inputs the report checks are the same
+    # Its tokens as the loop counts them: every score row once, a generation row's context and new tokens (1 to 12).
+    rows = sum(int(batch["lengths"].sum()) for batch in probe if batch["kind"] == SCORE)
+    rows += sum(int(batch["attention_mask"].sum()) for batch in probe if batch["kind"] == GENERATE)
+    generated = sum(len(batch["items"]) for batch in probe if batch["kind"] == GENERATE)
+    assert rows + generated <= timing["tokens"] <= rows + 12 * generated
+    for name in ("seconds", "cpu_seconds"):
+        assert len(timing[name]) == 5 and all(value > 0 for value in timing[name])
+        assert timing[f"{name}_summary"] == {"median": sorted(timing[name])[2], "min": min(timing[name]),
+                                             "max": max(timing[name])}
 
 
 def test_bridge_time_is_the_models_time(tmp_path):
@@ -330,10 +354,20 @@ def test_bridge_time_is_the_models_time(tmp_path):
     model.register_forward_pre_hook(slow, with_kwargs=True)
     data = LMEvalDataModule(tasks=["tiny_mc", "tiny_ppl"], include_path=TASKS_DIR, limit=2, batch_size=2,
                             bootstrap_iters=0, output_path=str(tmp_path / "slow.json"))
-    _trainer().validate(EvalModule(model, tokenizer="bytes"), datamodule=data, verbose=False)
+    module = EvalModule(model, tokenizer="bytes", timing_repeats=3, timing_batches=2, timing_warmup=2)
+    _trainer().validate(module, datamodule=data, verbose=False)
     cost = json.loads((tmp_path / "slow.json").read_text())["ompmoe"]["cost"]
-    assert len(calls) == len(data.batches) > 1
-    assert 0.05 * len(calls) <= cost["model_seconds"] <= cost["seconds"]
+    loop = len(data.batches)
+    # The loop runs every batch once; then the probe runs its 2 batches 2 times untimed and 3 times timed.
+    assert len(calls) == loop + (2 + 3) * 2 and loop > 2
+    assert 0.05 * loop <= cost["model_seconds"] <= cost["seconds"]
+    assert len(cost["timing"]["seconds"]) == 3 and min(cost["timing"]["seconds"]) >= 0.05 * 2
+    # No probe: the loop alone, and no timing in the results file (the report then calls the speedup unrated).
+    calls.clear()
+    _trainer().validate(EvalModule(model, tokenizer="bytes", timing_repeats=0), datamodule=data, verbose=False)
+    assert len(calls) == loop and "timing" not in json.loads((tmp_path / "slow.json").read_text())["ompmoe"]["cost"]
+    with pytest.raises(ValueError, match=r"^timing_batches must be a whole number >= 0, got -1\.$"):
+        EvalModule(model, tokenizer="bytes", timing_batches=-1)
 
 
 def test_pruned_adaptive_checkpoint_records_its_plan_epsilon_and_cost_through_the_results_file(tmp_path, capsys):

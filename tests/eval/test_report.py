@@ -17,6 +17,7 @@ import ompmoe
 
 from ompmoe.cli import main
 from ompmoe.eval.report import ResultsFileError, report_table
+from ompmoe.eval.timing import Speedup, probe_indices, speedup
 
 RULE = "|---|---:|---:|---:|---:|"
 
@@ -143,7 +144,11 @@ def test_noise_notes_speak_in_the_metrics_own_terms():
 
 
 # ------------------------------------------------------------------------------- cost
-def test_cost_and_speedup_relative_to_the_original():
+UNRATED_WHY = ("one run each, so its run-to-run spread is unknown. Results files written before the timing probe, or "
+               "with fewer than 3 timed repeats, record no spread; evaluate again to rate it.\n")
+
+
+def test_cost_and_speedup_of_old_files_without_repeated_timing_are_unrated():
     settings = {"device": "cpu", "threads": 1, "ranks": 1}
     kept = {"dtype": "float32", "experts_implementation": "grouped_mm"}
     rows = [
@@ -157,14 +162,18 @@ def test_cost_and_speedup_relative_to_the_original():
         "| Model | arc | Average | Retained (%) | Cost (s) | Speedup |\n"
         "|---|---:|---:|---:|---:|---:|\n"
         "| original | 60.00 | 60.00 | 100.0 | 2459 | 1.00× |\n"
-        "| static | 48.90 | 48.90 | 81.5 | 1825 | 1.35× |\n"
-        "| adaptive | 47.60 | 47.60 | 79.3 | 1690 | 1.46× |\n"
+        "| static | 48.90 | 48.90 | 81.5 | 1825 | 1.35× § |\n"
+        "| adaptive | 47.60 | 47.60 | 79.3 | 1690 | 1.46× § |\n"
         "| no cost | 50.00 | 50.00 | 83.3 | – | – |\n"
         "\n"
         "Scores in %. Average over arc. Retained: Average as a percentage of original's. Cost: wall time of the "
         "evaluation loop (model work, without task loading and scoring) on cpu, 1 thread, float32, grouped_mm "
-        "experts. Speedup: original's Cost divided by the row's.\n"
+        "experts. § Speedup unrated for static, adaptive (no repeated timing recorded): original's Cost divided by "
+        "the row's, " + UNRATED_WHY
     )
+    # Only the baseline has a cost: nothing is unrated, the note says what the column would hold.
+    alone = report_table(rows[:1] + rows[3:])
+    assert alone.endswith("experts. Speedup: original's Cost divided by the row's.\n")
 
 
 def test_cost_in_cpu_time():
@@ -173,9 +182,9 @@ def test_cost_in_cpu_time():
                     pruning=PRUNED)]
     table = report_table(rows, cost_time="cpu")
     assert table.splitlines()[0] == "| Model | arc | Average | Retained (%) | Cost (CPU s) | Speedup |"
-    assert table.splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 2.50 | 1.60× |"
+    assert table.splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 2.50 | 1.60× § |"
     assert "Cost: process CPU time of the evaluation loop" in table
-    assert report_table(rows).splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 3.00 | 3.00× |"
+    assert report_table(rows).splitlines()[3] == "| pruned | 50.00 | 50.00 | 83.3 | 3.00 | 3.00× § |"
     with pytest.raises(ValueError, match=r"cost_time must be one of \['cpu', 'wall'\], got 'gpu'"):
         report_table(rows, cost_time="gpu")
 
@@ -187,9 +196,94 @@ def test_cost_settings_that_differ_are_named_per_row():
                     model={"dtype": "float32", "experts_implementation": "grouped_mm"})]
     table = report_table(rows)
     assert table.splitlines()[2:4] == ["| eager | 60.00 | 60.00 | 100.0 | 1.25 | 1.00× |",
-                                       "| grouped | 60.00 | 60.00 | 100.0 | 0.500 | 2.50× |"]
+                                       "| grouped | 60.00 | 60.00 | 100.0 | 0.500 | 2.50× § |"]
     assert ("on eager: cpu, 1 thread, float32, eager experts; grouped: cpu, 1 thread, float32, grouped_mm experts."
             in table)
+
+
+# ------------------------------------------------------------------------------- repeated timing
+def timing(wall: list, cpu: list | None = None, inputs: str = "0123abcd", warmup: int = 1) -> dict:
+    """``ompmoe.cost.timing`` as EvalModule records it (the report reads the repeats, not the summaries)."""
+    return {"repeats": len(wall), "warmup": warmup, "batches": 8, "tokens": 2048, "inputs": inputs,
+            "seconds": wall, "cpu_seconds": wall if cpu is None else cpu}
+
+
+BASE_WALL = [10.0, 10.4, 11.0, 10.2, 10.6]
+FAST_WALL = [7.9, 8.1, 8.0, 8.4, 7.8]
+
+
+def timed_rows(*walls: list, **kwargs) -> list[dict]:
+    settings = {"device": "cpu", "threads": 1, "ranks": 1}
+    labels = ["original", "static", "adaptive", "other"]
+    return [results(label, {"arc": 0.6 - 0.05 * index}, pruning=PRUNED if index else None,
+                    cost={"seconds": 3.0 * sum(wall), "cpu_seconds": 2.0 * sum(wall), "timing": timing(wall, **kwargs),
+                          **settings}, model={"dtype": "float32", "experts_implementation": "eager"})
+            for index, (label, wall) in enumerate(zip(labels, walls))]
+
+
+def test_speedup_interval_is_the_ratio_of_medians_and_of_the_extreme_repeats():
+    found = speedup(BASE_WALL, FAST_WALL)
+    # Literally: medians 10.4 and 8.0; slowest baseline repeat over fastest row repeat and the other way round.
+    assert (found.value, found.low, found.high) == (10.4 / 8.0, 10.0 / 8.4, 11.0 / 7.8)
+    assert found.significant and str(found) == "1.30× (1.19-1.41)"
+    # Significant needs both: the interval excludes 1, and its half-width is below the distance from 1.
+    assert not Speedup(1.05, 0.98, 1.12).significant  # straddles 1
+    assert not Speedup(1.02, 1.005, 1.43).significant  # excludes 1, but half-width 0.21 >= 0.02
+    assert Speedup(0.80, 0.75, 0.86).significant  # a significant slowdown is a number too
+    assert not Speedup(1.0, 1.0, 1.0).significant  # no spread at all, and no speedup either
+    assert probe_indices(20, 8) == [0, 3, 5, 8, 11, 14, 16, 19]
+    assert probe_indices(5, 8) == [0, 1, 2, 3, 4] and probe_indices(9, 1) == [4] and probe_indices(0, 8) == []
+
+
+def test_report_prints_the_speedup_with_its_interval_or_refuses_it(tmp_path, capsys):
+    straddles = [10.1, 9.7, 10.9, 10.3, 9.9]  # median 10.1: 1.03x, interval 10.0/10.9 .. 11.0/9.7
+    files = [write(tmp_path / f"{index}.json", row)
+             for index, row in enumerate(timed_rows(BASE_WALL, straddles, FAST_WALL))]
+    main(["report", *files])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [
+        "| Model | arc | Average | Retained (%) | Cost (s) | Speedup |",
+        "|---|---:|---:|---:|---:|---:|",
+        "| original | 60.00 | 60.00 | 100.0 | 157 | 1.00× |",
+        "| static | 55.00 | 55.00 | 91.7 | 153 | n.s. |",
+        "| adaptive | 50.00 | 50.00 | 83.3 | 121 | 1.30× (1.19-1.41) |",
+    ]
+    assert lines[6] == (
+        "Scores in %. Average over arc. Retained: Average as a percentage of original's. Cost: wall time of the "
+        "evaluation loop (model work, without task loading and scoring) on cpu, 1 thread, float32, eager experts. "
+        "Speedup: original's median wall time over the repeats of its timing probe (8 batches, 2048 tokens, run "
+        "again after the loop: 1 warm-up pass, then 5 timed repeats) divided by the row's, not the ratio of the Cost "
+        "columns (one pass each, warm-up included); in parentheses the lowest and highest ratio of one original "
+        "repeat to one row repeat. n.s.: speedup not told apart from 1.00× (its interval includes 1.00, or its "
+        f"half-width is not smaller than its distance from 1): static {speedup(BASE_WALL, straddles)}.")
+    assert str(speedup(BASE_WALL, straddles)) == "1.03× (0.92-1.13)"
+
+
+def test_speedup_in_cpu_time_uses_the_cpu_repeats():
+    rows = timed_rows(BASE_WALL, BASE_WALL)
+    rows[1]["ompmoe"]["cost"]["timing"]["cpu_seconds"] = [value / 2 for value in BASE_WALL]
+    assert report_table(rows).splitlines()[3].endswith(" | n.s. |")  # same wall times: no speedup
+    assert report_table(rows, cost_time="cpu").splitlines()[3].endswith(" | 2.00× (1.82-2.20) |")
+
+
+def test_speedup_against_an_old_file_or_other_probe_inputs_is_unrated():
+    rows = timed_rows(BASE_WALL, FAST_WALL, FAST_WALL, FAST_WALL)
+    del rows[1]["ompmoe"]["cost"]["timing"]  # written before the timing probe
+    rows[2]["ompmoe"]["cost"]["timing"]["seconds"] = FAST_WALL[:2]  # too few repeats
+    rows[3]["ompmoe"]["cost"]["timing"]["inputs"] = "ffff0000"  # another batch size or limit: other batches
+    table = report_table(rows)
+    ratio = sum(BASE_WALL) / sum(FAST_WALL)
+    assert [line.split(" | ")[-1] for line in table.splitlines()[2:6]] == [
+        "1.00× |", f"{ratio:.2f}× § |", f"{ratio:.2f}× § |", f"{ratio:.2f}× § |"]
+    assert table.endswith(
+        "§ Speedup unrated for static, adaptive (no repeated timing recorded); other (its timing probe ran other "
+        "inputs than original's): original's Cost divided by the row's, " + UNRATED_WHY)
+    # The baseline without repeated timing: every row is unrated, and no row is called n.s.
+    del rows[0]["ompmoe"]["cost"]["timing"]
+    table = report_table(rows)
+    assert "n.s." not in table and "Speedup: original's median" not in table
+    assert "§ Speedup unrated for static, adaptive (no repeated timing recorded); other (original has no repeated " \
+           "timing): " in table
 
 
 # ------------------------------------------------------------------------------- labels
@@ -229,6 +323,12 @@ FIX = "Re-create it with `ompmoe validate` / `ompmoe test` (LMEvalDataModule(out
     (lambda d: {**d, "n-samples": {"arc": 1000}}, ": 'n-samples.arc' must be an object, got int"),
     (lambda d: {**d, "n-samples": {"arc": {"effective": "1000"}}}, ": 'n-samples.arc.effective' must be an integer, got '1000'"),
     (lambda d: {**d, "group_subtasks": {"arc": "arc_easy"}}, ": 'group_subtasks.arc' must be a list, got str"),
+    (lambda d: {**d, "ompmoe": {**d["ompmoe"], "cost": {"seconds": 1.0, "timing": [1.0]}}},
+     ": 'ompmoe.cost.timing' must be an object, got list"),
+    (lambda d: {**d, "ompmoe": {**d["ompmoe"], "cost": {"seconds": 1.0, "timing": {"seconds": 1.0}}}},
+     ": 'ompmoe.cost.timing.seconds' must be a list, got float"),
+    (lambda d: {**d, "ompmoe": {**d["ompmoe"], "cost": {"seconds": 1.0, "timing": {"cpu_seconds": [1.0, "2"]}}}},
+     ": 'ompmoe.cost.timing.cpu_seconds[1]' must be a finite number of seconds >= 0, got '2'"),
 ])
 def test_results_with_missing_keys_get_one_error_naming_file_key_and_fix(tmp_path, change, problem):
     good = write(tmp_path / "good.json", results("original", {"arc": 0.6}))

@@ -12,7 +12,7 @@ from ompmoe.engine.tiny import tiny_model
 def filled_callback(statistics: list[str]) -> ExpertPruning:
     callback = ExpertPruning(statistics=statistics)
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
-    callback.pruning.collector = StatisticsCollector(model, statistics=callback.statistics)
+    callback.pruning.collector = StatisticsCollector(model, statistics=callback.pruning.statistics)
     generator = torch.Generator().manual_seed(4)
     for metric in callback.pruning.collector.metrics().values():
         for name in metric._defaults:
@@ -28,7 +28,7 @@ def test_extension_states_round_trip_through_the_checkpoint_under_their_prefix()
     assert {"gram_0", "reroute.gram_reroute_0", "reroute.gram_reroute_normalized_0", "loss.gram_loss_0",
             "loss.loss_first_order_0", "loss.loss_sum"} <= names
     resumed = ExpertPruning(loss_aware=True, reroute=True)
-    resumed.pruning.collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2), statistics=resumed.statistics)
+    resumed.pruning.collector = StatisticsCollector(tiny_model("qwen3_moe", num_hidden_layers=2), statistics=resumed.pruning.statistics)
     resumed.load_state_dict(state)
     for prefix, metric in resumed.pruning.collector.metrics().items():
         original = saved.pruning.collector.metrics()[prefix]

@@ -16,6 +16,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..._quiet import quiet_calls
 from ..adapters import architecture_of
 from ..names import resolve_shipped
 from .config import count_json_key, load_tokenizer
@@ -39,10 +40,8 @@ def source_name(model: nn.Module) -> str | None:
 
 
 def source_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype stored in the source checkpoint's ``config.json`` (loading may have upcast the weights).
-
-    ``None`` when the source is unknown or not available locally (nothing is downloaded).
-    """
+    """The dtype stored in the source checkpoint's ``config.json`` (loading may have upcast the weights); ``None``
+    when the source is unknown or not available locally (nothing is downloaded)."""
     name = source_name(model)
     if name is None:
         return None
@@ -58,22 +57,19 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
     """A tokenizer object from ``tokenizer`` (object, hub id or path) or else the model's source, or ``None``."""
     if hasattr(tokenizer, "save_pretrained"):
         return tokenizer
-    candidates = [str(tokenizer)] if isinstance(tokenizer, (str, os.PathLike)) else []
-    name = source_name(model)
-    if tokenizer is None and name is not None:
-        candidates.append(name)
-    for candidate in candidates:
-        if candidate == "bytes" or candidate.startswith("tiny:"):
-            continue
-        try:
-            path = resolve_shipped(candidate)
-            return load_tokenizer(path, local_files_only=not _is_hub_id(path))
-        except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
-            if isinstance(tokenizer, (str, os.PathLike)):
-                raise ValueError(
-                    f"tokenizer={tokenizer!r} could not be loaded ({error}); pass a hub id, a local "
-                    "directory with tokenizer files, or a tokenizer object."
-                ) from error
+    named = isinstance(tokenizer, (str, os.PathLike))
+    candidate = str(tokenizer) if named else source_name(model) if tokenizer is None else None
+    if candidate is None or candidate == "bytes" or candidate.startswith("tiny:"):
+        return None
+    try:
+        path = resolve_shipped(candidate)
+        return load_tokenizer(path, local_files_only=not _is_hub_id(path))
+    except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
+        if named:
+            raise ValueError(
+                f"tokenizer={tokenizer!r} could not be loaded ({error}); pass a hub id, a local "
+                "directory with tokenizer files, or a tokenizer object."
+            ) from error
     return None
 
 
@@ -115,7 +111,8 @@ def save_checkpoint(
     cast = target is not None and current is not None and target != current and "state_dict" not in save_kwargs
     if cast:
         save_kwargs["state_dict"] = _cast_state_dict(model, target)
-    model.save_pretrained(directory, **save_kwargs)
+    with quiet_calls():  # no "Writing model shards" bar; the caller's own saves keep theirs
+        model.save_pretrained(directory, **save_kwargs)
     written_tokenizer = resolve_tokenizer(tokenizer, model)
     if written_tokenizer is not None:
         written_tokenizer.save_pretrained(directory)

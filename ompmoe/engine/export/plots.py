@@ -13,13 +13,16 @@ import io
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..io import atomic_path, check_writable
+from ..methods import get_method
+from ..methods.omp import GramPursuit
 from ..plan import LayerPlan, PruningPlan
 from ..progress import progress as progress_bar
 from ..selection import PursuitResult, greedy_pursuit, routing_coverage
@@ -164,19 +167,32 @@ def heatmap_layers(num_layers: int, max_layers: int = 12) -> list[int]:
     return sorted({round(i * (num_layers - 1) / (max_layers - 1)) for i in range(max_layers)})
 
 
+def heatmap_pursuit(plan: PruningPlan | None) -> tuple[str, Callable[[LayerStats], torch.Tensor]]:
+    """The pursuit a heatmap shows, by name, and the Gram it runs on: the plan's method when it is a greedy pursuit
+    (``omp``, ``omp_normalized``, ``omp_loss``, ...), so the picture is the order the plan used; else the paper's."""
+    if plan is not None:
+        method = get_method(plan.method, plan.extra.get("method_options"))
+        if isinstance(method, GramPursuit):
+            return plan.method, method.pursued_gram
+    return "omp", lambda layer: layer.gram
+
+
 def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] | None = None,
-                   progress: bool | None = False):
-    """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale. ``layers``: positions
-    to draw (default :func:`heatmap_layers`). Gains below ``1e-6`` of the largest, and non-positive ones, are cyan."""
+                   progress: bool | None = False, plan: PruningPlan | None = None):
+    """Reconstruction-gain heatmaps (a matplotlib ``Figure``) on one shared logarithmic scale, of the plan's pursuit
+    (:func:`heatmap_pursuit`). ``layers``: positions to draw (default :func:`heatmap_layers`). Gains below ``1e-6`` of
+    the largest, and non-positive ones, are cyan."""
     from matplotlib.colors import LogNorm
 
+    name, pursued_gram = heatmap_pursuit(plan)
     positions = list(layers) if layers is not None else heatmap_layers(len(stats.layers))
     drawn = [(p, stats.layers[p]) for p in positions]
     matrices = {}  # position: (gains with rows in selection order and NaN where not eligible, the order)
     for position, layer in progress_bar(drawn, "ompmoe heatmaps", progress, unit="layer"):
-        if layer.signal_energy > 0.0:
-            result = _pursuit(layer)
-            gains = (result.gains.T[result.order] / layer.signal_energy).numpy()
+        gram = pursued_gram(layer)
+        if float(gram.sum()) > 0.0:
+            result = greedy_pursuit(gram, num_groups=layer.num_groups, with_gains=True)
+            gains = (result.gains.T[result.order] / float(gram.sum())).numpy()
             matrices[position] = np.where(np.isneginf(gains), np.nan, gains), result.order.numpy()
     finite = [m[0][np.isfinite(m[0])] for m in matrices.values()]
     top = max((float(v.max()) for v in finite if v.size), default=1.0)
@@ -185,7 +201,9 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
     norm = LogNorm(vmin=max(top * 1e-6, smallest), vmax=top)
     most = max((layer.num_experts for _, layer in drawn), default=1)
     side = max(2.6, most * 3.0 / 120 + 0.8)  # inches: >= 3 px per expert row at 120 dpi
-    title = "Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step"
+    title = f"Reconstruction gain $\\Delta_e / \\|Y\\|^2$ of every candidate at every greedy step of {name}"
+    if plan is not None and name != plan.method:
+        title += f" (the plan's method, {plan.method}, is no pursuit: this is the paper's order)"
     subset = len(drawn) < len(stats.layers)
     title += f"\n{len(drawn)} of {len(stats.layers)} layers, evenly spaced; " if subset else "\n"
     title += "grey: not eligible (already selected); cyan: no gain (below $10^{-6}$ of the largest, or negative)"
@@ -372,7 +390,7 @@ def write_plots(
     for path in paths.values():
         check_writable(path, overwrite)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    _save(heatmap_figure(stats, progress=progress), paths[HEATMAPS], overwrite)
+    _save(heatmap_figure(stats, progress=progress, plan=plan), paths[HEATMAPS], overwrite)
     _save(residual_figure(stats, plan, zeta, progress=progress), paths[RESIDUAL_CURVES], overwrite)
     _save(overview_figure(stats, plan, progress=progress), paths[RESIDUAL_OVERVIEW], overwrite)
     rows = high_contribution_experts(stats, threshold)
@@ -392,6 +410,6 @@ def write_plots(
 
 __all__ = [
     "HighContributionExpert", "PLAN_PLOT_FILES", "PLOT_FILES", "allocation_csv", "allocation_figure", "curves_csv",
-    "heatmap_layers", "heatmap_figure", "high_contribution_experts", "high_contribution_table", "overview_figure",
+    "heatmap_layers", "heatmap_figure", "heatmap_pursuit", "high_contribution_experts", "high_contribution_table", "overview_figure",
     "residual_figure", "write_plots",
 ]

@@ -1,0 +1,754 @@
+"""Compensation after pruning: a least-squares correction of each MoE layer's kept routed experts, folded into their
+down projections (no inference cost; the pruned model stays a stock checkpoint).
+
+After pruning, the router sends each token to replacements among the kept experts and renormalizes their weights,
+so the pruned block puts out more than the atom model predicts. For MoE layer ``l`` with kept experts ``K``, let
+``c_e(x) = g'_e(x) F_e(x)`` be expert ``e``'s contribution to the **real pruned block** on token ``x`` (the sliced
+router's top-k and weights, rerouting and renormalization included; zero when ``e`` is not among ``x``'s pruned
+top-k), ``Y'(x) = sum_e c_e(x)`` the pruned routed output and ``Y(x)`` the **unpruned** block's routed output (shared
+experts excluded: they are never pruned). Three corrections, each least squares over the fitting tokens:
+
+- ``granularity="layer"``: ``Y ~ s Y'``, one factor ``s = <Y', Y> / ||Y'||^2`` per layer;
+- ``"expert"``: ``Y ~ sum_e s_e c_e``, one factor per kept expert, solving
+  ``(G + ridge * diag(G)) s = b + ridge * diag(G) * s_layer`` with ``G[e, f] = sum_x <c_e, c_f>`` and
+  ``b[e] = sum_x <c_e, Y>`` (``ridge`` shrinks every factor toward the layer's: 0 is plain least squares);
+- ``"linear"``: ``Y ~ M Y'``, a ``d x d`` map per layer, ``M = (C + lam s I)(P + lam I)^-1`` with
+  ``P = sum_x Y' Y'^T``, ``C = sum_x Y Y'^T`` and ``lam = ridge * tr(P) / d`` (shrinking toward ``s I``).
+
+``ridge=None`` (the default) takes ``d / T`` for ``linear`` (``T`` fitting tokens: ``lam`` is then the mean
+``||Y'(x)||^2``, a prior worth ``d`` average tokens, which shrinks as the fitting set grows) and 0.1 for ``expert``.
+
+A factor scales an expert's output and a map is linear in it, so both fold exactly into every kept expert's down
+projection and bias (:func:`apply_compensation`). The sums are float64 and merge across batches and ranks by
+addition (:class:`CompensationSums`; ``linear`` adds two ``d x d`` sums per layer, kept on the CPU).
+
+``sequential=True`` fits layer by layer on the inputs the already-pruned-and-compensated layers produce (the pruned
+model's own inputs), against the unpruned block's output on those inputs; each layer's correction must be known before
+the next layer runs, so the fitting blocks go through the model as one batch (memory of one forward over them).
+The default, ``sequential=False``, fits every layer on the unpruned model's inputs in one batched pass. Both run on
+the **unpruned** model (before :func:`~ompmoe.engine.pruning.prune`); the correction is applied after it. Cost: one
+forward up to the last MoE layer (no LM head) plus, per MoE layer, one call of the pruned router and one expert
+evaluation per replacement (token, slot) pair: 1.3-1.4x a forward over the fitting tokens, 1.6-1.7x with the
+``linear`` sums (one CPU thread, ``docs/quality/compensation.md``).
+
+Measured on the shipped models (12 cells: two models, ratios 0.5 and 0.25, three plans): ``linear`` lowered
+held-out perplexity in every cell, by 5.2 % on average with every calibration token (4.5 % on the default 16 tokens
+per dimension), where ``layer`` gave 0.7 % and ``expert`` 0.9 % and raised it in two cells; sequential fitting changed
+nothing measurable.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import MoELayer, architecture_of, find_moe_layers
+from .collect import adaptive_paused, as_model_inputs, check_calibration_inputs
+from .plan import PruningPlan
+from .pruning import slice_module, validate_plan
+from .record import CONFIG_KEY, pruning_info
+from .statistics import FingerprintMismatchError, model_fingerprint
+
+GRANULARITIES = ("layer", "expert", "linear")
+"""``layer``: one factor per MoE layer; ``expert``: one per kept expert (``ridge`` toward the layer's); ``linear``: a
+``d x d`` map of the layer's routed output (``ridge`` toward the layer's factor times the identity)."""
+
+DEFAULT_GRANULARITY = "linear"
+DEFAULT_RIDGE: float | None = None
+"""``None``: ``d / T`` for ``linear``, :data:`EXPERT_RIDGE` for ``expert`` (:func:`effective_ridge`)."""
+EXPERT_RIDGE = 0.1
+TOKENS_PER_DIMENSION = 16
+"""``max_tokens="auto"`` fits on ``16 * d`` tokens (``d`` the hidden size): 4,096 on the shipped models, where that
+measured within 0.7 % of every calibration token and costs 0.42x a forward over 64 x 256 calibration tokens
+(docs/quality/compensation.md)."""
+
+SUM_KEYS = ("gram", "cross", "target_energy")
+OUTPUT_KEYS = ("output_gram", "output_cross")
+
+
+class CompensationError(ValueError):
+    """Compensation cannot be fitted or applied as asked (plan, model or factors do not match)."""
+
+
+@dataclass
+class LayerSums:
+    """One MoE layer's float64 sums over the fitting tokens (see the module docstring)."""
+
+    name: str
+    kept: list[int]
+    """Original ids of the kept experts, ascending (factor ``i`` belongs to ``kept[i]``)."""
+    gram: torch.Tensor
+    """``(K, K)``: ``sum_x <c_e(x), c_f(x)>`` of the pruned block's contributions."""
+    cross: torch.Tensor
+    """``(K,)``: ``sum_x <c_e(x), Y(x)>`` with the unpruned routed output ``Y``."""
+    target_energy: torch.Tensor
+    """``()``: ``sum_x ||Y(x)||^2``."""
+    output_gram: torch.Tensor | None = None
+    """``(d, d)``: ``sum_x Y'(x) Y'(x)^T`` (only for ``granularity="linear"``)."""
+    output_cross: torch.Tensor | None = None
+    """``(d, d)``: ``sum_x Y(x) Y'(x)^T`` (only for ``granularity="linear"``)."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The sums by name (``output_*`` only when collected)."""
+        keys = SUM_KEYS + (OUTPUT_KEYS if self.output_gram is not None else ())
+        return {key: getattr(self, key) for key in keys}
+
+    def residual(self, correction: torch.Tensor) -> float:
+        """``sum_x ||Y - Y'_corrected||^2 / sum_x ||Y||^2`` for per-expert factors ``(K,)`` (ones: no compensation)
+        or a map ``(d, d)``."""
+        c = correction.to(self.cross)
+        if c.dim() == 2:
+            if self.output_gram is None or self.output_cross is None:
+                raise CompensationError("A linear map's residual needs the output sums (granularity='linear').")
+            m = c.to(self.output_gram)
+            error = (self.target_energy.cpu() - 2 * (m * self.output_cross).sum()
+                     + ((m @ self.output_gram) * m).sum())
+        else:
+            error = self.target_energy - 2 * c @ self.cross + c @ self.gram @ c
+        return float(error / self.target_energy.clamp(min=torch.finfo(torch.float64).tiny).to(error))
+
+
+@dataclass
+class CompensationSums:
+    """The sums of every MoE layer and the token count: add two (``a + b``, or :meth:`all_reduce` over ranks) to
+    merge them; :meth:`state_dict` / :meth:`load_state_dict` give and take them as a flat dict of tensors."""
+
+    layers: list[LayerSums]
+    num_tokens: torch.Tensor
+    fingerprint: str
+    sequential: bool = False
+
+    def __add__(self, other: CompensationSums) -> CompensationSums:
+        if not isinstance(other, CompensationSums):
+            return NotImplemented
+        if (self.fingerprint != other.fingerprint or self.sequential != other.sequential
+                or [(a.name, a.kept, list(a.tensors())) for a in self.layers]
+                != [(b.name, b.kept, list(b.tensors())) for b in other.layers]):
+            raise CompensationError("Compensation sums of different models, plans or granularities cannot be added.")
+        if self.sequential:
+            raise CompensationError("Sequential compensation sums depend on the corrections fitted in their own pass; "
+                                    "they do not add across passes (fit with sequential=False to merge sums).")
+        layers = [LayerSums(a.name, a.kept, **{key: value + b.tensors()[key] for key, value in a.tensors().items()})
+                  for a, b in zip(self.layers, other.layers)]
+        return CompensationSums(layers, self.num_tokens + other.num_tokens, self.fingerprint, self.sequential)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"<layer>.gram": ..., "<layer>.cross": ..., "<layer>.target_energy": ..., "num_tokens": ...}`` (and
+        ``"<layer>.output_gram"``, ``"<layer>.output_cross"`` for ``linear``)."""
+        states = {"num_tokens": self.num_tokens}
+        for layer in self.layers:
+            states.update({f"{layer.name}.{key}": value for key, value in layer.tensors().items()})
+        return states
+
+    def load_state_dict(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Replace the sums by ``states`` (e.g. summed over ranks), checking the shapes."""
+        for layer in self.layers:
+            for key, current in layer.tensors().items():
+                value = states[f"{layer.name}.{key}"]
+                if tuple(value.shape) != tuple(current.shape):
+                    raise CompensationError(f"Compensation sum {layer.name}.{key} has shape {tuple(value.shape)}; "
+                                            f"expected {tuple(current.shape)}.")
+                setattr(layer, key, value.to(current))
+        self.num_tokens = states["num_tokens"].to(self.num_tokens)
+
+    def all_reduce(self) -> CompensationSums:
+        """Sum the sums over the ranks of the default process group (every rank must call it); in place."""
+        import torch.distributed as dist
+
+        if self.sequential:
+            raise CompensationError("Sequential compensation reduces its sums inside the pass (reduce=...).")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            staged = dist.get_backend() == "nccl" and torch.cuda.is_available()  # NCCL reduces CUDA tensors only
+            for tensor in self.state_dict().values():
+                if staged and tensor.device.type == "cpu":  # the linear sums live on the CPU
+                    on_device = tensor.cuda()
+                    dist.all_reduce(on_device)
+                    tensor.copy_(on_device.cpu())
+                else:
+                    dist.all_reduce(tensor)
+        return self
+
+
+@dataclass
+class Compensation:
+    """The fitted correction of every MoE layer and what was fitted; :meth:`apply` folds it into a pruned model."""
+
+    scales: dict[str, torch.Tensor]
+    """Per layer: ``(K,)`` factors of the kept experts (ordered as their ascending ids), or a ``(d, d)`` map."""
+    kept: dict[str, list[int]]
+    record: dict[str, Any] = field(default_factory=dict)
+    """JSON-able summary for the plan's ``extra`` and the model card (granularity, ridge, tokens, factors, errors)."""
+
+    def apply(self, pruned_model: nn.Module) -> nn.Module:
+        return apply_compensation(pruned_model, self)
+
+
+# -- the pass ----------------------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised after the last MoE layer: the rest of the model (and the LM head) is not needed."""
+
+
+class _LayerPass:
+    """Hooks on one MoE layer: the sliced router's routing on the router's own input, the unpruned routed output as
+    the target, the kept contributions' sums; returns the unpruned output, or in sequential mode the corrected
+    pruned output (fitted on this very batch, which then holds every fitting token)."""
+
+    def __init__(self, layer: MoELayer, kept: list[int], count_attributes: tuple[str, ...], last: bool,
+                 outputs: bool, fit: Callable[[LayerSums], torch.Tensor] | None,
+                 reduce: Callable[[LayerSums], None] | None) -> None:
+        self.layer = layer
+        self.kept = torch.tensor(kept, dtype=torch.long)
+        self.router = copy.deepcopy(layer.router)
+        slice_module(self.router, self.kept, layer.num_experts, count_attributes)
+        weight, _ = _down_projection(layer)
+        device, k = weight.device, len(kept)
+        d = _hidden_size(layer, weight)
+        zeros = dict(dtype=torch.float64)
+        self.sums = LayerSums(
+            layer.name, list(kept), torch.zeros(k, k, device=device, **zeros), torch.zeros(k, device=device, **zeros),
+            torch.zeros((), device=device, **zeros),
+            # d x d per layer: on the CPU, whatever the model's device
+            torch.zeros(d, d, **zeros) if outputs else None, torch.zeros(d, d, **zeros) if outputs else None)
+        self.last = last
+        self.fit = fit
+        self.reduce = reduce
+        self.token_weight: torch.Tensor | None = None
+        self._routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handles: list[Any] = []
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        experts = self.layer.experts
+        self._handles.append(self.layer.router.register_forward_hook(self._router_hook, with_kwargs=True))
+        native = type(experts).forward.__get__(experts)
+        experts.forward = self._forward(native)
+        try:
+            yield
+        finally:
+            del experts.forward
+            for handle in self._handles:
+                handle.remove()
+            self._handles, self._routing = [], None
+
+    def _router_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        self.router.train(module.training)
+        routed = self.router(*args, **kwargs)
+        self._routing = (routed[-1].detach(), routed[-2].detach())  # (ids among the kept, weights)
+
+    def _forward(self, native: Callable) -> Callable:
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+            if self._routing is None:
+                raise CompensationError(f"The router of {self.layer.name} was not called before its experts; "
+                                        "compensation needs the router's own input.")
+            ids, weights = self._routing
+            self._routing = None
+            outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, self.kept.to(ids.device)[ids])
+            target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)  # the unpruned routed output
+            contributions = pruned.float() * weights.float().unsqueeze(-1)  # c = g' F, (T, k', d)
+            self._add(ids, contributions, target.float())
+            if self.fit is None:
+                result = target.to(hidden_states.dtype)
+            else:  # sequential: this batch holds every fitting token, so the correction is final here
+                if self.reduce is not None:
+                    self.reduce(self.sums)
+                correction = self.fit(self.sums).to(contributions.device)
+                if correction.dim() == 2:
+                    corrected = contributions.sum(1).double() @ correction.T
+                else:
+                    corrected = (contributions * correction[ids].unsqueeze(-1).to(contributions.dtype)).sum(1)
+                result = corrected.to(hidden_states.dtype)
+            if self.last:
+                raise _Stop
+            return result
+
+        return forward
+
+    def _add(self, ids: torch.Tensor, contributions: torch.Tensor, target: torch.Tensor) -> None:
+        """Add one batch: ``ids`` ``(T, k')`` positions among the kept experts, ``contributions`` ``(T, k', d)``,
+        ``target`` ``(T, d)``; padded tokens are dropped."""
+        if self.token_weight is not None:
+            keep = self.token_weight.to(ids.device) > 0
+            ids, contributions, target = ids[keep], contributions[keep], target[keep]
+        sums = self.sums
+        k = sums.cross.numel()
+        device = sums.gram.device
+        products = torch.bmm(contributions, contributions.transpose(1, 2)).to(device, torch.float64)  # (T, k, k)
+        flat = (ids.unsqueeze(-1) * k + ids.unsqueeze(-2)).reshape(-1).to(device)
+        sums.gram.view(-1).index_add_(0, flat, products.reshape(-1))
+        inner = torch.einsum("tkd,td->tk", contributions, target).to(device, torch.float64)
+        sums.cross.index_add_(0, ids.reshape(-1).to(device), inner.reshape(-1))
+        sums.target_energy += target.square().sum().to(device, torch.float64)
+        if sums.output_gram is not None and sums.output_cross is not None:
+            # float64 products on the CPU; on an accelerator float32 per batch (float64 is slow on most), summed in
+            # float64 on the CPU over batches
+            dtype = torch.float64 if target.device.type == "cpu" else torch.float32
+            pruned, target = contributions.sum(1).to(dtype), target.to(dtype)
+            sums.output_gram += (pruned.T @ pruned).cpu()
+            sums.output_cross += (target.T @ pruned).cpu()
+
+
+def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pruned_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unweighted expert outputs ``F`` of the native pairs ``(T, k, d)`` and of the pruned routing's pairs
+    ``(T, k', d)`` (original ids), from one flattened call of the experts: a pruned pair whose expert the token had
+    already is not evaluated again, so only the replacements cost a second expert call."""
+    num_tokens, top_k = ids.shape
+    matches = pruned_ids.unsqueeze(-1) == ids.unsqueeze(-2)  # (T, k', k)
+    missing = (~matches.any(-1)).nonzero(as_tuple=True)
+    rows = torch.cat([hidden.repeat_interleave(top_k, dim=0), hidden[missing[0]]])
+    experts = torch.cat([ids.reshape(-1), pruned_ids[missing]]).view(-1, 1)
+    unit = torch.ones(rows.shape[0], 1, dtype=hidden.dtype, device=hidden.device)
+    flat = native(rows, experts, unit)
+    outputs = flat[: num_tokens * top_k].view(num_tokens, top_k, -1)
+    slot = matches.to(torch.uint8).argmax(-1)  # where a kept pair's output already is
+    pruned = outputs.gather(1, slot.unsqueeze(-1).expand(-1, -1, outputs.shape[-1]))
+    pruned[missing] = flat[num_tokens * top_k:]
+    return outputs, pruned
+
+
+def check_compensable(model: nn.Module, plan: PruningPlan) -> list[MoELayer]:
+    """The model's MoE layers after checking that ``plan`` was made for this (unpruned) model and that its experts
+    have down projections a correction folds into; a clear error otherwise."""
+    layers = find_moe_layers(model)
+    actual = model_fingerprint(model)
+    if actual != plan.fingerprint:
+        raise FingerprintMismatchError(
+            f"This plan was made for a different model (fingerprint {plan.fingerprint}, model_id={plan.model_id!r}); "
+            f"this model has fingerprint {actual}. Compensation runs on the unpruned model the plan was made for, "
+            "before ompmoe.prune.")
+    validate_plan(model, plan, layers)
+    for layer in layers:
+        _down_projection(layer)
+    return layers
+
+
+def _down_projection(layer: MoELayer) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The fused down projection (and its bias) of a layer's experts, indexed by expert on the first axis."""
+    experts = layer.experts
+    weight = getattr(experts, "down_proj", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 3 or weight.shape[0] != layer.num_experts:
+        raise CompensationError(
+            f"Compensation folds its correction into the experts' fused down projection; {layer.name}.experts "
+            f"({type(experts).__name__}) has no 3-D `down_proj` indexed by expert. Run without compensation.")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise CompensationError(
+            f"{layer.name}.experts normalizes each expert's output after its down projection, so a correction there "
+            "does not reach the output; run without compensation.")
+    bias = getattr(experts, "down_proj_bias", None)
+    return weight, bias if isinstance(bias, nn.Parameter) else None
+
+
+def _hidden_size(layer: MoELayer, weight: torch.Tensor) -> int:
+    """The output width of the experts: ``down_proj`` is ``(E, d, inner)``, or ``(E, inner, d)`` when transposed."""
+    return int(weight.shape[2] if getattr(layer.experts, "is_transposed", False) else weight.shape[1])
+
+
+def _corrected(parameter: torch.Tensor, correction: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Rows of a down projection (``(K, d, inner)``, ``(K, inner, d)`` when transposed) or of its bias (``(K, d)``)
+    with the correction folded in: factors ``(K,)`` scale each expert's rows, a map ``(d, d)`` multiplies every
+    expert's output."""
+    value = parameter.detach().to(torch.float64)
+    c = correction.to(value.device, torch.float64)
+    if c.dim() == 1:
+        return (value * c.view((-1,) + (1,) * (value.dim() - 1))).to(parameter.dtype)
+    if value.dim() == 2:  # bias (K, d): M b
+        return (value @ c.T).to(parameter.dtype)
+    if transposed:  # out = h @ W, W (K, inner, d): M out = h @ (W M^T)
+        return torch.einsum("kfj,ij->kfi", value, c).to(parameter.dtype)
+    return torch.einsum("ij,kjf->kif", c, value).to(parameter.dtype)  # out = W h, W (K, d, inner)
+
+
+def _batches(batches: torch.Tensor | Iterable[Any], batch_size: int | None) -> Iterable[Any]:
+    if isinstance(batches, torch.Tensor):
+        if batches.dim() != 2 or batches.shape[0] == 0 or batches.shape[1] == 0:
+            raise CompensationError(f"Compensation needs (num_blocks, seq_len) token ids; got shape "
+                                    f"{tuple(batches.shape)}.")
+        return batches.split(batch_size) if batch_size else [batches]
+    return batches
+
+
+@torch.no_grad()
+def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor | Iterable[Any], *,
+                      batch_size: int | None = 4, granularity: str = DEFAULT_GRANULARITY, sequential: bool = False,
+                      ridge: float | None = DEFAULT_RIDGE,
+                      reduce: Callable[[dict[str, torch.Tensor]], None] | None = None) -> CompensationSums:
+    """Per MoE layer, the compensation sums of the pruned block (via ``plan``) against the unpruned one, over
+    ``batches`` (a ``(n, seq)`` token tensor cut into ``batch_size`` rows, or an iterable of input-id tensors or dicts
+    for ``model(**batch)``; padding masked by ``attention_mask`` counts nothing), on the **unpruned** ``model``.
+    ``granularity="linear"`` also collects the ``d x d`` output sums the map needs.
+
+    ``sequential``: the batches run as one batch (all their tokens at once) through the pruned model, each layer
+    corrected with what ``fit_scales(sums, granularity, ridge)`` gives on its sums before the next layer runs;
+    ``reduce`` (in place on a layer's ``{"gram": ..., "cross": ..., ...}``, e.g. an all-reduce) merges a layer's sums
+    across ranks before its fit. Without ``sequential`` the model runs unpruned and the returned sums add across batches
+    and ranks (``a + b``, :meth:`CompensationSums.all_reduce`).
+    """
+    _check_options(granularity, ridge)
+    layers = check_compensable(model, plan)
+    spec = architecture_of(model)
+    device = next(model.parameters()).device
+    reducer = None if reduce is None else partial(_reduce_layer, reduce=reduce)
+    inputs = [as_model_inputs(batch, device) for batch in _batches(batches, batch_size)]
+    if not inputs:
+        raise CompensationError("Compensation needs at least one batch of calibration tokens.")
+    if sequential and len(inputs) > 1:
+        inputs = [_concatenated(inputs)]
+    fit = None
+    if sequential:  # the one batch's tokens (over ranks) set the automatic ridge
+        mask = inputs[0].get("attention_mask")
+        source = inputs[0].get("input_ids", inputs[0].get("inputs_embeds"))
+        count = {"num_tokens": torch.tensor(float(source.shape[0] * source.shape[1]) if mask is None
+                                            else float(mask.sum()), dtype=torch.float64, device=device)}
+        if reduce is not None:
+            reduce(count)
+        tokens = float(count["num_tokens"])
+        fit = lambda sums: _fit_layer(sums, granularity, ridge, tokens)  # noqa: E731
+    passes = [_LayerPass(layer, sorted(int(i) for i in layer_plan.kept), spec.count_attributes,
+                         index == len(layers) - 1, granularity == "linear", fit, reducer)
+              for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers))]
+    num_tokens = torch.zeros((), dtype=torch.float64)
+    training = model.training
+    model.eval()
+    try:
+        with adaptive_paused(model), ExitStack() as stack:
+            for each in passes:
+                stack.enter_context(each.attached())
+            for batch in inputs:
+                check_calibration_inputs(model, batch)
+                mask = batch.get("attention_mask")
+                weight = None if mask is None else mask.reshape(-1)
+                for each in passes:
+                    each.token_weight = weight
+                source = batch.get("input_ids", batch.get("inputs_embeds"))
+                num_tokens += float(source.shape[0] * source.shape[1]) if weight is None else float(weight.sum())
+                try:
+                    model(**batch, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        model.train(training)
+    return CompensationSums([each.sums for each in passes], num_tokens.to(device), plan.fingerprint, sequential)
+
+
+def _reduce_layer(sums: LayerSums, reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """``reduce`` (in place, e.g. an all-reduce) on one layer's sums."""
+    states = sums.tensors()
+    reduce(states)
+    for key, value in states.items():
+        setattr(sums, key, value)
+
+
+def _concatenated(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    keys = set(inputs[0])
+    if any(set(batch) != keys for batch in inputs):
+        raise CompensationError("Sequential compensation joins its batches into one: every batch needs the same keys.")
+    lengths = {batch[key].shape[1] for batch in inputs for key in keys}
+    if len(lengths) != 1:
+        raise CompensationError(f"Sequential compensation joins its batches into one: they need one sequence length; "
+                                f"got {sorted(lengths)}.")
+    return {key: torch.cat([batch[key] for batch in inputs]) for key in keys}
+
+
+# -- the fit -----------------------------------------------------------------------------------------------------------
+
+
+def _check_options(granularity: str, ridge: float | None) -> None:
+    if granularity not in GRANULARITIES:
+        raise CompensationError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}.")
+    if ridge is not None and (isinstance(ridge, bool) or not isinstance(ridge, (int, float))
+                              or not math.isfinite(ridge) or ridge < 0):
+        raise CompensationError(f"ridge must be a finite number >= 0 or None (automatic); got {ridge!r}.")
+
+
+def effective_ridge(granularity: str, ridge: float | None, num_tokens: float, hidden_size: int) -> float:
+    """The ridge a fit uses: ``ridge`` itself, or for ``None`` ``hidden_size / num_tokens`` (``linear``),
+    :data:`EXPERT_RIDGE` (``expert``), 0 (``layer``, which has none)."""
+    if ridge is not None:
+        return float(ridge)
+    if granularity == "linear":
+        return hidden_size / max(float(num_tokens), 1.0)
+    return EXPERT_RIDGE if granularity == "expert" else 0.0
+
+
+def layer_factor(sums: LayerSums) -> float:
+    """``<Y', Y> / ||Y'||^2``: the one least-squares factor of the layer (1 when the pruned output is zero)."""
+    energy = float(sums.gram.sum())
+    return float(sums.cross.sum()) / energy if energy > 0 else 1.0
+
+
+def _solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``system x = rhs`` in float64 on the CPU: a direct solve, least squares where the system is singular."""
+    system, rhs = system.cpu(), rhs.cpu()
+    try:
+        return torch.linalg.solve(system, rhs)
+    except RuntimeError:  # singular: e.g. ridge 0 with fewer fitting tokens than unknowns
+        return torch.linalg.lstsq(system, rhs, driver="gelsd").solution
+
+
+def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_tokens: float) -> torch.Tensor:
+    k = sums.cross.numel()
+    base = layer_factor(sums)
+    if granularity == "linear":
+        if sums.output_gram is None or sums.output_cross is None:
+            raise CompensationError("granularity='linear' needs the output sums: collect them with "
+                                    "compensation_sums(..., granularity='linear').")
+        d = sums.output_gram.shape[0]
+        lam = effective_ridge(granularity, ridge, num_tokens, d) * float(sums.output_gram.trace()) / d
+        eye = torch.eye(d, dtype=torch.float64)
+        # M (P + lam I) = C + lam s I, P symmetric: (P + lam I) M^T = (C + lam s I)^T
+        return _solve(sums.output_gram + lam * eye, (sums.output_cross + lam * base * eye).T).T.contiguous()
+    scales = torch.full((k,), base, dtype=torch.float64)
+    if granularity == "layer":
+        return scales
+    gram, cross = sums.gram.cpu(), sums.cross.cpu()
+    diagonal = gram.diagonal()
+    active = diagonal > 0  # experts no fitting token reached keep the layer's factor
+    if not bool(active.any()):
+        return scales
+    index = active.nonzero().squeeze(-1)
+    d = diagonal[index]
+    # Contributions of experts outside the active set are zero, so the active block is the whole problem.
+    ridge = effective_ridge(granularity, ridge, num_tokens, 0)
+    system = gram[index][:, index] + ridge * torch.diag(d)
+    scales[index] = _solve(system, (cross[index] + ridge * d * base).unsqueeze(-1)).squeeze(-1)
+    return scales
+
+
+def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE
+               ) -> dict[str, torch.Tensor]:
+    """Per layer, the float64 correction (module docstring): ``layer`` one factor repeated for each kept expert
+    (ordered as their ascending ids), ``expert`` the ridge-shrunk per-expert factors, ``linear`` the ``(d, d)`` map."""
+    _check_options(granularity, ridge)
+    tokens = float(sums.num_tokens)
+    return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
+
+
+def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tensor], granularity: str,
+                        ridge: float | None) -> dict[str, Any]:
+    """What was fitted, JSON-able: settings, tokens, the factors' range (a map's diagonal; ``map_off_diagonal`` is
+    the Frobenius norm of the rest over the map's, mean over layers), and the fitting tokens' relative routed-output
+    error ``||Y - Y'||^2 / ||Y||^2`` (mean over layers) before and after."""
+    diagonals = [scales[layer.name] if scales[layer.name].dim() == 1 else scales[layer.name].diagonal()
+                 for layer in sums.layers]
+    values = torch.cat([v.reshape(-1) for v in diagonals]).to(torch.float64)
+    before = [layer.residual(torch.ones_like(layer.cross)) for layer in sums.layers]
+    after = [layer.residual(scales[layer.name]) for layer in sums.layers]
+    record: dict[str, Any] = {
+        "method": "least_squares", "granularity": granularity,
+        "ridge": None if granularity == "layer" else effective_ridge(
+            granularity, ridge, float(sums.num_tokens), _map_size(scales[sums.layers[0].name])),
+        "ridge_rule": "given" if ridge is not None or granularity == "layer" else (
+            "hidden_size / tokens" if granularity == "linear" else f"default {EXPERT_RIDGE:g}"),
+        "sequential": bool(sums.sequential),
+        "num_tokens": int(round(float(sums.num_tokens))),
+        "scale_mean": float(values.mean()), "scale_min": float(values.min()), "scale_max": float(values.max()),
+        "layer_scales": {layer.name: round(layer_factor(layer), 6) for layer in sums.layers},
+        "routed_error_before": sum(before) / len(before), "routed_error_after": sum(after) / len(after),
+    }
+    if granularity == "linear":
+        ratios = [float((m - torch.diag(m.diagonal())).norm() / m.norm().clamp(min=1e-30))
+                  for m in (scales[layer.name] for layer in sums.layers)]
+        record["map_off_diagonal"] = sum(ratios) / len(ratios)
+    return record
+
+
+def _map_size(correction: torch.Tensor) -> int:
+    return int(correction.shape[0]) if correction.dim() == 2 else 0
+
+
+# -- applying it -------------------------------------------------------------------------------------------------------
+
+
+def _check_correction(layer: MoELayer, correction: torch.Tensor, count: int) -> None:
+    weight, _ = _down_projection(layer)
+    d = _hidden_size(layer, weight)
+    expected = (d, d) if correction.dim() == 2 else (count,)
+    if tuple(correction.shape) != expected:
+        raise CompensationError(f"The correction of {layer.name} has shape {tuple(correction.shape)}; expected "
+                                f"{expected} (factors of the {count} kept experts, or a {d} x {d} map).")
+    if not bool(torch.isfinite(correction).all()):
+        raise CompensationError(f"The correction of {layer.name} is not all finite.")
+
+
+@torch.no_grad()
+def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[str, torch.Tensor],
+                       kept: Mapping[str, list[int]] | None = None) -> nn.Module:
+    """Fold the corrections into the kept experts' down projections (and biases) of the **pruned** ``model``, in
+    place, and add the record to its ``config.ompmoe`` (saved in ``config.json``); returns ``model``.
+
+    ``compensation``: a :class:`Compensation`, or ``{layer: factors (K,) or map (d, d)}`` with ``kept`` (the original
+    ids the factors belong to). The kept ids must be those the model was pruned to; a model compensated already is
+    refused.
+    """
+    if isinstance(compensation, Compensation):
+        scales, kept, record = compensation.scales, compensation.kept, compensation.record
+    else:
+        scales, record = dict(compensation), {}
+        if kept is None:
+            raise CompensationError("apply_compensation needs the kept ids of each layer (kept=...) with bare factors.")
+    info = pruning_info(model)
+    if not isinstance(info, dict) or "kept_experts" not in info:
+        raise CompensationError("apply_compensation works on a pruned model (ompmoe.prune(model, plan) first); this "
+                                "model carries no pruning record.")
+    if info.get("compensation") is not None:
+        raise CompensationError("This model was compensated already; prune the original model again to refit.")
+    layers = find_moe_layers(model)
+    names = [layer.name for layer in layers]
+    if sorted(scales) != sorted(names):
+        raise CompensationError(f"The corrections cover layers {sorted(scales)} but the model's MoE layers are "
+                                f"{names}.")
+    for layer in layers:
+        ids = [int(i) for i in kept[layer.name]]
+        if info["kept_experts"].get(layer.name) != ids or layer.num_experts != len(ids):
+            raise CompensationError(
+                f"The correction of {layer.name} was fitted for kept experts {ids} but the model keeps "
+                f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
+        _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
+    for layer in layers:
+        transposed = bool(getattr(layer.experts, "is_transposed", False))
+        for parameter in _down_projection(layer):
+            if parameter is not None:
+                parameter.data.copy_(_corrected(parameter, torch.as_tensor(scales[layer.name]), transposed))
+    info = dict(info)
+    info["compensation"] = dict(record) if record else {"method": "least_squares"}
+    setattr(model.config, CONFIG_KEY, info)
+    return model
+
+
+@contextmanager
+def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensation) -> Iterator[nn.Module]:
+    """Within the context, the **unpruned** ``model`` computes what ``prune`` then ``compensation.apply`` would
+    (:func:`~ompmoe.engine.trial.pruned_view` with the kept experts' down projections corrected meanwhile); the
+    weights are restored bit for bit afterwards, also when the body raises."""
+    from .trial import pruned_view
+
+    layers = check_compensable(model, plan)
+    for layer, layer_plan in zip(layers, plan.layers):
+        kept = sorted(int(i) for i in layer_plan.kept)
+        if compensation.kept.get(layer.name) != kept:
+            raise CompensationError(f"The compensation of {layer.name} was fitted for kept experts "
+                                    f"{compensation.kept.get(layer.name)}, but the plan keeps {kept}.")
+        _check_correction(layer, compensation.scales[layer.name], len(kept))
+    saved: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for layer, layer_plan in zip(layers, plan.layers):
+                transposed = bool(getattr(layer.experts, "is_transposed", False))
+                for parameter in _down_projection(layer):
+                    if parameter is None:
+                        continue
+                    rows = torch.tensor(sorted(int(i) for i in layer_plan.kept), dtype=torch.long,
+                                        device=parameter.device)
+                    original = parameter.data.index_select(0, rows)
+                    saved.append((parameter, rows, original))
+                    parameter.data.index_copy_(0, rows, _corrected(original, compensation.scales[layer.name],
+                                                                   transposed))
+        with pruned_view(model, plan):
+            yield model
+    finally:
+        with torch.no_grad():
+            for parameter, rows, original in reversed(saved):
+                parameter.data.index_copy_(0, rows, original)
+
+
+def heldout_losses(model: nn.Module, plan: PruningPlan, compensation: Compensation, blocks: torch.Tensor,
+                   batch_size: int = 4) -> tuple[float, float]:
+    """Mean next-token loss (nats) of the pruned model on ``blocks`` without and with ``compensation``, both run on
+    the unpruned ``model`` (no copy): where compensation helps, the second is lower."""
+    from .perplexity import perplexity
+    from .trial import pruned_view
+
+    training = model.training
+    model.eval()
+    try:
+        with pruned_view(model, plan):
+            without = math.log(perplexity(model, blocks, batch_size))
+        with compensated_view(model, plan, compensation):
+            with_ = math.log(perplexity(model, blocks, batch_size))
+    finally:
+        model.train(training)
+    return without, with_
+
+
+def spread_blocks(blocks: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """The fewest of ``blocks`` (``(n, seq)``) holding ``max_tokens`` tokens, evenly spaced over them (a set made
+    of several sources one after the other gives each its share), in order; all of them when they hold fewer."""
+    if blocks.dim() != 2 or blocks.shape[1] == 0:
+        raise CompensationError(f"Compensation needs (num_blocks, seq_len) token ids; got shape {tuple(blocks.shape)}.")
+    count = -(-max_tokens // int(blocks.shape[1]))
+    if count >= blocks.shape[0]:
+        return blocks
+    index = torch.linspace(0, blocks.shape[0] - 1, count).round().long()
+    return blocks[index]
+
+
+def fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> int:
+    """Tokens to fit on: :data:`TOKENS_PER_DIMENSION` per hidden dimension of the experts' output (the ``linear``
+    map's unknowns per row), at most a quarter of ``calibration_tokens`` when given (the pass costs about 1.6x a
+    forward per token, so at most 0.4x a forward over the calibration text), at least one token."""
+    layer = find_moe_layers(model)[0]
+    weight, _ = _down_projection(layer)
+    tokens = TOKENS_PER_DIMENSION * _hidden_size(layer, weight)
+    if calibration_tokens is not None:
+        tokens = min(tokens, calibration_tokens // 4)
+    return max(1, int(tokens))
+
+
+# -- the one call ------------------------------------------------------------------------------------------------------
+
+
+def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Iterable[Any], batch_size: int = 4, *,
+               granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE, sequential: bool = False,
+               max_tokens: int | str | None = "auto",
+               reduce: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Compensation:
+    """Fit the compensation of ``plan`` on the **unpruned** ``model``: call it before ``prune(model, plan)``, then
+    ``compensation.apply(model)`` after. ``blocks``: ``(n, seq)`` calibration token ids, of which the fewest holding
+    ``max_tokens`` tokens, evenly spaced, are used (:func:`spread_blocks`; ``"auto"``: :func:`fitting_tokens`, 16
+    tokens per hidden dimension; ``None``: all), run ``batch_size`` rows at a time (``sequential``: all at once); or an
+    iterable of batches, all used.
+
+    ``reduce`` (distributed runs): called in place on each layer's sums (``{"gram": ..., "cross": ..., ...}``) and on
+    ``{"num_tokens": ...}``, e.g. ``lambda d: [dist.all_reduce(t) for t in d.values()]``, so every rank fits the same
+    correction.
+    """
+    _check_options(granularity, ridge)
+    if max_tokens == "auto":
+        max_tokens = fitting_tokens(model)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        raise CompensationError(f"max_tokens must be a positive int, 'auto' or None (every block); got "
+                                f"{max_tokens!r}.")
+    if isinstance(blocks, torch.Tensor) and max_tokens is not None:
+        blocks = spread_blocks(blocks, max_tokens)
+    sums = compensation_sums(model, plan, blocks, batch_size=batch_size, granularity=granularity,
+                             sequential=sequential, ridge=ridge, reduce=reduce if sequential else None)
+    if reduce is not None:
+        if not sequential:
+            for layer in sums.layers:
+                _reduce_layer(layer, reduce)
+        count = {"num_tokens": sums.num_tokens}
+        reduce(count)
+        sums.num_tokens = count["num_tokens"]
+    scales = fit_scales(sums, granularity, ridge)
+    kept = {layer.name: list(layer.kept) for layer in sums.layers}
+    return Compensation(scales, kept, compensation_record(sums, scales, granularity, ridge))
+
+
+__all__ = [
+    "Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
+    "TOKENS_PER_DIMENSION",
+    "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "apply_compensation", "check_compensable", "compensate",
+    "compensated_view", "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
+    "heldout_losses",
+    "layer_factor", "spread_blocks",
+]

@@ -1,0 +1,64 @@
+"""Ctrl-C during calibration: one line saying nothing was written and what to do, no traceback, no output."""
+
+import signal
+
+import pytest
+
+from ompmoe.cli import main
+from ompmoe.lightning.calibration_module import CalibrationModule
+
+from test_cli import tiny_config
+
+
+@pytest.fixture
+def sigint_restored():
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT while it shuts down
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def interrupt_at(batch: int):
+    real = CalibrationModule.training_step
+
+    def training_step(self, inputs, batch_idx):
+        if batch_idx == batch:
+            raise KeyboardInterrupt
+        return real(self, inputs, batch_idx)
+
+    return training_step
+
+
+def test_fit_interrupted_says_nothing_was_written(tmp_path, capsys, monkeypatch, sigint_restored):
+    monkeypatch.setattr(CalibrationModule, "training_step", interrupt_at(2))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(tiny_config(tmp_path)), "--data.batch_size", "1", "--trainer.enable_progress_bar=false"])
+    assert exit_info.value.code == 1  # Lightning's status after its graceful shutdown
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("ompmoe:")]
+    assert ours == [f"ompmoe: interrupted after 2 of 4 calibration batches; nothing was written ({tmp_path / 'run'} "
+                    "is as it was): run the same command again to redo it"]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_fabric_script_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatch):
+    from ompmoe.lightning import fabric, fabric_prune
+
+    real, calls = fabric.FabricCalibration.update, []
+
+    def update(self, batch, dataloader=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, batch, dataloader)
+
+    monkeypatch.setattr(fabric.FabricCalibration, "update", update)
+    out = tmp_path / "fabric"
+    with pytest.raises(SystemExit) as exit_info:
+        fabric_prune.cli(["--data.num_blocks", "5", "--data.seq_len", "64", "--data.batch_size", "1", "--plots",
+                          "false", "--output_dir", str(out)])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
+                                            f"written ({out} is as it was): run the same command again to redo it")
+    assert "Traceback" not in err and not out.exists()
