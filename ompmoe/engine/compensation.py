@@ -53,9 +53,8 @@ from torch import nn
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .collect import adaptive_paused, as_model_inputs, check_calibration_inputs
 from .plan import PruningPlan
-from .pruning import slice_module, validate_plan
+from .pruning import require_plan_model, slice_module, validate_plan
 from .record import CONFIG_KEY, pruning_info
-from .statistics import FingerprintMismatchError, model_fingerprint
 
 GRANULARITIES = ("layer", "expert", "linear")
 """``layer``: one factor per MoE layer; ``expert``: one per kept expert (``ridge`` toward the layer's); ``linear``: a
@@ -321,12 +320,8 @@ def check_compensable(model: nn.Module, plan: PruningPlan) -> list[MoELayer]:
     """The model's MoE layers after checking that ``plan`` was made for this (unpruned) model and that its experts
     have down projections a correction folds into; a clear error otherwise."""
     layers = find_moe_layers(model)
-    actual = model_fingerprint(model)
-    if actual != plan.fingerprint:
-        raise FingerprintMismatchError(
-            f"This plan was made for a different model (fingerprint {plan.fingerprint}, model_id={plan.model_id!r}); "
-            f"this model has fingerprint {actual}. Compensation runs on the unpruned model the plan was made for, "
-            "before ompmoe.prune.")
+    require_plan_model(model, plan, "Compensation runs on the unpruned model the plan was made for, before "
+                                    "ompmoe.prune.")
     validate_plan(model, plan, layers)
     for layer in layers:
         _down_projection(layer)

@@ -142,18 +142,22 @@ def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> N
             )
 
 
+def require_plan_model(model: nn.Module, plan: PruningPlan, fix: str) -> None:
+    """Refuse ``model`` unless ``plan`` was made for it (same fingerprint); ``fix`` says what to do instead."""
+    actual = model_fingerprint(model)
+    if actual != plan.fingerprint:
+        raise FingerprintMismatchError(
+            f"This plan was made for a different model (fingerprint {plan.fingerprint}, "
+            f"model_id={plan.model_id!r}); this model has fingerprint {actual}. {fix}")
+
+
 def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
     """Remove the experts ``plan`` drops, in place, and return ``model``; a plan that does not fit
     (:class:`PlanMismatchError`) or a quantized model (prune first, then quantize) leaves the model untouched."""
     check_not_quantized(model)
     layers = find_moe_layers(model)
-    actual = model_fingerprint(model)
-    if actual != plan.fingerprint:
-        raise FingerprintMismatchError(
-            f"This plan was made for a different model (fingerprint {plan.fingerprint}, "
-            f"model_id={plan.model_id!r}); this model has fingerprint {actual}. Collect statistics "
-            "and plan on this model, or load the model the plan was made for."
-        )
+    require_plan_model(model, plan, "Collect statistics and plan on this model, or load the model the plan was "
+                                    "made for.")
     validate_plan(model, plan, layers)
     spec = architecture_of(model)
     previous = pruning_info(model) or {}
