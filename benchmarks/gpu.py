@@ -19,6 +19,11 @@ measured):
            over the same tokens, then end-to-end forwards at 4,096 and 16,384 tokens per call: the unpruned model
            with adaptive inference off, OMP-MoE+ epsilon 0.1 on each path, and the model as if statically pruned
            at 0.25 (``pruned_view``).
+``compensation``  on the ``full`` section's model, the compensation pass as a run fits it by default (``linear``,
+           ``fitting_tokens`` of the calibration text: 16 per hidden dimension, at most a quarter of it; the paper's
+           plan at 0.5) timed against a plain forward over the same fitting tokens; its ratio to the plain forward
+           over the whole calibration text (the goal: at most 0.5), peak memory, the ``d x d`` sums' size and the host
+           synchronizations of one batch's pass.
 ``job``    the rest of the whole job as ``ompmoe fit`` runs it by default (``method=auto, allocation=auto``, ratio
            0.5): the statistics ``auto`` needs for this layout (for Qwen3-MoE the loss-aware sums: one backward per
            batch), plan (every candidate), choose (each candidate tried on one held-out block), prune, save (to
@@ -436,6 +441,49 @@ def section_full(args, device, dtype, results, save, state) -> None:
     state.update(model=model, batches=batches, calls=calls, paper_stats=stats, layers=layers)
 
 
+# ------------------------------------------------------------------------------- compensation
+def section_compensation(args, device, dtype, results, save, state) -> None:
+    from ompmoe.engine.compensation import (
+        compensate, compensation_sums, fitting_tokens, linear_sum_bytes, spread_blocks,
+    )
+
+    model, batches = state["model"], state["batches"]
+    plan = ompmoe.plan_pruning(state["paper_stats"], 0.5, method="omp", allocation="waterfill")
+    calibration = torch.cat(batches)
+    blocks = spread_blocks(calibration, fitting_tokens(model, calibration.numel()))
+    fit_batches = list(blocks.split(args.batch))
+    fit_tokens = blocks.numel()
+
+    def plain_pass() -> None:
+        with torch.no_grad():
+            for batch in fit_batches:
+                model(input_ids=batch, use_cache=False, logits_to_keep=1)
+
+    def compensation_pass() -> None:  # the fit and its record included, as compensate runs in the job
+        compensate(model, plan, blocks, args.batch, max_tokens=None)
+
+    compensate(model, plan, fit_batches[0], args.batch, max_tokens=None)  # warm-up at the timed shapes
+    syncs = count_syncs(lambda: compensation_sums(model, plan, [fit_batches[0]]), device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    compensate_s = timed(compensation_pass, device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    plain_s = timed(plain_pass, device)
+    calibration_s = results["full"]["plain_s"]  # the same batches, over every calibration token
+    entry = dict(granularity="linear", fitting_tokens=fit_tokens, calibration_tokens=calibration.numel(),
+                 batch=args.batch, compensate_s=compensate_s, plain_s=plain_s, ratio=compensate_s / plain_s,
+                 ratio_vs_calibration_forward=compensate_s / calibration_s, peak=peak,
+                 sum_bytes=sum(linear_sum_bytes(ompmoe.find_moe_layers(model)).values()),
+                 host_syncs_one_batch=syncs)
+    print(f"[compensation] linear on {fit_tokens} of {calibration.numel()} calibration tokens: {compensate_s:.2f} s, "
+          f"plain forward over them {plain_s:.2f} s (ratio {entry['ratio']:.3f}; "
+          f"{entry['ratio_vs_calibration_forward']:.3f} x the forward over the calibration text, goal <= 0.5); "
+          f"d x d sums {entry['sum_bytes'] / GiB:.2f} GiB, "
+          f"peak {peak / GiB:.1f} GiB, {syncs} host syncs for one batch's sums", flush=True)
+    results["compensation"] = entry
+    save()
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -444,10 +492,10 @@ def section_job(args, device, dtype, results, save, state) -> None:
     from ompmoe import PruningRun, PruningStrategy
     from ompmoe.engine.plan_choice import choose_plan
     from ompmoe.engine.ranks import RunContext
+    from ompmoe.engine.run_compensation import compensation_line, fit_compensation
 
     model, batches = state["model"], state["batches"]
-    job: dict[str, Any] = {"load_s": results["full"]["load_s"], "compensate": "not run: the compensation (quality "
-                           "issue) has not landed in ompmoe"}
+    job: dict[str, Any] = {"load_s": results["full"]["load_s"]}
     run = PruningRun(strategy=PruningStrategy(ratio=0.5, method="auto", allocation="auto"), plots=False)
     collector = run.start(model, RunContext(), model_id="random Qwen3-30B-A3B shape")
     job["statistics_collected"] = sorted(run.statistics)
@@ -498,8 +546,18 @@ def section_job(args, device, dtype, results, save, state) -> None:
     job["chosen"] = f"{plan.method}/{plan.allocation}"
     print(f"[job] plan {job['plan_s'] * 1e3:.0f} ms ({', '.join(job['candidates'])}), choose {job['choose_s']:.2f} s "
           f"-> {job['chosen']}", flush=True)
+    started = time.perf_counter()  # the run's compensation step: fit, check on the choice blocks, apply after prune
+    loss_without = job.get("losses", {}).get(f"{plan.method} + {plan.allocation}")
+    compensation, record = fit_compensation(model, plan, sequences, args.job_batch, "linear", blocks, loss_without)
+    sync(device)
+    job["compensate_s"] = time.perf_counter() - started
+    job["compensation"] = {key: value for key, value in record.items() if key != "layer_scales"}
+    print(f"[job] compensate {job['compensate_s']:.2f} s ({record['num_tokens']} tokens): {compensation_line(record)}",
+          flush=True)
     started = time.perf_counter()
     ompmoe.prune(model, plan)
+    if compensation is not None:
+        compensation.apply(model)
     sync(device)
     job["prune_s"] = time.perf_counter() - started
     gc.collect()
@@ -544,7 +602,7 @@ def section_job(args, device, dtype, results, save, state) -> None:
             print(f"[job] save failed after {time.perf_counter() - started:.1f} s: {job['save_error']}", flush=True)
         finally:
             shutil.rmtree(target, ignore_errors=True)
-    steps = ["load_s", "statistics_s", "plan_s", "choose_s", "prune_s", "save_s"]
+    steps = ["load_s", "statistics_s", "plan_s", "choose_s", "compensate_s", "prune_s", "save_s"]
     job["total_s"] = sum(job.get(step, 0.0) for step in steps)
     full = results["full"]
     job["paper_setting_total_s"] = (full["load_s"] + full["stats_s"] + full["paper_plan_s"] + job["prune_s"]
@@ -580,10 +638,17 @@ def summary(results: dict[str, Any]) -> None:
         full = results["full"]
         print(f"full depth: statistics pass {full['stats_s']:.2f} s vs plain {full['plain_s']:.2f} s "
               f"(ratio {full['ratio']:.3f}) for {full['tokens']} tokens, {full['layers']} layers")
+    if "compensation" in results:
+        c = results["compensation"]
+        print(f"compensation (linear): {c['compensate_s']:.2f} s vs plain {c['plain_s']:.2f} s over "
+              f"{c['fitting_tokens']} fitting tokens (ratio {c['ratio']:.3f}); "
+              f"{c['ratio_vs_calibration_forward']:.3f} x the forward over "
+              f"{c['calibration_tokens']} calibration tokens")
     if "job" in results:
         job = results["job"]
         parts = ", ".join(f"{step[:-2]} {job[step]:.2f} s" for step in
-                          ("load_s", "statistics_s", "plan_s", "choose_s", "prune_s", "save_s") if step in job)
+                          ("load_s", "statistics_s", "plan_s", "choose_s", "compensate_s", "prune_s", "save_s")
+                          if step in job)
         print(f"whole job (auto: {job['chosen']}): {parts}; total {job.get('total_s', float('nan')):.1f} s; "
               f"paper setting (omp/waterfill) total {job.get('paper_setting_total_s', float('nan')):.1f} s; "
               f"save to {job.get('save_target', job.get('save'))}")
@@ -638,6 +703,13 @@ def tables(results: dict[str, Any]) -> str:
                   f"{f['weight_bytes'] / GiB:.1f} GiB): statistics pass {f['stats_s']:.2f} s, plain forward "
                   f"{f['plain_s']:.2f} s over {f['tokens']:,} tokens (ratio {f['ratio']:.3f}), peak "
                   f"{f['peak'] / GiB:.1f} GiB."]
+    if "compensation" in results:
+        c = results["compensation"]
+        lines += ["", f"Compensation (`linear`, {c['fitting_tokens']:,} fitting tokens of "
+                  f"{c['calibration_tokens']:,}): {c['compensate_s']:.2f} s against a plain forward over them of "
+                  f"{c['plain_s']:.2f} s (ratio {c['ratio']:.2f}), {c['ratio_vs_calibration_forward']:.2f}x the "
+                  "forward over the calibration text; "
+                  f"sums {c['sum_bytes'] / GiB:.2f} GiB, peak {c['peak'] / GiB:.1f} GiB."]
     if "job" in results:
         j = results["job"]
         steps = [("load", "load_s"), ("statistics", "statistics_s"), ("plan", "plan_s"), ("choose", "choose_s"),
@@ -651,8 +723,8 @@ def tables(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="+", default=["layer", "full", "job", "graph"],
-                        choices=["layer", "full", "job", "graph"])
+    parser.add_argument("--sections", nargs="+", default=["layer", "full", "compensation", "job", "graph"],
+                        choices=["layer", "full", "compensation", "job", "graph"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny stand-in shapes (smoke test)")
     parser.add_argument("--repeats", type=int, default=20)
@@ -710,8 +782,10 @@ def main() -> None:
     try:
         if "layer" in args.sections:
             section_layer(args, device, dtype, results, save)
-        if "full" in args.sections or "job" in args.sections:
+        if "full" in args.sections or "compensation" in args.sections or "job" in args.sections:
             section_full(args, device, dtype, results, save, state)
+        if "compensation" in args.sections:  # before the job, which prunes the model
+            section_compensation(args, device, dtype, results, save, state)
         if "job" in args.sections:
             section_job(args, device, dtype, results, save, state)
         state.clear()

@@ -15,12 +15,19 @@ multiple-choice questions, 4 answers: loglikelihood) and the ``wikitext2`` perpl
 (rolling loglikelihood, windows of the model's 512 positions) on the shipped corpus' held-out
 documents (``--ppl_docs`` per domain). Every model runs with the ``eager`` and the ``grouped_mm``
 experts implementation, one CPU thread, ``--repeats`` times, all settings interleaved so background
-load hits them alike. ``ompmoe report --cost-time cpu`` makes the tables: Cost is the process CPU
-time of the evaluation loop (on a shared machine wall time mostly measures the other jobs; with one
-thread and an idle machine the two agree), a row is the run with its setting's median CPU time, and
-Speedup is relative to the original with the same experts implementation. Under each table: the
-speedups of every repeat against the same repeat's original, in CPU time and in wall-clock time
-(median and min-max).
+load hits them alike. ``ompmoe report --cost-time cpu`` makes the tables (one per experts
+implementation): a row is the run with its setting's median Cost, the process CPU time of that run's
+evaluation loop (one pass over every batch, warm-up included; on a shared machine wall time mostly
+measures the other jobs, with one thread and an idle machine the two agree). Speedup is not the ratio
+of the Cost columns: after its loop each run times a probe (``EvalModule``'s defaults: up to 8 of its
+batches evenly spaced over the length-sorted order, 1 untimed warm-up pass, then 5 timed passes;
+``ompmoe.eval.timing``), and a row's Speedup is the median probe CPU time of the original's row (same
+experts implementation) divided by the row's, with in parentheses the lowest and highest ratio of one
+original repeat to one row repeat, or ``n.s.`` where that interval does not tell it apart from 1
+(it includes 1, or its half-width is not smaller than the speedup's distance from 1). Under each
+table: the ratio of the original's Cost to the model's in every repeat (each against the same
+repeat's original, one loop pass each, not the probe), in CPU time and in wall-clock time (median
+and min-max over the repeats).
 """
 
 from __future__ import annotations
@@ -95,8 +102,9 @@ def evaluate(model, datamodule, output: Path, implementation: str) -> dict:
 
 
 def speedup_lines(runs: dict, implementation: str, names: list[str]) -> str:
-    """Per model, its speedups over the repeats (each vs the same repeat's original): process CPU time
-    (median, min-max) and wall clock (median, min-max)."""
+    """Per model, the original's Cost divided by its own in each repeat (the evaluation loop's single pass, each vs
+    the same repeat's original; not the table's probe-based Speedup): process CPU time (median, min-max) and wall
+    clock (median, min-max)."""
     base = runs[(implementation, names[0])]
     lines = []
     for label, index in (("CPU time", 1), ("wall clock", 0)):

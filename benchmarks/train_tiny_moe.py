@@ -46,8 +46,10 @@ Steps (all seeded, ``--seed 0``):
    held-out split (all of it, in non-overlapping ``--seq_len`` blocks, every token after the first
    of a block predicted) and of the first ``--gap_tokens`` tokens of its calibration and train
    splits; expert usage from :func:`ompmoe.collect_stats` on the calibration splits (routed-token
-   share per expert, normalized entropy, prose-vs-code divergence). Written to
-   ``metrics.json`` and the model card ``README.md`` in ``--output_dir``.
+   share per expert, normalized entropy, prose-vs-code divergence); with ``--eval_every``, the last
+   point of the held-out curve (the end of training) measured again on these weights, replacing the one
+   the training loop measured on the float32 weights before the cast. Written to ``metrics.json`` and
+   the model card ``README.md`` in ``--output_dir``.
 """
 
 from __future__ import annotations
@@ -295,12 +297,11 @@ def make_module(config: Any, args: argparse.Namespace, curve_streams: dict[str, 
                 self.curve_point()
 
         def curve_point(self) -> None:
-            """Held-out perplexity of the first ``--curve_blocks`` blocks of each domain, now."""
+            """Held-out perplexity of the first ``--curve_blocks`` blocks of each domain, now (on the training weights:
+            :func:`evaluate` measures the last point again on the saved ones)."""
             self.model.eval()
-            point = {"step": self.global_step, **{
-                domain: round(perplexity(self.model, stream, args.seq_len, args.eval_batch_size,
-                                         max_tokens=args.curve_blocks * args.seq_len)["perplexity"], 3)
-                for domain, stream in curve_streams.items()}}
+            point = heldout_curve_point(self.model, curve_streams, self.global_step, args.curve_blocks, args.seq_len,
+                                        args.eval_batch_size)
             self.model.train()
             self.curve.append(point)
             print(json.dumps({"heldout_curve": point}), flush=True)
@@ -346,6 +347,22 @@ def make_module(config: Any, args: argparse.Namespace, curve_streams: dict[str, 
 
 
 START = [0.0]
+
+
+def heldout_curve_point(model: Any, streams: dict[str, torch.Tensor], step: int, blocks: int, seq_len: int,
+                        batch_size: int) -> dict[str, float]:
+    """One point of the held-out curve: perplexity of the first ``blocks`` blocks of ``seq_len`` tokens of each
+    domain's held-out stream, as the model is now."""
+    return {"step": step, **{
+        domain: round(perplexity(model, stream, seq_len, batch_size, max_tokens=blocks * seq_len)["perplexity"], 3)
+        for domain, stream in streams.items()}}
+
+
+def final_curve(curve: list[dict[str, float]], steps: int, point: dict[str, float]) -> list[dict[str, float]]:
+    """The held-out curve of a stage of ``steps`` steps ending at ``point``, the end of training measured on the saved
+    weights: it replaces the point the training loop measured at that step on the float32 training weights (before the
+    cast to ``--save_dtype``), so the card's last column is the shipped weights' perplexity."""
+    return [*(p for p in curve if p["step"] < steps), {**point, "step": steps}]
 
 
 # ----------------------------------------------------------------------------------- evaluation
@@ -906,7 +923,8 @@ CONFIG_KEYS = {
 
 
 def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, training: dict[str, Any]) -> dict[str, Any]:
-    """Measure the saved checkpoint (bf16 weights loaded in float32); write metrics.json and the model card."""
+    """Measure the saved checkpoint (bf16 weights loaded in float32), the held-out curve's last point included;
+    write metrics.json and the model card."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if gpu else "cpu")
@@ -922,6 +940,12 @@ def evaluate(out: Path, tokenizer: Any, args: argparse.Namespace, gpu: bool, tra
                                 max_tokens=args.gap_tokens),
         }
         print(f"{domain}: held-out perplexity {ppl[domain]['heldout']['perplexity']:.3f}", flush=True)
+    if "heldout_curve" in training:  # the end of training, measured again on the weights as saved
+        streams = {domain: domain_stream(tokenizer, domain, "heldout") for domain in ("prose", "code")}
+        point = heldout_curve_point(saved, streams, training["steps"], training["curve_blocks"], training["seq_len"],
+                                    args.eval_batch_size)
+        training = {**training, "heldout_curve": final_curve(training["heldout_curve"], training["steps"], point)}
+        print(json.dumps({"heldout_curve": point, "weights": "saved"}), flush=True)
     usage = expert_usage(saved.cpu(), tokenizer, args.seq_len, args.usage_blocks, f"shipped:{args.name}")
 
     expert_params = sum(p.numel() for n, p in saved.named_parameters() if ".experts." in n)  # routed only

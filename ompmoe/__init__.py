@@ -18,6 +18,7 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
                          "reset_adaptive_counters"),
     ".engine.allocation": ("ALLOCATIONS", "AllocationProblem", "InfeasibleBudgetError", "register_allocation"),
     ".engine.collect": ("CalibrationInputError", "StatisticsCollector", "collect_stats"),
+    ".engine.compensation": ("Compensation", "CompensationError", "compensate"),
     ".engine.io": ("OutputExistsError", "OutputNotReplaceableError", "OutputNotWritableError"),
     ".engine.plan_choice": ("PlanChoice", "choose_plan"),
     ".engine.trial": ("pruned_view",),

@@ -75,6 +75,7 @@ def replan(
     tokenizer: str | None = None,
     dtype: str | None = None,
     quiet: bool = False,
+    compensation: str | None = None,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -105,10 +106,14 @@ def replan(
             (a warning names this option when none is found).
         dtype: Weights dtype of the saved models; default: the source checkpoint's.
         quiet: No progress bar and no summary lines (errors are still printed).
+        compensation: With ``model``: refit each pruned model's kept experts to the unpruned model's output
+            (``off``, ``layer``, ``expert`` or ``linear``; RunOptions.compensation) on the fit's calibration text, cut
+            again from the data settings its plan recorded. Default: the fit's (what its plan says was applied).
     """
     from .engine.run import PruningRun
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
+    from .engine.run_compensation import compensation_line
     from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
@@ -117,15 +122,19 @@ def replan(
     inputs = local_inputs(stats, fit_plan, model, tokenizer)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
-    settings, taken = _settings(statistics, fit_plan, dict(
+    settings, taken, fit = _settings(statistics, fit_plan, dict(
         method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
         max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
+    refit = _compensation(compensation, fit, model, fit_plan)
     runs = [PruningRun(owner="ompmoe prune", strategy=PruningStrategy(ratio=r, **settings), tokenizer=tokenizer,
                        dtype=dtype, plots=False) for r in ratio]
     for run in runs:  # plans are microseconds: all made (and checked) before any model loads
         run.replan(statistics)
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
+    text, check = _calibration_text(refit, tokenizer or model) if refit.granularity else (None, None)
+    if refit.note and not quiet:
+        print(refit.note)
     written = []
     show = False if quiet else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
@@ -135,10 +144,18 @@ def replan(
                 print(f"ompmoe prune: {settings_summary(plan)}{auto_note(run.strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{run.strategy.ratio:g}"
-            plan.save(tmp / f"plan-{name}.json")
+            loaded = _load_model(model, statistics) if model is not None else None
+            if loaded is not None and refit.granularity:
+                run.calibration_data = refit.data  # recorded again: what the fit was compensated on
+                run.compensate(loaded, refit.granularity, text, check_blocks=check,
+                               unchecked=f"applied as asked (compensation={refit.granularity!r})")
+                if not quiet:
+                    line = compensation_line(run.plan.extra["compensation"]).removeprefix("ompmoe: ")
+                    print(f"ratio {run.strategy.ratio:g}: {line}")
+            run.plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
-            if model is not None:
-                run.save_model(run.apply(_load_model(model, statistics)), tmp / f"model-{name}")
+            if loaded is not None:
+                run.save_model(run.apply(loaded), tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
             if not quiet:
                 print(f"ratio {run.strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
@@ -149,9 +166,9 @@ FIT_PLAN = "plan.json"
 """The plan a calibration fit (``ExpertPruning``, ``ompmoe-demo``) writes beside its ``stats.safetensors``."""
 
 
-def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str], Any]:
     """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics), else the
-    defaults; and the names taken from the fit's plan.
+    defaults; the names taken from the fit's plan; and that plan (``None``: none, or made from other statistics).
 
     The method's options come from the plan only with its method. A method or allocation ``auto`` is the fit's too:
     what ``auto`` chose there, by trying candidates on text this command lacks.
@@ -184,7 +201,55 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[d
             taken.append(name)
         else:
             settings[name] = (AUTO if name in auto else defaults[name]) if value is None else value
-    return settings, taken
+    return settings, taken, plan
+
+
+@dataclasses.dataclass
+class _Refit:
+    """What ``prune`` fits: the granularity (``None``: nothing), the fit's data settings to cut its calibration text
+    with, the choice blocks the fit checked it on, and a line to print when it is not done."""
+
+    granularity: str | None = None
+    data: dict[str, Any] | None = None
+    check_blocks: int | None = None
+    """Choice blocks the fit checked its compensation on (``None``: it did not check)."""
+    note: str | None = None
+
+
+def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path) -> _Refit:
+    """The granularity given, else the one the fit applied; refused, before any work, where it cannot be done."""
+    from .engine.compensation import GRANULARITIES
+
+    if given is not None and given not in ("off", *GRANULARITIES):
+        raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: what "
+                         "the fit applied)")
+    record = (fit.extra.get("compensation") or {}) if fit is not None else {}
+    granularity = given if given is not None else (record.get("granularity") if record.get("applied") else None)
+    if granularity in (None, "off") or (model is None and given is None):  # plans only: nothing to compensate
+        return _Refit()
+    if model is None:
+        raise ValueError("--compensation refits the pruned models' experts: give --model (plans alone hold no weights)")
+    if record.get("calibration_data") is None:
+        where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
+                 "from elsewhere than ompmoe.CalibrationDataModule)" if fit is not None else
+                 f"no fit's plan of these statistics ({fit_plan}) records the calibration data")
+        if given is None:
+            return _Refit(note=f"ompmoe prune: the fit compensated its model, these are not: {where}")
+        raise ValueError(f"--compensation {given} fits on the fit's calibration text, but {where}; pass "
+                         "--compensation off")
+    return _Refit(granularity, record["calibration_data"], record.get("check_blocks"))
+
+
+def _calibration_text(refit: _Refit, tokenizer: str | None) -> tuple[Any, Any]:
+    """The fit's calibration blocks, cut again from its data settings, and the choice blocks after them when the fit
+    checked its compensation there."""
+    from .lightning.calibration_data import CalibrationDataModule
+
+    accepted = inspect.signature(CalibrationDataModule).parameters
+    settings = {key: value for key, value in (refit.data or {}).items() if key in accepted}
+    settings["tokenizer"] = settings.get("tokenizer") or tokenizer
+    module = CalibrationDataModule(**settings)
+    return module.blocks, module.choice_blocks(refit.check_blocks) if refit.check_blocks else None
 
 
 def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False,
@@ -330,10 +395,35 @@ def command_cli(argv: list[str]) -> None:
         raise ValueError(_one_line(str(error), argv[0])) from None
 
 
+def _interrupted_line(argv: list[str]) -> str:
+    """The one line ``ompmoe`` prints on Ctrl-C that no loop of its own reported. ``prune`` and ``plot`` write their
+    ``--output_dir`` atomically (``ompmoe.engine.io.atomic_path``: a temporary sibling, moved into place at the end),
+    so an interrupt leaves it as it was; the line says so, naming it when the command line gives it (not a config
+    file given after it)."""
+    if not argv or argv[0] not in COMMANDS:
+        return "ompmoe: interrupted"
+    output_dir = None
+    for index, arg in enumerate(argv[1:], start=1):
+        if arg == "--output_dir" and index + 1 < len(argv):
+            output_dir = argv[index + 1]
+        elif arg.startswith("--output_dir="):
+            output_dir = arg.split("=", 1)[1]
+        elif arg == "--config" or arg.startswith("--config="):
+            output_dir = None  # the config may name another one
+    kept = f" ({output_dir} is as it was)" if output_dir else ""
+    return f"ompmoe: interrupted; nothing was written{kept}: run the same command again to redo it"
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``ompmoe`` command; a user error is one ``error:`` line on stderr and exit status 2."""
-    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fit"] and "torch" not in sys.modules:
+        # Before torch loads OpenMP: its threads then sleep, not spin, while they wait (on 2 shared cores the
+        # README's fit took 38 s instead of 112 s; docs/performance.md).
+        import os
+
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    quiet_third_party()
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print(TOP_HELP, end="")
@@ -355,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as error:
         fail(error)
     except KeyboardInterrupt:  # one line, not Python's traceback; 130 as a shell reports Ctrl-C
-        print("ompmoe: interrupted", file=sys.stderr)
+        print(_interrupted_line(argv), file=sys.stderr)
         raise SystemExit(130) from None
 
 

@@ -54,9 +54,11 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     assert (method, allocation) == ("auto", "auto") and fit_plan.method != "auto" != fit_plan.allocation
     for ratio in (0.25, 0.5):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
+        compensation = plan.extra.pop("compensation")  # fitted as the fit did (tests/test_prune_compensation.py)
         assert plan == ompmoe.plan_pruning(stats, ratio, method=fit_plan.method, allocation=fit_plan.allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
+        assert ("compensation" in ompmoe.pruning_info(model)) == compensation["applied"]
     # Complete directories: the shipped tokenizer, bf16 weights as in the source (calibration ran in float32), a card.
     from safetensors import safe_open
 

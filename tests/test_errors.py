@@ -209,7 +209,8 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys)
     monkeypatch.setattr(ompmoe.cli, "command_cli", interrupted)
     with pytest.raises(SystemExit) as info:
         main(["plot", "--stats", "s", "--output_dir", "o"])
-    assert info.value.code == 130 and capsys.readouterr().err == "ompmoe: interrupted\n"
+    assert info.value.code == 130 and capsys.readouterr().err == (
+        "ompmoe: interrupted; nothing was written (o is as it was): run the same command again to redo it\n")
 
 
 def test_a_bare_overwrite_is_true_on_the_demo_and_the_fabric_script(monkeypatch, tmp_path, capsys):

@@ -62,3 +62,58 @@ def test_the_fabric_script_interrupted_says_so_and_exits_130(tmp_path, capsys, m
     assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
                                             f"written ({out} is as it was): run the same command again to redo it")
     assert "Traceback" not in err and not out.exists()
+
+
+def test_the_demo_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from ompmoe.engine.collect import StatisticsCollector
+    from ompmoe.recipes import quickstart
+
+    real, calls = StatisticsCollector.calibrate, []
+
+    def calibrate(self, inputs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, inputs)
+
+    monkeypatch.setattr(StatisticsCollector, "calibrate", calibrate)
+    out = tmp_path / "demo"
+    monkeypatch.setattr(sys, "argv", ["ompmoe-demo", "--model", "tiny", "--seq_len", "32", "--num_blocks", "5",
+                                      "--batch_size", "1", "--output_dir", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.main()
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
+                                            f"written ({out} is as it was): run the same command again to redo it")
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_prune_interrupted_between_ratios_leaves_the_output_as_it_was(tmp_path, capsys, monkeypatch):
+    from ompmoe.engine.plan import PruningPlan
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    stats = str(synthetic_stats(4, 16, 4).save(tmp_path / "stats.safetensors"))
+    out = tmp_path / "plans"
+    main(["prune", "--stats", stats, "--ratio", "[0.25]", "--output_dir", str(out), "--quiet"])
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert "plan-0.25.json" in before
+    real, saves = PruningPlan.save, []
+
+    def save(self, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:  # the second of three ratios
+            raise KeyboardInterrupt
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(PruningPlan, "save", save)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prune", "--stats", stats, "--ratio", "[0.25,0.5,0.6]", "--output_dir", str(out), "--overwrite"])
+    assert exit_info.value.code == 130 and len(saves) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"ompmoe: interrupted; nothing was written ({out} is as it was): run the same "
+                                "command again to redo it"]
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["plans", "stats.safetensors"]  # no temporary left

@@ -246,8 +246,8 @@ def holder(target: Path) -> subprocess.Popen:
 
 
 def in_use(target: Path, pid: int) -> str:
-    return (f"another ompmoe run (pid {pid}) is writing {target} now; wait for it to finish, or choose another "
-            "output path")
+    return (f"another ompmoe run (pid {pid}) is using {target} (calibrating or writing it); wait for it to finish, or "
+            "choose another output path")
 
 
 def test_an_output_a_live_run_is_writing_is_refused_before_any_work(tmp_path, monkeypatch):
@@ -277,7 +277,7 @@ def test_an_output_a_live_run_is_writing_is_refused_before_any_work(tmp_path, mo
         monkeypatch.undo()
         # the ExpertPruning callback (ompmoe fit): refused in setup, before one calibration forward
         counter = ForwardCounter()
-        with pytest.raises(OutputInUseError, match=r"^another ompmoe run \(pid \d+\) is writing "):
+        with pytest.raises(OutputInUseError, match=r"^another ompmoe run \(pid \d+\) is using "):
             trainer([counter, ExpertPruning(output_dir=str(out), overwrite=True, plots=False)]).fit(
                 CalibrationModule("tiny:qwen3_moe"), DataLoader(batches(2)))
         assert counter.calls == 0
@@ -306,7 +306,7 @@ def test_without_flock_a_lock_naming_a_live_process_blocks_and_a_dead_one_does_n
     try:
         lock = tmp_path / f".out.{io._host()}-{sleeper.pid}.0123abcd.lock"
         lock.write_text(json.dumps({**io._identity(), "pid": str(sleeper.pid)}))
-        with pytest.raises(OutputInUseError, match=rf"^another ompmoe run \(pid {sleeper.pid}\) is writing "):
+        with pytest.raises(OutputInUseError, match=rf"^another ompmoe run \(pid {sleeper.pid}\) is using "):
             check_writable(tmp_path / "out", overwrite=False, directory=True)
     finally:
         sleeper.kill()

@@ -316,6 +316,9 @@ class StatisticsCollector:
         self._warned = False
         self.batch_size = 0
         """The most samples a calibration batch had (the batch size of later passes over held-out text)."""
+        self.token_batches: list[dict[str, torch.Tensor]] = []
+        """This process's calibration token ids (and masks) on the CPU, real samples only: what compensation fits
+        on when the data holds no ``blocks`` (a few bytes per token, next to the statistics' megabytes)."""
 
     def metrics(self) -> dict[str, Metric]:
         """Every sum-state metric by its checkpoint prefix: ``""`` for the core sums, ``"loss."``, ``"reroute."``..."""
@@ -374,7 +377,18 @@ class StatisticsCollector:
         self.batch_size = max(self.batch_size, int(ids.shape[0]))
         weight = batch_token_weight(inputs, first_sample, real_samples)
         self.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
+        self._keep_tokens(inputs, first_sample, real_samples)
         self.__enter__()
+
+    def _keep_tokens(self, inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None) -> None:
+        """Keep the batch's real samples' token ids on the CPU (none for ``inputs_embeds``)."""
+        ids = inputs.get("input_ids")
+        if ids is None:
+            return
+        rows = int(ids.shape[0]) if real_samples is None else max(0, min(int(ids.shape[0]), real_samples - first_sample))
+        if rows:
+            self.token_batches.append({key: inputs[key][:rows].detach().cpu()
+                                       for key in ("input_ids", "attention_mask") if inputs.get(key) is not None})
 
     def end_batch(self) -> None:
         """Stop instrumenting (also after a failed forward)."""

@@ -20,7 +20,14 @@ experts excluded: they are never pruned). Three corrections, each least squares 
 
 A factor scales an expert's output and a map is linear in it, so both fold exactly into every kept expert's down
 projection and bias (:func:`apply_compensation`). The sums are float64 and merge across batches and ranks by
-addition (:class:`CompensationSums`; ``linear`` adds two ``d x d`` sums per layer, kept on the CPU).
+addition (:class:`CompensationSums`). They accumulate on the device of the layer's experts, so a batch's activations
+never travel to the host (the fit moves the small ones to the CPU and solves a ``linear`` map where its sums are).
+
+Memory: ``linear`` adds two ``d x d`` float64 sums per MoE layer, ``16 d^2`` bytes: 3.2 GB for ``d = 2048`` x 48
+layers (Qwen3-30B-A3B), 48 GB for ``d = 7168`` x 58 layers (DeepSeek-V3), on the model's device beside the weights
+(the fit adds about four ``d x d`` of one layer at a time). :func:`compensate` refuses ``linear`` before any forward
+when they exceed ``max_sum_bytes`` on one device (:data:`MAX_SUM_BYTES`, 8 GiB); ``layer`` and ``expert`` need
+``K x K`` per layer only.
 
 ``sequential=True`` fits layer by layer on the inputs the already-pruned-and-compensated layers produce (the pruned
 model's own inputs), against the unpruned block's output on those inputs; each layer's correction must be known before
@@ -64,6 +71,8 @@ DEFAULT_GRANULARITY = "linear"
 DEFAULT_RIDGE: float | None = None
 """``None``: ``d / T`` for ``linear``, :data:`EXPERT_RIDGE` for ``expert`` (:func:`effective_ridge`)."""
 EXPERT_RIDGE = 0.1
+MAX_SUM_BYTES = 8 * 2**30
+"""``linear``'s two ``d x d`` float64 sums per MoE layer, summed over the layers on one device, may take this much."""
 TOKENS_PER_DIMENSION = 16
 """``max_tokens="auto"`` fits on ``16 * d`` tokens (``d`` the hidden size): 4,096 on the shipped models, where that
 measured within 0.7 % of every calibration token and costs 0.42x a forward over 64 x 256 calibration tokens
@@ -107,8 +116,8 @@ class LayerSums:
         if c.dim() == 2:
             if self.output_gram is None or self.output_cross is None:
                 raise CompensationError("A linear map's residual needs the output sums (granularity='linear').")
-            m = c.to(self.output_gram)
-            error = (self.target_energy.cpu() - 2 * (m * self.output_cross).sum()
+            m = c.to(self.output_gram)  # where the sums are: no d x d copy
+            error = (self.target_energy.to(m) - 2 * (m * self.output_cross).sum()
                      + ((m @ self.output_gram) * m).sum())
         else:
             error = self.target_energy - 2 * c @ self.cross + c @ self.gram @ c
@@ -167,7 +176,7 @@ class CompensationSums:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             staged = dist.get_backend() == "nccl" and torch.cuda.is_available()  # NCCL reduces CUDA tensors only
             for tensor in self.state_dict().values():
-                if staged and tensor.device.type == "cpu":  # the linear sums live on the CPU
+                if staged and tensor.device.type == "cpu":  # sums of a model on the CPU
                     on_device = tensor.cuda()
                     dist.all_reduce(on_device)
                     tensor.copy_(on_device.cpu())
@@ -211,12 +220,11 @@ class _LayerPass:
         slice_module(self.router, self.kept, layer.num_experts, count_attributes)
         weight, _ = _down_projection(layer)
         device, k = weight.device, len(kept)
+        self.kept_on_device = self.kept.to(device)  # indexed per batch: no host-to-device copy there
         d = _hidden_size(layer, weight)
-        zeros = dict(dtype=torch.float64)
+        zeros = dict(dtype=torch.float64, device=device)  # on the experts' device: no batch goes to the host
         self.sums = LayerSums(
-            layer.name, list(kept), torch.zeros(k, k, device=device, **zeros), torch.zeros(k, device=device, **zeros),
-            torch.zeros((), device=device, **zeros),
-            # d x d per layer: on the CPU, whatever the model's device
+            layer.name, list(kept), torch.zeros(k, k, **zeros), torch.zeros(k, **zeros), torch.zeros((), **zeros),
             torch.zeros(d, d, **zeros) if outputs else None, torch.zeros(d, d, **zeros) if outputs else None)
         self.last = last
         self.fit = fit
@@ -252,7 +260,7 @@ class _LayerPass:
                                         "compensation needs the router's own input.")
             ids, weights = self._routing
             self._routing = None
-            outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, self.kept.to(ids.device)[ids])
+            outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, self.kept_on_device.to(ids.device)[ids])
             target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)  # the unpruned routed output
             contributions = pruned.float() * weights.float().unsqueeze(-1)  # c = g' F, (T, k', d)
             self._add(ids, contributions, target.float())
@@ -275,10 +283,12 @@ class _LayerPass:
 
     def _add(self, ids: torch.Tensor, contributions: torch.Tensor, target: torch.Tensor) -> None:
         """Add one batch: ``ids`` ``(T, k')`` positions among the kept experts, ``contributions`` ``(T, k', d)``,
-        ``target`` ``(T, d)``; padded tokens are dropped."""
+        ``target`` ``(T, d)``; padded tokens add zeros (zeroed, not dropped: a boolean index reads the mask back to
+        the host). Nothing here reads a value back to the host."""
         if self.token_weight is not None:
-            keep = self.token_weight.to(ids.device) > 0
-            ids, contributions, target = ids[keep], contributions[keep], target[keep]
+            keep = (self.token_weight.to(ids.device) > 0).unsqueeze(-1)
+            contributions = torch.where(keep.unsqueeze(-1), contributions, 0.0)  # where: a padded NaN adds nothing
+            target = torch.where(keep, target, 0.0)
         sums = self.sums
         k = sums.cross.numel()
         device = sums.gram.device
@@ -290,11 +300,11 @@ class _LayerPass:
         sums.target_energy += target.square().sum().to(device, torch.float64)
         if sums.output_gram is not None and sums.output_cross is not None:
             # float64 products on the CPU; on an accelerator float32 per batch (float64 is slow on most), summed in
-            # float64 on the CPU over batches
+            # float64 over batches where the sums are
             dtype = torch.float64 if target.device.type == "cpu" else torch.float32
             pruned, target = contributions.sum(1).to(dtype), target.to(dtype)
-            sums.output_gram += (pruned.T @ pruned).cpu()
-            sums.output_cross += (target.T @ pruned).cpu()
+            sums.output_gram += (pruned.T @ pruned).to(device)
+            sums.output_cross += (target.T @ pruned).to(device)
 
 
 def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pruned_ids: torch.Tensor
@@ -377,11 +387,13 @@ def _batches(batches: torch.Tensor | Iterable[Any], batch_size: int | None) -> I
 def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor | Iterable[Any], *,
                       batch_size: int | None = 4, granularity: str = DEFAULT_GRANULARITY, sequential: bool = False,
                       ridge: float | None = DEFAULT_RIDGE,
-                      reduce: Callable[[dict[str, torch.Tensor]], None] | None = None) -> CompensationSums:
+                      reduce: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                      max_sum_bytes: int | None = MAX_SUM_BYTES) -> CompensationSums:
     """Per MoE layer, the compensation sums of the pruned block (via ``plan``) against the unpruned one, over
     ``batches`` (a ``(n, seq)`` token tensor cut into ``batch_size`` rows, or an iterable of input-id tensors or dicts
     for ``model(**batch)``; padding masked by ``attention_mask`` counts nothing), on the **unpruned** ``model``.
-    ``granularity="linear"`` also collects the ``d x d`` output sums the map needs.
+    ``granularity="linear"`` also collects the ``d x d`` output sums the map needs, refused before any forward when
+    they would take more than ``max_sum_bytes`` on one device (``None``: no limit).
 
     ``sequential``: the batches run as one batch (all their tokens at once) through the pruned model, each layer
     corrected with what ``fit_scales(sums, granularity, ridge)`` gives on its sums before the next layer runs;
@@ -391,6 +403,8 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
     """
     _check_options(granularity, ridge)
     layers = check_compensable(model, plan)
+    if granularity == "linear":
+        check_sum_budget(layers, max_sum_bytes)
     spec = architecture_of(model)
     device = next(model.parameters()).device
     reducer = None if reduce is None else partial(_reduce_layer, reduce=reduce)
@@ -401,10 +415,7 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
         inputs = [_concatenated(inputs)]
     fit = None
     if sequential:  # the one batch's tokens (over ranks) set the automatic ridge
-        mask = inputs[0].get("attention_mask")
-        source = inputs[0].get("input_ids", inputs[0].get("inputs_embeds"))
-        count = {"num_tokens": torch.tensor(float(source.shape[0] * source.shape[1]) if mask is None
-                                            else float(mask.sum()), dtype=torch.float64, device=device)}
+        count = {"num_tokens": _count_tokens(torch.zeros((), dtype=torch.float64, device=device), inputs[0])}
         if reduce is not None:
             reduce(count)
         tokens = float(count["num_tokens"])
@@ -412,7 +423,7 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
     passes = [_LayerPass(layer, sorted(int(i) for i in layer_plan.kept), spec.count_attributes,
                          index == len(layers) - 1, granularity == "linear", fit, reducer)
               for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers))]
-    num_tokens = torch.zeros((), dtype=torch.float64)
+    num_tokens = torch.zeros((), dtype=torch.float64, device=device)
     training = model.training
     model.eval()
     try:
@@ -425,15 +436,58 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
                 weight = None if mask is None else mask.reshape(-1)
                 for each in passes:
                     each.token_weight = weight
-                source = batch.get("input_ids", batch.get("inputs_embeds"))
-                num_tokens += float(source.shape[0] * source.shape[1]) if weight is None else float(weight.sum())
+                _count_tokens(num_tokens, batch)
                 try:
                     model(**batch, use_cache=False)
                 except _Stop:
                     pass
     finally:
         model.train(training)
-    return CompensationSums([each.sums for each in passes], num_tokens.to(device), plan.fingerprint, sequential)
+    return CompensationSums([each.sums for each in passes], num_tokens, plan.fingerprint, sequential)
+
+
+def _count_tokens(total: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Add ``batch``'s real tokens (its mask's sum, or every position) to ``total`` in place, where ``total`` is: no
+    value is read back to the host. Returns ``total``."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        source = batch.get("input_ids", batch.get("inputs_embeds"))
+        return total.add_(int(source.shape[0] * source.shape[1]))
+    return total.add_(mask.sum().to(total.device))
+
+
+def linear_sum_bytes(layers: list[MoELayer]) -> dict[torch.device, int]:
+    """Bytes of ``linear``'s two ``d x d`` float64 sums per MoE layer, summed per device they accumulate on."""
+    sizes: dict[torch.device, int] = {}
+    for layer in layers:
+        weight, _ = _down_projection(layer)
+        d = _hidden_size(layer, weight)
+        sizes[weight.device] = sizes.get(weight.device, 0) + 2 * d * d * 8
+    return sizes
+
+
+def check_sum_budget(layers: list[MoELayer], max_sum_bytes: int | None) -> None:
+    """Refuse ``linear`` when its sums would take more than ``max_sum_bytes`` on one device: before any forward, not
+    as an out-of-memory error after the calibration pass."""
+    if max_sum_bytes is None:
+        return
+    if isinstance(max_sum_bytes, bool) or not isinstance(max_sum_bytes, int) or max_sum_bytes <= 0:
+        raise CompensationError(f"max_sum_bytes must be a positive int or None (no limit); got {max_sum_bytes!r}.")
+    for device, size in linear_sum_bytes(layers).items():
+        if size > max_sum_bytes:
+            weight, _ = _down_projection(layers[0])
+            d = _hidden_size(layers[0], weight)
+            raise CompensationError(
+                f"granularity='linear' needs {_format_bytes(size)} of float64 sums on {device} (two {d} x {d} per "
+                f"MoE layer), over max_sum_bytes={max_sum_bytes} ({_format_bytes(max_sum_bytes)}); pass "
+                "granularity='expert' or a larger max_sum_bytes.")
+
+
+def _format_bytes(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
 
 
 def _reduce_layer(sums: LayerSums, reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -483,12 +537,12 @@ def layer_factor(sums: LayerSums) -> float:
 
 
 def _solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``system x = rhs`` in float64 on the CPU: a direct solve, least squares where the system is singular."""
-    system, rhs = system.cpu(), rhs.cpu()
+    """``system x = rhs`` in float64 on the system's device (a ``linear`` map's ``d x d`` sums and result stay where
+    they are; applying the map moves it to the weights), least squares on the CPU where the system is singular."""
     try:
         return torch.linalg.solve(system, rhs)
-    except RuntimeError:  # singular: e.g. ridge 0 with fewer fitting tokens than unknowns
-        return torch.linalg.lstsq(system, rhs, driver="gelsd").solution
+    except RuntimeError:  # singular: e.g. ridge 0 with fewer fitting tokens than unknowns (gelsd: CPU only)
+        return torch.linalg.lstsq(system.cpu(), rhs.cpu(), driver="gelsd").solution.to(system.device)
 
 
 def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_tokens: float) -> torch.Tensor:
@@ -500,7 +554,7 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
                                     "compensation_sums(..., granularity='linear').")
         d = sums.output_gram.shape[0]
         lam = effective_ridge(granularity, ridge, num_tokens, d) * float(sums.output_gram.trace()) / d
-        eye = torch.eye(d, dtype=torch.float64)
+        eye = torch.eye(d, dtype=torch.float64, device=sums.output_gram.device)
         # M (P + lam I) = C + lam s I, P symmetric: (P + lam I) M^T = (C + lam s I)^T
         return _solve(sums.output_gram + lam * eye, (sums.output_cross + lam * base * eye).T).T.contiguous()
     scales = torch.full((k,), base, dtype=torch.float64)
@@ -523,7 +577,8 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
 def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE
                ) -> dict[str, torch.Tensor]:
     """Per layer, the float64 correction (module docstring): ``layer`` one factor repeated for each kept expert
-    (ordered as their ascending ids), ``expert`` the ridge-shrunk per-expert factors, ``linear`` the ``(d, d)`` map."""
+    (ordered as their ascending ids), ``expert`` the ridge-shrunk per-expert factors (on the CPU), ``linear`` the
+    ``(d, d)`` map (where its sums are)."""
     _check_options(granularity, ridge)
     tokens = float(sums.num_tokens)
     return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
@@ -706,7 +761,8 @@ def fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> i
 def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Iterable[Any], batch_size: int = 4, *,
                granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE, sequential: bool = False,
                max_tokens: int | str | None = "auto",
-               reduce: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Compensation:
+               reduce: Callable[[dict[str, torch.Tensor]], None] | None = None,
+               max_sum_bytes: int | None = MAX_SUM_BYTES) -> Compensation:
     """Fit the compensation of ``plan`` on the **unpruned** ``model``: call it before ``prune(model, plan)``, then
     ``compensation.apply(model)`` after. ``blocks``: ``(n, seq)`` calibration token ids, of which the fewest holding
     ``max_tokens`` tokens, evenly spaced, are used (:func:`spread_blocks`; ``"auto"``: :func:`fitting_tokens`, 16
@@ -716,6 +772,9 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     ``reduce`` (distributed runs): called in place on each layer's sums (``{"gram": ..., "cross": ..., ...}``) and on
     ``{"num_tokens": ...}``, e.g. ``lambda d: [dist.all_reduce(t) for t in d.values()]``, so every rank fits the same
     correction.
+
+    ``max_sum_bytes``: ``linear`` is refused before any forward when its ``d x d`` sums would take more on one device
+    (:data:`MAX_SUM_BYTES`, 8 GiB; ``None``: no limit): pass ``granularity="expert"`` or a larger budget then.
     """
     _check_options(granularity, ridge)
     if max_tokens == "auto":
@@ -726,7 +785,8 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     if isinstance(blocks, torch.Tensor) and max_tokens is not None:
         blocks = spread_blocks(blocks, max_tokens)
     sums = compensation_sums(model, plan, blocks, batch_size=batch_size, granularity=granularity,
-                             sequential=sequential, ridge=ridge, reduce=reduce if sequential else None)
+                             sequential=sequential, ridge=ridge, reduce=reduce if sequential else None,
+                             max_sum_bytes=max_sum_bytes)
     if reduce is not None:
         if not sequential:
             for layer in sums.layers:
@@ -741,9 +801,8 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
 
 __all__ = [
     "Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
-    "TOKENS_PER_DIMENSION",
+    "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
     "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "apply_compensation", "check_compensable", "compensate",
-    "compensated_view", "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
-    "heldout_losses",
-    "layer_factor", "spread_blocks",
+    "check_sum_budget", "compensated_view", "compensation_record", "compensation_sums", "effective_ridge", "fit_scales",
+    "fitting_tokens", "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks",
 ]

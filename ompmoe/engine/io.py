@@ -3,7 +3,8 @@
 An output is written into a hidden temporary sibling under a run lock (``flock``) and renamed into place only on
 success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and what killed
 runs left is cleaned by the next run for the same target once their run is known dead. An output another live run
-is writing is refused up front (:class:`OutputInUseError`); a write that fails midway for want of space, file size,
+has reserved (:func:`reserve`, before its calibration) or is writing is refused up front (:class:`OutputInUseError`);
+a write that fails midway for want of space, file size,
 quota or a writable file system, whatever library raised it, ends as one :class:`OutputNotWritableError` naming the
 output and the cause, the previous output untouched.
 """
@@ -20,6 +21,7 @@ import resource
 import secrets
 import shutil
 import socket
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from itertools import takewhile
@@ -148,8 +150,11 @@ class _RunLock:
         return path.parent / f".{path.name}.{_owner()}.{self.token}.{kind}"
 
     def release(self) -> None:
+        if self.fd < 0:
+            return
         self.path.unlink(missing_ok=True)
         os.close(self.fd)
+        self.fd = -1
 
 
 def _step(name: str) -> None:
@@ -171,7 +176,10 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
         if match is not None:
             runs.setdefault((match["owner"], match["token"]), {})[match["kind"]] = entry
     handled = []
+    mine = _reserved_locks()
     for entries in runs.values():
+        if "lock" in entries and _file_id(entries["lock"]) in mine:
+            continue  # this process's own reservation: neither dead nor another run
         fd = _claim(entries["lock"], live) if "lock" in entries else None
         if fd is None:
             continue
@@ -185,8 +193,11 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
                         os.rename(entry, path)  # killed between "old -> aside" and "new -> target": restore the old
                     else:
                         _remove(entry)
+                        if os.path.lexists(entry):  # not removable (permissions): left for a later run
+                            continue
                     handled.append(entry)
-                entries["lock"].unlink(missing_ok=True)
+                if not any(os.path.lexists(entries[kind]) for kind in ("old", "tmp") if kind in entries):
+                    entries["lock"].unlink(missing_ok=True)  # else kept: the next run tries again
         finally:
             os.close(fd)
     return sorted(handled)
@@ -254,7 +265,8 @@ def check_writable(
     path: str | os.PathLike, overwrite: bool, *, directory: bool | None = None, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
     """Fail before any expensive work if ``path`` cannot be written or must not be replaced, or if another live run is
-    writing it now (:class:`OutputInUseError`, also with ``overwrite``); clean what dead runs left.
+    writing it now or has reserved it (:class:`OutputInUseError`, also with ``overwrite``; this process's own
+    reservations do not count); clean what dead runs left.
     ``inputs``: files the run reads, never replaced. ``directory``: whether the output is a directory (None: either).
     """
     path = _normalised(Path(path))
@@ -271,15 +283,126 @@ def check_writable(
     return path
 
 
+class Reservation:
+    """This process's claim on an output, from the check before any work (calibration) until the write that commits
+    it: the run lock (``.{name}.{owner}.{token}.lock``) taken early, so that another run's :func:`check_writable`
+    refuses the output (:class:`OutputInUseError`) while this run is still calibrating.
+
+    :func:`atomic_path` for the same output takes the reservation over, writes under its lock and releases it when it
+    ends (committed or failed). Otherwise call :meth:`release` (or use it as a context manager); a reservation that
+    is garbage-collected, or still held at interpreter exit, is released then, and one of a process that died is
+    cleaned by the next run like any dead run's lock. Reservations of this process never block it.
+    """
+
+    def __init__(self, path: Path, overwrite: bool, directory: bool | None, inputs: Iterable[str | os.PathLike]
+                 ) -> None:
+        self.path = check_writable(path, overwrite, directory=directory, inputs=inputs)
+        created = _make_parents(self.path.parent)
+        try:
+            self.lock = _RunLock(self.path)
+        except BaseException:
+            _remove_made(created)
+            raise
+        self._finalizer = weakref.finalize(self, _release_reservation, self.lock, created, os.getpid())
+        _RESERVATIONS.setdefault(_output_key(self.path), []).append(weakref.ref(self))
+        # Two runs that checked at the same instant both hold a lock now: each sees the other's and backs off.
+        live: list[dict[str, str]] = []
+        try:
+            clean_leftovers(self.path, live)
+            if live:
+                raise OutputInUseError(errno.EBUSY, _in_use_message(self.path, live[0]))
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def held(self) -> bool:
+        """Whether the output is still reserved (neither written nor released)."""
+        return self._finalizer.alive
+
+    def release(self, *, keep_directories: bool = False) -> None:
+        """Give the output up: remove the lock file and, unless ``keep_directories`` (the output is in them now), the
+        directories made for it if still empty. Idempotent; does nothing in a forked child (a DataLoader worker)."""
+        if keep_directories:
+            info = self._finalizer.detach()
+            if info is not None:
+                _, function, (lock, _created, pid), _ = info
+                function(lock, [], pid)
+        else:
+            self._finalizer()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Reservation({str(self.path)!r}, held={self.held})"
+
+
+_RESERVATIONS: dict[tuple[int, int, str], list[weakref.ref[Reservation]]] = {}
+"""This process's reservations, by output (its parent directory's device and inode, and its name)."""
+
+
+def _output_key(path: Path) -> tuple[int, int, str]:
+    parent = os.stat(path.parent)
+    return parent.st_dev, parent.st_ino, path.name
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _held_reservations(key: tuple[int, int, str] | None = None) -> list[Reservation]:
+    """This process's reservations still held (of the output ``key`` only, if given), oldest first."""
+    held = []
+    for each in list(_RESERVATIONS) if key is None else [key]:
+        for ref in _RESERVATIONS.get(each, []):
+            reservation = ref()
+            if reservation is not None and reservation.held:
+                held.append(reservation)
+    return held
+
+
+def _reserved_locks() -> set[tuple[int, int]]:
+    """Device and inode of the lock files this process's reservations hold."""
+    found = {_file_id(reservation.lock.path) for reservation in _held_reservations()}
+    return {file_id for file_id in found if file_id is not None}
+
+
+def _release_reservation(lock: _RunLock, created: list[Path], pid: int) -> None:
+    """A reservation's release (also its finalizer: it must not refer to the reservation)."""
+    if os.getpid() != pid:  # a forked child inherited the object: the lock is its parent's to release
+        return
+    lock.release()
+    _remove_made(created)
+    for key, refs in list(_RESERVATIONS.items()):
+        refs[:] = [ref for ref in refs if (reservation := ref()) is not None and reservation.held]
+        if not refs:
+            del _RESERVATIONS[key]
+
+
+def reserve(path: str | os.PathLike, overwrite: bool, *, directory: bool | None = None,
+            inputs: Iterable[str | os.PathLike] = ()) -> Reservation:
+    """:func:`check_writable`, then hold the output for this run until it is written (:class:`Reservation`): another
+    run that checks it meanwhile is refused up front (:class:`OutputInUseError`) instead of calibrating in vain."""
+    return Reservation(Path(path), overwrite, directory, inputs)
+
+
 def _in_use_message(path: Path, holder: dict[str, str]) -> str:
-    """``another ompmoe run (pid 123) is writing X now; ...``: who, as far as its lock file tells."""
+    """``another ompmoe run (pid 123) is using X (calibrating or writing it); ...``: who, as far as its lock file tells."""
     mine = _identity()
     who = f"pid {holder['pid']}" if holder.get("pid") else "pid unknown"
     if holder.get("host") and holder["host"] != mine["host"]:
         who += f" on host {holder['host']}"
     elif holder.get("pid_namespace") and holder["pid_namespace"] != mine["pid_namespace"]:
         who += ", in another container or PID namespace"
-    return f"another ompmoe run ({who}) is writing {path} now; wait for it to finish, or choose another output path"
+    return f"another ompmoe run ({who}) is using {path} (calibrating or writing it); wait for it to finish, or choose another output path"
 
 
 def _normalised(path: Path) -> Path:
@@ -405,15 +528,22 @@ def atomic_path(
     """Yield a temporary sibling of ``path`` to write into; move it into place only on success. Directory outputs
     get the :data:`MARKER` file, so a later run may replace them. A write that fails for want of space, quota, file
     size or a writable file system, whichever library raised it, leaves as one :class:`OutputNotWritableError`
-    naming ``path`` and the cause (the original error is its ``__cause__``); every other error passes unchanged."""
+    naming ``path`` and the cause (the original error is its ``__cause__``); every other error passes unchanged.
+    A :class:`Reservation` this process holds on ``path`` is taken over: written under its lock, released at the end."""
     inputs = list(inputs)
-    path = check_writable(path, overwrite, directory=directory, inputs=inputs)
+    reservation = _reservation_of(_normalised(Path(path)))
+    try:
+        path = check_writable(path, overwrite, directory=directory, inputs=inputs)
+    except BaseException:
+        if reservation is not None:
+            reservation.release()
+        raise
     existed = os.path.lexists(path)
     created = _make_parents(path.parent)
     tmp: Path | None = None
     lock: _RunLock | None = None
     try:
-        lock = _RunLock(path)
+        lock = reservation.lock if reservation is not None else _RunLock(path)
         tmp = lock.sibling(path, "tmp")
         if directory:
             os.mkdir(tmp, 0o700)
@@ -434,18 +564,36 @@ def atomic_path(
             failure = None
         if tmp is not None:
             _remove(tmp)
-        if lock is not None:
+        if reservation is not None:  # its lock, and the directories made for it, if empty
+            reservation.release()
+        elif lock is not None:
             lock.release()  # before the directories it lives in are removed
-            lock = None
-        with suppress(OSError):
-            for made in reversed(created):
-                made.rmdir()
+        lock = None
+        _remove_made(created)
         if failure is not None:
             raise failure from error
         raise
     finally:
-        if lock is not None:  # also when the clean-up above itself fails
+        if reservation is not None:  # committed (the output is in the directories it made), or the clean-up failed
+            reservation.release(keep_directories=True)
+        elif lock is not None:
             lock.release()
+
+
+def _reservation_of(path: Path) -> Reservation | None:
+    """The latest reservation this process holds on ``path``, if any."""
+    try:
+        held = _held_reservations(_output_key(path))
+    except OSError:  # no parent directory: nothing reserved there
+        return None
+    return held[-1] if held else None
+
+
+def _remove_made(created: list[Path]) -> None:
+    """Remove the directories :func:`_make_parents` made, innermost first, as long as they are empty."""
+    with suppress(OSError):
+        for made in reversed(created):
+            made.rmdir()
 
 
 _WRITE_ERRNOS = {

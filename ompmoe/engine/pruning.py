@@ -245,6 +245,32 @@ def _causal_lm_class(config: Any) -> type:
     return expected
 
 
+def _check_weight_shapes(path: str | os.PathLike, cls: type, config: Any) -> None:
+    """Every tensor of the weight files has the shape the model built from ``config`` saves it with, by the headers
+    alone (nothing is read): transformers' conversion of expert tensors (stacking per-expert weights) would crash
+    on a transposed one inside its loading report instead of naming it. Names the model does not save are left to
+    the loading report (missing / unexpected)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .export.weights import FIX, CheckpointWeightsError, _names, weight_files
+    from .safetensors_header import read_header
+
+    files = weight_files(path)
+    if not files:
+        return
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the model is built again by from_pretrained, which warns if need be
+        model = cls(config)
+    saved = revert_weight_conversion(model, model.state_dict())  # the names and shapes save_pretrained writes
+    expected = {name: list(tensor.shape) for name, tensor in saved.items()}
+    for file in files:
+        wrong = [f"{name} {entry['shape']} (model: {expected[name]})" for name, entry in read_header(file).items()
+                 if name in expected and list(entry["shape"]) != expected[name]]
+        if wrong:
+            raise CheckpointWeightsError(f"{file} does not match the model: tensors of the wrong shape: "
+                                         f"{_names(wrong)}. {FIX}")
+
+
 def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) -> None:
     """Refuse a local folder that holds no model (a run's output, a data folder) with the folder inside that does,
     if any, as ``how(inner)`` (e.g. ``--model.model run/model``), before anything tries to read it."""
@@ -288,6 +314,7 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
                     _slice_layer(layer, torch.arange(count), architecture_of(self).count_attributes)
 
         cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+    _check_weight_shapes(path, cls, config)
     # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
     kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
     model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)

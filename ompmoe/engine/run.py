@@ -1,5 +1,5 @@
-"""The pruning run, owned once: collect → merge across ranks → plan → choose (``auto``) → prune → adapt → evaluate →
-write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script, ``ompmoe fit``, the
+"""The pruning run, owned once: collect → merge across ranks → plan → choose (``auto``) → compensate → prune → adapt
+→ evaluate → write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script, ``ompmoe fit``, the
 demo) is a thin adapter over :class:`PruningRun`: it drives the forwards and lends its ranks (:class:`RunContext`);
 options are declared, documented and validated here, once, before any model work."""
 
@@ -16,15 +16,18 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .collect import StatisticsCollector
+from .compensation import Compensation
 from .export.checkpoint import usable_tokenizer
 from .export.plots import require_matplotlib
 from .extensions import selected_statistics
 from .methods import check_statistics, required_statistics
-from .io import atomic_path, check_writable
+from .io import Reservation, atomic_path, reserve
 from .perplexity import perplexity
 from .plan import PruningPlan
-from .plan_choice import PlanChoice, choose_plan
+from .plan_choice import PlanChoice, choose_plan, setting_name
 from .progress import progress
+from .run_compensation import (calibration_data, check_compensation_mode, checks_compensation, compensation_line,
+                               fit_compensation, fitting_text, run_granularity)
 from .pruning import prune, save_pruned
 from .ranks import RunContext, on_rank_zero, unsharded
 from .statistics import MoEStats
@@ -71,6 +74,12 @@ class RunOptions:
             module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
             (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth); ``0`` (or a
             data module without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
+        compensation: After planning, refit the kept routed experts to the unpruned model's routed output on the
+            calibration text (:func:`ompmoe.compensate`; folded into their down projections, so the checkpoint stays
+            stock and inference costs nothing more). ``auto``: the ``linear`` map for method ``auto``, kept unless
+            it raises the loss on the choice blocks (by more than 0.02 nats); ``linear``, ``expert`` or ``layer``: that correction for any
+            method, always applied; ``off``: none (``auto`` with a method named outright, e.g. the paper's ``omp``,
+            is ``off`` too). Recorded in ``plan.json`` and the model card.
     """
 
     strategy: Strategy | None = None
@@ -88,8 +97,10 @@ class RunOptions:
     evaluate_on: list[str] | None = None
     evaluate_blocks: int = 8
     choice_blocks: int | None = None
+    compensation: str = "auto"
 
     def __post_init__(self) -> None:
+        check_compensation_mode(self.compensation)
         if self.choice_blocks is not None and self.choice_blocks < 0:
             raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); "
                              f"got {self.choice_blocks}.")
@@ -133,18 +144,35 @@ class PruningRun:
         self.plan: PruningPlan | None = None
         self.choice: PlanChoice | None = None
         """What ``auto`` tried and chose (rank 0's choice, on every rank), when it had blocks to try them on."""
+        self.compensation_granularity: str | None = None
+        """What compensation fits (``None``: none), settled against the model in :meth:`start`."""
+        self.compensation: Compensation | None = None
+        self.calibration_data: dict[str, Any] | None = None
+        """The data module's settings (``CalibrationDataModule``'s), recorded with a compensation so that ``ompmoe
+        prune`` can cut the same text again."""
+        """The fitted compensation the pruned model gets (``None``: none fitted, or not kept)."""
         self.pruned_model: nn.Module | None = None
         self.heldout_perplexity: dict[str, tuple[float, float]] = {}
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
+        self.reservation: Reservation | None = None
+        """Rank 0's hold on ``output_dir`` from :meth:`check_output` until :meth:`write` (which releases it): another
+        run checking the same output meanwhile is refused. A front door whose run fails calls ``release()`` on it."""
 
     # -- before any model work -------------------------------------------------------------------------------------
     def check_output(self, context: RunContext, inputs: Sequence[str] = ()) -> None:
-        """Refuse, on every rank, an ``output_dir`` that exists (without ``overwrite``), cannot be written, or holds
-        the run's ``inputs`` (model, tokenizer, data files); rank 0, the one that writes, decides."""
+        """Refuse, on every rank, an ``output_dir`` that exists (without ``overwrite``), cannot be written, holds the
+        run's ``inputs`` (model, tokenizer, data files) or is reserved by another live run; rank 0, the one that
+        writes, decides, and reserves it for this run (:attr:`reservation`) until :meth:`write`."""
         self.inputs = list(inputs)
+        if self.reservation is not None:  # checked again (a second fit with the same callback): a fresh reservation
+            self.reservation.release()
+            self.reservation = None
         if self.options.output_dir is not None:
-            on_rank_zero(context, lambda: check_writable(self.options.output_dir, self.options.overwrite,
-                                                         directory=True, inputs=self.inputs))
+            def check() -> None:  # the reservation stays on rank 0 (it holds a lock; it is not sent to the others)
+                self.reservation = reserve(self.options.output_dir, self.options.overwrite, directory=True,
+                                           inputs=self.inputs)
+
+            on_rank_zero(context, check)
 
     def start(self, model: nn.Module, context: RunContext, *, model_id: str | None = None,
               sources: Sequence[str] | None = None, data: Any = None, tokenizers: Iterable[Any] = ()
@@ -161,6 +189,8 @@ class PruningRun:
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
+        self.compensation_granularity = run_granularity(options.compensation, self.strategy, model)
+        self.calibration_data = calibration_data(data)
         self.collector = StatisticsCollector(model, model_id=model_id, sources=list(sources or []),
                                              statistics=self.statistics)
         self.choice_data = self._choice_data(context)
@@ -191,10 +221,11 @@ class PruningRun:
         DataLoader) means the layout's first setting, with a warning only when a number was asked for.
         """
         num_blocks = self.options.choice_blocks
-        if num_blocks == 0 or not tries_candidates(self.strategy, self.model_type):
+        trial = tries_candidates(self.strategy, self.model_type)
+        if num_blocks == 0 or not (trial or checks_compensation(self.options.compensation, self.strategy)):
             return None
         if not callable(getattr(self.data, "choice_blocks", None)):
-            if num_blocks is not None:
+            if num_blocks is not None and trial:
                 context.warn(
                     f"{self.owner}: method/allocation 'auto' tries its candidate plans on held-out calibration blocks, "
                     f"but the data module ({type(self.data).__name__}) has no choice_blocks(n) "
@@ -253,6 +284,9 @@ class PruningRun:
         blocks = self.choice_data if choice_blocks is None else choice_blocks
         plan = self._plan(context, stats, model, blocks, batch_size)
         self.stats, self.plan = stats, plan
+        self.compensation, self.plan = on_rank_zero(
+            context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
+        plan = self.plan
         heldout = self._heldout_sets() if model is not None and context.is_global_zero else {}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
@@ -261,6 +295,8 @@ class PruningRun:
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
             context.print(line)
+        if "compensation" in plan.extra:
+            context.print(compensation_line(plan.extra["compensation"]))
         if heldout:  # after the settings and kept lines: what the plan cost
             self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
             context.print(self.heldout_line())
@@ -286,6 +322,8 @@ class PruningRun:
         plan becomes a pruned model, for every front door."""
         assert self.plan is not None and self.stats is not None
         prune(model, self.plan)
+        if self.compensation is not None:
+            self.compensation.apply(model)
         if self.options.adaptive_epsilon is not None:
             from .adaptive import enable_adaptive
 
@@ -310,6 +348,44 @@ class PruningRun:
         self.strategy_used = dataclasses.replace(self.strategy, method=plan.method,  # type: ignore[type-var]
                                                  allocation=plan.allocation)
         return plan
+
+    def _compensate(self, model: nn.Module | None, blocks: torch.Tensor | None, batch_size: int
+                    ) -> Compensation | None:
+        """The run's compensation step on rank 0 (``RunOptions.compensation``): on the calibration text, checked on
+        ``blocks`` where ``auto`` asks for it."""
+        granularity = self.compensation_granularity
+        if granularity is None or model is None:
+            return None
+        assert self.collector is not None
+        text = fitting_text(self.data, self.collector.token_batches)
+        check = blocks if checks_compensation(self.options.compensation, self.strategy) else None
+        unchecked = ("applied without a check: no held-out calibration blocks (choice_blocks)" if
+                     self.options.compensation == "auto" else f"applied as asked (compensation={granularity!r})")
+        without = self.choice.losses[setting_name(self.plan)] if self.choice and check is not None else None
+        return self.compensate(model, granularity, text, batch_size, check, unchecked, without)
+
+    def compensate(self, model: nn.Module, granularity: str, text: Any, batch_size: int = 4,
+                   check_blocks: torch.Tensor | None = None, unchecked: str = "applied as asked",
+                   loss_without: float | None = None) -> Compensation | None:
+        """Fit the plan's compensation on the unpruned ``model`` over ``text`` (calibration token ids; ``None``: none
+        to fit on) and record it in ``plan.extra["compensation"]``; :meth:`apply` then folds it in if kept.
+
+        With ``check_blocks`` it is kept only if the pruned model's loss there falls (``loss_without``: that loss
+        when ``auto``'s trial measured it already; :mod:`.run_compensation`).
+        """
+        assert self.plan is not None
+        if text is None:  # nothing to fit on: said in the plan and the run's lines, not an error after calibrating
+            compensation = None
+            record = {"granularity": granularity, "applied": False,
+                      "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
+        else:
+            compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
+                                                    loss_without, unchecked)
+            if self.calibration_data is not None:
+                record["calibration_data"] = self.calibration_data
+        self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
+        self.compensation = compensation
+        return compensation
 
     def _heldout_sets(self) -> dict[str, torch.Tensor]:
         """The ``evaluate_on`` sets as token blocks, cut by the calibration data module."""

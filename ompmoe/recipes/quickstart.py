@@ -9,23 +9,31 @@ architecture (byte tokens of the shipped text; its perplexity means nothing).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-import torch
+if (__name__ == "__main__" or Path(sys.argv[0]).name.startswith("ompmoe-demo")) and "torch" not in sys.modules:
+    # The command (its script imports this module first), before torch loads OpenMP: its threads then sleep, not
+    # spin, while they wait (on 2 shared cores the demo took 20 s instead of 49 s; docs/performance.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .._quiet import quiet_calls
-from ..cli_args import bare_flags, fail, user_errors
-from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks
-from ..engine.export.checkpoint import MissingTokenizerWarning
-from ..engine.pruning import load_pruned
-from ..engine.ranks import LocalContext
-from ..engine.run import PruningRun, RunOptions
-from ..engine.strategy import PruningStrategy
-from ..engine.tiny import tiny_model
+import torch  # noqa: E402
+
+from .._quiet import quiet_calls  # noqa: E402
+from ..cli_args import bare_flags, fail, user_errors  # noqa: E402
+from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks  # noqa: E402
+from ..engine.export.checkpoint import MissingTokenizerWarning  # noqa: E402
+from ..engine.pruning import load_pruned  # noqa: E402
+from ..engine.ranks import LocalContext  # noqa: E402
+from ..engine.run import PruningRun, RunOptions  # noqa: E402
+from ..engine.strategy import PruningStrategy  # noqa: E402
+from ..engine.tiny import tiny_model  # noqa: E402
 
 
 SHIPPED_MODEL = "shipped:tiny-moe"
@@ -66,6 +74,21 @@ def demo_model_and_data(model: str, model_type: str, seq_len: int,
     return network, calibration, held_out, model, "shipped:prose,code calibration splits"
 
 
+class CountedBatches:
+    """The demo's calibration batches, counting those that went through the model (for the Ctrl-C line)."""
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.batches, self.done = list(batches), 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.batches:
+            yield batch
+            self.done += 1  # the loop asked for the next batch: this one went through the model
+
+
 def prune_tiny_model(
     output_dir: str = "outputs/demo",
     model: str = SHIPPED_MODEL,
@@ -104,27 +127,40 @@ def prune_tiny_model(
     run = PruningRun(RunOptions(strategy=strategy, output_dir=output_dir, overwrite=overwrite, plots=False,
                                 evaluate_on=["held-out"]), owner="ompmoe-demo")
     context = LocalContext()
-    run.check_output(context, [str(DATA_DIR)])  # the shipped model and text: never replaced
-    model_name = model
-    model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
-    start = time.perf_counter()
-    # the held-out blocks, where the run's evaluate_on reads them from a data module
-    data = SimpleNamespace(heldout_blocks=lambda name, num_blocks: held_out)
-    run.start(model, context, model_id=model_id, sources=[source], data=data)
-    run.collect(blocks.split(batch_size))
-    with warnings.catch_warnings():
-        if model_name == RANDOM_MODEL:  # byte tokens: there is no tokenizer to save, and no flag could add one
-            warnings.simplefilter("ignore", MissingTokenizerWarning)
-            print("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer files")
-        plan = run.finish(context)
+    batches = CountedBatches(())
+    try:  # Ctrl-C before the run wrote its output (atomically, at the end of finish): one line, then the interrupt
+        run.check_output(context, [str(DATA_DIR)])  # the shipped model and text: never replaced
+        model_name = model
+        model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
+        start = time.perf_counter()
+        # the held-out blocks, where the run's evaluate_on reads them from a data module
+        data = SimpleNamespace(heldout_blocks=lambda name, num_blocks: held_out)
+        run.start(model, context, model_id=model_id, sources=[source], data=data)
+        batches = CountedBatches(blocks.split(batch_size))
+        run.collect(batches)
+        with warnings.catch_warnings():
+            if model_name == RANDOM_MODEL:  # byte tokens: there is no tokenizer to save, and no flag could add one
+                warnings.simplefilter("ignore", MissingTokenizerWarning)
+                print("ompmoe-demo: the random tiny model reads UTF-8 bytes as tokens, so model/ has no tokenizer "
+                      "files")
+            plan = run.finish(context)
+    except KeyboardInterrupt:
+        total = len(batches) or -(-num_blocks // max(batch_size, 1))  # before the blocks are cut: their number
+        print(run.interrupted_line(batches.done, total), file=sys.stderr)
+        raise
     probe = blocks[:2, :64]
-    with torch.no_grad():
-        # Saved in the source checkpoint's dtype (bf16 for the shipped model, lossless: its weights are bf16
-        # values); reloaded in the dtype the in-memory model computed in, the logits must be the same bits.
-        reloaded = load_pruned(Path(output_dir) / "model", dtype=next(model.parameters()).dtype)
-        if not torch.equal(reloaded(probe).logits, model(probe).logits):
-            raise RuntimeError(f"The pruned model saved in {output_dir}/model does not reproduce the in-memory "
-                               "logits.")
+    try:
+        with torch.no_grad():
+            # Saved in the source checkpoint's dtype (bf16 for the shipped model, lossless: its weights are bf16
+            # values); reloaded in the dtype the in-memory model computed in, the logits must be the same bits.
+            reloaded = load_pruned(Path(output_dir) / "model", dtype=next(model.parameters()).dtype)
+            if not torch.equal(reloaded(probe).logits, model(probe).logits):
+                raise RuntimeError(f"The pruned model saved in {output_dir}/model does not reproduce the in-memory "
+                                   "logits.")
+    except KeyboardInterrupt:  # the output is written and whole; only its check did not run
+        print(f"ompmoe: interrupted after writing {output_dir}, before checking that its model reloads to the same "
+              "logits", file=sys.stderr)
+        raise
     elapsed = time.perf_counter() - start
     before, after = run.heldout_perplexity["held-out"]
     print(f"ompmoe-demo: {held_out.numel()} held-out tokens"
@@ -144,6 +180,8 @@ def main() -> None:
         auto_cli(prune_tiny_model, description=__doc__, args=bare_flags(sys.argv[1:], ("overwrite",)))
     except user_errors() as error:
         fail(error)
+    except KeyboardInterrupt:  # prune_tiny_model printed its line (none while parsing); 130 as a shell reports Ctrl-C
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ import transformers
 from torch import nn
 
 import ompmoe
+from ompmoe.engine.adapters import architecture_of
 from ompmoe.engine.compensation import (
-    Compensation, CompensationError, apply_compensation, compensate, compensated_view, compensation_sums, fit_scales,
-    fitting_tokens, heldout_losses, spread_blocks,
+    MAX_SUM_BYTES, Compensation, CompensationError, _count_tokens, _LayerPass, apply_compensation, compensate,
+    compensated_view, compensation_record, compensation_sums, fit_scales, fitting_tokens, heldout_losses,
+    linear_sum_bytes, spread_blocks,
 )
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.plan import PlanMismatchError
@@ -343,3 +345,64 @@ def test_compensated_view_computes_the_pruned_compensated_model_and_restores_the
                          {n: k[:-1] for n, k in compensation.kept.items()})
     with pytest.raises(CompensationError, match="fitted for kept experts"), compensated_view(model, plan, other):
         pass
+
+
+def test_the_sums_accumulate_on_the_models_device_and_fit_from_there():
+    model, plan = setup("glm4_moe")
+    device = next(model.parameters()).device
+    sums = compensation_sums(model, plan, random_ids(batch=4, seq=16, seed=3), granularity="linear")
+    assert sums.num_tokens.device == device and sums.num_tokens.dtype == torch.float64
+    for layer in sums.layers:
+        assert {(t.device, t.dtype) for t in layer.tensors().values()} == {(device, torch.float64)}
+    scales = fit_scales(sums, "linear", ridge=0.1)
+    assert all(s.device.type == "cpu" and s.dtype == torch.float64 for s in scales.values())
+    assert compensation_record(sums, scales, "linear", 0.1)["num_tokens"] == 64
+
+
+def test_the_hooks_read_nothing_back_to_the_host():
+    """On ``meta`` tensors every value read fails (``.item()``, ``nonzero``, a boolean index, a copy to the CPU): the
+    pruned router's call, a padded batch's sums (``linear`` included) and the token count run there, so on a GPU they
+    do not synchronize it. (The replacements' expert evaluation reads how many there are: the one read per layer.)"""
+    model = tiny_model("qwen3_moe").to("meta")
+    layer = ompmoe.find_moe_layers(model)[0]
+    hooks = _LayerPass(layer, [0, 2, 3, 5], architecture_of(model).count_attributes, last=False, outputs=True,
+                       fit=None, reduce=None)
+    tokens, d = 10, model.config.hidden_size
+    hooks._router_hook(layer.router, (torch.empty(tokens, d, device="meta"),), {}, None)
+    ids, weights = hooks._routing
+    hooks.token_weight = torch.empty(tokens, dtype=torch.long, device="meta")  # padding: masked, not dropped
+    contributions = torch.empty(*ids.shape, d, device="meta") * weights.unsqueeze(-1)
+    hooks._add(ids, contributions, torch.empty(tokens, d, device="meta"))
+    shapes = {key: (value.device.type, tuple(value.shape)) for key, value in hooks.sums.tensors().items()}
+    assert shapes == {"gram": ("meta", (4, 4)), "cross": ("meta", (4,)), "target_energy": ("meta", ()),
+                      "output_gram": ("meta", (d, d)), "output_cross": ("meta", (d, d))}
+    count = torch.zeros((), dtype=torch.float64, device="meta")
+    batch = {"input_ids": ids, "attention_mask": torch.empty(tokens, 4, dtype=torch.long, device="meta")}
+    assert _count_tokens(count, batch).device.type == "meta"
+
+
+def test_linear_is_refused_before_any_forward_when_its_sums_exceed_the_budget():
+    model, plan = setup("qwen3_moe")
+    layers = ompmoe.find_moe_layers(model)
+    d = model.config.hidden_size
+    assert linear_sum_bytes(layers) == {torch.device("cpu"): len(layers) * 2 * d * d * 8}
+    assert MAX_SUM_BYTES == 8 * 2**30
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    ids = random_ids(batch=2, seq=16, seed=1)
+    try:
+        with pytest.raises(CompensationError, match=r"needs 32\.0 KiB of float64 sums on cpu \(two 32 x 32 per MoE "
+                                                    r"layer\), over max_sum_bytes=1000 .*granularity='expert' or a "
+                                                    r"larger max_sum_bytes"):
+            compensate(model, plan, ids, max_sum_bytes=1000)
+        with pytest.raises(CompensationError, match="max_sum_bytes"):
+            compensation_sums(model, plan, ids, granularity="linear", max_sum_bytes=1000)
+        with pytest.raises(CompensationError, match="max_sum_bytes must be a positive int or None"):
+            compensate(model, plan, ids, max_sum_bytes=0)
+        assert not forwards
+        assert compensate(model, plan, ids, granularity="expert", max_sum_bytes=1000).record["granularity"] == "expert"
+        exact = len(layers) * 2 * d * d * 8
+        assert compensate(model, plan, ids, max_sum_bytes=exact).record["granularity"] == "linear"
+        assert compensate(model, plan, ids, max_sum_bytes=None).record["granularity"] == "linear"
+    finally:
+        handle.remove()

@@ -231,8 +231,9 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_temporary(tmp_path):
     # What the next run does first: it refuses (issue 36), and deletes nothing of the live run.
     with pytest.raises(io.OutputInUseError) as info:
         check_writable(tmp_path / "out", overwrite=False, directory=True)
-    assert str(info.value) == (f"another ompmoe run (pid {pid}, in another container or PID namespace) is writing "
-                               f"{tmp_path / 'out'} now; wait for it to finish, or choose another output path")
+    assert str(info.value) == (f"another ompmoe run (pid {pid}, in another container or PID namespace) is using "
+                               f"{tmp_path / 'out'} (calibrating or writing it); wait for it to finish, or choose "
+                               "another output path")
     assert (tmp_path / tmp_name / "part").read_text() == "half"
     live.communicate("\n")
     assert live.returncode == 0
@@ -350,3 +351,64 @@ def test_a_directory_output_and_every_file_in_it_get_the_umask_permissions(tmp_p
     assert mode == {"private.bin": 0o666 & ~umask, "sub": 0o777 & ~umask, "sub/nested.json": 0o666 & ~umask,
                     "run.sh": 0o777 & ~umask, MARKER: 0o666 & ~umask}
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+
+
+# ---------------------------------------------------------------- issue 33: what a killed run leaves, faked
+def dead_run_leftovers(directory: Path, name: str, kinds: tuple[str, ...]) -> Path:
+    """The leftovers of a run killed while writing ``directory / name``: its lock file (with the identity of a pid that
+    no longer exists, its ``flock`` gone with it) and the ``kinds`` among ``tmp`` (the new output, whole) and ``old``
+    (the previous output moved aside). Returns their common stem."""
+    pid = dead_pid()
+    stem = directory / f".{name}.{io._host()}-{pid}.0123abcd"
+    Path(f"{stem}.lock").write_text(json.dumps({**io._identity(), "pid": str(pid)}))
+    for kind in kinds:
+        Path(f"{stem}.{kind}").mkdir()
+        (Path(f"{stem}.{kind}") / MARKER).write_text("{}")
+        (Path(f"{stem}.{kind}") / f"{'new' if kind == 'tmp' else 'old'}.txt").write_text(kind)
+    return stem
+
+
+@pytest.mark.parametrize("flock", [True, False], ids=["flock", "no-flock"])
+@pytest.mark.parametrize("next_run", ["check_writable", "reserve"])
+@pytest.mark.parametrize("state, kinds, output, after", [
+    ("a: killed while writing", ("tmp",), False, None),
+    ("a: killed while writing over an output", ("tmp",), True, "current.txt"),
+    ("b: killed between the two renames", ("tmp", "old"), False, "old.txt"),  # the old output is restored
+    ("b: killed between the two renames, nothing new yet", ("old",), False, "old.txt"),
+    ("c: killed while deleting the old output", ("old",), True, "current.txt"),
+    ("c: killed after both renames", ("tmp", "old"), True, "current.txt"),
+])
+def test_the_next_run_cleans_or_restores_what_a_killed_run_left(tmp_path, monkeypatch, flock, next_run, state, kinds,
+                                                                 output, after):
+    if not flock:  # the identity in the lock file decides: this host, boot and namespace, and its pid is gone
+        def no_flock(fd, operation):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        monkeypatch.setattr(io.fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    if output:
+        out.mkdir()
+        (out / MARKER).write_text("{}")
+        (out / "current.txt").write_text("current")
+    stem = dead_run_leftovers(tmp_path, "out", kinds)
+    if next_run == "check_writable":
+        check_writable(out, overwrite=True, directory=True)
+    else:
+        io.reserve(out, overwrite=True, directory=True).release()
+    assert names(tmp_path) == ([] if after is None else ["out"])  # no .tmp, .old or .lock left
+    if after is not None:
+        assert names(out) == sorted([MARKER, after])
+    if after == "old.txt":  # restored, not deleted: without --overwrite the next run is told it exists
+        with pytest.raises(OutputExistsError, match=r"out already exists; pass --overwrite"):
+            check_writable(out, overwrite=False, directory=True)
+    assert not any(os.path.lexists(f"{stem}.{kind}") for kind in ("tmp", "old", "lock"))
+
+
+def test_a_leftover_that_cannot_be_removed_keeps_its_lock_for_the_next_run(tmp_path, monkeypatch):
+    stem = dead_run_leftovers(tmp_path, "out", ("tmp",))
+    monkeypatch.setattr(io, "_remove", lambda path: None)  # e.g. a read-only folder inside the temporary
+    assert clean_leftovers(tmp_path / "out") == []
+    assert names(tmp_path) == sorted([f"{stem.name}.lock", f"{stem.name}.tmp"])  # not an orphan without its lock
+    monkeypatch.undo()
+    assert clean_leftovers(tmp_path / "out") == [Path(f"{stem}.tmp")]
+    assert names(tmp_path) == []

@@ -67,6 +67,57 @@ def test_a_transposed_tensor_names_both_shapes(saved):
                                 f"{shape[::-1]} (model: {shape}). {FIX}")
 
 
+def transpose_in_header(weights, name) -> tuple[list[int], list[int]]:
+    """Rewrite ``name``'s shape in the safetensors JSON header to its transpose (same bytes, data untouched); returns
+    the shapes (before, after)."""
+    data = weights.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    before = header[name]["shape"]
+    header[name]["shape"] = before[::-1]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+    return before, before[::-1]
+
+
+def test_an_expert_tensor_transposed_in_the_header_is_named_before_transformers_converts_it(saved, tmp_path):
+    """transformers stacks the per-expert tensors into one (its conversion); a transposed one crashed inside its
+    loading report ("stack expects each tensor to be equal size") without naming the file."""
+    from ompmoe.cli import main
+
+    directory, weights, _ = saved
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # (hidden, intermediate): not square
+    expected, found = transpose_in_header(weights, name)
+    assert expected != found
+    message = (f"{weights} does not match the model: tensors of the wrong shape: {name} {found} (model: {expected}). "
+               f"{FIX}")
+    with pytest.raises(CheckpointWeightsError) as error:
+        ompmoe.load_pruned(directory)
+    assert str(error.value) == message
+    # ompmoe prune --model: the same line, exit status 2, nothing written
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [torch.randint(3, 200, (1, 16))])
+    stats_file = stats.save(tmp_path / "stats.safetensors")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prune", "--stats", str(stats_file), "--model", str(directory), "--ratio", "0.5",
+              "--output_dir", str(tmp_path / "out"), "--quiet"])
+    assert exit_info.value.code == 2 and str(exit_info.value) == f"error: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "stats.safetensors"]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_the_shape_check_passes_every_saved_layout(tmp_path, model_type):
+    """The shapes expected are those save_pretrained writes (per-expert or fused tensors, shared experts, biases)."""
+    stats = ompmoe.collect_stats(tiny_model(model_type), [torch.randint(3, 200, (1, 16))])
+    model = ompmoe.prune(tiny_model(model_type), ompmoe.plan_pruning(stats, 0.25))  # per-layer counts may differ
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ompmoe.save_pruned(model, tmp_path / "model")
+    loaded = ompmoe.load_pruned(tmp_path / "model")
+    for (name, tensor), (_, original) in zip(loaded.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(tensor, original), name
+
+
 def test_integer_weights_are_refused_before_loading(saved):
     directory, weights, tensors = saved
     name = "model.embed_tokens.weight"

@@ -7,6 +7,7 @@ same experts. This file runs the Fabric commands of README.md and docs/usage.md 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import socket
@@ -236,7 +237,9 @@ def test_auto_with_choice_blocks_keeps_the_candidate_whose_pruned_model_has_the_
     plan = calibration.finish(choice_blocks=held_out)
     expected = ompmoe.choose_plan(tiny_model("qwen3_moe"), auto.candidates(calibration.stats), held_out)
     assert calibration.choice.losses == pytest.approx(expected.losses, abs=1e-6)
-    assert plan == expected.plan and calibration.choice.index == expected.index
+    # the chosen candidate, plus the record of its compensation
+    assert dataclasses.replace(plan, extra={}) == expected.plan and calibration.choice.index == expected.index
+    assert plan.extra["compensation"]["granularity"] == "linear"
     extra = ompmoe.PruningPlan.load(tmp_path / "run" / "plan-0.25.json")  # the other ratio uses the chosen setting
     assert (extra.method, extra.allocation) == (plan.method, plan.allocation)
 
@@ -272,7 +275,8 @@ def test_a_run_killed_before_or_while_writing_leaves_no_output(tmp_path, fabric,
             if index == 2:
                 raise KeyboardInterrupt  # killed mid-calibration: finish() never ran
             calibration.update(batch)
-    assert list(tmp_path.iterdir()) == []
+    # nothing written; only the reservation of the live run (refusing a second run into run/) until it ends
+    assert [path.name for path in tmp_path.iterdir()] == [calibration.pruning.reservation.lock.path.name]
 
     def killed(step: str) -> None:
         if step == "written":  # every file is in the temporary directory, nothing renamed yet

@@ -4,6 +4,7 @@ in fits where there are several, else the first."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -92,7 +93,9 @@ def test_with_a_calibration_data_module_auto_tries_its_candidates_on_the_blocks_
     literal = [math.log(perplexity(ompmoe.prune(copy.deepcopy(original), plan), held_out)) for plan in candidates]
     assert list(callback.choice.losses.values()) == pytest.approx(literal, abs=1e-5)
     best = candidates[literal.index(min(literal))]
-    assert callback.plan == best and callback.choice.plan.kept_by_layer() == best.kept_by_layer()
+    # the run's plan is the best candidate plus the record of its compensation
+    assert dataclasses.replace(callback.plan, extra={}) == best and "compensation" in callback.plan.extra
+    assert callback.choice.plan.kept_by_layer() == best.kept_by_layer()
     assert logged[0].endswith(f"(method and allocation 'auto': {callback.choice.summary()})")
 
 

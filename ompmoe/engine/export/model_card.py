@@ -27,6 +27,19 @@ def front_matter(model_id: str | None, model_type: str | None, uniform: bool) ->
     return {**base, "library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
 
 
+def _compensation(record: dict[str, Any] | None) -> str:
+    """The card's compensation cell: what was fitted into the kept experts, on how much text, and what it did."""
+    if not record:
+        return "none (the kept experts are the original's)"
+    text = f"{record.get('granularity', '?')} least-squares correction of the kept experts' output"
+    if record.get("num_tokens"):
+        text += f", fitted on {record['num_tokens']} calibration tokens"
+    if "routed_error_before" in record:
+        text += (f" (relative routed-output error {record['routed_error_before']:.3f} -> "
+                 f"{record['routed_error_after']:.3f})")
+    return text
+
+
 def model_card(
     config: dict[str, Any], model_id: str | None, calibration: str | None, info: dict[str, Any]
 ) -> str:
@@ -54,6 +67,7 @@ def model_card(
         f"| Achieved ratio | {f'{1 - total_kept / total:.4f}' if total else 'not recorded'} "
         f"({total_kept} of {total} routed experts kept) |",
         f"| Allocation | {plan.get('allocation', 'not recorded')} |",
+        f"| Compensation | {_compensation(record.get('compensation'))} |",
         f"| Calibration data | {calibration or plan.get('calibration') or 'not recorded'} |",
         f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
         f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",

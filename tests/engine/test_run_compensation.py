@@ -1,0 +1,193 @@
+"""Compensation as a step of the run: fitted once in ``PruningRun.finish`` for every front door, checked against the
+literal calls it stands for (``compensate`` before ``prune``, ``apply`` after), recorded in the plan and the card."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import ompmoe
+from ompmoe.engine.collect import StatisticsCollector
+from ompmoe.engine.compensation import compensate, compensated_view, fitting_tokens
+from ompmoe.engine.perplexity import perplexity
+from ompmoe.engine.run_compensation import compensation_line, fit_compensation, fitting_text
+from ompmoe.engine.tiny import tiny_model
+from ompmoe.engine.trial import pruned_view
+
+MODEL_TYPE = "qwen3_moe"
+
+
+def token_blocks(count: int, seq_len: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 200, (count, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def blocks() -> torch.Tensor:
+    return token_blocks(16)
+
+
+@pytest.fixture(scope="module")
+def choice() -> torch.Tensor:
+    return token_blocks(4, seed=1)
+
+
+def run_once(blocks: torch.Tensor, choice: torch.Tensor | None, **options):
+    """A whole ``PruningRun`` on a tiny model, as the demo's loop drives it; returns (run, pruned model, original)."""
+    model = tiny_model(MODEL_TYPE)
+    original = copy.deepcopy(model)
+    data = SimpleNamespace(choice_blocks=lambda n=None: choice) if choice is not None else None
+    options.setdefault("strategy", ompmoe.PruningStrategy(ratio=0.5, min_kept_fraction=0.25))
+    run = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, **options))
+    context = ompmoe.LocalContext(print=lambda line: None)
+    run.start(model, context, model_id=f"tiny:{MODEL_TYPE}", data=data)
+    run.collect(blocks.split(4))
+    run.finish(context)
+    return run, model, original
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def literal(original: torch.nn.Module, plan, blocks: torch.Tensor, granularity: str = "linear") -> torch.nn.Module:
+    """What the run stands for: compensate on the unpruned model (a quarter of the calibration tokens at most),
+    prune, apply."""
+    model = copy.deepcopy(original)
+    compensation = compensate(model, plan, blocks, 4, granularity=granularity,
+                              max_tokens=fitting_tokens(model, blocks.numel()))
+    ompmoe.prune(model, plan)
+    return compensation.apply(model)
+
+
+def test_auto_fits_the_linear_map_and_the_pruned_model_is_the_literal_compensate_prune_apply(blocks, choice):
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    run, model, original = run_once(blocks, choice, strategy=auto)
+    record = run.plan.extra["compensation"]
+    # the trial's loss of the chosen plan is reused; the compensated one is the literal view's
+    assert record["loss_without"] == run.choice.losses[f"{run.plan.method} + {run.plan.allocation}"]
+    with compensated_view(original, run.plan, run.compensation or compensate(
+            original, run.plan, blocks, 4, max_tokens=fitting_tokens(original, blocks.numel()))):
+        assert record["loss_with"] == pytest.approx(math.log(perplexity(original, choice, 4)), rel=1e-12)
+    assert record["applied"] == (record["loss_with"] < record["loss_without"] + 0.02) and record["tolerance"] == 0.02
+    assert record["granularity"] == "linear" and record["num_tokens"] == fitting_tokens(original, blocks.numel())
+    expected = literal(original, run.plan, blocks) if record["applied"] else ompmoe.prune(copy.deepcopy(original),
+                                                                                          run.plan)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+    assert (model.config.ompmoe.get("compensation") is not None) == record["applied"]
+
+
+def test_a_method_named_outright_is_left_as_the_paper_prunes_it(blocks, choice):
+    run, model, original = run_once(blocks, choice)  # method omp, compensation auto
+    assert "compensation" not in run.plan.extra and run.compensation is None
+    expected = ompmoe.prune(copy.deepcopy(original), run.plan)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+    assert "compensation" not in model.config.ompmoe
+
+
+@pytest.mark.parametrize("granularity", ["layer", "linear"])
+def test_a_named_granularity_is_fitted_for_any_method_and_always_applied(blocks, granularity):
+    run, model, original = run_once(blocks, None, compensation=granularity)
+    record = run.plan.extra["compensation"]
+    assert record["applied"] and record["checked"] == f"applied as asked (compensation={granularity!r})"
+    assert "loss_with" not in record
+    expected = literal(original, run.plan, blocks, granularity)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+
+
+def test_off_leaves_the_kept_experts_unchanged_for_auto_too(blocks, choice):
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    run, model, original = run_once(blocks, choice, strategy=auto, compensation="off")
+    assert "compensation" not in run.plan.extra
+    expected = ompmoe.prune(copy.deepcopy(original), run.plan)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+
+
+def test_an_unknown_mode_is_refused_at_construction_naming_the_modes():
+    with pytest.raises(ValueError) as caught:
+        ompmoe.RunOptions(compensation="linaer")
+    assert str(caught.value) == ("compensation must be one of auto, off, layer, expert, linear ('auto': the linear map "
+                                 "for method 'auto', kept unless it raises held-out loss; 'off': none); got 'linaer'.")
+
+
+def test_the_check_keeps_compensation_only_when_the_held_out_loss_falls(blocks, choice):
+    model = tiny_model(MODEL_TYPE)
+    stats = ompmoe.collect_stats(model, blocks.split(4))
+    plan = ompmoe.plan_pruning(stats, 0.5, min_kept_fraction=0.25)
+    with pruned_view(model, plan):
+        without = math.log(perplexity(model, choice, 4))
+    compensation, record = fit_compensation(model, plan, blocks, 4, "linear", choice)
+    assert record["loss_without"] == pytest.approx(without, rel=1e-12)
+    assert (compensation is not None) == record["applied"] == (record["loss_with"] < without + 0.02)
+    # raising the loss by less than the tolerance (noise on so few tokens) keeps it; by more drops it
+    kept, record = fit_compensation(model, plan, blocks, 4, "linear", choice, loss_without=record["loss_with"] - 0.015)
+    assert kept is not None and record["applied"] is True
+    # a loss to beat that is lower than any compensation reaches: measured, recorded, not applied
+    kept, record = fit_compensation(model, plan, blocks, 4, "linear", choice, loss_without=-1.0)
+    assert kept is None and record["applied"] is False and record["loss_without"] == -1.0
+    assert compensation_line(record) == (f"ompmoe: compensation (linear, {record['num_tokens']} tokens): held-out "
+                                         f"calibration loss -1.0000 -> {record['loss_with']:.4f}, not applied (it "
+                                         "raised the loss by more than 0.02)")
+
+
+def test_fitting_text_prefers_the_data_modules_blocks_then_what_this_process_calibrated_on(blocks):
+    assert fitting_text(SimpleNamespace(blocks=blocks), [{"input_ids": blocks[:2]}]) is blocks
+    batches = [{"input_ids": blocks[:4]}, {"input_ids": blocks[4:6]}]
+    torch.testing.assert_close(fitting_text(None, batches), blocks[:6], rtol=0, atol=0)
+    padded = [{"input_ids": blocks[:2], "attention_mask": torch.ones(2, 32, dtype=torch.long)}]
+    assert fitting_text(None, padded) == padded
+    assert fitting_text(None, []) is None
+
+
+def test_the_collector_keeps_the_real_samples_token_ids_on_the_cpu(blocks):
+    model = tiny_model(MODEL_TYPE)
+    collector = StatisticsCollector(model)
+    collector.calibrate({"input_ids": blocks[:4]}, first_sample=0, real_samples=6)
+    collector.calibrate({"input_ids": blocks[4:8]}, first_sample=4, real_samples=6)  # two repeats past sample 6
+    collector.calibrate({"inputs_embeds": torch.zeros(1, 32, model.config.hidden_size)})
+    kept = [batch["input_ids"] for batch in collector.token_batches]
+    assert [tuple(ids.shape) for ids in kept] == [(4, 32), (2, 32)]
+    torch.testing.assert_close(torch.cat(kept), blocks[:6], rtol=0, atol=0)
+
+
+def test_the_saved_model_carries_the_compensation_in_its_card_and_loads_equal_in_stock_transformers(blocks, tmp_path):
+    run, model, _ = run_once(blocks, None, compensation="linear", output_dir=str(tmp_path / "run"))
+    saved = tmp_path / "run" / "model"
+    record = json.loads((saved / "config.json").read_text())["ompmoe"]["compensation"]
+    assert record["granularity"] == "linear" and record["num_tokens"] == run.plan.extra["compensation"]["num_tokens"]
+    card = (saved / "README.md").read_text()
+    assert (f"| Compensation | linear least-squares correction of the kept experts' output, fitted on "
+            f"{record['num_tokens']} calibration tokens (relative routed-output error "
+            f"{record['routed_error_before']:.3f} -> {record['routed_error_after']:.3f}) |") in card
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["extra"]["compensation"]["applied"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    torch.testing.assert_close(logits(reloaded, blocks[:2]), logits(model, blocks[:2]), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_sums_over_the_budget_make_auto_fit_per_expert_and_a_linear_asked_for_refuse_before_calibrating(
+        blocks, monkeypatch):
+    import ompmoe.engine.run_compensation as step
+
+    monkeypatch.setattr(step, "MAX_SUM_BYTES", 1000)
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    assert step.run_granularity("auto", auto, tiny_model(MODEL_TYPE)) == "expert"
+    assert step.run_granularity("layer", auto, tiny_model(MODEL_TYPE)) == "layer"
+    run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=auto, compensation="linear", plots=False))
+    model = tiny_model(MODEL_TYPE)
+    d = model.config.hidden_size
+    layers = len(ompmoe.find_moe_layers(model))
+    with pytest.raises(ompmoe.CompensationError) as caught:
+        run.start(model, ompmoe.LocalContext())
+    assert str(caught.value) == (
+        f"granularity='linear' needs {2 * d * d * 8 * layers / 1024:.1f} KiB of float64 sums on cpu (two {d} x {d} per "
+        "MoE layer), over max_sum_bytes=1000 (1000 bytes); pass compensation='expert' (or 'off').")
+    assert run.collector is None  # refused before the model was instrumented
+    run, model, original = run_once(blocks, token_blocks(4, seed=1), strategy=auto)
+    assert run.plan.extra["compensation"]["granularity"] == "expert"

@@ -1,0 +1,125 @@
+"""``ompmoe prune --model`` compensates as the fit did: the fit's calibration text cut again from the data settings its
+plan recorded, the same fit and check as the run's step, or a clear refusal before any work."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.cli import main
+from ompmoe.engine.run_compensation import fit_compensation
+from ompmoe.engine.tiny import tiny_model
+
+MODEL = "tiny:qwen3_moe"
+DATA = dict(source="shipped:mix", tokenizer="bytes", seq_len=32, num_blocks=8, batch_size=4)
+
+
+def calibration_data() -> ompmoe.CalibrationDataModule:
+    return ompmoe.CalibrationDataModule(**DATA)
+
+
+@pytest.fixture(scope="module")
+def fit(tmp_path_factory) -> Path:
+    """A fit's output (``auto``, so compensated and checked), as the callback writes it, made through the run."""
+    out = tmp_path_factory.mktemp("fit") / "run"
+    data = calibration_data()
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=auto, output_dir=str(out), plots=False, save_model=False,
+                                              choice_blocks=2))
+    context = ompmoe.LocalContext(print=lambda line: None)
+    run.start(tiny_model("qwen3_moe"), context, model_id=MODEL, data=data)
+    run.collect(data.blocks.split(4))
+    run.finish(context)
+    return out
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=calibration_data().blocks[:2]).logits
+
+
+def saved(path: Path) -> torch.nn.Module:
+    return ompmoe.load_pruned(path, dtype=torch.float32)  # per-layer expert counts: not a stock layout
+
+
+def test_the_fit_records_its_data_settings_with_its_compensation(fit):
+    record = json.loads((fit / "plan.json").read_text())["extra"]["compensation"]
+    assert record["calibration_data"] == {key: value for key, value in DATA.items() if key != "batch_size"} | {
+        "data_files": None, "text_field": None, "split": "train", "seed": None}
+    assert record["checked"] == "held-out calibration loss" and record["granularity"] == "linear"
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_prune_fits_the_fits_compensation_on_the_same_text_and_saves_the_literal_model(fit, tmp_path, ratio, capsys):
+    main(["prune", "--stats", str(fit / "stats.safetensors"), "--ratio", str(ratio), "--model", MODEL,
+          "--output_dir", str(tmp_path / "out")])
+    plan = ompmoe.PruningPlan.load(tmp_path / "out" / f"plan-{ratio:g}.json")
+    record = plan.extra["compensation"]
+    data = calibration_data()
+    original = tiny_model("qwen3_moe")
+    bare = ompmoe.PruningPlan(**{**plan.__dict__, "extra": {}})
+    compensation, literal = fit_compensation(original, bare, data.blocks, 4, "linear", data.choice_blocks(2))
+    assert {key: record[key] for key in literal} == literal  # the same fit, the same check
+    if ratio == 0.5:  # the fit's own ratio: the fit's numbers again
+        fitted = json.loads((fit / "plan.json").read_text())["extra"]["compensation"]
+        assert (record["loss_without"], record["loss_with"]) == (fitted["loss_without"], fitted["loss_with"])
+    expected = ompmoe.prune(copy.deepcopy(original), bare)
+    if compensation is not None:
+        compensation.apply(expected)
+    torch.testing.assert_close(logits(saved(tmp_path / "out" / f"model-{ratio:g}")), logits(expected),
+                               rtol=1e-5, atol=1e-5)
+    verdict = "applied" if record["applied"] else "not applied (it raised the loss by more than 0.02)"
+    assert (f"ratio {ratio:g}: compensation (linear, {record['num_tokens']} tokens): held-out calibration loss "
+            f"{record['loss_without']:.4f} -> {record['loss_with']:.4f}, {verdict}") in capsys.readouterr().out
+
+
+def test_prune_with_compensation_off_saves_the_plain_pruned_model(fit, tmp_path):
+    main(["prune", "--stats", str(fit / "stats.safetensors"), "--ratio", "0.5", "--model", MODEL,
+          "--output_dir", str(tmp_path / "out"), "--compensation", "off"])
+    plan = ompmoe.PruningPlan.load(tmp_path / "out" / "plan-0.5.json")
+    assert "compensation" not in plan.extra
+    expected = ompmoe.prune(tiny_model("qwen3_moe"), plan)
+    torch.testing.assert_close(logits(saved(tmp_path / "out" / "model-0.5")), logits(expected), rtol=0, atol=0)
+
+
+def prune_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(["prune", *argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_compensation_that_cannot_be_done_is_refused_before_any_work(fit, tmp_path, capsys):
+    stats = str(fit / "stats.safetensors")
+    out = tmp_path / "out"
+    assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--output_dir", str(out), "--compensation",
+                       "linear") == ("error: --compensation refits the pruned models' experts: give --model (plans "
+                                     "alone hold no weights)\n")
+    assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--output_dir", str(out), "--compensation",
+                       "linaer") == ("error: --compensation must be off, layer, expert, linear; got 'linaer' (the "
+                                     "default: what the fit applied)\n")
+    assert not out.exists()
+
+
+def test_a_fit_without_recorded_data_settings_is_named_and_its_prune_left_uncompensated(fit, tmp_path, capsys):
+    copied = tmp_path / "fit"
+    copied.mkdir()
+    (copied / "stats.safetensors").write_bytes((fit / "stats.safetensors").read_bytes())
+    plan = json.loads((fit / "plan.json").read_text())
+    del plan["extra"]["compensation"]["calibration_data"]  # e.g. a fit on a plain DataLoader
+    (copied / "plan.json").write_text(json.dumps(plan))
+    stats, out = str(copied / "stats.safetensors"), tmp_path / "out"
+    where = (f"the fit's plan {copied / 'plan.json'} records no calibration data settings to cut it again (its text "
+             "came from elsewhere than ompmoe.CalibrationDataModule)")
+    assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--model", MODEL, "--output_dir", str(out),
+                       "--compensation", "layer") == (f"error: --compensation layer fits on the fit's calibration "
+                                                      f"text, but {where}; pass --compensation off\n")
+    assert not out.exists()
+    main(["prune", "--stats", stats, "--ratio", "0.5", "--model", MODEL, "--output_dir", str(out)])
+    assert f"ompmoe prune: the fit compensated its model, these are not: {where}\n" in capsys.readouterr().out
+    assert "compensation" not in ompmoe.PruningPlan.load(out / "plan-0.5.json").extra
