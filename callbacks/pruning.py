@@ -148,7 +148,7 @@ class ExpertPruning(RunResults, Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.pruning.end_batch()
-        self._release_output()  # the failed run will not write: output_dir is free for the next run
+        self.pruning.release_output()  # Lightning ran the failed forward: the run will not write
         if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:  # then Lightning exits with status 1
             done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
             print(self.pruning.interrupted_line(done, trainer.num_training_batches), file=sys.stderr)
@@ -158,15 +158,6 @@ class ExpertPruning(RunResults, Callback):
         # Bars for writing (plots take seconds at 48 x 128) only when Lightning shows its own.
         self.pruning.finish(trainer_context(trainer),
                             show_progress=None if trainer.progress_bar_callback is not None else False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":  # a fit that ended without writing (the write itself releases it)
-            self._release_output()
-
-    def _release_output(self) -> None:
-        if self.pruning.reservation is not None:
-            self.pruning.reservation.release()
 
     @override
     def state_dict(self) -> dict[str, Any]:

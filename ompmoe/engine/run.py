@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +118,20 @@ class RunOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
+Step = typing.TypeVar("Step", bound=Callable[..., Any])
+
+
+def _releases_output_on_failure(step: Step) -> Step:
+    """A step of the run that fails (an error, Ctrl-C) frees ``output_dir``: the run will not write it."""
+    @functools.wraps(step)
+    def guarded(self: PruningRun, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            self.release_output()
+            raise
+
+    return typing.cast(Step, guarded)
 
 
 class PruningRun:
@@ -156,9 +172,15 @@ class PruningRun:
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
         self.reservation: Reservation | None = None
         """Rank 0's hold on ``output_dir`` from :meth:`check_output` until :meth:`write` (which releases it): another
-        run checking the same output meanwhile is refused. A front door whose run fails calls ``release()`` on it."""
+        run checking the same output meanwhile is refused. A step of the run that fails releases it
+        (:meth:`release_output`); a loop whose own forward fails (Lightning's) calls that itself."""
 
     # -- before any model work -------------------------------------------------------------------------------------
+    def release_output(self) -> None:
+        """Free ``output_dir`` for the next run: this one failed or was interrupted and will not write."""
+        if self.reservation is not None:
+            self.reservation.release()
+
     def check_output(self, context: RunContext, inputs: Sequence[str] = ()) -> None:
         """Refuse, on every rank, an ``output_dir`` that exists (without ``overwrite``), cannot be written, holds the
         run's ``inputs`` (model, tokenizer, data files) or is reserved by another live run; rank 0, the one that
@@ -174,6 +196,7 @@ class PruningRun:
 
             on_rank_zero(context, check)
 
+    @_releases_output_on_failure
     def start(self, model: nn.Module, context: RunContext, *, model_id: str | None = None,
               sources: Sequence[str] | None = None, data: Any = None, tokenizers: Iterable[Any] = ()
               ) -> StatisticsCollector:
@@ -240,6 +263,7 @@ class PruningRun:
         """Whether a statistic runs a backward (the forward must then run with gradients)."""
         return self.collector is not None and self.collector.needs_gradients
 
+    @_releases_output_on_failure
     def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
                     real_samples: int | None = None) -> None:
         """Instrument the next forward, which the loop runs (:meth:`StatisticsCollector.begin_batch`)."""
@@ -250,11 +274,13 @@ class PruningRun:
         if self.collector is not None:
             self.collector.end_batch()
 
+    @_releases_output_on_failure
     def forward(self, inputs: dict[str, torch.Tensor], first_sample: int = 0, real_samples: int | None = None,
                 autocast: Any = None) -> None:
         """One instrumented forward (:meth:`StatisticsCollector.calibrate`)."""
         self._collector().calibrate(inputs, first_sample, real_samples, autocast)
 
+    @_releases_output_on_failure
     def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
         """One instrumented forward per batch in this process (a script's or the demo's loop); returns the count."""
         return self._collector().collect(batches, show_progress)
@@ -267,6 +293,7 @@ class PruningRun:
         return self.collector
 
     # -- after the last batch ----------------------------------------------------------------------------------------
+    @_releases_output_on_failure
     def finish(self, context: RunContext, choice_blocks: torch.Tensor | None = None,
                show_progress: bool | None = False) -> PruningPlan:
         """Merge the statistics over ranks, plan (choosing on rank 0), prune, evaluate, print, log and write once.

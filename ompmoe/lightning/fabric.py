@@ -9,8 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -144,9 +143,7 @@ class FabricCalibration(RunResults):
         model_id = model_id or getattr(self.hf_model.config, "_name_or_path", None) or None
         if pruning is None:  # what the run reads (local model, tokenizer, data files) must outlive its output
             self.pruning.check_output(self.context, local_inputs(model_id, self.pruning.options.tokenizer, *inputs))
-        with self._released_on_failure():
-            collector = self.pruning.start(self.hf_model, self.context, model_id=model_id, sources=sources,
-                                           data=data)
+        collector = self.pruning.start(self.hf_model, self.context, model_id=model_id, sources=sources, data=data)
         collector.to(fabric.device)
         for ext in collector.extensions.values():
             ext.standalone()  # the forward's output is dropped: no step reuses its graph
@@ -166,9 +163,8 @@ class FabricCalibration(RunResults):
         if dataloader is not None and dataloader is not self._loader:
             self._loader, self._position = dataloader, 0
             self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
-        with self._released_on_failure():
-            inputs = as_model_inputs(batch, self.fabric.device)
-            self.pruning.forward(inputs, self._position, self._real_samples, self.fabric.autocast())
+        inputs = as_model_inputs(batch, self.fabric.device)
+        self.pruning.forward(inputs, self._position, self._real_samples, self.fabric.autocast())
         self._position += int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
 
     def run(self, dataloader: Iterable[Any]) -> int:
@@ -179,23 +175,22 @@ class FabricCalibration(RunResults):
         """
         join = self.sharded and self.fabric.world_size > 1
         count = 0
-        with self._released_on_failure():
-            for batch in itertools.chain(dataloader, itertools.repeat(_END) if join else ()):
-                if join:  # does any rank have a batch left?
-                    more = torch.tensor(float(batch is not _END), device=self.fabric.device)
-                    if self.fabric.all_reduce(more, reduce_op="max") == 0:
-                        break
-                if batch is _END:  # out of batches: a forward that counts nothing keeps this rank in the collectives
-                    ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
-                    self.pruning.forward({"input_ids": ids}, real_samples=0)
-                else:
-                    try:
-                        self.update(batch, dataloader)
-                    except KeyboardInterrupt:  # one line on rank 0, then the interrupt goes on (the script exits 130)
-                        if self.fabric.is_global_zero:
-                            print(self.pruning.interrupted_line(count, _length(dataloader)), file=sys.stderr)
-                        raise
-                    count += 1
+        for batch in itertools.chain(dataloader, itertools.repeat(_END) if join else ()):
+            if join:  # does any rank have a batch left?
+                more = torch.tensor(float(batch is not _END), device=self.fabric.device)
+                if self.fabric.all_reduce(more, reduce_op="max") == 0:
+                    break
+            if batch is _END:  # out of batches: a forward that counts nothing keeps this rank in the collectives
+                ids = torch.zeros(1, 2, dtype=torch.long, device=self.fabric.device)
+                self.pruning.forward({"input_ids": ids}, real_samples=0)
+            else:
+                try:
+                    self.update(batch, dataloader)
+                except KeyboardInterrupt:  # one line on rank 0, then the interrupt goes on (the script exits 130)
+                    if self.fabric.is_global_zero:
+                        print(self.pruning.interrupted_line(count, _length(dataloader)), file=sys.stderr)
+                    raise
+                count += 1
         return count
 
     def finish(self, choice_blocks: torch.Tensor | None = None) -> PruningPlan:
@@ -205,18 +200,7 @@ class FabricCalibration(RunResults):
         ``(num_blocks, seq_len)`` the loop did not feed, on which ``auto`` tries its candidate plans (default: the
         ``data`` module's, if any; without either it takes the layout's first setting).
         """
-        with self._released_on_failure():
-            return self.pruning.finish(self.context, choice_blocks=choice_blocks, show_progress=None)
-
-    @contextmanager
-    def _released_on_failure(self) -> Iterator[None]:
-        """On any exception (a failed forward, Ctrl-C) the run will not write: free its ``output_dir`` reservation."""
-        try:
-            yield
-        except BaseException:
-            if self.pruning.reservation is not None:
-                self.pruning.reservation.release()
-            raise
+        return self.pruning.finish(self.context, choice_blocks=choice_blocks, show_progress=None)
 
 
 def _length(dataloader: Iterable[Any]) -> int | None:
