@@ -395,14 +395,16 @@ def reserve(path: str | os.PathLike, overwrite: bool, *, directory: bool | None 
 
 
 def _in_use_message(path: Path, holder: dict[str, str]) -> str:
-    """``another ompmoe run (pid 123) is using X (calibrating or writing it); ...``: who, as far as its lock file tells."""
+    """``another ompmoe run (pid 123) is using X (calibrating or writing it); ...``:
+    who, as far as its lock file tells."""
     mine = _identity()
     who = f"pid {holder['pid']}" if holder.get("pid") else "pid unknown"
     if holder.get("host") and holder["host"] != mine["host"]:
         who += f" on host {holder['host']}"
     elif holder.get("pid_namespace") and holder["pid_namespace"] != mine["pid_namespace"]:
         who += ", in another container or PID namespace"
-    return f"another ompmoe run ({who}) is using {path} (calibrating or writing it); wait for it to finish, or choose another output path"
+    return (f"another ompmoe run ({who}) is using {path} (calibrating or writing it); wait for it to finish, or choose "
+            "another output path")
 
 
 def _normalised(path: Path) -> Path:

@@ -1,5 +1,6 @@
 """The pruning run, owned once: collect → merge across ranks → plan → choose (``auto``) → compensate → prune → adapt
-→ evaluate → write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script, ``ompmoe fit``, the
+→ evaluate → write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script,
+``ompmoe fit``, the
 demo) is a thin adapter over :class:`PruningRun`: it drives the forwards and lends its ranks (:class:`RunContext`);
 options are declared, documented and validated here, once, before any model work."""
 
@@ -79,9 +80,9 @@ class RunOptions:
         compensation: After planning, refit the kept routed experts to the unpruned model's routed output on the
             calibration text (:func:`ompmoe.compensate`; folded into their down projections, so the checkpoint stays
             stock and inference costs nothing more). ``auto``: the ``linear`` map for method ``auto``, kept unless
-            it raises the loss on the choice blocks (by more than 0.02 nats); ``linear``, ``expert`` or ``layer``: that correction for any
-            method, always applied; ``off``: none (``auto`` with a method named outright, e.g. the paper's ``omp``,
-            is ``off`` too). Recorded in ``plan.json`` and the model card.
+            it raises the loss on the choice blocks (by more than 0.02 nats); ``linear``, ``expert`` or ``layer``:
+            that correction for any method, always applied; ``off``: none (``auto`` with a method named outright,
+            e.g. the paper's ``omp``, is ``off`` too). Recorded in ``plan.json`` and the model card.
     """
 
     strategy: Strategy | None = None
@@ -163,10 +164,10 @@ class PruningRun:
         self.compensation_granularity: str | None = None
         """What compensation fits (``None``: none), settled against the model in :meth:`start`."""
         self.compensation: Compensation | None = None
+        """The fitted compensation the pruned model gets (``None``: none fitted, or not kept)."""
         self.calibration_data: dict[str, Any] | None = None
         """The data module's settings (``CalibrationDataModule``'s), recorded with a compensation so that ``ompmoe
         prune`` can cut the same text again."""
-        """The fitted compensation the pruned model gets (``None``: none fitted, or not kept)."""
         self.pruned_model: nn.Module | None = None
         self.heldout_perplexity: dict[str, tuple[float, float]] = {}
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""

@@ -3,8 +3,8 @@ the calibration text and decide whether the pruned model gets it (``RunOptions.c
 
 ``auto`` fits the ``linear`` map for the ``auto`` method and keeps it unless it raises the pruned model's loss on
 the held-out calibration blocks that ``auto`` chooses its plan on by more than :data:`CHECK_TOLERANCE`; a
-granularity named outright is fitted for any method and always applied; ``off`` (and ``auto`` with a method named outright, e.g. the paper's ``omp``) leaves the
-kept experts as they are."""
+granularity named outright is fitted for any method and always applied; ``off`` (and ``auto`` with a method named
+outright, e.g. the paper's ``omp``) leaves the kept experts as they are."""
 
 from __future__ import annotations
 
@@ -161,5 +161,6 @@ def compensation_line(record: dict[str, Any]) -> str:
             f"{record['loss_with']:.4f}, {verdict}")
 
 
-__all__ = ["COMPENSATION_MODES", "calibration_data", "check_compensation_mode", "checks_compensation", "compensation_granularity",
+__all__ = ["CHECK_TOLERANCE", "COMPENSATION_MODES", "calibration_data", "check_compensation_mode",
+           "checks_compensation", "compensation_granularity",
            "compensation_line", "fit_compensation", "fitting_text", "run_granularity"]
