@@ -132,17 +132,15 @@ class ExpertPruning(RunResults, Callback):
         self._real_samples = real_sample_count(getattr(loader, "sampler", None))
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
         # the batch's first sample's position on this rank, also after a resume
         self.pruning.begin_batch(inputs, batch_idx * self._batch_size, self._real_samples)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self.pruning.end_batch()
 
     @override

@@ -10,21 +10,9 @@ from __future__ import annotations
 from .._lazy import lazy_attributes
 from .suites import SUITES, Column, Suite
 
-__all__ = [
-    "SUITES",
-    "Column",
-    "EvalModule",
-    "LMEvalDataModule",
-    "Suite",
-    "byte_tokenizer",
-    "report_table",
-]
+_LAZY = {"LMEvalDataModule": ".datamodule", "EvalModule": ".module", "byte_tokenizer": ".tokenization",
+         "report_table": ".report"}
 
-_LAZY = {
-    "LMEvalDataModule": ".datamodule",
-    "EvalModule": ".module",
-    "byte_tokenizer": ".tokenization",
-    "report_table": ".report",
-}
+__all__ = ["SUITES", "Column", "Suite", *_LAZY]
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)

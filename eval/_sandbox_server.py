@@ -117,12 +117,6 @@ def proc_statuses() -> Iterator[tuple[int, dict[str, str]]]:
         yield int(entry), fields
 
 
-def _uid_processes(uid: int) -> list[tuple[int, bool]]:
-    """(pid, is_zombie) of every process whose real uid is ``uid``."""
-    return [(pid, fields.get("State", "").strip().startswith("Z")) for pid, fields in proc_statuses()
-            if int(fields.get("Uid", "-1").split()[0]) == uid]
-
-
 def _reap_orphans() -> None:
     """Reap exited children (orphaned grandchildren come to this subreaper)."""
     with contextlib.suppress(ChildProcessError):  # no children left
@@ -135,7 +129,8 @@ def _kill_uid(uid: int, wait_s: float = 5.0) -> None:
     zombies still count against RLIMIT_NPROC until they are reaped (by this subreaper, or by init)."""
     deadline = time.monotonic() + wait_s
     while True:
-        processes = _uid_processes(uid)
+        processes = [(pid, fields.get("State", "").strip().startswith("Z")) for pid, fields in proc_statuses()
+                     if int(fields.get("Uid", "-1").split()[0]) == uid]  # (pid, is zombie) of real uid ``uid``
         if not processes or time.monotonic() > deadline:
             return
         for pid, zombie in processes:

@@ -68,11 +68,9 @@ def problems(rows: Sequence[Mapping[str, Any]], base: int, names: Sequence[str])
             )
         if mine["tokenizer"] and reference["tokenizer"] and mine["tokenizer"] != reference["tokenizer"]:
             issues.append(f"tokenizer differs ({mine['tokenizer_name']} vs {reference['tokenizer_name']})")
-        for task in sorted(set(mine["versions"]) & set(reference["versions"])):
-            if str(mine["versions"][task]) != str(reference["versions"][task]):
-                issues.append(
-                    f"task {task} version differs ({mine['versions'][task]} vs {reference['versions'][task]})"
-                )
+        issues += [f"task {task} version differs ({mine['versions'][task]} vs {reference['versions'][task]})"
+                   for task in sorted(set(mine["versions"]) & set(reference["versions"]))
+                   if str(mine["versions"][task]) != str(reference["versions"][task])]
         if issues:
             found[index] = issues
     return found
@@ -88,12 +86,8 @@ def item_count(row: Mapping[str, Any], source: str) -> int | None:
     samples = row.get("n-samples") or {}
     if source in samples:
         return int(samples[source].get("effective", samples[source].get("original", 0)))
-    subtasks = (row.get("group_subtasks") or {}).get(source)
-    if subtasks:
-        counts = [item_count(row, task) for task in subtasks]
-        if all(count is not None for count in counts):
-            return sum(counts)  # type: ignore[arg-type]
-    return None
+    counts = [item_count(row, task) for task in (row.get("group_subtasks") or {}).get(source) or ()]
+    return sum(counts) if counts and None not in counts else None  # type: ignore[arg-type]
 
 
 def stderr_of(row: Mapping[str, Any], source: str, metric: str) -> float | None:

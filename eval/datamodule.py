@@ -45,16 +45,6 @@ class RequestGroup:
         return self.suite.name
 
 
-def _seed(random_seed: int | None, numpy_seed: int | None, torch_seed: int | None) -> None:
-    """The seeds ``lm_eval.simple_evaluate`` sets before it loads tasks."""
-    if random_seed is not None:
-        random.seed(random_seed)
-    if numpy_seed is not None:
-        np.random.seed(numpy_seed)
-    if torch_seed is not None:
-        torch.manual_seed(torch_seed)
-
-
 class LMEvalDataModule(pl.LightningDataModule):
     """Evaluation suites and lm-eval tasks, batched and sharded by Lightning, scored by lm-eval.
 
@@ -194,7 +184,11 @@ class LMEvalDataModule(pl.LightningDataModule):
 
         self.tokenizer_ = tokenizer = configure_pad_token(load_tokenizer(tokenizer), model_config=config)  # as HFLM
         base_length = self.max_length or resolve_max_length(config, tokenizer)
-        self.groups = self._request_groups()
+        suites = list(self.suites)
+        if self.tasks:  # with this module's settings; their report columns are chosen from their results
+            settings = {key: getattr(self, key) for key in SETTINGS}
+            suites.append(Suite(TASKS, tuple(self.tasks), (), description="lm-eval tasks by name", **settings))
+        self.groups = [RequestGroup(suite) for suite in suites]
         task_manager = self._task_manager([spec for group in self.groups for spec in group.suite.tasks])
         plan = WorkPlan()
         from lm_eval.evaluator_utils import get_sample_size
@@ -204,7 +198,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         with dataset_access(self.data_dir, self.dataset_overrides) as access:
             for index, group in enumerate(self.groups):
                 suite = group.suite
-                _seed(*self.seeds)
+                for seed, set_seed in zip(self.seeds, (random.seed, np.random.seed, torch.manual_seed)):
+                    if seed is not None:  # the seeds lm_eval.simple_evaluate sets before it loads tasks
+                        set_seed(seed)
                 try:
                     loaded = task_manager.load(list(suite.tasks))
                 except KeyError as error:
@@ -237,13 +233,6 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.batches = plan.batches(self.batch_size, self.max_batch_tokens, pad_token_id=pad, world_size=world_size)
         self.build_seconds = time.perf_counter() - start
         return plan
-
-    def _request_groups(self) -> list[RequestGroup]:
-        suites = list(self.suites)
-        if self.tasks:  # with this module's settings; their report columns are chosen from their results
-            settings = {key: getattr(self, key) for key in SETTINGS}
-            suites.append(Suite(TASKS, tuple(self.tasks), (), description="lm-eval tasks by name", **settings))
-        return [RequestGroup(suite) for suite in suites]
 
     def _task_manager(self, specs: Sequence[str]) -> Any:
         """lm-eval's TaskManager; indexing lm-eval's own ~15k task configs (slow) only when needed."""

@@ -87,7 +87,9 @@ class EvalModule(CalibrationModule):
             from .tokenization import BYTES, load_tokenizer
 
             name = self.tokenizer_name
-            if name is None or (isinstance(name, str) and os.path.isdir(name) and not _has_tokenizer_files(name)):
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+            if name is None or (isinstance(name, str) and os.path.isdir(name)
+                                and not any(os.path.exists(os.path.join(name, file)) for file in files)):
                 # Tiny models (instances, or pruned and saved by ompmoe) have no tokenizer: their vocabulary is bytes.
                 if getattr(self.model_config(), "vocab_size", None) == 256:
                     name = BYTES
@@ -105,8 +107,7 @@ class EvalModule(CalibrationModule):
         return None if name is None else model_config(name, self.trust_remote_code)
 
     def model_info(self) -> dict[str, Any]:
-        """The model as the results file records it (name, pruning, plan, adaptive epsilon, dtype, experts
-        implementation, base-model fingerprint, label)."""
+        """The model as the results file records it (``ompmoe.model``)."""
         from ..engine.adaptive import adaptive_info
         from ..engine.pruning import pruning_info
 
@@ -233,16 +234,15 @@ class EvalModule(CalibrationModule):
                        and torch.distributed.is_initialized())
         probe = self._time_probe(distributed)
         self._probe = []
+        gathered: list[Any] = [(results, costs, seconds, cpu_seconds, probe)]  # per rank
         if distributed:
-            gathered: list[Any] = [None] * self.trainer.world_size
+            gathered = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds, probe))
-            results = {key: value for part, *_ in gathered for key, value in part.items()}
-            costs = {key: value for _, part, *_ in gathered for key, value in part.items()}
-            seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
-            cpu_seconds = sum(part[3] for part in gathered)
-            probes = [part[4] for part in gathered]
-        else:
-            probes = [probe]
+        results = {key: value for part, *_ in gathered for key, value in part.items()}
+        costs = {key: value for _, part, *_ in gathered for key, value in part.items()}
+        seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
+        cpu_seconds = sum(part[3] for part in gathered)
+        probes = [part[4] for part in gathered]
         payload: Any = None
         if self.trainer.is_global_zero:
             try:
@@ -270,8 +270,7 @@ class EvalModule(CalibrationModule):
             self.log(name, value, sync_dist=distributed, reduce_fx="max")
 
     def _time_probe(self, distributed: bool) -> dict[str, Any] | None:
-        """This rank's timing probe: the kept batches run ``timing_warmup`` times untimed, then
-        ``timing_repeats`` times timed (wall and process CPU time per pass); ``None`` without a probe."""
+        """This rank's timing probe (wall and process CPU time per timed pass); ``None`` without a probe."""
         batches = self._probe
         if not (self.timing_repeats and batches):
             return None
@@ -302,14 +301,8 @@ def _merge_probes(probes: list[dict[str, Any] | None], warmup: int) -> dict[str,
     probes = [probe for probe in probes if probe is not None]
     if not probes:
         return None
-    repeats = min(len(probe["seconds"]) for probe in probes)
-    wall = [max(probe["seconds"][index] for probe in probes) for index in range(repeats)]
-    cpu = [sum(probe["cpu_seconds"][index] for probe in probes) for index in range(repeats)]
-    inputs = probes[0]["inputs"] if len(probes) == 1 else "+".join(probe["inputs"] for probe in probes)
+    wall = [max(times) for times in zip(*(probe["seconds"] for probe in probes))]  # zip: the fewest repeats
+    cpu = [sum(times) for times in zip(*(probe["cpu_seconds"] for probe in probes))]
     return timing_record(wall, cpu, warmup=warmup, batches=sum(probe["batches"] for probe in probes),
-                         tokens=round(sum(probe["tokens"] for probe in probes)), inputs=inputs)
-
-
-def _has_tokenizer_files(directory: str) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    return any(os.path.exists(os.path.join(directory, name)) for name in names)
+                         tokens=round(sum(probe["tokens"] for probe in probes)),
+                         inputs="+".join(probe["inputs"] for probe in probes))

@@ -82,12 +82,10 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
         path, name, merged = access.resolve(task, task_self.DATASET_PATH, task_self.DATASET_NAME,
                                             dict(dataset_kwargs or {}))
         task_self.DATASET_PATH, task_self.DATASET_NAME = path, name
-        if _is_local(path):
-            access.used[task] = str(path)
-            return original(task_self, merged, **kwargs)
-        reason = access.offline_reason
+        local = _is_local(path)
+        reason = "" if local else access.offline_reason
         if not reason:
-            access.used[task] = f"hub:{path}"
+            access.used[task] = str(path) if local else f"hub:{path}"
             return original(task_self, merged, **kwargs)
         try:
             with hub_offline():

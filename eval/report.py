@@ -310,7 +310,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
                  "on " + "; ".join(f"{_cell(n)}: {s}" for n, s in measured))
         what = "wall time" if cost_time == "wall" else "process CPU time"
         notes.append(f"Cost: {what} of the evaluation loop (model work, without task loading and scoring) {where}")
-        notes += _speedup_notes(summaries, names, base, unrated, not_significant, timed, cost_time)
+        notes += _speedup_notes(summaries, names, base, unrated, not_significant, timed, what)
     if any_stderr:
         notes.append("± is lm-eval's standard error")
     for column_name, count in noisy.items():
@@ -348,10 +348,8 @@ def _speedups(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base
         if samples[base] is not None and samples[index] is not None and (None in inputs or inputs[0] == inputs[1]):
             timed = True
             found = timed_speedup(samples[base], samples[index])
-            if found.significant:
-                cells.append(str(found))
-            else:
-                cells.append(NOT_SIGNIFICANT)
+            cells.append(str(found) if found.significant else NOT_SIGNIFICANT)
+            if not found.significant:
                 not_significant[index] = str(found)
             continue
         if samples[index] is None:
@@ -365,8 +363,8 @@ def _speedups(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base
 
 
 def _speedup_notes(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base: int, unrated: Mapping[int, str],
-                   not_significant: Mapping[int, str], timed: bool, cost_time: str) -> list[str]:
-    """What the Speedup column means, and the footnotes of its ``n.s.`` and unrated cells."""
+                   not_significant: Mapping[int, str], timed: bool, what: str) -> list[str]:
+    """What the Speedup column means (it compares ``what``), and the footnotes of its ``n.s.`` and unrated cells."""
     base_name = _cell(names[base])
     notes = []
     if timed:
@@ -374,7 +372,6 @@ def _speedup_notes(summaries: Sequence[Mapping[str, Any]], names: Sequence[str],
         warmup = timing.get("warmup")
         probe = (f"{timing.get('batches')} batches, {timing.get('tokens')} tokens, run again after the loop: "
                  f"{warmup} warm-up pass{'' if warmup == 1 else 'es'}, then {timing.get('repeats')} timed repeats")
-        what = "wall time" if cost_time == "wall" else "process CPU time"
         notes.append(
             f"Speedup: {base_name}'s median {what} over the repeats of its timing probe ({probe}) divided by the "
             "row's, not the ratio of the Cost columns (one pass each, warm-up included); in parentheses the lowest "
@@ -408,10 +405,8 @@ def _baseline_index(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]
         if baseline not in names:
             raise ValueError(f"baseline {baseline!r} is not one of the rows {list(names)}.")
         return list(names).index(baseline)
-    for index, summary in enumerate(summaries):
-        if not (summary.get("model") or {}).get("pruning"):
-            return index
-    return 0
+    unpruned = (index for index, summary in enumerate(summaries) if not (summary.get("model") or {}).get("pruning"))
+    return next(unpruned, 0)
 
 
 def report(results: list[str], output: str | None = None, baseline: str | None = None,

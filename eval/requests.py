@@ -237,10 +237,9 @@ class WorkPlan:
         if dedupe and key in self._index:
             return self._index[key]
         self.items.append(key)
-        index = len(self.items) - 1
         if dedupe:
-            self._index[key] = index
-        return index
+            self._index[key] = len(self.items) - 1
+        return len(self.items) - 1
 
     def _score_item(self, context: list[int], continuation: list[int], max_length: int) -> int:
         if not context or not continuation:

@@ -231,9 +231,8 @@ def write(data: LMEvalDataModule, results: Mapping[str, Any], path: str | os.Pat
     target = path or data.output_path
     if target is None:
         return None
-    if Path(target).is_dir() or os.fspath(target).endswith(os.sep):
-        target = Path(target) / "results.json"
-    target = Path(target)
+    directory = Path(target).is_dir() or os.fspath(target).endswith(os.sep)
+    target = Path(target) / "results.json" if directory else Path(target)
     with atomic_path(target, overwrite=True) as tmp:
         tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     return target

@@ -78,17 +78,12 @@ def timing_record(wall: Sequence[float], cpu: Sequence[float], *, warmup: int, b
 def samples_of(timing: Any, time: str = "seconds") -> list[float] | None:
     """The recorded repeats of ``time`` (``seconds`` or ``cpu_seconds``), or ``None`` when not usable
     (no record, too few repeats, or a value that is not a finite positive number)."""
-    if not isinstance(timing, Mapping):
+    values = timing.get(time) if isinstance(timing, Mapping) else None
+    if not isinstance(values, list) or len(values) < MIN_REPEATS or any(
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            for value in values):
         return None
-    values = timing.get(time)
-    if not isinstance(values, list) or len(values) < MIN_REPEATS:
-        return None
-    out = []
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            return None
-        out.append(float(value))
-    return out
+    return [float(value) for value in values]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ skipped. The right answer's position cycles through 0..3. Everything is determin
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -62,19 +63,13 @@ def word_order_docs(per_domain: int = PER_DOMAIN) -> list[dict[str, Any]]:
 
     docs: list[dict[str, Any]] = []
     for domain in CORPUS_DOMAINS:
-        found = 0
-        for document in corpus_documents(domain, "heldout"):
-            for context, choices in document_items(document["text"], PER_DOCUMENT[domain]):
-                if found == per_domain:
-                    break
-                label = len(docs) % len(choices)
-                right, *swaps = choices
-                ordered = swaps[:label] + [right] + swaps[label:]
-                docs.append({"id": f"{domain}:{document['id']}:{found}", "domain": domain, "context": context,
-                             "choices": ordered, "label": label})
-                found += 1
-            if found == per_domain:
-                break
+        items = ((document["id"], *item) for document in corpus_documents(domain, "heldout")
+                 for item in document_items(document["text"], PER_DOCUMENT[domain]))
+        for found, (document_id, context, choices) in enumerate(itertools.islice(items, per_domain)):
+            label = len(docs) % len(choices)
+            right, *swaps = choices
+            docs.append({"id": f"{domain}:{document_id}:{found}", "domain": domain, "context": context,
+                         "choices": swaps[:label] + [right] + swaps[label:], "label": label})
     return docs
 
 

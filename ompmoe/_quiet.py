@@ -73,13 +73,6 @@ GRADIENT_CHECKPOINTING = "`is_gradient_checkpointing` is deprecated"
 """transformers 5's FutureWarning when peft's ``get_peft_model`` reads the property (``PeftModel.__init__``)."""
 
 
-def _no_bar(factory: object, args: tuple, kwargs: dict) -> object:
-    """transformers' tqdm hook inside :func:`quiet_calls`: an empty bar."""
-    from transformers.utils import logging as hf_logging
-
-    return hf_logging.EmptyTqdm(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def quiet_calls() -> Iterator[None]:
     """Around ompmoe's own calls into transformers (``from_pretrained``, ``save_pretrained``, building a tiny model):
@@ -89,17 +82,14 @@ def quiet_calls() -> Iterator[None]:
     bars are left alone. Nests; not meant for calls made from several threads at once."""
     from transformers.utils import logging as hf_logging
 
-    added = []
-    for name in _DROPPED:
-        logger = logging.getLogger(name)
-        if _keep not in logger.filters:  # quiet_third_party() may have installed it for good
-            logger.addFilter(_keep)
-            added.append(logger)
+    added = [logger for logger in map(logging.getLogger, _DROPPED) if _keep not in logger.filters]
+    for logger in added:  # those lacking it: quiet_third_party() may have installed it for good
+        logger.addFilter(_keep)
     hook = getattr(hf_logging, "set_tqdm_hook", None)
     previous = getattr(hf_logging, "_tqdm_hook", None)
     switch = hook is None and hf_logging.is_progress_bar_enabled()  # a transformers release without the hook
     if hook is not None:  # transformers' own bars only (weights, shards), not the hub's downloads
-        hook(_no_bar)
+        hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
     elif switch:
         hf_logging.disable_progress_bar()
     try:

@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import numbers
+import os
 import sys
 from argparse import ArgumentError
 from collections import Counter
@@ -136,9 +137,8 @@ def replan(
     if refit.note and not quiet:
         print(refit.note)
     written = []
-    show = False if quiet else None
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        for run in progress(runs, "ompmoe prune", show, unit="ratio"):
+        for run in progress(runs, "ompmoe prune", False if quiet else None, unit="ratio"):
             plan = run.plan
             if not quiet and not written:
                 print(f"ompmoe prune: {settings_summary(plan)}{auto_note(run.strategy, statistics.model_type)}"
@@ -211,8 +211,7 @@ class _Refit:
 
     granularity: str | None = None
     data: dict[str, Any] | None = None
-    check_blocks: int | None = None
-    """Choice blocks the fit checked its compensation on (``None``: it did not check)."""
+    check_blocks: int | None = None  # None: the fit did not check its compensation
     note: str | None = None
 
 
@@ -341,9 +340,7 @@ def lightning_cli(args: list[str] | None = None) -> None:
 def apply_short_options(config: Any, subcommand: str | None) -> None:
     """Move ``--ratio``/``--method``/``--allocation``/``--output_dir``/``--overwrite`` into the config's
     ``ExpertPruning`` callback (its strategy for the first three); refuse them where there is none."""
-    given = {name: config.get(name) for name in SHORT_OPTIONS if config.get(name) is not None}
-    for name in SHORT_OPTIONS:
-        config.pop(name, None)
+    given = {name: value for name in SHORT_OPTIONS if (value := config.pop(name, None)) is not None}
     if not given:
         return
     callbacks = [cb for cb in (config.get("trainer.callbacks") or [])
@@ -420,8 +417,6 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["fit"] and "torch" not in sys.modules:
         # Before torch loads OpenMP: its threads then sleep, not spin, while they wait (on 2 shared cores the
         # README's fit took 38 s instead of 112 s; docs/performance.md).
-        import os
-
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     quiet_third_party()
     try:
@@ -435,10 +430,10 @@ def main(argv: list[str] | None = None) -> None:
             from .eval.report import report_cli
 
             report_cli(argv[1:])
-        elif argv[0] in COMMANDS and not is_plain_help(argv):
-            command_cli(argv)
         elif is_plain_help(argv):  # Lightning's full help, built once and then printed from the cache
             print_help(argv, command_cli if argv[0] in COMMANDS else lightning_cli)
+        elif argv[0] in COMMANDS:
+            command_cli(argv)
         else:
             check_config_files(argv)
             lightning_cli(bare_flags(argv, ("overwrite",)))

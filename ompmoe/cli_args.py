@@ -6,10 +6,14 @@ accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``, ``--
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from argparse import ArgumentError
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from .cli_options import parser_options, unknown_options_line
 
 # Short names users give to ``--<...>.help``; jsonargparse needs the import path.
 CLASS_PATHS = {
@@ -166,8 +170,6 @@ def _field_help(cls: type, name: str) -> str:
 
 def run_from_arguments(args: Any, owner: str, tokenizer: Any = None) -> Any:
     """The :class:`~ompmoe.engine.run.PruningRun` the flat options of :func:`add_run_options` describe (validated)."""
-    import dataclasses
-
     from .engine.run import PruningRun, RunOptions
     from .engine.strategy import PruningStrategy
 
@@ -178,10 +180,6 @@ def run_from_arguments(args: Any, owner: str, tokenizer: Any = None) -> Any:
 
 def parse_or_raise(parser: Any, argv: Sequence[str], prog: str) -> Any:
     """``parser.parse_args`` with jsonargparse's multi-line usage errors as one ``ValueError`` line."""
-    from argparse import ArgumentError
-
-    from .cli_options import parser_options, unknown_options_line
-
     try:
         return parser.parse_args(list(argv))
     except ArgumentError as error:

@@ -26,18 +26,15 @@ def parser_options(parser: Any) -> list[str]:
 def unknown_options_line(message: str, options: Iterable[str], command: str) -> str:
     """``unrecognized arguments: --a 1 --b`` as one line, each unknown option with the closest known one."""
     message = " ".join(message.split())
-    if not message.startswith("unrecognized arguments:"):
+    names = [word.split("=", 1)[0] for word in message.removeprefix("unrecognized arguments:").split()
+             if word.startswith("--")]
+    if not message.startswith("unrecognized arguments:") or not names:
         return f"{message} (see {command} --help)"
     known = list(options)
     hints = []
-    for word in message.removeprefix("unrecognized arguments:").split():
-        if not word.startswith("--"):
-            continue
-        name = word.split("=", 1)[0]
+    for name in names:
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         hints.append(f"{name}: did you mean {close[0]}?" if close else f"{name}: no such option")
-    if not hints:
-        return f"{message} (see {command} --help)"
     return f"unknown option {'; '.join(hints)} (see {command} --help)"
 
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock  # torch imports it anyway
 
 import torch
 
@@ -157,9 +158,6 @@ class TextFile:
         except UnicodeDecodeError:
             raise _utf8_error(self.path) from None
 
-    def read(self) -> str:
-        return "".join(self.chunks())
-
 
 @dataclass(frozen=True)
 class Preset:
@@ -263,12 +261,9 @@ def hub_offline() -> Iterator[None]:
     import datasets.config
     from huggingface_hub import constants
 
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
+    with (mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True),
+          mock.patch.object(constants, "HF_HUB_OFFLINE", True)):
         yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _require_datasets() -> Any:  # imported only when a hub data set or a json/parquet file is read
@@ -305,8 +300,6 @@ def _check_files(files: Sequence[str]) -> list[str]:
 
 
 def _looks_like_hub_name(source: str) -> bool:
-    if os.path.exists(source) or local_format(source) is not None:
-        return False
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
 
@@ -332,6 +325,8 @@ class TextSource:
             if self.data_files:
                 raise ValueError(f"source={source!r} takes no data_files; give the files as source instead.")
             self.kind = "corpus" if source in corpus else SHIPPED
+        elif source not in PRESETS and (os.path.exists(source) or local_format(source) is not None):
+            self.kind, self.files = "local", _check_files([source, *self.data_files])
         elif source in PRESETS or _looks_like_hub_name(source):
             self.preset = PRESETS.get(source)
             local = [os.path.exists(path) for path in self.data_files]
@@ -342,8 +337,6 @@ class TextSource:
                     f"data_files mixes local paths and hub file patterns: {self.data_files}. "
                     "Give either local files or patterns inside the hub repository."
                 )
-        elif os.path.exists(source) or local_format(source) is not None:
-            self.kind, self.files = "local", _check_files([source, *self.data_files])
         else:
             raise ValueError(
                 f"Unknown calibration source {source!r}. Use a preset ({', '.join([*PRESETS, SHIPPED])}), "
@@ -459,7 +452,7 @@ class TextSource:
     def documents(self) -> Iterator[str]:
         """The raw-text documents in reading order (lazily)."""
         for item in self.items():
-            yield item.read() if isinstance(item, TextFile) else item
+            yield "".join(item.chunks()) if isinstance(item, TextFile) else item
 
     def blocks(self, encoder: Encoder, seq_len: int, num_blocks: int) -> torch.Tensor:
         """``(num_blocks, seq_len)`` token ids (too little text raises); a corpus source of several domains cuts

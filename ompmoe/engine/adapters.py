@@ -73,53 +73,45 @@ register_architecture("qwen3_moe", ArchitectureSpec(
     "gate", "num_experts", _never,
     tiny_config=("Qwen3MoeConfig", dict(
         head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=16, num_experts_per_tok=4,
-        norm_topk_prob=True, mlp_only_layers=[0])),
-))
+        norm_topk_prob=True, mlp_only_layers=[0]))))
 register_architecture("qwen2_moe", ArchitectureSpec(
     "gate", "num_experts", _never,
     tiny_config=("Qwen2MoeConfig", dict(
         intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=16,
-        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1)),
-))
+        num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1))))
 register_architecture("mixtral", ArchitectureSpec(
     "gate", "num_local_experts", _never,
-    tiny_config=("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
-))
+    tiny_config=("MixtralConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2))))
 register_architecture("olmoe", ArchitectureSpec(
     "gate", "num_experts", _never,
     tiny_config=("OlmoeConfig", dict(
-        intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
-))
+        intermediate_size=16, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False))))
 register_architecture("deepseek_v2", ArchitectureSpec(
     "gate", "n_routed_experts", _deepseek_v2_grouped,
     tiny_config=("DeepseekV2Config", dict(
         intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, topk_method="greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.0)),
-))
+        routed_scaling_factor=1.0))))
 register_architecture("deepseek_v3", ArchitectureSpec(
     "gate", "n_routed_experts", _always_grouped, group_score_topk=2, auto=SIGMOID_SHARED_GROUPED,
     tiny_config=("DeepseekV3Config", dict(
         intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, norm_topk_prob=True)),
-))
+        routed_scaling_factor=2.5, norm_topk_prob=True))))
 register_architecture("glm4_moe", ArchitectureSpec(
     "gate", "n_routed_experts", _always_grouped, group_score_topk=2, auto=SIGMOID_SHARED_GROUPED,
     tiny_config=("Glm4MoeConfig", dict(
         head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
-        norm_topk_prob=True)),
-))
+        norm_topk_prob=True))))
 register_architecture("gpt_oss", ArchitectureSpec(
     "router", "num_local_experts", _never,
     experts_arguments=("hidden_states", "router_indices", "routing_weights"),
     tiny_config=("GptOssConfig", dict(
         head_dim=8, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
-        swiglu_limit=7.0)),
-))
+        swiglu_limit=7.0))))
 
 
 @dataclass
@@ -164,11 +156,9 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"ompmoe does not support model_type={model_type!r} ({type(model).__name__}). "
-            f"Supported architectures: {', '.join(supported_model_types())}. "
-            "Pass a transformers 5.x model of one of these types."
-        )
+        raise UnsupportedModelError(f"ompmoe does not support model_type={model_type!r} ({type(model).__name__}). "
+                                    f"Supported architectures: {', '.join(supported_model_types())}. "
+                                    "Pass a transformers 5.x model of one of these types.")
     return ARCHITECTURES[model_type]
 
 
@@ -202,13 +192,10 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
             name=clean_module_name(name), block=module, router=router, experts=experts,
             num_experts=int(experts.num_experts), top_k=int(router.top_k), num_groups=num_groups,
             topk_group=int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1,
-            group_score_topk=spec.group_score_topk if grouped else 1,
-        ))
+            group_score_topk=spec.group_score_topk if grouped else 1))
     if not layers:
-        raise ValueError(
-            f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
-            f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "
-            "is not dense (num_experts > 0, mlp_only_layers, first_k_dense_replace) and that the "
-            "model was built by transformers 5.x."
-        )
+        raise ValueError(f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
+                         f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "
+                         "is not dense (num_experts > 0, mlp_only_layers, first_k_dense_replace) and that the "
+                         "model was built by transformers 5.x.")
     return layers

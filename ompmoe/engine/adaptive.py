@@ -102,7 +102,6 @@ class _AdaptiveState:
         self.histogram.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
 
     def path_on(self, device: torch.device) -> str:
-        """The path a call on ``device`` takes."""
         if not self.masked_ok or self.path == COMPACT:
             return COMPACT
         return MASKED if self.path == MASKED or device.type != "cpu" else COMPACT
@@ -155,12 +154,10 @@ def masked_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_ind
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
     skipped_g = (expert_ids_g == num_experts).unsqueeze(-1)
     bias_ids = expert_ids_g.clamp(max=num_experts - 1) if experts.has_bias else None
-    if experts.has_gate:
-        weight, bias = experts.gate_up_proj, experts.gate_up_proj_bias if experts.has_bias else None
-    else:
-        weight, bias = experts.up_proj, experts.up_proj_bias if experts.has_bias else None
-    bias = None if bias is None else bias[bias_ids]
-    projected = _replay._grouped_linear(selected, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    bias = getattr(experts, f"{up}_bias")[bias_ids] if experts.has_bias else None
+    projected = _replay._grouped_linear(selected, getattr(experts, up), offsets, bias=bias,
+                                        is_transposed=experts.is_transposed)
     del selected
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
     down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
@@ -205,11 +202,9 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     state.keep = None
     hidden, index, weights = _split_args(args, kwargs)
     if state.alphas.numel() != module.num_experts:
-        raise RuntimeError(
-            f"ompmoe adaptive inference: layer {state.name} has {module.num_experts} experts but its alphas "
-            f"have {state.alphas.numel()} (was the model pruned after enable_adaptive?). Call "
-            "ompmoe.enable_adaptive(model, stats) again."
-        )
+        raise RuntimeError(f"ompmoe adaptive inference: layer {state.name} has {module.num_experts} experts but its "
+                           f"alphas have {state.alphas.numel()} (was the model pruned after enable_adaptive?). Call "
+                           "ompmoe.enable_adaptive(model, stats) again.")
     if state.epsilon == 0.0:  # no prefix can qualify: every token keeps all K, the native call
         state.record(torch.full((index.shape[0],), index.shape[1], dtype=torch.long, device=index.device))
         return None
@@ -283,10 +278,9 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
         if alphas.numel() != layer.num_experts:
             if layer.name not in kept or alphas.numel() != original.get(layer.name):
                 pruned = f" (pruned from {original[layer.name]})" if layer.name in original else ""
-                raise ValueError(
-                    f"Layer {layer.name} has {layer.num_experts} experts{pruned} but {alphas.numel()} alphas were "
-                    "given: use statistics collected on this model, or on the model it was pruned from."
-                )
+                raise ValueError(f"Layer {layer.name} has {layer.num_experts} experts{pruned} but {alphas.numel()} "
+                                 "alphas were given: use statistics collected on this model, or on the model it was "
+                                 "pruned from.")
             ids = torch.tensor(kept[layer.name], dtype=torch.long)
             alphas = alphas[ids]
         if not bool(torch.isfinite(alphas).all()) or bool((alphas < 0).any()):
@@ -297,12 +291,9 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
             if never.numel():
                 unseen[layer.name] = [int(i) for i in never]
     if unseen:
-        warnings.warn(
-            "ompmoe adaptive inference: some experts of this model were never routed during calibration, so "
-            "their alpha is 0 and OMP-MoE+ skips them whenever other experts cover 1 - epsilon (current expert "
-            f"ids per layer): {unseen}. Calibrate on more tokens to avoid this.",
-            stacklevel=3,
-        )
+        warnings.warn("ompmoe adaptive inference: some experts of this model were never routed during calibration, "
+                      "so their alpha is 0 and OMP-MoE+ skips them whenever other experts cover 1 - epsilon (current "
+                      f"expert ids per layer): {unseen}. Calibrate on more tokens to avoid this.", stacklevel=3)
     return resolved
 
 
@@ -342,18 +333,14 @@ def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, A
     return model
 
 
-def _adaptive_modules(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if isinstance(getattr(module, STATE_ATTR, None), _AdaptiveState)]
-
-
-def _states(model: nn.Module) -> list[_AdaptiveState]:
-    return [getattr(module, STATE_ATTR) for module in _adaptive_modules(model)]
+def _states(model: nn.Module) -> dict[nn.Module, _AdaptiveState]:
+    return {module: state for module in model.modules()
+            if isinstance(state := getattr(module, STATE_ATTR, None), _AdaptiveState)}
 
 
 def disable_adaptive(model: nn.Module) -> nn.Module:
     """Remove adaptive inference (hooks, counters and ``config.ompmoe_adaptive``); plain model again."""
-    for module in _adaptive_modules(model):
-        state = getattr(module, STATE_ATTR)
+    for module, state in _states(model).items():
         for handle in state.handles:
             handle.remove()
         if state.forward is not None and module.__dict__.get("forward") is state.forward:
@@ -390,7 +377,7 @@ def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str
     ``avg_experts_per_token``, ``skip_ratio`` (of the ``tokens * top_k`` native ones), ``flops_ratio`` (``E[m] / K``),
     ``histogram`` (tokens that kept ``m = 0..K`` experts) and ``epsilon``."""
     report: dict[str, dict[str, Any]] = {}
-    for state in _states(model):
+    for state in _states(model).values():
         report[state.name] = layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
         if reset:
             state.histogram = None
@@ -443,7 +430,7 @@ def adaptive_summary(model_or_report: nn.Module | Mapping[str, Mapping[str, Any]
 
 def reset_adaptive_counters(model: nn.Module) -> None:
     """Zero every layer's counters."""
-    for state in _states(model):
+    for state in _states(model).values():
         state.histogram = None
 
 
@@ -451,8 +438,7 @@ def adaptive_paths(model: nn.Module) -> dict[str, str]:
     """Per MoE layer, the skipping path its calls take where its experts' weights now are (``masked`` or
     ``compact``)."""
     paths = {}
-    for module in _adaptive_modules(model):
-        state = getattr(module, STATE_ATTR)
+    for module, state in _states(model).items():
         weight = next(module.parameters(), None)
         paths[state.name] = state.path_on(weight.device if weight is not None else torch.device("cpu"))
     return paths
@@ -460,7 +446,7 @@ def adaptive_paths(model: nn.Module) -> dict[str, str]:
 
 def adaptive_histograms(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     """Raw per-layer ``(histogram, top_k)``, for summing over distributed ranks before reporting."""
-    return {state.name: (state.counts(), state.top_k) for state in _states(model)}
+    return {state.name: (state.counts(), state.top_k) for state in _states(model).values()}
 
 
 __all__ = [

@@ -71,10 +71,8 @@ def layer_choices(name: str, routing: dict[str, int], min_kept_fraction: float,
 def target_kept(num_experts: Sequence[int], ratio: float) -> int:
     """Total experts kept when a fraction ``ratio`` of all routed experts is removed."""
     if not 0.0 <= ratio < 1.0:
-        raise InfeasibleBudgetError(
-            f"ratio={ratio} is outside [0, 1): it is the fraction of routed experts removed "
-            "(0.5 removes half)."
-        )
+        raise InfeasibleBudgetError(f"ratio={ratio} is outside [0, 1): it is the fraction of routed experts removed "
+                                    "(0.5 removes half).")
     return round((1.0 - ratio) * sum(num_experts))
 
 
@@ -84,12 +82,11 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fract
     total = sum(c.num_experts for c in choices)
     for c in choices:
         if c.low > c.high:
-            raise InfeasibleBudgetError(
-                f"Layer {c.name} ({c.num_experts} experts) has no feasible kept count between "
-                f"min_kept_fraction={min_kept_fraction} and max_kept_fraction={max_kept_fraction} that its router "
-                f"accepts (needs at least {c.low} experts in multiples of {c.step}); raise max_kept_fraction to at "
-                f"least {c.low / c.num_experts:.3f}."
-            )
+            raise InfeasibleBudgetError(f"Layer {c.name} ({c.num_experts} experts) has no feasible kept count "
+                                        f"between min_kept_fraction={min_kept_fraction} and max_kept_fraction="
+                                        f"{max_kept_fraction} that its router accepts (needs at least {c.low} "
+                                        f"experts in multiples of {c.step}); raise max_kept_fraction to at least "
+                                        f"{c.low / c.num_experts:.3f}.")
     budget = target_kept([c.num_experts for c in choices], ratio)
     step = math.gcd(*[c.step for c in choices])
     budget = step * round(budget / step)
@@ -97,11 +94,10 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fract
     if not low <= budget <= high:
         lo_ratio, hi_ratio = 1.0 - high / total, 1.0 - low / total
         hint = _prune_more_hint(choices, budget, total) if budget < low else _prune_less_hint(choices, budget)
-        raise InfeasibleBudgetError(
-            f"ratio={ratio} keeps {budget} of {total} experts, but min_kept_fraction={min_kept_fraction}, "
-            f"max_kept_fraction={max_kept_fraction} and the routers' top-k allow keeping {low} to {high}: use a ratio "
-            f"in [{lo_ratio:.4f}, {hi_ratio:.4f}]{hint}."
-        )
+        raise InfeasibleBudgetError(f"ratio={ratio} keeps {budget} of {total} experts, but min_kept_fraction="
+                                    f"{min_kept_fraction}, max_kept_fraction={max_kept_fraction} and the routers' "
+                                    f"top-k allow keeping {low} to {high}: use a ratio in [{lo_ratio:.4f}, "
+                                    f"{hi_ratio:.4f}]{hint}.")
     return budget
 
 
@@ -136,10 +132,9 @@ def uniform_allocation(routings: Sequence[tuple[str, dict[str, int]]], ratio: fl
         n, step, floor = routing["num_experts"], routing["num_groups"], minimum_kept(**routing)
         keep = step * round((1.0 - ratio) * n / step)
         if keep < floor:
-            raise InfeasibleBudgetError(
-                f"Uniform ratio={ratio} keeps {keep} of {n} experts in layer {name}, but its router needs at "
-                f"least {floor} (top_k={routing['top_k']}); use a ratio of at most {1.0 - floor / n:.4f}."
-            )
+            raise InfeasibleBudgetError(f"Uniform ratio={ratio} keeps {keep} of {n} experts in layer {name}, but its "
+                                        f"router needs at least {floor} (top_k={routing['top_k']}); use a ratio of "
+                                        f"at most {1.0 - floor / n:.4f}.")
         counts.append(keep)
     return counts
 

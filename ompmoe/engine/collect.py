@@ -62,9 +62,8 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
     return forward
 
 
-def _per_expert_forward(
-    native_forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor, weight_dtype: torch.dtype
-) -> torch.Tensor:
+def _per_expert_forward(native_forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        weight_dtype: torch.dtype) -> torch.Tensor:
     """The flattened call's per-pair outputs ``(tokens * top_k, d)``, one native call per expert's pairs.
 
     Used under autograd: one call over all pairs makes each per-expert gather's backward add a zero
@@ -77,10 +76,8 @@ def _per_expert_forward(
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.unique_consecutive(sorted_ids, return_counts=True)[1].tolist()
     pairs = _GatherRows.apply(hidden_states, order.div(top_k, rounding_mode="floor"), inverse.view(num_tokens, top_k))
-    chunks = [
-        native_forward(h, ids.view(-1, 1), torch.ones(len(ids), 1, dtype=weight_dtype, device=ids.device))
-        for h, ids in zip(pairs.split(counts), sorted_ids.split(counts))
-    ]
+    chunks = [native_forward(h, ids.view(-1, 1), torch.ones(len(ids), 1, dtype=weight_dtype, device=ids.device))
+              for h, ids in zip(pairs.split(counts), sorted_ids.split(counts))]
     return _GatherRows.apply(torch.cat(chunks), inverse, order)
 
 
@@ -134,10 +131,8 @@ class MoEStatsMetric(Metric):
             weight = weight.reshape(-1).to(self.num_tokens.device, torch.float64)
             if not bool(((weight == 0) | (weight == 1)).all()):
                 odd = weight[(weight != 0) & (weight != 1)][0].item()
-                raise CalibrationInputError(
-                    f"Token weights (attention_mask) must be 0 or 1; found {odd}. Pass the tokenizer's 0/1 "
-                    "mask (a weighted mask would scale every statistic)."
-                )
+                raise CalibrationInputError(f"Token weights (attention_mask) must be 0 or 1; found {odd}. Pass the "
+                                            "tokenizer's 0/1 mask (a weighted mask would scale every statistic).")
         self.token_weight = weight
         self.num_tokens += num_tokens if weight is None else weight.sum()
 
@@ -159,10 +154,8 @@ class MoEStatsMetric(Metric):
         weight = self.token_weight
         if weight is not None:
             if weight.numel() != num_tokens:
-                raise ValueError(
-                    f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
-                    f"routed {num_tokens}; pass masks shaped like input_ids."
-                )
+                raise ValueError(f"attention_mask covers {weight.numel()} tokens but layer {self.routing[index][0]} "
+                                 f"routed {num_tokens}; pass masks shaped like input_ids.")
             # Drop padding outright (its hidden states may be non-finite); weights are 0/1, so the rest weigh 1.
             keep = weight.to(device) > 0
             if not bool(keep.all()):
@@ -183,28 +176,19 @@ class MoEStatsMetric(Metric):
         gram.view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
-        sums = {
-            "routing_mass": gates64,
-            "token_count": torch.ones_like(gates64),
-            "sq_norm_sum": sq_norm,
-            "norm_sum": norm,
-            "weighted_norm_sum": gates64 * norm,
-        }
+        sums = {"routing_mass": gates64, "token_count": torch.ones_like(gates64), "sq_norm_sum": sq_norm,
+                "norm_sum": norm, "weighted_norm_sum": gates64 * norm}
         stacked = torch.stack([sums[key] for key in PER_EXPERT_SUMS]).reshape(len(PER_EXPERT_SUMS), -1)
         getattr(self, f"expert_sums_{index}").index_add_(1, ids.reshape(-1), stacked)
 
     def compute(self) -> tuple[list[LayerStats], int]:
         """Per-layer statistics and the token count, summed over ranks when distributed."""
-        layers = [
-            LayerStats(
-                name=name,
-                **routing,
-                gram=getattr(self, f"gram_{i}").clone(),
-                **{key: getattr(self, f"expert_sums_{i}")[row].clone() for row, key in enumerate(PER_EXPERT_SUMS)},
-                gram_normalized=getattr(self, f"gram_normalized_{i}").clone(),
-            )
-            for i, (name, routing) in enumerate(self.routing)
-        ]
+        layers = []
+        for i, (name, routing) in enumerate(self.routing):
+            sums = getattr(self, f"expert_sums_{i}")
+            layers.append(LayerStats(name=name, **routing, gram=getattr(self, f"gram_{i}").clone(),
+                                     **{key: sums[row].clone() for row, key in enumerate(PER_EXPERT_SUMS)},
+                                     gram_normalized=getattr(self, f"gram_normalized_{i}").clone()))
         return layers, int(round(float(self.num_tokens)))
 
 
@@ -213,10 +197,8 @@ def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]
     if isinstance(batch, torch.Tensor):
         batch = {"input_ids": batch if batch.dim() == 2 else batch.unsqueeze(0)}
     if not isinstance(batch, Mapping) or "input_ids" not in batch and "inputs_embeds" not in batch:
-        raise TypeError(
-            "Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
-            f"for model(**batch); got {type(batch).__name__}."
-        )
+        raise TypeError("Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
+                        f"for model(**batch); got {type(batch).__name__}.")
     keep = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
     inputs = {key: value.to(device) for key, value in batch.items() if key in keep and value is not None}
     if inputs.get("input_ids") is not None and inputs["input_ids"].dim() == 1:  # one unbatched sequence
@@ -235,10 +217,8 @@ def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor
     key = "input_ids" if ids is not None else "inputs_embeds"
     if source is None or source.dim() < 2 or source.shape[0] == 0 or source.shape[1] == 0:
         shape = None if source is None else tuple(source.shape)
-        raise CalibrationInputError(
-            f"Calibration batch {key} has shape {shape}; it needs at least one row and one token, "
-            "(batch >= 1, seq >= 1). Drop empty batches."
-        )
+        raise CalibrationInputError(f"Calibration batch {key} has shape {shape}; it needs at least one row and one "
+                                    "token, (batch >= 1, seq >= 1). Drop empty batches.")
     if ids is not None:
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise CalibrationInputError(f"input_ids must be integer token ids; got dtype {ids.dtype}.")
@@ -249,21 +229,17 @@ def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor
             bad = low if low < 0 else high
             raise CalibrationInputError(
                 f"input_ids hold token id {bad} (min {low}, max {high}) but the model's vocabulary has "
-                f"{vocab} tokens (valid ids 0..{vocab - 1 if vocab else '?'}); tokenize with this model's tokenizer."
-            )
+                f"{vocab} tokens (valid ids 0..{vocab - 1 if vocab else '?'}); tokenize with this model's tokenizer.")
     mask = inputs.get("attention_mask")
     if mask is not None:
         if tuple(mask.shape) != tuple(source.shape[:2]):
-            raise CalibrationInputError(
-                f"attention_mask has shape {tuple(mask.shape)} but {key} has {tuple(source.shape[:2])}; "
-                "pass masks shaped like input_ids."
-            )
+            raise CalibrationInputError(f"attention_mask has shape {tuple(mask.shape)} but {key} has "
+                                        f"{tuple(source.shape[:2])}; pass masks shaped like input_ids.")
         if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
             odd = mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()
             raise CalibrationInputError(
                 f"attention_mask must hold only 0 and 1 (padding and real tokens); found {odd}. "
-                "Pass the tokenizer's 0/1 mask (a weighted mask would scale every statistic)."
-            )
+                "Pass the tokenizer's 0/1 mask (a weighted mask would scale every statistic).")
 
 
 @contextmanager
@@ -282,33 +258,26 @@ def adaptive_paused(model: nn.Module) -> Iterator[bool]:
     finally:
         for module in paused:
             state = getattr(module, STATE_ATTR)
-            state.handles = [
-                module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-                module.register_forward_hook(_post_hook, with_kwargs=True),
-            ]
+            state.handles = [module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                             module.register_forward_hook(_post_hook, with_kwargs=True)]
 
 
-ADAPTIVE_WARNING = (
-    "Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
-    "they cover the full top-k routing, and switched back on afterwards."
-)
+ADAPTIVE_WARNING = ("Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
+                    "they cover the full top-k routing, and switched back on afterwards.")
 
 
 class StatisticsCollector:
     """Instruments a model so every forward pass adds to its statistics (driven by ``collect_stats`` or a callback)."""
 
-    def __init__(
-        self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None,
-        statistics: Iterable[str] = (), **extension_flags: bool,
-    ) -> None:
+    def __init__(self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None,
+                 statistics: Iterable[str] = (), **extension_flags: bool) -> None:
         architecture_of(model)
         self.model = model
         self.layers = find_moe_layers(model)
         self.metric = MoEStatsMetric(self.layers)
         names = selected_statistics(statistics, **extension_flags)
         self.extensions: dict[str, StatisticsExtension] = {
-            name: extension(name)(model, self.layers, lambda: self.metric.token_weight) for name in names
-        }
+            name: extension(name)(model, self.layers, lambda: self.metric.token_weight) for name in names}
         """The optional statistics collected next to the core sums, by name."""
         self.model_id = model_id or getattr(model.config, "_name_or_path", None) or None
         self.sources = list(sources or [])
@@ -461,14 +430,8 @@ class StatisticsCollector:
                                                                       layer.tensors().items()}) for layer in layers]
         if num_tokens == 0:
             raise ValueError("No calibration tokens were seen; pass at least one non-empty batch.")
-        return MoEStats(
-            layers=layers,
-            num_tokens=num_tokens,
-            fingerprint=model_fingerprint(self.model),
-            model_id=self.model_id,
-            model_type=self.model.config.model_type,
-            sources=self.sources,
-        )
+        return MoEStats(layers=layers, num_tokens=num_tokens, fingerprint=model_fingerprint(self.model),
+                        model_id=self.model_id, model_type=self.model.config.model_type, sources=self.sources)
 
 
 def real_sample_count(sampler: Any) -> int | None:
@@ -482,9 +445,8 @@ def real_sample_count(sampler: Any) -> int | None:
     return None
 
 
-def batch_token_weight(
-    inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
-) -> torch.Tensor | None:
+def batch_token_weight(inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
+                       ) -> torch.Tensor | None:
     """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
     ``real_samples`` (repeats); ``first_sample`` is the batch's first sample's position on this rank."""
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
@@ -498,16 +460,8 @@ def batch_token_weight(
     return weight
 
 
-def collect_stats(
-    model: nn.Module,
-    batches: Iterable[Any],
-    *,
-    model_id: str | None = None,
-    source: str | None = None,
-    progress: bool | None = None,
-    statistics: Iterable[str] = (),
-    **extension_flags: bool,
-) -> MoEStats:
+def collect_stats(model: nn.Module, batches: Iterable[Any], *, model_id: str | None = None, source: str | None = None,
+                  progress: bool | None = None, statistics: Iterable[str] = (), **extension_flags: bool) -> MoEStats:
     """Stream OMP-MoE statistics over ``batches`` (input-id tensors or dicts for ``model(**batch)``), one forward each.
 
     Masked padding is not counted; the model runs in eval mode (some routers jitter in train mode), then is restored.

@@ -49,9 +49,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -59,9 +58,11 @@ from torch import nn
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
 from .collect import adaptive_paused, as_model_inputs, check_calibration_inputs
+from .perplexity import eval_mode, perplexity
 from .plan import PruningPlan
 from .pruning import require_plan_model, slice_module, validate_plan
 from .record import CONFIG_KEY, pruning_info
+from .trial import pruned_view
 
 GRANULARITIES = ("layer", "expert", "linear")
 """``layer``: one factor per MoE layer; ``expert``: one per kept expert (``ridge`` toward the layer's); ``linear``: a
@@ -151,10 +152,8 @@ class CompensationSums:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{"<layer>.gram": ..., "<layer>.cross": ..., "<layer>.target_energy": ..., "num_tokens": ...}`` (and
         ``"<layer>.output_gram"``, ``"<layer>.output_cross"`` for ``linear``)."""
-        states = {"num_tokens": self.num_tokens}
-        for layer in self.layers:
-            states.update({f"{layer.name}.{key}": value for key, value in layer.tensors().items()})
-        return states
+        return {"num_tokens": self.num_tokens,
+                **{f"{layer.name}.{key}": value for layer in self.layers for key, value in layer.tensors().items()}}
 
     def load_state_dict(self, states: Mapping[str, torch.Tensor]) -> None:
         """Replace the sums by ``states`` (e.g. summed over ranks), checking the shapes."""
@@ -212,8 +211,7 @@ class _LayerPass:
     pruned output (fitted on this very batch, which then holds every fitting token)."""
 
     def __init__(self, layer: MoELayer, kept: list[int], count_attributes: tuple[str, ...], last: bool,
-                 outputs: bool, fit: Callable[[LayerSums], torch.Tensor] | None,
-                 reduce: Callable[[LayerSums], None] | None) -> None:
+                 outputs: bool, fit: Callable[[LayerSums], torch.Tensor] | None) -> None:
         self.layer = layer
         self.kept = torch.tensor(kept, dtype=torch.long)
         self.router = copy.deepcopy(layer.router)
@@ -221,31 +219,27 @@ class _LayerPass:
         weight, _ = _down_projection(layer)
         device, k = weight.device, len(kept)
         self.kept_on_device = self.kept.to(device)  # indexed per batch: no host-to-device copy there
-        d = _hidden_size(layer, weight)
+        d = _hidden_size(layer)
         zeros = dict(dtype=torch.float64, device=device)  # on the experts' device: no batch goes to the host
         self.sums = LayerSums(
             layer.name, list(kept), torch.zeros(k, k, **zeros), torch.zeros(k, **zeros), torch.zeros((), **zeros),
             torch.zeros(d, d, **zeros) if outputs else None, torch.zeros(d, d, **zeros) if outputs else None)
         self.last = last
         self.fit = fit
-        self.reduce = reduce
         self.token_weight: torch.Tensor | None = None
         self._routing: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._handles: list[Any] = []
 
     @contextmanager
     def attached(self) -> Iterator[None]:
         experts = self.layer.experts
-        self._handles.append(self.layer.router.register_forward_hook(self._router_hook, with_kwargs=True))
-        native = type(experts).forward.__get__(experts)
-        experts.forward = self._forward(native)
+        handle = self.layer.router.register_forward_hook(self._router_hook, with_kwargs=True)
+        experts.forward = self._forward(type(experts).forward.__get__(experts))
         try:
             yield
         finally:
             del experts.forward
-            for handle in self._handles:
-                handle.remove()
-            self._handles, self._routing = [], None
+            handle.remove()
+            self._routing = None
 
     def _router_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         self.router.train(module.training)
@@ -267,8 +261,6 @@ class _LayerPass:
             if self.fit is None:
                 result = target.to(hidden_states.dtype)
             else:  # sequential: this batch holds every fitting token, so the correction is final here
-                if self.reduce is not None:
-                    self.reduce(self.sums)
                 correction = self.fit(self.sums).to(contributions.device)
                 if correction.dim() == 2:
                     corrected = contributions.sum(1).double() @ correction.T
@@ -354,12 +346,12 @@ def _down_projection(layer: MoELayer) -> tuple[nn.Parameter, nn.Parameter | None
     return weight, bias if isinstance(bias, nn.Parameter) else None
 
 
-def _hidden_size(layer: MoELayer, weight: torch.Tensor) -> int:
+def _hidden_size(layer: MoELayer) -> int:
     """The output width of the experts: ``down_proj`` is ``(E, d, inner)``, or ``(E, inner, d)`` when transposed."""
-    return int(weight.shape[2] if getattr(layer.experts, "is_transposed", False) else weight.shape[1])
+    return int(_down_projection(layer)[0].shape[2 if getattr(layer.experts, "is_transposed", False) else 1])
 
 
-def _corrected(parameter: torch.Tensor, correction: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _corrected(layer: MoELayer, parameter: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
     """Rows of a down projection (``(K, d, inner)``, ``(K, inner, d)`` when transposed) or of its bias (``(K, d)``)
     with the correction folded in: factors ``(K,)`` scale each expert's rows, a map ``(d, d)`` multiplies every
     expert's output."""
@@ -369,18 +361,9 @@ def _corrected(parameter: torch.Tensor, correction: torch.Tensor, transposed: bo
         return (value * c.view((-1,) + (1,) * (value.dim() - 1))).to(parameter.dtype)
     if value.dim() == 2:  # bias (K, d): M b
         return (value @ c.T).to(parameter.dtype)
-    if transposed:  # out = h @ W, W (K, inner, d): M out = h @ (W M^T)
+    if getattr(layer.experts, "is_transposed", False):  # out = h @ W, W (K, inner, d): M out = h @ (W M^T)
         return torch.einsum("kfj,ij->kfi", value, c).to(parameter.dtype)
     return torch.einsum("ij,kjf->kif", c, value).to(parameter.dtype)  # out = W h, W (K, d, inner)
-
-
-def _batches(batches: torch.Tensor | Iterable[Any], batch_size: int | None) -> Iterable[Any]:
-    if isinstance(batches, torch.Tensor):
-        if batches.dim() != 2 or batches.shape[0] == 0 or batches.shape[1] == 0:
-            raise CompensationError(f"Compensation needs (num_blocks, seq_len) token ids; got shape "
-                                    f"{tuple(batches.shape)}.")
-        return batches.split(batch_size) if batch_size else [batches]
-    return batches
 
 
 @torch.no_grad()
@@ -407,8 +390,12 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
         check_sum_budget(layers, max_sum_bytes)
     spec = architecture_of(model)
     device = next(model.parameters()).device
-    reducer = None if reduce is None else partial(_reduce_layer, reduce=reduce)
-    inputs = [as_model_inputs(batch, device) for batch in _batches(batches, batch_size)]
+    if isinstance(batches, torch.Tensor):
+        if batches.dim() != 2 or batches.shape[0] == 0 or batches.shape[1] == 0:
+            raise CompensationError(f"Compensation needs (num_blocks, seq_len) token ids; got shape "
+                                    f"{tuple(batches.shape)}.")
+        batches = batches.split(batch_size) if batch_size else [batches]
+    inputs = [as_model_inputs(batch, device) for batch in batches]
     if not inputs:
         raise CompensationError("Compensation needs at least one batch of calibration tokens.")
     if sequential and len(inputs) > 1:
@@ -419,30 +406,23 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
         if reduce is not None:
             reduce(count)
         tokens = float(count["num_tokens"])
-        fit = lambda sums: _fit_layer(sums, granularity, ridge, tokens)  # noqa: E731
+        fit = lambda sums: _fit_layer(_reduce_layer(sums, reduce), granularity, ridge, tokens)  # noqa: E731
     passes = [_LayerPass(layer, sorted(int(i) for i in layer_plan.kept), spec.count_attributes,
-                         index == len(layers) - 1, granularity == "linear", fit, reducer)
+                         index == len(layers) - 1, granularity == "linear", fit)
               for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers))]
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
-    training = model.training
-    model.eval()
-    try:
-        with adaptive_paused(model), ExitStack() as stack:
+    with eval_mode(model), adaptive_paused(model), ExitStack() as stack:
+        for each in passes:
+            stack.enter_context(each.attached())
+        for batch in inputs:
+            check_calibration_inputs(model, batch)
+            mask = batch.get("attention_mask")
+            weight = None if mask is None else mask.reshape(-1)
             for each in passes:
-                stack.enter_context(each.attached())
-            for batch in inputs:
-                check_calibration_inputs(model, batch)
-                mask = batch.get("attention_mask")
-                weight = None if mask is None else mask.reshape(-1)
-                for each in passes:
-                    each.token_weight = weight
-                _count_tokens(num_tokens, batch)
-                try:
-                    model(**batch, use_cache=False)
-                except _Stop:
-                    pass
-    finally:
-        model.train(training)
+                each.token_weight = weight
+            _count_tokens(num_tokens, batch)
+            with suppress(_Stop):
+                model(**batch, use_cache=False)
     return CompensationSums([each.sums for each in passes], num_tokens, plan.fingerprint, sequential)
 
 
@@ -460,9 +440,8 @@ def linear_sum_bytes(layers: list[MoELayer]) -> dict[torch.device, int]:
     """Bytes of ``linear``'s two ``d x d`` float64 sums per MoE layer, summed per device they accumulate on."""
     sizes: dict[torch.device, int] = {}
     for layer in layers:
-        weight, _ = _down_projection(layer)
-        d = _hidden_size(layer, weight)
-        sizes[weight.device] = sizes.get(weight.device, 0) + 2 * d * d * 8
+        device, d = _down_projection(layer)[0].device, _hidden_size(layer)
+        sizes[device] = sizes.get(device, 0) + 2 * d * d * 8
     return sizes
 
 
@@ -475,8 +454,7 @@ def check_sum_budget(layers: list[MoELayer], max_sum_bytes: int | None) -> None:
         raise CompensationError(f"max_sum_bytes must be a positive int or None (no limit); got {max_sum_bytes!r}.")
     for device, size in linear_sum_bytes(layers).items():
         if size > max_sum_bytes:
-            weight, _ = _down_projection(layers[0])
-            d = _hidden_size(layers[0], weight)
+            d = _hidden_size(layers[0])
             raise CompensationError(
                 f"granularity='linear' needs {_format_bytes(size)} of float64 sums on {device} (two {d} x {d} per "
                 f"MoE layer), over max_sum_bytes={max_sum_bytes} ({_format_bytes(max_sum_bytes)}); pass "
@@ -490,12 +468,14 @@ def _format_bytes(size: int) -> str:
     return f"{size} bytes"
 
 
-def _reduce_layer(sums: LayerSums, reduce: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    """``reduce`` (in place, e.g. an all-reduce) on one layer's sums."""
-    states = sums.tensors()
-    reduce(states)
-    for key, value in states.items():
-        setattr(sums, key, value)
+def _reduce_layer(sums: LayerSums, reduce: Callable[[dict[str, torch.Tensor]], None] | None) -> LayerSums:
+    """``reduce`` (in place, e.g. an all-reduce; ``None``: none) on one layer's sums; returns them."""
+    if reduce is not None:
+        states = sums.tensors()
+        reduce(states)
+        for key, value in states.items():
+            setattr(sums, key, value)
+    return sums
 
 
 def _concatenated(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -597,7 +577,7 @@ def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tenso
     record: dict[str, Any] = {
         "method": "least_squares", "granularity": granularity,
         "ridge": None if granularity == "layer" else effective_ridge(
-            granularity, ridge, float(sums.num_tokens), _map_size(scales[sums.layers[0].name])),
+            granularity, ridge, float(sums.num_tokens), int(scales[sums.layers[0].name].shape[0])),
         "ridge_rule": "given" if ridge is not None or granularity == "layer" else (
             "hidden_size / tokens" if granularity == "linear" else f"default {EXPERT_RIDGE:g}"),
         "sequential": bool(sums.sequential),
@@ -613,16 +593,11 @@ def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tenso
     return record
 
 
-def _map_size(correction: torch.Tensor) -> int:
-    return int(correction.shape[0]) if correction.dim() == 2 else 0
-
-
 # -- applying it -------------------------------------------------------------------------------------------------------
 
 
 def _check_correction(layer: MoELayer, correction: torch.Tensor, count: int) -> None:
-    weight, _ = _down_projection(layer)
-    d = _hidden_size(layer, weight)
+    d = _hidden_size(layer)
     expected = (d, d) if correction.dim() == 2 else (count,)
     if tuple(correction.shape) != expected:
         raise CompensationError(f"The correction of {layer.name} has shape {tuple(correction.shape)}; expected "
@@ -666,10 +641,9 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
                 f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
         _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
     for layer in layers:
-        transposed = bool(getattr(layer.experts, "is_transposed", False))
         for parameter in _down_projection(layer):
             if parameter is not None:
-                parameter.data.copy_(_corrected(parameter, torch.as_tensor(scales[layer.name]), transposed))
+                parameter.data.copy_(_corrected(layer, parameter, torch.as_tensor(scales[layer.name])))
     info = dict(info)
     info["compensation"] = dict(record) if record else {"method": "least_squares"}
     setattr(model.config, CONFIG_KEY, info)
@@ -681,29 +655,24 @@ def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensa
     """Within the context, the **unpruned** ``model`` computes what ``prune`` then ``compensation.apply`` would
     (:func:`~ompmoe.engine.trial.pruned_view` with the kept experts' down projections corrected meanwhile); the
     weights are restored bit for bit afterwards, also when the body raises."""
-    from .trial import pruned_view
-
     layers = check_compensable(model, plan)
-    for layer, layer_plan in zip(layers, plan.layers):
-        kept = sorted(int(i) for i in layer_plan.kept)
-        if compensation.kept.get(layer.name) != kept:
+    kept = [sorted(int(i) for i in layer_plan.kept) for layer_plan in plan.layers]
+    for layer, ids in zip(layers, kept):
+        if compensation.kept.get(layer.name) != ids:
             raise CompensationError(f"The compensation of {layer.name} was fitted for kept experts "
-                                    f"{compensation.kept.get(layer.name)}, but the plan keeps {kept}.")
-        _check_correction(layer, compensation.scales[layer.name], len(kept))
+                                    f"{compensation.kept.get(layer.name)}, but the plan keeps {ids}.")
+        _check_correction(layer, compensation.scales[layer.name], len(ids))
     saved: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():
-            for layer, layer_plan in zip(layers, plan.layers):
-                transposed = bool(getattr(layer.experts, "is_transposed", False))
+            for layer, ids in zip(layers, kept):
                 for parameter in _down_projection(layer):
                     if parameter is None:
                         continue
-                    rows = torch.tensor(sorted(int(i) for i in layer_plan.kept), dtype=torch.long,
-                                        device=parameter.device)
+                    rows = torch.tensor(ids, dtype=torch.long, device=parameter.device)
                     original = parameter.data.index_select(0, rows)
                     saved.append((parameter, rows, original))
-                    parameter.data.index_copy_(0, rows, _corrected(original, compensation.scales[layer.name],
-                                                                   transposed))
+                    parameter.data.index_copy_(0, rows, _corrected(layer, original, compensation.scales[layer.name]))
         with pruned_view(model, plan):
             yield model
     finally:
@@ -716,18 +685,11 @@ def heldout_losses(model: nn.Module, plan: PruningPlan, compensation: Compensati
                    batch_size: int = 4) -> tuple[float, float]:
     """Mean next-token loss (nats) of the pruned model on ``blocks`` without and with ``compensation``, both run on
     the unpruned ``model`` (no copy): where compensation helps, the second is lower."""
-    from .perplexity import perplexity
-    from .trial import pruned_view
-
-    training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with pruned_view(model, plan):
             without = math.log(perplexity(model, blocks, batch_size))
         with compensated_view(model, plan, compensation):
             with_ = math.log(perplexity(model, blocks, batch_size))
-    finally:
-        model.train(training)
     return without, with_
 
 
@@ -747,9 +709,7 @@ def fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> i
     """Tokens to fit on: :data:`TOKENS_PER_DIMENSION` per hidden dimension of the experts' output (the ``linear``
     map's unknowns per row), at most a quarter of ``calibration_tokens`` when given (the pass costs about 1.6x a
     forward per token, so at most 0.4x a forward over the calibration text), at least one token."""
-    layer = find_moe_layers(model)[0]
-    weight, _ = _down_projection(layer)
-    tokens = TOKENS_PER_DIMENSION * _hidden_size(layer, weight)
+    tokens = TOKENS_PER_DIMENSION * _hidden_size(find_moe_layers(model)[0])
     if calibration_tokens is not None:
         tokens = min(tokens, calibration_tokens // 4)
     return max(1, int(tokens))
@@ -799,10 +759,8 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     return Compensation(scales, kept, compensation_record(sums, scales, granularity, ridge))
 
 
-__all__ = [
-    "Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
-    "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
-    "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "apply_compensation", "check_compensable", "compensate",
-    "check_sum_budget", "compensated_view", "compensation_record", "compensation_sums", "effective_ridge", "fit_scales",
-    "fitting_tokens", "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks",
-]
+__all__ = ["Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
+           "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
+           "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensated_view",
+           "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
+           "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks"]

@@ -81,9 +81,8 @@ class StatisticsExtension:
     metric: LayerSumsMetric
     recorder: Any
 
-    def __init__(
-        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
+                 ) -> None:
         self.model, self.layers, self.token_weight = model, layers, token_weight
 
     @classmethod

@@ -57,16 +57,12 @@ def input_kind(path: str | os.PathLike) -> str | None:
 
 
 def _json_kind(path: Path) -> str | None:
-    if path.stat().st_size > MAX_JSON_BYTES:
-        return None
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else None
     if not isinstance(data, dict):
         return None
     if "layers" in data and "ratio" in data:
         return "plan"
-    if "results" in data:
-        return "results"
-    return None
+    return "results" if "results" in data else None
 
 
 def check_input_kind(path: str | os.PathLike, expected: str) -> None:

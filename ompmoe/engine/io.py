@@ -4,9 +4,8 @@ An output is written into a hidden temporary sibling under a run lock (``flock``
 success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and what killed
 runs left is cleaned by the next run for the same target once their run is known dead. An output another live run
 has reserved (:func:`reserve`, before its calibration) or is writing is refused up front (:class:`OutputInUseError`);
-a write that fails midway for want of space, file size,
-quota or a writable file system, whatever library raised it, ends as one :class:`OutputNotWritableError` naming the
-output and the cause, the previous output untouched.
+a write that fails midway for want of space, file size, quota or a writable file system, whatever library raised it,
+ends as one :class:`OutputNotWritableError` naming the output and the cause, the previous output untouched.
 """
 
 from __future__ import annotations
@@ -176,7 +175,7 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
         if match is not None:
             runs.setdefault((match["owner"], match["token"]), {})[match["kind"]] = entry
     handled = []
-    mine = _reserved_locks()
+    mine = {_file_id(held.lock.path) for held in _held_reservations()} - {None}  # the lock files this process holds
     for entries in runs.values():
         if "lock" in entries and _file_id(entries["lock"]) in mine:
             continue  # this process's own reservation: neither dead nor another run
@@ -271,10 +270,7 @@ def check_writable(
     """
     path = _normalised(Path(path))
     _check_name_lengths(path)
-    live: list[dict[str, str]] = []
-    clean_leftovers(path, live)
-    if live:
-        raise OutputInUseError(errno.EBUSY, _in_use_message(path, live[0]))
+    _refuse_in_use(path)
     if os.path.lexists(path):
         if not overwrite:
             raise OutputExistsError(_exists_message(path))
@@ -305,12 +301,8 @@ class Reservation:
             raise
         self._finalizer = weakref.finalize(self, _release_reservation, self.lock, created, os.getpid())
         _RESERVATIONS.setdefault(_output_key(self.path), []).append(weakref.ref(self))
-        # Two runs that checked at the same instant both hold a lock now: each sees the other's and backs off.
-        live: list[dict[str, str]] = []
-        try:
-            clean_leftovers(self.path, live)
-            if live:
-                raise OutputInUseError(errno.EBUSY, _in_use_message(self.path, live[0]))
+        try:  # two runs that checked at the same instant both hold a lock now: each sees the other's and backs off
+            _refuse_in_use(self.path)
         except BaseException:
             self.release()
             raise
@@ -360,19 +352,8 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 def _held_reservations(key: tuple[int, int, str] | None = None) -> list[Reservation]:
     """This process's reservations still held (of the output ``key`` only, if given), oldest first."""
-    held = []
-    for each in list(_RESERVATIONS) if key is None else [key]:
-        for ref in _RESERVATIONS.get(each, []):
-            reservation = ref()
-            if reservation is not None and reservation.held:
-                held.append(reservation)
-    return held
-
-
-def _reserved_locks() -> set[tuple[int, int]]:
-    """Device and inode of the lock files this process's reservations hold."""
-    found = {_file_id(reservation.lock.path) for reservation in _held_reservations()}
-    return {file_id for file_id in found if file_id is not None}
+    refs = [ref for each in (list(_RESERVATIONS) if key is None else [key]) for ref in _RESERVATIONS.get(each, [])]
+    return [reservation for ref in refs if (reservation := ref()) is not None and reservation.held]
 
 
 def _release_reservation(lock: _RunLock, created: list[Path], pid: int) -> None:
@@ -394,17 +375,21 @@ def reserve(path: str | os.PathLike, overwrite: bool, *, directory: bool | None 
     return Reservation(Path(path), overwrite, directory, inputs)
 
 
-def _in_use_message(path: Path, holder: dict[str, str]) -> str:
-    """``another ompmoe run (pid 123) is using X (calibrating or writing it); ...``:
-    who, as far as its lock file tells."""
-    mine = _identity()
+def _refuse_in_use(path: Path) -> None:
+    """Clean what dead runs left for ``path``; :class:`OutputInUseError` if a live run is writing or reserving it,
+    naming that run as far as its lock file tells."""
+    live: list[dict[str, str]] = []
+    clean_leftovers(path, live)
+    if not live:
+        return
+    holder, mine = live[0], _identity()
     who = f"pid {holder['pid']}" if holder.get("pid") else "pid unknown"
     if holder.get("host") and holder["host"] != mine["host"]:
         who += f" on host {holder['host']}"
     elif holder.get("pid_namespace") and holder["pid_namespace"] != mine["pid_namespace"]:
         who += ", in another container or PID namespace"
-    return (f"another ompmoe run ({who}) is using {path} (calibrating or writing it); wait for it to finish, or choose "
-            "another output path")
+    raise OutputInUseError(errno.EBUSY, f"another ompmoe run ({who}) is using {path} (calibrating or writing it); "
+                           "wait for it to finish, or choose another output path")
 
 
 def _normalised(path: Path) -> Path:
@@ -533,7 +518,11 @@ def atomic_path(
     naming ``path`` and the cause (the original error is its ``__cause__``); every other error passes unchanged.
     A :class:`Reservation` this process holds on ``path`` is taken over: written under its lock, released at the end."""
     inputs = list(inputs)
-    reservation = _reservation_of(_normalised(Path(path)))
+    try:  # the latest reservation this process holds on path, if any
+        held = _held_reservations(_output_key(_normalised(Path(path))))
+    except OSError:  # no parent directory: nothing reserved there
+        held = []
+    reservation = held[-1] if held else None
     try:
         path = check_writable(path, overwrite, directory=directory, inputs=inputs)
     except BaseException:
@@ -569,8 +558,7 @@ def atomic_path(
         if reservation is not None:  # its lock, and the directories made for it, if empty
             reservation.release()
         elif lock is not None:
-            lock.release()  # before the directories it lives in are removed
-        lock = None
+            lock.release()  # before the directories it lives in are removed (the release in finally is then a no-op)
         _remove_made(created)
         if failure is not None:
             raise failure from error
@@ -580,15 +568,6 @@ def atomic_path(
             reservation.release(keep_directories=True)
         elif lock is not None:
             lock.release()
-
-
-def _reservation_of(path: Path) -> Reservation | None:
-    """The latest reservation this process holds on ``path``, if any."""
-    try:
-        held = _held_reservations(_output_key(path))
-    except OSError:  # no parent directory: nothing reserved there
-        return None
-    return held[-1] if held else None
 
 
 def _remove_made(created: list[Path]) -> None:

@@ -11,14 +11,14 @@ from pathlib import Path
 SHIPPED_PREFIX = "shipped:"
 SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64", "tiny-moe-a3b")
 """Models shipped in ``ompmoe/data/``, named ``shipped:<name>`` as a model or tokenizer spec."""
+_SHIPPED_NAMES = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
 
 
 def shipped_model_path(name: str = "tiny-moe") -> Path:
     """Directory of a model shipped with ompmoe (config, safetensors weights, tokenizer, card)."""
     name = name.removeprefix(SHIPPED_PREFIX)
     if name not in SHIPPED_MODELS:
-        names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
-        raise ValueError(f"Unknown shipped model {name!r}; available: {names}.")
+        raise ValueError(f"Unknown shipped model {name!r}; available: {_SHIPPED_NAMES}.")
     return Path(str(resources.files("ompmoe").joinpath("data", name)))
 
 
@@ -32,8 +32,7 @@ def resolve_shipped(spec: str) -> str:
         if name not in SHIPPED_MODELS:
             close = difflib.get_close_matches(name, SHIPPED_MODELS, n=1)
             hint = f"did you mean {SHIPPED_PREFIX + close[0]!r}? " if close else ""
-            names = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
-            raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {names}")
+            raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {_SHIPPED_NAMES}")
         return str(shipped_model_path(spec))
     if looks_local(spec) and not Path(spec).expanduser().exists():
         raise FileNotFoundError(f"path {spec!r} does not exist{nearest_path_hint(spec)}")
@@ -56,9 +55,8 @@ def loaded_name(name_or_path: str | None) -> str | None:
 def same_model(a: str, b: str) -> bool:
     """Whether two model names name the same model (a path however spelt, a ``shipped:`` name or its directory)."""
     a, b = loaded_name(a) or a, loaded_name(b) or b
-    if a == b:
-        return True
-    return Path(a).expanduser().exists() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    path = Path(a).expanduser()
+    return a == b or (path.exists() and path.resolve() == Path(b).expanduser().resolve())
 
 
 def looks_local(spec: str) -> bool:

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode within the context, in its own mode again afterwards (also when the body raises)."""
+    training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(training)
 
 
 @torch.no_grad()

@@ -31,9 +31,8 @@ def real_number(name: str, value: Any) -> float:
     """``value`` as a finite float: Python/NumPy reals and 0-d tensors pass; str, bool, NaN and inf do not."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must be a real number; got a tensor of shape {tuple(value.shape)} ({value.dtype})."
-            )
+            raise TypeError(f"{name} must be a real number; got a tensor of shape {tuple(value.shape)} "
+                            f"({value.dtype}).")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number (e.g. 0.5); got {type(value).__name__} {value!r}.")
@@ -177,22 +176,16 @@ def _layer_problem(layer: LayerPlan) -> str | None:
     return None
 
 
-def validate_budget(
-    routings: Sequence[tuple[str, dict[str, int]]],
-    ratio: float,
-    allocation: str = "waterfill",
-    min_kept_fraction: float = 0.375,
-    max_kept_fraction: float = 0.875,
-) -> tuple[list[LayerChoices], int | None]:
+def validate_budget(routings: Sequence[tuple[str, dict[str, int]]], ratio: float, allocation: str = "waterfill",
+                    min_kept_fraction: float = 0.375,
+                    max_kept_fraction: float = 0.875) -> tuple[list[LayerChoices], int | None]:
     """Check a ratio against the layers' routing (``(name, MoELayer.routing or LayerStats.routing)``) before any
     expensive work: the feasible counts per layer and the kept-expert budget (``None`` for ``uniform``), or an
     :class:`InfeasibleBudgetError` naming the values that would work."""
     spec = get_allocation(allocation)
     if not 0.0 < min_kept_fraction <= max_kept_fraction <= 1.0:
-        raise ValueError(
-            "Need 0 < min_kept_fraction <= max_kept_fraction <= 1; got "
-            f"min_kept_fraction={min_kept_fraction}, max_kept_fraction={max_kept_fraction}."
-        )
+        raise ValueError("Need 0 < min_kept_fraction <= max_kept_fraction <= 1; got "
+                         f"min_kept_fraction={min_kept_fraction}, max_kept_fraction={max_kept_fraction}.")
     choices = [layer_choices(name, routing, min_kept_fraction, max_kept_fraction) for name, routing in routings]
     if not spec.bounded:
         uniform_allocation(routings, ratio)  # the same checks: ratio in [0, 1), every layer keeps its router's minimum
@@ -200,9 +193,8 @@ def validate_budget(
     return choices, check_feasible(choices, ratio, min_kept_fraction, max_kept_fraction)
 
 
-def check_plan_arguments(
-    ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_kept_fraction: Any = 0.375, max_kept_fraction: Any = 0.875
-) -> tuple[float, float, float, float, float]:
+def check_plan_arguments(ratio: Any, risk_weight: Any = 3.0, zeta: Any = 1e-6, min_kept_fraction: Any = 0.375,
+                         max_kept_fraction: Any = 0.875) -> tuple[float, float, float, float, float]:
     """Plain floats for the planning knobs, refused before any work if one would give a NaN plan (``zeta`` must be > 0:
     with ``zeta = 0`` keeping no expert costs ``-log 0 = inf``, and ``0 * inf`` is NaN)."""
     ratio = real_number("ratio", ratio)
@@ -218,24 +210,15 @@ def check_plan_arguments(
     return ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
 
 
-def plan_pruning(
-    stats: MoEStats,
-    ratio: float,
-    method: str | SelectionMethod = "omp",
-    allocation: str = "waterfill",
-    risk_weight: float = 3.0,
-    min_kept_fraction: float = 0.375,
-    max_kept_fraction: float = 0.875,
-    zeta: float = 1e-6,
-    method_options: dict[str, Any] | None = None,
-) -> PruningPlan:
+def plan_pruning(stats: MoEStats, ratio: float, method: str | SelectionMethod = "omp", allocation: str = "waterfill",
+                 risk_weight: float = 3.0, min_kept_fraction: float = 0.375, max_kept_fraction: float = 0.875,
+                 zeta: float = 1e-6, method_options: dict[str, Any] | None = None) -> PruningPlan:
     """Decide which experts every layer keeps so that a fraction ``ratio`` of routed experts is removed, with a method
     of :data:`ompmoe.METHODS` (or an instance; options recorded in ``plan.extra``) and an allocation of
     :data:`ompmoe.ALLOCATIONS` (the kept-fraction bounds apply to bounded ones)."""
     selection_method = get_method(method, method_options)
     ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction = check_plan_arguments(
-        ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction
-    )
+        ratio, risk_weight, zeta, min_kept_fraction, max_kept_fraction)
     routings = [(layer.name, layer.routing) for layer in stats.layers]
     choices, budget = validate_budget(routings, ratio, allocation, min_kept_fraction, max_kept_fraction)
     selection_method.validate(routings)
@@ -244,32 +227,25 @@ def plan_pruning(
             raise ValueError(f"Layer {layer.name} saw no routed tokens; calibrate on more text.")
 
     selections = selection_method.select(stats.layers)
-    residuals = [
-        s.residual(layer.gram) if isinstance(s, SubsetSelection) else prefix_residual(layer.gram, s)
-        for layer, s in zip(stats.layers, selections)
-    ]
-    coverages = [
-        s.coverage(layer.routing_mass) if isinstance(s, SubsetSelection) else routing_coverage(layer.routing_mass, s)
-        for layer, s in zip(stats.layers, selections)
-    ]
+    residuals, coverages = [], []
+    for layer, s in zip(stats.layers, selections):
+        subset = isinstance(s, SubsetSelection)
+        residuals.append(s.residual(layer.gram) if subset else prefix_residual(layer.gram, s))
+        coverages.append(s.coverage(layer.routing_mass) if subset else routing_coverage(layer.routing_mass, s))
     costs = [allocation_cost(r, c, risk_weight, zeta) for r, c in zip(residuals, coverages)]
     counts = get_allocation(allocation).allocate(
-        AllocationProblem(routings, ratio, costs, choices, budget, stats, selections, coverages, risk_weight, zeta)
-    )
+        AllocationProblem(routings, ratio, costs, choices, budget, stats, selections, coverages, risk_weight, zeta))
 
     # A per-count selection lists its kept set first, so ``kept == sorted(order[:count])`` always.
     orders = [s.order_at(k) if isinstance(s, SubsetSelection) else s for s, k in zip(selections, counts)]
-    layers = [
-        LayerPlan(name=layer.name, num_experts=layer.num_experts, order=order.tolist(), residual=residual.tolist(),
-                  coverage=coverage.tolist(), kept=sorted(order[:count].tolist()), top_k=layer.top_k,
-                  num_groups=layer.num_groups)
-        for layer, order, residual, coverage, count in zip(stats.layers, orders, residuals, coverages, counts)
-    ]
+    layers = [LayerPlan(name=layer.name, num_experts=layer.num_experts, order=order.tolist(),
+                        residual=residual.tolist(), coverage=coverage.tolist(), kept=sorted(order[:count].tolist()),
+                        top_k=layer.top_k, num_groups=layer.num_groups)
+              for layer, order, residual, coverage, count in zip(stats.layers, orders, residuals, coverages, counts)]
     options = selection_method.options()
     return PruningPlan(
         layers=layers, ratio=ratio, method=selection_method.name, allocation=allocation, risk_weight=risk_weight,
         min_kept_fraction=min_kept_fraction, max_kept_fraction=max_kept_fraction, zeta=zeta,
         fingerprint=stats.fingerprint, model_id=stats.model_id, num_tokens=stats.num_tokens,
         cost=total_cost(costs, counts), library_version=stats.library_version,
-        extra={"method_options": options} if options else {},
-    )
+        extra={"method_options": options} if options else {})

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .perplexity import perplexity
+from .perplexity import eval_mode, perplexity
 from .plan import PruningPlan
 from .trial import pruned_view
-
 
 CHOICE_TOKENS = 2048
 """Held-out calibration tokens ``auto`` tries its candidates on by default: what the measurements used
@@ -57,17 +56,13 @@ def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: tor
                          f"{tuple(blocks.shape)}.")
     measured: dict[tuple, float] = {}
     losses: dict[str, float] = {}
-    training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for plan in candidates:
             key = tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
             if key not in measured:
                 with pruned_view(model, plan):
                     measured[key] = math.log(perplexity(model, blocks, batch_size))
             losses[setting_name(plan)] = measured[key]
-    finally:
-        model.train(training)
     best = min(range(len(candidates)), key=lambda i: losses[setting_name(candidates[i])])
     return PlanChoice(candidates[best], best, losses)
 

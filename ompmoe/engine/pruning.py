@@ -64,10 +64,8 @@ def _check_ids(where: str, ids: Any, num_experts: int, fix: str) -> list[int]:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise PlanMismatchError(f"{where}: expert id {value!r} is a {type(value).__name__}, not an int. {fix}")
         if not 0 <= int(value) < num_experts:
-            raise PlanMismatchError(
-                f"{where}: expert id {int(value)} is out of range for {num_experts} experts "
-                f"(valid ids 0..{num_experts - 1}). {fix}"
-            )
+            raise PlanMismatchError(f"{where}: expert id {int(value)} is out of range for {num_experts} experts "
+                                    f"(valid ids 0..{num_experts - 1}). {fix}")
         if int(value) in seen:
             raise PlanMismatchError(f"{where}: expert id {int(value)} is listed twice. {fix}")
         seen.add(int(value))
@@ -80,36 +78,26 @@ def validate_plan(model: nn.Module, plan: PruningPlan, layers: list[MoELayer] | 
     layers = find_moe_layers(model) if layers is None else layers
     fix = "Make the plan with ompmoe.plan_pruning on statistics of this model."
     if len(plan.layers) != len(layers):
-        raise PlanMismatchError(
-            f"The plan has {len(plan.layers)} MoE layers but this model has {len(layers)} "
-            f"({layers[0].name} .. {layers[-1].name}). {fix}"
-        )
+        raise PlanMismatchError(f"The plan has {len(plan.layers)} MoE layers but this model has {len(layers)} "
+                                f"({layers[0].name} .. {layers[-1].name}). {fix}")
     for position, (layer, layer_plan) in enumerate(zip(layers, plan.layers)):
         if layer_plan.name != layer.name:
-            raise PlanMismatchError(
-                f"MoE layer {position} of the plan is {layer_plan.name!r} but this model's is {layer.name!r} "
-                f"(plans apply by name, in model order). {fix}"
-            )
+            raise PlanMismatchError(f"MoE layer {position} of the plan is {layer_plan.name!r} but this model's is "
+                                    f"{layer.name!r} (plans apply by name, in model order). {fix}")
         where = f"Plan layer {layer.name}"
         if layer_plan.num_experts != layer.num_experts:
-            raise PlanMismatchError(
-                f"{where} was made for {layer_plan.num_experts} experts but the model's layer has "
-                f"{layer.num_experts}. {fix}"
-            )
+            raise PlanMismatchError(f"{where} was made for {layer_plan.num_experts} experts but the model's layer "
+                                    f"has {layer.num_experts}. {fix}")
         kept = _check_ids(where, layer_plan.kept, layer.num_experts, fix)
         floor = minimum_kept(**layer.routing)
         if len(kept) < floor:
-            raise PlanMismatchError(
-                f"{where}: keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
-                f"{layer.num_groups} groups) needs at least {floor}. {fix}"
-            )
+            raise PlanMismatchError(f"{where}: keeps {len(kept)} experts but its router (top_k={layer.top_k}, "
+                                    f"{layer.num_groups} groups) needs at least {floor}. {fix}")
         size = layer.num_experts // layer.num_groups
         per_group = [sum(1 for e in kept if e // size == g) for g in range(layer.num_groups)]
         if len(set(per_group)) != 1:
-            raise PlanMismatchError(
-                f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a group-limited "
-                f"router needs the same count in every group. {fix}"
-            )
+            raise PlanMismatchError(f"{where}: keeps {per_group} experts in its {layer.num_groups} groups; a "
+                                    f"group-limited router needs the same count in every group. {fix}")
     _check_record(pruning_info(model), layers)
 
 
@@ -137,9 +125,8 @@ def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> N
             raise PlanMismatchError(f"{where}: original_num_experts of {layer.name} is {count!r}. {fix}")
         ids = _check_ids(f"{where}, layer {layer.name}", kept[layer.name], count, fix)
         if len(ids) > layer.num_experts or (not saved and len(ids) != layer.num_experts):
-            raise PlanMismatchError(
-                f"{where}, layer {layer.name}: keeps {len(ids)} experts but the layer has {layer.num_experts}. {fix}"
-            )
+            raise PlanMismatchError(f"{where}, layer {layer.name}: keeps {len(ids)} experts but the layer has "
+                                    f"{layer.num_experts}. {fix}")
 
 
 def require_plan_model(model: nn.Module, plan: PruningPlan, fix: str) -> None:
@@ -185,8 +172,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
     loaded = loaded_name(getattr(model.config, "_name_or_path", None))
     record["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
-        "num_tokens": plan.num_tokens, "model_id": loaded or plan.model_id,
-    }
+        "num_tokens": plan.num_tokens, "model_id": loaded or plan.model_id}
     if loaded and plan.model_id and not same_model(plan.model_id, loaded):
         record["plan"]["statistics_model_id"] = plan.model_id
         warnings.warn(f"The statistics were collected as {plan.model_id!r} but the model pruned was loaded from "
@@ -195,17 +181,9 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
     return model
 
 
-def save_pruned(
-    model: nn.Module,
-    path: str | os.PathLike,
-    tokenizer: Any | None = None,
-    overwrite: bool = False,
-    *,
-    dtype: torch.dtype | str | None = None,
-    calibration: str | None = None,
-    inputs: Iterable[str | os.PathLike] = (),
-    **save_kwargs: Any,
-) -> Path:
+def save_pruned(model: nn.Module, path: str | os.PathLike, tokenizer: Any | None = None, overwrite: bool = False, *,
+                dtype: torch.dtype | str | None = None, calibration: str | None = None,
+                inputs: Iterable[str | os.PathLike] = (), **save_kwargs: Any) -> Path:
     """``save_pretrained`` into ``path`` atomically, as a directory stock tools can use: weights in ``dtype`` (default:
     the source checkpoint's), tokenizer, model card (``calibration`` describes the data) and, for a non-uniform plan,
     its modeling code. Quantized models are refused. ``inputs``: paths the run reads (never replaced)."""
@@ -213,9 +191,8 @@ def save_pruned(
 
     check_savable(model)
     with atomic_path(path, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
-        save_checkpoint(
-            model, tmp, tokenizer=tokenizer, dtype=dtype, calibration=calibration, final_path=path, **save_kwargs
-        )
+        save_checkpoint(model, tmp, tokenizer=tokenizer, dtype=dtype, calibration=calibration, final_path=path,
+                        **save_kwargs)
     return Path(path)
 
 
@@ -232,16 +209,13 @@ def _causal_lm_class(config: Any) -> type:
         if fits and (expected is None or issubclass(cls, expected)):
             return cls
         if expected is not None:
-            raise PlanMismatchError(
-                f"config.json names architectures={list(names)}, but {name} is not a causal-LM class for "
-                f"model_type={config.model_type!r}; ompmoe loads {expected.__name__}. Set "
-                f'"architectures": ["{expected.__name__}"] in config.json.'
-            )
+            raise PlanMismatchError(f"config.json names architectures={list(names)}, but {name} is not a causal-LM "
+                                    f"class for model_type={config.model_type!r}; ompmoe loads {expected.__name__}. "
+                                    f'Set "architectures": ["{expected.__name__}"] in config.json.')
     if expected is None:
-        raise PlanMismatchError(
-            f"config.json (model_type={getattr(config, 'model_type', None)!r}, architectures={list(names)}) "
-            "has no causal-LM class in transformers; load_pruned loads causal LMs only."
-        )
+        model_type = getattr(config, "model_type", None)
+        raise PlanMismatchError(f"config.json (model_type={model_type!r}, architectures={list(names)}) has no "
+                                "causal-LM class in transformers; load_pruned loads causal LMs only.")
     return expected
 
 
@@ -298,10 +272,8 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     cls = base
     if record is not None:
         if not isinstance(record, dict):
-            raise PlanMismatchError(
-                f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The saved pruning "
-                "record is corrupt: prune and save the original model again."
-            )
+            raise PlanMismatchError(f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The "
+                                    "saved pruning record is corrupt: prune and save the original model again.")
 
         def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
             """Build each layer at its own size before transformers loads (and converts) the weights."""

@@ -6,15 +6,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from torch import nn
 
 T = TypeVar("T")
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
 
 
 @dataclass
@@ -27,7 +24,7 @@ class RunContext:
     broadcast: Callable[..., Any] = lambda obj, src=0: obj
     barrier: Callable[[str], None] = lambda name: None
     print: Callable[[str], None] = print
-    warn: Callable[[str], None] = _warn
+    warn: Callable[[str], None] = partial(warnings.warn, stacklevel=2)  # names the caller of what warns
     log_metrics: Callable[[dict[str, float]], None] = lambda metrics: None
 
 

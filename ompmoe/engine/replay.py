@@ -28,9 +28,8 @@ def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Te
     return replay_grouped_mm
 
 
-def replay_grouped_mm(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def replay_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(module output, F, g * F)`` with expert outputs ``(tokens * top_k, d)`` token-major, mirroring
     ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism)."""
     device = hidden_states.device

@@ -1,8 +1,7 @@
 """The pruning run, owned once: collect → merge across ranks → plan → choose (``auto``) → compensate → prune → adapt
 → evaluate → write. Every front door (the ``ExpertPruning`` callback, ``FabricCalibration``, the Fabric script,
-``ompmoe fit``, the
-demo) is a thin adapter over :class:`PruningRun`: it drives the forwards and lends its ranks (:class:`RunContext`);
-options are declared, documented and validated here, once, before any model work."""
+``ompmoe fit``, the demo) is a thin adapter over :class:`PruningRun`: it drives the forwards and lends its ranks
+(:class:`RunContext`); options are declared, documented and validated here, once, before any model work."""
 
 from __future__ import annotations
 
@@ -118,7 +117,6 @@ class RunOptions:
         self.evaluate_on = list(self.evaluate_on or [])
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
 Step = typing.TypeVar("Step", bound=Callable[..., Any])
 
 
@@ -187,9 +185,8 @@ class PruningRun:
         run's ``inputs`` (model, tokenizer, data files) or is reserved by another live run; rank 0, the one that
         writes, decides, and reserves it for this run (:attr:`reservation`) until :meth:`write`."""
         self.inputs = list(inputs)
-        if self.reservation is not None:  # checked again (a second fit with the same callback): a fresh reservation
-            self.reservation.release()
-            self.reservation = None
+        self.release_output()  # checked again (a second fit with the same callback): a fresh reservation
+        self.reservation = None
         if self.options.output_dir is not None:
             def check() -> None:  # the reservation stays on rank 0 (it holds a lock; it is not sent to the others)
                 self.reservation = reserve(self.options.output_dir, self.options.overwrite, directory=True,
@@ -239,11 +236,8 @@ class PruningRun:
         return statistics
 
     def _choice_data(self, context: RunContext) -> torch.Tensor | None:
-        """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no trial).
-
-        ``choice_blocks=None`` takes the data module's default; a data module without ``choice_blocks(n)`` (a plain
-        DataLoader) means the layout's first setting, with a warning only when a number was asked for.
-        """
+        """The held-out calibration blocks ``auto`` tries its candidate plans on, or ``None`` (no trial; see
+        ``RunOptions.choice_blocks``)."""
         num_blocks = self.options.choice_blocks
         trial = tries_candidates(self.strategy, self.model_type)
         if num_blocks == 0 or not (trial or checks_compensation(self.options.compensation, self.strategy)):
@@ -315,7 +309,10 @@ class PruningRun:
         self.compensation, self.plan = on_rank_zero(
             context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         plan = self.plan
-        heldout = self._heldout_sets() if model is not None and context.is_global_zero else {}
+        heldout: dict[str, torch.Tensor] = {}  # rank 0's ``evaluate_on`` sets, cut by the calibration data module
+        if model is not None and context.is_global_zero:
+            heldout = {name: self.data.heldout_blocks(name, self.options.evaluate_blocks)
+                       for name in self.options.evaluate_on or []}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             self.apply(model)
@@ -414,11 +411,6 @@ class PruningRun:
         self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
         self.compensation = compensation
         return compensation
-
-    def _heldout_sets(self) -> dict[str, torch.Tensor]:
-        """The ``evaluate_on`` sets as token blocks, cut by the calibration data module."""
-        return {name: self.data.heldout_blocks(name, self.options.evaluate_blocks)
-                for name in self.options.evaluate_on or []}
 
     def _extra_strategies(self) -> list[Strategy]:
         """``extra_ratios`` with the strategy's settings (once ``auto`` chose, the chosen setting)."""

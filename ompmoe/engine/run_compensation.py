@@ -17,8 +17,9 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .compensation import (DEFAULT_GRANULARITY, GRANULARITIES, MAX_SUM_BYTES, Compensation, CompensationError,
-                           check_sum_budget, compensate, compensated_view, fitting_tokens)
-from .perplexity import perplexity
+                           check_sum_budget, compensate, compensated_view, fitting_tokens, heldout_losses,
+                           spread_blocks)
+from .perplexity import eval_mode, perplexity
 from .plan import PruningPlan
 from .strategy import AUTO, Strategy
 
@@ -92,25 +93,6 @@ def calibration_data(data: Any) -> dict[str, Any] | None:
             if key not in ("batch_size", "num_workers") and not key.startswith("_")}
 
 
-def _token_count(text: torch.Tensor | list[dict[str, torch.Tensor]]) -> int:
-    if isinstance(text, torch.Tensor):
-        return int(text.numel())
-    return sum(int(batch["input_ids"].numel()) for batch in text)
-
-
-def _spread(batches: list[dict[str, torch.Tensor]], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """The fewest evenly spaced ``batches`` holding ``max_tokens`` tokens (padded batches cannot be re-cut)."""
-    per_batch = max(1, _token_count(batches) // len(batches))
-    count = -(-max_tokens // per_batch)
-    if count >= len(batches):
-        return batches
-    return [batches[int(i)] for i in torch.linspace(0, len(batches) - 1, count).round().long()]
-
-
-def _loss(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
-    return math.log(perplexity(model, blocks, batch_size))
-
-
 def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dict[str, torch.Tensor]],
                      batch_size: int, granularity: str, check_blocks: torch.Tensor | None = None,
                      loss_without: float | None = None, unchecked: str = "applied as asked"
@@ -118,31 +100,28 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
     """Fit ``plan``'s compensation on the **unpruned** ``model`` over ``text`` (at most a quarter of its tokens,
     :func:`~ompmoe.engine.compensation.fitting_tokens`) and, with ``check_blocks``, keep it unless the pruned
     model's loss there rises by more than :data:`CHECK_TOLERANCE` (``loss_without``: that loss when ``auto``'s trial
-    measured it already); without them
-    it is applied, and ``unchecked`` says why in the record.
+    measured it already); without them it is applied, and ``unchecked`` says why in the record.
 
     Returns the compensation to apply (``None``: not applied) and the record for ``plan.extra["compensation"]``.
     """
-    max_tokens = fitting_tokens(model, _token_count(text))
-    if not isinstance(text, torch.Tensor):
-        text = _spread(text, max_tokens)
+    if isinstance(text, torch.Tensor):
+        max_tokens = fitting_tokens(model, int(text.numel()))
+    else:  # the fewest evenly spaced batches holding them (padded batches cannot be re-cut): spread_blocks' rows
+        tokens = sum(int(batch["input_ids"].numel()) for batch in text)
+        max_tokens = fitting_tokens(model, tokens)
+        per_batch = max(1, tokens // len(text))
+        rows = spread_blocks(torch.arange(len(text)).unsqueeze(1).expand(-1, per_batch), max_tokens)
+        text = [text[int(i)] for i in rows[:, 0]]
     compensation = compensate(model, plan, text, batch_size, granularity=granularity, max_tokens=max_tokens)
     record = dict(compensation.record, applied=True)
     if check_blocks is None:
         record["checked"] = unchecked
         return compensation, record
-    training = model.training
-    model.eval()
-    try:
-        if loss_without is None:
-            from .trial import pruned_view
-
-            with pruned_view(model, plan):
-                loss_without = _loss(model, check_blocks, batch_size)
-        with compensated_view(model, plan, compensation):
-            loss_with = _loss(model, check_blocks, batch_size)
-    finally:
-        model.train(training)
+    if loss_without is None:
+        loss_without, loss_with = heldout_losses(model, plan, compensation, check_blocks, batch_size)
+    else:
+        with eval_mode(model), compensated_view(model, plan, compensation):
+            loss_with = math.log(perplexity(model, check_blocks, batch_size))
     record.update(checked="held-out calibration loss", check_blocks=int(check_blocks.shape[0]),
                   loss_without=loss_without, loss_with=loss_with,
                   tolerance=CHECK_TOLERANCE, applied=loss_with < loss_without + CHECK_TOLERANCE)
@@ -162,5 +141,5 @@ def compensation_line(record: dict[str, Any]) -> str:
 
 
 __all__ = ["CHECK_TOLERANCE", "COMPENSATION_MODES", "calibration_data", "check_compensation_mode",
-           "checks_compensation", "compensation_granularity",
-           "compensation_line", "fit_compensation", "fitting_text", "run_granularity"]
+           "checks_compensation", "compensation_granularity", "compensation_line", "fit_compensation", "fitting_text",
+           "run_granularity"]

@@ -163,15 +163,13 @@ class MoEStats:
         if self.fingerprint != other.fingerprint:
             raise FingerprintMismatchError(
                 f"Cannot merge statistics of different models (fingerprints {self.fingerprint} and "
-                f"{other.fingerprint}). Collect both on the same model."
-            )
+                f"{other.fingerprint}). Collect both on the same model.")
         return MoEStats(
             layers=[a.merge(b) for a, b in zip(self.layers, other.layers)],
             num_tokens=self.num_tokens + other.num_tokens, fingerprint=self.fingerprint,
             model_id=self.model_id or other.model_id, model_type=self.model_type or other.model_type,
             sources=self.sources + [s for s in other.sources if s not in self.sources],
-            library_version=self.library_version,
-        )
+            library_version=self.library_version)
 
     def check_compatible(self, model: torch.nn.Module) -> None:
         """Refuse a model whose MoE structure differs from the one the statistics were taken on."""
@@ -180,8 +178,7 @@ class MoEStats:
             raise FingerprintMismatchError(
                 f"These statistics were collected on a different model (fingerprint {self.fingerprint}, "
                 f"model_id={self.model_id!r}); this model has fingerprint {actual}. "
-                "Re-run collect_stats on this model, or load the model the statistics came from."
-            )
+                "Re-run collect_stats on this model, or load the model the statistics came from.")
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -197,11 +194,8 @@ class MoEStats:
 
     def save(self, path: str | os.PathLike, overwrite: bool = False) -> Path:
         """Write one ``.safetensors`` file whose header holds the JSON metadata."""
-        tensors = {
-            f"layers.{i}.{key}": value.detach().to("cpu", torch.float64).contiguous()
-            for i, layer in enumerate(self.layers)
-            for key, value in layer.tensors().items()
-        }
+        tensors = {f"layers.{i}.{key}": value.detach().to("cpu", torch.float64).contiguous()
+                   for i, layer in enumerate(self.layers) for key, value in layer.tensors().items()}
         with atomic_path(path, overwrite=overwrite) as tmp:
             save_file(tensors, str(tmp), metadata={"ompmoe": json.dumps(self.metadata())})
         return Path(path)
@@ -235,7 +229,8 @@ class MoEStats:
         if version != FORMAT_VERSION:
             raise StatsFileError(
                 f"{path} has statistics format {version!r} (written by ompmoe {meta.get('library_version') or '?'}); "
-                f"this ompmoe reads format {FORMAT_VERSION} only: load it with that version, or {fix[0].lower()}{fix[1:]}")
+                f"this ompmoe reads format {FORMAT_VERSION} only: load it with that version, or "
+                f"{fix[0].lower()}{fix[1:]}")
         try:
             tensors = load_file(str(path))
         except Exception as error:  # safetensors raises its own error types for truncated files
@@ -247,19 +242,16 @@ class MoEStats:
         fingerprint = meta.get("fingerprint")
         if not isinstance(fingerprint, str):
             raise StatsFileError(f"{path}: the metadata has no fingerprint. {fix}")
-        stats = cls(
-            layers=layers, num_tokens=num_tokens, fingerprint=fingerprint, model_id=meta.get("model_id"),
-            model_type=meta.get("model_type"), sources=list(meta.get("sources", [])),
-            library_version=meta.get("library_version", ""),
-        )
+        stats = cls(layers=layers, num_tokens=num_tokens, fingerprint=fingerprint, model_id=meta.get("model_id"),
+                    model_type=meta.get("model_type"), sources=list(meta.get("sources", [])),
+                    library_version=meta.get("library_version", ""))
         if model is not None:
             stats.check_compatible(model)
         return stats
 
 
-def _layers_from_file(
-    path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], fix: str
-) -> list[LayerStats]:
+def _layers_from_file(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], fix: str
+                      ) -> list[LayerStats]:
     """Every layer listed in the metadata, after checking its tensors: present, shaped, float64, finite, sane."""
     infos = meta.get("layers")
     if not isinstance(infos, list) or not infos:
@@ -274,10 +266,8 @@ def _layers_from_file(
         else:
             undescribed.append(full_name)
     if undescribed:
-        raise StatsFileError(
-            f"{path}: the metadata lists {len(infos)} layers but the file holds tensors it does not describe "
-            f"({sorted(undescribed)[0]}, ...). {fix}"
-        )
+        raise StatsFileError(f"{path}: the metadata lists {len(infos)} layers but the file holds tensors it does not "
+                             f"describe ({sorted(undescribed)[0]}, ...). {fix}")
     signed = {key for cls in STATISTICS.values() for key in cls.signed}
     core = ("gram", *PER_EXPERT_SUMS)
     unregistered = sorted({key for tensors_of in by_layer for key in tensors_of
@@ -354,10 +344,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
     payload = {
         "config": {key: _jsonable(getattr(config, key, None)) for key in FINGERPRINT_CONFIG_KEYS},
-        "layers": [
-            {"name": layer.name, **layer.routing, "experts": shapes(layer.experts), "router": shapes(layer.router)}
-            for layer in find_moe_layers(model)
-        ],
+        "layers": [{"name": layer.name, **layer.routing, "experts": shapes(layer.experts),
+                    "router": shapes(layer.router)} for layer in find_moe_layers(model)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

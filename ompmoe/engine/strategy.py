@@ -39,8 +39,7 @@ def auto_settings(model_type: str | None) -> tuple[tuple[str, str], ...]:
             f"method/allocation 'auto' picks the setting recommended for the model's architecture, but the "
             f"statistics name {'no architecture' if model_type is None else f'model_type {model_type!r}'}; name "
             f"them instead, e.g. method='omp_normalized', allocation='loss' "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})."
-        )
+            f"(supported: {', '.join(sorted(ARCHITECTURES))}).")
     return spec.auto
 
 
@@ -119,7 +118,6 @@ def tries_candidates(strategy: Strategy, model_type: str | None) -> bool:
     return (AUTO in (getattr(strategy, "method", None), getattr(strategy, "allocation", None))
             and callable(getattr(strategy, "settings", None))
             and len(strategy.settings(model_type)) > 1)  # type: ignore[attr-defined]
-
 
 
 def strategy_for(method: str, **kwargs: Any) -> PruningStrategy:

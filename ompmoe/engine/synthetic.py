@@ -34,8 +34,7 @@ def synthetic_stats(num_layers: int = 48, num_experts: int = 128, top_k: int = 8
             name=f"model.layers.{index}.mlp", num_experts=num_experts, top_k=top_k, num_groups=1, topk_group=1,
             group_score_topk=1, gram=gram, routing_mass=weights, token_count=tokens,
             sq_norm_sum=gram.diagonal() / weights.clamp(min=1.0) ** 2 * tokens * 4.0,
-            norm_sum=tokens * spread, weighted_norm_sum=weights * spread,
-        ))
+            norm_sum=tokens * spread, weighted_norm_sum=weights * spread))
     return MoEStats(layers=layers, num_tokens=int(sum(layers[0].token_count) // top_k),
                     fingerprint=f"synthetic-{num_layers}x{num_experts}-{seed}")
 

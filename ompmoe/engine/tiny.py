@@ -15,8 +15,7 @@ from .adapters import ARCHITECTURES
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
+    max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     model_type: spec.tiny_config for model_type, spec in ARCHITECTURES.items() if spec.tiny_config is not None

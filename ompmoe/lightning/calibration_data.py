@@ -133,9 +133,8 @@ class CalibrationDataModule(pl.LightningDataModule):
         self._text = self._text_source()  # validates the source before anything is read
 
     def _text_source(self) -> TextSource | None:
-        if self.source is None:
-            return None
-        return TextSource(self.source, self.data_files, self.text_field, self.split, self.seed, corpus=self.corpus)
+        return None if self.source is None else TextSource(self.source, self.data_files, self.text_field, self.split,
+                                                           self.seed, corpus=self.corpus)
 
     def describe(self) -> str:
         return self._text.describe()
@@ -143,21 +142,17 @@ class CalibrationDataModule(pl.LightningDataModule):
     def documents(self) -> Iterator[str]:
         return self._text.documents()
 
-    def _tokenizer_name(self) -> str:
-        if self.tokenizer:
-            return self.tokenizer
+    def _encoder(self) -> Encoder:
         module = getattr(getattr(self, "trainer", None), "lightning_module", None)
-        name = getattr(module, "tokenizer_name", None) or getattr(module, "model_name_or_path", None)
+        name = (self.tokenizer or getattr(module, "tokenizer_name", None)
+                or getattr(module, "model_name_or_path", None))
         if name:
-            return str(name)
+            return text_encoder(str(name))
         raise ValueError(
             "CalibrationDataModule needs a tokenizer: pass tokenizer=<hub name or local path> "
             "(or 'bytes' for the tiny demo models), or attach it to a Trainer whose LightningModule "
             "has a tokenizer_name or model_name_or_path attribute."
         )
-
-    def _encoder(self) -> Encoder:
-        return text_encoder(self._tokenizer_name())
 
     def heldout_blocks(self, name: str, num_blocks: int) -> torch.Tensor:
         """``num_blocks`` blocks of another text, cut like the calibration blocks: ``heldout:prose`` /
@@ -169,8 +164,7 @@ class CalibrationDataModule(pl.LightningDataModule):
         """``num_blocks`` blocks of the calibration text right after the calibration blocks, which the statistics
         never see: where ``method="auto"`` tries its candidate plans (:func:`ompmoe.choose_plan`). Default: enough
         blocks for 2,048 tokens (:func:`~ompmoe.engine.plan_choice.default_choice_blocks`)."""
-        if num_blocks is None:
-            num_blocks = default_choice_blocks(self.seq_len)
+        num_blocks = default_choice_blocks(self.seq_len) if num_blocks is None else num_blocks
         try:
             return self._text.blocks(self._encoder(), self.seq_len, self.num_blocks + num_blocks)[self.num_blocks:]
         except ValueError as error:  # "Calibration text has N tokens but ..." -> this run's need and fixes

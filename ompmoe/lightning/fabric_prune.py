@@ -33,10 +33,9 @@ def parser() -> Any:
     from jsonargparse import ArgumentParser
 
     from ..cli_args import add_run_options
+    from ..cli_options import PARSER_SETTINGS
     from .calibration_data import CalibrationDataModule
     from .calibration_module import CalibrationModule
-
-    from ..cli_options import PARSER_SETTINGS
 
     p = ArgumentParser(prog="python -m ompmoe.lightning.fabric_prune", **PARSER_SETTINGS,
                        description="Calibrate and prune an MoE model with Lightning Fabric (DDP or FSDP2), as "
@@ -95,7 +94,8 @@ def main(argv: list[str] | None = None) -> Any:
     from ..engine.io import inputs_of
     from .fabric import FabricCalibration, fabric_context
 
-    classes = p.instantiate_classes(args)  # checks the model name and the data source, reads nothing yet
+    instantiate = getattr(p, "instantiate", None) or p.instantiate_classes  # jsonargparse 4.49 renamed it
+    classes = instantiate(args)  # checks the model name and the data source, reads nothing yet
     module, datamodule = classes.model, classes.data
     if datamodule.tokenizer is None:
         datamodule.tokenizer = module.tokenizer_name

@@ -152,6 +152,4 @@ def router_aux_coef(config: Any) -> float:
     trained_with_aux = getattr(config, "output_router_logits", False) or (
         (getattr(config, "ompmoe", None) or {}).get("router_aux_loss", False)  # turned off by a non-uniform prune
     )
-    if not trained_with_aux:
-        return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.001) or 0.0)
+    return float(getattr(config, "router_aux_loss_coef", 0.001) or 0.0) if trained_with_aux else 0.0

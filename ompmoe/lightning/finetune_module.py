@@ -104,31 +104,29 @@ class ProgressLines(pl.Callback):
         step, now = int(trainer.global_step), self.clock()
         if self._first is None or step == self._first[0] or (self._last is not None and step == self._last[0]):
             return  # no optimizer step yet, or this step has its line
-        total = self._total
-        due = (self._last is None or step >= total or now - self._last[1] >= self.every_seconds
-               or (self.every_n_steps is not None and step % self.every_n_steps == 0))
-        if due:
-            self._print(trainer, step, now, total)
+        if (self._last is None or step >= self._total or now - self._last[1] >= self.every_seconds
+                or (self.every_n_steps is not None and step % self.every_n_steps == 0)):
+            self._print(trainer, step, now)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = int(trainer.global_step)
         if self._first is not None and step != self._first[0] and (self._last is None or step != self._last[0]):
-            self._print(trainer, step, self.clock(), self._total)  # stopped early (max_time, a callback)
+            self._print(trainer, step, self.clock())  # stopped early (max_time, a callback)
 
-    def _print(self, trainer: pl.Trainer, step: int, now: float, total: float) -> None:
+    def _print(self, trainer: pl.Trainer, step: int, now: float) -> None:
         # The rate runs from the first line on, so that the first step's one-off costs (loading a teacher) do not count.
         since_step, since = self._rate_from or self._first or (step, now)
         self._last, self._rate_from = (step, now), self._rate_from or (step, now)
         losses, self._losses = self._losses, []
         if not trainer.is_global_zero:
             return
-        finite = math.isfinite(total)
-        parts = [f"step {step}/{int(total)}" if finite else f"step {step}"]
+        finite = math.isfinite(self._total)
+        parts = [f"step {step}/{int(self._total)}" if finite else f"step {step}"]
         if losses:
             parts.append(f"loss {sum(losses) / len(losses):.4f}")
         parts.append(f"{_duration(now - (now if self._started is None else self._started))} elapsed")
-        if finite and since_step < step < total:
-            parts.append(f"about {_duration((now - since) / (step - since_step) * (total - step))} left")
+        if finite and since_step < step < self._total:
+            parts.append(f"about {_duration((now - since) / (step - since_step) * (self._total - step))} left")
         print(f"ompmoe: fine-tuning {', '.join(parts)}", file=self.stream or sys.stderr, flush=True)
 
 
@@ -185,8 +183,7 @@ class FinetuneModule(pl.LightningModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        # Not "tokenizer": the data module records its own, and Lightning refuses to log two
-        # different values of one key (the module's is often None while the data's is a path).
+        # Not "tokenizer": the data module records its own, and Lightning refuses two different values of one key.
         self.save_hyperparameters(ignore=["tokenizer", *(["model"] if isinstance(model, nn.Module) else []),
                                           *(["teacher"] if isinstance(teacher, nn.Module) else [])])
         if not 0.0 <= distill_weight <= 1.0:
@@ -263,14 +260,10 @@ class FinetuneModule(pl.LightningModule):
         targets = attention_linear_names(model)
         if not targets:
             raise ValueError(f"Found no nn.Linear inside attention blocks of {type(model).__name__} for LoRA.")
-        config = LoraConfig(
-            r=self.lora_rank,
-            lora_alpha=self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank,
-            lora_dropout=self.lora_dropout,
-            target_modules=targets,
-            target_parameters=expert_parameter_names(model) if self.lora_experts else None,
-            bias="none",
-        )
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+        experts = expert_parameter_names(model) if self.lora_experts else None
+        config = LoraConfig(r=self.lora_rank, lora_alpha=alpha, lora_dropout=self.lora_dropout,
+                            target_modules=targets, target_parameters=experts, bias="none")
         with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates; only peft can act on it
             warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING, category=FutureWarning)
             return get_peft_model(model, config)
@@ -408,10 +401,7 @@ class FinetuneModule(pl.LightningModule):
         best_step, best, state = self._best
         if best_step == final_step:
             return
-        with torch.no_grad():
-            parameters = dict(self.model.named_parameters())
-            for name, value in state.items():
-                parameters[name].copy_(value)
+        self.model.load_state_dict(state, strict=False)  # the trainable parameters only
         where = "the starting model (before training)" if best_step == 0 else f"step {best_step}"
         rank_zero_warn(
             f"FinetuneModule: restored the best validation state, {where}: mean validation loss {best:.4f}; "

@@ -366,7 +366,7 @@ def test_the_hooks_read_nothing_back_to_the_host():
     model = tiny_model("qwen3_moe").to("meta")
     layer = ompmoe.find_moe_layers(model)[0]
     hooks = _LayerPass(layer, [0, 2, 3, 5], architecture_of(model).count_attributes, last=False, outputs=True,
-                       fit=None, reduce=None)
+                       fit=None)
     tokens, d = 10, model.config.hidden_size
     hooks._router_hook(layer.router, (torch.empty(tokens, d, device="meta"),), {}, None)
     ids, weights = hooks._routing

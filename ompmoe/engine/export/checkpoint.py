@@ -75,9 +75,8 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
 
 def _cast_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's tensors in ``dtype`` (floating point only), leaving modules transformers keeps in float32."""
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
-        getattr(model, "_keep_in_fp32_modules_strict", None) or []
-    )
+    keep = [module for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+            for module in getattr(model, attr, None) or []]
     state: dict[str, torch.Tensor] = {}
     cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}  # tied weights stay one tensor
     for name, tensor in model.state_dict().items():
@@ -161,14 +160,11 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
-    """The first candidate that names or is a tokenizer to save with the model, else ``None``.
-
-    Tokenizer objects, hub ids and paths count; ``bytes`` and ``tiny:`` names (no files to save) do not.
-    ``None`` lets :func:`ompmoe.save_pruned` try the model's source and warn when nothing is found.
-    """
+    """The first candidate that is a tokenizer object, or a hub id or path naming one, to save with the model, else
+    ``None`` (then :func:`ompmoe.save_pruned` tries the model's source and warns when nothing is found). ``bytes``
+    and ``tiny:`` names do not count: they have no files to save."""
     for value in candidates:
-        if value is not None and hasattr(value, "save_pretrained"):
-            return value
-        if isinstance(value, str) and value and value != "bytes" and not value.startswith("tiny:"):
+        named = isinstance(value, str) and value not in ("", "bytes") and not value.startswith("tiny:")
+        if named or hasattr(value, "save_pretrained"):
             return value
     return None

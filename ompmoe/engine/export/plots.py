@@ -73,8 +73,8 @@ def layer_index(name: str, position: int) -> int:
     return int(match.group(1)) if match else position
 
 
-def _pursuit(layer: LayerStats, with_gains: bool = True) -> PursuitResult:
-    return greedy_pursuit(layer.gram, num_groups=layer.num_groups, with_gains=with_gains)
+def _pursuit(layer: LayerStats) -> PursuitResult:
+    return greedy_pursuit(layer.gram, num_groups=layer.num_groups, with_gains=False)
 
 
 def high_contribution_experts(
@@ -85,7 +85,7 @@ def high_contribution_experts(
     for position, layer in enumerate(stats.layers):
         if layer.signal_energy <= 0.0:
             continue
-        result = _pursuit(layer, with_gains=False)
+        result = _pursuit(layer)
         residual = float(result.residual[1])
         if residual < threshold:
             expert = int(result.order[0])
@@ -238,7 +238,7 @@ def _colormap(name: str):
 
 def _curves(layer: LayerStats, zeta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """OMP residual ``r(k)``, routing coverage ``C(k)`` and risk ``-log(C(k) + zeta)``, k = 0..N."""
-    result = _pursuit(layer, with_gains=False)
+    result = _pursuit(layer)
     coverage = routing_coverage(layer.routing_mass, result.order).numpy()
     risk = -np.log(np.clip(coverage, 0.0, None) + zeta)
     return result.residual.numpy(), coverage, risk
@@ -296,7 +296,7 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
     residuals = np.full((len(stats.layers), most + 1), np.nan)
     for position, layer in enumerate(progress_bar(stats.layers, "ompmoe overview", progress, unit="layer")):
         if layer.signal_energy > 0.0:
-            residuals[position, : layer.num_experts + 1] = _pursuit(layer, with_gains=False).residual.numpy()
+            residuals[position, : layer.num_experts + 1] = _pursuit(layer).residual.numpy()
     height = min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6))
     figure = _figure(7.5, height)
     ax = figure.subplots()
@@ -311,9 +311,8 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
                 label=f"experts kept ({plan.method}/{plan.allocation}, ratio {plan.ratio:g})")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_yticks(*_layer_ticks(stats.layers, 16), fontsize=7)
-    ax.set_xlabel("experts kept k")
-    ax.set_ylabel("layer")
-    ax.set_title("Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$")
+    ax.set(xlabel="experts kept k", ylabel="layer",
+           title="Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$")
     figure.colorbar(image, ax=ax, label="normalized residual $r_l(k)$")
     return figure
 
@@ -333,12 +332,10 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
     ax.step(np.append(x, x[-1] + 1) - 0.5, np.append(uniform, uniform[-1]), where="post", color="tab:red", lw=1.2,
             label=f"uniform: keep {1.0 - plan.achieved_ratio:.3f} of each layer")
     ax.set_xticks(*_layer_ticks(plan.layers, 24), fontsize=7)
-    ax.set_xlim(-0.6, len(plan.layers) - 0.4)
-    ax.set_ylim(0, total.max() * 1.3)  # room for the legend above the bars
+    ax.set(xlim=(-0.6, len(plan.layers) - 0.4), ylim=(0, total.max() * 1.3),  # room for the legend above the bars
+           xlabel="layer", ylabel="experts",
+           title=f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("layer")
-    ax.set_ylabel("experts")
-    ax.set_title(f"Allocation: kept {kept.sum()}/{total.sum()} routed experts (removed {plan.achieved_ratio:.3f})")
     ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
     ax.grid(axis="y", alpha=0.3)
     return figure
@@ -410,6 +407,6 @@ def write_plots(
 
 __all__ = [
     "HighContributionExpert", "PLAN_PLOT_FILES", "PLOT_FILES", "allocation_csv", "allocation_figure", "curves_csv",
-    "heatmap_layers", "heatmap_figure", "heatmap_pursuit", "high_contribution_experts", "high_contribution_table", "overview_figure",
-    "residual_figure", "write_plots",
+    "heatmap_layers", "heatmap_figure", "heatmap_pursuit", "high_contribution_experts", "high_contribution_table",
+    "overview_figure", "residual_figure", "write_plots",
 ]

@@ -12,7 +12,7 @@ from .subsets import EXACT_MAX_SUBSETS, TooManySubsetsError, check_exact_size, e
 
 __all__ = [
     "EXACT_MAX_SUBSETS", "METHODS", "ScoreRanking", "Selection", "SelectionMethod", "SubsetSelection",
-    "TooManySubsetsError", "check_exact_size", "check_statistics", "exact_subsets", "get_method", "method_class", "method_table",
-    "omp_orderings", "option_defaults", "reap_scores", "register_method", "removed_energy", "required_statistics", "score_order",
-    "swap_refine",
+    "TooManySubsetsError", "check_exact_size", "check_statistics", "exact_subsets", "get_method", "method_class",
+    "method_table", "omp_orderings", "option_defaults", "reap_scores", "register_method", "removed_energy",
+    "required_statistics", "score_order", "swap_refine",
 ]

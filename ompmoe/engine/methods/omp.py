@@ -16,15 +16,14 @@ from .registry import Selection, SelectionMethod, register_method, require_stati
 
 def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
     """Greedy binary pursuit on each layer's Gram, batched over layers of the same shape."""
-    orders: list[torch.Tensor | None] = [None] * len(layers)
     shapes: dict[tuple[int, int], list[int]] = {}
     for i, layer in enumerate(layers):
         shapes.setdefault((layer.num_experts, layer.num_groups), []).append(i)
+    orders: dict[int, torch.Tensor] = {}
     for (_, num_groups), indices in shapes.items():
         result = greedy_pursuit(torch.stack([layers[i].gram for i in indices]), num_groups=num_groups, with_gains=False)
-        for i, order in zip(indices, result.order):
-            orders[i] = order
-    return orders  # type: ignore[return-value]
+        orders.update(zip(indices, result.order))
+    return [orders[i] for i in range(len(layers))]
 
 
 @dataclass

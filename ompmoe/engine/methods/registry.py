@@ -23,10 +23,8 @@ def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind
     """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it."""
     missing = [layer.name for layer in layers if getattr(layer, key) is None]
     if missing:
-        raise ValueError(
-            f"{what} needs {kind} statistics ({key!r}), which these statistics lack (layers "
-            f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with {how}."
-        )
+        raise ValueError(f"{what} needs {kind} statistics ({key!r}), which these statistics lack (layers "
+                         f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with {how}.")
 
 
 def require_statistic(layers: Sequence[LayerStats], key: str, what: str) -> None:
@@ -129,17 +127,15 @@ def register_method(cls: M) -> M:
         raise ValueError(f"{cls.__name__}.name must be an identifier-like method name; got {cls.name!r}.")
     existing = METHODS.get(cls.name)
     if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(
-            f"A method named {cls.name!r} is already registered ({existing.__module__}.{existing.__qualname__})."
-        )
+        raise ValueError(f"A method named {cls.name!r} is already registered "
+                         f"({existing.__module__}.{existing.__qualname__}).")
     METHODS[cls.name] = cls
     return cls
 
 
 def option_defaults(name: str) -> dict[str, Any]:
     """Options of method ``name`` with their defaults."""
-    cls = method_class(name)
-    return {field.name: getattr(cls(), field.name) for field in dataclasses.fields(cls)}
+    return method_class(name)().options()
 
 
 def method_class(name: str) -> type[SelectionMethod]:
@@ -171,9 +167,8 @@ def get_method(name: str | SelectionMethod, options: dict[str, Any] | None = Non
     valid = [field.name for field in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(
-            f"Method {name!r} has no option {', '.join(map(repr, unknown))}; its options are {valid or 'none'}."
-        )
+        raise ValueError(f"Method {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
+                         f"{valid or 'none'}.")
     return cls(**options)
 
 
@@ -210,7 +205,5 @@ def check_statistics(strategy: object, collected: Collection[str], owner: str = 
     for name, users in needs.items():
         if name not in collected:
             cls = extension(name)
-            raise ValueError(
-                f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} statistics, "
-                f"which this calibration would not collect: pass {owner}(..., {cls.how()})."
-            )
+            raise ValueError(f"The strategy's {' and '.join(users)} need{'s' * (len(users) == 1)} {cls.kind} "
+                             f"statistics, which this calibration would not collect: pass {owner}(..., {cls.how()}).")

@@ -26,10 +26,14 @@ def score_order(scores: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
 
 
 class ScoreRanking(SelectionMethod):
-    """Base of methods that rank experts by one score per expert."""
+    """Base of methods that rank experts by one score per expert: the ``score_key`` tensor, or :meth:`scores`."""
+
+    score_key: ClassVar[str] = ""
 
     def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        if not self.score_key:
+            raise NotImplementedError
+        return [getattr(layer, self.score_key) for layer in layers]
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         return [score_order(s, layer.num_groups) for layer, s in zip(layers, self.scores(layers))]
@@ -41,9 +45,7 @@ class Frequency(ScoreRanking):
     """most routed calibration tokens"""
 
     name: ClassVar[str] = "frequency"
-
-    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        return [layer.token_count for layer in layers]
+    score_key: ClassVar[str] = "token_count"
 
 
 @register_method
@@ -52,9 +54,7 @@ class RoutingMass(ScoreRanking):
     """largest `sum_x g_e(x)`"""
 
     name: ClassVar[str] = "routing_mass"
-
-    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        return [layer.routing_mass for layer in layers]
+    score_key: ClassVar[str] = "routing_mass"
 
 
 @register_method
@@ -63,9 +63,7 @@ class EAN(ScoreRanking):
     """largest expert activation norm `sum_x ||F_e(x)||` over routed tokens"""
 
     name: ClassVar[str] = "ean"
-
-    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        return [layer.norm_sum for layer in layers]
+    score_key: ClassVar[str] = "norm_sum"
 
 
 def reap_scores(layer: LayerStats) -> torch.Tensor:

@@ -36,11 +36,10 @@ def _balanced(kept: torch.Tensor, num_groups: int) -> torch.Tensor:
 def check_exact_size(name: str, num_experts: int, max_subsets: int = EXACT_MAX_SUBSETS) -> None:
     """Refuse a layer whose ``2^N`` subsets exceed ``max_subsets`` (before any enumeration)."""
     if 2**num_experts > max_subsets:
-        raise TooManySubsetsError(
-            f"Method 'exact' would enumerate 2^{num_experts} = {2**num_experts:,} expert subsets in layer "
-            f"{name}, more than max_subsets={max_subsets:,}. Raise max_subsets (time and memory grow as "
-            "2^N) or use method 'omp_swap' (local search from the greedy set)."
-        )
+        raise TooManySubsetsError(f"Method 'exact' would enumerate 2^{num_experts} = {2**num_experts:,} expert "
+                                  f"subsets in layer {name}, more than max_subsets={max_subsets:,}. Raise "
+                                  "max_subsets (time and memory grow as 2^N) or use method 'omp_swap' (local search "
+                                  "from the greedy set).")
 
 
 def exact_subsets(gram: torch.Tensor, num_groups: int = 1, max_subsets: int = EXACT_MAX_SUBSETS,
@@ -120,12 +119,9 @@ class Exact(SelectionMethod):
             check_exact_size(name, routing["num_experts"], self.max_subsets)
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
-        for layer in layers:  # every layer is checked before any enumeration
-            check_exact_size(layer.name, layer.num_experts, self.max_subsets)
-        return [
-            SubsetSelection(exact_subsets(layer.gram, layer.num_groups, self.max_subsets, name=layer.name), order)
-            for layer, order in zip(layers, omp_orderings(layers))
-        ]
+        self.validate([(layer.name, layer.routing) for layer in layers])  # every layer, before any enumeration
+        return [SubsetSelection(exact_subsets(layer.gram, layer.num_groups, self.max_subsets, name=layer.name), order)
+                for layer, order in zip(layers, omp_orderings(layers))]
 
 
 @register_method

@@ -95,11 +95,6 @@ def trace_normalized(gram: torch.Tensor) -> torch.Tensor:
     return g / g.diagonal().sum().clamp(min=torch.finfo(torch.float64).tiny)
 
 
-def hybrid_gram(layer: LayerStats, loss_weight: float) -> torch.Tensor:
-    """``G_normalized / tr(G_normalized) + loss_weight * G_grad / tr(G_grad)`` of one layer."""
-    return trace_normalized(layer.gram_normalized) + loss_weight * trace_normalized(layer.gram_grad)
-
-
 @register_method
 @dataclass
 class OMPHybrid(GramPursuit):
@@ -119,7 +114,7 @@ class OMPHybrid(GramPursuit):
         return ("gram_grad", "gram_normalized")
 
     def pursued_gram(self, layer: LayerStats) -> torch.Tensor:
-        return hybrid_gram(layer, self.loss_weight)
+        return trace_normalized(layer.gram_normalized) + self.loss_weight * trace_normalized(layer.gram_grad)
 
 
 def loss_estimate(hessian: torch.Tensor, linear: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -132,41 +127,21 @@ def loss_curves(layers: Sequence[LayerStats], selections: Sequence[object], num_
     """Per layer, the estimated per-token loss increase of keeping each count ``k = 0..N`` of ``selections``."""
     require_statistic(layers, "gram_loss", "A loss allocation")
     require_statistic(layers, "loss_first_order", "A loss allocation")
-    return [
-        (loss_estimate(layer.gram_loss, layer.loss_first_order, kept_masks(s, layer.num_experts)) / max(num_tokens, 1))
-        .cpu()
-        .numpy()
-        for layer, s in zip(layers, selections)
-    ]
-
-
-def loss_allocation_costs(
-    layers: Sequence[LayerStats],
-    selections: Sequence[object],
-    coverages: Sequence[torch.Tensor],
-    num_tokens: int,
-    allocation: str,
-    risk_weight: float,
-    zeta: float,
-) -> list[np.ndarray]:
-    """Cost curves of a loss allocation (minimized by :func:`~ompmoe.engine.allocation.optimal_allocation`): the loss
-    estimate, plus for ``loss_risk`` the routing risk scaled by the layer's whole-layer estimate ``max(dL_l(0), 0)``."""
-    if allocation not in ("loss", "loss_risk"):
-        raise ValueError(f"Unknown loss allocation {allocation!r}; choose one of ['loss', 'loss_risk'].")
-    curves = loss_curves(layers, selections, num_tokens)
-    if allocation == "loss":
-        return curves
-    risks = [-np.log(np.clip(c.to(torch.float64).cpu().numpy(), 0.0, None) + zeta) for c in coverages]
-    return [curve + risk_weight * max(float(curve[0]), 0.0) * risk for curve, risk in zip(curves, risks)]
+    return [(loss_estimate(layer.gram_loss, layer.loss_first_order, kept_masks(s, layer.num_experts))
+             / max(num_tokens, 1)).cpu().numpy() for layer, s in zip(layers, selections)]
 
 
 def _allocate_in_loss_units(problem: AllocationProblem, allocation: str) -> list[int]:
+    """The exact minimum of the loss estimates, plus for ``loss_risk`` the routing risk scaled by the layer's
+    whole-layer estimate ``max(dL_l(0), 0)``."""
     assert problem.budget is not None
     if problem.stats is None or problem.selections is None or problem.coverages is None:
         raise ValueError(f"Allocation {allocation!r} needs the statistics and selections (use ompmoe.plan_pruning).")
-    stats = problem.stats
-    costs = loss_allocation_costs(stats.layers, problem.selections, problem.coverages, stats.num_tokens, allocation,
-                                  problem.risk_weight, problem.zeta)
+    costs = loss_curves(problem.stats.layers, problem.selections, problem.stats.num_tokens)
+    if allocation == "loss_risk":
+        zeta, weight = problem.zeta, problem.risk_weight
+        risks = [-np.log(np.clip(c.to(torch.float64).cpu().numpy(), 0.0, None) + zeta) for c in problem.coverages]
+        costs = [cost + weight * max(float(cost[0]), 0.0) * risk for cost, risk in zip(costs, risks)]
     return optimal_allocation(costs, problem.choices, problem.budget)
 
 

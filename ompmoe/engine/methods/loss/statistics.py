@@ -15,6 +15,7 @@ on the model; the forward needs gradients on, and checkpoint recomputes are not 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -93,7 +94,7 @@ class LossStatsMetric(LayerSumsMetric):
 class LossGradientRecorder:
     """Hooks that turn each instrumented forward into loss-aware sums with one backward to the routed outputs.
 
-    :meth:`observe` gets each layer's routed pairs, an ``experts`` hook its output tensor, and a model hook
+    :meth:`callback` gets each layer's routed pairs, an ``experts`` hook its output tensor, and a model hook
     computes :func:`next_token_loss` and ``d_x`` for every layer at once.
     """
 
@@ -116,7 +117,7 @@ class LossGradientRecorder:
         embeddings = self.model.get_input_embeddings()
         self._handles.append(embeddings.register_forward_hook(self._embedding_hook))
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.experts.register_forward_hook(self._experts_hook(index)))
+            self._handles.append(layer.experts.register_forward_hook(partial(self._experts_hook, index)))
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._model_hook))
 
@@ -129,20 +130,21 @@ class LossGradientRecorder:
     def _clear(self) -> None:
         self._pending, self._outputs, self._input_ids = {}, {}, None
 
-    @property
-    def recording(self) -> bool:
-        """False while the backward recomputes checkpointed forwards (nothing is counted twice)."""
-        return not self._in_backward
+    def callback(self, update: Callable[..., None]) -> Callable[..., None]:
+        """``update`` (the statistics callback), then keep the layer's routed atoms ``g F`` (``atoms`` as the block
+        summed them, else formed here); silent during the backward (checkpoint recomputes are not counted twice)."""
 
-    def observe(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
-                atoms: torch.Tensor | None = None) -> None:
-        """Keep this layer's routed atoms ``g F`` (``atoms`` as the block summed them, else formed here)."""
-        if self._in_backward:
-            return
-        num_tokens, top_k = top_k_index.shape
-        if atoms is None or atoms.dtype != outputs.dtype:
-            atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
-        self._pending[index] = (top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1))
+        def chained(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                    atoms: torch.Tensor | None = None) -> None:
+            if self._in_backward:
+                return
+            update(index, top_k_index, top_k_weights, outputs, atoms)
+            num_tokens, top_k = top_k_index.shape
+            if atoms is None or atoms.dtype != outputs.dtype:
+                atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
+            self._pending[index] = (top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1))
+
+        return chained
 
     def _embedding_hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         # Frozen weights: make the embeddings a leaf that requires grad so d_x has a path.
@@ -150,12 +152,9 @@ class LossGradientRecorder:
             return output.detach().requires_grad_(True)
         return None
 
-    def _experts_hook(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            if not self._in_backward and index in self._pending:
-                self._outputs[index] = output
-
-        return hook
+    def _experts_hook(self, index: int, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if not self._in_backward and index in self._pending:
+            self._outputs[index] = output
 
     def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._in_backward:
@@ -163,10 +162,9 @@ class LossGradientRecorder:
         self._clear()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            raise LossAwareError(
-                "Loss-aware statistics need input_ids (the next-token loss is computed on them); "
-                "this batch passes only inputs_embeds. Pass token ids, or collect without loss_aware."
-            )
+            raise LossAwareError("Loss-aware statistics need input_ids (the next-token loss is computed on them); "
+                                 "this batch passes only inputs_embeds. Pass token ids, or collect without "
+                                 "loss_aware.")
         self._input_ids = ids
 
     def _model_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -183,12 +181,10 @@ class LossGradientRecorder:
             return
         tensors = [self._outputs[i] for i in indices]
         if not all(t.requires_grad for t in tensors):
-            raise LossAwareError(
-                "loss_aware=True needs the forward to run with gradients enabled (the routed outputs "
-                "have no gradient path): do not wrap the forward in torch.no_grad() (CalibrationModule "
-                "switches it on when the callback asks), and use non-reentrant activation checkpointing "
-                "(use_reentrant=False)."
-            )
+            raise LossAwareError("loss_aware=True needs the forward to run with gradients enabled (the routed "
+                                 "outputs have no gradient path): do not wrap the forward in torch.no_grad() "
+                                 "(CalibrationModule switches it on when the callback asks), and use non-reentrant "
+                                 "activation checkpointing (use_reentrant=False).")
         logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
         if logits is None:
             logits = output[0] if isinstance(output, (tuple, list)) else output
@@ -208,20 +204,6 @@ class LossGradientRecorder:
             self.metric.update(index, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weight)
 
 
-def recording_callback(update: Callable[..., None], recorder: LossGradientRecorder | None) -> Callable[..., None]:
-    """The statistics callback, also feeding ``recorder`` and silent during its backward (checkpoint recomputes)."""
-    if recorder is None:
-        return update
-
-    def callback(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
-                 atoms: torch.Tensor | None = None) -> None:
-        if recorder.recording:
-            update(index, top_k_index, top_k_weights, outputs, atoms)
-            recorder.observe(index, top_k_index, top_k_weights, outputs, atoms)
-
-    return callback
-
-
 @register_statistics
 class LossAwareStatistics(StatisticsExtension):
     """The loss-aware sums: one backward of the next-token loss per batch to the MoE blocks' routed outputs."""
@@ -234,15 +216,14 @@ class LossAwareStatistics(StatisticsExtension):
     signed: ClassVar[tuple[str, ...]] = ("loss_first_order",)
     needs_gradients: ClassVar[bool] = True
 
-    def __init__(
-        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[MoELayer],
+                 token_weight: Callable[[], torch.Tensor | None]) -> None:
         super().__init__(model, layers, token_weight)
         self.metric = LossStatsMetric(layers)
         self.recorder = LossGradientRecorder(model, layers, self.metric, token_weight)
 
     def wrap(self, update: Callable[..., None]) -> Callable[..., None]:
-        return recording_callback(update, self.recorder)
+        return self.recorder.callback(update)
 
     def standalone(self) -> None:
         self.recorder.retain_graph = False  # no training step reuses the graph

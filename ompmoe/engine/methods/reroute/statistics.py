@@ -15,6 +15,7 @@ from its ``top_k + 1`` call (same native weights iff nothing is renormalized).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -35,15 +36,11 @@ def check_reroutable(layers: list[MoELayer]) -> None:
     """Refuse layers whose router has no ``top_k`` attribute or no expert left to take over."""
     for layer in layers:
         if not isinstance(getattr(layer.router, "top_k", None), int):
-            raise RerouteError(
-                f"reroute=True needs a router with an integer `top_k` attribute; the router of {layer.name} "
-                f"({type(layer.router).__name__}) has none. Collect without reroute."
-            )
+            raise RerouteError(f"reroute=True needs a router with an integer `top_k` attribute; the router of "
+                               f"{layer.name} ({type(layer.router).__name__}) has none. Collect without reroute.")
         if layer.num_experts <= layer.top_k:
-            raise RerouteError(
-                f"reroute=True needs more experts than top_k in every layer; {layer.name} has "
-                f"{layer.num_experts} experts and top_k {layer.top_k}. Collect without reroute."
-            )
+            raise RerouteError(f"reroute=True needs more experts than top_k in every layer; {layer.name} has "
+                               f"{layer.num_experts} experts and top_k {layer.top_k}. Collect without reroute.")
 
 
 def removal_deltas(expert_out: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, ext_ids: torch.Tensor,
@@ -116,8 +113,8 @@ class RerouteRecorder:
 
     def attach(self) -> None:
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.router.register_forward_hook(self._router_hook(index)))
-            pre_hook = self._experts_pre_hook(index)
+            self._handles.append(layer.router.register_forward_hook(partial(self._router_hook, index)))
+            pre_hook = partial(self._experts_pre_hook, index)
             self._handles.append(layer.experts.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def detach(self) -> None:
@@ -125,23 +122,17 @@ class RerouteRecorder:
             handle.remove()
         self._handles, self._extended, self._hidden = [], {}, {}
 
-    def _router_hook(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            module.top_k += 1
-            try:
-                with torch.no_grad():
-                    extended = module.forward(*args)
-            finally:
-                module.top_k -= 1
-            self._extended[index] = (extended[-1].detach(), extended[-2].detach())
+    def _router_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        module.top_k += 1
+        try:
+            with torch.no_grad():
+                extended = module.forward(*args)
+        finally:
+            module.top_k -= 1
+        self._extended[index] = (extended[-1].detach(), extended[-2].detach())
 
-        return hook
-
-    def _experts_pre_hook(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            self._hidden[index] = (args[0] if args else next(iter(kwargs.values()))).detach()
-
-        return hook
+    def _experts_pre_hook(self, index: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        self._hidden[index] = (args[0] if args else next(iter(kwargs.values()))).detach()
 
     def callback(self, update: Callable[..., None]) -> Callable[..., None]:
         """``update`` (the statistics callback), then this layer's rerouting-aware sums."""
@@ -186,9 +177,8 @@ class RerouteStatistics(StatisticsExtension):
     prefix: ClassVar[str] = "reroute"
     tensors: ClassVar[tuple[str, ...]] = REROUTE_TENSORS
 
-    def __init__(
-        self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[MoELayer],
+                 token_weight: Callable[[], torch.Tensor | None]) -> None:
         super().__init__(model, layers, token_weight)
         self.metric = RerouteStatsMetric(layers)
         self.recorder = RerouteRecorder(layers, self.metric, token_weight)
