@@ -1,11 +1,9 @@
 """Runs HumanEval programs for ompmoe.eval.humaneval; started as a script, one JSON job per stdin line.
 
-Standard library only and single-threaded, so it can fork a confined ``python -I -S -B`` child per
-program (the evaluating process, with its model and threads, is never forked): private working
-directory, minimal environment, resource limits, empty network namespace, an unprivileged uid per
-worker slot when root, no inherited descriptors, process-group and uid kill (docs/reliability.md,
-"HumanEval execution"). "passed" only when the harness exits 0 and its last output line is the
-random nonce it prints after ``check(...)`` returned. Reply: one JSON string per job.
+Standard library only and single-threaded, so it can fork a confined ``python -I -S -B`` child per program (the
+evaluating process, with its model and threads, is never forked). "passed" only when the harness exits 0 and its
+last line is the nonce printed after ``check(...)``. Reply: one JSON string per job. The confinement, limit by
+limit: docs/reliability.md, "HumanEval execution".
 """
 
 from __future__ import annotations

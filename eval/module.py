@@ -1,9 +1,8 @@
 """``EvalModule``: runs an LMEvalDataModule's batches through a Hugging Face causal LM.
 
-Forward-only: score batches get each continuation's float32 log-probability and greedy match,
-generate batches ``model.generate`` with lm-eval's stop sequences. Every batch is timed
-(:mod:`ompmoe.eval.cost`); at the epoch's end a timing probe re-runs some batches, warmed up and repeated
-(:mod:`ompmoe.eval.timing`), then rank 0 scores all ranks' results and writes the JSON.
+Forward-only: score batches get each continuation's float32 log-probability and greedy match, generate batches
+``model.generate`` with lm-eval's stop sequences. Every batch is timed (:mod:`ompmoe.eval.cost`); at the epoch's end
+a timing probe (:mod:`ompmoe.eval.timing`) runs, then rank 0 scores all ranks' results and writes the JSON.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Where lm-eval tasks read their data sets: the hub, its local cache, or local copies.
 
-:func:`dataset_access` wraps lm-eval's data set loading while tasks are built:
-
-- ``dataset_overrides`` (keys: a task name, a data set path, or ``path:name``) point a task at a
-  local copy: a string is a local directory (e.g. a hub snapshot) used in place of the hub path; a
-  dict may set ``dataset_path``, ``dataset_name`` and ``dataset_kwargs`` (merged), e.g.
-  ``{"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "/data/arc/test.jsonl"}}}``.
-- ``data_dir``: snapshots laid out as ``<data_dir>/<owner>/<name>``, read instead of the hub.
-- Offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``, or a hub that does not answer) is detected
-  first; then only the local cache is read, and a missing data set raises
-  :class:`DatasetUnavailableError` at once (no download retry loop), naming both ways to supply it.
+:func:`dataset_access` wraps lm-eval's loading while tasks are built: ``dataset_overrides`` (keys: a task, a data
+set path or ``path:name``; values: a local directory, or ``dataset_path``/``dataset_name``/``dataset_kwargs``,
+merged) and ``data_dir`` snapshots (``<data_dir>/<owner>/<name>``) replace the hub. Offline or with the hub silent,
+a data set missing from the cache raises :class:`DatasetUnavailableError` at once, naming both ways to supply it.
+Forms and examples: docs/evaluation.md, "Getting the data sets".
 """
 
 from __future__ import annotations

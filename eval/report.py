@@ -1,13 +1,9 @@
 """Markdown tables like the paper's Table 1 (and Table 6's Cost/Speedup) from evaluation result files.
 
-One row per results file, one column per score (accuracies in %), the average of the primary
-higher-is-better columns, its percentage of the baseline's ("retained"), and the recorded evaluation
-time. The average covers only tasks every row scored and that tell the models apart (the notes name
-the rest); rows of another base model, tokenizer or task version are refused unless ``allow_mismatch``;
-small tasks are flagged as noisy; a malformed results file is refused with one error naming the key.
-Speedup comes from the repeated timing probe (:mod:`ompmoe.eval.timing`), printed with its interval, or
-``n.s.`` when the interval does not tell it apart from 1; files without repeated timing are marked unrated.
-``ompmoe report a.json b.json [--output table.md]`` never replaces one of its inputs.
+One row per results file, one column per score; the average covers only tasks every row scored and that tell the
+models apart, "retained" is its share of the baseline's, and Speedup is rated by :mod:`ompmoe.eval.timing`. Rows
+that do not compare are refused unless ``allow_mismatch``; the notes say what every mark means. Columns, marks
+and refusals: docs/evaluation.md, "Reports: ``ompmoe report``".
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """lm-eval requests -> token-level work items -> batches; model results -> lm-eval responses.
 
-:class:`RequestEncoder` tokenizes lm-eval's ``Instance`` objects exactly as lm-eval's ``HFLM`` does,
-so metrics equal ``HFLM``'s on the same model. :class:`WorkPlan` turns them into *score items*
-(``(model input, continuation)``: log-probability and greedy match; items sharing a model input share
-a batch row, like ``HFLM``'s logits cache) and *generate items*, batched once, longest first and
-homogeneous, so a ``DistributedSampler`` can deal them to ranks.
+:class:`RequestEncoder` tokenizes lm-eval's ``Instance`` objects exactly as ``HFLM`` does, so metrics equal
+``HFLM``'s; :class:`WorkPlan` turns them into *score items* (items sharing a model input share a batch row, like
+``HFLM``'s logits cache) and *generate items*, batched once, longest first, one kind per batch, for a
+``DistributedSampler`` to deal to ranks.
 """
 
 from __future__ import annotations

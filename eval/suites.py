@@ -1,14 +1,8 @@
 """The paper's evaluation suites, by name: lm-eval tasks, the settings they run with, headline metrics.
 
-Perplexity protocol (``wikitext2``, ``c4``, ``perplexity``): the text is one document scored with
-lm-eval's rolling loglikelihood: non-overlapping windows of :data:`PERPLEXITY_WINDOW` tokens (or
-fewer, by the model's context or ``LMEvalDataModule(max_length=...)``), every token predicted once,
-the first conditioned on BOS (else EOS); ``token_perplexity`` is ``exp(-sum log p / tokens)``.
-
-- WikiText-2: ``Salesforce/wikitext``, ``wikitext-2-raw-v1``, split ``test``, all rows joined with
-  ``"\\n\\n"`` (the GPTQ/SparseGPT convention).
-- C4: ``allenai/c4``, ``en/c4-validation.00000-of-00008.json.gz``, the first 1100 documents joined
-  with ``" "`` (GPTQ's C4 evaluation text).
+Perplexity suites (``wikitext2``, ``c4``, ``perplexity``) score their text as one document with lm-eval's rolling
+loglikelihood in non-overlapping :data:`PERPLEXITY_WINDOW`-token windows, every token predicted once; the texts
+follow GPTQ's. Protocol and data sets: docs/evaluation.md, "Running evaluations" and "Suites in detail".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Repeated, warmed-up timing of an evaluation (the report's Speedup) and when a speedup is told apart from 1.
 
-The evaluation loop runs every batch once; its time (the report's Cost) includes the first batches' warm-up
-(kernel selection, allocator growth, caches) and whatever else ran on the machine at that moment, so two
-runs of the same model can differ by far more than pruning changes (on a loaded CPU the demo's Cost ratio
-was 0.75x in one pair of runs and 1.60x in the next). After the loop, :class:`ompmoe.eval.EvalModule`
-re-runs a *timing probe*: up to ``timing_batches`` of its batches, evenly spaced over the length-sorted
-order (short and long inputs, every kind of request), ``timing_warmup`` times untimed, then
-``timing_repeats`` times timed, each repeat one pass over all of them. The results file records every
-repeat's wall and CPU time (``ompmoe.cost.timing``, :func:`timing_record`).
-
-:func:`speedup` compares two such records. With the baseline's repeats ``b`` and a row's repeats ``r``:
-
-- ``speedup = median(b) / median(r)``;
-- ``interval = (min(b) / max(r), max(b) / min(r))``: the lowest and highest ratio of any baseline repeat to
-  any row repeat (no pairing is assumed: the two files were timed at different moments);
-- the speedup is *significant* when the interval excludes 1 (``low > 1`` or ``high < 1``) **and** its
-  half-width ``(high - low) / 2`` is smaller than the speedup's distance from 1, ``|speedup - 1|``.
-  Otherwise the report prints ``n.s.`` instead of a number. Both records need at least
-  :data:`MIN_REPEATS` repeats; with fewer (or none: files written before the probe existed) the speedup
-  is *unrated*.
+One pass (the report's Cost) includes warm-up and the machine's other load, so :class:`ompmoe.eval.EvalModule`
+re-runs a *timing probe* after the loop, warmed up and repeated (:func:`timing_record`). :func:`speedup` compares two
+files' repeats: median ratio ``s``, rated only when its min/max interval excludes 1 and is narrower than 2|s - 1|.
+The rule, the probe and measurements: docs/evaluation.md, "Reports" and "Inference cost".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """``ompmoe_word_order``: an offline multiple-choice task that ``shipped:tiny-moe`` does well above chance.
 
-Built from the held-out splits of the shipped corpus (``ompmoe/data/corpus/<domain>-heldout.jsonl.gz``:
-CPython documentation prose and standard-library source, documents the model never saw in training).
-Words are maximal runs of non-whitespace. Each item takes :data:`CONTEXT_WORDS` consecutive words of a
-document as the context (with their whitespace as written) and asks which of four continuations is the
-text that really follows: the next :data:`ANSWER_WORDS` words, or the same words with one adjacent pair
-swapped (words 1-2, 2-3 or 3-4; the whitespace between them stays where it was). All four choices hold the
-same words, so only word order tells them apart; guessing scores 25 %. Items sit evenly spaced through a
-document (:data:`PER_DOCUMENT` at most, never overlapping), documents in the corpus' fixed order, the first
-:data:`PER_DOMAIN` items of each domain; an item whose swaps repeat a choice (two equal adjacent words) is
-skipped. The right answer's position cycles through 0..3. Everything is deterministic: no random numbers.
+Each item: :data:`CONTEXT_WORDS` words of a held-out corpus document (never trained on), then four orders of the
+next :data:`ANSWER_WORDS` words, the real one and three adjacent swaps: the same words, so only order tells them
+apart. Deterministic (no random numbers); how items are picked and the model's scores: docs/evaluation.md.
 """
 
 from __future__ import annotations

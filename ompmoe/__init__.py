@@ -1,9 +1,8 @@
 """OMP-MoE: training-free expert pruning for Mixture-of-Experts LLMs.
 
-Stream each MoE layer's Gram matrix of expert contributions in one forward pass
-(:func:`collect_stats`), order experts by greedy binary pursuit and allocate a budget across
-layers (:func:`plan_pruning`), then slice the model (:func:`prune`) and reload it
-(:func:`load_pruned`).
+Stream each MoE layer's Gram matrix of expert contributions in one forward pass (:func:`collect_stats`), order experts
+by greedy binary pursuit and allocate a budget across layers (:func:`plan_pruning`), then slice the model
+(:func:`prune`) and reload it (:func:`load_pruned`).
 """
 
 from .engine.version import __version__

@@ -1,9 +1,8 @@
 """Keep third-party messages a user of ompmoe cannot act on off their terminal.
 
-:func:`quiet_third_party` is called first thing by the command-line entry points, never by the library API, whose
-callers own their logging. Warnings and ompmoe's own ``ompmoe: ...`` lines always stay; ompmoe's warnings print as one
-``warning:`` line. The library API instead wraps its own calls into transformers (model loads and saves) in
-:func:`quiet_calls`, which changes nothing outside them.
+:func:`quiet_third_party` is for the command-line entry points only (library callers own their logging); warnings and
+ompmoe's own ``ompmoe: ...`` lines always stay. The library API wraps its own calls into transformers in
+:func:`quiet_calls`, which changes nothing outside them (docs/usage.md, "Messages in Python").
 """
 
 from __future__ import annotations
@@ -67,6 +66,14 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     # peft (LoRA fine-tuning) reads a property transformers 5 deprecates; only a peft release can act on it.
     warnings.filterwarnings("ignore", message=GRADIENT_CHECKPOINTING, category=FutureWarning)
+
+
+def passive_omp_threads(command: bool) -> None:
+    """In a command, before torch loads OpenMP: its threads then sleep, not spin, while they wait (on 2 shared cores
+    the README's fit took 38 s instead of 112 s, the demo 20 s instead of 49 s, and spinning threads made each step of
+    the fine-tuning recipe 15 times slower; docs/performance.md). An ``OMP_WAIT_POLICY`` set already wins."""
+    if command and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 GRADIENT_CHECKPOINTING = "`is_gradient_checkpointing` is deprecated"

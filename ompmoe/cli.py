@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 import numbers
-import os
 import sys
 from argparse import ArgumentError
 from collections import Counter
@@ -17,7 +16,7 @@ from typing import Any
 
 from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths,
                        fail, list_option, user_errors)
-from ._quiet import LIGHTNING_LOGGERS, quiet_third_party
+from ._quiet import LIGHTNING_LOGGERS, passive_omp_threads, quiet_third_party
 from .cli_options import PARSER_SETTINGS, OneLineErrors, unknown_options_line
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
 from .help_cache import is_plain_help, print_help
@@ -414,10 +413,7 @@ def _interrupted_line(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """The ``ompmoe`` command; a user error is one ``error:`` line on stderr and exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["fit"] and "torch" not in sys.modules:
-        # Before torch loads OpenMP: its threads then sleep, not spin, while they wait (on 2 shared cores the
-        # README's fit took 38 s instead of 112 s; docs/performance.md).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    passive_omp_threads(argv[:1] == ["fit"])
     quiet_third_party()
     try:
         if not argv or argv[0] in ("-h", "--help"):

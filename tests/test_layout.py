@@ -161,3 +161,14 @@ def test_pyproject_installs_every_package_and_every_shipped_model():
     assert {f"{name}/*" for name in SHIPPED_MODELS} <= set(data)
     for name in SHIPPED_MODELS:  # no subfolder a "name/*" pattern would miss
         assert all(path.is_file() for path in (PACKAGE / "data" / name).iterdir())
+
+
+ADAPTERS = ("callbacks/pruning.py", "ompmoe/lightning/fabric.py", "ompmoe/lightning/fabric_prune.py",
+            "ompmoe/engine/ranks.py")
+"""The front doors' Lightning/Fabric glue over ``PruningRun`` (and the rank helpers it needs): hooks only."""
+
+
+def test_the_front_doors_stay_thin_adapters_over_the_run():
+    lines = {name: len((ROOT / name).read_text().splitlines()) for name in ADAPTERS}
+    assert sum(lines.values()) <= 600, (f"the adapters over PruningRun grew to {sum(lines.values())} lines "
+                                        f"(at most 600): {lines}; move the new logic into ompmoe/engine/run.py")

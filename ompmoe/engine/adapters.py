@@ -134,10 +134,10 @@ class MoELayer:
     @property
     def routing(self) -> dict[str, int]:
         """Router facts the planner needs, in a form that serializes to JSON."""
-        keys = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
-        return {key: getattr(self, key) for key in keys}
+        return {key: getattr(self, key) for key in ROUTING_KEYS}
 
 
+ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 """Module-path segments added by FSDP1, activation checkpointing and torch.compile wrappers."""
 

@@ -1,26 +1,17 @@
-"""OMP-MoE+ (the paper's OMP-MoE dagger): energy-based adaptive expert skipping at inference (``docs/adaptive.md``).
+"""OMP-MoE+ (the paper's OMP-MoE dagger): energy-based adaptive expert skipping at inference.
 
-Hooks on each fused ``experts`` module evaluate the rule per call. Two ways to skip the dropped (token, expert) pairs:
-
-- **masked** (``grouped_mm`` experts, the transformers default): the experts' own grouped computation runs with the
-  skipped slots sorted past the last group (so the grouped GEMMs never compute them) and their rows zeroed before the
-  per-token sum. Shapes are static and nothing is read back to the host: no synchronization, CUDA-graph friendly.
-- **compact** (every implementation: ``eager``, ``batched_mm``, custom modules): the kept pairs are gathered into a
-  flattened ``(pairs, 1)`` routing for the model's own experts code and added back per token; one host read (the
-  number of kept pairs) per call, which on a GPU waits for the device.
-
-``path="auto"`` (the default) takes ``masked`` for ``grouped_mm`` experts on an accelerator and ``compact`` elsewhere,
-decided per call from the tensors' device: on CPU the host read costs nothing and the compaction also spares the
-skipped rows' gathers and elementwise work, so ``compact`` is faster there (``docs/adaptive.md``).
-
-The settings live in ``config.ompmoe_adaptive``, so ``save_pretrained`` keeps them.
+Hooks on each fused ``experts`` module evaluate the rule per call and skip the dropped (token, expert) pairs by one of
+two paths: ``masked`` (``grouped_mm`` experts; static shapes, no host read, CUDA-graph friendly) or ``compact`` (any
+experts implementation; one host read per call). The settings live in ``config.ompmoe_adaptive``, so
+``save_pretrained`` keeps them. The paths, ``path="auto"`` and measurements: docs/adaptive.md.
 """
 
 from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,36 +133,16 @@ def masked_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_ind
     before the per-token sum. Every shape is static and nothing is read back to the host. With nothing skipped it is
     the native computation, op for op.
     """
-    device = hidden_states.device
     num_tokens, num_top_k = top_k_index.shape
-    hidden_dim = hidden_states.size(-1)
-    num_experts = experts.num_experts
-    expert_ids = top_k_index.reshape(-1).masked_fill(~keep.reshape(-1), num_experts)
-    expert_ids_g, perm = torch.sort(expert_ids)
-    selected = hidden_states[perm // num_top_k]
-    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
-    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    skipped_g = (expert_ids_g == num_experts).unsqueeze(-1)
-    bias_ids = expert_ids_g.clamp(max=num_experts - 1) if experts.has_bias else None
-    up = "gate_up_proj" if experts.has_gate else "up_proj"
-    bias = getattr(experts, f"{up}_bias")[bias_ids] if experts.has_bias else None
-    projected = _replay._grouped_linear(selected, getattr(experts, up), offsets, bias=bias,
-                                        is_transposed=experts.is_transposed)
-    del selected
-    projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
-    down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
-    projected = _replay._grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
-                                        is_transposed=experts.is_transposed)
-    if getattr(experts, "has_post_expert_norm", False):
-        projected = experts.post_expert_norm(projected)
+    expert_ids = top_k_index.reshape(-1).masked_fill(~keep.reshape(-1), experts.num_experts)
+    projected, expert_ids_g, perm, inverse = _replay.sorted_expert_outputs(experts, hidden_states, expert_ids,
+                                                                           num_top_k)
     weighted = projected * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     del projected
+    skipped_g = (expert_ids_g == experts.num_experts).unsqueeze(-1)
     weighted.masked_fill_(skipped_g, 0.0)  # the skipped rows hold whatever the kernel left there (NaN included)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=device)
     weighted = weighted[inverse]
-    return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+    return weighted.view(num_tokens, num_top_k, hidden_states.size(-1)).sum(dim=1).to(hidden_states.dtype)
 
 
 def _masked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -242,6 +213,14 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tenso
     summed = torch.zeros(num_tokens, output.shape[-1], dtype=accumulate, device=output.device)
     summed.index_add_(0, token_ids, output.to(accumulate))
     return summed.to(dtype)
+
+
+def _set_hooks(module: nn.Module, state: _AdaptiveState, on: bool) -> None:
+    """Remove the pre- and post-hook of ``module``, and register them again when ``on``."""
+    for handle in state.handles:
+        handle.remove()
+    state.handles = [module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+                     module.register_forward_hook(_post_hook, with_kwargs=True)] if on else []
 
 
 def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
@@ -324,10 +303,7 @@ def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, A
             state.alphas_on(weight.device)
         if state.masked_ok and path != COMPACT and not _install_masked_forward(layer.experts, state):
             state.masked_ok = False  # its forward is already replaced by something else: compact
-        state.handles = [
-            layer.experts.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-            layer.experts.register_forward_hook(_post_hook, with_kwargs=True),
-        ]
+        _set_hooks(layer.experts, state, on=True)
     alpha_lists = {name: [float(alpha) for alpha in values] for name, values in alphas.items()}
     setattr(model.config, CONFIG_KEY, {"epsilon": epsilon, "zeta": float(zeta), "alphas": alpha_lists})
     return model
@@ -341,14 +317,26 @@ def _states(model: nn.Module) -> dict[nn.Module, _AdaptiveState]:
 def disable_adaptive(model: nn.Module) -> nn.Module:
     """Remove adaptive inference (hooks, counters and ``config.ompmoe_adaptive``); plain model again."""
     for module, state in _states(model).items():
-        for handle in state.handles:
-            handle.remove()
+        _set_hooks(module, state, on=False)
         if state.forward is not None and module.__dict__.get("forward") is state.forward:
             del module.forward  # the class forward (and its implementation dispatch) is back
         delattr(module, STATE_ATTR)
     if hasattr(getattr(model, "config", None), CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
     return model
+
+
+@contextmanager
+def adaptive_paused(model: nn.Module) -> Iterator[bool]:
+    """Detach OMP-MoE+ adaptive hooks meanwhile (statistics need the full top-k); yields whether any were on."""
+    paused = _states(model)
+    for module, state in paused.items():
+        _set_hooks(module, state, on=False)
+    try:
+        yield bool(paused)
+    finally:
+        for module in paused:
+            _set_hooks(module, getattr(module, STATE_ATTR), on=True)
 
 
 def is_adaptive(model: nn.Module) -> bool:

@@ -1,8 +1,8 @@
 """One forward pass that streams per-layer statistics, running every expert FFN exactly once.
 
-Each MoE layer's own ``experts`` module (whatever implementation the model uses) is called with its
-top-k slots flattened to one (token, expert) pair per row and unit weights, which exposes ``F_e(x)``
-for every routed pair; the block still gets exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
+Each MoE layer's own ``experts`` module (whatever implementation the model uses) is called with its top-k slots
+flattened to one (token, expert) pair per row and unit weights, which exposes ``F_e(x)`` for every routed pair; the
+block still gets exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from torchmetrics import Metric
 
 from . import methods  # noqa: F401  (importing it registers the built-in statistics extensions)
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .extensions import CANCELLED_TOKEN, PairCallback, StatisticsExtension, extension, selected_statistics
+from .adaptive import adaptive_paused
+from .extensions import (CANCELLED_TOKEN, LayerSumsMetric, PairCallback, StatisticsExtension, extension,
+                         selected_statistics)
 from .replay import replayable
 from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
@@ -102,26 +104,17 @@ class _GatherRows(torch.autograd.Function):
         return gathered.view(*back.shape, -1).sum(dim=1), None, None
 
 
-class MoEStatsMetric(Metric):
+class MoEStatsMetric(LayerSumsMetric):
     """Sum-reduced torchmetrics states for every MoE layer, so DDP/FSDP ranks merge exactly.
 
     ``token_weight`` (per token, 0 for padding or samples a distributed sampler duplicated) scales every sum.
     """
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
     def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        # Per-expert sums stacked in PER_EXPERT_SUMS order: one index_add_ per batch.
+        super().__init__(layers, {"gram": "gram", "gram_normalized": "gram", "expert_sums": len(PER_EXPERT_SUMS)},
+                         **kwargs)
         self.routing = [(layer.name, layer.routing) for layer in layers]
-        for i, layer in enumerate(layers):
-            n = layer.num_experts
-            self.add_state(f"gram_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
-            self.add_state(f"gram_normalized_{i}", torch.zeros(n, n, dtype=torch.float64), dist_reduce_fx="sum")
-            # Per-expert sums stacked in PER_EXPERT_SUMS order: one index_add_ per batch.
-            sums = torch.zeros(len(PER_EXPERT_SUMS), n, dtype=torch.float64)
-            self.add_state(f"expert_sums_{i}", sums, dist_reduce_fx="sum")
         self.add_state("num_tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.token_weight: torch.Tensor | None = None
 
@@ -240,26 +233,6 @@ def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor
             raise CalibrationInputError(
                 f"attention_mask must hold only 0 and 1 (padding and real tokens); found {odd}. "
                 "Pass the tokenizer's 0/1 mask (a weighted mask would scale every statistic).")
-
-
-@contextmanager
-def adaptive_paused(model: nn.Module) -> Iterator[bool]:
-    """Detach OMP-MoE+ adaptive hooks meanwhile (statistics need the full top-k); yields whether any were on."""
-    from .adaptive import STATE_ATTR, _AdaptiveState, _post_hook, _pre_hook
-
-    paused = [m for m in model.modules() if isinstance(getattr(m, STATE_ATTR, None), _AdaptiveState)]
-    for module in paused:
-        state = getattr(module, STATE_ATTR)
-        for handle in state.handles:
-            handle.remove()
-        state.handles = []
-    try:
-        yield bool(paused)
-    finally:
-        for module in paused:
-            state = getattr(module, STATE_ATTR)
-            state.handles = [module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-                             module.register_forward_hook(_post_hook, with_kwargs=True)]
 
 
 ADAPTIVE_WARNING = ("Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "

@@ -1,47 +1,9 @@
 """Compensation after pruning: a least-squares correction of each MoE layer's kept routed experts, folded into their
 down projections (no inference cost; the pruned model stays a stock checkpoint).
 
-After pruning, the router sends each token to replacements among the kept experts and renormalizes their weights,
-so the pruned block puts out more than the atom model predicts. For MoE layer ``l`` with kept experts ``K``, let
-``c_e(x) = g'_e(x) F_e(x)`` be expert ``e``'s contribution to the **real pruned block** on token ``x`` (the sliced
-router's top-k and weights, rerouting and renormalization included; zero when ``e`` is not among ``x``'s pruned
-top-k), ``Y'(x) = sum_e c_e(x)`` the pruned routed output and ``Y(x)`` the **unpruned** block's routed output (shared
-experts excluded: they are never pruned). Three corrections, each least squares over the fitting tokens:
-
-- ``granularity="layer"``: ``Y ~ s Y'``, one factor ``s = <Y', Y> / ||Y'||^2`` per layer;
-- ``"expert"``: ``Y ~ sum_e s_e c_e``, one factor per kept expert, solving
-  ``(G + ridge * diag(G)) s = b + ridge * diag(G) * s_layer`` with ``G[e, f] = sum_x <c_e, c_f>`` and
-  ``b[e] = sum_x <c_e, Y>`` (``ridge`` shrinks every factor toward the layer's: 0 is plain least squares);
-- ``"linear"``: ``Y ~ M Y'``, a ``d x d`` map per layer, ``M = (C + lam s I)(P + lam I)^-1`` with
-  ``P = sum_x Y' Y'^T``, ``C = sum_x Y Y'^T`` and ``lam = ridge * tr(P) / d`` (shrinking toward ``s I``).
-
-``ridge=None`` (the default) takes ``d / T`` for ``linear`` (``T`` fitting tokens: ``lam`` is then the mean
-``||Y'(x)||^2``, a prior worth ``d`` average tokens, which shrinks as the fitting set grows) and 0.1 for ``expert``.
-
-A factor scales an expert's output and a map is linear in it, so both fold exactly into every kept expert's down
-projection and bias (:func:`apply_compensation`). The sums are float64 and merge across batches and ranks by
-addition (:class:`CompensationSums`). They accumulate on the device of the layer's experts, so a batch's activations
-never travel to the host (the fit moves the small ones to the CPU and solves a ``linear`` map where its sums are).
-
-Memory: ``linear`` adds two ``d x d`` float64 sums per MoE layer, ``16 d^2`` bytes: 3.2 GB for ``d = 2048`` x 48
-layers (Qwen3-30B-A3B), 48 GB for ``d = 7168`` x 58 layers (DeepSeek-V3), on the model's device beside the weights
-(the fit adds about four ``d x d`` of one layer at a time). :func:`compensate` refuses ``linear`` before any forward
-when they exceed ``max_sum_bytes`` on one device (:data:`MAX_SUM_BYTES`, 8 GiB); ``layer`` and ``expert`` need
-``K x K`` per layer only.
-
-``sequential=True`` fits layer by layer on the inputs the already-pruned-and-compensated layers produce (the pruned
-model's own inputs), against the unpruned block's output on those inputs; each layer's correction must be known before
-the next layer runs, so the fitting blocks go through the model as one batch (memory of one forward over them).
-The default, ``sequential=False``, fits every layer on the unpruned model's inputs in one batched pass. Both run on
-the **unpruned** model (before :func:`~ompmoe.engine.pruning.prune`); the correction is applied after it. Cost: one
-forward up to the last MoE layer (no LM head) plus, per MoE layer, one call of the pruned router and one expert
-evaluation per replacement (token, slot) pair: 1.3-1.4x a forward over the fitting tokens, 1.6-1.7x with the
-``linear`` sums (one CPU thread, ``docs/quality/compensation.md``).
-
-Measured on the shipped models (12 cells: two models, ratios 0.5 and 0.25, three plans): ``linear`` lowered
-held-out perplexity in every cell, by 5.2 % on average with every calibration token (4.5 % on the default 16 tokens
-per dimension), where ``layer`` gave 0.7 % and ``expert`` 0.9 % and raised it in two cells; sequential fitting changed
-nothing measurable.
+Fitted on the **unpruned** model, before :func:`~ompmoe.engine.pruning.prune`, against the **real pruned block**
+(rerouting and renormalization included), from float64 sums that merge by addition across batches and ranks; applied
+after pruning. The three systems, memory, cost and measurements: docs/quality/compensation.md.
 """
 
 from __future__ import annotations

@@ -27,19 +27,20 @@ PairCallback = Callable[..., None]
 
 
 class LayerSumsMetric(Metric):
-    """Sum-reduced float64 states ``{key}_{layer}`` per MoE layer; ``keys`` maps each to ``"gram"`` or ``"vector"``."""
+    """Sum-reduced float64 states ``{key}_{layer}`` per MoE layer; ``keys`` maps each to ``"gram"``, ``"vector"`` or
+    a row count ``r`` (``(r, N)``: several per-expert sums stacked)."""
 
     full_state_update = False
     is_differentiable = False
     higher_is_better = None
 
-    def __init__(self, layers: Sequence[MoELayer], keys: dict[str, str], **kwargs: Any) -> None:
+    def __init__(self, layers: Sequence[MoELayer], keys: dict[str, str | int], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.num_experts = [layer.num_experts for layer in layers]
         self.keys = dict(keys)
         for i, n in enumerate(self.num_experts):
             for key, shape in self.keys.items():
-                size = (n, n) if shape == "gram" else (n,)
+                size = (n, n) if shape == "gram" else (n,) if shape == "vector" else (shape, n)
                 self.add_state(f"{key}_{i}", torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
 
     def state(self, key: str, index: int) -> torch.Tensor:

@@ -1,11 +1,8 @@
 """Atomic outputs that never lose a user's files (rules and guarantees: docs/outputs.md).
 
 An output is written into a hidden temporary sibling under a run lock (``flock``) and renamed into place only on
-success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and what killed
-runs left is cleaned by the next run for the same target once their run is known dead. An output another live run
-has reserved (:func:`reserve`, before its calibration) or is writing is refused up front (:class:`OutputInUseError`);
-a write that fails midway for want of space, file size, quota or a writable file system, whatever library raised it,
-ends as one :class:`OutputNotWritableError` naming the output and the cause, the previous output untouched.
+success; only what ompmoe made is ever replaced, never the working directory or the run's inputs, and a killed run's
+leftovers are cleaned by the next run once its lock is free.
 """
 
 from __future__ import annotations

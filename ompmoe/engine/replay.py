@@ -32,35 +32,42 @@ def replay_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_ind
                       top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(module output, F, g * F)`` with expert outputs ``(tokens * top_k, d)`` token-major, mirroring
     ``transformers.integrations.moe.grouped_mm_experts_forward`` step by step (without expert parallelism)."""
-    device = hidden_states.device
     num_tokens, num_top_k = top_k_index.shape
-    hidden_dim = hidden_states.size(-1)
-    expert_ids = top_k_index.reshape(-1)
+    projected, _, _, inverse = sorted_expert_outputs(experts, hidden_states, top_k_index.reshape(-1), num_top_k)
+    pair_outputs = projected[inverse]  # token-major F, (tokens * top_k, d)
+    del projected
+    weighted = pair_outputs * top_k_weights.reshape(-1).unsqueeze(-1)
+    output = weighted.view(num_tokens, num_top_k, hidden_states.size(-1)).sum(dim=1).to(hidden_states.dtype)
+    return output, pair_outputs, weighted
+
+
+def sorted_expert_outputs(experts: nn.Module, hidden_states: torch.Tensor, expert_ids: torch.Tensor,
+                          num_top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(F sorted by expert, sorted ids, perm, inverse perm)``: the native forward's steps before the routing
+    weights. Ids equal to ``num_experts`` sort after every real group and are left out of the group sizes, so the
+    grouped GEMMs never compute their rows (left as the kernel left them)."""
+    device = hidden_states.device
+    num_experts = experts.num_experts
     expert_ids_g, perm = torch.sort(expert_ids)
     selected = hidden_states[perm // num_top_k]
     histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
-    tokens_per_expert = torch.histc(histc_input, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    if experts.has_gate:
-        weight, bias = experts.gate_up_proj, experts.gate_up_proj_bias if experts.has_bias else None
-    else:
-        weight, bias = experts.up_proj, experts.up_proj_bias if experts.has_bias else None
-    bias = None if bias is None else bias[expert_ids_g]
-    projected = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=experts.is_transposed)
+    bias_ids = expert_ids_g.clamp(max=num_experts - 1) if experts.has_bias else None
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    bias = getattr(experts, f"{up}_bias")[bias_ids] if experts.has_bias else None
+    projected = _grouped_linear(selected, getattr(experts, up), offsets, bias=bias,
+                                is_transposed=experts.is_transposed)
     del selected
     projected = experts._apply_gate(projected) if experts.has_gate else experts.act_fn(projected)
-    down_bias = experts.down_proj_bias[expert_ids_g] if experts.has_bias else None
+    down_bias = experts.down_proj_bias[bias_ids] if experts.has_bias else None
     projected = _grouped_linear(projected, experts.down_proj, offsets, bias=down_bias,
                                 is_transposed=experts.is_transposed)
     if getattr(experts, "has_post_expert_norm", False):
         projected = experts.post_expert_norm(projected)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=device)
-    pair_outputs = projected[inverse]  # token-major F, (tokens * top_k, d)
-    del projected
-    weighted = pair_outputs * top_k_weights.reshape(-1).unsqueeze(-1)
-    output = weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
-    return output, pair_outputs, weighted
+    return projected, expert_ids_g, perm, inverse
 
 
 __all__ = ["replay_grouped_mm", "replayable"]

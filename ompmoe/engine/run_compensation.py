@@ -1,10 +1,8 @@
 """The run's compensation step: after the plan, before pruning, fit :func:`~ompmoe.engine.compensation.compensate` on
 the calibration text and decide whether the pruned model gets it (``RunOptions.compensation``).
 
-``auto`` fits the ``linear`` map for the ``auto`` method and keeps it unless it raises the pruned model's loss on
-the held-out calibration blocks that ``auto`` chooses its plan on by more than :data:`CHECK_TOLERANCE`; a
-granularity named outright is fitted for any method and always applied; ``off`` (and ``auto`` with a method named
-outright, e.g. the paper's ``omp``) leaves the kept experts as they are."""
+``auto`` keeps the ``linear`` map of the ``auto`` method unless it raises the loss on ``auto``'s choice blocks by more
+than :data:`CHECK_TOLERANCE`; a granularity named outright is always applied. The rules: docs/methods.md."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,34 +28,16 @@ def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = T
     squeeze = gram.dim() == 2
     g = (gram.unsqueeze(0) if squeeze else gram).to(torch.float64)
     batch, n, _ = g.shape
-    if n % num_groups:
-        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
-    group_size = n // num_groups
-    rows = torch.arange(batch, device=g.device)
-    row_start = rows * n
-    gram_rows = g.reshape(batch * n, n)
-    correlation = g.sum(dim=1)  # <Y, V_e> = sum_f G[f, e]
     atom_energy = g.diagonal(dim1=1, dim2=2).contiguous()
     signal_energy = g.sum(dim=(1, 2))
-    # ``blocked``: taken, or (grouped) in a group already picked in this round of ``num_groups`` steps.
-    taken = torch.zeros(batch, n, dtype=torch.bool, device=g.device)
-    blocked = taken
-    energy = signal_energy
     orders: list[torch.Tensor] = []
     energies = [signal_energy]
     step_gains: list[torch.Tensor] = []
-    for step in range(n):
-        if num_groups > 1 and step % num_groups == 0:
-            blocked = taken.clone()
-        gain = (2.0 * correlation - atom_energy).masked_fill_(blocked, float("-inf"))
-        best, chosen = gain.max(dim=1)  # first maximum: ties go to the lowest id
-        energy = energy - best
-        correlation = correlation - gram_rows.index_select(0, row_start + chosen)
-        taken[rows, chosen] = True
-        if num_groups > 1:
-            blocked.view(batch, num_groups, group_size)[rows, chosen // group_size] = True
+    # the correlation <Y, V_e> = sum_f G[f, e] drops by the chosen atom's Gram row
+    for gain, best, chosen in grouped_greedy(g, g.sum(dim=1), lambda correlation: 2.0 * correlation - atom_energy,
+                                             num_groups):
         orders.append(chosen)
-        energies.append(energy)
+        energies.append(energies[-1] - best)
         if with_gains:
             step_gains.append(gain)
     order = torch.stack(orders, dim=1) if orders else torch.empty(batch, 0, dtype=torch.long, device=g.device)
@@ -64,6 +47,32 @@ def greedy_pursuit(gram: torch.Tensor, num_groups: int = 1, with_gains: bool = T
     if squeeze:
         return PursuitResult(order=order[0], residual=residual[0], gains=None if gains is None else gains[0])
     return PursuitResult(order=order, residual=residual, gains=gains)
+
+
+def grouped_greedy(rows: torch.Tensor, state: torch.Tensor, gain_of: Callable[[torch.Tensor], torch.Tensor],
+                   num_groups: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Steps ``(gain, best gain, chosen id)`` of a greedy ordering, batched ``(B, N)``: each picks the eligible
+    maximum of ``gain_of(state)`` (a new tensor), ties to the lowest id, then subtracts the chosen row of ``rows``
+    ``(B, N, N)`` from ``state``; with groups (contiguous id blocks), the groups picked in this round are not."""
+    batch, n, _ = rows.shape
+    if n % num_groups:
+        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
+    group_size = n // num_groups
+    batch_ids = torch.arange(batch, device=rows.device)
+    row_start = batch_ids * n
+    flat_rows = rows.reshape(batch * n, n)
+    taken = torch.zeros(batch, n, dtype=torch.bool, device=rows.device)
+    blocked = taken
+    for step in range(n):
+        if num_groups > 1 and step % num_groups == 0:
+            blocked = taken.clone()
+        gain = gain_of(state).masked_fill_(blocked, float("-inf"))
+        best, chosen = gain.max(dim=1)  # first maximum: ties go to the lowest id
+        yield gain, best, chosen
+        state = state - flat_rows.index_select(0, row_start + chosen)
+        taken[batch_ids, chosen] = True
+        if num_groups > 1:
+            blocked.view(batch, num_groups, group_size)[batch_ids, chosen // group_size] = True
 
 
 def prefix_residual(gram: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .adapters import find_moe_layers
+from .adapters import ROUTING_KEYS, find_moe_layers
 from .extensions import STATISTICS, extension_providing
 from .input_kinds import check_input_kind
 from .io import atomic_path
@@ -28,7 +28,6 @@ from .safetensors_header import CorruptSafetensorsError, read_header
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
 CORE_OPTIONAL_TENSORS = ("gram_normalized",)
 """Core sums that statistics files written by older versions may lack (``None`` when absent)."""
-ROUTING_KEYS = ("num_experts", "top_k", "num_groups", "topk_group", "group_score_topk")
 FORMAT_VERSION = 2
 """2: the fingerprint covers every shape the statistics depend on."""
 SYMMETRY_TOLERANCE = 1e-6

@@ -1,14 +1,8 @@
 """Calibrate and prune with Lightning Fabric: ``ompmoe fit -c configs/tiny.yaml``'s job as a Fabric script.
 
-Run it under ``fabric run`` (Lightning 2.6 takes the script's path, not ``-m``)::
-
-    fabric run --accelerator cpu --devices 2 --strategy ddp "$(python -m ompmoe.lightning.fabric_prune --path)" \\
-        --output_dir outputs/fabric
-
-or let it start its processes itself (``python -m ompmoe.lightning.fabric_prune --devices 2 --strategy ddp``).
-Its options are ``ompmoe fit``'s (``--model.*``, ``--data.*``, ``--ratio``, ``--method``, ``--output_dir``, ...),
-built from the same declarations; the defaults are ``configs/tiny.yaml``'s. ``--strategy fsdp`` means FSDP2 per
-decoder layer: Fabric's own ``fsdp`` is FSDP1, whose flat parameters cannot be sliced per expert.
+Run it under ``fabric run`` (a script path, not ``-m``: ``--path`` prints it) or let it start its own processes.
+Its options are ``ompmoe fit``'s, built from the same declarations, with ``configs/tiny.yaml``'s defaults;
+``--strategy fsdp`` means FSDP2 per decoder layer (Fabric's FSDP1 cannot slice experts): docs/usage.md, "Fabric".
 """
 
 from __future__ import annotations

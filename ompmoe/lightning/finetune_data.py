@@ -1,8 +1,7 @@
 """Fine-tuning data: training blocks as in calibration, plus one validation set per domain.
 
-Fine-tuning on a mix of domains can help one and hurt another (on the shipped model, code improved while
-held-out prose perplexity rose); :class:`ompmoe.FinetuneModule` logs ``val_loss/<name>`` and ``val_ppl/<name>``
-per set to show it.
+Fine-tuning on a mix of domains can help one and hurt another: :class:`ompmoe.FinetuneModule` logs
+``val_loss/<name>`` and ``val_ppl/<name>`` per set to show it (docs/recipes.md, "Fine-tuning after pruning").
 """
 
 from __future__ import annotations

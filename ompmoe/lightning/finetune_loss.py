@@ -1,10 +1,8 @@
 """Fine-tuning a pruned model: causal-LM loss plus a load-balancing loss that allows per-layer counts.
 
-transformers' router auxiliary loss pools all layers into one ``config.num_experts`` vector, so it
-fails on a non-uniformly pruned model (and mixes unrelated experts of different layers even on a
-uniform one); :func:`causal_lm_loss` switches it off and adds :func:`load_balancing_loss`, computed
-per layer from router hooks. No Lightning here (``ompmoe.recipes.finetune`` re-exports it):
-:class:`ompmoe.lightning.finetune_module.FinetuneModule` wraps it.
+transformers' router auxiliary loss pools all layers into one ``config.num_experts`` vector, so it fails on a
+non-uniformly pruned model: :func:`causal_lm_loss` switches it off and adds :func:`load_balancing_loss`, per layer
+from router hooks. No Lightning here (``FinetuneModule`` wraps it); details: docs/recipes.md, "Fine-tuning".
 """
 
 from __future__ import annotations

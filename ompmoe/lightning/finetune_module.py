@@ -13,19 +13,19 @@ import time
 import warnings
 from typing import Any, TextIO
 
-if __name__ == "__main__":  # the command, before torch loads OpenMP: its threads sleep, not spin, while they wait
-    # (on 2 cores shared with other work, spinning threads made each step of the recipe 15 times slower).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from .._quiet import GRADIENT_CHECKPOINTING, passive_omp_threads, quiet_third_party
+
+passive_omp_threads(__name__ == "__main__")  # the command
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .._quiet import GRADIENT_CHECKPOINTING  # noqa: E402
 from ..cli_args import fail, user_errors  # noqa: E402
 from ..engine.adapters import find_moe_layers  # noqa: E402
 from ..engine.io import check_writable, inputs_of  # noqa: E402
+from ..engine.perplexity import eval_mode  # noqa: E402
 from ..engine.pruning import save_pruned  # noqa: E402
 from .finetune_loss import LossParts, causal_lm_loss, moe_routers, router_aux_coef  # noqa: E402
 from .models import default_tokenizer, load_model, model_and_name, resolve_dtype  # noqa: E402
@@ -375,15 +375,13 @@ class FinetuneModule(pl.LightningModule):
         if loop._combined_loader is None:
             return
         loaders, limits = loop._combined_loader.flattened, loop._max_batches
-        was_training = self.model.training
-        self.model.eval()
         sums: dict[int, list[float]] = {}
-        for index, (loader, limit) in enumerate(zip(loaders, limits)):
-            for number, batch in enumerate(loader):
-                if number >= limit:  # may be inf
-                    break
-                self._add_loss(sums, index, self.transfer_batch_to_device(batch, self.device, index))
-        self.model.train(was_training)
+        with eval_mode(self.model):
+            for index, (loader, limit) in enumerate(zip(loaders, limits)):
+                for number, batch in enumerate(loader):
+                    if number >= limit:  # may be inf
+                        break
+                    self._add_loss(sums, index, self.transfer_batch_to_device(batch, self.device, index))
         if sums:
             self._candidate(self._mean_validation_loss(sums))
 
@@ -450,7 +448,6 @@ def main(args: list[str] | None = None) -> None:
     (training blocks, and held-out validation per domain: ``--data.val_sources``)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from .._quiet import quiet_third_party
     from .finetune_data import FinetuneDataModule
 
     quiet_third_party()

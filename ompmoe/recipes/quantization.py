@@ -1,10 +1,9 @@
 """Weight-only quantization of a pruned MoE, routed experts included, and what it changes.
 
-torchao's ``quantize_`` only touches ``nn.Linear`` modules, so it misses the fused 3-D routed-expert
-weights of transformers 5.x MoEs (and the routers): :func:`quantization_summary` counts what is
-quantized. :func:`quantize_experts` quantizes those expert weights itself (int8 per row, or int4 in
-groups), without torchao and under every experts implementation. Quantize after pruning and
-fine-tuning: :func:`ompmoe.prune` refuses a quantized model.
+torchao's ``quantize_`` only touches ``nn.Linear``, so it misses the fused 3-D routed-expert weights of
+transformers 5.x MoEs: :func:`quantization_summary` counts what is quantized, :func:`quantize_experts` quantizes
+those weights itself (int8 per row, int4 in groups) under every experts implementation. Quantize last (pruning
+refuses a quantized model): docs/recipes.md, "Quantization after pruning".
 """
 
 from __future__ import annotations

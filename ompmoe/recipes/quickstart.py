@@ -9,7 +9,6 @@ architecture (byte tokens of the shipped text; its perplexity means nothing).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -18,14 +17,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-if (__name__ == "__main__" or Path(sys.argv[0]).name.startswith("ompmoe-demo")) and "torch" not in sys.modules:
-    # The command (its script imports this module first), before torch loads OpenMP: its threads then sleep, not
-    # spin, while they wait (on 2 shared cores the demo took 20 s instead of 49 s; docs/performance.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from .._quiet import passive_omp_threads, quiet_calls, quiet_third_party
+
+# The command (its script imports this module first):
+passive_omp_threads(__name__ == "__main__" or Path(sys.argv[0]).name.startswith("ompmoe-demo"))
 
 import torch  # noqa: E402
 
-from .._quiet import quiet_calls  # noqa: E402
 from ..cli_args import bare_flags, fail, user_errors  # noqa: E402
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks  # noqa: E402
 from ..engine.export.checkpoint import MissingTokenizerWarning  # noqa: E402
@@ -172,8 +170,6 @@ def prune_tiny_model(
 
 def main() -> None:
     from jsonargparse import auto_cli
-
-    from .._quiet import quiet_third_party
 
     quiet_third_party()
     try:  # a bare --overwrite means --overwrite true, as on every command

@@ -1,10 +1,8 @@
 """Self-contained remote code that lets stock transformers load a non-uniformly pruned checkpoint.
 
-The stock config has one expert count for all layers, so the directory carries its own config and
-model classes (named in ``auto_map``, importing only torch and transformers) for
-``trust_remote_code=True`` where ompmoe is not installed. ``config.json`` stays a valid stock config
-(largest count) for ``AutoTokenizer``; its ``"experts_implementation": HOW_TO_LOAD`` makes every stock
-model class refuse it before any weight is read, with an error quoting both ways to load.
+The stock config has one expert count for all layers, so the directory carries its own config and model classes
+(``auto_map``, importing only torch and transformers); ``"experts_implementation": HOW_TO_LOAD`` makes stock model
+classes refuse it before any weight is read. How to load and why: docs/checkpoints.md.
 """
 
 from __future__ import annotations

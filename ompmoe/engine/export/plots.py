@@ -1,9 +1,8 @@
 """Pictures of the selection from a statistics object alone: the paper's Figures 1 and 4-7 and its table
 of high-contribution experts.
 
-:func:`write_plots` writes gain heatmaps, residual and routing-risk curves (PNG and CSV), the
-high-contribution table and, with a plan, the allocation. matplotlib's Agg canvas is used directly
-(no pyplot, no display, no global backend change); every file is written atomically.
+matplotlib's Agg canvas is used directly (no pyplot, no display, no global backend change); every file is written
+atomically. What :func:`write_plots` writes: docs/usage.md ("Plots").
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ...allocation import AllocationProblem, optimal_allocation, register_allocation
+from ...selection import grouped_greedy
 from ...statistics import LayerStats
 from ..omp import GramPursuit
 from ..registry import Selection, SelectionMethod, kept_masks, register_method, removed_energy, require_statistic
@@ -23,26 +24,11 @@ def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: in
     (every expert removed): with ``linear = 0`` and ``H = 2 G``, the greedy binary pursuit on ``G`` (grouped alike)."""
     h = hessian.to(torch.float64)
     b = linear.to(torch.float64)
-    n = h.shape[0]
-    if n % num_groups:
-        raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
-    group_size = n // num_groups
-    hu = h.sum(dim=1)
     half_diagonal = 0.5 * h.diagonal()
-    taken = torch.zeros(n, dtype=torch.bool)
-    blocked = taken
-    order = []
-    for step in range(n):
-        if num_groups > 1 and step % num_groups == 0:
-            blocked = taken.clone()
-        # keeping e lowers q by (H u)_e - H_ee / 2 - linear_e; the first maximum breaks ties to the lowest id
-        chosen = int((hu - half_diagonal - b).masked_fill(blocked, float("-inf")).argmax())
-        order.append(chosen)
-        hu = hu - h[:, chosen]
-        taken[chosen] = True
-        if num_groups > 1:
-            blocked.view(num_groups, group_size)[chosen // group_size] = True
-    return torch.tensor(order, dtype=torch.long)
+    # keeping e lowers q by (H u)_e - H_ee / 2 - linear_e, and H u by H's column e (a row of H^T)
+    steps = grouped_greedy(h.t().unsqueeze(0), h.sum(dim=1).unsqueeze(0), lambda hu: hu - half_diagonal - b,
+                           num_groups)
+    return torch.tensor([int(chosen) for _, _, chosen in steps], dtype=torch.long)
 
 
 @register_method

@@ -1,15 +1,8 @@
 """Loss-aware statistics: the calibration sums seen through the gradient of the language-model loss.
 
-With ``d_x = dL / dY_x`` (the summed next-token loss's gradient at block output ``Y_x``), removing experts ``U``
-changes the loss by about ``-sum_{e in U} a_e + 1/2 u^T G u``, ``a_e(x) = <d_x, V_e(x)>``. Streamed sums:
-
-- ``gram_grad[e, f]   = sum_x ||d_x||^2 <V_e(x), V_f(x)>`` (isotropic metric per token),
-- ``gram_loss[e, f]   = sum_x a_e(x) a_f(x)`` (rank-1 projection, Gauss-Newton on ``d_x``),
-- ``gram_fisher[e, f] = sum_x sum_i d_{x,i}^2 V_{e,i}(x) V_{f,i}(x)`` (per-token diagonal Fisher),
-- ``loss_first_order[e] = sum_x a_e(x)`` (first-order term; signed).
-
-``d_x`` comes from one ``torch.autograd.grad`` to the routed outputs (no weight gradient), run from a forward hook
-on the model; the forward needs gradients on, and checkpoint recomputes are not counted twice.
+With ``d_x = dL / dY_x``, removing experts ``U`` changes the loss by about ``-sum_{e in U} a_e + 1/2 u^T G u``,
+``a_e(x) = <d_x, V_e(x)>``; ``d_x`` comes from one ``torch.autograd.grad`` to the routed outputs (no weight
+gradient), run from a forward hook on the model. The four sums and the cost: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Rerouting-aware statistics: what each token's output becomes when one of its experts is pruned.
 
-After pruning, a token's next expert by routing score ``n(x)`` (rank ``k + 1``) takes the free slot, so removing
-``e`` changes the output by ``D_e(x) = Y_x - Y'_e(x)``, not ``V_e(x)``. The sums
-
-- ``gram_reroute[e, f]            = sum_x <D_e(x), D_f(x)>``,
-- ``gram_reroute_normalized[e, f] = sum_x <D_e(x), D_f(x)> / ||Y_x||^2``
-
-replace the paper's Gram in ``u^T G u`` (exact for one removal whose next expert is kept); they cost one router call
-with ``top_k + 1`` and one expert evaluation per token. A router that renormalizes its top-k weights gives
-``w'_i = s * w_i^+ / sum_S w^+`` (``s`` the native weights' sum); others keep theirs. Which one a layer does is read
-from its ``top_k + 1`` call (same native weights iff nothing is renormalized).
+After pruning, a token's next expert by routing score (rank ``k + 1``) takes the free slot, so removing ``e`` changes
+the output by ``D_e(x) = Y_x - Y'_e(x)``, not ``V_e(x)``; the Grams of ``D`` replace the paper's Gram in
+``u^T G u``. The sums, the renormalized weights and the cost: docs/methods.md.
 """
 
 from __future__ import annotations
