@@ -28,6 +28,14 @@ def interrupt_at(batch: int):
     return training_step
 
 
+def assert_interrupted_after_2_of_5(exit_info, capsys, out):
+    """Exit 130, the one interrupted line last on stderr, no traceback, and no output written."""
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
+                                            f"written ({out} is as it was): run the same command again to redo it")
+    assert "Traceback" not in err and not out.exists()
+
 def test_fit_interrupted_says_nothing_was_written(tmp_path, capsys, monkeypatch, sigint_restored):
     monkeypatch.setattr(CalibrationModule, "training_step", interrupt_at(2))
     with pytest.raises(SystemExit) as exit_info:
@@ -57,11 +65,7 @@ def test_the_fabric_script_interrupted_says_so_and_exits_130(tmp_path, capsys, m
     with pytest.raises(SystemExit) as exit_info:
         fabric_prune.cli(["--data.num_blocks", "5", "--data.seq_len", "64", "--data.batch_size", "1", "--plots",
                           "false", "--output_dir", str(out)])
-    assert exit_info.value.code == 130
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
-                                            f"written ({out} is as it was): run the same command again to redo it")
-    assert "Traceback" not in err and not out.exists()
+    assert_interrupted_after_2_of_5(exit_info, capsys, out)
 
 
 def test_the_demo_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatch):
@@ -84,11 +88,7 @@ def test_the_demo_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatc
                                       "--batch_size", "1", "--output_dir", str(out)])
     with pytest.raises(SystemExit) as exit_info:
         quickstart.main()
-    assert exit_info.value.code == 130
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == (f"ompmoe: interrupted after 2 of 5 calibration batches; nothing was "
-                                            f"written ({out} is as it was): run the same command again to redo it")
-    assert "Traceback" not in err and not out.exists()
+    assert_interrupted_after_2_of_5(exit_info, capsys, out)
 
 
 def test_prune_interrupted_between_ratios_leaves_the_output_as_it_was(tmp_path, capsys, monkeypatch):

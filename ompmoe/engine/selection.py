@@ -53,7 +53,8 @@ def grouped_greedy(rows: torch.Tensor, state: torch.Tensor, gain_of: Callable[[t
                    num_groups: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Steps ``(gain, best gain, chosen id)`` of a greedy ordering, batched ``(B, N)``: each picks the eligible
     maximum of ``gain_of(state)`` (a new tensor), ties to the lowest id, then subtracts the chosen row of ``rows``
-    ``(B, N, N)`` from ``state``; with groups (contiguous id blocks), the groups picked in this round are not."""
+    ``(B, N, N)`` from ``state``; with groups (contiguous id blocks), a group picked in this round is not eligible
+    again until the round ends."""
     batch, n, _ = rows.shape
     if n % num_groups:
         raise ValueError(f"{n} experts cannot be split into {num_groups} equal groups.")
