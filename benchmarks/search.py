@@ -31,11 +31,13 @@ from pathlib import Path
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.engine.selection import greedy_pursuit, pursuit_on_atoms
+from ompmoe.engine.selection import greedy_pursuit
 from ompmoe.engine.statistics import LayerStats, MoEStats
 from ompmoe.engine.tiny import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference import pursuit_on_atoms  # noqa: E402  (the literal Algorithm 1 the tests compare against)
 from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, build_model, describe  # noqa: E402
 
 

@@ -4,12 +4,10 @@ switch adaptive inference on (how ``--trainer.callbacks`` turns it on from the c
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -20,7 +18,7 @@ from ompmoe.engine.statistics import MoEStats
 from .pruning import find_hf_model
 
 
-class AdaptiveInferenceMonitor(Callback):
+class AdaptiveInferenceMonitor(pl.Callback):
     """Log OMP-MoE+ counters at the end of validation and test epochs (sanity checks excluded).
 
     Logged through ``LightningModule.log``: ``<stage>/adaptive/avg_experts_per_token``, ``skip_ratio`` and
@@ -61,7 +59,7 @@ class AdaptiveInferenceMonitor(Callback):
                     )
                 source = record["alphas"]
             elif not isinstance(source, MoEStats):
-                source = self.stats = MoEStats.load(Path(source))  # read once
+                source = self.stats = MoEStats.load(source)  # read once
             enable_adaptive(model, source, float(self.epsilon))
             rank_zero_info(f"ompmoe: adaptive inference on (epsilon={float(self.epsilon):g})")
         elif not is_adaptive(model) and not restore_adaptive(model) and not self._warned:

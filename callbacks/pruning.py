@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -61,7 +60,7 @@ def trainer_context(trainer: pl.Trainer) -> RunContext:
                       rank_zero_info, rank_zero_warn, log_metrics)
 
 
-class ExpertPruning(RunResults, Callback):
+class ExpertPruning(RunResults, pl.Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
     Only training batches count (not sanity checks or validation), without padding tokens or the samples a

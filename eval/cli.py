@@ -9,10 +9,9 @@ def eval_cli(args: list[str] | None = None) -> None:
     """Run the evaluation LightningCLI (``fit`` keeps the calibration CLI)."""
     from lightning.pytorch.cli import LightningCLI
 
+    from ..cli_options import OneLineErrors
     from .datamodule import LMEvalDataModule
     from .module import EvalModule
-
-    from ompmoe.cli_options import OneLineErrors
 
     class EvalCLI(OneLineErrors, LightningCLI):
         """No abbreviated options; a mistyped one is one error line with the option meant."""

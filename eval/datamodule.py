@@ -179,7 +179,10 @@ class LMEvalDataModule(pl.LightningDataModule):
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if tokenizer is None:
             raise ValueError("LMEvalDataModule needs a tokenizer: pass tokenizer=... or use it with an EvalModule.")
+        from lm_eval.evaluator_utils import get_sample_size
         from lm_eval.models.utils import configure_pad_token
+
+        from .offline import dataset_access
 
         self.tokenizer_ = tokenizer = configure_pad_token(load_tokenizer(tokenizer), model_config=config)  # as HFLM
         base_length = self.max_length or resolve_max_length(config, tokenizer)
@@ -190,10 +193,6 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.groups = [RequestGroup(suite) for suite in suites]
         task_manager = self._task_manager([spec for group in self.groups for spec in group.suite.tasks])
         plan = WorkPlan()
-        from lm_eval.evaluator_utils import get_sample_size
-
-        from .offline import dataset_access
-
         with dataset_access(self.data_dir, self.dataset_overrides) as access:
             for index, group in enumerate(self.groups):
                 suite = group.suite
@@ -260,9 +259,8 @@ class LMEvalDataModule(pl.LightningDataModule):
                 )
             if task.get_config("output_type") == "generate_until" and suite.gen_kwargs:
                 task.set_config(key="generation_kwargs", value=dict(suite.gen_kwargs), update=True)
-            if suite.num_fewshot is not None:
-                if task.get_config("num_fewshot") != 0:
-                    task.set_config(key="num_fewshot", value=suite.num_fewshot)
+            if suite.num_fewshot is not None and task.get_config("num_fewshot") != 0:
+                task.set_config(key="num_fewshot", value=suite.num_fewshot)
             elif task.get_config("num_fewshot") is None:
                 task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=self.fewshot_random_seed)

@@ -74,8 +74,7 @@ def load_dataset(**_: Any) -> Any:
 
 def completion_of(response: str) -> str:
     """The function body the model wrote: its response up to the closing code fence (``humaneval_instruct``)."""
-    fence = response.find("```")
-    return response if fence == -1 else response[:fence]
+    return response.split("```", 1)[0]
 
 
 def run_program(problem: dict[str, Any], completion: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
@@ -169,8 +168,7 @@ class _Sandboxes:
 
     def __exit__(self, *exc: Any) -> None:
         for process in self.processes:
-            if process.stdin:
-                process.stdin.close()
+            process.stdin.close()  # stdin=PIPE: always there
         for process in self.processes:
             try:
                 process.wait(timeout=5)

@@ -14,7 +14,5 @@ def _not_the_metadata_notice(record: logging.LogRecord) -> bool:
 
 
 def drop_metadata_notice() -> None:
-    """Install the filter on lm-eval's task logger (once)."""
-    logger = logging.getLogger("lm_eval.api.task")
-    if _not_the_metadata_notice not in logger.filters:
-        logger.addFilter(_not_the_metadata_notice)
+    """Install the filter on lm-eval's task logger (once: ``addFilter`` skips a filter already there)."""
+    logging.getLogger("lm_eval.api.task").addFilter(_not_the_metadata_notice)

@@ -7,6 +7,7 @@ a timing probe (:mod:`ompmoe.eval.timing`) runs, then rank 0 scores all ranks' r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -128,10 +129,8 @@ class EvalModule(CalibrationModule):
         # Identity of the base model, for honest comparisons (ompmoe report): pruning keeps the embeddings.
         info["base_model"] = (record.get("plan") or {}).get("model_id") if record else name
         info["weights_fingerprint"] = weights_fingerprint(self.model) if self.model is not None else None
-        try:
+        with contextlib.suppress(StopIteration, AttributeError):
             info["dtype"] = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        except (StopIteration, AttributeError):
-            pass
         info["experts_implementation"] = getattr(getattr(self.model, "config", None), "_experts_implementation", None)
         info["label"] = self.label or model_label(info)
         return info
@@ -227,16 +226,15 @@ class EvalModule(CalibrationModule):
 
     def _finish(self, stage: str) -> None:
         datamodule = self._data()
-        results, costs = self._results, self._costs
         seconds, cpu_seconds = time.perf_counter() - self._loop_start, time.process_time() - self._loop_cpu
         distributed = (self.trainer.world_size > 1 and torch.distributed.is_available()
                        and torch.distributed.is_initialized())
-        probe = self._time_probe(distributed)
+        mine = (self._results, self._costs, seconds, cpu_seconds, self._time_probe(distributed))
         self._probe = []
-        gathered: list[Any] = [(results, costs, seconds, cpu_seconds, probe)]  # per rank
+        gathered: list[Any] = [mine]  # per rank
         if distributed:
             gathered = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, (results, costs, seconds, cpu_seconds, probe))
+            torch.distributed.all_gather_object(gathered, mine)
         results = {key: value for part, *_ in gathered for key, value in part.items()}
         costs = {key: value for _, part, *_ in gathered for key, value in part.items()}
         seconds = max(part[2] for part in gathered)  # the ranks run at once: the slowest one's time
@@ -277,8 +275,7 @@ class EvalModule(CalibrationModule):
         wall: list[float] = []
         cpu: list[float] = []
         # The probe must not move any random state the scoring or a later epoch sees (sampling tasks).
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for repeat in range(self.timing_warmup + self.timing_repeats):
                 if distributed:
                     self.trainer.strategy.barrier()  # every rank starts each pass together

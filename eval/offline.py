@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from ..data.sources import HubUnavailableError, hub_offline, hub_reachable, offline_mode
 
@@ -97,8 +98,5 @@ def dataset_access(data_dir: str | None = None, overrides: Mapping[str, Any] | N
         access.used[task] = f"cache:{path}"
         return result
 
-    ConfigurableTask.download = download
-    try:
+    with mock.patch.object(ConfigurableTask, "download", download):
         yield access
-    finally:
-        ConfigurableTask.download = original

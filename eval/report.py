@@ -38,6 +38,8 @@ class ResultsFileError(ValueError):
 _FIX = ("Re-create it with `ompmoe validate` / `ompmoe test` (LMEvalDataModule(output_path=...)), "
         "or restore that key.")
 
+_TABLES = {"n-samples": dict, "results": dict, "groups": dict, "group_subtasks": list}  # task -> entry of this type
+_TYPE_NAMES = {dict: "an object", list: "a list"}
 # (key path, type, required) of what the report reads; everything else in a results file is ignored.
 _SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
     (("ompmoe",), dict, True),
@@ -46,19 +48,9 @@ _SCHEMA: tuple[tuple[tuple[str, ...], type, bool], ...] = (
     (("ompmoe", "model"), dict, False),
     (("ompmoe", "cost"), dict, False),
     (("ompmoe", "cost", "timing"), dict, False),
-    (("ompmoe", "cost", "timing", "seconds"), list, False),
-    (("ompmoe", "cost", "timing", "cpu_seconds"), list, False),
-    (("config",), dict, False),
-    (("versions",), dict, False),
-    (("n-samples",), dict, False),
-    (("results",), dict, False),
-    (("groups",), dict, False),
-    (("group_subtasks",), dict, False),
+    *((("ompmoe", "cost", "timing", name), list, False) for name in TIMES),
+    *(((key,), dict, False) for key in ("config", "versions", *_TABLES)),  # each table an object of task -> entry
 )
-_TABLES = {"n-samples": dict, "results": dict, "groups": dict, "group_subtasks": list}  # task -> entry of this type
-
-
-_TYPE_NAMES = {dict: "an object", list: "a list"}
 
 
 def check_results(data: Any, where: str) -> dict[str, Any]:
@@ -120,8 +112,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def _cell(text: Any) -> str:
-    """Text as one Markdown table cell: ``|`` escaped and line breaks made spaces, so a label,
-    task or metric name cannot end its row or add columns."""
+    """Cell text: ``|`` escaped, newlines made spaces, so no label, task or metric ends its row or adds columns."""
     return " ".join(str(text).replace("|", "\\|").splitlines())
 
 
@@ -141,10 +132,8 @@ def _seconds(value: float) -> str:
 
 def _distinct(names: Sequence[str], files: Sequence[str | None]) -> list[str]:
     """``names`` with repeats told apart by their file name (or row number)."""
-    out = list(names)
-    for index, name in enumerate(names):
-        if names.count(name) > 1:
-            out[index] = f"{name} [{Path(files[index]).stem}]" if files[index] else f"{name} [row {index}]"
+    out = [(f"{name} [{Path(file).stem}]" if file else f"{name} [row {index}]") if names.count(name) > 1 else name
+           for index, (name, file) in enumerate(zip(names, files))]
     if len(set(out)) < len(out):
         out = [f"{name} [row {index}]" if out.count(name) > 1 else name for index, name in enumerate(out)]
     return out
@@ -257,29 +246,25 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
         else:
             averaged.append(i)
     averages = [sum(values[i] for i in averaged) / len(averaged) if averaged else None for values in table]
-    base_average = averages[base]
 
     costs = [_number((summary.get("cost") or {}).get(COST_TIMES[cost_time])) for summary in summaries]
     with_cost = any(cost is not None for cost in costs)
     speedups, unrated, not_significant, timed = _speedups(summaries, names, base, costs, COST_TIMES[cost_time],
                                                            set(mismatched))
 
-    def header_name(name: str) -> str:
-        return name + (f" {NOISY}" if name in noisy else "") + (f" {LEFT_OUT}" if name in left_out else "")
-
-    header = ["Model", *(header_name(name) for name in columns), "Average", "Retained (%)"]
+    marked = [name + (f" {NOISY}" if name in noisy else "") + (f" {LEFT_OUT}" if name in left_out else "")
+              for name in columns]
+    header = ["Model", *marked, "Average", "Retained (%)"]
     if with_cost:
         header += ["Cost (s)" if cost_time == "wall" else "Cost (CPU s)", "Speedup"]
     lines = ["| " + " | ".join(_cell(name) for name in header) + " |", "|" + "---|" + "---:|" * (len(header) - 1)]
     any_stderr = False
     for index, (name, values, average) in enumerate(zip(names, table, averages)):
-        retained = 100 * average / base_average if average is not None and base_average else None
-        speedup = speedups[index]
-        if index in mismatched:
-            name, retained, speedup = f"{name} {MARK}", None, None
+        retained = 100 * average / averages[base] if average is not None and averages[base] else None
+        if index in mismatched:  # _speedups left their cell empty
+            name, retained = f"{name} {MARK}", None
         formatted = []
-        for column_name, value in zip(columns, values):
-            column = columns[column_name]
+        for (column_name, column), value in zip(columns.items(), values):
             error = stderr_of(rows[index], column.get("source", column_name), column.get("metric", ""))
             if value is None or error is None:
                 formatted.append(MISSING if value is None else f"{value:.{digits}f}")
@@ -290,7 +275,7 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
         formatted += [MISSING if average is None else f"{average:.{digits}f}",
                       MISSING if retained is None else f"{retained:.1f}"]
         if with_cost:
-            formatted += [MISSING if costs[index] is None else _seconds(costs[index]), speedup or MISSING]
+            formatted += [MISSING if costs[index] is None else _seconds(costs[index]), speedups[index] or MISSING]
         lines.append("| " + " | ".join([_cell(name), *formatted]) + " |")
     lower = [name for name in columns if not percent(name)]
     notes = [
@@ -324,9 +309,8 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
 
 def _speedups(summaries: Sequence[Mapping[str, Any]], names: Sequence[str], base: int, costs: Sequence[float | None],
               time: str, mismatched: set[int]) -> tuple[list[str | None], dict[int, str], dict[int, str], bool]:
-    """Each row's Speedup cell (``None``: nothing to show), the unrated rows (why), the ``n.s.`` rows (their
-    speedup with its interval) and whether any row was timed, by :func:`ompmoe.eval.timing.speedup` on the
-    repeated timing of ``time``."""
+    """Each row's Speedup cell (``None``: nothing to show), the unrated rows (why), the ``n.s.`` rows (speedup
+    and interval) and whether any row was timed: :func:`~ompmoe.eval.timing.speedup` of the repeats of ``time``."""
     timings = [(summary.get("cost") or {}).get("timing") or {} for summary in summaries]
     samples = [samples_of(timing, time) for timing in timings]
     cells: list[str | None] = []
@@ -416,7 +400,14 @@ def report(results: list[str], output: str | None = None, baseline: str | None =
     from ..engine.io import atomic_path, check_writable
 
     if output is not None:
-        _refuse_input_as_output(output, results)
+        target = Path(output).resolve()
+        for item in results:  # the table must never replace one of the results files it is made from
+            source = Path(item).resolve()
+            if source == target or (target.exists() and source.exists() and os.path.samefile(source, target)):
+                raise ValueError(
+                    f"--output {output} is one of the results files being reported; writing the table there would "
+                    "destroy those results. Choose another output path, e.g. table.md."
+                )
         check_writable(output, overwrite, directory=False, inputs=results)  # before reading anything
     table = report_table(results, baseline=baseline, labels=labels, digits=digits, allow_mismatch=allow_mismatch,
                          noisy_items=noisy_items, cost_time=cost_time)
@@ -427,33 +418,25 @@ def report(results: list[str], output: str | None = None, baseline: str | None =
     return table
 
 
-def _refuse_input_as_output(output: str | Path, results: Sequence[str | Path]) -> None:
-    """The table must never replace one of the results files it is made from."""
-    target = Path(output).resolve()
-    for item in results:
-        source = Path(item).resolve()
-        if source == target or (target.exists() and source.exists() and os.path.samefile(source, target)):
-            raise ValueError(
-                f"--output {output} is one of the results files being reported; writing the table there would "
-                "destroy those results. Choose another output path, e.g. table.md."
-            )
-
-
 def report_cli(argv: list[str] | None = None) -> str:
     """``ompmoe report RESULTS.json [RESULTS.json ...] [--output table.md] [--baseline LABEL|ROW]``.
 
-    Bad input (arguments, results files, an output that may not be written) raises a ``ValueError`` or ``OSError``
-    of :func:`ompmoe.cli_args.user_errors`, which ``ompmoe`` prints as one ``error:`` line with exit status 2, as
-    for every other command.
+    Bad input (arguments, results files, an output it may not write) raises a ``ValueError`` or ``OSError`` of
+    :func:`ompmoe.cli_args.user_errors`: ``ompmoe`` prints one ``error:`` line, exit status 2, as for every command.
     """
     import argparse
     import sys
 
     from ..cli_args import bare_flags
+    from ..cli_options import parser_options, unknown_options_line
 
     parser = argparse.ArgumentParser(prog="ompmoe report", description=report.__doc__.splitlines()[0],
                                      allow_abbrev=False)  # --cost-tim is a typo, not --cost-time
-    parser.error = lambda message: _usage_error(message, parser)  # type: ignore[method-assign]  # one line
+
+    def usage_error(message: str) -> None:  # one ValueError line naming the option meant, as every ompmoe command
+        raise ValueError(unknown_options_line(message, parser_options(parser), "ompmoe report"))
+
+    parser.error = usage_error  # type: ignore[method-assign]
     parser.add_argument("results", nargs="+", help="result JSON files of ompmoe validate/test (LMEvalDataModule)")
     parser.add_argument("--output", help="also write the table to this Markdown file (refused if it exists)")
     parser.add_argument("--overwrite", type=_true_or_false, default=False, metavar="true|false",
@@ -470,13 +453,6 @@ def report_cli(argv: list[str] | None = None) -> str:
                         help="Cost column: wall time of the evaluation loop (default, the paper's) or its CPU time")
     args = parser.parse_args(bare_flags(list(sys.argv[1:] if argv is None else argv), ["overwrite"]))
     return report(**vars(args))
-
-
-def _usage_error(message: str, parser: argparse.ArgumentParser) -> None:
-    """argparse's usage error as one ``ValueError`` line naming the option meant, as every ``ompmoe`` command."""
-    from ompmoe.cli_options import parser_options, unknown_options_line
-
-    raise ValueError(unknown_options_line(message, parser_options(parser), "ompmoe report"))
 
 
 def _true_or_false(value: str) -> bool:

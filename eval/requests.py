@@ -78,9 +78,7 @@ class RequestEncoder:
 
     @property
     def prefix_token_id(self) -> int:
-        if self.tokenizer.bos_token_id is not None:
-            return self.tokenizer.bos_token_id
-        return self.tokenizer.eos_token_id
+        return self.tokenizer.eos_token_id if self.tokenizer.bos_token_id is None else self.tokenizer.bos_token_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -182,8 +180,7 @@ def _has_prefix(text: str, prefix: str | None) -> bool:
 
 
 def make_replay_lm(responses: Mapping[int, list[Any]]) -> Any:
-    """An lm-eval ``LM`` that answers each request with the responses computed for it (``responses``:
-    ``id(instance)`` -> one per repeat)."""
+    """An lm-eval ``LM`` answering each request with its computed responses (``id(instance)`` -> one per repeat)."""
     from lm_eval.api.model import LM
 
     class ReplayLM(LM):

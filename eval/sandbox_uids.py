@@ -7,6 +7,7 @@ moves it), each held by an exclusive ``flock`` that the kernel drops when its ho
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import grp
@@ -62,11 +63,9 @@ def process_uids() -> set[int]:
 
 def is_account(uid: int) -> bool:
     for lookup in (pwd.getpwuid, grp.getgrgid):
-        try:
+        with contextlib.suppress(KeyError):
             lookup(uid)
             return True
-        except KeyError:
-            pass
     return False
 
 

@@ -49,10 +49,8 @@ def _keep(record: logging.LogRecord) -> bool:
 
 def quiet_third_party() -> None:
     """Install the filters above, best before torch, transformers or Lightning are imported."""
-    for name in (*_DROPPED, *LIGHTNING_LOGGERS):
-        logger = logging.getLogger(name)
-        if _keep not in logger.filters:
-            logger.addFilter(_keep)
+    for name in (*_DROPPED, *LIGHTNING_LOGGERS):  # addFilter skips a filter the logger has already
+        logging.getLogger(name).addFilter(_keep)
     if not sys.stderr.isatty():  # a log file or CI would get one line per progress-bar update
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
         os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's request-building bars (explicit disable=False wins)

@@ -239,8 +239,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
 
 
 def _calibration_text(refit: _Refit, tokenizer: str | None) -> tuple[Any, Any]:
-    """The fit's calibration blocks, cut again from its data settings, and the choice blocks after them when the fit
-    checked its compensation there."""
+    """The fit's calibration blocks, cut again, and the choice blocks after them if it checked its compensation."""
     from .lightning.calibration_data import CalibrationDataModule
 
     accepted = inspect.signature(CalibrationDataModule).parameters
@@ -324,8 +323,7 @@ def lightning_cli(args: list[str] | None = None) -> None:
                 add_run_options(parser, short_only=True)
 
             def before_instantiate_classes(self) -> None:
-                config = self.config.get(self.subcommand, self.config)
-                apply_short_options(config, self.subcommand)
+                apply_short_options(self.config.get(self.subcommand, self.config), self.subcommand)
 
         CalibrationCLI(
             CalibrationModule,
@@ -393,9 +391,8 @@ def command_cli(argv: list[str]) -> None:
 
 def _interrupted_line(argv: list[str]) -> str:
     """The one line ``ompmoe`` prints on Ctrl-C that no loop of its own reported. ``prune`` and ``plot`` write their
-    ``--output_dir`` atomically (``ompmoe.engine.io.atomic_path``: a temporary sibling, moved into place at the end),
-    so an interrupt leaves it as it was; the line says so, naming it when the command line gives it (not a config
-    file given after it)."""
+    ``--output_dir`` atomically (``ompmoe.engine.io.atomic_path``), so an interrupt leaves it as it was; the line says
+    so, naming it when the command line gives it (not a config file given after it)."""
     if not argv or argv[0] not in COMMANDS:
         return "ompmoe: interrupted"
     output_dir = None

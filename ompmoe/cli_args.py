@@ -64,12 +64,10 @@ def bare_flags(argv: Sequence[str], names: Iterable[str]) -> list[str]:
     """A boolean ``--name`` given without a value means ``--name true`` (as in argparse's store_true)."""
     flags = {f"--{name}" for name in names}
     result = []
-    for i, token in enumerate(argv):
+    for token, following in zip(argv, [*argv[1:], ""]):
         result.append(token)
-        if token in flags:
-            following = argv[i + 1] if i + 1 < len(argv) else None
-            if following is None or following.lower() not in {"true", "false"}:
-                result.append("true")
+        if token in flags and following.lower() not in {"true", "false"}:
+            result.append("true")
     return result
 
 

@@ -132,8 +132,7 @@ def _pieces(reads: Iterable[str]) -> Iterator[str]:
     pending = ""
     for data in reads:
         pending += data
-        cut = _cut(pending, len(pending) >= _TEXT_WINDOW_MAX)
-        if cut:
+        if cut := _cut(pending, len(pending) >= _TEXT_WINDOW_MAX):
             yield pending[:cut]
             pending = pending[cut:]
     if pending:
@@ -232,10 +231,8 @@ def hub_reachable() -> bool:
 
 
 def require_hub_model(repo_id: str) -> None:
-    """Refuse, before any work, a hub model that cannot be had: not cached, and offline or the hub unreachable.
-
-    Otherwise transformers retries for most of a minute and ends in a long traceback about connections.
-    """
+    """Refuse, before any work, a hub model that cannot be had: not cached, and offline or the hub unreachable
+    (transformers would retry for most of a minute and end in a long traceback about connections)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -463,8 +460,7 @@ class TextSource:
         for index, domain in enumerate(self.domains):
             count = num_blocks // len(self.domains) + (index < num_blocks % len(self.domains))
             if count:
-                stream = token_stream(self.items(domain), encoder, seq_len * count)
-                parts.append(token_blocks(stream, seq_len, count))
+                parts.append(token_blocks(token_stream(self.items(domain), encoder, seq_len * count), seq_len, count))
         order = sorted((j, i) for i, part in enumerate(parts) for j in range(part.shape[0]))
         return torch.stack([parts[i][j] for j, i in order])
 

@@ -153,8 +153,7 @@ def supported_model_types() -> list[str]:
 
 def architecture_of(model: nn.Module) -> ArchitectureSpec:
     """Return the spec for ``model`` or raise an error naming the supported architectures."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"ompmoe does not support model_type={model_type!r} ({type(model).__name__}). "
                                     f"Supported architectures: {', '.join(supported_model_types())}. "

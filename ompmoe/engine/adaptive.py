@@ -216,7 +216,6 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tenso
 
 
 def _set_hooks(module: nn.Module, state: _AdaptiveState, on: bool) -> None:
-    """Remove the pre- and post-hook of ``module``, and register them again when ``on``."""
     for handle in state.handles:
         handle.remove()
     state.handles = [module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
@@ -364,11 +363,10 @@ def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str
     """Counters since the last reset per MoE layer: ``tokens``, ``top_k``, ``kept_pairs`` (expert executions),
     ``avg_experts_per_token``, ``skip_ratio`` (of the ``tokens * top_k`` native ones), ``flops_ratio`` (``E[m] / K``),
     ``histogram`` (tokens that kept ``m = 0..K`` experts) and ``epsilon``."""
-    report: dict[str, dict[str, Any]] = {}
-    for state in _states(model).values():
-        report[state.name] = layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
-        if reset:
-            state.histogram = None
+    report = {state.name: layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
+              for state in _states(model).values()}
+    if reset:
+        reset_adaptive_counters(model)
     return report
 
 
@@ -425,11 +423,8 @@ def reset_adaptive_counters(model: nn.Module) -> None:
 def adaptive_paths(model: nn.Module) -> dict[str, str]:
     """Per MoE layer, the skipping path its calls take where its experts' weights now are (``masked`` or
     ``compact``)."""
-    paths = {}
-    for module, state in _states(model).items():
-        weight = next(module.parameters(), None)
-        paths[state.name] = state.path_on(weight.device if weight is not None else torch.device("cpu"))
-    return paths
+    return {state.name: state.path_on(next((p.device for p in module.parameters()), torch.device("cpu")))
+            for module, state in _states(model).items()}
 
 
 def adaptive_histograms(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:

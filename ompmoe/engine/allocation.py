@@ -87,9 +87,8 @@ def check_feasible(choices: Sequence[LayerChoices], ratio: float, min_kept_fract
                                         f"{max_kept_fraction} that its router accepts (needs at least {c.low} "
                                         f"experts in multiples of {c.step}); raise max_kept_fraction to at least "
                                         f"{c.low / c.num_experts:.3f}.")
-    budget = target_kept([c.num_experts for c in choices], ratio)
     step = math.gcd(*[c.step for c in choices])
-    budget = step * round(budget / step)
+    budget = step * round(target_kept([c.num_experts for c in choices], ratio) / step)
     low, high = sum(c.low for c in choices), sum(c.high for c in choices)
     if not low <= budget <= high:
         lo_ratio, hi_ratio = 1.0 - high / total, 1.0 - low / total
@@ -256,11 +255,6 @@ def register_allocation(
         return allocate
 
     return decorate
-
-
-def allocation_statistics(name: str) -> tuple[str, ...]:
-    """The optional statistics allocation ``name`` needs (none for an unknown name: its own error comes later)."""
-    return ALLOCATIONS[name].statistics if name in ALLOCATIONS else ()
 
 
 def get_allocation(name: str) -> Allocation:

@@ -319,18 +319,11 @@ class StatisticsCollector:
         self.batch_size = max(self.batch_size, int(ids.shape[0]))
         weight = batch_token_weight(inputs, first_sample, real_samples)
         self.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
-        self._keep_tokens(inputs, first_sample, real_samples)
-        self.__enter__()
-
-    def _keep_tokens(self, inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None) -> None:
-        """Keep the batch's real samples' token ids on the CPU (none for ``inputs_embeds``)."""
-        ids = inputs.get("input_ids")
-        if ids is None:
-            return
-        rows = int(ids.shape[0]) if real_samples is None else max(0, min(int(ids.shape[0]), real_samples - first_sample))
-        if rows:
+        rows = ids.shape[0] if real_samples is None else max(0, min(ids.shape[0], real_samples - first_sample))
+        if rows and inputs.get("input_ids") is not None:  # the real samples' token ids (none for inputs_embeds)
             self.token_batches.append({key: inputs[key][:rows].detach().cpu()
                                        for key in ("input_ids", "attention_mask") if inputs.get(key) is not None})
+        self.__enter__()
 
     def end_batch(self) -> None:
         """Stop instrumenting (also after a failed forward)."""

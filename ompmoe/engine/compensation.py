@@ -168,9 +168,8 @@ class _Stop(Exception):
 
 
 class _LayerPass:
-    """Hooks on one MoE layer: the sliced router's routing on the router's own input, the unpruned routed output as
-    the target, the kept contributions' sums; returns the unpruned output, or in sequential mode the corrected
-    pruned output (fitted on this very batch, which then holds every fitting token)."""
+    """Hooks on one MoE layer: the sliced router's routing on its own input, the unpruned routed output as the target,
+    the kept contributions' sums; returns the unpruned output, or in sequential mode the corrected pruned one."""
 
     def __init__(self, layer: MoELayer, kept: list[int], count_attributes: tuple[str, ...], last: bool,
                  outputs: bool, fit: Callable[[LayerSums], torch.Tensor] | None) -> None:
@@ -178,10 +177,8 @@ class _LayerPass:
         self.kept = torch.tensor(kept, dtype=torch.long)
         self.router = copy.deepcopy(layer.router)
         slice_module(self.router, self.kept, layer.num_experts, count_attributes)
-        weight, _ = _down_projection(layer)
-        device, k = weight.device, len(kept)
+        device, k, d = _down_projection(layer)[0].device, len(kept), _hidden_size(layer)
         self.kept_on_device = self.kept.to(device)  # indexed per batch: no host-to-device copy there
-        d = _hidden_size(layer)
         zeros = dict(dtype=torch.float64, device=device)  # on the experts' device: no batch goes to the host
         self.sums = LayerSums(
             layer.name, list(kept), torch.zeros(k, k, **zeros), torch.zeros(k, **zeros), torch.zeros((), **zeros),
@@ -220,25 +217,22 @@ class _LayerPass:
             target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)  # the unpruned routed output
             contributions = pruned.float() * weights.float().unsqueeze(-1)  # c = g' F, (T, k', d)
             self._add(ids, contributions, target.float())
-            if self.fit is None:
-                result = target.to(hidden_states.dtype)
-            else:  # sequential: this batch holds every fitting token, so the correction is final here
+            result = target
+            if self.fit is not None:  # sequential: this batch holds every fitting token, so the correction is final
                 correction = self.fit(self.sums).to(contributions.device)
                 if correction.dim() == 2:
-                    corrected = contributions.sum(1).double() @ correction.T
+                    result = contributions.sum(1).double() @ correction.T
                 else:
-                    corrected = (contributions * correction[ids].unsqueeze(-1).to(contributions.dtype)).sum(1)
-                result = corrected.to(hidden_states.dtype)
+                    result = (contributions * correction[ids].unsqueeze(-1).to(contributions.dtype)).sum(1)
             if self.last:
                 raise _Stop
-            return result
+            return result.to(hidden_states.dtype)
 
         return forward
 
     def _add(self, ids: torch.Tensor, contributions: torch.Tensor, target: torch.Tensor) -> None:
         """Add one batch: ``ids`` ``(T, k')`` positions among the kept experts, ``contributions`` ``(T, k', d)``,
-        ``target`` ``(T, d)``; padded tokens add zeros (zeroed, not dropped: a boolean index reads the mask back to
-        the host). Nothing here reads a value back to the host."""
+        ``target`` ``(T, d)``; padding adds zeros, not dropped: no host read here (a boolean index needs one)."""
         if self.token_weight is not None:
             keep = (self.token_weight.to(ids.device) > 0).unsqueeze(-1)
             contributions = torch.where(keep.unsqueeze(-1), contributions, 0.0)  # where: a padded NaN adds nothing
@@ -314,9 +308,8 @@ def _hidden_size(layer: MoELayer) -> int:
 
 
 def _corrected(layer: MoELayer, parameter: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-    """Rows of a down projection (``(K, d, inner)``, ``(K, inner, d)`` when transposed) or of its bias (``(K, d)``)
-    with the correction folded in: factors ``(K,)`` scale each expert's rows, a map ``(d, d)`` multiplies every
-    expert's output."""
+    """Down projection rows ``(K, d, inner)`` (``(K, inner, d)`` when transposed) or bias rows ``(K, d)`` with the
+    correction folded in: factors ``(K,)`` scale each expert's rows, a map ``(d, d)`` multiplies every output."""
     value = parameter.detach().to(torch.float64)
     c = correction.to(value.device, torch.float64)
     if c.dim() == 1:
@@ -389,8 +382,7 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
 
 
 def _count_tokens(total: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Add ``batch``'s real tokens (its mask's sum, or every position) to ``total`` in place, where ``total`` is: no
-    value is read back to the host. Returns ``total``."""
+    """Add ``batch``'s real tokens (mask sum, or all positions) to ``total`` in place, on its device: no host read."""
     mask = batch.get("attention_mask")
     if mask is None:
         source = batch.get("input_ids", batch.get("inputs_embeds"))
@@ -488,7 +480,6 @@ def _solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 
 
 def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_tokens: float) -> torch.Tensor:
-    k = sums.cross.numel()
     base = layer_factor(sums)
     if granularity == "linear":
         if sums.output_gram is None or sums.output_cross is None:
@@ -499,7 +490,7 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
         eye = torch.eye(d, dtype=torch.float64, device=sums.output_gram.device)
         # M (P + lam I) = C + lam s I, P symmetric: (P + lam I) M^T = (C + lam s I)^T
         return _solve(sums.output_gram + lam * eye, (sums.output_cross + lam * base * eye).T).T.contiguous()
-    scales = torch.full((k,), base, dtype=torch.float64)
+    scales = torch.full((sums.cross.numel(),), base, dtype=torch.float64)
     if granularity == "layer":
         return scales
     gram, cross = sums.gram.cpu(), sums.cross.cpu()
@@ -518,9 +509,8 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
 
 def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE
                ) -> dict[str, torch.Tensor]:
-    """Per layer, the float64 correction (module docstring): ``layer`` one factor repeated for each kept expert
-    (ordered as their ascending ids), ``expert`` the ridge-shrunk per-expert factors (on the CPU), ``linear`` the
-    ``(d, d)`` map (where its sums are)."""
+    """Per layer, the float64 correction (module docstring): ``layer`` its one factor per kept expert (ascending
+    ids), ``expert`` ridge-shrunk per-expert factors (CPU), ``linear`` the ``(d, d)`` map (where its sums are)."""
     _check_options(granularity, ridge)
     tokens = float(sums.num_tokens)
     return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
@@ -531,9 +521,8 @@ def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tenso
     """What was fitted, JSON-able: settings, tokens, the factors' range (a map's diagonal; ``map_off_diagonal`` is
     the Frobenius norm of the rest over the map's, mean over layers), and the fitting tokens' relative routed-output
     error ``||Y - Y'||^2 / ||Y||^2`` (mean over layers) before and after."""
-    diagonals = [scales[layer.name] if scales[layer.name].dim() == 1 else scales[layer.name].diagonal()
-                 for layer in sums.layers]
-    values = torch.cat([v.reshape(-1) for v in diagonals]).to(torch.float64)
+    values = torch.cat([scale if scale.dim() == 1 else scale.diagonal()
+                        for scale in (scales[layer.name] for layer in sums.layers)]).to(torch.float64)
     before = [layer.residual(torch.ones_like(layer.cross)) for layer in sums.layers]
     after = [layer.residual(scales[layer.name]) for layer in sums.layers]
     record: dict[str, Any] = {
@@ -606,9 +595,7 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
         for parameter in _down_projection(layer):
             if parameter is not None:
                 parameter.data.copy_(_corrected(layer, parameter, torch.as_tensor(scales[layer.name])))
-    info = dict(info)
-    info["compensation"] = dict(record) if record else {"method": "least_squares"}
-    setattr(model.config, CONFIG_KEY, info)
+    setattr(model.config, CONFIG_KEY, {**info, "compensation": dict(record or {"method": "least_squares"})})
     return model
 
 
@@ -663,8 +650,7 @@ def spread_blocks(blocks: torch.Tensor, max_tokens: int) -> torch.Tensor:
     count = -(-max_tokens // int(blocks.shape[1]))
     if count >= blocks.shape[0]:
         return blocks
-    index = torch.linspace(0, blocks.shape[0] - 1, count).round().long()
-    return blocks[index]
+    return blocks[torch.linspace(0, blocks.shape[0] - 1, count).round().long()]
 
 
 def fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> int:

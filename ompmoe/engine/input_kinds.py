@@ -37,7 +37,10 @@ def input_kind(path: str | os.PathLike) -> str | None:
         with open(path, "rb") as handle:
             start = handle.read(8)
             if start.lstrip()[:1] in (b"{", b"["):
-                return _json_kind(path)
+                data = json.loads(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else None
+                if isinstance(data, dict) and "layers" in data and "ratio" in data:
+                    return "plan"
+                return "results" if isinstance(data, dict) and "results" in data else None
             length = int.from_bytes(start, "little") if len(start) == 8 else 0
             if not 0 < length <= min(MAX_JSON_BYTES, path.stat().st_size - 8):
                 return None
@@ -54,15 +57,6 @@ def input_kind(path: str | os.PathLike) -> str | None:
     except (OSError, ValueError):
         return None
     return "weights"
-
-
-def _json_kind(path: Path) -> str | None:
-    data = json.loads(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else None
-    if not isinstance(data, dict):
-        return None
-    if "layers" in data and "ratio" in data:
-        return "plan"
-    return "results" if "results" in data else None
 
 
 def check_input_kind(path: str | os.PathLike, expected: str) -> None:

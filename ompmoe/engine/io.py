@@ -19,7 +19,7 @@ import shutil
 import socket
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
@@ -146,11 +146,10 @@ class _RunLock:
         return path.parent / f".{path.name}.{_owner()}.{self.token}.{kind}"
 
     def release(self) -> None:
-        if self.fd < 0:
-            return
-        self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = -1
+        if self.fd >= 0:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _step(name: str) -> None:
@@ -168,8 +167,7 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
         rf"^\.{re.escape(path.name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\.(?P<kind>tmp|old|lock)$")
     runs: dict[tuple[str, str], dict[str, Path]] = {}
     for entry in sorted(path.parent.iterdir()):
-        match = pattern.match(entry.name)
-        if match is not None:
+        if (match := pattern.match(entry.name)) is not None:
             runs.setdefault((match["owner"], match["token"]), {})[match["kind"]] = entry
     handled = []
     mine = {_file_id(held.lock.path) for held in _held_reservations()} - {None}  # the lock files this process holds
@@ -276,7 +274,7 @@ def check_writable(
     return path
 
 
-class Reservation:
+class Reservation(AbstractContextManager):
     """This process's claim on an output, from the check before any work (calibration) until the write that commits
     it: the run lock (``.{name}.{owner}.{token}.lock``) taken early, so that another run's :func:`check_writable`
     refuses the output (:class:`OutputInUseError`) while this run is still calibrating.
@@ -290,13 +288,13 @@ class Reservation:
     def __init__(self, path: Path, overwrite: bool, directory: bool | None, inputs: Iterable[str | os.PathLike]
                  ) -> None:
         self.path = check_writable(path, overwrite, directory=directory, inputs=inputs)
-        created = _make_parents(self.path.parent)
+        self._created = _make_parents(self.path.parent)
         try:
             self.lock = _RunLock(self.path)
         except BaseException:
-            _remove_made(created)
+            _remove_made(self._created)
             raise
-        self._finalizer = weakref.finalize(self, _release_reservation, self.lock, created, os.getpid())
+        self._finalizer = weakref.finalize(self, _release_reservation, self.lock, self._created, os.getpid())
         _RESERVATIONS.setdefault(_output_key(self.path), []).append(weakref.ref(self))
         try:  # two runs that checked at the same instant both hold a lock now: each sees the other's and backs off
             _refuse_in_use(self.path)
@@ -313,15 +311,8 @@ class Reservation:
         """Give the output up: remove the lock file and, unless ``keep_directories`` (the output is in them now), the
         directories made for it if still empty. Idempotent; does nothing in a forked child (a DataLoader worker)."""
         if keep_directories:
-            info = self._finalizer.detach()
-            if info is not None:
-                _, function, (lock, _created, pid), _ = info
-                function(lock, [], pid)
-        else:
-            self._finalizer()
-
-    def __enter__(self) -> Reservation:
-        return self
+            self._created.clear()  # the finalizer's list: it removes none of them
+        self._finalizer()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
@@ -340,11 +331,10 @@ def _output_key(path: Path) -> tuple[int, int, str]:
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
+    with suppress(OSError):
         found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
+        return found.st_dev, found.st_ino
+    return None
 
 
 def _held_reservations(key: tuple[int, int, str] | None = None) -> list[Reservation]:
@@ -373,8 +363,7 @@ def reserve(path: str | os.PathLike, overwrite: bool, *, directory: bool | None 
 
 
 def _refuse_in_use(path: Path) -> None:
-    """Clean what dead runs left for ``path``; :class:`OutputInUseError` if a live run is writing or reserving it,
-    naming that run as far as its lock file tells."""
+    """Clean what dead runs left; :class:`OutputInUseError` naming, per its lock file, a live run using ``path``."""
     live: list[dict[str, str]] = []
     clean_leftovers(path, live)
     if not live:
@@ -568,7 +557,6 @@ def atomic_path(
 
 
 def _remove_made(created: list[Path]) -> None:
-    """Remove the directories :func:`_make_parents` made, innermost first, as long as they are empty."""
     with suppress(OSError):
         for made in reversed(created):
             made.rmdir()
@@ -669,9 +657,8 @@ def _make_parents(directory: Path) -> list[Path]:
 
 
 def _default_permissions(path: Path, directory: bool) -> None:
-    """Temporaries are created private (0600/0700), and so are some files in them (transformers writes
-    ``model.safetensors`` 0600): give the result and everything in it the usual umask permissions, so a shared
-    output directory is readable by those the umask lets read it."""
+    """Temporaries are private (0600/0700), and so are some files in them (transformers writes ``model.safetensors``
+    0600): give the result and all in it the umask's permissions, so a shared output is readable as umask allows."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)

@@ -137,8 +137,7 @@ class PruningPlan:
                 f"{path} is not a valid ompmoe plan ({type(error).__name__}: {error}). {fix}"
             ) from None
         for layer in plan.layers:
-            problem = _layer_problem(layer)
-            if problem:
+            if problem := _layer_problem(layer):
                 raise PlanMismatchError(f"{path}: layer {layer.name!r} {problem}. {fix}")
         if unknown:
             warnings.warn(f"{path} has keys this ompmoe does not know, ignored: {', '.join(sorted(unknown))} "

@@ -19,13 +19,11 @@ REQUIRED_ATTRS = ("has_gate", "has_bias", "is_transposed", "_apply_gate")
 
 def replayable(experts: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """The replay matching ``experts``' configured implementation, or ``None`` to use the flattened call."""
-    config = getattr(experts, "config", None)
-    implementation = getattr(config, "_experts_implementation", None)
-    if implementation != "grouped_mm" or _grouped_linear is None:
-        return None
-    if getattr(experts, "_is_expert_parallel", False) or not all(hasattr(experts, a) for a in REQUIRED_ATTRS):
-        return None
-    return replay_grouped_mm
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    supported = (implementation == "grouped_mm" and _grouped_linear is not None
+                 and not getattr(experts, "_is_expert_parallel", False)
+                 and all(hasattr(experts, a) for a in REQUIRED_ATTRS))
+    return replay_grouped_mm if supported else None
 
 
 def replay_grouped_mm(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from .adapters import find_moe_layers
+from .adaptive import enable_adaptive
 from .collect import StatisticsCollector
 from .compensation import Compensation
 from .export.checkpoint import usable_tokenizer
-from .export.plots import require_matplotlib
+from .export.plots import require_matplotlib, write_plots
 from .extensions import selected_statistics
 from .methods import check_statistics, required_statistics
 from .io import Reservation, atomic_path, reserve
@@ -309,10 +310,8 @@ class PruningRun:
         self.compensation, self.plan = on_rank_zero(
             context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         plan = self.plan
-        heldout: dict[str, torch.Tensor] = {}  # rank 0's ``evaluate_on`` sets, cut by the calibration data module
-        if model is not None and context.is_global_zero:
-            heldout = {name: self.data.heldout_blocks(name, self.options.evaluate_blocks)
-                       for name in self.options.evaluate_on or []}
+        evaluate_on = self.options.evaluate_on if model is not None and context.is_global_zero else []  # rank 0 only
+        heldout = {name: self.data.heldout_blocks(name, self.options.evaluate_blocks) for name in evaluate_on or []}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             self.apply(model)
@@ -350,8 +349,6 @@ class PruningRun:
         if self.compensation is not None:
             self.compensation.apply(model)
         if self.options.adaptive_epsilon is not None:
-            from .adaptive import enable_adaptive
-
             enable_adaptive(model, self.stats, self.options.adaptive_epsilon)
         self.pruned_model = model
         return model
@@ -400,9 +397,8 @@ class PruningRun:
         """
         assert self.plan is not None
         if text is None:  # nothing to fit on: said in the plan and the run's lines, not an error after calibrating
-            compensation = None
-            record = {"granularity": granularity, "applied": False,
-                      "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
+            compensation, record = None, {"granularity": granularity, "applied": False,
+                                          "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
         else:
             compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
                                                     loss_without, unchecked)
@@ -453,8 +449,6 @@ class PruningRun:
             for strategy in self._extra_strategies():
                 strategy.plan(stats).save(tmp / f"plan-{strategy.ratio:g}.json")  # type: ignore[attr-defined]
             if options.plots:
-                from .export.plots import write_plots
-
                 next(bar)
                 write_plots(stats, tmp / PLOTS_DIR, plan=plan, progress=show_progress)
             if options.save_model:

@@ -102,11 +102,9 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
 
     Returns the compensation to apply (``None``: not applied) and the record for ``plan.extra["compensation"]``.
     """
-    if isinstance(text, torch.Tensor):
-        max_tokens = fitting_tokens(model, int(text.numel()))
-    else:  # the fewest evenly spaced batches holding them (padded batches cannot be re-cut): spread_blocks' rows
-        tokens = sum(int(batch["input_ids"].numel()) for batch in text)
-        max_tokens = fitting_tokens(model, tokens)
+    tokens = int(text.numel()) if isinstance(text, torch.Tensor) else sum(int(b["input_ids"].numel()) for b in text)
+    max_tokens = fitting_tokens(model, tokens)
+    if not isinstance(text, torch.Tensor):  # the fewest evenly spaced batches holding them (padding cannot be re-cut)
         per_batch = max(1, tokens // len(text))
         rows = spread_blocks(torch.arange(len(text)).unsqueeze(1).expand(-1, per_batch), max_tokens)
         text = [text[int(i)] for i in rows[:, 0]]

@@ -42,14 +42,11 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CorruptSafetensorsError(f"{path} has a header that is not a JSON object")
     data_bytes = size - 8 - length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in tensors.items():
         problem = _entry_problem(entry, data_bytes)
         if problem:
             raise CorruptSafetensorsError(f"{path}: tensor {name!r} {problem}")
-        tensors[name] = entry
     return tensors
 
 

@@ -118,11 +118,8 @@ class LayerStats:
         return {key: getattr(self, key) for key in ROUTING_KEYS}
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}}
-        if self.gram_normalized is not None:
-            tensors["gram_normalized"] = self.gram_normalized
-        tensors.update(self.extra)
-        return tensors
+        normalized = {"gram_normalized": self.gram_normalized} if self.gram_normalized is not None else {}
+        return {"gram": self.gram, **{key: getattr(self, key) for key in PER_EXPERT_SUMS}, **normalized, **self.extra}
 
     def merge(self, other: LayerStats) -> LayerStats:
         """Exact sum; an optional tensor survives only if both sides have it."""

@@ -31,9 +31,8 @@ def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | N
     auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
     if not auto:
         return ""
-    if choice is not None:
-        return f" ({' and '.join(auto)} 'auto': {choice.summary()})"
-    return f" ({' and '.join(auto)} 'auto': recommended for {model_type}, docs/quality/intervals.md)"
+    why = choice.summary() if choice is not None else f"recommended for {model_type}, docs/quality/intervals.md"
+    return f" ({' and '.join(auto)} 'auto': {why})"
 
 
 def plan_metrics(plan: PruningPlan) -> dict[str, float]:

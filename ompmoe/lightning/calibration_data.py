@@ -77,17 +77,15 @@ class CalibrationDataModule(pl.LightningDataModule):
             Or any hub data set as ``owner/name`` (field ``text_field``). Or a local file: ``.txt``
             (the whole file is one document), ``.jsonl``/``.json``/``.json.gz``/``.jsonl.gz``
             (one document per record, field ``text_field``) or ``.parquet`` (same).
-        tokenizer: Hugging Face tokenizer name or local path (``AutoTokenizer.from_pretrained``), or
-            ``bytes`` (UTF-8 bytes, vocabulary 256) for the tiny demo models. If unset, the
-            ``tokenizer_name`` or else ``model_name_or_path`` attribute of the trainer's
-            LightningModule is used.
+        tokenizer: Hugging Face tokenizer name or local path (``AutoTokenizer.from_pretrained``), or ``bytes`` (UTF-8
+            bytes, vocabulary 256) for the tiny demo models. If unset, the ``tokenizer_name`` or else
+            ``model_name_or_path`` attribute of the trainer's LightningModule is used.
         seq_len: Tokens per calibration block (the paper: 4096).
         num_blocks: Number of blocks kept (the paper: 64); seq_len * num_blocks tokens in all.
         batch_size: Blocks per batch.
-        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub
-            name: local files (read instead of the hub, keeping the preset's text format and
-            shuffle, e.g. a downloaded copy of the preset's data) or, if they are not local paths,
-            file patterns inside the hub repository.
+        data_files: Extra local files read after ``source`` when it is a file. With a preset or hub name: local files
+            (read instead of the hub, keeping the preset's text format and shuffle, e.g. a downloaded copy of the
+            preset's data) or, if they are not local paths, file patterns inside the hub repository.
         text_field: Column holding the text, for hub names and json/parquet files (default
             ``text``); with a preset it replaces the preset's own text format.
         split: Data set split to read.

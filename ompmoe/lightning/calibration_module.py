@@ -12,8 +12,6 @@ from torch import nn
 
 from .models import TINY_PREFIX, default_tokenizer, is_tiny, load_model, model_and_name, resolve_dtype, resolve_model
 
-EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
-
 __all__ = ["TINY_PREFIX", "CalibrationModule", "resolve_dtype", "shard_model"]
 
 
@@ -21,8 +19,7 @@ def shard_model(model: nn.Module, device_mesh: Any) -> None:
     """FSDP2 (``fully_shard``) each decoder layer, then the root, for ``ModelParallelStrategy``."""
     from torch.distributed.fsdp import fully_shard
 
-    decoder = getattr(getattr(model, "model", model), "layers", None)
-    for layer in decoder or []:
+    for layer in getattr(getattr(model, "model", model), "layers", None) or []:
         fully_shard(layer, mesh=device_mesh)
     fully_shard(model, mesh=device_mesh)
 
@@ -96,7 +93,7 @@ class CalibrationModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         # Lightning warns about modules in eval mode at the start of training; here that is the design.
-        warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
         self._eval_mode_filter = warnings.filters[0]
 
     def on_train_start(self) -> None:

@@ -110,10 +110,9 @@ class RunResults:
 class FabricCalibration(RunResults):
     """Gather OMP-MoE statistics in a Fabric loop on every rank, sum them exactly, plan, prune and write once.
 
-    Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any
-    Fabric precision; FSDP1 (``strategy="fsdp"``) is refused. Takes every option of :class:`ompmoe.RunOptions`
-    (``strategy``, ``output_dir``, ``overwrite``, ``evaluate_on``, ``choice_blocks``, ...), checked here, before
-    any forward pass.
+    Works on one device, under DDP and under FSDP2 (``ModelParallelStrategy(parallelize_fn=fsdp2)``), in any Fabric
+    precision; FSDP1 (``strategy="fsdp"``) is refused. Takes every option of :class:`ompmoe.RunOptions` (``strategy``,
+    ``output_dir``, ``overwrite``, ``evaluate_on``, ``choice_blocks``, ...), checked here, before any forward pass.
 
     Args:
         fabric: The launched :class:`lightning.fabric.Fabric`.
@@ -188,7 +187,9 @@ class FabricCalibration(RunResults):
                     self.update(batch, dataloader)
                 except KeyboardInterrupt:  # one line on rank 0, then the interrupt goes on (the script exits 130)
                     if self.fabric.is_global_zero:
-                        print(self.pruning.interrupted_line(count, _length(dataloader)), file=sys.stderr)
+                        from lightning.fabric.utilities.data import sized_len
+
+                        print(self.pruning.interrupted_line(count, sized_len(dataloader)), file=sys.stderr)
                     raise
                 count += 1
         return count
@@ -201,10 +202,3 @@ class FabricCalibration(RunResults):
         ``data`` module's, if any; without either it takes the layout's first setting).
         """
         return self.pruning.finish(self.context, choice_blocks=choice_blocks, show_progress=None)
-
-
-def _length(dataloader: Iterable[Any]) -> int | None:
-    try:
-        return len(dataloader)  # type: ignore[arg-type]
-    except TypeError:
-        return None

@@ -51,10 +51,8 @@ def parser() -> Any:
 
 def _fabric_strategy(name: str | None, devices: str | None, num_nodes: int | None) -> Any:
     """The Fabric strategy: ``fsdp`` becomes FSDP2 per decoder layer (``ModelParallelStrategy``), others stay names.
-
-    Under ``fabric run --strategy fsdp`` the CLI's choice arrives as ``LT_STRATEGY``; it is taken
-    over here (Fabric would refuse a strategy object that differs from the CLI's name).
-    """
+    Under ``fabric run --strategy fsdp`` the CLI's choice arrives as ``LT_STRATEGY``; it is taken over here (Fabric
+    would refuse a strategy object that differs from the CLI's name)."""
     name = name or os.environ.get("LT_STRATEGY")
     if name != "fsdp":
         return name or "auto"

@@ -126,9 +126,7 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], aux_coef: f
     """
     input_ids = batch["input_ids"]
     attention_mask = batch.get("attention_mask")
-    labels = batch.get("labels")
-    if labels is None:
-        labels = causal_lm_labels(input_ids, attention_mask)
+    labels = causal_lm_labels(input_ids, attention_mask) if batch.get("labels") is None else batch["labels"]
     kwargs: dict[str, Any] = {"use_cache": False}
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         kwargs["output_router_logits"] = False

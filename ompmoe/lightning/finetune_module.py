@@ -62,8 +62,7 @@ class ProgressLines(pl.Callback):
     and one at the last step. ``loss`` is the mean training loss of the batches since the previous line; the time left
     is the time per step since the first line (validations included; for the first line, since the first batch) times
     the steps left of ``Trainer.estimated_stepping_batches`` (left out when the fit has no step limit).
-    :class:`FinetuneModule` adds one when stderr is not a terminal and the Trainer's progress bar is on
-    (``enable_progress_bar``, the default).
+    :class:`FinetuneModule` adds one when stderr is not a terminal and ``enable_progress_bar`` is on (the default).
     """
 
     clock = staticmethod(time.monotonic)
@@ -76,20 +75,15 @@ class ProgressLines(pl.Callback):
         self.every_seconds = float(every_seconds)
         self.every_n_steps = every_n_steps
         self.stream = stream
-        self._reset()
 
-    def _reset(self) -> None:
-        self._started: float | None = None  # monotonic time at the start of training
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning calls this before any other hook that reads these, on every fit.
+        self._started = self.clock()  # monotonic time at the start of training
         self._first: tuple[int, float] | None = None  # (global step, time) before the first batch
         self._last: tuple[int, float] | None = None  # (global step, time) of the last line
         self._rate_from: tuple[int, float] | None = None  # (global step, time) of the first line
         self._losses: list[float] = []
-        self._total = math.inf  # optimizer steps of the fit
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reset()
-        self._started = self.clock()
-        self._total = float(trainer.estimated_stepping_batches)
+        self._total = float(trainer.estimated_stepping_batches)  # optimizer steps of the fit (inf: no limit)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -124,7 +118,7 @@ class ProgressLines(pl.Callback):
         parts = [f"step {step}/{int(self._total)}" if finite else f"step {step}"]
         if losses:
             parts.append(f"loss {sum(losses) / len(losses):.4f}")
-        parts.append(f"{_duration(now - (now if self._started is None else self._started))} elapsed")
+        parts.append(f"{_duration(now - self._started)} elapsed")
         if finite and since_step < step < self._total:
             parts.append(f"about {_duration((now - since) / (step - since_step) * (self._total - step))} left")
         print(f"ompmoe: fine-tuning {', '.join(parts)}", file=self.stream or sys.stderr, flush=True)

@@ -36,14 +36,11 @@ def _quantize(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.T
 
 
 def _dequantize(qdata: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    codes = qdata
-    if bits == 4:
-        low = (qdata & 0x0F).to(torch.int16) - 8
-        high = (qdata >> 4).to(torch.int16) - 8
-        codes = torch.stack((low, high), dim=-1).reshape(*qdata.shape[:-1], qdata.shape[-1] * 2)
-    size = group_size if bits == 4 else codes.shape[-1]
-    groups = codes.reshape(*codes.shape[:-1], -1, size).to(scale.dtype)
-    return (groups * scale.unsqueeze(-1)).reshape(codes.shape)
+    if bits == 4:  # low nibble first
+        qdata = torch.stack((qdata & 0x0F, qdata >> 4), dim=-1).flatten(-2).to(torch.int16) - 8
+    size = group_size if bits == 4 else qdata.shape[-1]
+    groups = qdata.reshape(*qdata.shape[:-1], -1, size).to(scale.dtype)
+    return (groups * scale.unsqueeze(-1)).reshape(qdata.shape)
 
 
 class DequantizedExpertWeight(nn.Module):
@@ -56,9 +53,7 @@ class DequantizedExpertWeight(nn.Module):
         self.cached: torch.Tensor | None = None
 
     def forward(self, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.cached is not None:
-            return self.cached
-        return _dequantize(qdata, scale, self.bits, self.group_size)
+        return self.cached if self.cached is not None else _dequantize(qdata, scale, self.bits, self.group_size)
 
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _quantize(weight, self.bits, self.group_size)
@@ -180,17 +175,10 @@ def _module_quantized(module: nn.Module, name: str = "weight") -> bool:
 
 def quantization_summary(model: nn.Module) -> QuantizationSummary:
     """Count quantized ``nn.Linear`` weights, routed-expert weights, routers and embeddings."""
-    names: list[str] = []
-    linear = linear_q = embeddings_q = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            linear += 1
-            if _module_quantized(module):
-                linear_q += 1
-                names.append(f"{name}.weight")
-        elif isinstance(module, nn.Embedding) and _module_quantized(module):
-            embeddings_q += 1
-            names.append(f"{name}.weight")
+    modules_q = {name: module for name, module in model.named_modules()
+                 if isinstance(module, (nn.Linear, nn.Embedding)) and _module_quantized(module)}
+    names = [f"{name}.weight" for name in modules_q]
+    linear_q = sum(isinstance(module, nn.Linear) for module in modules_q.values())
     experts = experts_q = routers = routers_q = 0
     for block_name, _, router, expert_module in sparse_blocks(model):
         routers += 1
@@ -204,7 +192,7 @@ def quantization_summary(model: nn.Module) -> QuantizationSummary:
         experts_q += len(quantized)
         names += [f"{block_name}.experts.{name}" for name in quantized]
     return QuantizationSummary(
-        linear=linear, linear_quantized=linear_q, expert_weights=experts, expert_weights_quantized=experts_q,
-        routers=routers, routers_quantized=routers_q, embeddings_quantized=embeddings_q,
-        size_bytes=model_size_bytes(model), quantized_names=names,
+        linear=sum(isinstance(module, nn.Linear) for module in model.modules()), linear_quantized=linear_q,
+        expert_weights=experts, expert_weights_quantized=experts_q, routers=routers, routers_quantized=routers_q,
+        embeddings_quantized=len(modules_q) - linear_q, size_bytes=model_size_bytes(model), quantized_names=names,
     )

@@ -131,8 +131,7 @@ def prune_tiny_model(
         model_name = model
         model, blocks, held_out, model_id, source = demo_model_and_data(model_name, model_type, seq_len, num_blocks)
         start = time.perf_counter()
-        # the held-out blocks, where the run's evaluate_on reads them from a data module
-        data = SimpleNamespace(heldout_blocks=lambda name, num_blocks: held_out)
+        data = SimpleNamespace(heldout_blocks=lambda name, num_blocks: held_out)  # where evaluate_on reads them
         run.start(model, context, model_id=model_id, sources=[source], data=data)
         batches = CountedBatches(blocks.split(batch_size))
         run.collect(batches)

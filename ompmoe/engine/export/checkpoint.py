@@ -99,11 +99,9 @@ def save_checkpoint(
     final_path: str | os.PathLike | None = None,
     **save_kwargs: Any,
 ) -> dict[str, Any]:
-    """Write ``model`` and everything stock tools need into the (empty, temporary) ``directory``.
-
-    ``dtype``: on disk; ``None`` keeps the source checkpoint's, else the model's. ``final_path``: where
-    ``directory`` will be moved (named in the warning). Returns ``dtype``, ``tokenizer``, ``remote_code``.
-    """
+    """Write ``model`` and everything stock tools need into the (empty, temporary) ``directory``. ``dtype``: on
+    disk; ``None`` keeps the source checkpoint's, else the model's. ``final_path``: where ``directory`` will be moved
+    (named in the warning). Returns ``dtype``, ``tokenizer``, ``remote_code``."""
     directory = Path(directory)
     target = _resolve_dtype(dtype) or source_dtype(model)
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
@@ -130,18 +128,15 @@ def save_checkpoint(
     record = config.get("ompmoe") or {}
     remote = bool(record) and not record.get("uniform", True)
     if remote:
-        write_remote_code(
-            directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
-            count_json_key(config["model_type"]), architecture_of(model).router_attr,
-        )
+        write_remote_code(directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
+                          count_json_key(config["model_type"]), architecture_of(model).router_attr)
     info = {
         "dtype": str(config.get("dtype", "")).removeprefix("torch."),
         "tokenizer": written_tokenizer is not None,
         "remote_code": remote,
     }
     model_id = record.get("plan", {}).get("model_id") or source_name(model)
-    card = model_card(config=config, model_id=model_id, calibration=calibration, info=info)
-    (directory / "README.md").write_text(card)
+    (directory / "README.md").write_text(model_card(config, model_id, calibration, info))
     return info
 
 

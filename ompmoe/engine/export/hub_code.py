@@ -136,10 +136,8 @@ def write_remote_code(
     config = json.loads(config_path.read_text())
     config_class = f"OmpmoePruned{base_model.removesuffix('ForCausalLM')}Config"
     model_class = f"OmpmoePruned{base_model}"
-    values = dict(
-        base_config=base_config, base_model=base_model, router_attr=router_attr,
-        config_class=config_class, model_class=model_class, how_to_load=HOW_TO_LOAD,
-    )
+    values = dict(base_config=base_config, base_model=base_model, router_attr=router_attr, config_class=config_class,
+                  model_class=model_class, how_to_load=HOW_TO_LOAD)
     (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
     (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
     config[count_json_key] = max(len(ids) for ids in config["ompmoe"]["kept_experts"].values())

@@ -96,9 +96,7 @@ def high_contribution_experts(
 
 def _csv(header: list[str], rows: Sequence[Sequence[object]]) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
+    csv.writer(buffer, lineterminator="\n").writerows([header, *rows])
     return buffer.getvalue()
 
 
@@ -114,10 +112,8 @@ def high_contribution_table(rows: Sequence[HighContributionExpert], fmt: str = "
     if fmt != "markdown":
         raise ValueError(f"Unknown table format {fmt!r}; choose 'markdown' or 'csv'.")
     lines = ["| Layer | Layer index | Expert ID | Residual r_l(1) | Routed-token share |", "|---|---:|---:|---:|---:|"]
-    lines += [
-        f"| {row.layer} | {row.layer_index} | {row.expert} | {row.residual:.4f} | {row.token_share:.3f} |"
-        for row in rows
-    ]
+    lines += [f"| {row.layer} | {row.layer_index} | {row.expert} | {row.residual:.4f} | {row.token_share:.3f} |"
+              for row in rows]
     table = "\n".join(lines) + "\n"
     if rows:
         return table
@@ -184,8 +180,7 @@ def heatmap_figure(stats: MoEStats, max_columns: int = 4, layers: Sequence[int] 
     from matplotlib.colors import LogNorm
 
     name, pursued_gram = heatmap_pursuit(plan)
-    positions = list(layers) if layers is not None else heatmap_layers(len(stats.layers))
-    drawn = [(p, stats.layers[p]) for p in positions]
+    drawn = [(p, stats.layers[p]) for p in (layers if layers is not None else heatmap_layers(len(stats.layers)))]
     matrices = {}  # position: (gains with rows in selection order and NaN where not eligible, the order)
     for position, layer in progress_bar(drawn, "ompmoe heatmaps", progress, unit="layer"):
         gram = pursued_gram(layer)
@@ -296,8 +291,7 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
     for position, layer in enumerate(progress_bar(stats.layers, "ompmoe overview", progress, unit="layer")):
         if layer.signal_energy > 0.0:
             residuals[position, : layer.num_experts + 1] = _pursuit(layer).residual.numpy()
-    height = min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6))
-    figure = _figure(7.5, height)
+    figure = _figure(7.5, min(12.0, max(3.5, 0.12 * len(stats.layers) + 1.6)))
     ax = figure.subplots()
     image = ax.imshow(np.ma.masked_invalid(residuals), aspect="auto", cmap=_colormap("viridis"), vmin=0.0, vmax=1.0,
                       interpolation="nearest", origin="upper", extent=(-0.5, most + 0.5, len(stats.layers) - 0.5, -0.5))

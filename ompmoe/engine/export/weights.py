@@ -55,11 +55,8 @@ def check_weight_files(path: str | os.PathLike) -> None:
 def check_loading_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
     """Nothing missing, unexpected or mis-shaped in what ``from_pretrained(..., output_loading_info=True)`` read."""
     files = ", ".join(str(file) for file in weight_files(path)) or str(path)
-    problems = []
-    if info.get("missing_keys"):
-        problems.append(f"missing (would be random): {_names(list(info['missing_keys']))}")
-    if info.get("unexpected_keys"):
-        problems.append(f"not in the model: {_names(list(info['unexpected_keys']))}")
+    labels = {"missing_keys": "missing (would be random)", "unexpected_keys": "not in the model"}
+    problems = [f"{label}: {_names(list(info[key]))}" for key, label in labels.items() if info.get(key)]
     if info.get("mismatched_keys"):
         shapes = [f"{key} {list(saved)} (model: {list(expected)})" for key, saved, expected in info["mismatched_keys"]]
         problems.append(f"of the wrong shape: {_names(shapes)}")

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import torch
 
-from ..allocation import allocation_statistics
+from ..allocation import ALLOCATIONS
 from ..extensions import extension, extension_providing
 from ..names import did_you_mean
 from ..statistics import LayerStats
@@ -21,8 +21,7 @@ from ..statistics import LayerStats
 
 def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind: str, how: str) -> None:
     """Refuse statistics whose layers lack the optional sum ``key``, naming the option that collects it."""
-    missing = [layer.name for layer in layers if getattr(layer, key) is None]
-    if missing:
+    if missing := [layer.name for layer in layers if getattr(layer, key) is None]:
         raise ValueError(f"{what} needs {kind} statistics ({key!r}), which these statistics lack (layers "
                          f"{missing[:3]}{'...' if len(missing) > 3 else ''}). Collect them with {how}.")
 
@@ -56,9 +55,8 @@ class SubsetSelection:
 
     def residual(self, gram: torch.Tensor) -> torch.Tensor:
         """``r(k)`` of the set kept at each count: energy of the atoms left out over ``||Y||^2``."""
-        energies = removed_energy(gram, self.kept)
         total = gram.to(torch.float64).sum().clamp(min=torch.finfo(torch.float64).tiny)
-        return energies / total
+        return removed_energy(gram, self.kept) / total
 
     def coverage(self, routing_mass: torch.Tensor) -> torch.Tensor:
         """``C(k)``: share of the routing mass held by the set kept at each count."""
@@ -81,8 +79,7 @@ Selection = Union[torch.Tensor, SubsetSelection]
 def kept_masks(selection: Selection, num_experts: int) -> torch.Tensor:
     """``(N + 1, N)`` bool: the experts kept at each count, from an ordering or a ``SubsetSelection``."""
     if isinstance(selection, torch.Tensor):
-        ranks = torch.empty(num_experts, dtype=torch.long)
-        ranks[selection] = torch.arange(num_experts)
+        ranks = selection.argsort()  # the inverse permutation: each expert's position in the ordering
         return ranks.unsqueeze(0) < torch.arange(num_experts + 1).unsqueeze(1)
     return selection.kept.bool()
 
@@ -165,8 +162,7 @@ def get_method(name: str | SelectionMethod, options: dict[str, Any] | None = Non
     cls = method_class(name)
     options = dict(options or {})
     valid = [field.name for field in dataclasses.fields(cls)]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
+    if unknown := sorted(set(options) - set(valid)):
         raise ValueError(f"Method {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
                          f"{valid or 'none'}.")
     return cls(**options)
@@ -183,24 +179,21 @@ def method_table() -> str:
 
 
 def required_statistics(method: Any = None, allocation: Any = None) -> dict[str, list[str]]:
-    """``{extension name: ["method 'x'", "allocation 'y'"]}``: the optional statistics a method and an allocation need.
-
-    ``method`` is a registered name or a ``SelectionMethod``; unknown names need nothing here (validated later).
-    """
+    """``{extension name: ["method 'x'", "allocation 'y'"]}``: the optional statistics a method (a registered name or
+    a ``SelectionMethod``) and an allocation need; unknown names need nothing here (validated later)."""
     needs: dict[str, list[str]] = {}
     cls = METHODS.get(method) if isinstance(method, str) else method
     for name in getattr(cls, "statistics", ()):
         needs.setdefault(name, []).append(f"method {getattr(cls, 'name', method)!r}")
-    for name in allocation_statistics(allocation) if isinstance(allocation, str) else ():
+    spec = ALLOCATIONS.get(allocation) if isinstance(allocation, str) else None
+    for name in getattr(spec, "statistics", ()):
         needs.setdefault(name, []).append(f"allocation {allocation!r}")
     return needs
 
 
 def check_statistics(strategy: object, collected: Collection[str], owner: str = "ExpertPruning") -> None:
-    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``.
-
-    ``owner`` is what the message tells the user to pass the option to (``ExpertPruning``, ``FabricCalibration``).
-    """
+    """Refuse, before calibration, a strategy whose method or allocation needs statistics not in ``collected``;
+    ``owner`` is what the message tells the user to pass the option to (``ExpertPruning``, ``FabricCalibration``)."""
     needs = required_statistics(getattr(strategy, "method", None), getattr(strategy, "allocation", None))
     for name, users in needs.items():
         if name not in collected:

@@ -104,6 +104,4 @@ class StaticEnergy(ScoreRanking):
     """largest `||V_e||^2` (OMP without residual updates)"""
 
     name: ClassVar[str] = "static_energy"
-
-    def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
-        return [layer.gram.diagonal() for layer in layers]
+    score_key: ClassVar[str] = "atom_energy"

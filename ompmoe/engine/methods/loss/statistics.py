@@ -80,16 +80,11 @@ class LossStatsMetric(LayerSumsMetric):
             self.state(key, index).view(-1).add_(value)
         super().update(index, "loss_first_order", ids, projection)
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().to(self.loss_sum.device, torch.float64)
-
 
 class LossGradientRecorder:
-    """Hooks that turn each instrumented forward into loss-aware sums with one backward to the routed outputs.
-
+    """Hooks that turn each instrumented forward into loss-aware sums with one backward to the routed outputs:
     :meth:`callback` gets each layer's routed pairs, an ``experts`` hook its output tensor, and a model hook
-    computes :func:`next_token_loss` and ``d_x`` for every layer at once.
-    """
+    computes :func:`next_token_loss` and ``d_x`` for every layer at once."""
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], metric: LossStatsMetric,
                  token_weight: Callable[[], torch.Tensor | None], retain_graph: bool = True) -> None:
@@ -107,8 +102,7 @@ class LossGradientRecorder:
     def attach(self) -> None:
         if self._handles:
             return
-        embeddings = self.model.get_input_embeddings()
-        self._handles.append(embeddings.register_forward_hook(self._embedding_hook))
+        self._handles.append(self.model.get_input_embeddings().register_forward_hook(self._embedding_hook))
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.experts.register_forward_hook(partial(self._experts_hook, index)))
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
@@ -186,14 +180,12 @@ class LossGradientRecorder:
         loss = next_token_loss(logits, self._input_ids, weight)
         self._in_backward = True
         try:
-            grads = torch.autograd.grad(loss, tensors, retain_graph=self.retain_graph, allow_unused=True)
+            grads = torch.autograd.grad(loss, tensors, retain_graph=self.retain_graph, materialize_grads=True)
         finally:
             self._in_backward = False
-        self.metric.add_loss(loss)
-        for index, tensor, grad in zip(indices, tensors, grads):
+        self.metric.loss_sum += loss.detach().to(self.metric.loss_sum.device, torch.float64)
+        for index, grad in zip(indices, grads):
             top_k_index, atoms = self._pending[index]
-            if grad is None:
-                grad = torch.zeros_like(tensor)
             self.metric.update(index, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weight)
 
 

@@ -38,11 +38,9 @@ def check_reroutable(layers: list[MoELayer]) -> None:
 
 def removal_deltas(expert_out: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor, ext_ids: torch.Tensor,
                    ext_weights: torch.Tensor, next_out: torch.Tensor) -> torch.Tensor:
-    """``D (T, k, d)``: ``D[x, j] = Y_x - Y'_j(x)``, the output change when slot ``j``'s expert is removed.
-
+    """``D (T, k, d)``: ``D[x, j] = Y_x - Y'_j(x)``, the output change when slot ``j``'s expert is removed, from
     ``expert_out`` ``(T, k, d)``, ``gates`` and ``ids`` ``(T, k)``: the native slots; ``ext_ids``/``ext_weights``
-    ``(T, k + 1)``: the ``top_k + 1`` call; ``next_out`` ``(T, d)``: ``F_n`` of its expert not in ``ids``.
-    """
+    ``(T, k + 1)``: the ``top_k + 1`` call; ``next_out`` ``(T, d)``: ``F_n`` of its expert not in ``ids``."""
     matches = ids.unsqueeze(-1) == ext_ids.unsqueeze(-2)  # (T, k, k + 1)
     ext_native = (ext_weights.unsqueeze(1) * matches).sum(-1)  # w^+ of the native slots, (T, k)
     next_weight = (ext_weights * ~matches.any(1)).sum(-1)  # w^+ of the next expert, (T,)
@@ -68,10 +66,8 @@ class RerouteStatsMetric(LayerSumsMetric):
 
     def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
                token_weight: torch.Tensor | None) -> None:
-        """Add one layer's batch: ``deltas`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``.
-
-        Tokens whose atoms cancel get no weight in the normalized Gram (as in the core token-normalized Gram).
-        """
+        """Add one layer's batch: ``deltas`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``; tokens
+        whose atoms cancel get no weight in the normalized Gram (as in the core token-normalized Gram)."""
         n = self.num_experts[index]
         device = self.state("gram_reroute", index).device
         deltas, atoms, ids = deltas.to(device, torch.float32), atoms.to(device, torch.float32), ids.to(device)
@@ -88,11 +84,9 @@ class RerouteStatsMetric(LayerSumsMetric):
 
 
 class RerouteRecorder:
-    """Hooks that add each layer's rerouting-aware sums during the statistics forward.
-
-    Each router is re-run with ``top_k + 1`` (its own code), the experts' input is kept, and :meth:`callback`
-    evaluates the next expert ``F_n`` and adds :func:`removal_deltas` to the metric.
-    """
+    """Hooks that add each layer's rerouting-aware sums during the statistics forward: each router is re-run with
+    ``top_k + 1`` (its own code), the experts' input is kept, and :meth:`callback` evaluates the next expert ``F_n``
+    and adds :func:`removal_deltas` to the metric."""
 
     def __init__(self, layers: list[MoELayer], metric: RerouteStatsMetric,
                  token_weight: Callable[[], torch.Tensor | None]) -> None:
