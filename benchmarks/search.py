@@ -292,8 +292,8 @@ def bench_real_shapes(repeats: int, device: torch.device, dtype: torch.dtype, de
         size = stats_bytes(stats())
         if device.type == "cuda":  # process CPU time means nothing for asynchronous kernels
             pc, sc = pw, sw
-        row(f"  plain forward", pc, pw, f"peak {plain_peak / 2**20:,.0f} MiB")
-        row(f"  collect_stats", sc, sw, f"ratio {sc / pc:.3f} (wall {sw / pw:.3f}); target <= 1.05; "
+        row("  plain forward", pc, pw, f"peak {plain_peak / 2**20:,.0f} MiB")
+        row("  collect_stats", sc, sw, f"ratio {sc / pc:.3f} (wall {sw / pw:.3f}); target <= 1.05; "
             f"peak {stats_peak / 2**20:,.0f} MiB (plain + {(stats_peak - plain_peak) / 2**20:,.1f} MiB; "
             f"the statistics are {size / 2**20:.2f} MiB)")
         results.append(dict(shape=label, tokens=tokens, plain_s=pc, stats_s=sc, plain_wall_s=pw, stats_wall_s=sw,

@@ -75,6 +75,8 @@ def test_interleaved_medians_and_ratios():
     runs = {k: (lambda k=k: calls.append(k)) for k in calibration_cost.PASSES}
     times = calibration_cost.time_passes(runs, repeats=3, warmup=1)
     assert calls == list(calibration_cost.PASSES) * 4  # one warm-up round, then three rounds, interleaved
+    assert set(times) == {"wall", "cpu"} and all(set(times[kind]) == set(calibration_cost.PASSES) for kind in times)
+    assert all(seconds >= 0.0 for kind in times.values() for seconds in kind.values())
     assert calibration_cost.median([3.0, 1.0, 2.0]) == 2.0 and calibration_cost.median([4.0, 1.0, 2.0, 3.0]) == 2.5
     wall = {"forward": 2.0, "forward_backward": 5.0, "stats": 2.5, "loss_stats": 5.25, "reroute_stats": 3.0}
     memory = {k: {"before_mib": 100.0, "extra_mib": v, "memory_method": "m"}

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).parents[1]
 RECIPES = ROOT / "docs" / "recipes.md"

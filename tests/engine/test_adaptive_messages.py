@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import pytest
 import torch
 
 import ompmoe

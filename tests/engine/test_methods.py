@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
+from ompmoe import MoEStats, collect_stats, plan_pruning
 from ompmoe.engine.methods import (
     METHODS,
     SubsetSelection,

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import json
 import re
-import warnings
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ write the same statistics and the same plan, and print the same summary."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
