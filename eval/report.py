@@ -132,8 +132,10 @@ def _seconds(value: float) -> str:
 
 def _distinct(names: Sequence[str], files: Sequence[str | None]) -> list[str]:
     """``names`` with repeats told apart by their file name (or row number)."""
-    out = [(f"{name} [{Path(file).stem}]" if file else f"{name} [row {index}]") if names.count(name) > 1 else name
-           for index, (name, file) in enumerate(zip(names, files))]
+    out = list(names)
+    for index, (name, file) in enumerate(zip(names, files)):
+        if names.count(name) > 1:
+            out[index] = f"{name} [{Path(file).stem}]" if file else f"{name} [row {index}]"
     if len(set(out)) < len(out):
         out = [f"{name} [row {index}]" if out.count(name) > 1 else name for index, name in enumerate(out)]
     return out

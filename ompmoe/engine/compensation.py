@@ -177,7 +177,8 @@ class _LayerPass:
         self.kept = torch.tensor(kept, dtype=torch.long)
         self.router = copy.deepcopy(layer.router)
         slice_module(self.router, self.kept, layer.num_experts, count_attributes)
-        device, k, d = _down_projection(layer)[0].device, len(kept), _hidden_size(layer)
+        device = _down_projection(layer)[0].device
+        k, d = len(kept), _hidden_size(layer)  # kept experts, hidden size
         self.kept_on_device = self.kept.to(device)  # indexed per batch: no host-to-device copy there
         zeros = dict(dtype=torch.float64, device=device)  # on the experts' device: no batch goes to the host
         self.sums = LayerSums(
@@ -232,7 +233,8 @@ class _LayerPass:
 
     def _add(self, ids: torch.Tensor, contributions: torch.Tensor, target: torch.Tensor) -> None:
         """Add one batch: ``ids`` ``(T, k')`` positions among the kept experts, ``contributions`` ``(T, k', d)``,
-        ``target`` ``(T, d)``; padding adds zeros, not dropped: no host read here (a boolean index needs one)."""
+        ``target`` ``(T, d)``; padded tokens add zeros (zeroed, not dropped: a boolean index reads back to the
+        host)."""
         if self.token_weight is not None:
             keep = (self.token_weight.to(ids.device) > 0).unsqueeze(-1)
             contributions = torch.where(keep.unsqueeze(-1), contributions, 0.0)  # where: a padded NaN adds nothing
@@ -509,7 +511,7 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
 
 def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE
                ) -> dict[str, torch.Tensor]:
-    """Per layer, the float64 correction (module docstring): ``layer`` its one factor per kept expert (ascending
+    """Per layer, the float64 correction (module docstring): ``layer`` one factor repeated per kept expert (ascending
     ids), ``expert`` ridge-shrunk per-expert factors (CPU), ``linear`` the ``(d, d)`` map (where its sums are)."""
     _check_options(granularity, ridge)
     tokens = float(sums.num_tokens)
@@ -521,8 +523,8 @@ def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tenso
     """What was fitted, JSON-able: settings, tokens, the factors' range (a map's diagonal; ``map_off_diagonal`` is
     the Frobenius norm of the rest over the map's, mean over layers), and the fitting tokens' relative routed-output
     error ``||Y - Y'||^2 / ||Y||^2`` (mean over layers) before and after."""
-    values = torch.cat([scale if scale.dim() == 1 else scale.diagonal()
-                        for scale in (scales[layer.name] for layer in sums.layers)]).to(torch.float64)
+    layer_scales = [scales[layer.name] for layer in sums.layers]
+    values = torch.cat([s if s.dim() == 1 else s.diagonal() for s in layer_scales]).to(torch.float64)
     before = [layer.residual(torch.ones_like(layer.cross)) for layer in sums.layers]
     after = [layer.residual(scales[layer.name]) for layer in sums.layers]
     record: dict[str, Any] = {

@@ -397,8 +397,9 @@ class PruningRun:
         """
         assert self.plan is not None
         if text is None:  # nothing to fit on: said in the plan and the run's lines, not an error after calibrating
-            compensation, record = None, {"granularity": granularity, "applied": False,
-                                          "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
+            compensation = None
+            record = {"granularity": granularity, "applied": False,
+                      "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
         else:
             compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
                                                     loss_without, unchecked)

@@ -178,7 +178,8 @@ def quantization_summary(model: nn.Module) -> QuantizationSummary:
     modules_q = {name: module for name, module in model.named_modules()
                  if isinstance(module, (nn.Linear, nn.Embedding)) and _module_quantized(module)}
     names = [f"{name}.weight" for name in modules_q]
-    linear_q = sum(isinstance(module, nn.Linear) for module in modules_q.values())
+    linear = sum(isinstance(module, nn.Linear) for module in model.modules())
+    linear_q = sum(isinstance(module, nn.Linear) for module in modules_q.values())  # the rest are embeddings
     experts = experts_q = routers = routers_q = 0
     for block_name, _, router, expert_module in sparse_blocks(model):
         routers += 1
@@ -192,7 +193,7 @@ def quantization_summary(model: nn.Module) -> QuantizationSummary:
         experts_q += len(quantized)
         names += [f"{block_name}.experts.{name}" for name in quantized]
     return QuantizationSummary(
-        linear=sum(isinstance(module, nn.Linear) for module in model.modules()), linear_quantized=linear_q,
+        linear=linear, linear_quantized=linear_q,
         expert_weights=experts, expert_weights_quantized=experts_q, routers=routers, routers_quantized=routers_q,
         embeddings_quantized=len(modules_q) - linear_q, size_bytes=model_size_bytes(model), quantized_names=names,
     )

@@ -109,6 +109,22 @@ def test_off_leaves_the_kept_experts_unchanged_for_auto_too(blocks, choice):
     torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
 
 
+def test_a_calibration_fed_inputs_embeds_is_pruned_without_compensation_and_the_plan_says_why(blocks):
+    model = tiny_model(MODEL_TYPE)
+    original = copy.deepcopy(model)
+    run = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, compensation="linear",
+                                              strategy=ompmoe.PruningStrategy(ratio=0.5, min_kept_fraction=0.25)))
+    context = ompmoe.LocalContext(print=lambda line: None)
+    run.start(model, context, model_id=f"tiny:{MODEL_TYPE}")
+    with torch.no_grad():
+        run.collect([{"inputs_embeds": model.get_input_embeddings()(batch)} for batch in blocks.split(4)])
+    run.finish(context)
+    assert run.plan.extra["compensation"] == {"granularity": "linear", "applied": False,
+                                              "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
+    expected = ompmoe.prune(copy.deepcopy(original), run.plan)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+
+
 def test_an_unknown_mode_is_refused_at_construction_naming_the_modes():
     with pytest.raises(ValueError) as caught:
         ompmoe.RunOptions(compensation="linaer")
