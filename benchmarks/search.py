@@ -37,7 +37,7 @@ from ompmoe.engine.tiny import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from reference import pursuit_on_atoms  # noqa: E402  (the literal Algorithm 1 the tests compare against)
+from literal_pursuit import pursuit_on_atoms  # noqa: E402  (the literal Algorithm 1 the tests compare against)
 from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, build_model, describe  # noqa: E402
 
 

@@ -188,22 +188,3 @@ def train_split_log_unigram(tokenizer) -> torch.Tensor:
     for domain in CORPUS_DOMAINS:
         counts += torch.bincount(corpus_token_stream(tokenizer, domain, "train"), minlength=vocab).double()
     return ((counts + 1) / (counts.sum() + vocab)).log()
-
-
-def pursuit_on_atoms(atoms: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Algorithm 1 run literally on cached atoms ``(N, tokens, d)``, holding every atom in memory: the reference the
-    Gram path must match (to validate and benchmark, not to prune)."""
-    atoms = atoms.to(torch.float64)
-    residual = atoms.sum(dim=0)
-    signal = float(residual.square().sum())
-    remaining = list(range(atoms.shape[0]))
-    order: list[int] = []
-    curve = [1.0]
-    for _ in range(atoms.shape[0]):
-        gains = torch.stack([2.0 * (residual * atoms[e]).sum() - atoms[e].square().sum() for e in remaining])
-        best = remaining[int(gains.argmax())]
-        residual = residual - atoms[best]
-        remaining.remove(best)
-        order.append(best)
-        curve.append(float(residual.square().sum()) / signal)
-    return order, curve

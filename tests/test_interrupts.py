@@ -36,6 +36,7 @@ def assert_interrupted_after_2_of_5(exit_info, capsys, out):
                                             f"written ({out} is as it was): run the same command again to redo it")
     assert "Traceback" not in err and not out.exists()
 
+
 def test_fit_interrupted_says_nothing_was_written(tmp_path, capsys, monkeypatch, sigint_restored):
     monkeypatch.setattr(CalibrationModule, "training_step", interrupt_at(2))
     with pytest.raises(SystemExit) as exit_info:

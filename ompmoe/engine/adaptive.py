@@ -334,8 +334,9 @@ def adaptive_paused(model: nn.Module) -> Iterator[bool]:
     try:
         yield bool(paused)
     finally:
-        for module in paused:
-            _set_hooks(module, getattr(module, STATE_ATTR), on=True)
+        for module, state in paused.items():
+            if getattr(module, STATE_ATTR, None) is state:  # not switched off (disable_adaptive) meanwhile
+                _set_hooks(module, state, on=True)
 
 
 def is_adaptive(model: nn.Module) -> bool:

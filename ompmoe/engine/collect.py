@@ -22,6 +22,7 @@ from .adapters import MoELayer, architecture_of, find_moe_layers
 from .adaptive import adaptive_paused
 from .extensions import (CANCELLED_TOKEN, LayerSumsMetric, PairCallback, StatisticsExtension, extension,
                          selected_statistics)
+from .perplexity import eval_mode
 from .replay import replayable
 from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
@@ -336,20 +337,18 @@ class StatisticsCollector:
         """One instrumented forward in eval mode (routers of Mixtral and others jitter in train mode), and the
         extensions' backward with the parameters frozen meanwhile (no weight gradient)."""
         model, gradients = self.model, self.needs_gradients
-        was_training = model.training
         frozen = [p for p in model.parameters() if p.requires_grad] if gradients else []
-        model.eval()
-        self.begin_batch(inputs, first_sample, real_samples)
-        try:
-            with torch.set_grad_enabled(gradients), autocast if autocast is not None else nullcontext():
+        with eval_mode(model):  # its own mode again also when begin_batch refuses the batch
+            self.begin_batch(inputs, first_sample, real_samples)
+            try:
+                with torch.set_grad_enabled(gradients), autocast if autocast is not None else nullcontext():
+                    for parameter in frozen:
+                        parameter.requires_grad_(False)
+                    model(**inputs, use_cache=False)
+            finally:
+                self.end_batch()
                 for parameter in frozen:
-                    parameter.requires_grad_(False)
-                model(**inputs, use_cache=False)
-        finally:
-            self.end_batch()
-            for parameter in frozen:
-                parameter.requires_grad_(True)
-            model.train(was_training)
+                    parameter.requires_grad_(True)
 
     def collect(self, batches: Iterable[Any], show_progress: bool | None = None) -> int:
         """:meth:`calibrate` on each batch in this process, on the model's device; returns the number of batches."""

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .adapters import MoELayer, architecture_of, find_moe_layers
-from .collect import adaptive_paused, as_model_inputs, check_calibration_inputs
+from .adaptive import adaptive_paused
+from .collect import as_model_inputs, check_calibration_inputs
 from .perplexity import eval_mode, perplexity
 from .plan import PruningPlan
 from .pruning import require_plan_model, slice_module, validate_plan
@@ -51,7 +52,7 @@ class CompensationError(ValueError):
 
 @dataclass
 class LayerSums:
-    """One MoE layer's float64 sums over the fitting tokens (see the module docstring)."""
+    """One MoE layer's float64 sums over the fitting tokens (the systems: docs/quality/compensation.md)."""
 
     name: str
     kept: list[int]
@@ -511,8 +512,9 @@ def _fit_layer(sums: LayerSums, granularity: str, ridge: float | None, num_token
 
 def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, ridge: float | None = DEFAULT_RIDGE
                ) -> dict[str, torch.Tensor]:
-    """Per layer, the float64 correction (module docstring): ``layer`` one factor repeated per kept expert (ascending
-    ids), ``expert`` ridge-shrunk per-expert factors (CPU), ``linear`` the ``(d, d)`` map (where its sums are)."""
+    """Per layer, the float64 correction (docs/quality/compensation.md): ``layer`` one factor repeated per kept
+    expert (ascending ids), ``expert`` ridge-shrunk per-expert factors (CPU), ``linear`` the ``(d, d)`` map (where its
+    sums are)."""
     _check_options(granularity, ridge)
     tokens = float(sums.num_tokens)
     return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
@@ -636,11 +638,10 @@ def heldout_losses(model: nn.Module, plan: PruningPlan, compensation: Compensati
                    batch_size: int = 4) -> tuple[float, float]:
     """Mean next-token loss (nats) of the pruned model on ``blocks`` without and with ``compensation``, both run on
     the unpruned ``model`` (no copy): where compensation helps, the second is lower."""
-    with eval_mode(model):
-        with pruned_view(model, plan):
-            without = math.log(perplexity(model, blocks, batch_size))
-        with compensated_view(model, plan, compensation):
-            with_ = math.log(perplexity(model, blocks, batch_size))
+    with pruned_view(model, plan):
+        without = math.log(perplexity(model, blocks, batch_size))
+    with compensated_view(model, plan, compensation):
+        with_ = math.log(perplexity(model, blocks, batch_size))
     return without, with_
 
 
@@ -649,10 +650,14 @@ def spread_blocks(blocks: torch.Tensor, max_tokens: int) -> torch.Tensor:
     of several sources one after the other gives each its share), in order; all of them when they hold fewer."""
     if blocks.dim() != 2 or blocks.shape[1] == 0:
         raise CompensationError(f"Compensation needs (num_blocks, seq_len) token ids; got shape {tuple(blocks.shape)}.")
-    count = -(-max_tokens // int(blocks.shape[1]))
-    if count >= blocks.shape[0]:
-        return blocks
-    return blocks[torch.linspace(0, blocks.shape[0] - 1, count).round().long()]
+    rows = spread_rows(blocks.shape[0], blocks.shape[1], max_tokens)
+    return blocks if rows is None else blocks[rows]
+
+
+def spread_rows(num_rows: int, row_tokens: int, max_tokens: int) -> list[int] | None:
+    """The indices :func:`spread_blocks` takes of ``num_rows`` rows of ``row_tokens`` tokens; ``None``: all rows."""
+    count = -(-max_tokens // int(row_tokens))
+    return None if count >= num_rows else torch.linspace(0, num_rows - 1, count).round().long().tolist()
 
 
 def fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> int:
@@ -713,4 +718,4 @@ __all__ = ["Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRA
            "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
            "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensated_view",
            "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
-           "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks"]
+           "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks", "spread_rows"]

@@ -23,14 +23,16 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 @torch.no_grad()
 def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> float:
-    """``exp`` of the mean next-token loss over every predicted token of ``blocks`` (``(num_blocks, seq_len)``)."""
+    """``exp`` of the mean next-token loss over every predicted token of ``blocks`` (``(num_blocks, seq_len)``), in
+    eval mode (no dropout, no router jitter), the model's own mode again afterwards."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for batch in blocks.split(batch_size):
-        batch = batch.to(device)
-        logits = model(batch).logits[:, :-1].float()
-        targets = batch[:, 1:]
-        total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                   reduction="sum"))
-        count += targets.numel()
+    with eval_mode(model):
+        for batch in blocks.split(batch_size):
+            batch = batch.to(device)
+            logits = model(batch).logits[:, :-1].float()
+            targets = batch[:, 1:]
+            total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                       reduction="sum"))
+            count += targets.numel()
     return math.exp(total / count)

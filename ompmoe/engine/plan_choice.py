@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .perplexity import eval_mode, perplexity
+from .perplexity import perplexity
 from .plan import PruningPlan
 from .trial import pruned_view
 
@@ -56,13 +56,12 @@ def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: tor
                          f"{tuple(blocks.shape)}.")
     measured: dict[tuple, float] = {}
     losses: dict[str, float] = {}
-    with eval_mode(model):
-        for plan in candidates:
-            key = tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
-            if key not in measured:
-                with pruned_view(model, plan):
-                    measured[key] = math.log(perplexity(model, blocks, batch_size))
-            losses[setting_name(plan)] = measured[key]
+    for plan in candidates:
+        key = tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
+        if key not in measured:
+            with pruned_view(model, plan):
+                measured[key] = math.log(perplexity(model, blocks, batch_size))
+        losses[setting_name(plan)] = measured[key]
     best = min(range(len(candidates)), key=lambda i: losses[setting_name(candidates[i])])
     return PlanChoice(candidates[best], best, losses)
 

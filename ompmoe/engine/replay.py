@@ -68,4 +68,4 @@ def sorted_expert_outputs(experts: nn.Module, hidden_states: torch.Tensor, exper
     return projected, expert_ids_g, perm, inverse
 
 
-__all__ = ["replay_grouped_mm", "replayable"]
+__all__ = ["replay_grouped_mm", "replayable", "sorted_expert_outputs"]

@@ -16,8 +16,8 @@ from torch import nn
 from .adapters import find_moe_layers
 from .compensation import (DEFAULT_GRANULARITY, GRANULARITIES, MAX_SUM_BYTES, Compensation, CompensationError,
                            check_sum_budget, compensate, compensated_view, fitting_tokens, heldout_losses,
-                           spread_blocks)
-from .perplexity import eval_mode, perplexity
+                           spread_rows)
+from .perplexity import perplexity
 from .plan import PruningPlan
 from .strategy import AUTO, Strategy
 
@@ -105,9 +105,8 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
     tokens = int(text.numel()) if isinstance(text, torch.Tensor) else sum(int(b["input_ids"].numel()) for b in text)
     max_tokens = fitting_tokens(model, tokens)
     if not isinstance(text, torch.Tensor):  # the fewest evenly spaced batches holding them (padding cannot be re-cut)
-        per_batch = max(1, tokens // len(text))
-        rows = spread_blocks(torch.arange(len(text)).unsqueeze(1).expand(-1, per_batch), max_tokens)
-        text = [text[int(i)] for i in rows[:, 0]]
+        rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
+        text = text if rows is None else [text[i] for i in rows]
     compensation = compensate(model, plan, text, batch_size, granularity=granularity, max_tokens=max_tokens)
     record = dict(compensation.record, applied=True)
     if check_blocks is None:
@@ -116,7 +115,7 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
     if loss_without is None:
         loss_without, loss_with = heldout_losses(model, plan, compensation, check_blocks, batch_size)
     else:
-        with eval_mode(model), compensated_view(model, plan, compensation):
+        with compensated_view(model, plan, compensation):
             loss_with = math.log(perplexity(model, check_blocks, batch_size))
     record.update(checked="held-out calibration loss", check_blocks=int(check_blocks.shape[0]),
                   loss_without=loss_without, loss_with=loss_with,

@@ -393,7 +393,10 @@ class FinetuneModule(pl.LightningModule):
         best_step, best, state = self._best
         if best_step == final_step:
             return
-        self.model.load_state_dict(state, strict=False)  # the trainable parameters only
+        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys  # the trainable parameters only
+        if unexpected:  # renamed since they were kept: never report a restore that did not happen
+            raise RuntimeError(f"FinetuneModule: the best validation state names parameters the model no longer has: "
+                               f"{', '.join(unexpected)}.")
         where = "the starting model (before training)" if best_step == 0 else f"step {best_step}"
         rank_zero_warn(
             f"FinetuneModule: restored the best validation state, {where}: mean validation loss {best:.4f}; "

@@ -232,6 +232,22 @@ def test_disable_restores_the_plain_model(case):
     assert torch.equal(logits(model, ids), plain)
 
 
+def test_switching_adaptive_off_while_paused_leaves_it_off():
+    from ompmoe.engine.adaptive import adaptive_paused
+
+    model = scaled_model("qwen3_moe")
+    ids = random_ids(batch=2, seq=16, seed=5)
+    plain = logits(model, ids)
+    enable_adaptive(model, stats_of("qwen3_moe"), 0.3)
+    with adaptive_paused(model) as paused:
+        disable_adaptive(model)
+    assert paused and not is_adaptive(model) and torch.equal(logits(model, ids), plain)
+    enable_adaptive(model, stats_of("qwen3_moe"), 0.3)
+    with adaptive_paused(model):
+        assert torch.equal(logits(model, ids), plain)  # the full top-k meanwhile
+    assert not torch.equal(logits(model, ids), plain)  # and the rule again afterwards
+
+
 def test_enabling_again_replaces_the_settings_and_counters_reset():
     model = scaled_model("qwen3_moe")
     ids = random_ids(batch=2, seq=16, seed=6)

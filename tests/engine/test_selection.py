@@ -7,7 +7,7 @@ import torch
 
 from ompmoe import greedy_pursuit
 from ompmoe.engine.selection import prefix_residual, routing_coverage
-from reference import pursuit_on_atoms
+from literal_pursuit import pursuit_on_atoms
 
 
 def random_atoms(n: int, seed: int, tokens: int = 12, d: int = 5) -> torch.Tensor:

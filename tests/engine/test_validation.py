@@ -391,6 +391,13 @@ def test_bad_calibration_batches(batch, message):
         collect_stats(qwen(), [batch])
 
 
+def test_a_refused_batch_leaves_the_model_in_its_own_mode():
+    model = qwen().train()
+    with pytest.raises(CalibrationInputError):
+        collect_stats(model, [{"input_ids": random_ids(), "attention_mask": torch.full((2, 16), 7)}])
+    assert model.training
+
+
 def test_bool_and_float_masks_accepted():
     ids = random_ids(seed=4)
     mask = torch.ones(2, 16, dtype=torch.long)

@@ -23,6 +23,14 @@ def test_perplexity_is_the_models_own_mean_token_loss():
     assert abs(perplexity(model, blocks, batch_size=1) - expected) < 1e-4 * expected
 
 
+def test_perplexity_runs_in_eval_mode_and_leaves_the_models_own_mode():
+    model = tiny_model("qwen3_moe", attention_dropout=0.5).train()  # dropout would change every train-mode loss
+    blocks = torch.randint(3, 250, (3, 24), generator=torch.Generator().manual_seed(0))
+    measured = perplexity(model, blocks)
+    assert model.training
+    assert measured == perplexity(model.eval(), blocks)
+
+
 def test_fit_reports_heldout_perplexity_before_and_after_pruning(tmp_path, caplog):
     module = ompmoe.CalibrationModule("tiny:qwen3_moe")
     data = ompmoe.CalibrationDataModule("shipped", tokenizer="bytes", seq_len=32, num_blocks=4, batch_size=2)
