@@ -230,3 +230,15 @@ def test_distillation_loss_is_the_mean_token_kl_to_the_teacher():
     with pytest.raises(ValueError) as error:
         ompmoe.FinetuneModule(student, teacher=teacher, distill_weight=1.5)
     assert str(error.value) == "distill_weight must lie in [0, 1]; got 1.5."
+
+
+def test_a_best_state_naming_parameters_the_model_no_longer_has_is_refused_not_reported():
+    module = ompmoe.FinetuneModule("tiny:qwen3_moe")
+    module.configure_model()
+    module._trainer = SimpleNamespace(global_step=5)  # the end of a fit whose best validation was the start
+    module.validation_history = [(0, 0.5), (5, 1.0)]
+    module._best = (0, 0.5, {"model.renamed.weight": torch.zeros(1)})
+    with pytest.raises(RuntimeError) as error:
+        module.on_train_end()
+    assert str(error.value) == ("FinetuneModule: the best validation state names parameters the model no longer has: "
+                                "model.renamed.weight.")
