@@ -7,6 +7,7 @@ The run itself (statistics, plan, ``auto``'s choice, pruning, held-out perplexit
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES
-from ompmoe.engine.collect import real_sample_count
+from ompmoe.engine.collect import BATCH_CONTRACT, batch_inputs, real_sample_count
 from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.ranks import RunContext
 from ompmoe.engine.strategy import Strategy
@@ -42,6 +43,14 @@ def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Modu
     for candidate in candidates:
         if getattr(getattr(candidate, "config", None), "model_type", None) in ARCHITECTURES:
             return candidate
+    held = candidates[0]
+    if getattr(held, "config", None) is not None:  # a model where one belongs, but dense or of another layout
+        from ompmoe.lightning.calibration_module import check_prunable
+
+        try:
+            check_prunable(held)
+        except ValueError as error:
+            raise MissingModelError(f"ExpertPruning: {type(pl_module).__name__}.model: {error}") from None
     raise MissingModelError(
         f"ExpertPruning found no Hugging Face MoE model on {type(pl_module).__name__}: store it as "
         "`self.model` (or pass `model_attribute=`), e.g. use ompmoe.CalibrationModule. Supported "
@@ -64,17 +73,26 @@ class ExpertPruning(RunResults, pl.Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
     Only training batches count (not sanity checks or validation), without padding tokens or the samples a
-    ``DistributedSampler`` repeats to even out the ranks. Takes every option of :class:`ompmoe.RunOptions`
-    (``strategy``, ``output_dir``, ``overwrite``, ``evaluate_on``, ``choice_blocks``, ...), checked here.
+    ``DistributedSampler`` repeats to even out the ranks. Batches: :data:`~ompmoe.engine.collect.BATCH_CONTRACT`
+    (a list is what ``DataLoader(TensorDataset(ids))`` yields), else refused at the first; weights that change (an
+    optimizer step) are refused too. Takes every option of :class:`ompmoe.RunOptions`, checked here.
 
     Args:
-        strategy: What to prune (:class:`ompmoe.RunOptions`' ``strategy``; default ``auto``).
+        strategy: What to prune (:class:`ompmoe.RunOptions`' ``strategy``; default ``auto``, whose loss-aware
+            statistics need the forward to run with gradients).
         model_attribute: Attribute of the LightningModule holding the model, if not ``model``.
+        batch_to_inputs: Maps a batch of another format to the model's inputs (a dict with ``input_ids``, optionally
+            ``attention_mask``), e.g. ``lambda batch: {"input_ids": batch["tokens"]}``.
     """
 
-    def __init__(self, strategy: Strategy | None = None, model_attribute: str | None = None, **options: Any) -> None:
+    def __init__(self, strategy: Strategy | None = None, model_attribute: str | None = None,
+                 batch_to_inputs: Callable[[Any], Any] | None = None, **options: Any) -> None:
         self.pruning = PruningRun(RunOptions(strategy=strategy, **options), owner="ExpertPruning")
+        if batch_to_inputs is not None and not callable(batch_to_inputs):
+            raise ValueError(f"ExpertPruning: batch_to_inputs must be a function from a batch to {BATCH_CONTRACT}; "
+                             f"got {type(batch_to_inputs).__name__}.")
         self.model_attribute = model_attribute
+        self.batch_to_inputs = batch_to_inputs
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
@@ -133,7 +151,7 @@ class ExpertPruning(RunResults, pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        inputs = batch if isinstance(batch, dict) else {"input_ids": batch}
+        inputs = batch_inputs(batch, self.batch_to_inputs, self.pruning.owner)  # the one batch contract
         # the batch's first sample's position on this rank, also after a resume
         self.pruning.begin_batch(inputs, batch_idx * self._batch_size, self._real_samples)
 

@@ -76,6 +76,49 @@ def problems(rows: Sequence[Mapping[str, Any]], base: int, names: Sequence[str])
     return found
 
 
+def _limit(value: Any) -> str:
+    """A recorded ``limit`` as the user typed it: ``none`` for every item."""
+    if value is None:
+        return "none"
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+SHOWN_TASKS = 3
+"""Tasks named in an item-count mismatch before "and N more"."""
+
+
+def item_problems(rows: Sequence[Mapping[str, Any]], base: int) -> dict[int, str]:
+    """Per row (not the baseline), why it was scored on other items than the baseline: a task both scored on a
+    different number of items (lm-eval's ``n-samples``, after ``--data.limit``), with the two limits when they
+    differ. A retained percentage or speedup between them would compare different questions (a 2-item baseline
+    against a 200-item run). Without recorded counts, different recorded limits count as such a row."""
+    def counts(row: Mapping[str, Any]) -> dict[str, int]:
+        return {task: int(entry.get("effective", entry.get("original", 0)))
+                for task, entry in (row.get("n-samples") or {}).items()}
+
+    def limit(row: Mapping[str, Any]) -> tuple[bool, Any]:
+        config = row.get("config") or {}
+        return "limit" in config, config.get("limit")
+
+    reference, (base_has_limit, base_limit) = counts(rows[base]), limit(rows[base])
+    found: dict[int, str] = {}
+    for index, row in enumerate(rows):
+        if index == base:
+            continue
+        mine, (has_limit, my_limit) = counts(row), limit(row)
+        shared = sorted(set(mine) & set(reference))
+        differ = [f"{task}: {mine[task]} vs {reference[task]} items"
+                  for task in shared if mine[task] != reference[task]]
+        limits_differ = has_limit and base_has_limit and _limit(my_limit) != _limit(base_limit)
+        if not differ and (shared or not limits_differ):
+            continue  # the same items: the counts agree (a limit above every task's size changes nothing)
+        parts = [f"--data.limit {_limit(my_limit)} vs {_limit(base_limit)}"] if limits_differ else []
+        if len(differ) > SHOWN_TASKS:
+            differ = [*differ[:SHOWN_TASKS], f"and {len(differ) - SHOWN_TASKS} more tasks"]
+        found[index] = f"scored on other items ({'; '.join(parts + differ)})"
+    return found
+
+
 def unrecorded(rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Rows whose base model or tokenizer fingerprint was not recorded (older results files)."""
     return [i for i, row in enumerate(rows) if not (identity(row)["weights"] and identity(row)["tokenizer"])]

@@ -77,6 +77,10 @@ class LMEvalDataModule(pl.LightningDataModule):
         dataset_overrides: Per task (or data set) local copies; see :mod:`ompmoe.eval.offline`.
         metadata: lm-eval ``TaskManager`` metadata (e.g. ``{"max_seq_lengths": [4096]}``).
         output_path: Results JSON written by rank 0 (a directory gets ``results.json``).
+        overwrite: Replace an existing results file; without it one is refused at ``setup``, before any task loads
+            or the model loads (CLI: ``--overwrite``), so that one run never silently replaces another's results.
+            The file this module wrote itself (and nothing changed since) is its own: a later stage or model run
+            with the same module replaces it.
         label: Row label of these results in reports (default: from the model).
         log_samples: Keep lm-eval's per-sample records in the results (and the JSON).
         bootstrap_iters: lm-eval's bootstrap iterations for standard errors (0: none).
@@ -108,6 +112,7 @@ class LMEvalDataModule(pl.LightningDataModule):
         dataset_overrides: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         output_path: str | None = None,
+        overwrite: bool = False,
         label: str | None = None,
         log_samples: bool = False,
         bootstrap_iters: int = 100000,
@@ -146,6 +151,9 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.dataset_overrides = dict(dataset_overrides or {})
         self.metadata = dict(metadata or {})
         self.output_path = output_path
+        self.overwrite = overwrite
+        self.written: Path | None = None  # the results file this module wrote last (rank 0)
+        self._written_as: tuple[int, ...] | None = None  # that file's device, inode, size and mtime then
         self.label = label
         self.log_samples = log_samples
         self.bootstrap_iters = bootstrap_iters
@@ -160,6 +168,7 @@ class LMEvalDataModule(pl.LightningDataModule):
         self.data_sources: dict[str, str] = {}
 
     def setup(self, stage: str | None = None) -> None:
+        self.check_output()  # every stage, before any work: a second stage must not replace the first's file
         if self.plan is not None:
             return
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -167,6 +176,26 @@ class LMEvalDataModule(pl.LightningDataModule):
         config = module.model_config() if hasattr(module, "model_config") else None
         self.build(tokenizer, config=config, world_size=self._sampler_kwargs()["num_replicas"])
         self._check_ranks_agree()
+
+    def results_file(self) -> Path | None:
+        """The results JSON this module writes (``None``: none)."""
+        return results.results_file(self.output_path)
+
+    def check_output(self) -> Path | None:
+        """Refuse, before any work, a results file that exists (unless it may be replaced) or cannot be written:
+        :func:`~ompmoe.eval.results.check_results_output` of this module's settings."""
+        target = self.results_file()
+        return results.check_results_output(target, target is not None and self.may_replace(target),
+                                            inputs=(self.include_path, self.data_dir, self.tokenizer))
+
+    def may_replace(self, target: Path) -> bool:
+        """Whether ``target`` may be replaced: ``overwrite``, or it is the file this module wrote last, unchanged
+        since (a module replaces its own results, never another run's)."""
+        return self.overwrite or (self.written == target and self._written_as == _file_state(target))
+
+    def record_written(self, target: Path) -> None:
+        """Remember ``target`` as this module's own results file (:func:`ompmoe.eval.results.write` calls it)."""
+        self.written, self._written_as = target, _file_state(target)
 
     def build(self, tokenizer: Any = None, config: Any = None, world_size: int = 1) -> WorkPlan:
         """Load the tasks, build and encode every request, and batch the work (what ``setup`` does)."""
@@ -298,3 +327,13 @@ class LMEvalDataModule(pl.LightningDataModule):
     # Scoring (ompmoe.eval.results) as methods: ``self`` is their ``data``.
     score = results.score
     evaluate_responses = results.evaluate_responses
+
+
+def _file_state(path: Path) -> tuple[int, ...] | None:
+    """Device, inode, size and modification time of ``path`` (``None``: absent): a file replaced or edited
+    differs."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -46,6 +46,8 @@ class EvalModule(CalibrationModule):
         timing_batches: Batches in the timing probe, evenly spaced over this rank's length-sorted batches.
         timing_warmup: Untimed passes over the probe before the timed ones.
     """
+
+    calibrates: ClassVar[bool] = False  # evaluates any causal LM, dense or pruned already
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .comparability import NOISY_ITEMS, item_count, problems, stderr_of, unrecorded
+from .comparability import NOISY_ITEMS, item_count, item_problems, problems, stderr_of, unrecorded
 from .labels import model_label
 from .timing import MIN_REPEATS, TIMES, samples_of, speedup as timed_speedup
 
@@ -28,7 +28,8 @@ NOT_SIGNIFICANT = "n.s."
 
 
 class IncomparableResultsError(ValueError):
-    """Result files that would compare different base models, tokenizers or task versions."""
+    """Result files that would compare different base models, tokenizers or task versions, or that were scored on
+    other items (another ``--data.limit``)."""
 
 
 class ResultsFileError(ValueError):
@@ -227,6 +228,20 @@ def report_table(results: Sequence[Mapping[str, Any] | str | Path], baseline: in
             "its own pruned versions, evaluated with the same tokenizer and task versions; or pass "
             "allow_mismatch=True (CLI: --allow-mismatch) to print them marked, without a retained percentage."
         )
+    other_items = item_problems(rows, base)
+    if other_items and not allow_mismatch:
+        def where(index: int) -> str:
+            return files[index] or repr(names[index])
+
+        details = "; ".join(f"{where(i)} {issue}" for i, issue in other_items.items())
+        raise IncomparableResultsError(
+            f"These results cannot be compared with the baseline {where(base)}: {details}, so a retained percentage "
+            "or speedup would compare different questions. Rerun one of them with the same --data.limit as the other "
+            "(and the same data sets); or pass allow_mismatch=True (CLI: --allow-mismatch) to print them marked, "
+            "without a retained percentage or speedup."
+        )
+    for index, issue in other_items.items():
+        mismatched.setdefault(index, []).append(issue)
     counts = {name: [item_count(row, column.get("source", name)) for row in rows] for name, column in columns.items()}
     fewest = {name: min((c for c in values if c is not None), default=None) for name, values in counts.items()}
     # Noise in the metric's own terms: "one item is x points" only for scores that are fractions of items.
@@ -448,7 +463,8 @@ def report_cli(argv: list[str] | None = None) -> str:
     parser.add_argument("--labels", nargs="+", help="row labels instead of the files' own")
     parser.add_argument("--digits", type=int, default=2, help="decimals of the scores")
     parser.add_argument("--allow-mismatch", action="store_true",
-                        help="print rows of another base model, tokenizer or task version (marked) instead of refusing")
+                        help="print rows of another base model, tokenizer, task version or item count (--data.limit), "
+                             "marked, instead of refusing them")
     parser.add_argument("--noisy-items", type=int, default=NOISY_ITEMS,
                         help=f"flag tasks with fewer items as noisy (default {NOISY_ITEMS})")
     parser.add_argument("--cost-time", choices=sorted(COST_TIMES), default="wall",

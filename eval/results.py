@@ -223,16 +223,39 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
 
 def write(data: LMEvalDataModule, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
     """Write ``results`` as JSON, atomically, to ``path`` or ``data.output_path`` (a directory gets
-    ``results.json``); returns the file."""
+    ``results.json``); returns the file. An existing file is replaced only with ``data.overwrite`` or when ``data``
+    wrote it itself (``setup`` refused any other before any work; this keeps one that appeared meanwhile)."""
     from lm_eval.utils import handle_non_serializable
 
     from ..engine.io import atomic_path
 
-    target = path or data.output_path
+    target = results_file(path or data.output_path)
     if target is None:
         return None
-    directory = Path(target).is_dir() or os.fspath(target).endswith(os.sep)
-    target = Path(target) / "results.json" if directory else Path(target)
-    with atomic_path(target, overwrite=True) as tmp:
+    with atomic_path(target, overwrite=data.may_replace(target)) as tmp:
         tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    data.record_written(target)
+    return target
+
+
+def results_file(output_path: str | os.PathLike | None) -> Path | None:
+    """The results JSON of ``output_path``: the path itself, or ``results.json`` in it when it is a directory (an
+    existing one, or a path ending in ``/``); ``None`` without an ``output_path``."""
+    if output_path is None:
+        return None
+    directory = Path(output_path).is_dir() or os.fspath(output_path).endswith(os.sep)
+    return Path(output_path) / "results.json" if directory else Path(output_path)
+
+
+def check_results_output(output_path: str | os.PathLike | None, overwrite: bool, inputs: Sequence[Any] = ()
+                         ) -> Path | None:
+    """The results file of ``output_path``, checked before any work (``ompmoe validate`` / ``test`` call this before
+    the model is built): an existing file is refused without ``overwrite`` (``OutputExistsError``, naming the file
+    and ``--overwrite``), and so are an unwritable place and another live run writing it
+    (:func:`ompmoe.engine.io.check_writable`). ``inputs``: paths the run reads, never replaced."""
+    from ..engine.io import check_writable, local_inputs
+
+    target = results_file(output_path)
+    if target is not None:
+        check_writable(target, overwrite, directory=False, inputs=local_inputs(*inputs))
     return target

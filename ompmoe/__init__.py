@@ -19,6 +19,7 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ".engine.collect": ("CalibrationInputError", "StatisticsCollector", "collect_stats"),
     ".engine.compensation": ("Compensation", "CompensationError", "compensate"),
     ".engine.io": ("OutputExistsError", "OutputNotReplaceableError", "OutputNotWritableError"),
+    ".engine.perplexity": ("perplexity",),
     ".engine.plan_choice": ("PlanChoice", "choose_plan"),
     ".engine.trial": ("pruned_view",),
     ".engine.ranks": ("LocalContext",),

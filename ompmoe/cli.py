@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths,
-                       fail, list_option, user_errors)
+                       fail, list_option, names_option, user_errors)
 from ._quiet import LIGHTNING_LOGGERS, passive_omp_threads, quiet_third_party
 from .cli_options import PARSER_SETTINGS, OneLineErrors, unknown_options_line
 from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
@@ -76,20 +76,23 @@ def replan(
     dtype: str | None = None,
     quiet: bool = False,
     compensation: str | None = None,
+    evaluate_on: list[str] | None = None,
+    evaluate_blocks: int | None = None,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
-    Settings not given (method, allocation, method_options, risk_weight, kept fractions, zeta) are those of the
-    fit's plan beside the statistics (``plan.json`` of the same statistics), else the defaults below; the settings
-    used, and where they came from, are printed.
+    Without ``method``, the settings not given are those of the fit's plan beside the statistics (``plan.json`` of
+    the same statistics): its plan again at other ratios. A method named runs as a fresh ``ompmoe fit --method`` runs
+    it, as published: its own allocation and no compensation unless ``allocation`` / ``compensation`` are given
+    (risk_weight, kept fractions and zeta are still the fit's). One line says each setting and where it came from.
 
     Args:
         stats: A ``stats.safetensors`` written by a calibration fit or ``MoEStats.save``.
         ratio: Fractions of routed experts to remove, one plan each (distinct; one number counts as
             a list of one).
         output_dir: Receives ``plan-<ratio>.json`` (and ``model-<ratio>/``) per ratio.
-        allocation: A registered allocation (ompmoe.ALLOCATIONS): ALLOCATION_NAMES (default: the fit's, else
-            waterfill).
+        allocation: A registered allocation (ompmoe.ALLOCATIONS): ALLOCATION_NAMES (default: the named method's own,
+            e.g. reap's uniform; else the fit's, else waterfill).
         risk_weight: Lambda of the routing-risk term (default: the fit's, else 3.0).
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts (default: the fit's,
             else 0.375).
@@ -108,8 +111,13 @@ def replan(
         quiet: No progress bar and no summary lines (errors are still printed).
         compensation: With ``model``: refit each pruned model's kept experts to the unpruned model's output
             (``off``, ``layer``, ``expert`` or ``linear``; RunOptions.compensation) on the fit's calibration text, cut
-            again from the data settings its plan recorded. Default: the fit's (what its plan says was applied).
+            again from the data settings its plan recorded. Default: ``off`` with a method named, else what the fit
+            applied.
+        evaluate_on: With ``model``: held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source)
+            on which each ratio prints perplexity original -> pruned. Default: the fit's (its plan records them).
+        evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
     """
+    from .engine.perplexity import perplexity
     from .engine.run import PruningRun
     from .engine.statistics import MoEStats
     from .engine.strategy import PruningStrategy
@@ -122,28 +130,38 @@ def replan(
     inputs = local_inputs(stats, fit_plan, model, tokenizer)
     check_writable(output_dir, overwrite, directory=True, inputs=inputs)
     statistics = MoEStats.load(stats)
-    settings, taken, fit = _settings(statistics, fit_plan, dict(
+    settings, sources, taken, fit = _settings(statistics, fit_plan, dict(
         method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
         max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
-    refit = _compensation(compensation, fit, model, fit_plan)
+    refit = _compensation(compensation, fit, model, fit_plan, named=sources["method"] == "option")
+    sources["compensation"] = refit.source
+    heldout = _heldout(evaluate_on, evaluate_blocks, fit, model)
     runs = [PruningRun(owner="ompmoe prune", strategy=PruningStrategy(ratio=r, **settings), tokenizer=tokenizer,
                        dtype=dtype, plots=False) for r in ratio]
     for run in runs:  # plans are microseconds: all made (and checked) before any model loads
         run.replan(statistics)
     if model is not None:
         _load_model(model, statistics)  # refuse a mismatched model before writing anything
-    text, check = _calibration_text(refit, tokenizer or model) if refit.granularity else (None, None)
+    text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
+        None, None)
+    heldout_blocks, heldout_record = _heldout_blocks(heldout, tokenizer or model)
     if refit.note and not quiet:
         print(refit.note)
-    written = []
+    written: list[Path] = []
+    original: dict[str, float] = {}
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
         for run in progress(runs, "ompmoe prune", False if quiet else None, unit="ratio"):
             plan = run.plan
             if not quiet and not written:
-                print(f"ompmoe prune: {settings_summary(plan)}{auto_note(run.strategy, statistics.model_type)}"
+                print(f"ompmoe prune: {settings_summary(plan, refit.granularity or 'off', sources)}"
+                      f"{auto_note(run.strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{run.strategy.ratio:g}"
             loaded = _load_model(model, statistics) if model is not None else None
+            if heldout_record:  # as a fit records it: the plans of both say what they were measured on
+                run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
+            if loaded is not None and heldout_blocks and not original:
+                original = {key: perplexity(loaded, blocks) for key, blocks in heldout_blocks.items()}
             if loaded is not None and refit.granularity:
                 run.calibration_data = refit.data  # recorded again: what the fit was compensated on
                 run.compensate(loaded, refit.granularity, text, check_blocks=check,
@@ -154,7 +172,14 @@ def replan(
             run.plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if loaded is not None:
-                run.save_model(run.apply(loaded), tmp / f"model-{name}")
+                pruned = run.apply(loaded)
+                if heldout_blocks:
+                    run.heldout_perplexity = {key: (original[key], perplexity(pruned, blocks))
+                                              for key, blocks in heldout_blocks.items()}
+                    run.heldout_tokens = min(blocks.numel() for blocks in heldout_blocks.values())
+                    if not quiet:
+                        print(f"ratio {run.strategy.ratio:g}: {run.heldout_line().removeprefix('ompmoe: ')}")
+                run.save_model(pruned, tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
             if not quiet:
                 print(f"ratio {run.strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
@@ -165,18 +190,25 @@ FIT_PLAN = "plan.json"
 """The plan a calibration fit (``ExpertPruning``, ``ompmoe-demo``) writes beside its ``stats.safetensors``."""
 
 
-def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[dict[str, Any], list[str], Any]:
-    """``PruningStrategy`` settings: those given, else the fit's plan's (if made from these statistics), else the
-    defaults; the names taken from the fit's plan; and that plan (``None``: none, or made from other statistics).
+def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, str], list[str], Any]:
+    """``PruningStrategy`` settings; where the method and allocation came from (``option``, ``the fit's plan``,
+    ``default``, ``<method>'s own``); the other names taken from the fit's plan; and that plan (``None``: none, or
+    made from other statistics).
 
-    The method's options come from the plan only with its method. A method or allocation ``auto`` is the fit's too:
-    what ``auto`` chose there, by trying candidates on text this command lacks.
+    Without a method, the settings not given are the fit's plan's (if made from these statistics), else the defaults.
+    A method named runs as published: its own allocation (``auto``) unless one is given. The method's options come
+    from the plan only with its method. A method or allocation ``auto`` alone is the fit's too: what ``auto`` chose
+    there, by trying candidates on text this command lacks.
     """
     from .engine.plan import PruningPlan
     from .engine.strategy import AUTO, PruningStrategy
 
+    named = given.get("method") not in (None, AUTO)
     auto = {name for name in ("method", "allocation") if given.get(name) == AUTO}
     given = {name: None if name in auto else value for name, value in given.items()}
+    if named and given["allocation"] is None:
+        given["allocation"] = AUTO  # the named method's own
     plan = None
     if any(value is None for value in given.values()) and fit_plan.is_file():
         try:
@@ -188,65 +220,137 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]) -> tuple[d
         made_from = (plan.fingerprint, plan.model_id, plan.num_tokens)
         plan = plan if made_from == (statistics.fingerprint, statistics.model_id, statistics.num_tokens) else None
     defaults = {field.name: field.default for field in dataclasses.fields(PruningStrategy)}
-    settings, taken = {}, []
+    settings, sources, taken = {}, {}, []
     for name, value in given.items():
         if name == "method_options":
             if value is None and plan is not None and settings["method"] == plan.method and plan.extra.get(name):
                 value = dict(plan.extra[name])
                 taken.append(name)
             settings[name] = dict(value or {})
-        elif value is None and plan is not None:
-            settings[name] = getattr(plan, name)
-            taken.append(name)
+            continue
+        if value is None and plan is not None:
+            settings[name], source = getattr(plan, name), "the fit's plan"
+        elif value is None:
+            settings[name], source = (AUTO, "option") if name in auto else (defaults[name], "default")
         else:
-            settings[name] = (AUTO if name in auto else defaults[name]) if value is None else value
-    return settings, taken, plan
+            settings[name], source = value, "option"
+        if name in ("method", "allocation"):
+            sources[name] = source
+        elif source == "the fit's plan":
+            taken.append(name)
+    if named and settings["allocation"] == AUTO:
+        sources["allocation"] = f"{settings['method']}'s own"
+    return settings, sources, taken, plan
 
 
 @dataclasses.dataclass
 class _Refit:
     """What ``prune`` fits: the granularity (``None``: nothing), the fit's data settings to cut its calibration text
-    with, the choice blocks the fit checked it on, and a line to print when it is not done."""
+    with, the choice blocks the fit checked it on, where the setting came from, and a line to print when the fit's
+    compensation is not done."""
 
     granularity: str | None = None
     data: dict[str, Any] | None = None
     check_blocks: int | None = None  # None: the fit did not check its compensation
+    source: str = "default"
     note: str | None = None
 
 
-def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path) -> _Refit:
-    """The granularity given, else the one the fit applied; refused, before any work, where it cannot be done."""
+def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path, named: bool) -> _Refit:
+    """The granularity given, else none for a named method (as published), else the one the fit applied; refused,
+    before any work, where it cannot be done."""
     from .engine.compensation import GRANULARITIES
 
     if given is not None and given not in ("off", *GRANULARITIES):
-        raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: what "
-                         "the fit applied)")
+        raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
+                         "with a method named, else what the fit applied)")
     record = (fit.extra.get("compensation") or {}) if fit is not None else {}
-    granularity = given if given is not None else (record.get("granularity") if record.get("applied") else None)
-    if granularity in (None, "off") or (model is None and given is None):  # plans only: nothing to compensate
-        return _Refit()
-    if model is None:
-        raise ValueError("--compensation refits the pruned models' experts: give --model (plans alone hold no weights)")
+    if given is not None:
+        granularity, source = given, "option"
+    elif named:
+        granularity, source = None, "none for a named method"
+    elif fit is not None:  # a fit's plan without a record: the fit compensated nothing
+        granularity, source = record.get("granularity") if record.get("applied") else None, "the fit's plan"
+    else:
+        granularity, source = None, "default"
+    if model is None and granularity not in (None, "off"):
+        if given is not None:
+            raise ValueError("--compensation refits the pruned models' experts: give --model (plans alone hold no "
+                             "weights)")
+        return _Refit(source="plans only: no --model")
+    if granularity in (None, "off"):
+        return _Refit(source=source)
     if record.get("calibration_data") is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
                  "from elsewhere than ompmoe.CalibrationDataModule)" if fit is not None else
                  f"no fit's plan of these statistics ({fit_plan}) records the calibration data")
         if given is None:
-            return _Refit(note=f"ompmoe prune: the fit compensated its model, these are not: {where}")
+            return _Refit(source="not redone", note=f"ompmoe prune: the fit compensated its model, these are not: "
+                                                    f"{where}")
         raise ValueError(f"--compensation {given} fits on the fit's calibration text, but {where}; pass "
                          "--compensation off")
-    return _Refit(granularity, record["calibration_data"], record.get("check_blocks"))
+    return _Refit(granularity, record["calibration_data"], record.get("check_blocks"), source)
 
 
-def _calibration_text(refit: _Refit, tokenizer: str | None) -> tuple[Any, Any]:
-    """The fit's calibration blocks, cut again, and the choice blocks after them if it checked its compensation."""
+@dataclasses.dataclass
+class _Heldout:
+    """The held-out sets ``prune`` measures each pruned model on, blocks per set and the data settings to cut them."""
+
+    sets: list[str]
+    blocks: int | None
+    data: dict[str, Any]
+
+
+def _heldout(given: list[str] | None, blocks: int | None, fit: Any, model: str | None) -> _Heldout | None:
+    """The sets given, else the fit's (its plan's ``extra.heldout``), cut with the fit's data settings (tokenizer,
+    ``seq_len``) where its plan records them; refused without ``model`` when given."""
+    if blocks is not None and blocks <= 0:
+        raise ValueError(f"--evaluate_blocks must be positive (default: the fit's, else 8,192 tokens' worth); got "
+                         f"{blocks}")
+    record = (fit.extra.get("heldout") or {}) if fit is not None else {}
+    sets = list(given) if given is not None else list(record.get("sets") or [])
+    if given and model is None:
+        raise ValueError("--evaluate_on measures the pruned models: give --model (plans alone hold no weights)")
+    if not sets or model is None:
+        return None
+    fit_blocks = record.get("blocks") if given is None or sets == record.get("sets") else None
+    data = record.get("calibration_data") or (fit.extra.get("compensation") or {}).get("calibration_data")
+    return _Heldout(sets, blocks or fit_blocks, dict(data or {}))
+
+
+def _data_module(settings: dict[str, Any], tokenizer: str | None) -> Any:
+    """A ``CalibrationDataModule`` with the fit's recorded data settings (the ones it accepts); ``tokenizer`` where
+    they name none."""
     from .lightning.calibration_data import CalibrationDataModule
 
     accepted = inspect.signature(CalibrationDataModule).parameters
-    settings = {key: value for key, value in (refit.data or {}).items() if key in accepted}
+    settings = {key: value for key, value in settings.items() if key in accepted}
     settings["tokenizer"] = settings.get("tokenizer") or tokenizer
-    module = CalibrationDataModule(**settings)
-    return module.blocks, module.choice_blocks(refit.check_blocks) if refit.check_blocks else None
+    return CalibrationDataModule(**settings)
+
+
+def _calibration_text(data: dict[str, Any] | None, check_blocks: int | None, tokenizer: str | None
+                      ) -> tuple[Any, Any]:
+    """The fit's calibration blocks, cut again, and the choice blocks after them if it checked its compensation."""
+    module = _data_module(data or {}, tokenizer)
+    return module.blocks, module.choice_blocks(check_blocks) if check_blocks else None
+
+
+def _heldout_blocks(heldout: _Heldout | None, tokenizer: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``{set: blocks}`` cut like the fit's calibration blocks (its ``seq_len``, else 256 tokens per block), and the
+    plans' ``extra.heldout`` record of them (as :meth:`PruningRun.heldout_record`)."""
+    from .engine.perplexity import heldout_block_count
+
+    if heldout is None:
+        return {}, {}
+    module = _data_module({"seq_len": HELDOUT_SEQ_LEN, **heldout.data}, tokenizer)
+    count = heldout_block_count(heldout.blocks, module.seq_len)
+    record = {"sets": heldout.sets, "blocks": count, "calibration_data": heldout.data or None}
+    return {name: module.heldout_blocks(name, count) for name in heldout.sets}, record
+
+
+HELDOUT_SEQ_LEN = 256
+"""Tokens per held-out block when no fit's plan records its calibration ``seq_len`` (``configs/tiny.yaml``'s)."""
 
 
 def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: bool = False,
@@ -281,13 +385,15 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
 
 
 def _load_model(name: str, statistics: Any) -> Any:
-    """The model ``name`` (as a calibration fit loads it), refused unless ``statistics`` were collected on it."""
-    from .lightning.calibration_module import CalibrationModule
+    """The model ``name`` (as a calibration fit loads it), refused unless ``statistics`` were collected on it; a
+    dense model, or one ompmoe pruned (unless the statistics are its own), before its weights load."""
+    from .lightning.calibration_module import check_prunable
+    from .lightning.models import load_model
 
-    module = CalibrationModule(name)
-    module.configure_model()
-    statistics.check_compatible(module.model)
-    return module.model
+    check_prunable(name, option="--model", action="prune", statistics_model=statistics.model_id)
+    model = load_model(name).eval()
+    statistics.check_compatible(model)
+    return model
 
 
 def lightning_cli(args: list[str] | None = None) -> None:
@@ -382,7 +488,7 @@ def command_cli(argv: list[str]) -> None:
     command = COMMANDS[argv[0]]
     if {"-h", "--help"} & set(argv[1:]) and "METHOD_NAMES" in (command.__doc__ or ""):
         command.__doc__ = with_registry_names(command.__doc__ or "")
-    args = bare_flags(list_option(argv[1:], "ratio"), FLAGS)
+    args = bare_flags(names_option(list_option(argv[1:], "ratio"), "evaluate_on"), FLAGS)
     try:
         auto_cli(command, args=args, prog=f"ompmoe {argv[0]}", **PARSER_SETTINGS)
     except ArgumentError as error:  # jsonargparse's multi-line message, as one line

@@ -7,6 +7,7 @@ accept (``--ratio 0.25,0.5``, ``--ratio 0.25 0.5``, a bare ``--overwrite``, ``--
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from argparse import ArgumentError
 from collections.abc import Iterable, Sequence
@@ -60,6 +61,23 @@ def list_option(argv: Sequence[str], name: str) -> list[str]:
     return result
 
 
+def names_option(argv: Sequence[str], name: str) -> list[str]:
+    """``--name a,b`` (and ``--name=a,b``) as ``--name [a,b]``, the list jsonargparse reads; a value in brackets or
+    YAML quotes is kept as it is."""
+    flag, result = f"--{name}", list(argv)
+    for index, token in enumerate(result):
+        if token.startswith(flag + "="):
+            key, value = flag, token.split("=", 1)[1]
+        elif token == flag and index + 1 < len(result):
+            key, value, index = flag, result[index + 1], index + 1
+        else:
+            continue
+        if not value.lstrip().startswith(("[", "'", '"')):
+            items = ",".join(json.dumps(item.strip()) for item in value.split(",") if item.strip())
+            result[index] = f"[{items}]" if token == flag else f"{key}=[{items}]"
+    return result
+
+
 def bare_flags(argv: Sequence[str], names: Iterable[str]) -> list[str]:
     """A boolean ``--name`` given without a value means ``--name true`` (as in argparse's store_true)."""
     flags = {f"--{name}" for name in names}
@@ -86,21 +104,48 @@ def class_paths(argv: Sequence[str]) -> list[str]:
 
 
 def check_config_files(argv: Sequence[str]) -> None:
-    """Every ``-c``/``--config`` file exists, else one line naming it and the nearest existing path.
+    """Every ``-c``/``--config`` file exists and is no other ompmoe input (statistics, a plan, a model, a run's
+    folder, results), else one line naming it (what it is, or the nearest existing path) and what to do.
 
-    jsonargparse answers a missing config with its whole usage text; this runs first.
+    jsonargparse answers a missing config with its whole usage text, and statistics or a plan with a decoding or
+    an unknown-option error; this runs first.
     """
+    from .engine.input_kinds import input_kind
     from .engine.names import nearest_path_hint
 
     for index, token in enumerate(argv):
         if token in ("-c", "--config") and index + 1 < len(argv):
-            path = argv[index + 1]
+            flag, path = token, argv[index + 1]
         elif token.startswith("--config="):
-            path = token.removeprefix("--config=")
+            flag, path = "--config", token.removeprefix("--config=")
         else:
             continue
+        kind = input_kind(Path(path).expanduser())
+        if kind is not None:
+            raise ValueError(_not_a_config(flag, path, kind))
         if not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"config file {path!r} does not exist{nearest_path_hint(path)}")
+
+
+def _not_a_config(flag: str, path: str, kind: str) -> str:
+    """The line for an ompmoe input of ``kind`` given as a config file: what it is, and where it goes instead."""
+    from .engine.input_kinds import KINDS, RUN_FILES
+
+    folder = Path(path) if kind == "run" else Path(path).parent
+    beside = folder / RUN_FILES["statistics"]
+    found = kind in ("plan", "run") and beside.expanduser().is_file()
+    replan = "ompmoe prune --stats {} --ratio R --output_dir DIR".format
+    fixes = {
+        "statistics": f"prune from it with {replan(path)}",
+        "plan": (f"prune from its statistics with {replan(beside)} (it reads this plan's settings)" if found else
+                 f"prune from the statistics it was made from with {replan('STATS.safetensors')}"),
+        "run": f"prune from its statistics with {replan(beside)}" if found else "give a YAML config file",
+        "model": f"give the model as --model.model {path}",
+        "results": f"compare results with ompmoe report {path} ...",
+        "weights": f"give the model folder as --model.model {Path(path).parent}",
+    }
+    return (f"{flag} {path} is {KINDS[kind]}, not a config file (YAML, e.g. configs/tiny.yaml): "
+            f"{fixes.get(kind, 'give a YAML config file')}")
 
 
 class CommandError(SystemExit):
@@ -185,4 +230,4 @@ def parse_or_raise(parser: Any, argv: Sequence[str], prog: str) -> Any:
 
 
 __all__ = ["CLASS_PATHS", "CommandError", "SHORT_OPTIONS", "fail", "add_run_options", "bare_flags", "class_paths",
-           "list_option", "parse_or_raise", "run_from_arguments", "user_errors"]
+           "list_option", "names_option", "parse_or_raise", "run_from_arguments", "user_errors"]

@@ -73,6 +73,7 @@ EVAL_OPTIONS = [
     ("--data.include_path DIR", "a folder of extra lm-eval task YAMLs"),
     ("--data.batch_size N", "requests per forward pass"),
     ("--data.output_path FILE", "results file for ompmoe report"),
+    ("--overwrite", "replace an existing results file (refused otherwise)"),
 ]
 
 EVAL_SHORT_HELP = (

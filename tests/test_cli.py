@@ -17,6 +17,7 @@ def tiny_config(tmp_path: Path, **changes) -> Path:
     config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = str(tmp_path / "run")
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
     config["data"].update(num_blocks=4, seq_len=64)
+    config["trainer"]["callbacks"][0]["init_args"]["evaluate_blocks"] = 8  # 512 tokens per set: tests, not numbers
     for key, value in changes.items():
         section, name = key.split(".")
         config[section][name] = value
@@ -55,6 +56,7 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     for ratio in (0.25, 0.5):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
         compensation = plan.extra.pop("compensation")  # fitted as the fit did (tests/test_prune_compensation.py)
+        assert plan.extra.pop("heldout") == fit_plan.extra["heldout"]  # measured on the fit's held-out sets
         assert plan == ompmoe.plan_pruning(stats, ratio, method=fit_plan.method, allocation=fit_plan.allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()
@@ -71,7 +73,7 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     written_plan = ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.25.json")
     assert f"| Method | {written_plan.method} |" in card and "| Requested ratio (experts removed) | 0.25 |" in card
     assert f"| Allocation | {written_plan.allocation} |" in card
-    assert f"| Calibration data | {stats.sources[0]} |" in card
+    assert "| Calibration data | shipped:mix (the shipped corpus's calibration split: prose + code) |" in card
     assert f"| Calibration tokens | {stats.num_tokens} |" in card
     # The 0.5 plan equals the one the calibration fit made.
     assert ompmoe.PruningPlan.load(tmp_path / "plans" / "plan-0.5.json") == ompmoe.PruningPlan.load(
@@ -93,8 +95,9 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
     with pytest.raises(SystemExit) as error:
         main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:llama"})), "--overwrite"])
     assert str(error.value) == (
-        "error: No tiny config for 'llama'; available: ['deepseek_v2', 'deepseek_v3', 'glm4_moe', "
-        "'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe']."
+        "error: model tiny:llama (LlamaForCausalLM) has no MoE layers: ompmoe prunes the routed experts of "
+        "Mixture-of-Experts models; pass a model whose model_type is one of deepseek_v2, deepseek_v3, glm4_moe, "
+        "gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe (e.g. shipped:tiny-moe or tiny:qwen3_moe)"
     )
 
 
@@ -141,3 +144,39 @@ def test_fit_names_a_folder_that_holds_no_model_before_any_work(tmp_path, capsys
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [expected]
         assert not (tmp_path / "run").exists()
+
+
+def test_fit_and_prune_with_a_method_named_make_the_same_plan_and_say_where_each_setting_came_from(tmp_path, capsys):
+    """``ompmoe fit --method reap`` and ``ompmoe prune --method reap`` on its statistics: REAP as published (uniform,
+    uncompensated), the same plan, model and held-out numbers, each settings line naming its sources."""
+    from ompmoe.callbacks import pruning
+
+    logged: list[str] = []
+    original_info = pruning.rank_zero_info
+    pruning.rank_zero_info = logged.append
+    try:
+        main(["fit", "-c", str(tiny_config(tmp_path)), "--method", "reap", "--trainer.enable_progress_bar=false"])
+    finally:
+        pruning.rank_zero_info = original_info
+    run = tmp_path / "run"
+    fit_plan = ompmoe.PruningPlan.load(run / "plan.json")
+    assert (fit_plan.method, fit_plan.allocation, "compensation" in fit_plan.extra) == ("reap", "uniform", False)
+    settings, kept, heldout = [line for line in logged if line.startswith("ompmoe: ") and "wrote" not in line]
+    assert settings == ("ompmoe: method reap, allocation uniform (reap's own), compensation off (none for a named "
+                        "method), risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06")
+    capsys.readouterr()
+    main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--method", "reap", "--model",
+          "shipped:tiny-moe", "--output_dir", str(tmp_path / "replan")])
+    replanned = ompmoe.PruningPlan.load(tmp_path / "replan" / "plan-0.5.json")
+    assert replanned == fit_plan  # held-out record included: measured on the same text
+    assert capsys.readouterr().out.splitlines() == [
+        "ompmoe prune: method reap (option), allocation uniform (reap's own), compensation off (none for a named "
+        "method), risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06 (risk_weight, "
+        f"min_kept_fraction, max_kept_fraction, zeta from the fit's plan {run / 'plan.json'})",
+        heldout.replace("ompmoe: ", "ratio 0.5: ", 1),  # the fit's numbers again
+        f"ratio 0.5: {kept.removeprefix('ompmoe: ')} -> {tmp_path / 'replan' / 'model-0.5'}"]
+    fitted = ompmoe.load_pruned(run / "model", dtype=torch.float32)
+    again = ompmoe.load_pruned(tmp_path / "replan" / "model-0.5", dtype=torch.float32)
+    tokens = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, fitted(tokens).logits, rtol=0, atol=0)

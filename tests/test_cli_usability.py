@@ -133,7 +133,8 @@ def test_prune_accepts_list_spellings_and_bare_overwrite(ratio, stats_file, tmp_
     main(["prune", "--stats", stats_file, "--ratio", *ratio, "--output_dir", str(out), "--overwrite"])
     stats = ompmoe.MoEStats.load(stats_file)
     settings, *lines = capsys.readouterr().out.splitlines()
-    assert settings == f"ompmoe prune: {settings_summary(ompmoe.plan_pruning(stats, 0.5))}"  # no plan.json beside
+    defaults = {name: "default" for name in ("method", "allocation", "compensation")}  # no plan.json beside
+    assert settings == f"ompmoe prune: {settings_summary(ompmoe.plan_pruning(stats, 0.5), 'off', defaults)}"
     for line, value in zip(lines, (0.25, 0.5), strict=True):
         plan = ompmoe.PruningPlan.load(out / f"plan-{value:g}.json")
         assert plan == ompmoe.plan_pruning(stats, value)

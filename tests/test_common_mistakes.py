@@ -132,3 +132,116 @@ def test_a_mistyped_method_or_allocation_gets_a_did_you_mean(capsys, tmp_path):
     line = run(["prune", "--stats", str(stats), "--ratio", "0.5", "--allocation", "waterfil",
                 "--output_dir", str(tmp_path / "out")], capsys)
     assert line.startswith("error: Unknown allocation 'waterfil' (did you mean 'waterfill'?); choose one of [")
+
+
+# ------------------------------------------------------------------ issue 44, item 7: the weak errors found
+SUPPORTED_TYPES = "deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"
+
+
+@pytest.mark.parametrize(("model", "shown"), [("./dense", "LlamaForCausalLM"), ("tiny:qwen3", "Qwen3ForCausalLM")])
+def test_fit_with_a_dense_model_says_it_is_no_mixture_of_experts(model, shown, tmp_path, monkeypatch, capsys):
+    import transformers
+
+    from test_cli import tiny_config
+
+    monkeypatch.chdir(tmp_path)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dense")
+    capsys.readouterr()  # transformers' "Writing model shards" bar
+    assert run(["fit", "-c", str(tiny_config(tmp_path)), "--model.model", model], capsys) == (
+        f"error: model {model} ({shown}) has no MoE layers: ompmoe prunes the routed experts of Mixture-of-Experts "
+        f"models; pass a model whose model_type is one of {SUPPORTED_TYPES} (e.g. shipped:tiny-moe or "
+        "tiny:qwen3_moe)")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def tiny_run(tmp_path, monkeypatch):
+    """``outputs/tiny`` (relative, as a user types it) with statistics and the plan made from them."""
+    from ompmoe import plan_pruning
+    from ompmoe.engine.synthetic import synthetic_stats
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "outputs" / "tiny"
+    run_dir.mkdir(parents=True)
+    stats = synthetic_stats(3, 16, 4)
+    stats.save(run_dir / "stats.safetensors")
+    plan_pruning(stats, 0.5).save(run_dir / "plan.json")
+    return run_dir
+
+
+@pytest.mark.parametrize("flag", ["-c", "--config"])
+def test_a_statistics_file_or_plan_given_as_the_config_is_named(flag, tiny_run, capsys):
+    what = "(YAML, e.g. configs/tiny.yaml): prune from"
+    assert run(["fit", flag, "outputs/tiny/stats.safetensors"], capsys) == (
+        f"error: {flag} outputs/tiny/stats.safetensors is ompmoe statistics (stats.safetensors), not a config file "
+        f"{what} it with ompmoe prune --stats outputs/tiny/stats.safetensors --ratio R --output_dir DIR")
+    assert run(["fit", flag, "outputs/tiny/plan.json"], capsys) == (
+        f"error: {flag} outputs/tiny/plan.json is a pruning plan (plan.json), not a config file {what} its "
+        "statistics with ompmoe prune --stats outputs/tiny/stats.safetensors --ratio R --output_dir DIR (it reads "
+        "this plan's settings)")
+    (tiny_run / "stats.safetensors").rename(tiny_run.parent / "stats.safetensors")
+    assert run(["validate", flag, "outputs/tiny/plan.json"], capsys) == (
+        f"error: {flag} outputs/tiny/plan.json is a pruning plan (plan.json), not a config file {what} the "
+        "statistics it was made from with ompmoe prune --stats STATS.safetensors --ratio R --output_dir DIR")
+
+
+def test_a_mistyped_stats_path_gets_a_did_you_mean(tiny_run, capsys):
+    expected = ("error: statistics file 'outputs/tiny/stat.safetensors' does not exist; did you mean "
+                "'outputs/tiny/stats.safetensors'?")
+    assert run(["prune", "--stats", "outputs/tiny/stat.safetensors", "--ratio", "0.5", "--output_dir",
+                "outputs/plans"], capsys) == expected
+    assert run(["plot", "--stats", "outputs/tiny/stat.safetensors", "--output_dir", "outputs/plots"],
+               capsys) == expected
+    assert run(["plot", "--stats", "outputs/tiny/stats.safetensors", "--plan", "outputs/tiny/plans.json",
+                "--output_dir", "outputs/plots"], capsys) == (
+        "error: plan file 'outputs/tiny/plans.json' does not exist; did you mean 'outputs/tiny/plan.json'?")
+    assert not (tiny_run.parent / "plans").exists() and not (tiny_run.parent / "plots").exists()
+
+
+@pytest.fixture
+def pruned_run(tmp_path, monkeypatch):
+    """``run/`` as a fit of ``tiny:qwen3_moe`` writes it: its statistics and its pruned model (no tokenizer)."""
+    import warnings
+
+    import ompmoe
+    from ompmoe.engine.tiny import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("qwen3_moe")
+    stats = ompmoe.collect_stats(model, [torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))],
+                                 model_id="tiny:qwen3_moe", progress=False)
+    (tmp_path / "run").mkdir()
+    stats.save(tmp_path / "run" / "stats.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for a byte-token model
+        pruned = ompmoe.prune(model, ompmoe.PruningStrategy(ratio=0.5).plan(stats))
+        ompmoe.save_pruned(pruned, tmp_path / "run" / "model", tokenizer=None)
+    return tmp_path / "run"
+
+
+def test_a_pruned_model_given_as_the_model_names_the_model_it_was_pruned_from(pruned_run, capsys):
+    from test_cli import tiny_config
+
+    assert run(["prune", "--stats", "run/stats.safetensors", "--ratio", "0.25", "--model", "run/model",
+                "--output_dir", "plans"], capsys) == (
+        "error: model run/model was pruned by ompmoe (ratio 0.5 of tiny:qwen3_moe); prune the model it was pruned "
+        "from: --model tiny:qwen3_moe")
+    assert run(["fit", "-c", str(tiny_config(pruned_run.parent)), "--model.model", "run/model", "--output_dir",
+                "again"], capsys) == (
+        "error: model run/model was pruned by ompmoe (ratio 0.5 of tiny:qwen3_moe); calibrate the model it was "
+        "pruned from: --model.model tiny:qwen3_moe")
+    assert not (pruned_run.parent / "plans").exists() and not (pruned_run.parent / "again").exists()
+
+
+def test_prune_still_prunes_a_pruned_model_again_from_its_own_statistics(pruned_run, capsys):
+    import ompmoe
+
+    model = ompmoe.load_pruned(pruned_run / "model")
+    own = ompmoe.collect_stats(model, [torch.randint(3, 256, (2, 16))], model_id="run/model", progress=False)
+    own.save(pruned_run / "own.safetensors")
+    main(["prune", "--stats", "run/own.safetensors", "--ratio", "0.25", "--model", "run/model", "--output_dir",
+          "again", "--quiet"])
+    assert sorted(path.name for path in (pruned_run.parent / "again").iterdir()) == [
+        ".ompmoe-output", "model-0.25", "plan-0.25.json"]

@@ -118,3 +118,23 @@ def test_prune_interrupted_between_ratios_leaves_the_output_as_it_was(tmp_path, 
                                 "command again to redo it"]
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["plans", "stats.safetensors"]  # no temporary left
+
+
+def test_fit_interrupted_while_writing_says_so_not_after_its_batches(tmp_path, capsys, monkeypatch, sigint_restored):
+    """Issue 44, item 7: Ctrl-C once every batch ran (here while the pruned model is saved) is not "after 4 of 4
+    calibration batches"; the output stays as it was, with no temporary left beside it."""
+    from ompmoe.engine.run import PruningRun
+
+    def save_model(self, model, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PruningRun, "save_model", save_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false"])
+    assert exit_info.value.code == 1  # Lightning's status after its graceful shutdown
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("ompmoe: interrupted")]
+    assert ours == [f"ompmoe: interrupted after calibration, while pruning and writing {tmp_path / 'run'}; nothing was "
+                    f"written ({tmp_path / 'run'} is as it was): run the same command again to redo it"]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not [path for path in tmp_path.iterdir() if path.name.startswith(".")]

@@ -102,7 +102,7 @@ def test_compensation_that_cannot_be_done_is_refused_before_any_work(fit, tmp_pa
                                      "alone hold no weights)\n")
     assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--output_dir", str(out), "--compensation",
                        "linaer") == ("error: --compensation must be off, layer, expert, linear; got 'linaer' (the "
-                                     "default: what the fit applied)\n")
+                                     "default: off with a method named, else what the fit applied)\n")
     assert not out.exists()
 
 
@@ -123,3 +123,41 @@ def test_a_fit_without_recorded_data_settings_is_named_and_its_prune_left_uncomp
     main(["prune", "--stats", stats, "--ratio", "0.5", "--model", MODEL, "--output_dir", str(out)])
     assert f"ompmoe prune: the fit compensated its model, these are not: {where}\n" in capsys.readouterr().out
     assert "compensation" not in ompmoe.PruningPlan.load(out / "plan-0.5.json").extra
+
+
+def test_a_method_named_runs_as_published_without_the_fits_allocation_or_compensation(fit, tmp_path, capsys):
+    """The fit compensated (``auto``); ``--method reap`` is REAP as its authors run it: uniform, uncompensated."""
+    main(["prune", "--stats", str(fit / "stats.safetensors"), "--ratio", "0.5", "--model", MODEL,
+          "--output_dir", str(tmp_path / "out"), "--method", "reap"])
+    plan = ompmoe.PruningPlan.load(tmp_path / "out" / "plan-0.5.json")
+    stats = ompmoe.MoEStats.load(fit / "stats.safetensors")
+    assert plan == ompmoe.plan_pruning(stats, 0.5, method="reap", allocation="uniform", min_kept_fraction=0.25)
+    expected = ompmoe.prune(tiny_model("qwen3_moe"), plan)
+    torch.testing.assert_close(logits(saved(tmp_path / "out" / "model-0.5")), logits(expected), rtol=0, atol=0)
+    assert capsys.readouterr().out.splitlines() == [
+        "ompmoe prune: method reap (option), allocation uniform (reap's own), compensation off (none for a named "
+        "method), risk_weight 3, min_kept_fraction 0.25, max_kept_fraction 0.875, zeta 1e-06 (risk_weight, "
+        f"min_kept_fraction, max_kept_fraction, zeta from the fit's plan {fit / 'plan.json'})",
+        f"ratio 0.5: {ompmoe.kept_summary(plan)} -> {tmp_path / 'out' / 'model-0.5'}"]
+
+
+def test_prune_measures_heldout_perplexity_per_ratio_on_the_fits_text(fit, tmp_path, capsys):
+    main(["prune", "--stats", str(fit / "stats.safetensors"), "--ratio", "0.25,0.5", "--model", MODEL,
+          "--output_dir", str(tmp_path / "out"), "--method", "omp", "--evaluate_on", "heldout:prose,heldout:code",
+          "--evaluate_blocks", "3"])
+    data = calibration_data()  # the fit's tokenizer and seq_len, from its plan
+    blocks = {name: data.heldout_blocks(name, 3) for name in ("heldout:prose", "heldout:code")}
+    original = {name: ompmoe.perplexity(tiny_model("qwen3_moe"), block) for name, block in blocks.items()}
+    lines = capsys.readouterr().out.splitlines()
+    for ratio in (0.25, 0.5):
+        plan = ompmoe.PruningPlan.load(tmp_path / "out" / f"plan-{ratio:g}.json")
+        assert plan.extra["heldout"] == {"sets": ["heldout:prose", "heldout:code"], "blocks": 3,
+                                         "calibration_data": json.loads((fit / "plan.json").read_text())[
+                                             "extra"]["compensation"]["calibration_data"]}
+        pruned = ompmoe.prune(tiny_model("qwen3_moe"), plan)
+        after = {name: ompmoe.perplexity(pruned, block) for name, block in blocks.items()}
+        assert (f"ratio {ratio:g}: held-out perplexity on {3 * 32:,} tokens per set, original -> pruned: "
+                + ", ".join(f"{name} {original[name]:.2f} -> {after[name]:.2f}" for name in blocks)) in lines
+    assert prune_error(capsys, "--stats", str(fit / "stats.safetensors"), "--ratio", "0.5", "--output_dir",
+                       str(tmp_path / "plans"), "--evaluate_on", "heldout:prose") == (
+        "error: --evaluate_on measures the pruned models: give --model (plans alone hold no weights)\n")

@@ -10,7 +10,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from ..engine.names import SHIPPED_MODELS, SHIPPED_PREFIX, resolve_shipped, shipped_model_path  # noqa: F401
+from ..engine.names import (CORPUS_DOMAINS, SHIPPED_MODELS, SHIPPED_PREFIX, resolve_shipped,  # noqa: F401
+                            shipped_model_path)
 
 import torch
 
@@ -45,8 +46,6 @@ def token_blocks(token_ids: torch.Tensor, seq_len: int, num_blocks: int) -> torc
 
 
 CORPUS_DIR = "corpus"
-CORPUS_DOMAINS = ("prose", "code")
-"""Domains of the shipped corpus: ``prose`` (Python/IDLE documentation), ``code`` (stdlib source)."""
 CORPUS_SPLITS = ("train", "calibration", "heldout")
 """Fixed splits of each domain (by whole documents; see ``corpus/README.md``)."""
 def corpus_path(domain: str, split: str) -> Path:

@@ -22,6 +22,7 @@ from unittest import mock  # torch imports it anyway
 
 import torch
 
+from ..engine.names import SHIPPED_TEXT_RECORD, corpus_record
 from . import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
 
 BYTES = "bytes"
@@ -350,9 +351,9 @@ class TextSource:
         """Short description of the source, for the statistics metadata."""
         suffix = f":seed{self.seed}" if self.seed is not None else ""
         if self.kind == SHIPPED:
-            return "shipped:ompmoe/data/calibration.txt"
+            return SHIPPED_TEXT_RECORD
         if self.kind == "corpus":
-            return ",".join(f"shipped:ompmoe/data/corpus/{domain}-{self.corpus_split}" for domain in self.domains)
+            return corpus_record(tuple(self.domains), self.corpus_split)
         if self.kind == "local":
             prefix = f"{self.source}:" if self.preset is not None else ""
             return f"{prefix}file:{','.join(self.files)}{suffix}"

@@ -186,6 +186,18 @@ class MoEStatsMetric(LayerSumsMetric):
         return layers, int(round(float(self.num_tokens)))
 
 
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+"""What a calibration forward takes from a batch; the rest (labels, texts, ...) is the user's."""
+
+
+def _model_inputs(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's keys of a dict batch, one unbatched sequence given a batch dimension."""
+    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if batch.get(key) is not None}
+    if inputs.get("input_ids") is not None and inputs["input_ids"].dim() == 1:  # one unbatched sequence
+        inputs = {key: value.unsqueeze(0) for key, value in inputs.items()}
+    return inputs
+
+
 def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """Accept an input-id tensor or a dict for ``model(**batch)``; move tensors to ``device``."""
     if isinstance(batch, torch.Tensor):
@@ -193,11 +205,64 @@ def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]
     if not isinstance(batch, Mapping) or "input_ids" not in batch and "inputs_embeds" not in batch:
         raise TypeError("Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
                         f"for model(**batch); got {type(batch).__name__}.")
-    keep = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
-    inputs = {key: value.to(device) for key, value in batch.items() if key in keep and value is not None}
-    if inputs.get("input_ids") is not None and inputs["input_ids"].dim() == 1:  # one unbatched sequence
-        inputs = {key: value.unsqueeze(0) for key, value in inputs.items()}
-    return inputs
+    return {key: value.to(device) for key, value in _model_inputs(batch).items()}
+
+
+BATCH_CONTRACT = ("a tensor of input_ids, a dict with input_ids, or a tuple/list (input_ids[, attention_mask]) of "
+                  "tensors")
+"""The batches a loop that runs its own forwards (``ExpertPruning`` in a Trainer) may hand the run."""
+
+
+def _contract_inputs(batch: Any) -> dict[str, torch.Tensor] | None:
+    """``batch`` as model inputs when it keeps :data:`BATCH_CONTRACT`, else ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return _model_inputs({"input_ids": batch})
+    if isinstance(batch, Mapping):
+        if not any(isinstance(batch.get(key), torch.Tensor) for key in ("input_ids", "inputs_embeds")):
+            return None
+        if not all(value is None or isinstance(value, torch.Tensor) for key, value in batch.items()
+                   if key in MODEL_INPUT_KEYS):
+            return None
+        return _model_inputs(batch)
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 2 and isinstance(batch[0], torch.Tensor):
+        mask = batch[1] if len(batch) == 2 else None
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == batch[0].shape):
+            return None  # a second element that is no mask (labels, ...) is not guessed at
+        return _model_inputs({"input_ids": batch[0], "attention_mask": mask})
+    return None
+
+
+def _describe(batch: Any, depth: int = 0) -> str:
+    """What a batch is, for a message: ``str``, ``dict with keys ['text']``, ``list of (tensor (2, 32), ...)``."""
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {tuple(batch.shape)}"
+    if isinstance(batch, Mapping):
+        keys = list(batch)
+        shown = [f"{key}: {_describe(batch[key], depth + 1)}" for key in keys[:4]] if depth == 0 else []
+        return f"{type(batch).__name__} with keys {keys}" + (f" ({', '.join(shown)})" if shown else "")
+    if isinstance(batch, (tuple, list)) and depth == 0:
+        items = [_describe(item, depth + 1) for item in batch[:3]] + (["..."] if len(batch) > 3 else [])
+        return f"{type(batch).__name__} of {len(batch)} ({', '.join(items)})"
+    return type(batch).__name__
+
+
+def batch_inputs(batch: Any, batch_to_inputs: Callable[[Any], Any] | None = None,
+                 owner: str = "ExpertPruning") -> dict[str, torch.Tensor]:
+    """The model inputs of a batch that the user's loop runs its own forward on: the one place such a batch
+    becomes ``input_ids`` (and ``attention_mask``, ...), so a batch of another shape is refused in one line before
+    its forward instead of failing deep in the statistics. ``batch_to_inputs`` maps a batch of the user's own
+    format first; its result must keep the contract too."""
+    mapped = batch if batch_to_inputs is None else batch_to_inputs(batch)
+    inputs = _contract_inputs(mapped)
+    if inputs is not None:
+        return inputs
+    if batch_to_inputs is not None:
+        raise CalibrationInputError(f"{owner}: batch_to_inputs must return {BATCH_CONTRACT}; it returned "
+                                    f"{_describe(mapped)} for a batch of {_describe(batch)}.")
+    raise CalibrationInputError(
+        f"{owner}: a batch must be {BATCH_CONTRACT}; got {_describe(batch)}. Pass "
+        f"{owner}(batch_to_inputs=fn), with fn(batch) returning {{'input_ids': ..., 'attention_mask': ...}}, "
+        "to map yours.")
 
 
 class CalibrationInputError(ValueError):
@@ -236,6 +301,94 @@ def check_calibration_inputs(model: nn.Module, inputs: Mapping[str, torch.Tensor
                 "Pass the tokenizer's 0/1 mask (a weighted mask would scale every statistic).")
 
 
+class WeightsChangedError(ValueError):
+    """The model's weights changed while statistics were collected (an optimizer stepped): the sums mix several
+    models, describe none of them, and would prune a model they were not measured on."""
+
+
+def weights_changed_message(owner: str, name: str) -> str:
+    """The one line that refuses a calibration whose weights changed, naming the first changed parameter."""
+    return (f"{owner}: the model's weights changed during calibration ({name} changed after the first calibration "
+            "batch, as an optimizer step does), so the statistics mix several models; no plan was made and nothing "
+            "was written. Calibrate in a loop that does not step an optimizer (in a Trainer: a LightningModule "
+            "without optimizers, such as ompmoe.CalibrationModule, or frozen weights), then prune the trained model "
+            "in a run of its own.")
+
+
+PROBED_VALUES = 8
+"""Values of each parameter compared at the end (a strided view each, copied once per device)."""
+
+
+def _sampled_values(parameter: torch.Tensor) -> torch.Tensor | None:
+    """A few values spread over this process's part of ``parameter``, as a view, or ``None`` where they cannot be
+    read cheaply (meta or freed storage, a tensor subclass without plain indexing)."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        local = (parameter.to_local() if isinstance(parameter, DTensor) else parameter).detach()
+        if local.is_meta or local.numel() == 0 or local.untyped_storage().nbytes() == 0:
+            return None
+        if local.is_contiguous():  # spread over the tensor: a frozen first row (a padding embedding) hides nothing
+            flat = local.view(-1)
+            return flat[::max(1, flat.numel() // PROBED_VALUES)][:PROBED_VALUES]
+        while local.dim() > 1:
+            local = local[0]
+        return local.reshape(-1)[:PROBED_VALUES]
+    except Exception:  # a quantized or other subclass: its version counter still watches it
+        return None
+
+
+class WeightWatch:
+    """The model's parameters as the first calibration batch found them, to tell whether they changed since.
+
+    Two cheap signs: the in-place version counters (an optimizer step bumps them) and a few values of each (fused
+    optimizers bump no counter). Under FSDP2 only the shards' values are read: the gathered copies it swaps
+    in and out are refilled and freed by design.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        named = list(model.named_parameters())
+        sharded = any(isinstance(parameter, DTensor) for _, parameter in named)
+        self.parameters = [(name, parameter, parameter._version) for name, parameter in named]
+        self.probed = [index for index, (_, parameter, _) in enumerate(self.parameters)
+                       if not sharded or isinstance(parameter, DTensor)]
+        self.values = self._values()
+
+    def _values(self) -> dict[torch.device, tuple[list[tuple[int, int]], torch.Tensor]]:
+        """The probed parameters' sampled values, one copy per device: ``{device: ([(parameter index, count)],
+        values)}``."""
+        groups: dict[torch.device, tuple[list[tuple[int, int]], list[torch.Tensor]]] = {}
+        for index in self.probed:
+            values = _sampled_values(self.parameters[index][1])
+            if values is not None:
+                counts, views = groups.setdefault(values.device, ([], []))
+                counts.append((index, values.numel()))
+                views.append(values)
+        return {device: (counts, torch.cat(views)) for device, (counts, views) in groups.items()}
+
+    def changed(self, values: bool = True) -> str | None:
+        """The name of a parameter that changed since (its counter; with ``values``, also its sampled values)."""
+        for name, parameter, version in self.parameters:
+            if parameter._version != version:
+                return name
+        if not values:
+            return None
+        for device, (counts, now) in self._values().items():
+            before_counts, before = self.values.get(device, ([], now[:0]))
+            if counts != before_counts:  # a parameter's values became unreadable (freed): its counter watched it
+                continue
+            differs = (now != before) & ~(now.isnan() & before.isnan())  # NaN where it was NaN is no change
+            if bool(differs.any()):
+                position, end = int(differs.nonzero()[0, 0]), 0
+                for index, count in counts:
+                    end += count
+                    if position < end:
+                        return self.parameters[index][0]
+        return None
+
+
 ADAPTIVE_WARNING = ("Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
                     "they cover the full top-k routing, and switched back on afterwards.")
 
@@ -262,6 +415,8 @@ class StatisticsCollector:
         self.token_batches: list[dict[str, torch.Tensor]] = []
         """This process's calibration token ids (and masks) on the CPU, real samples only: what compensation fits
         on when the data holds no ``blocks`` (a few bytes per token, next to the statistics' megabytes)."""
+        self.weights: WeightWatch | None = None
+        """The parameters as the first batch found them (:meth:`check_weights`); ``None`` before it."""
 
     def metrics(self) -> dict[str, Metric]:
         """Every sum-state metric by its checkpoint prefix: ``""`` for the core sums, ``"loss."``, ``"reroute."``..."""
@@ -315,6 +470,8 @@ class StatisticsCollector:
         """Instrument the next forward on ``inputs`` (a loop that runs it itself, like Lightning's): padding and
         the samples past ``real_samples`` count nothing; ``first_sample`` is the batch's position on this rank."""
         check_calibration_inputs(self.model, inputs)  # before the forward: no wrong sums
+        if self.weights is None:
+            self.weights = WeightWatch(self.model)
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
         assert ids is not None
         self.batch_size = max(self.batch_size, int(ids.shape[0]))
@@ -325,6 +482,17 @@ class StatisticsCollector:
             self.token_batches.append({key: inputs[key][:rows].detach().cpu()
                                        for key in ("input_ids", "attention_mask") if inputs.get(key) is not None})
         self.__enter__()
+
+    def changed_weight(self, values: bool = True) -> str | None:
+        """A parameter that changed since the first batch (an optimizer step), by name; ``None`` if none did. Without
+        ``values`` only the version counters are read (no device sync: cheap enough for every batch)."""
+        return self.weights.changed(values) if self.weights is not None else None
+
+    def check_weights(self, owner: str, values: bool = True) -> None:
+        """Refuse statistics gathered across changing weights (:func:`weights_changed_message`)."""
+        name = self.changed_weight(values)
+        if name is not None:
+            raise WeightsChangedError(weights_changed_message(owner, name))
 
     def end_batch(self) -> None:
         """Stop instrumenting (also after a failed forward)."""
@@ -437,4 +605,5 @@ def collect_stats(model: nn.Module, batches: Iterable[Any], *, model_id: str | N
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,
                                     statistics=statistics, **extension_flags)
     collector.collect(batches, progress)
+    collector.check_weights("collect_stats")  # a generator of batches that trains in between
     return collector.result()

@@ -23,6 +23,9 @@ KINDS = {
 RUN_FILES = {"statistics": "stats.safetensors", "plan": "plan.json", "model": "model"}
 """Where a run's output folder keeps each kind (``ExpertPruning``, ``PruningRun``, ``ompmoe-demo``)."""
 
+FILE_NOUNS = {"statistics": "statistics file", "plan": "plan file"}
+"""The kinds that are always local files, as a message names a missing one."""
+
 MAX_JSON_BYTES = 64 * 2**20
 
 
@@ -61,7 +64,16 @@ def input_kind(path: str | os.PathLike) -> str | None:
 
 def check_input_kind(path: str | os.PathLike, expected: str) -> None:
     """Refuse ``path`` in one line when it is recognisably another kind of input than ``expected``, naming what
-    it is and what to pass instead (the run folder's own file when there is one)."""
+    it is and what to pass instead (the run folder's own file when there is one). A statistics file or plan that
+    does not exist, next to a file of a close name, is refused with that name (a mistyped ``--stats``); otherwise
+    its loader says that it is missing."""
+    if expected in FILE_NOUNS and not Path(path).exists():
+        from .names import nearest_path_hint
+
+        hint = nearest_path_hint(os.fspath(path))
+        if hint.startswith("; did you mean"):
+            raise FileNotFoundError(f"{FILE_NOUNS[expected]} {os.fspath(path)!r} does not exist{hint}")
+        return
     kind = input_kind(path)
     if kind is None or kind == expected:
         return

@@ -21,6 +21,16 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(training)
 
 
+HELDOUT_TOKENS = 8192
+"""Tokens per held-out set a run measures by default: on 2,048 the shipped model's prose perplexity read 95.4 against
+78.5 on 8,192, too noisy to compare methods by."""
+
+
+def heldout_block_count(num_blocks: int | None, seq_len: int) -> int:
+    """Blocks of ``seq_len`` tokens per held-out set: ``num_blocks``, else enough for :data:`HELDOUT_TOKENS`."""
+    return num_blocks if num_blocks is not None else -(-HELDOUT_TOKENS // seq_len)
+
+
 @torch.no_grad()
 def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> float:
     """``exp`` of the mean next-token loss over every predicted token of ``blocks`` (``(num_blocks, seq_len)``), in

@@ -18,14 +18,14 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .adaptive import enable_adaptive
-from .collect import StatisticsCollector
+from .collect import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .compensation import Compensation
 from .export.checkpoint import usable_tokenizer
 from .export.plots import require_matplotlib, write_plots
 from .extensions import selected_statistics
 from .methods import check_statistics, required_statistics
 from .io import Reservation, atomic_path, reserve
-from .perplexity import perplexity
+from .perplexity import heldout_block_count, perplexity
 from .plan import PruningPlan
 from .plan_choice import PlanChoice, choose_plan, setting_name
 from .progress import progress
@@ -35,7 +35,7 @@ from .pruning import prune, save_pruned
 from .ranks import RunContext, on_rank_zero, unsharded
 from .statistics import MoEStats
 from .strategy import AUTO, PruningStrategy, Strategy, tries_candidates
-from .summary import auto_note, kept_summary, plan_metrics, settings_summary
+from .summary import auto_note, kept_summary, named_method_sources, plan_metrics, settings_summary
 
 STATS_FILE = "stats.safetensors"
 PLAN_FILE = "plan.json"
@@ -72,7 +72,9 @@ class RunOptions:
         evaluate_on: Held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source) on which rank 0
             prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned`` (needs a data module with
             ``heldout_blocks``, e.g. ``ompmoe.CalibrationDataModule``).
-        evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set.
+        evaluate_blocks: Blocks of the data module's ``seq_len`` tokens per held-out set; default: enough for 8,192
+            tokens (8 blocks where the data module has no ``seq_len``). The sets and counts are recorded in
+            ``plan.json`` (``extra.heldout``), so ``ompmoe prune --model`` measures its plans on the same text.
         choice_blocks: With ``auto`` on a layout with several settings: blocks of calibration text (the data
             module's ``choice_blocks(n)``) on which each candidate plan is tried, keeping the lowest loss
             (:func:`ompmoe.choose_plan`). ``None``: the data module's default (2,048 tokens' worth); ``0`` (or a
@@ -98,7 +100,7 @@ class RunOptions:
     reroute: bool = False
     statistics: list[str] | None = None
     evaluate_on: list[str] | None = None
-    evaluate_blocks: int = 8
+    evaluate_blocks: int | None = None
     choice_blocks: int | None = None
     compensation: str = "auto"
 
@@ -107,6 +109,9 @@ class RunOptions:
         if self.choice_blocks is not None and self.choice_blocks < 0:
             raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); "
                              f"got {self.choice_blocks}.")
+        if self.evaluate_blocks is not None and self.evaluate_blocks <= 0:
+            raise ValueError(f"evaluate_blocks must be positive (default: 8,192 tokens' worth); got "
+                             f"{self.evaluate_blocks}.")
         if self.adaptive_epsilon is not None and not 0.0 <= self.adaptive_epsilon <= 1.0:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {self.adaptive_epsilon}.")
         if self.strategy is None:
@@ -170,6 +175,8 @@ class PruningRun:
         self.pruned_model: nn.Module | None = None
         self.heldout_perplexity: dict[str, tuple[float, float]] = {}
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
+        self.heldout_tokens = 0
+        """Tokens per held-out set behind :attr:`heldout_perplexity`."""
         self.reservation: Reservation | None = None
         """Rank 0's hold on ``output_dir`` from :meth:`check_output` until :meth:`write` (which releases it): another
         run checking the same output meanwhile is refused. A step of the run that fails releases it
@@ -262,8 +269,11 @@ class PruningRun:
     @_releases_output_on_failure
     def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
                     real_samples: int | None = None) -> None:
-        """Instrument the next forward, which the loop runs (:meth:`StatisticsCollector.begin_batch`)."""
-        self._collector().begin_batch(inputs, first_sample, real_samples)
+        """Instrument the next forward, which the loop runs (:meth:`StatisticsCollector.begin_batch`); refused once
+        the weights changed since the first batch (the loop steps an optimizer), before more forwards are spent."""
+        collector = self._collector()
+        collector.check_weights(self.owner, values=False)
+        collector.begin_batch(inputs, first_sample, real_samples)
 
     def end_batch(self) -> None:
         """Stop instrumenting (also after a failed forward)."""
@@ -298,6 +308,14 @@ class PruningRun:
         same plan on each. ``choice_blocks``: token ids to try ``auto``'s candidates on, in place of the data's.
         """
         collector = self._collector()
+        # Statistics from changing weights describe no model: refused on every rank together, before any collective.
+        changed = collector.changed_weight()
+        if context.world_size > 1:
+            names = [context.broadcast(changed, src=rank) for rank in range(context.world_size)]
+            changed = next((name for name in names if name is not None), None)
+        collector.weights = None  # no reference to the unpruned weights outlives the check
+        if changed is not None:
+            raise WeightsChangedError(weights_changed_message(self.owner, changed))
         with warnings.catch_warnings():
             # A rank that got no batch has an empty (zero) share of the sums: that is no mistake here.
             warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
@@ -306,12 +324,14 @@ class PruningRun:
         batch_size = collector.batch_size or 4  # the calibration's (blocks as long as its own), 4 if it had none
         blocks = self.choice_data if choice_blocks is None else choice_blocks
         plan = self._plan(context, stats, model, blocks, batch_size)
+        if self.options.evaluate_on:  # the same on every rank: what ``ompmoe prune`` measures its plans on again
+            plan = dataclasses.replace(plan, extra={**plan.extra, "heldout": self.heldout_record()})
         self.stats, self.plan = stats, plan
         self.compensation, self.plan = on_rank_zero(
             context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         plan = self.plan
         evaluate_on = self.options.evaluate_on if model is not None and context.is_global_zero else []  # rank 0 only
-        heldout = {name: self.data.heldout_blocks(name, self.options.evaluate_blocks) for name in evaluate_on or []}
+        heldout = {name: self.data.heldout_blocks(name, plan.extra["heldout"]["blocks"]) for name in evaluate_on or []}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             self.apply(model)
@@ -323,6 +343,7 @@ class PruningRun:
             context.print(compensation_line(plan.extra["compensation"]))
         if heldout:  # after the settings and kept lines: what the plan cost
             self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
+            self.heldout_tokens = min(blocks.numel() for blocks in heldout.values())
             context.print(self.heldout_line())
             context.log_metrics({f"heldout_ppl/{name}/{kind}": value for name, pair in self.heldout_perplexity.items()
                                  for kind, value in zip(("original", "pruned"), pair)})
@@ -403,6 +424,10 @@ class PruningRun:
         else:
             compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
                                                     loss_without, unchecked)
+            if compensation is not None and "loss_with" in record:  # the card states the check the map passed
+                compensation.record.update({key: record[key] for key in
+                                            ("checked", "check_blocks", "loss_without", "loss_with", "tolerance")
+                                            if key in record})
             if self.calibration_data is not None:
                 record["calibration_data"] = self.calibration_data
         self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
@@ -415,23 +440,42 @@ class PruningRun:
                 for ratio in self.options.extra_ratios or []]
 
     def summary_lines(self) -> list[str]:
-        """The settings line and the kept line every front door prints about its plan."""
+        """The settings line (with the compensation applied, and where a named method's own settings came from) and
+        the kept line every front door prints about its plan."""
         assert self.plan is not None
-        return [f"ompmoe: {settings_summary(self.plan)}{auto_note(self.strategy, self.model_type, self.choice)}",
+        record = self.plan.extra.get("compensation") or {}
+        settings = settings_summary(self.plan, record["granularity"] if record.get("applied") else "off",
+                                    named_method_sources(self.strategy, self.options.compensation))
+        return [f"ompmoe: {settings}{auto_note(self.strategy, self.model_type, self.choice)}",
                 f"ompmoe: {kept_summary(self.plan)}"]
 
     def interrupted_line(self, batches_done: int, batches: int | None = None) -> str:
-        """The one line a front door prints on Ctrl-C during calibration: nothing was written, so re-run."""
-        of = f" of {batches}" if batches else ""
-        kept = f" ({self.options.output_dir} is as it was)" if self.options.output_dir is not None else ""
-        return (f"ompmoe: interrupted after {batches_done}{of} calibration batches; nothing was written{kept}: "
-                "run the same command again to redo it")
+        """The one line a front door prints on Ctrl-C before the run wrote its output (atomically, so nothing was
+        written): during calibration, after how many batches; once they all ran (:meth:`finish` under way), while
+        pruning and writing."""
+        output_dir = self.options.output_dir
+        kept = f" ({output_dir} is as it was)" if output_dir is not None else ""
+        if self.stats is not None or (batches and batches_done >= batches):
+            where = f"after calibration, while pruning and writing {output_dir}" if output_dir is not None else (
+                "after calibration, while pruning")
+        else:
+            where = f"after {batches_done}{f' of {batches}' if batches else ''} calibration batches"
+        return f"ompmoe: interrupted {where}; nothing was written{kept}: run the same command again to redo it"
+
+    def heldout_record(self) -> dict[str, Any]:
+        """``plan.extra["heldout"]``: the sets, blocks per set and the data settings that cut them."""
+        seq_len = getattr(self.data, "seq_len", None)
+        blocks = heldout_block_count(self.options.evaluate_blocks, seq_len) if seq_len else (
+            self.options.evaluate_blocks or 8)
+        return {"sets": list(self.options.evaluate_on or []), "blocks": blocks, "calibration_data": self.calibration_data}
 
     def heldout_line(self) -> str:
-        """``ompmoe: held-out perplexity, original -> pruned: heldout:prose 30.10 -> 33.52, ...``."""
+        """``ompmoe: held-out perplexity on 8,192 tokens per set, original -> pruned: heldout:prose 30.10 -> 33.52,
+        ...``."""
         parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in
                  self.heldout_perplexity.items()]
-        return f"ompmoe: held-out perplexity, original -> pruned: {', '.join(parts)}"
+        return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned: "
+                f"{', '.join(parts)}")
 
     def write(self, model: nn.Module | None, show_progress: bool | None = False) -> None:
         """Write ``stats.safetensors``, ``plan.json`` (and ``plan-<ratio>.json``), plots and ``model/``.

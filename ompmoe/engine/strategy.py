@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from .adapters import ARCHITECTURES
-from .methods import METHODS, get_method
+from .methods import METHODS, default_allocation, get_method
 from .plan import PruningPlan, check_plan_arguments, plan_pruning, validate_budget
 from .statistics import MoEStats
 
@@ -26,8 +26,10 @@ class Strategy(Protocol):
 
 
 AUTO = "auto"
-"""``method`` / ``allocation`` value: the settings of the model's layout (``ArchitectureSpec.auto``), chosen among by
-:mod:`ompmoe.engine.plan_choice` (without held-out blocks, the first)."""
+"""``method`` value: the settings of the model's layout (``ArchitectureSpec.auto``), chosen among by
+:mod:`ompmoe.engine.plan_choice` (without held-out blocks, the first). ``allocation`` value: the same beside ``method
+auto``; beside a method named outright, that method's own (``SelectionMethod.default_allocation``: REAP's
+``uniform``, the paper's ``waterfill``), so a named method runs as published wherever it is named."""
 
 
 def auto_settings(model_type: str | None) -> tuple[tuple[str, str], ...]:
@@ -57,7 +59,9 @@ class PruningStrategy:
         method: A method of :data:`ompmoe.METHODS` (``omp`` is the paper's), or ``auto``: the setting measured best
             for the model's layout (where several, the one with the lowest held-out calibration loss; :meth:`plan`
             alone, with no model to try plans on, takes the first).
-        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's), or ``auto``.
+        allocation: An allocation of :data:`ompmoe.ALLOCATIONS` (``waterfill`` is the paper's), or ``auto``: with
+            ``method="auto"`` tried with it; with a method named outright, that method's own (REAP's ``uniform``,
+            ``waterfill`` for the rest).
         risk_weight: Lambda of the routing-risk term ``-log(C(k) + zeta)``.
         min_kept_fraction: Fewest experts a layer may keep, as a fraction of its experts.
         max_kept_fraction: Most experts a layer may keep, as a fraction of its experts.
@@ -82,12 +86,12 @@ class PruningStrategy:
         return dataclasses.replace(self, method=method, allocation=allocation)
 
     def settings(self, model_type: str | None) -> list[tuple[str, str]]:
-        """The ``(method, allocation)`` settings tried for ``model_type``: each of :func:`auto_settings` with the
-        halves that are not ``auto`` kept, duplicates dropped; ``[(method, allocation)]`` without ``auto``."""
-        if AUTO not in (self.method, self.allocation):
-            return [(self.method, self.allocation)]
-        filled = [(method if self.method == AUTO else self.method,
-                   allocation if self.allocation == AUTO else self.allocation)
+        """The ``(method, allocation)`` settings tried for ``model_type``: with ``method="auto"``, each of
+        :func:`auto_settings` with a named allocation kept, duplicates dropped; else ``[(method, allocation)]``, an
+        ``auto`` allocation being the method's own."""
+        if self.method != AUTO:
+            return [(self.method, default_allocation(self.method) if self.allocation == AUTO else self.allocation)]
+        filled = [(method, allocation if self.allocation == AUTO else self.allocation)
                   for method, allocation in auto_settings(model_type)]
         return list(dict.fromkeys(filled))
 
@@ -99,7 +103,10 @@ class PruningStrategy:
     def validate(self, routings: Sequence[tuple[str, dict[str, int]]]) -> None:
         """Refuse bad arguments and infeasible budgets (an ``auto`` method is checked once resolved)."""
         check_plan_arguments(self.ratio, self.risk_weight, self.zeta, self.min_kept_fraction, self.max_kept_fraction)
-        allocation = "waterfill" if self.allocation == AUTO else self.allocation  # every recommendation is bounded
+        if self.method != AUTO:
+            allocation = self.settings(None)[0][1]
+        else:  # every recommendation is bounded
+            allocation = "waterfill" if self.allocation == AUTO else self.allocation
         validate_budget(routings, self.ratio, allocation, self.min_kept_fraction, self.max_kept_fraction)
         if self.method != AUTO:
             get_method(self.method, self.method_options).validate(routings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .plan import PruningPlan
 from .plan_choice import PlanChoice
 from .strategy import AUTO, Strategy
@@ -15,24 +17,46 @@ def kept_summary(plan: PruningPlan) -> str:
     return f"kept {kept}/{total} routed experts (removed {plan.achieved_ratio:.3f}); per layer kept: {per_layer}"
 
 
-def settings_summary(plan: PruningPlan) -> str:
-    """The settings a plan was made with, then the method's options: ``method omp, allocation waterfill,
-    risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06``."""
+def settings_summary(plan: PruningPlan, compensation: str | None = None, sources: Mapping[str, str] | None = None
+                     ) -> str:
+    """The settings a plan was made with (and ``compensation``, the run's), then the method's options: ``method omp,
+    allocation waterfill, compensation off, risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta
+    1e-06``; ``sources``: where a setting came from, said after it (``allocation uniform (reap's own)``)."""
     options = plan.extra.get("method_options") or {}
+    sources = sources or {}
+
+    def setting(name: str, value: str) -> str:
+        return f"{name} {value}" + (f" ({sources[name]})" if name in sources else "")
+
     return ", ".join([
-        f"method {plan.method}", f"allocation {plan.allocation}", f"risk_weight {plan.risk_weight:g}",
+        setting("method", plan.method), setting("allocation", plan.allocation),
+        *([setting("compensation", compensation)] if compensation is not None else []),
+        f"risk_weight {plan.risk_weight:g}",
         f"min_kept_fraction {plan.min_kept_fraction:g}", f"max_kept_fraction {plan.max_kept_fraction:g}",
         f"zeta {plan.zeta:g}", *(f"{name} {value!r}" for name, value in options.items()),
     ])
 
 
 def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | None = None) -> str:
-    """What ``auto`` did, for the settings line (``""`` when the strategy does not use ``auto``)."""
+    """What ``auto`` did, for the settings line (``""`` when the strategy's method is not ``auto``: an ``auto``
+    allocation beside a named method is that method's own, said by :func:`named_method_sources`)."""
     auto = [name for name in ("method", "allocation") if getattr(strategy, name, None) == AUTO]
-    if not auto:
+    if getattr(strategy, "method", None) != AUTO:
         return ""
     why = choice.summary() if choice is not None else f"recommended for {model_type}, docs/quality/intervals.md"
     return f" ({' and '.join(auto)} 'auto': {why})"
+
+
+def named_method_sources(strategy: Strategy, compensation_mode: str | None) -> dict[str, str]:
+    """Where a named method's allocation and compensation came from when the options left them to it (``auto``): its
+    own allocation, and none of the compensation ``auto`` gives the ``auto`` method."""
+    method = getattr(strategy, "method", None)
+    if method in (None, AUTO):
+        return {}
+    sources = {"allocation": f"{method}'s own"} if getattr(strategy, "allocation", None) == AUTO else {}
+    if compensation_mode == AUTO:
+        sources["compensation"] = "none for a named method"
+    return sources
 
 
 def plan_metrics(plan: PruningPlan) -> dict[str, float]:
@@ -45,4 +69,4 @@ def plan_metrics(plan: PruningPlan) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["auto_note", "kept_summary", "plan_metrics", "settings_summary"]
+__all__ = ["auto_note", "kept_summary", "named_method_sources", "plan_metrics", "settings_summary"]

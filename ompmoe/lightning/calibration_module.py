@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -12,7 +12,83 @@ from torch import nn
 
 from .models import TINY_PREFIX, default_tokenizer, is_tiny, load_model, model_and_name, resolve_dtype, resolve_model
 
-__all__ = ["TINY_PREFIX", "CalibrationModule", "resolve_dtype", "shard_model"]
+__all__ = ["TINY_PREFIX", "CalibrationModule", "check_prunable", "resolve_dtype", "shard_model"]
+
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+"""Config keys of a routed-expert count: an architecture with one of them above 1 is a Mixture-of-Experts."""
+
+
+def _config_of(model: str | nn.Module) -> tuple[dict[str, Any] | None, str | None]:
+    """``(config as a dict, model class name)`` of ``model`` without loading weights; ``(None, None)`` where they
+    cannot be had cheaply (loading then reports what is wrong)."""
+    import transformers
+
+    if isinstance(model, nn.Module):
+        config = getattr(model, "config", None)
+        return (config.to_dict() if callable(getattr(config, "to_dict", None)) else None), type(model).__name__
+    if not isinstance(model, str):
+        return None, None
+    if is_tiny(model):  # a tiny model of a type with no tiny config: the stock config of that type, if any
+        from ..engine.adapters import ARCHITECTURES
+
+        model_type = model.removeprefix(TINY_PREFIX)
+        if model_type in ARCHITECTURES or model_type not in transformers.CONFIG_MAPPING:
+            return None, None
+        names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        try:
+            config = transformers.CONFIG_MAPPING[model_type]().to_dict()
+        except (TypeError, ValueError):  # a config with required arguments: the tiny model's own error
+            return None, None
+        return config, names.get(model_type)
+    from ..engine.names import resolve_shipped
+
+    try:  # no remote code runs; a name that cannot load is left to the loader's own error
+        config, _ = transformers.PreTrainedConfig.get_config_dict(resolve_shipped(model))
+    except (OSError, ValueError):
+        return None, None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return (config if isinstance(config, dict) else None), (architectures or [None])[0]
+
+
+def check_prunable(model: str | nn.Module, option: str = "--model.model", action: str = "calibrate",
+                   statistics_model: str | None = None) -> None:
+    """Refuse, in one line and before any weights load, a model ompmoe cannot calibrate or prune: a dense one, a
+    Mixture-of-Experts of an architecture not registered, or (given by name) one ompmoe pruned already, with the
+    model it was pruned from (its config's ``ompmoe`` record) to pass as ``option`` instead. ``statistics_model``:
+    the model statistics were collected on; a pruned model that is that model is accepted (pruning it again)."""
+    from ..engine.adapters import ARCHITECTURES, supported_model_types
+    from ..engine.names import same_model
+
+    config, class_name = _config_of(model)
+    if config is None:
+        return
+    name = model if isinstance(model, str) else config.get("_name_or_path") or None
+    kind = class_name or config.get("model_type")
+    kind = f"{name} ({kind})" if name else kind
+    record = config.get("ompmoe")
+    if isinstance(model, str) and isinstance(record, dict) and not (
+            statistics_model and same_model(statistics_model, model)):
+        plan = record.get("plan") if isinstance(record.get("plan"), dict) else {}
+        base = plan.get("model_id") or statistics_model
+        ratio = plan.get("ratio")
+        of = " ".join(part for part in (f"ratio {ratio:g}" if isinstance(ratio, (int, float)) else "",
+                                        f"of {base}" if base else "") if part)
+        fix = f": {option} {base}" if base else " (its config.json does not name it)"
+        raise ValueError(f"model {name} was pruned by ompmoe{f' ({of})' if of else ''}; {action} the model it was "
+                         f"pruned from{fix}")
+    model_type = config.get("model_type")
+    if model_type in ARCHITECTURES:
+        return
+    sections = [config, *(value for value in config.values() if isinstance(value, dict))]  # text_config, ...
+    counts = [section.get(key) for section in sections for key in EXPERT_COUNT_KEYS]
+    supported = ", ".join(supported_model_types())
+    if any(isinstance(count, int) and not isinstance(count, bool) and count > 1 for count in counts):
+        raise ValueError(f"model {kind} is a Mixture-of-Experts model of model_type {model_type!r}, which ompmoe "
+                         f"does not support: pass a model whose model_type is one of {supported}, or add its layout "
+                         "with ompmoe.register_architecture")
+    raise ValueError(f"model {kind} has no MoE layers: ompmoe prunes the routed experts of Mixture-of-Experts "
+                     f"models; pass a model whose model_type is one of {supported} (e.g. shipped:tiny-moe or "
+                     "tiny:qwen3_moe)")
 
 
 def shard_model(model: nn.Module, device_mesh: Any) -> None:
@@ -42,6 +118,10 @@ class CalibrationModule(pl.LightningModule):
         trust_remote_code: Passed to ``from_pretrained``.
     """
 
+    calibrates: ClassVar[bool] = True
+    """Whether the model is calibrated for pruning (refused up front when dense or pruned already); a subclass that
+    only evaluates (``ompmoe.eval.EvalModule``: any model, pruned ones included) sets ``False``."""
+
     def __init__(self, model: str | nn.Module = "tiny:qwen3_moe", dtype: str | None = None,
                  tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
         super().__init__()
@@ -53,6 +133,8 @@ class CalibrationModule(pl.LightningModule):
         self.model, self.model_name_or_path = model_and_name(model)
         if isinstance(model, str) and not is_tiny(model):
             resolve_model(model)  # a name that cannot load fails here, before the Trainer starts
+        if self.calibrates:
+            check_prunable(model)  # a dense model, or one pruned already, too
         self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
 
     def configure_model(self) -> None:

@@ -24,6 +24,7 @@ from torch import nn  # noqa: E402
 
 from ..cli_args import fail, user_errors  # noqa: E402
 from ..engine.adapters import find_moe_layers  # noqa: E402
+from ..engine.export.config import add_finetune_record  # noqa: E402
 from ..engine.io import check_writable, inputs_of  # noqa: E402
 from ..engine.perplexity import eval_mode  # noqa: E402
 from ..engine.pruning import save_pruned  # noqa: E402
@@ -150,7 +151,8 @@ class FinetuneModule(pl.LightningModule):
         keep_best: At the end of training, restore the state (the starting model included) with the best mean
             validation loss if the last is worse, with a warning; keeps one copy of the trainable parameters. Needs
             validation data; without it, nothing is tracked.
-        save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit.
+        save_dir: Where rank 0 writes the fine-tuned (LoRA-merged) model at the end of the fit, its ``config.json``
+            and model card recording the fit (:attr:`finetune_record`).
         overwrite: Replace an existing ``save_dir``.
         trust_remote_code: Passed to ``from_pretrained``.
     """
@@ -201,6 +203,14 @@ class FinetuneModule(pl.LightningModule):
         """``(global step, mean validation loss)`` of every candidate state, the starting model first."""
         self._best: tuple[int, float, dict[str, torch.Tensor]] | None = None
         self._val_sums: dict[int, list[float]] = {}
+        self._set_losses: dict[int, list[float]] = {}  # global step -> each validation set's mean loss there
+        self._latest_set_losses: list[float] = []  # of the last validation, for _candidate to file under its step
+        self._trained_tokens: torch.Tensor | int = 0  # attended tokens of the training batches (this rank)
+        self._lora_targets: tuple[list[str], list[str]] = ([], [])  # (modules, expert parameters) LoRA adapts
+        self.finetune_record: dict[str, Any] | None = None
+        """What the last fit did (method, loss, steps, data, validation before -> after), set at the end of training and
+        added to the model's config (``config.json``'s ``ompmoe.finetune``; ``ompmoe_finetune`` for a model never
+        pruned), so the saved checkpoint and its model card say how its weights were trained."""
         self.torch_dtype = resolve_dtype(dtype)
         self.save_dir = save_dir
         self.overwrite = overwrite
@@ -256,6 +266,7 @@ class FinetuneModule(pl.LightningModule):
             raise ValueError(f"Found no nn.Linear inside attention blocks of {type(model).__name__} for LoRA.")
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
         experts = expert_parameter_names(model) if self.lora_experts else None
+        self._lora_targets = (targets, experts or [])
         config = LoraConfig(r=self.lora_rank, lora_alpha=alpha, lora_dropout=self.lora_dropout,
                             target_modules=targets, target_parameters=experts, bias="none")
         with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates; only peft can act on it
@@ -302,6 +313,8 @@ class FinetuneModule(pl.LightningModule):
             loss = loss + self.distill_weight * (kl - parts.lm_loss)  # (1 - w) * lm + w * kl (+ aux)
             self.log("train_kd_loss", kl, batch_size=size)
         self.log("train_loss", loss, prog_bar=True, batch_size=size)
+        mask = batch.get("attention_mask")  # summed on the device: no synchronization per step
+        self._trained_tokens = self._trained_tokens + (batch["input_ids"].numel() if mask is None else mask.sum())
         if parts.aux_loss is not None:
             self.log("train_lm_loss", parts.lm_loss, batch_size=size)
             self.log("train_aux_loss", parts.aux_loss, batch_size=size)
@@ -345,6 +358,7 @@ class FinetuneModule(pl.LightningModule):
         """Mean over the validation sets of each set's mean per-block loss (summed over ranks)."""
         totals = torch.tensor([sums[i] for i in sorted(sums)], dtype=torch.float64, device=self.device)
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        self._latest_set_losses = (totals[:, 0] / totals[:, 1]).tolist()
         return float((totals[:, 0] / totals[:, 1]).mean())
 
     def _candidate(self, mean: float) -> None:
@@ -355,6 +369,7 @@ class FinetuneModule(pl.LightningModule):
         if self.validation_history and self.validation_history[-1][0] == step:
             return  # this state was already evaluated
         self.validation_history.append((step, mean))
+        self._set_losses[step] = self._latest_set_losses
         if self._best is None or mean < self._best[1]:
             self._best = (step, mean, {name: value.detach().clone() for name, value in self.model.named_parameters()
                                        if value.requires_grad})
@@ -380,11 +395,17 @@ class FinetuneModule(pl.LightningModule):
             self._candidate(self._mean_validation_loss(sums))
 
     def on_train_start(self) -> None:
-        self.validation_history, self._best = [], None
+        self.validation_history, self._best, self._set_losses, self._trained_tokens = [], None, {}, 0
         if self.keep_best and self.trainer.limit_val_batches != 0:
             self._validate_now()  # the starting model is a candidate too
 
     def on_train_end(self) -> None:
+        self._restore_best()
+        self.finetune_record = self._record()
+        add_finetune_record(self.hf_model.config, self.finetune_record)
+
+    def _restore_best(self) -> None:
+        """Restore the best validation state if the final one is worse (``keep_best``), with a warning."""
         if not self.keep_best or self._best is None:
             return
         if self.validation_history[-1][0] != self.trainer.global_step:
@@ -402,6 +423,53 @@ class FinetuneModule(pl.LightningModule):
             f"FinetuneModule: restored the best validation state, {where}: mean validation loss {best:.4f}; "
             f"the final state (step {final_step}) had {final:.4f}."
         )
+
+    def _record(self) -> dict[str, Any]:
+        """The fit as ``config.json`` and the model card record it: method, loss, optimizer, steps and tokens, data,
+        and the recovery measured (each validation set's mean loss before -> after; perplexity for the equal-length
+        blocks of a :class:`ompmoe.FinetuneDataModule`)."""
+        tokens = torch.as_tensor(self._trained_tokens, dtype=torch.float64, device=self.device)
+        record: dict[str, Any] = {"method": "lora" if self.lora_rank > 0 else "full"}
+        if self.lora_rank > 0:
+            alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+            record["lora"] = {"rank": self.lora_rank, "alpha": float(alpha), "dropout": float(self.lora_dropout),
+                              "modules": self._lora_targets[0], "expert_parameters": self._lora_targets[1]}
+        if self.distills:
+            teacher = self.teacher_name_or_path or getattr(getattr(self._teacher, "config", None), "_name_or_path",
+                                                           None)
+            record.update(teacher=str(teacher or f"a {type(self._teacher).__name__} instance"),
+                          distill_weight=self.distill_weight)
+        record.update(
+            aux_loss_coef=self.aux_coef,
+            optimizer={"name": "AdamW", "learning_rate": float(self.learning_rate),
+                       "weight_decay": float(self.weight_decay), "warmup_steps": self.warmup_steps},
+            steps=int(self.trainer.global_step),
+            tokens=int(self.trainer.strategy.reduce(tokens, reduce_op="sum")),  # every rank's batches
+            data=self._data_record(),
+            validation=self._validation_record())
+        return record
+
+    def _data_record(self) -> dict[str, Any] | None:
+        """The training text of a :class:`ompmoe.CalibrationDataModule` (source, blocks, batch), else ``None``."""
+        data = getattr(self.trainer, "datamodule", None)
+        if not isinstance(getattr(data, "source", None), str):
+            return None
+        return {"source": data.source, "data_files": list(getattr(data, "data_files", None) or []),
+                **{key: getattr(data, key, None) for key in ("seq_len", "num_blocks", "batch_size")}}
+
+    def _validation_record(self) -> dict[str, Any]:
+        """Each validation set's mean loss at the start and in the saved state (the best one, if restored)."""
+        if not self.keep_best:
+            return {"not_measured": "keep_best=False validates no starting model to compare with"}
+        if not self.validation_history or self._best is None:
+            return {"not_measured": "no validation data"}
+        (start, _), (final_step, final_mean) = self.validation_history[0], self.validation_history[-1]
+        kept = self._best[0]  # the state _restore_best left in place (the final one unless it restored)
+        before, after = self._set_losses[start], self._set_losses[kept]
+        names = self._val_names()
+        return {"sets": names or [f"validation set {index}" for index in range(len(before))],
+                "loss_before": before, "loss_after": after, "perplexity": bool(names), "before_step": start,
+                "kept_step": kept, "final_step": final_step, "final_mean": final_mean}
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """:class:`ProgressLines` when stderr is not a terminal (a log file, CI) and the Trainer's progress bar is on:

@@ -447,7 +447,8 @@ def test_cli_accepts_the_monitor_and_adaptive_epsilon(tmp_path):
 
     config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny.yaml").read_text())
     pruning = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ExpertPruning"))
-    pruning["init_args"].update(output_dir=str(tmp_path / "run"), adaptive_epsilon=0.05)
+    pruning["init_args"].update(output_dir=str(tmp_path / "run"), adaptive_epsilon=0.05,
+                               evaluate_blocks=8)
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
     config["data"].update(num_blocks=4, seq_len=64)
     path = tmp_path / "tiny.yaml"

@@ -36,7 +36,9 @@ def test_auto_tries_the_settings_of_the_layout_and_a_fixed_half_stays_fixed():
     auto = PruningStrategy(method="auto", allocation="auto")
     assert auto.settings("qwen3_moe") == list(auto_settings("qwen3_moe")) == SOFTMAX
     assert auto.settings("glm4_moe") == auto.settings("deepseek_v3") == list(SIGMOID_SHARED_GROUPED) == [("reap", "waterfill")]
-    assert PruningStrategy(method="omp", allocation="auto").settings("qwen3_moe") == [("omp", "loss"), ("omp", "waterfill")]
+    # auto beside a named method is that method's own allocation, as it is published: never a trial
+    assert PruningStrategy(method="omp", allocation="auto").settings("qwen3_moe") == [("omp", "waterfill")]
+    assert PruningStrategy(method="reap", allocation="auto").settings("qwen3_moe") == [("reap", "uniform")]
     assert PruningStrategy(method="auto", allocation="uniform").settings("mixtral") == [
         ("omp_normalized", "uniform"), ("omp", "uniform")]
     assert PruningStrategy(method="reap", allocation="waterfill").settings("qwen3_moe") == [("reap", "waterfill")]

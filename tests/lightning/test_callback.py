@@ -384,3 +384,23 @@ def test_own_module_saves_the_data_modules_or_the_explicit_tokenizer_and_warns_w
         trainer([callback]).fit(OwnModule(), datamodule=OwnData())
     assert not (tmp_path / "none" / "model" / "tokenizer.json").exists()
     assert (tmp_path / "none" / "model" / "README.md").is_file()
+
+
+def test_a_dense_model_held_as_self_model_is_named_as_dense_not_as_missing():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ompmoe.callbacks.pruning import MissingModelError, find_hf_model
+
+    class DenseModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                      num_hidden_layers=1, num_attention_heads=2))
+
+    with pytest.raises(MissingModelError) as caught:
+        find_hf_model(DenseModule())
+    supported = ", ".join(ompmoe.supported_model_types())
+    assert str(caught.value) == (
+        "ExpertPruning: DenseModule.model: model LlamaForCausalLM has no MoE layers: ompmoe prunes the routed experts "
+        f"of Mixture-of-Experts models; pass a model whose model_type is one of {supported} (e.g. shipped:tiny-moe or "
+        "tiny:qwen3_moe)")

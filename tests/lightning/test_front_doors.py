@@ -15,8 +15,11 @@ from ompmoe.callbacks import ExpertPruning
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = ["--data.num_blocks", "4", "--data.seq_len", "64", "--data.batch_size", "2"]
+HELDOUT_BLOCKS = 8
+"""Blocks per held-out set for every door (512 tokens: the lines are compared, not the numbers)."""
 OPTIONS = ["--ratio", "0.25", "--method", "reap"]
-"""The issue's command (``--ratio 0.25 --method reap --output_dir``) on less text; ``allocation`` stays ``auto``."""
+"""The issue's command (``--ratio 0.25 --method reap --output_dir``) on less text; ``allocation`` stays ``auto``: reap's
+own, uniform."""
 
 
 def summary(text: str) -> list[str]:
@@ -46,14 +49,16 @@ def test_fit_the_fabric_script_and_the_callback_write_the_same_plan(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     main(["fit", "-c", str(REPO / "configs" / "tiny.yaml"), *DATA, *OPTIONS, "--output_dir", "outputs/reap",
-          "--trainer.callbacks.init_args.plots", "false", "--trainer.enable_progress_bar", "false"])
+          "--trainer.callbacks.init_args.plots", "false", "--trainer.callbacks.init_args.evaluate_blocks",
+          str(HELDOUT_BLOCKS), "--trainer.enable_progress_bar", "false"])
     fit_lines = summary("\n".join(lightning_lines))
     lightning_lines.clear()
     fabric_prune.main(["--accelerator", "cpu", "--devices", "1", *DATA, *OPTIONS, "--output_dir", "fabric",
-                       "--plots", "false"])
+                       "--plots", "false", "--evaluate_blocks", str(HELDOUT_BLOCKS)])
     fabric_lines = summary(capfd.readouterr().out)
     callback = ExpertPruning(ompmoe.PruningStrategy(ratio=0.25, method="reap", allocation="auto"),
-                             output_dir="callback", plots=False, evaluate_on=["heldout:prose", "heldout:code"])
+                             output_dir="callback", plots=False, evaluate_on=["heldout:prose", "heldout:code"],
+                             evaluate_blocks=HELDOUT_BLOCKS)
     pl.seed_everything(0)
     pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
@@ -62,7 +67,7 @@ def test_fit_the_fabric_script_and_the_callback_write_the_same_plan(tmp_path, mo
     callback_lines = summary("\n".join(lightning_lines))
 
     plans = [ompmoe.PruningPlan.load(Path(out) / "plan.json") for out in ("outputs/reap", "fabric", "callback")]
-    assert (plans[0].method, plans[0].ratio) == ("reap", 0.25)
+    assert (plans[0].method, plans[0].allocation, plans[0].ratio) == ("reap", "uniform", 0.25)
     assert plans[0] == plans[1] == plans[2]
     stats = [ompmoe.MoEStats.load(Path(out) / "stats.safetensors") for out in ("outputs/reap", "fabric", "callback")]
     for other in stats[1:]:
@@ -71,7 +76,8 @@ def test_fit_the_fabric_script_and_the_callback_write_the_same_plan(tmp_path, mo
             for key, value in a.tensors().items():
                 torch.testing.assert_close(b.tensors()[key], value, rtol=1e-10, atol=1e-12)
     # settings (with auto's trial), kept experts and held-out perplexity: the same lines from every door
-    assert len(fit_lines) == 3 and fit_lines[2].startswith("ompmoe: held-out perplexity, original -> pruned: ")
+    assert len(fit_lines) == 3 and fit_lines[2].startswith(
+        f"ompmoe: held-out perplexity on {HELDOUT_BLOCKS * 64} tokens per set, original -> pruned: ")
     assert fit_lines == fabric_lines == callback_lines
     assert sorted(os.listdir("fabric")) == [".ompmoe-output", "model", "plan.json", "stats.safetensors"]
 

@@ -6,6 +6,7 @@ import copy
 import logging
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 import ompmoe
@@ -58,5 +59,19 @@ def test_fit_reports_heldout_perplexity_before_and_after_pruning(tmp_path, caplo
                                                      perplexity(callback.pruned_model, blocks, 2))
     (line,) = [r.getMessage() for r in caplog.records if "held-out perplexity" in r.getMessage()]
     (prose, code) = (callback.heldout_perplexity[n] for n in ("heldout:prose", "heldout:code"))
-    assert line == (f"ompmoe: held-out perplexity, original -> pruned: heldout:prose {prose[0]:.2f} -> {prose[1]:.2f}, "
-                    f"heldout:code {code[0]:.2f} -> {code[1]:.2f}")
+    assert line == (f"ompmoe: held-out perplexity on 64 tokens per set, original -> pruned: heldout:prose "
+                    f"{prose[0]:.2f} -> {prose[1]:.2f}, heldout:code {code[0]:.2f} -> {code[1]:.2f}")
+
+
+def test_heldout_sets_hold_8192_tokens_by_default_and_the_plan_records_them():
+    from ompmoe.engine.perplexity import HELDOUT_TOKENS
+
+    data = ompmoe.CalibrationDataModule("shipped", tokenizer="bytes", seq_len=3000, num_blocks=1)
+    run = ompmoe.PruningRun(evaluate_on=["heldout:code"], plots=False)
+    run.data, run.calibration_data = data, {"seq_len": 3000}
+    assert HELDOUT_TOKENS == 8192 and run.heldout_record() == {"sets": ["heldout:code"], "blocks": 3,
+                                                                "calibration_data": {"seq_len": 3000}}
+    assert ompmoe.PruningRun(evaluate_on=["heldout:code"], evaluate_blocks=5, plots=False).heldout_record()["blocks"] == 5
+    with pytest.raises(ValueError) as error:
+        ompmoe.RunOptions(evaluate_blocks=0)
+    assert str(error.value) == "evaluate_blocks must be positive (default: 8,192 tokens' worth); got 0."

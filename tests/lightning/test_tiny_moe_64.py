@@ -157,7 +157,7 @@ def test_cli_fit_calibrates_and_prunes_the_shipped_model(tmp_path):
     from ompmoe.cli import main
 
     config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny.yaml").read_text())
-    config["trainer"]["callbacks"][0]["init_args"]["output_dir"] = str(tmp_path / "run")
+    config["trainer"]["callbacks"][0]["init_args"].update(output_dir=str(tmp_path / "run"), evaluate_blocks=8)
     config["trainer"]["default_root_dir"] = str(tmp_path / "lightning")
     config["data"].update(num_blocks=4, seq_len=64)
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))

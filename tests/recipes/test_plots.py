@@ -163,7 +163,8 @@ def test_cli_plot_command(stats, tmp_path, capsys):
     main(["plot", "--stats", str(stats_file), "--output_dir", str(tmp_path / "plots"), "--overwrite", "true"])
     with pytest.raises(SystemExit) as error:
         main(["plot", "--stats", str(tmp_path / "missing.safetensors"), "--output_dir", str(tmp_path / "p2")])
-    assert "No statistics file at" in str(error.value)
+    assert str(error.value) == (f"error: statistics file {str(tmp_path / 'missing.safetensors')!r} does not exist; "
+                                f"did you mean {str(stats_file)!r}?")  # the statistics file beside it
     assert not (tmp_path / "p2").exists()
 
 

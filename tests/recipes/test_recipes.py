@@ -143,7 +143,10 @@ def test_finetune_cli_continues_from_pruned_checkpoint(stats, tmp_path):
         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "lightning"),
     ])
     before, after = ompmoe.load_pruned(tmp_path / "pruned"), ompmoe.load_pruned(tmp_path / "ft")
-    assert ompmoe.pruning_info(after) == ompmoe.pruning_info(before)
+    info = ompmoe.pruning_info(after)
+    (record,) = info.pop("finetune")  # the fine-tune is recorded beside the pruning it continued from
+    assert (record["steps"], record["data"]["source"]) == (2, "shipped")
+    assert info == ompmoe.pruning_info(before)
     assert not torch.equal(after.lm_head.weight, before.lm_head.weight)
 
 

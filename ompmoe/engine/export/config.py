@@ -10,7 +10,34 @@ from typing import Any
 import transformers
 
 from ..adapters import ARCHITECTURES
+from ..record import CONFIG_KEY
 from .hub_code import is_non_uniform, stock_config_dict
+
+FINETUNE_KEY = "finetune"
+"""Key of the fine-tunes' records (a list, oldest first) in a pruned model's ``config.ompmoe``."""
+FINETUNE_CONFIG_KEY = "ompmoe_finetune"
+"""Config attribute holding that list for a model ompmoe never pruned: its ``config.ompmoe`` would read as a
+pruning record without the kept experts, which loading refuses."""
+
+
+def add_finetune_record(config: Any, record: dict[str, Any]) -> None:
+    """Append ``record`` (JSON-able: method, steps, data, recovery) to the fine-tunes ``config`` carries, so that
+    ``config.json`` and the model card say how the saved weights were trained."""
+    pruning = getattr(config, CONFIG_KEY, None)
+    if isinstance(pruning, dict):
+        setattr(config, CONFIG_KEY, {**pruning, FINETUNE_KEY: [*pruning.get(FINETUNE_KEY, []), record]})
+    else:
+        setattr(config, FINETUNE_CONFIG_KEY, [*(getattr(config, FINETUNE_CONFIG_KEY, None) or []), record])
+
+
+def finetune_records(config_dict: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The fine-tunes a saved ``config.json`` (as a dict) records, oldest first, each with when it ran: ``before
+    pruning`` (a model fine-tuned, then pruned), ``after pruning`` or ``""`` (a model never pruned)."""
+    pruning = config_dict.get(CONFIG_KEY)
+    pruned = isinstance(pruning, dict)
+    earlier = [("before pruning" if pruned else "", record) for record in config_dict.get(FINETUNE_CONFIG_KEY) or []]
+    later = [("after pruning", record) for record in (pruning.get(FINETUNE_KEY) if pruned else None) or []]
+    return [(stage, record) for stage, record in earlier + later if isinstance(record, dict)]
 
 
 def count_json_key(model_type: str) -> str:

@@ -5,11 +5,16 @@ The front matter lets the hub link the checkpoint to its base model; the body sa
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from functools import cache
 from typing import Any
 
 import yaml
+
+from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
+from .config import finetune_records
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -27,6 +32,34 @@ def front_matter(model_id: str | None, model_type: str | None, uniform: bool) ->
     return {**base, "library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
 
 
+CORPUS_PREFIXES = {"shipped": "calibration", "train": "train", "heldout": "heldout"}
+"""Prefix of the shipped corpus's source names (``shipped:mix``, ``train:prose``, ``heldout:code``) -> its split."""
+
+
+@cache
+def _source_names() -> dict[str, str]:
+    """A shipped source as recorded (:meth:`~ompmoe.data.sources.TextSource.describe`, files inside the package) or
+    as passed (``train:mix``) -> the name a user passes, explained."""
+    names = {SHIPPED_TEXT_RECORD: "shipped (the calibration text shipped with ompmoe: Python reference documentation)"}
+    parts = {**{domain: (domain,) for domain in CORPUS_DOMAINS}, "mix": CORPUS_DOMAINS}
+    for prefix, split in CORPUS_PREFIXES.items():
+        for part, domains in parts.items():
+            name = f"{prefix}:{part}"
+            explained = (f"{name} (the shipped corpus's {'held-out' if split == 'heldout' else split} split: "
+                         f"{' + '.join(domains)})")
+            names[name] = names[corpus_record(domains, split)] = explained
+    return names
+
+
+def readable_source(recorded: str) -> str:
+    """``recorded`` (sources as the statistics record them, several joined by ``; ``) with each shipped one named as
+    a user names it, and what it is: ``shipped:mix (the shipped corpus's calibration split: prose + code)`` for
+    ``shipped:ompmoe/data/corpus/prose-calibration,shipped:ompmoe/data/corpus/code-calibration``. The statistics file
+    keeps the exact record; the card is read by people. Other sources stay as recorded."""
+    names = _source_names()
+    return "; ".join(names.get(part, part) for part in recorded.split("; "))
+
+
 def _compensation(record: dict[str, Any] | None) -> str:
     """The card's compensation cell: what was fitted into the kept experts, on how much text, and what it did."""
     if not record:
@@ -37,7 +70,111 @@ def _compensation(record: dict[str, Any] | None) -> str:
     if "routed_error_before" in record:
         text += (f" (relative routed-output error {record['routed_error_before']:.3f} -> "
                  f"{record['routed_error_after']:.3f})")
+    if "loss_with" in record:
+        text += "; " + compensation_check(record)
     return text
+
+
+def compensation_check(record: dict[str, Any]) -> str:
+    """The held-out check that kept the map: ``held-out calibration loss 3.9510 -> 3.9610 on 8 blocks: kept, it
+    raised the loss by 0.0100 nats, within the 0.02-nat tolerance``, so a rise is never read as a mistake."""
+    blocks = f" on {record['check_blocks']} blocks" if record.get("check_blocks") else ""
+    verdict = "kept" if record.get("applied", True) else "not kept"
+    note = within_tolerance(record)
+    return (f"held-out calibration loss {record['loss_without']:.4f} -> {record['loss_with']:.4f}{blocks}: {verdict}"
+            f"{f', {note}' if note else ''}")
+
+
+def within_tolerance(record: dict[str, Any]) -> str | None:
+    """``it raised the loss by 0.0100 nats, within the 0.02-nat tolerance`` when a compensation record's held-out
+    check kept a map that raised the loss (``auto`` keeps it: smaller moves are noise on so few tokens), else
+    ``None``."""
+    raised = record["loss_with"] - record["loss_without"]
+    if not record.get("applied", True) or raised <= 0 or record.get("tolerance") is None:
+        return None
+    amount = f"{raised:.4f}" if raised >= 1e-4 else f"{raised:.1e}"  # never "by 0.0000"
+    return f"it raised the loss by {amount} nats, within the {record['tolerance']:g}-nat tolerance"
+
+
+def _finetune_summary(stage: str, record: dict[str, Any]) -> str:
+    """``LoRA, 200 steps after pruning``: the fine-tune in the card's main table."""
+    return f"{'LoRA' if record.get('method') == 'lora' else 'full'}, {record.get('steps', '?')} steps {stage}".rstrip()
+
+
+def _finetune_method(record: dict[str, Any]) -> str:
+    lora = record.get("lora")
+    if record.get("method") != "lora" or not isinstance(lora, dict):
+        return "full: every parameter trained"
+    adapted = ", ".join([*lora.get("modules", []), *lora.get("expert_parameters", [])]) or "not recorded"
+    return (f"LoRA rank {lora.get('rank')} (alpha {lora.get('alpha'):g}) on {adapted}, merged into the weights; "
+            "routers, norms, embeddings and the LM head frozen")
+
+
+def _finetune_loss(record: dict[str, Any]) -> str:
+    text = "causal-LM cross-entropy"
+    if record.get("teacher") is not None:
+        weight = record.get("distill_weight", 0.0)
+        text = (f"{1 - weight:g} x causal-LM cross-entropy + {weight:g} x per-token KL(teacher, model), distilled "
+                f"from {record['teacher']}")
+    if record.get("aux_loss_coef"):
+        text += f" + {record['aux_loss_coef']:g} x per-layer load-balancing loss"
+    return text
+
+
+def _finetune_data(record: dict[str, Any]) -> str:
+    data = record.get("data")
+    if not isinstance(data, dict) or not data.get("source"):
+        return "the user's own data loaders (not described)"
+    shape = (f", {data['num_blocks']} blocks of {data['seq_len']} tokens, batch {data['batch_size']}"
+             if data.get("num_blocks") else "")
+    return f"{readable_source(str(data['source']))}{shape}"
+
+
+def _validation_rows(validation: Any) -> list[str]:
+    """The recovery the fine-tune measured: each validation set's loss (and perplexity) before -> after, their mean,
+    and which state was saved."""
+    if not isinstance(validation, dict) or "loss_before" not in validation:
+        reason = validation.get("not_measured") if isinstance(validation, dict) else None
+        return [f"| Validation | not measured: {reason or 'not recorded'} |"]
+    before, after = validation["loss_before"], validation["loss_after"]
+    rows = [f"| Validation loss, mean of {len(before)} set{'s' * (len(before) != 1)} | "
+            f"{sum(before) / len(before):.4f} -> {sum(after) / len(after):.4f} |"]
+    for index, name in enumerate(validation.get("sets", [])):
+        ppl = (f" (perplexity {math.exp(before[index]):.2f} -> {math.exp(after[index]):.2f})"
+               if validation.get("perplexity") else "")
+        rows.append(f"| Validation loss, {readable_source(str(name))} | {before[index]:.4f} -> {after[index]:.4f}"
+                    f"{ppl} |")
+    start, kept, final = validation.get("before_step", 0), validation.get("kept_step"), validation.get("final_step")
+    if kept == final:
+        saved = f"the final state (step {final})"
+    else:
+        which = "the starting model" if kept == start else "the best validation state"
+        saved = (f"{which} (step {kept}), restored: the final state (step {final}) had a higher mean validation "
+                 f"loss, {validation.get('final_mean', float('nan')):.4f}")
+    return [*rows, f"| Weights saved | {saved} |"]
+
+
+def finetune_section(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The card's "Fine-tuning after pruning" section(s) (:func:`~.config.finetune_records`): how the saved weights
+    were trained (method, loss, steps, data) and the recovery measured, so a reader can judge (and redo) the
+    numbers."""
+    lines: list[str] = []
+    for number, (stage, record) in enumerate(records, 1):
+        heading = f"## Fine-tuning {stage}".rstrip() + (f" ({number} of {len(records)})" if len(records) > 1 else "")
+        optimizer = record.get("optimizer") or {}
+        lines += [
+            heading, "", "| | |", "|---|---|",
+            f"| Method | {_finetune_method(record)} |",
+            f"| Loss | {_finetune_loss(record)} |",
+            f"| Optimizer | {optimizer.get('name', 'AdamW')}, learning rate {optimizer.get('learning_rate', 0):g}, "
+            f"weight decay {optimizer.get('weight_decay', 0):g}, linear warm-up over "
+            f"{optimizer.get('warmup_steps', 0)} step{'s' * (optimizer.get('warmup_steps') != 1)} |",
+            f"| Steps | {record.get('steps', '?')} optimizer steps on {record.get('tokens', '?')} tokens |",
+            f"| Data | {_finetune_data(record)} |",
+            *_validation_rows(record.get("validation")),
+            "",
+        ]
+    return lines
 
 
 def model_card(
@@ -52,6 +189,7 @@ def model_card(
     total_kept = sum(len(ids) for ids in kept.values())
     total = sum(original.values())
     ratio = "not recorded" if plan.get("ratio") is None else format(plan["ratio"], "g")
+    finetunes = finetune_records(config)
     meta = yaml.safe_dump(front_matter(model_id, config.get("model_type"), uniform), sort_keys=False).rstrip()
     title = f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe"
     lines = ["---", meta, "---", "", title, ""]
@@ -68,14 +206,17 @@ def model_card(
         f"({total_kept} of {total} routed experts kept) |",
         f"| Allocation | {plan.get('allocation', 'not recorded')} |",
         f"| Compensation | {_compensation(record.get('compensation'))} |",
-        f"| Calibration data | {calibration or plan.get('calibration') or 'not recorded'} |",
+        f"| Calibration data | {readable_source(calibration or plan.get('calibration') or 'not recorded')} |",
         f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
         f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",
         f"| Tokenizer included | {'yes' if info.get('tokenizer') else 'no'} |",
+        *([f"| Fine-tuned | {'; '.join(_finetune_summary(*finetune) for finetune in finetunes)} (see below) |"]
+          if finetunes else []),
         "",
         "Per-layer rounding keeps `round((1 - ratio) * N)` experts of `N` for a uniform plan "
         "(REAP and llm-compressor keep `N - int(ratio * N)`).",
         "",
+        *finetune_section(finetunes),
         "## Experts kept per layer",
         "",
         "| MoE layer | kept | of | kept ids (original numbering) |",

@@ -51,6 +51,8 @@ PLOT_FILES = (HEATMAPS, RESIDUAL_CURVES, RESIDUAL_OVERVIEW, RESIDUAL_CSV, HIGH_C
 PLAN_PLOT_FILES = (ALLOCATION, ALLOCATION_CSV)
 """Written in addition when a plan is given."""
 HIGH_CONTRIBUTION_THRESHOLD = 0.1
+LOSS_ALLOCATIONS = ("loss", "loss_risk")
+"""Allocations that minimize estimated loss (nats per token) rather than the paper's residual and routing risk."""
 
 
 @dataclass
@@ -246,6 +248,8 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
     title = "Normalized residual $r_l(k)$ (OMP, blue) and routing risk $-\\log(C_l(k)+\\zeta)$ (orange)"
     if plan is not None:
         title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}; red line and title: experts kept"
+        if plan.allocation in LOSS_ALLOCATIONS:
+            title += " (counts chosen by estimated loss: allocation.png)"
     columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
     figure, axes, columns = _panels(len(stats.layers), columns, (3.2, 2.6), (0.0, 1.1), title)
     planned = {layer.name: layer for layer in plan.layers} if plan is not None else {}
@@ -304,18 +308,35 @@ def overview_figure(stats: MoEStats, plan: PruningPlan | None = None, progress: 
                 label=f"experts kept ({plan.method}/{plan.allocation}, ratio {plan.ratio:g})")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_yticks(*_layer_ticks(stats.layers, 16), fontsize=7)
-    ax.set(xlabel="experts kept k", ylabel="layer",
-           title="Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$")
+    title = "Normalized residual $r_l(k)$ of every MoE layer (OMP); white: $r = 0.1$"
+    if plan is not None:
+        title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}"
+    ax.set(xlabel="experts kept k", ylabel="layer", title=title)
     figure.colorbar(image, ax=ax, label="normalized residual $r_l(k)$")
     return figure
 
 
-def allocation_figure(stats: MoEStats, plan: PruningPlan):
-    """Experts kept per layer by the plan, against the uniform allocation of the same ratio."""
+def loss_estimates(stats: MoEStats, plan: PruningPlan) -> list[np.ndarray] | None:
+    """Per layer, the estimated per-token loss increase of keeping ``k = 0..N`` experts of the plan's selection: what
+    an allocation in loss units (:data:`LOSS_ALLOCATIONS`) chose the counts by; ``None`` for other allocations."""
+    if plan.allocation not in LOSS_ALLOCATIONS:
+        return None
+    from ..methods.loss.selection import loss_curves
+
+    selections = get_method(plan.method, plan.extra.get("method_options")).select(stats.layers)
+    return loss_curves(stats.layers, selections, stats.num_tokens)
+
+
+def allocation_figure(stats: MoEStats, plan: PruningPlan, estimates: list[np.ndarray] | None = None):
+    """Experts kept per layer by the plan, against the uniform allocation of the same ratio; for an allocation by
+    loss, below it the criterion it used: each layer's estimated loss increase at its kept count and at the uniform
+    count (``estimates``: :func:`loss_estimates`, computed when not given)."""
     from matplotlib.ticker import MaxNLocator
 
-    figure = _figure(max(6.0, min(14.0, 0.18 * len(plan.layers) + 3.0)), 3.8)
-    ax = figure.subplots()
+    estimates = estimates if estimates is not None else loss_estimates(stats, plan)
+    figure = _figure(max(6.0, min(14.0, 0.18 * len(plan.layers) + 3.0)), 3.8 if estimates is None else 6.8)
+    figure.suptitle(f"plan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}")
+    ax, *below = figure.subplots(1 if estimates is None else 2, 1, squeeze=False)[:, 0]
     x = np.arange(len(plan.layers))
     kept = np.array([layer.num_kept for layer in plan.layers])
     total = np.array([layer.num_experts for layer in plan.layers])
@@ -331,7 +352,27 @@ def allocation_figure(stats: MoEStats, plan: PruningPlan):
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
     ax.grid(axis="y", alpha=0.3)
+    if estimates is not None:
+        _loss_panel(below[0], plan, estimates)
     return figure
+
+
+def _loss_panel(ax, plan: PruningPlan, estimates: list[np.ndarray]) -> None:
+    """Each layer's estimated loss increase at its kept count (bars) and at the uniform count (crosses)."""
+    at_kept = np.array([curve[layer.num_kept] for curve, layer in zip(estimates, plan.layers)])
+    uniform = [min(layer.num_experts, round(layer.num_experts * (1.0 - plan.achieved_ratio))) for layer in plan.layers]
+    at_uniform = np.array([curve[k] for curve, k in zip(estimates, uniform)])
+    x = np.arange(len(plan.layers))
+    ax.bar(x, at_kept, color="tab:purple", width=0.85, label=f"at the kept count (sum {at_kept.sum():.3g})")
+    ax.plot(x, at_uniform, "x", color="tab:red", label=f"at the uniform count (sum {at_uniform.sum():.3g})")
+    ax.axhline(0.0, color="black", lw=0.6)
+    risk = " (with its routing-risk term)" if plan.allocation == "loss_risk" else ""
+    ax.set_xticks(*_layer_ticks(plan.layers, 24), fontsize=7)
+    ax.set(xlim=(-0.6, len(plan.layers) - 0.4), xlabel="layer", ylabel="nats per token",
+           title=f"Estimated loss increase $\\Delta L_l(k)$ per layer:\nthe criterion allocation {plan.allocation} "
+                 f"minimized{risk}")
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def curves_csv(stats: MoEStats, zeta: float) -> str:
@@ -346,14 +387,19 @@ def curves_csv(stats: MoEStats, zeta: float) -> str:
     return _csv(["layer", "layer_index", "k", "residual", "coverage", "risk"], rows)
 
 
-def allocation_csv(plan: PruningPlan) -> str:
-    """Per layer: experts, kept, the uniform count of the same ratio, and ``r(k)``, ``C(k)`` at the kept count."""
-    return _csv(
-        ["layer", "layer_index", "num_experts", "kept", "uniform_kept", "residual", "coverage"],
-        [[layer.name, layer_index(layer.name, position), layer.num_experts, layer.num_kept,
-          repr(layer.num_experts * (1.0 - plan.achieved_ratio)), repr(float(layer.residual[layer.num_kept])),
-          repr(float(layer.coverage[layer.num_kept]))] for position, layer in enumerate(plan.layers)],
-    )
+def allocation_csv(plan: PruningPlan, estimates: list[np.ndarray] | None = None) -> str:
+    """Per layer: experts, kept, the uniform count of the same ratio, and ``r(k)``, ``C(k)`` at the kept count; with
+    ``estimates`` (:func:`loss_estimates`, a plan allocated by loss), ``loss_estimate``: the estimated per-token loss
+    increase at the kept count, the numbers the allocation compared."""
+    header = ["layer", "layer_index", "num_experts", "kept", "uniform_kept", "residual", "coverage"]
+    rows = [[layer.name, layer_index(layer.name, position), layer.num_experts, layer.num_kept,
+             repr(layer.num_experts * (1.0 - plan.achieved_ratio)), repr(float(layer.residual[layer.num_kept])),
+             repr(float(layer.coverage[layer.num_kept]))] for position, layer in enumerate(plan.layers)]
+    if estimates is not None:
+        header.append("loss_estimate")
+        for row, curve, layer in zip(rows, estimates, plan.layers):
+            row.append(repr(float(curve[layer.num_kept])))
+    return _csv(header, rows)
 
 
 def write_plots(
@@ -390,8 +436,9 @@ def write_plots(
         HIGH_CONTRIBUTION_CSV: high_contribution_table(rows, "csv"),
     }
     if plan is not None:
-        _save(allocation_figure(stats, plan), paths[ALLOCATION], overwrite)
-        texts[ALLOCATION_CSV] = allocation_csv(plan)
+        estimates = loss_estimates(stats, plan)
+        _save(allocation_figure(stats, plan, estimates), paths[ALLOCATION], overwrite)
+        texts[ALLOCATION_CSV] = allocation_csv(plan, estimates)
     for name, text in texts.items():
         with atomic_path(paths[name], overwrite=overwrite) as tmp:
             tmp.write_text(text)
@@ -401,5 +448,5 @@ def write_plots(
 __all__ = [
     "HighContributionExpert", "PLAN_PLOT_FILES", "PLOT_FILES", "allocation_csv", "allocation_figure", "curves_csv",
     "heatmap_layers", "heatmap_figure", "heatmap_pursuit", "high_contribution_experts", "high_contribution_table",
-    "overview_figure", "residual_figure", "write_plots",
+    "LOSS_ALLOCATIONS", "loss_estimates", "overview_figure", "residual_figure", "write_plots",
 ]

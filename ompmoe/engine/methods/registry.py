@@ -92,6 +92,9 @@ class SelectionMethod:
     """The method's name in ``plan_pruning(method=...)``, plans, configs and the CLI."""
     statistics: ClassVar[tuple[str, ...]] = ()
     """Optional statistics it needs (:data:`ompmoe.engine.extensions.STATISTICS` names), checked before calibration."""
+    default_allocation: ClassVar[str] = "waterfill"
+    """The allocation it runs with when ``allocation="auto"`` beside it: the one its authors publish it with (REAP's
+    per-layer ``uniform``), the paper's ``waterfill`` for the rest; so a method named anywhere runs as published."""
 
     def select(self, layers: Sequence[LayerStats]) -> list[Selection]:
         """One :data:`Selection` per layer, from the layers' statistics."""
@@ -128,6 +131,11 @@ def register_method(cls: M) -> M:
                          f"({existing.__module__}.{existing.__qualname__}).")
     METHODS[cls.name] = cls
     return cls
+
+
+def default_allocation(method: str) -> str:
+    """The allocation ``method`` (a registered name or import path) runs with under ``allocation="auto"``."""
+    return method_class(method).default_allocation
 
 
 def option_defaults(name: str) -> dict[str, Any]:

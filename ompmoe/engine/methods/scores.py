@@ -45,6 +45,7 @@ class Frequency(ScoreRanking):
     """most routed calibration tokens"""
 
     name: ClassVar[str] = "frequency"
+    default_allocation: ClassVar[str] = "uniform"  # as REAP's paper runs it and the baselines it compares
     score_key: ClassVar[str] = "token_count"
 
 
@@ -63,6 +64,7 @@ class EAN(ScoreRanking):
     """largest expert activation norm `sum_x ||F_e(x)||` over routed tokens"""
 
     name: ClassVar[str] = "ean"
+    default_allocation: ClassVar[str] = "uniform"  # as REAP's paper runs it and the baselines it compares
     score_key: ClassVar[str] = "norm_sum"
 
 
@@ -78,6 +80,7 @@ class REAP(ScoreRanking):
     """largest REAP saliency `mean_{x routed to e} g_e(x) ||F_e(x)||` (Lasby et al., 2025)"""
 
     name: ClassVar[str] = "reap"
+    default_allocation: ClassVar[str] = "uniform"  # as REAP's paper runs it and the baselines it compares
 
     def scores(self, layers: Sequence[LayerStats]) -> list[torch.Tensor]:
         return [reap_scores(layer) for layer in layers]

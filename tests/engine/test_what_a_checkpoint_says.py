@@ -1,0 +1,139 @@
+"""What a pruned checkpoint says about itself (issue 44, item 6): the card names its calibration data as a user names
+it, states the tolerance of a kept compensation map that raised the loss (as the run's printed line does), and the
+plots show the criterion the plan's allocation used, with the plan's method in their titles."""
+
+from __future__ import annotations
+
+import csv
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
+from ompmoe.engine.export.plots import allocation_figure, overview_figure, write_plots
+from ompmoe.engine.run_compensation import CHECK_TOLERANCE, compensation_line, fit_compensation
+from ompmoe.engine.tiny import tiny_model
+from ompmoe.lightning.calibration_data import CalibrationDataModule
+
+MODEL_TYPE = "qwen3_moe"
+
+
+def token_blocks(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 200, (count, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def card_row(directory, name: str) -> str:
+    """The card's table row ``| name | ... |``, whole."""
+    (row,) = [line for line in (directory / "README.md").read_text().splitlines() if line.startswith(f"| {name} |")]
+    return row
+
+
+def save(model: torch.nn.Module, path, **kwargs) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MissingTokenizerWarning)  # byte-level tiny model: no tokenizer files
+        ompmoe.save_pruned(model, path, **kwargs)
+
+
+def test_the_card_names_shipped_calibration_data_as_a_user_names_it_and_the_statistics_keep_the_record(tmp_path):
+    mix = CalibrationDataModule("shipped:mix", tokenizer="bytes", seq_len=16, num_blocks=2)
+    text = CalibrationDataModule("shipped", tokenizer="bytes", seq_len=16, num_blocks=2)
+    model = tiny_model(MODEL_TYPE)
+    stats = ompmoe.collect_stats(model, [token_blocks(2)], source=mix.describe())
+    assert stats.sources == [mix.describe()]  # the exact record: files inside the package
+    assert mix.describe().startswith("shipped:ompmoe/data/corpus/")
+    ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform"))
+    # As PruningRun.save_model passes the statistics' sources (one run may read several).
+    save(model, tmp_path / "m", calibration="; ".join([*stats.sources, text.describe(), "wikitext:wikitext-2-raw-v1"]))
+    assert card_row(tmp_path / "m", "Calibration data") == (
+        "| Calibration data | shipped:mix (the shipped corpus's calibration split: prose + code); shipped (the "
+        "calibration text shipped with ompmoe: Python reference documentation); wikitext:wikitext-2-raw-v1 |")
+
+
+@pytest.fixture(scope="module")
+def raised_within_tolerance() -> tuple[torch.nn.Module, ompmoe.PruningPlan, object, dict]:
+    """A linear map whose held-out check measured a loss 0.01 nats above the pruned model's: ``auto`` keeps it."""
+    model = tiny_model(MODEL_TYPE)
+    blocks, choice = token_blocks(16), token_blocks(4, seed=1)
+    plan = ompmoe.plan_pruning(ompmoe.collect_stats(model, blocks.split(4)), 0.5, allocation="uniform")
+    _, measured = fit_compensation(model, plan, blocks, 4, "linear", choice)
+    compensation, record = fit_compensation(model, plan, blocks, 4, "linear", choice,
+                                            loss_without=measured["loss_with"] - 0.01)
+    assert compensation is not None and record["applied"] and record["loss_with"] > record["loss_without"]
+    return model, plan, compensation, record
+
+
+def test_the_printed_line_of_a_kept_map_that_raised_the_loss_states_the_tolerance(raised_within_tolerance):
+    record = raised_within_tolerance[3]
+    raised = record["loss_with"] - record["loss_without"]
+    assert compensation_line(record) == (
+        f"ompmoe: compensation (linear, {record['num_tokens']} tokens): held-out calibration loss "
+        f"{record['loss_without']:.4f} -> {record['loss_with']:.4f}, applied (it raised the loss by {raised:.4f} "
+        f"nats, within the {CHECK_TOLERANCE:g}-nat tolerance)")
+    lowered = {**record, "loss_without": record["loss_with"] + 0.01}  # a map that lowered the loss: no note
+    assert compensation_line(lowered).endswith(f"{lowered['loss_with']:.4f}, applied")
+
+
+def test_the_card_of_a_kept_map_that_raised_the_loss_states_the_check_and_its_tolerance(raised_within_tolerance,
+                                                                                         tmp_path):
+    model, plan, compensation, record = raised_within_tolerance
+    pruned = ompmoe.prune(tiny_model(MODEL_TYPE), plan)
+    # The run's record of the check goes with the map it keeps (the card reads the model's config only).
+    compensation.record.update({key: record[key] for key in ("checked", "check_blocks", "loss_without", "loss_with",
+                                                             "tolerance", "applied")})
+    compensation.apply(pruned)
+    save(pruned, tmp_path / "m")
+    fitted = compensation.record
+    raised = record["loss_with"] - record["loss_without"]
+    assert card_row(tmp_path / "m", "Compensation") == (
+        f"| Compensation | linear least-squares correction of the kept experts' output, fitted on "
+        f"{fitted['num_tokens']} calibration tokens (relative routed-output error {fitted['routed_error_before']:.3f} "
+        f"-> {fitted['routed_error_after']:.3f}); held-out calibration loss {record['loss_without']:.4f} -> "
+        f"{record['loss_with']:.4f} on {record['check_blocks']} blocks: kept, it raised the loss by {raised:.4f} "
+        f"nats, within the {CHECK_TOLERANCE:g}-nat tolerance |")
+
+
+@pytest.fixture(scope="module")
+def loss_aware() -> ompmoe.MoEStats:
+    model = tiny_model(MODEL_TYPE)
+    return ompmoe.collect_stats(model, [token_blocks(4, seed=2)], loss_aware=True)
+
+
+def literal_loss_estimate(layer, kept: list[int], num_tokens: int) -> float:
+    """``(-s^T u + u^T H u / 2) / tokens`` with ``u`` the experts the plan removes (docs/methods.md)."""
+    u = torch.ones(layer.num_experts, dtype=torch.float64)
+    u[kept] = 0.0
+    s, h = layer.loss_first_order.to(torch.float64), layer.gram_loss.to(torch.float64)
+    return float((-(s @ u) + 0.5 * (u @ h @ u)) / num_tokens)
+
+
+def test_an_allocation_by_loss_plots_its_loss_estimates_and_the_titles_name_the_plan(loss_aware, tmp_path):
+    plan = ompmoe.plan_pruning(loss_aware, 0.5, method="omp_normalized", allocation="loss", min_kept_fraction=0.25)
+    write_plots(loss_aware, tmp_path, plan=plan, progress=False)
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "allocation.csv").read_text())))
+    expected = [literal_loss_estimate(layer, planned.kept, loss_aware.num_tokens)
+                for layer, planned in zip(loss_aware.layers, plan.layers)]
+    np.testing.assert_allclose([float(row["loss_estimate"]) for row in rows], expected, rtol=1e-9, atol=1e-15)
+
+    figure = allocation_figure(loss_aware, plan)
+    assert figure.get_suptitle() == "plan: omp_normalized/loss, ratio 0.5"
+    counts, losses = figure.axes[:2]
+    assert [patch.get_height() for patch in counts.containers[1]] == [layer.num_kept for layer in plan.layers]
+    assert losses.get_title() == ("Estimated loss increase $\\Delta L_l(k)$ per layer:\nthe criterion allocation loss "
+                                  "minimized")
+    assert losses.get_ylabel() == "nats per token"
+    np.testing.assert_allclose([patch.get_height() for patch in losses.containers[0]], expected, rtol=1e-9,
+                               atol=1e-15)
+    assert overview_figure(loss_aware, plan).axes[0].get_title().endswith("\nplan: omp_normalized/loss, ratio 0.5")
+
+
+def test_a_waterfill_plan_keeps_its_residual_criterion_and_names_its_method(loss_aware, tmp_path):
+    plan = ompmoe.plan_pruning(loss_aware, 0.5, method="omp", allocation="waterfill", min_kept_fraction=0.25)
+    write_plots(loss_aware, tmp_path, plan=plan, progress=False)
+    header = (tmp_path / "allocation.csv").read_text().splitlines()[0]
+    assert header == "layer,layer_index,num_experts,kept,uniform_kept,residual,coverage"  # no loss estimates
+    figure = allocation_figure(loss_aware, plan)
+    assert figure.get_suptitle() == "plan: omp/waterfill, ratio 0.5" and len(figure.axes) == 1
