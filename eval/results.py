@@ -18,18 +18,41 @@ from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .comparability import tokenizer_fingerprint
 from .cost import cost_record
-from .requests import ROLLING, make_replay_lm
+from .requests import ROLLING, WorkPlan, make_replay_lm
 from .suites import SETTINGS, Column, headline_columns
 
-if TYPE_CHECKING:
-    from .datamodule import LMEvalDataModule
+
+class SuiteRun(Protocol):
+    """What scoring and writing read of the data module that built the requests (``LMEvalDataModule``, which
+    imports this module: a protocol keeps the import one-way)."""
+
+    limit: float | None
+    batch_size: int
+    groups: Sequence[Any]  # the data module's RequestGroup per suite
+    plan: WorkPlan | None
+    seeds: tuple[int | None, int | None, int | None]
+    fewshot_random_seed: int | None
+    bootstrap_iters: int
+    tokenizer_: Any
+    data_sources: dict[str, str]
+    build_seconds: float
+    label: str | None
+    log_samples: bool
+    system_instruction: str | None
+    confirm_run_unsafe_code: bool
+    output_path: str | None
+    overwrite: bool
+
+    def may_replace(self, target: Path) -> bool: ...
+
+    def record_written(self, target: Path) -> None: ...
 
 
-def score(data: LMEvalDataModule, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
+def score(data: SuiteRun, results: Mapping[int, Any], model_info: Mapping[str, Any] | None = None,
           cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """lm-eval results from every work item's result (all ranks' results merged); ``cost``: the run's
     ``seconds``, ``items`` ({item: (seconds, tokens)}) and settings, recorded as ``ompmoe.cost``."""
@@ -43,7 +66,7 @@ def score(data: LMEvalDataModule, results: Mapping[int, Any], model_info: Mappin
     return evaluate_responses(data, responses, model_info, cost)
 
 
-def evaluate_responses(data: LMEvalDataModule, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,
+def evaluate_responses(data: SuiteRun, responses: Sequence[Any], model_info: Mapping[str, Any] | None = None,
                        cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Hand one response per request (``plan.requests`` order) to lm-eval to filter, score and aggregate."""
     from lm_eval.evaluator import evaluate
@@ -87,7 +110,7 @@ def evaluate_responses(data: LMEvalDataModule, responses: Sequence[Any], model_i
     return merged
 
 
-def _add_token_perplexity(data: LMEvalDataModule, results: dict[str, Any], responses: Sequence[Any]) -> None:
+def _add_token_perplexity(data: SuiteRun, results: dict[str, Any], responses: Sequence[Any]) -> None:
     """``token_perplexity`` of rolling-loglikelihood tasks: exp(-sum log p / predicted tokens)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for request, response in zip(data.plan.requests, responses):
@@ -102,7 +125,7 @@ def _add_token_perplexity(data: LMEvalDataModule, results: dict[str, Any], respo
             results.setdefault("higher_is_better", {}).setdefault(task, {})["token_perplexity"] = False
 
 
-def _config(data: LMEvalDataModule, model_info: Mapping[str, Any] | None) -> dict[str, Any]:
+def _config(data: SuiteRun, model_info: Mapping[str, Any] | None) -> dict[str, Any]:
     import lm_eval
 
     return {
@@ -126,7 +149,7 @@ def _config(data: LMEvalDataModule, model_info: Mapping[str, Any] | None) -> dic
     }
 
 
-def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mapping[str, Any] | None) -> dict[str, Any]:
+def _summary(data: SuiteRun, results: dict[str, Any], model_info: Mapping[str, Any] | None) -> dict[str, Any]:
     info = dict(model_info or {})
     suites: dict[str, Any] = {}
     columns: list[Column] = []
@@ -158,7 +181,7 @@ def _summary(data: LMEvalDataModule, results: dict[str, Any], model_info: Mappin
     }
 
 
-def _chance_levels(data: LMEvalDataModule, results: Mapping[str, Any]) -> dict[str, float]:
+def _chance_levels(data: SuiteRun, results: Mapping[str, Any]) -> dict[str, float]:
     """Accuracy of guessing per multiple choice task (mean of 1 / choices) and group (size-weighted);
     the report leaves out tasks no model beats it on."""
     levels: dict[str, tuple[float, int]] = {}  # name -> (chance, items)
@@ -221,7 +244,7 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
-def write(data: LMEvalDataModule, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
+def write(data: SuiteRun, results: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path | None:
     """Write ``results`` as JSON, atomically, to ``path`` or ``data.output_path`` (a directory gets
     ``results.json``); returns the file. An existing file is replaced only with ``data.overwrite`` or when ``data``
     wrote it itself (``setup`` refused any other before any work; this keeps one that appeared meanwhile)."""

@@ -28,17 +28,12 @@ def _sources(*directories: str) -> list[Path]:
 
 
 def _imports(path: Path) -> set[str]:
-    """Modules ``path`` imports, at any depth (function-level imports count too), as absolute names.
-
-    Imports under ``if TYPE_CHECKING:`` are left out: they never run, so they cannot form a cycle.
-    """
+    """Modules ``path`` imports, at any depth (function-level and ``if TYPE_CHECKING:`` imports count too: a reader
+    follows a type to its module as the interpreter follows an import), as absolute names."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            node.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)

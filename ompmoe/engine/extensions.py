@@ -7,15 +7,23 @@ hooks and checkpoint prefix; methods and allocations declare the ones they need 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torchmetrics import Metric
 
-if TYPE_CHECKING:
-    from .adapters import MoELayer
-    from .statistics import LayerStats
+from .adapters import MoELayer
+
+
+class FilledLayer(Protocol):
+    """What an extension fills: a layer's statistics (``LayerStats``, which imports this module) that return a copy
+    with tensors added."""
+
+    def with_tensors(self: Layer, tensors: dict[str, torch.Tensor]) -> Layer: ...
+
+
+Layer = TypeVar("Layer", bound=FilledLayer)
 
 CANCELLED_TOKEN = 1e-6
 """A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
@@ -105,7 +113,7 @@ class StatisticsExtension:
     def standalone(self) -> None:
         """Called by :func:`~ompmoe.engine.collect.collect_stats`: no training step follows the forward."""
 
-    def fill(self, layers: list[LayerStats]) -> list[LayerStats]:
+    def fill(self, layers: list[Layer]) -> list[Layer]:
         """``layers`` with this extension's tensors filled in."""
         return [layer.with_tensors(tensors) for layer, tensors in zip(layers, self.metric.compute())]
 
