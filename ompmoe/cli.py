@@ -120,7 +120,7 @@ def replan(
     from .engine.perplexity import perplexity
     from .engine.run import PruningRun
     from .engine.statistics import MoEStats
-    from .engine.strategy import PruningStrategy
+    from .engine.strategy import AUTO, PruningStrategy
     from .engine.run_compensation import compensation_line
     from .engine.summary import auto_note, kept_summary, settings_summary
 
@@ -133,7 +133,7 @@ def replan(
     settings, sources, taken, fit = _settings(statistics, fit_plan, dict(
         method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
         max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
-    refit = _compensation(compensation, fit, model, fit_plan, named=sources["method"] == "option")
+    refit = _compensation(compensation, fit, model, fit_plan, named=method not in (None, AUTO))
     sources["compensation"] = refit.source
     heldout = _heldout(evaluate_on, evaluate_blocks, fit, model)
     runs = [PruningRun(owner="ompmoe prune", strategy=PruningStrategy(ratio=r, **settings), tokenizer=tokenizer,
@@ -343,7 +343,8 @@ def _heldout_blocks(heldout: _Heldout | None, tokenizer: str | None) -> tuple[di
 
     if heldout is None:
         return {}, {}
-    module = _data_module({"seq_len": HELDOUT_SEQ_LEN, **heldout.data}, tokenizer)
+    cut = {key: heldout.data[key] for key in ("tokenizer", "seq_len", "text_field") if heldout.data.get(key)}
+    module = _data_module({"seq_len": HELDOUT_SEQ_LEN, **cut}, tokenizer)  # the fit's files are not read
     count = heldout_block_count(heldout.blocks, module.seq_len)
     record = {"sets": heldout.sets, "blocks": count, "calibration_data": heldout.data or None}
     return {name: module.heldout_blocks(name, count) for name in heldout.sets}, record

@@ -10,6 +10,7 @@ from pathlib import Path
 
 SHIPPED_PREFIX = "shipped:"
 SHIPPED_MODELS = ("tiny-moe", "tiny-moe-64", "tiny-moe-a3b")
+"""Models shipped in ``ompmoe/data/``, named ``shipped:<name>`` as a model or tokenizer spec."""
 CORPUS_DOMAINS = ("prose", "code")
 """Domains of the shipped corpus: ``prose`` (Python/IDLE documentation), ``code`` (stdlib source)."""
 SHIPPED_TEXT_RECORD = "shipped:ompmoe/data/calibration.txt"
@@ -20,7 +21,6 @@ def corpus_record(domains: tuple[str, ...], split: str) -> str:
     """How statistics record a source of the shipped corpus (``TextSource.describe``): its parts inside the package,
     e.g. ``shipped:ompmoe/data/corpus/prose-calibration,shipped:ompmoe/data/corpus/code-calibration``."""
     return ",".join(f"shipped:ompmoe/data/corpus/{domain}-{split}" for domain in domains)
-"""Models shipped in ``ompmoe/data/``, named ``shipped:<name>`` as a model or tokenizer spec."""
 _SHIPPED_NAMES = ", ".join(SHIPPED_PREFIX + model for model in SHIPPED_MODELS)
 
 

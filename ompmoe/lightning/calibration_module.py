@@ -51,11 +51,12 @@ def _config_of(model: str | nn.Module) -> tuple[dict[str, Any] | None, str | Non
 
 
 def check_prunable(model: str | nn.Module, option: str = "--model.model", action: str = "calibrate",
-                   statistics_model: str | None = None) -> None:
+                   statistics_model: str | None = None, refuse_pruned: bool = True) -> None:
     """Refuse, in one line and before any weights load, a model ompmoe cannot calibrate or prune: a dense one, a
     Mixture-of-Experts of an architecture not registered, or (given by name) one ompmoe pruned already, with the
     model it was pruned from (its config's ``ompmoe`` record) to pass as ``option`` instead. ``statistics_model``:
-    the model statistics were collected on; a pruned model that is that model is accepted (pruning it again)."""
+    the model statistics were collected on; a pruned model that is that model is accepted (pruning it again), and so
+    is any pruned model without ``refuse_pruned`` (a calibration of it prunes it again)."""
     from ..engine.adapters import ARCHITECTURES, supported_model_types
     from ..engine.names import same_model
 
@@ -66,7 +67,7 @@ def check_prunable(model: str | nn.Module, option: str = "--model.model", action
     kind = class_name or config.get("model_type")
     kind = f"{name} ({kind})" if name else kind
     record = config.get("ompmoe")
-    if isinstance(model, str) and isinstance(record, dict) and not (
+    if refuse_pruned and isinstance(model, str) and isinstance(record, dict) and not (
             statistics_model and same_model(statistics_model, model)):
         plan = record.get("plan") if isinstance(record.get("plan"), dict) else {}
         base = plan.get("model_id") or statistics_model
@@ -134,7 +135,7 @@ class CalibrationModule(pl.LightningModule):
         if isinstance(model, str) and not is_tiny(model):
             resolve_model(model)  # a name that cannot load fails here, before the Trainer starts
         if self.calibrates:
-            check_prunable(model)  # a dense model, or one pruned already, too
+            check_prunable(model, refuse_pruned=False)  # a dense model; a pruned one is calibrated to prune again
         self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
 
     def configure_model(self) -> None:
