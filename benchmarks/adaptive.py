@@ -39,7 +39,7 @@ import time
 import torch
 
 import ompmoe
-from ompmoe.engine.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive, reset_adaptive_counters
+from ompmoe.engine.apply.adaptive import adaptive_report, adaptive_totals, disable_adaptive, enable_adaptive, reset_adaptive_counters
 import sys
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Compensation after pruning (``ompmoe.engine.compensation``): held-out perplexity without and with it, and its cost.
+"""Compensation after pruning (``ompmoe.engine.apply.compensation``): held-out perplexity without and with it, and its cost.
 
     python benchmarks/compensation.py                         # both shipped models, ratios 0.5 and 0.25, 1 thread
     python benchmarks/compensation.py --models shipped:tiny-moe-64 --ratios 0.5 --plans omp/waterfill
@@ -49,14 +49,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import ompmoe  # noqa: E402
-import ompmoe.engine.compensation as compensation_module  # noqa: E402
+import ompmoe.engine.apply.compensation as compensation_module  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
-from ompmoe.engine.compensation import (  # noqa: E402
+from ompmoe.engine.apply.compensation import (  # noqa: E402
     Compensation, apply_compensation, compensate, compensation_record, compensation_sums, fit_scales, heldout_losses,
     spread_blocks,
 )
 from ompmoe.engine.io import atomic_path  # noqa: E402
-from ompmoe.engine.strategy import strategy_for  # noqa: E402
+from ompmoe.engine.planning.strategy import strategy_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZE = 8
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=["main"], choices=["main", "auto", "explore"],
-                        help="main: the variants of ompmoe.engine.compensation with fixed ridges; auto: the "
+                        help="main: the variants of ompmoe.engine.apply.compensation with fixed ridges; auto: the "
                              "default (linear, ridge d / T) at each token budget; explore: a routing temperature and "
                              "one factor per output channel (measured here only)")
     parser.add_argument("--output", default=str(ROOT / "docs" / "quality" / "compensation.csv"))
@@ -285,7 +285,7 @@ def explore(model: torch.nn.Module, plan: ompmoe.PruningPlan, pruned: torch.nn.M
     folded into its weight) whose per-layer factor leaves the least routed error on the calibration tokens, with that
     factor (the row's factor range is the chosen temperatures'); ``channel r=R``: one factor per output channel per
     layer (the diagonal of the ``linear`` map's problem, the same ridge), folded into every kept down projection."""
-    from ompmoe.engine.compensation import layer_factor
+    from ompmoe.engine.apply.compensation import layer_factor
 
     by_temperature = {}
     for factor in TEMPERATURES:

@@ -59,8 +59,8 @@ from search import measure_pair, peak_bytes, stats_bytes, synchronized  # noqa: 
 from shapes import DEEPSEEK_V3, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS, build_model, describe  # noqa: E402
 
 import ompmoe  # noqa: E402
-import ompmoe.engine.replay as replay_module  # noqa: E402
-from ompmoe.engine.adaptive import (  # noqa: E402
+import ompmoe.engine.collect.replay as replay_module  # noqa: E402
+from ompmoe.engine.apply.adaptive import (  # noqa: E402
     adaptive_paths,
     adaptive_report,
     adaptive_totals,
@@ -405,7 +405,7 @@ def section_full(args, device, dtype, results, save, state) -> None:
 
     calls = e2e_calls(args, vocab, device)
     quarter = ompmoe.plan_pruning(stats, 0.25, method="omp", allocation="waterfill")
-    from ompmoe.engine.trial import pruned_view
+    from ompmoe.engine.apply.trial import pruned_view
 
     view_state: dict[str, Any] = {}
 
@@ -443,7 +443,7 @@ def section_full(args, device, dtype, results, save, state) -> None:
 
 # ------------------------------------------------------------------------------- compensation
 def section_compensation(args, device, dtype, results, save, state) -> None:
-    from ompmoe.engine.compensation import (
+    from ompmoe.engine.apply.compensation import (
         compensate, compensation_sums, fitting_tokens, linear_sum_bytes, spread_blocks,
     )
 
@@ -490,9 +490,9 @@ def dir_bytes(path: Path) -> int:
 
 def section_job(args, device, dtype, results, save, state) -> None:
     from ompmoe import PruningRun, PruningStrategy
-    from ompmoe.engine.plan_choice import choose_plan
+    from ompmoe.engine.apply.plan_choice import choose_plan
     from ompmoe.engine.ranks import RunContext
-    from ompmoe.engine.run_compensation import compensation_line, fit_compensation
+    from ompmoe.engine.apply.compensation_step import compensation_line, fit_compensation
 
     model, batches = state["model"], state["batches"]
     job: dict[str, Any] = {"load_s": results["full"]["load_s"]}

@@ -46,7 +46,7 @@ import torch
 
 import ompmoe
 from ompmoe.data import corpus_documents, corpus_token_stream, shipped_model_path, token_blocks
-from ompmoe.engine.adaptive import adaptive_report, adaptive_totals, reset_adaptive_counters
+from ompmoe.engine.apply.adaptive import adaptive_report, adaptive_totals, reset_adaptive_counters
 from ompmoe.lightning.models import load_model
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tests" / "eval_tasks"

@@ -29,8 +29,8 @@ import torch
 import ompmoe
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks
 from ompmoe.engine.adapters import find_moe_layers
-from ompmoe.engine.selection import greedy_pursuit
-from ompmoe.engine.strategy import PruningStrategy
+from ompmoe.engine.planning.selection import greedy_pursuit
+from ompmoe.engine.planning.strategy import PruningStrategy
 
 PAPER = "omp/waterfill"
 SETTINGS = {PAPER: ("omp", "waterfill"), "omp_normalized/loss": ("omp_normalized", "loss"), "reap/waterfill": ("reap", "waterfill")}

@@ -51,7 +51,7 @@ from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path,
 from ompmoe.engine.methods import required_statistics  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
 from ompmoe.engine.methods import METHODS  # noqa: E402
-from ompmoe.engine.strategy import strategy_for  # noqa: E402
+from ompmoe.engine.planning.strategy import strategy_for  # noqa: E402
 
 import calibration_cost as calibration_cost_benchmark  # noqa: E402  (benchmarks/calibration_cost.py)
 import quality_report  # noqa: E402  (benchmarks/quality_report.py)

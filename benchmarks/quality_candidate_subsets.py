@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ompmoe.engine.run_compensation import CHECK_TOLERANCE
+from ompmoe.engine.apply.compensation_step import CHECK_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("quality_intervals", ROOT / "benchmarks" / "quality_intervals.py")

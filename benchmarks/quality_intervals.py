@@ -20,7 +20,7 @@ leading pairs differ by 1-2 %. This script measures fewer pairs with the evidenc
   ``--select auto``: per model, exactly the settings ``auto`` tries for its layout (``auto_settings``), which are
   then measured as pairs too;
 - with ``--compensate``, every pair also compensated, ``<pair>+c``: the same plan with the ``linear`` compensation
-  (:func:`~ompmoe.engine.run_compensation.fit_compensation` on the unpruned model over the draw's calibration blocks,
+  (:func:`~ompmoe.engine.apply.compensation_step.fit_compensation` on the unpruned model over the draw's calibration blocks,
   at most a quarter of their tokens) always applied; and two compensated ``select``s: ``select+c``, what a run with
   ``compensation="auto"`` does (choose by the **uncompensated** loss, then fit and keep the compensation only if it
   lowers the loss on the select blocks), and ``select_after+c`` (choose among the compensated candidates by their
@@ -55,8 +55,8 @@ import ompmoe  # noqa: E402
 from ompmoe.data import CORPUS_DOMAINS, corpus_token_stream, shipped_model_path, token_blocks  # noqa: E402
 from ompmoe.engine.methods import required_statistics  # noqa: E402
 from ompmoe.engine.io import atomic_path  # noqa: E402
-from ompmoe.engine.run_compensation import fit_compensation  # noqa: E402
-from ompmoe.engine.strategy import AUTO, auto_settings, strategy_for  # noqa: E402
+from ompmoe.engine.apply.compensation_step import fit_compensation  # noqa: E402
+from ompmoe.engine.planning.strategy import AUTO, auto_settings, strategy_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = "omp/waterfill"

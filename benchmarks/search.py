@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.engine.selection import greedy_pursuit
-from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.planning.selection import greedy_pursuit
+from ompmoe.engine.collect.statistics import LayerStats, MoEStats
 from ompmoe.engine.tiny import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

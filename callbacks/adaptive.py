@@ -11,9 +11,17 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from ompmoe.engine.adaptive import (adaptive_histograms, adaptive_info, adaptive_totals, enable_adaptive, is_adaptive,
-                                    layer_counts, reset_adaptive_counters, restore_adaptive)
-from ompmoe.engine.statistics import MoEStats
+from ompmoe.engine.apply.adaptive import (
+    adaptive_histograms,
+    adaptive_info,
+    adaptive_totals,
+    enable_adaptive,
+    is_adaptive,
+    layer_counts,
+    reset_adaptive_counters,
+    restore_adaptive,
+)
+from ompmoe.engine.collect.statistics import MoEStats
 
 from .pruning import find_hf_model
 

@@ -18,10 +18,10 @@ from torch import nn
 from typing_extensions import override
 
 from ompmoe.engine.adapters import ARCHITECTURES
-from ompmoe.engine.collect import BATCH_CONTRACT, batch_inputs, real_sample_count
+from ompmoe.engine.collect.collector import BATCH_CONTRACT, batch_inputs, real_sample_count
 from ompmoe.engine.io import inputs_of, local_inputs
+from ompmoe.engine.planning.strategy import Strategy
 from ompmoe.engine.ranks import RunContext
-from ompmoe.engine.strategy import Strategy
 from ompmoe.engine.run import PruningRun, RunOptions
 from ompmoe.lightning.fabric import RunResults
 
@@ -73,7 +73,7 @@ class ExpertPruning(RunResults, pl.Callback):
     """Gather OMP-MoE statistics during a calibration fit and prune the model when it ends.
 
     Only training batches count (not sanity checks or validation), without padding tokens or the samples a
-    ``DistributedSampler`` repeats to even out the ranks. Batches: :data:`~ompmoe.engine.collect.BATCH_CONTRACT`
+    ``DistributedSampler`` repeats to even out the ranks. Batches: :data:`~ompmoe.engine.collect.collector.BATCH_CONTRACT`
     (a list is what ``DataLoader(TensorDataset(ids))`` yields), else refused at the first; weights that change (an
     optimizer step) are refused too. Takes every option of :class:`ompmoe.RunOptions`, checked here.
 

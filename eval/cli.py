@@ -13,8 +13,8 @@ def eval_cli(args: list[str] | None = None) -> None:
 
     from ..cli_options import OneLineErrors
     from .datamodule import LMEvalDataModule
-    from .results import check_results_output
     from .module import EvalModule
+    from .results import check_results_output
 
     class EvalCLI(OneLineErrors, LightningCLI):
         """No abbreviated options; a mistyped one is one error line with the option meant. ``--overwrite`` (as on

@@ -110,8 +110,8 @@ class EvalModule(CalibrationModule):
 
     def model_info(self) -> dict[str, Any]:
         """The model as the results file records it (``ompmoe.model``)."""
-        from ..engine.adaptive import adaptive_info
-        from ..engine.pruning import pruning_info
+        from ..engine.apply.adaptive import adaptive_info
+        from ..engine.apply.pruning import pruning_info
 
         name = self.model_name_or_path or type(self.model).__name__
         info: dict[str, Any] = {"model": name}

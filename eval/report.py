@@ -17,7 +17,8 @@ from typing import Any
 
 from .comparability import NOISY_ITEMS, item_count, item_problems, problems, stderr_of, unrecorded
 from .labels import model_label
-from .timing import MIN_REPEATS, TIMES, samples_of, speedup as timed_speedup
+from .timing import MIN_REPEATS, TIMES, samples_of
+from .timing import speedup as timed_speedup
 
 MISSING = "–"
 MARK = "⚠"

@@ -5,33 +5,36 @@ by greedy binary pursuit and allocate a budget across layers (:func:`plan_prunin
 (:func:`prune`) and reload it (:func:`load_pruned`).
 """
 
-from .engine.version import __version__
 from ._lazy import lazy_attributes
+from .engine.version import __version__
 
 # Submodule -> the attributes it provides, imported on first access: ``import ompmoe`` (and ``ompmoe --help``)
 # loads neither torch nor Lightning. Add a name here to expose it the same way.
 _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ".engine.adapters": ("ARCHITECTURES", "ArchitectureSpec", "MoELayer", "UnsupportedModelError", "find_moe_layers",
                          "register_architecture", "supported_model_types"),
-    ".engine.adaptive": ("adaptive_report", "adaptive_summary", "disable_adaptive", "enable_adaptive",
+    ".engine.apply.adaptive": ("adaptive_report", "adaptive_summary", "disable_adaptive", "enable_adaptive",
                          "reset_adaptive_counters"),
-    ".engine.allocation": ("ALLOCATIONS", "AllocationProblem", "InfeasibleBudgetError", "register_allocation"),
-    ".engine.collect": ("CalibrationInputError", "StatisticsCollector", "collect_stats"),
-    ".engine.compensation": ("Compensation", "CompensationError", "compensate"),
+    ".engine.planning.allocation": ("ALLOCATIONS", "AllocationProblem", "InfeasibleBudgetError", "register_allocation"),
+    ".engine.collect.collector": ("CalibrationInputError", "StatisticsCollector", "collect_stats"),
+    ".engine.apply.compensation": ("Compensation", "CompensationError", "compensate"),
     ".engine.io": ("OutputExistsError", "OutputNotReplaceableError", "OutputNotWritableError"),
     ".engine.perplexity": ("perplexity",),
-    ".engine.plan_choice": ("PlanChoice", "choose_plan"),
-    ".engine.trial": ("pruned_view",),
+    ".engine.apply.plan_choice": ("PlanChoice", "choose_plan"),
+    ".engine.apply.trial": ("pruned_view",),
     ".engine.ranks": ("LocalContext",),
     ".engine.run": ("PruningRun", "RunOptions"),
-    ".engine.plan": ("LayerPlan", "PlanMismatchError", "PruningPlan", "plan_pruning"),
-    ".engine.pruning": ("load_pruned", "prune", "pruning_info", "save_pruned"),
-    ".engine.quantized": ("QuantizedModelError",),
-    ".engine.selection": ("greedy_pursuit",),
-    ".engine.statistics": ("FingerprintMismatchError", "LayerStats", "MoEStats", "StatsFileError", "model_fingerprint"),
+    ".engine.planning.plan": ("LayerPlan", "PlanMismatchError", "PruningPlan", "plan_pruning"),
+    ".engine.apply.pruning": ("prune",),
+    ".engine.record": ("pruning_info",),
+    ".engine.export.save": ("save_pruned",),
+    ".engine.export.load": ("load_pruned",),
+    ".engine.apply.quantized": ("QuantizedModelError",),
+    ".engine.planning.selection": ("greedy_pursuit",),
+    ".engine.collect.statistics": ("FingerprintMismatchError", "LayerStats", "MoEStats", "StatsFileError", "model_fingerprint"),
     ".engine.summary": ("kept_summary",),
-    ".engine.methods": ("METHODS", "SelectionMethod", "SubsetSelection", "get_method", "register_method"),
-    ".engine.strategy": ("PruningStrategy", "Strategy", "strategy_for"),
+    ".engine.planning.method_registry": ("METHODS", "SelectionMethod", "SubsetSelection", "get_method", "register_method"),
+    ".engine.planning.strategy": ("PruningStrategy", "Strategy", "strategy_for"),
     ".recipes.finetune": ("load_balancing_loss",),
     ".recipes.quantization": ("quantization_summary", "quantize_experts"),
     # Left out of ``__all__``: they need Lightning (or matplotlib), which ``from ompmoe import *`` must not import.

@@ -14,15 +14,25 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (SHORT_OPTIONS, add_run_options, bare_flags, check_config_files, class_paths,
-                       fail, list_option, names_option, user_errors)
 from ._quiet import LIGHTNING_LOGGERS, passive_omp_threads, quiet_third_party
+from .cli_args import (
+    SHORT_OPTIONS,
+    add_run_options,
+    bare_flags,
+    check_config_files,
+    class_paths,
+    fail,
+    list_option,
+    names_option,
+    user_errors,
+)
+from .cli_help import COMMANDS as CLI_COMMANDS
+from .cli_help import TOP_HELP, short_help, unknown_command, with_registry_names
 from .cli_options import PARSER_SETTINGS, OneLineErrors, unknown_options_line
-from .cli_help import COMMANDS as CLI_COMMANDS, TOP_HELP, short_help, unknown_command, with_registry_names
-from .help_cache import is_plain_help, print_help
-from .engine.input_kinds import check_input_kind
+from .engine.collect.input_kinds import check_input_kind
 from .engine.io import atomic_path, check_writable, local_inputs
 from .engine.progress import progress
+from .help_cache import is_plain_help, print_help
 
 # torch-backed modules load inside the commands, so help and argument errors answer at once; no TYPE_CHECKING
 # imports either: jsonargparse executes them to resolve the commands' annotations.
@@ -117,11 +127,11 @@ def replan(
             on which each ratio prints perplexity original -> pruned. Default: the fit's (its plan records them).
         evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
     """
+    from .engine.apply.compensation_step import compensation_line
+    from .engine.collect.statistics import MoEStats
     from .engine.perplexity import perplexity
+    from .engine.planning.strategy import AUTO, PruningStrategy
     from .engine.run import PruningRun
-    from .engine.statistics import MoEStats
-    from .engine.strategy import AUTO, PruningStrategy
-    from .engine.run_compensation import compensation_line
     from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
@@ -201,8 +211,8 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]
     from the plan only with its method. A method or allocation ``auto`` alone is the fit's too: what ``auto`` chose
     there, by trying candidates on text this command lacks.
     """
-    from .engine.plan import PruningPlan
-    from .engine.strategy import AUTO, PruningStrategy
+    from .engine.planning.plan import PruningPlan
+    from .engine.planning.strategy import AUTO, PruningStrategy
 
     named = given.get("method") not in (None, AUTO)
     auto = {name for name in ("method", "allocation") if given.get(name) == AUTO}
@@ -259,7 +269,7 @@ class _Refit:
 def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path, named: bool) -> _Refit:
     """The granularity given, else none for a named method (as published), else the one the fit applied; refused,
     before any work, where it cannot be done."""
-    from .engine.compensation import GRANULARITIES
+    from .engine.apply.compensation import GRANULARITIES
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -366,9 +376,9 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
         overwrite: Replace an existing ``output_dir``.
         quiet: No progress bars and no list of written files.
     """
-    from .engine.plan import PruningPlan
-    from .engine.statistics import MoEStats
+    from .engine.collect.statistics import MoEStats
     from .engine.export.plots import write_plots
+    from .engine.planning.plan import PruningPlan
 
     check_input_kind(stats, "statistics")
     if plan is not None:

@@ -20,7 +20,7 @@ from .cli_options import parser_options, unknown_options_line
 CLASS_PATHS = {
     "ExpertPruning": "ompmoe.callbacks.ExpertPruning",
     "AdaptiveInferenceMonitor": "ompmoe.callbacks.AdaptiveInferenceMonitor",
-    "PruningStrategy": "ompmoe.engine.strategy.PruningStrategy",
+    "PruningStrategy": "ompmoe.engine.planning.strategy.PruningStrategy",
     "CalibrationModule": "ompmoe.lightning.calibration_module.CalibrationModule",
     "CalibrationDataModule": "ompmoe.lightning.calibration_data.CalibrationDataModule",
 }
@@ -110,7 +110,7 @@ def check_config_files(argv: Sequence[str]) -> None:
     jsonargparse answers a missing config with its whole usage text, and statistics or a plan with a decoding or
     an unknown-option error; this runs first.
     """
-    from .engine.input_kinds import input_kind
+    from .engine.collect.input_kinds import input_kind
     from .engine.names import nearest_path_hint
 
     for index, token in enumerate(argv):
@@ -129,7 +129,7 @@ def check_config_files(argv: Sequence[str]) -> None:
 
 def _not_a_config(flag: str, path: str, kind: str) -> str:
     """The line for an ompmoe input of ``kind`` given as a config file: what it is, and where it goes instead."""
-    from .engine.input_kinds import KINDS, RUN_FILES
+    from .engine.collect.input_kinds import KINDS, RUN_FILES
 
     folder = Path(path) if kind == "run" else Path(path).parent
     beside = folder / RUN_FILES["statistics"]
@@ -187,8 +187,8 @@ def add_run_options(parser: Any, short_only: bool = False) -> None:
     """Every option of :class:`~ompmoe.engine.run.RunOptions` and ``PruningStrategy`` as a flat ``--name``, with
     the help of their one declaration; ``short_only``: just :data:`SHORT_OPTIONS`, all defaulting to ``None``
     (given ones then replace the config's)."""
+    from .engine.planning.strategy import PruningStrategy
     from .engine.run import RunOptions
-    from .engine.strategy import PruningStrategy
 
     if short_only:
         for name, owner in SHORT_OPTIONS.items():
@@ -213,8 +213,8 @@ def _field_help(cls: type, name: str) -> str:
 
 def run_from_arguments(args: Any, owner: str, tokenizer: Any = None) -> Any:
     """The :class:`~ompmoe.engine.run.PruningRun` the flat options of :func:`add_run_options` describe (validated)."""
+    from .engine.planning.strategy import PruningStrategy
     from .engine.run import PruningRun, RunOptions
-    from .engine.strategy import PruningStrategy
 
     strategy = PruningStrategy(**{f.name: args[f.name] for f in dataclasses.fields(PruningStrategy)})
     options = {f.name: args[f.name] for f in dataclasses.fields(RunOptions) if f.name not in SCRIPT_SKIPS}

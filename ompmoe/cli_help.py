@@ -114,7 +114,7 @@ def with_registry_names(doc: str) -> str:
     """``doc`` with METHOD_NAMES, ALLOCATION_NAMES and METHOD_OPTIONS spelled out from the registries (it imports
     them, and torch: ``ompmoe prune --help`` is built once and then printed from the help cache)."""
     from .engine.methods import METHODS, option_defaults  # first: importing the methods registers their allocations
-    from .engine.allocation import ALLOCATIONS
+    from .engine.planning.allocation import ALLOCATIONS
 
     options = "; ".join(f"{name}: {', '.join(f'{key}={value!r}' for key, value in option_defaults(name).items())}"
                         for name in METHODS if option_defaults(name))

@@ -49,7 +49,7 @@ def test_import_ompmoe_loads_the_engine_only_on_first_use():
 
 
 def test_prune_help_is_built_from_the_registries_once_then_printed_from_the_cache_without_torch(tmp_path):
-    from ompmoe.engine.allocation import ALLOCATIONS
+    from ompmoe.engine.planning.allocation import ALLOCATIONS
     from ompmoe.engine.methods import METHODS, option_defaults
 
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "COLUMNS": "200"}

@@ -15,7 +15,7 @@ from ompmoe.cli import main
 from ompmoe.cli_args import bare_flags, class_paths, list_option
 from ompmoe.cli_help import COMMANDS, FIT_OPTIONS
 from ompmoe.engine.summary import kept_summary, settings_summary
-from ompmoe.engine.synthetic import synthetic_stats
+from ompmoe.engine.collect.synthetic import synthetic_stats
 
 ROOT = Path(__file__).parents[1]
 

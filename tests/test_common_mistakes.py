@@ -123,7 +123,7 @@ def test_load_pruned_on_a_runs_output_directory_points_to_its_model(tmp_path):
 
 
 def test_a_mistyped_method_or_allocation_gets_a_did_you_mean(capsys, tmp_path):
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     stats = synthetic_stats(3, 16, 4).save(tmp_path / "stats.safetensors")
     line = run(["prune", "--stats", str(stats), "--ratio", "0.5", "--method", "omp_normalised",
@@ -160,7 +160,7 @@ def test_fit_with_a_dense_model_says_it_is_no_mixture_of_experts(model, shown, t
 def tiny_run(tmp_path, monkeypatch):
     """``outputs/tiny`` (relative, as a user types it) with statistics and the plan made from them."""
     from ompmoe import plan_pruning
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "outputs" / "tiny"

@@ -10,8 +10,8 @@ import pytest
 
 import ompmoe
 from ompmoe.cli import main
-from ompmoe.engine.input_kinds import input_kind
-from ompmoe.engine.synthetic import synthetic_stats
+from ompmoe.engine.collect.input_kinds import input_kind
+from ompmoe.engine.collect.synthetic import synthetic_stats
 from ompmoe.engine.tiny import tiny_model
 
 

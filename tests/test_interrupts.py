@@ -72,7 +72,7 @@ def test_the_fabric_script_interrupted_says_so_and_exits_130(tmp_path, capsys, m
 def test_the_demo_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatch):
     import sys
 
-    from ompmoe.engine.collect import StatisticsCollector
+    from ompmoe.engine.collect.collector import StatisticsCollector
     from ompmoe.recipes import quickstart
 
     real, calls = StatisticsCollector.calibrate, []
@@ -93,8 +93,8 @@ def test_the_demo_interrupted_says_so_and_exits_130(tmp_path, capsys, monkeypatc
 
 
 def test_prune_interrupted_between_ratios_leaves_the_output_as_it_was(tmp_path, capsys, monkeypatch):
-    from ompmoe.engine.plan import PruningPlan
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.planning.plan import PruningPlan
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     stats = str(synthetic_stats(4, 16, 4).save(tmp_path / "stats.safetensors"))
     out = tmp_path / "plans"

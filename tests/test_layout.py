@@ -107,7 +107,13 @@ def test_no_import_cycles_between_modules():
 
 
 LAYERS = (
-    ("ompmoe._lazy", "ompmoe._quiet", "ompmoe.engine"),
+    ("ompmoe._lazy", "ompmoe._quiet", "ompmoe.engine"),  # the engine's ground: modules beside its stage folders
+    ("ompmoe.engine.collect",),
+    ("ompmoe.engine.planning",),
+    ("ompmoe.engine.methods",),
+    ("ompmoe.engine.apply",),
+    ("ompmoe.engine.export",),
+    ("ompmoe.engine.run", "ompmoe.engine.summary"),
     ("ompmoe.data",),
     ("ompmoe.cli_args", "ompmoe.cli_options"),
     ("ompmoe.lightning", "ompmoe.callbacks"),
@@ -119,10 +125,20 @@ LAYERS = (
 
 
 def _layer(name: str) -> int:
-    for rank, prefixes in enumerate(LAYERS):
-        if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes):
-            return rank
-    raise AssertionError(f"{name} belongs to no layer of tests/test_layout.py's LAYERS; add it there")
+    """The rank of the longest prefix of ``name`` in :data:`LAYERS` (``ompmoe.engine.collect.x`` is collect's)."""
+    matches = [(len(prefix), rank) for rank, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise AssertionError(f"{name} belongs to no layer of tests/test_layout.py's LAYERS; add it there")
+    return max(matches)[1]
+
+
+def test_every_engine_folder_is_a_stage_of_the_layers():
+    """The engine's folders are the run's stages: each has its own rank in :data:`LAYERS` (a new folder gets one)."""
+    folders = {path.name for path in (PACKAGE / "engine").iterdir() if (path / "__init__.py").is_file()}
+    staged = {prefix.split(".")[2] for prefixes in LAYERS for prefix in prefixes
+              if prefix.startswith("ompmoe.engine.") and prefix.split(".")[2] in folders}
+    assert staged == folders == {"collect", "planning", "methods", "apply", "export"}
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -133,7 +149,7 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def test_importing_the_engine_loads_no_lightning_and_no_recipe():
-    code = ("import sys, ompmoe.engine.plan, ompmoe.engine.collect, ompmoe.engine.pruning, ompmoe.engine.strategy, "
+    code = ("import sys, ompmoe.engine.planning.plan, ompmoe.engine.collect.collector, ompmoe.engine.apply.pruning, ompmoe.engine.planning.strategy, "
             "ompmoe.data.sources;"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'lightning' or m.startswith(('ompmoe.recipes', "
             "'ompmoe.lightning')));print(bad)")

@@ -12,7 +12,7 @@ import torch
 
 import ompmoe
 from ompmoe.cli import main
-from ompmoe.engine.run_compensation import fit_compensation
+from ompmoe.engine.apply.compensation_step import fit_compensation
 from ompmoe.engine.tiny import tiny_model
 
 MODEL = "tiny:qwen3_moe"

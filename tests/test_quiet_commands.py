@@ -76,7 +76,7 @@ def test_every_command_keeps_stderr_to_its_own_lines(tmp_path):
 
 def test_ompmoe_warnings_are_one_line_and_others_keep_their_format():
     code = ("import warnings\nfrom ompmoe._quiet import quiet_third_party\nquiet_third_party()\n"
-            "import ompmoe.engine.plan as plan\n"
+            "import ompmoe.engine.planning.plan as plan\n"
             "warnings.warn_explicit('ours', UserWarning, plan.__file__, 1)\n"
             "warnings.warn_explicit('theirs', UserWarning, warnings.__file__, 1)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

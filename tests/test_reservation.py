@@ -186,7 +186,7 @@ def test_a_fit_that_fails_while_calibrating_releases_its_reservation(tmp_path, m
 def test_a_fabric_run_that_fails_releases_its_reservation(tmp_path):
     from lightning.fabric import Fabric
 
-    from ompmoe.engine.collect import CalibrationInputError
+    from ompmoe.engine.collect.collector import CalibrationInputError
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model = fabric.setup(tiny_model("qwen3_moe"))

@@ -10,10 +10,9 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from ..engine.names import (CORPUS_DOMAINS, SHIPPED_MODELS, SHIPPED_PREFIX, resolve_shipped,  # noqa: F401
-                            shipped_model_path)
-
 import torch
+
+from ..engine.names import CORPUS_DOMAINS, SHIPPED_MODELS, SHIPPED_PREFIX, resolve_shipped, shipped_model_path  # noqa: F401
 
 SHIPPED_TEXT = "calibration.txt"
 

@@ -13,3 +13,14 @@ def pruning_info(model_or_config: Any) -> dict[str, Any] | None:
     """The ``ompmoe`` record of a pruned model or config, or ``None`` if it was never pruned."""
     config = getattr(model_or_config, "config", model_or_config)
     return getattr(config, CONFIG_KEY, None)
+
+
+def within_tolerance(record: dict[str, Any]) -> str | None:
+    """``it raised the loss by 0.0100 nats, within the 0.02-nat tolerance`` when a compensation record's held-out
+    check kept a map that raised the loss (``auto`` keeps it: smaller moves are noise on so few tokens), else
+    ``None``."""
+    raised = record["loss_with"] - record["loss_without"]
+    if not record.get("applied", True) or raised <= 0 or record.get("tolerance") is None:
+        return None
+    amount = f"{raised:.4f}" if raised >= 1e-4 else f"{raised:.1e}"  # never "by 0.0000"
+    return f"it raised the loss by {amount} nats, within the {record['tolerance']:g}-nat tolerance"

@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import functools
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,24 +17,32 @@ import torch
 from torch import nn
 
 from .adapters import find_moe_layers
-from .adaptive import enable_adaptive
-from .collect import StatisticsCollector, WeightsChangedError, weights_changed_message
-from .compensation import Compensation
+from .apply.adaptive import enable_adaptive
+from .apply.compensation import Compensation
+from .apply.compensation_step import (
+    calibration_data,
+    check_compensation_mode,
+    checks_compensation,
+    compensation_line,
+    fit_compensation,
+    fitting_text,
+    run_granularity,
+)
+from .apply.plan_choice import PlanChoice, choose_plan, setting_name
+from .apply.pruning import prune
+from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
+from .collect.extensions import selected_statistics
+from .collect.statistics import MoEStats
 from .export.checkpoint import usable_tokenizer
 from .export.plots import require_matplotlib, write_plots
-from .extensions import selected_statistics
-from .methods import check_statistics, required_statistics
+from .export.save import save_pruned
 from .io import Reservation, atomic_path, reserve
 from .perplexity import heldout_block_count, perplexity
-from .plan import PruningPlan
-from .plan_choice import PlanChoice, choose_plan, setting_name
+from .planning.method_registry import check_statistics, required_statistics
+from .planning.plan import PruningPlan
+from .planning.strategy import AUTO, PruningStrategy, Strategy, tries_candidates
 from .progress import progress
-from .run_compensation import (calibration_data, check_compensation_mode, checks_compensation, compensation_line,
-                               fit_compensation, fitting_text, run_granularity)
-from .pruning import prune, save_pruned
 from .ranks import RunContext, on_rank_zero, unsharded
-from .statistics import MoEStats
-from .strategy import AUTO, PruningStrategy, Strategy, tries_candidates
 from .summary import auto_note, kept_summary, named_method_sources, plan_metrics, settings_summary
 
 STATS_FILE = "stats.safetensors"
@@ -67,7 +75,7 @@ class RunOptions:
             gradients; the forward must run with gradients, as ``CalibrationModule`` does).
         reroute: Also collect the rerouting-aware Grams (for ``omp_reroute``; one more router call and one
             expert evaluation per token).
-        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.extensions.STATISTICS`;
+        statistics: Names of more optional statistics to collect (:data:`ompmoe.engine.collect.extensions.STATISTICS`;
             ``loss_aware`` and ``reroute`` are shorthands for two of them).
         evaluate_on: Held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source) on which rank 0
             prints and logs ``heldout_ppl/<set>/original`` and ``.../pruned`` (needs a data module with

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .plan import PruningPlan
-from .plan_choice import PlanChoice
-from .strategy import AUTO, Strategy
+from .apply.plan_choice import PlanChoice
+from .planning.plan import PruningPlan
+from .planning.strategy import AUTO, Strategy
 
 
 def kept_summary(plan: PruningPlan) -> str:

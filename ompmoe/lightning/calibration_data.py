@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..engine.plan_choice import default_choice_blocks
 from ..data.sources import HELDOUT_CORPUS, Encoder, TextSource, text_encoder
+from ..engine.apply.plan_choice import default_choice_blocks
 
 __all__ = ["CalibrationBlocks", "CalibrationDataModule"]
 
@@ -161,7 +161,7 @@ class CalibrationDataModule(pl.LightningDataModule):
     def choice_blocks(self, num_blocks: int | None = None) -> torch.Tensor:
         """``num_blocks`` blocks of the calibration text right after the calibration blocks, which the statistics
         never see: where ``method="auto"`` tries its candidate plans (:func:`ompmoe.choose_plan`). Default: enough
-        blocks for 2,048 tokens (:func:`~ompmoe.engine.plan_choice.default_choice_blocks`)."""
+        blocks for 2,048 tokens (:func:`~ompmoe.engine.apply.plan_choice.default_choice_blocks`)."""
         num_blocks = default_choice_blocks(self.seq_len) if num_blocks is None else num_blocks
         try:
             return self._text.blocks(self._encoder(), self.seq_len, self.num_blocks + num_blocks)[self.num_blocks:]

@@ -17,14 +17,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..engine.adapters import architecture_of
-from ..engine.collect import as_model_inputs, real_sample_count
+from ..engine.apply.plan_choice import PlanChoice
+from ..engine.collect.collector import as_model_inputs, real_sample_count
+from ..engine.collect.statistics import MoEStats
 from ..engine.io import local_inputs
-from ..engine.plan import PruningPlan
-from ..engine.plan_choice import PlanChoice
+from ..engine.planning.plan import PruningPlan
+from ..engine.planning.strategy import Strategy
 from ..engine.ranks import RunContext
 from ..engine.run import PruningRun, RunOptions
-from ..engine.statistics import MoEStats
-from ..engine.strategy import Strategy
 
 _END = object()
 

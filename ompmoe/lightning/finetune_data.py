@@ -14,9 +14,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from .calibration_data import CalibrationBlocks, CalibrationDataModule
 from ..data.sources import HELDOUT_CORPUS, HELDOUT_PREFIX, corpus_sources
-
+from .calibration_data import CalibrationBlocks, CalibrationDataModule
 
 TRAIN_CORPUS = corpus_sources("train", "train")
 """``train:prose``, ``train:code``, ``train:mix``: the train split of the shipped corpus (what the shipped

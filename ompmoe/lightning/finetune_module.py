@@ -25,9 +25,9 @@ from torch import nn  # noqa: E402
 from ..cli_args import fail, user_errors  # noqa: E402
 from ..engine.adapters import find_moe_layers  # noqa: E402
 from ..engine.export.config import add_finetune_record  # noqa: E402
+from ..engine.export.save import save_pruned  # noqa: E402
 from ..engine.io import check_writable, inputs_of  # noqa: E402
 from ..engine.perplexity import eval_mode  # noqa: E402
-from ..engine.pruning import save_pruned  # noqa: E402
 from .finetune_loss import LossParts, causal_lm_loss, moe_routers, router_aux_coef  # noqa: E402
 from .models import default_tokenizer, load_model, model_and_name, resolve_dtype  # noqa: E402
 

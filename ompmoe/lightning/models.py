@@ -11,7 +11,8 @@ from torch import nn
 
 from .._quiet import quiet_calls
 from ..data import resolve_shipped
-from ..data.sources import BYTES as BYTES_TOKENIZER, require_hub_model
+from ..data.sources import BYTES as BYTES_TOKENIZER
+from ..data.sources import require_hub_model
 
 TINY_PREFIX = "tiny:"
 """``tiny:<model_type>``: a tiny random model of a supported architecture (offline tests and demos)."""
@@ -44,8 +45,8 @@ def resolve_model(name: str) -> str:
     path = resolve_shipped(name)
     if path == name and not Path(name).expanduser().exists():
         require_hub_model(name)
-    from ..engine.input_kinds import check_input_kind
-    from ..engine.pruning import require_model_directory
+    from ..engine.collect.input_kinds import check_input_kind
+    from ..engine.export.load import require_model_directory
 
     check_input_kind(path, "model")  # a run's folder, a plan or statistics given as the model
     require_model_directory(path, lambda inner: f"pass {inner} instead")
@@ -62,7 +63,7 @@ def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: b
         from ..engine.tiny import tiny_model
 
         return tiny_model(name.removeprefix(TINY_PREFIX), dtype=dtype or torch.float32)
-    from ..engine.pruning import load_pruned
+    from ..engine.export.load import load_pruned
 
     path = resolve_model(name)
     default = torch.float32 if path != name else "auto"

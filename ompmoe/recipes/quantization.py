@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..engine.adapters import find_moe_layers, sparse_blocks
-from ..engine.quantized import QUANTIZED_ATTR, QuantizedModelError, _is_quantized_tensor
+from ..engine.apply.quantized import QUANTIZED_ATTR, QuantizedModelError, _is_quantized_tensor
 
 
 def _quantize(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

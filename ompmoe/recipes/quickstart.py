@@ -27,12 +27,11 @@ import torch  # noqa: E402
 from ..cli_args import bare_flags, fail, user_errors  # noqa: E402
 from ..data import byte_tokens, corpus_token_stream, resolve_shipped, shipped_text, token_blocks  # noqa: E402
 from ..engine.export.checkpoint import MissingTokenizerWarning  # noqa: E402
-from ..engine.pruning import load_pruned  # noqa: E402
+from ..engine.export.load import load_pruned  # noqa: E402
+from ..engine.planning.strategy import PruningStrategy  # noqa: E402
 from ..engine.ranks import LocalContext  # noqa: E402
 from ..engine.run import PruningRun, RunOptions  # noqa: E402
-from ..engine.strategy import PruningStrategy  # noqa: E402
 from ..engine.tiny import tiny_model  # noqa: E402
-
 
 SHIPPED_MODEL = "shipped:tiny-moe"
 DATA_DIR = Path(__file__).parents[1] / "data"

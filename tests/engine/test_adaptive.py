@@ -19,7 +19,7 @@ import transformers
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.engine.adaptive import (
+from ompmoe.engine.apply.adaptive import (
     CONFIG_KEY,
     ZETA,
     adaptive_info,
@@ -233,7 +233,7 @@ def test_disable_restores_the_plain_model(case):
 
 
 def test_switching_adaptive_off_while_paused_leaves_it_off():
-    from ompmoe.engine.adaptive import adaptive_paused
+    from ompmoe.engine.apply.adaptive import adaptive_paused
 
     model = scaled_model("qwen3_moe")
     ids = random_ids(batch=2, seq=16, seed=5)
@@ -462,7 +462,7 @@ def test_cli_accepts_the_monitor_and_adaptive_epsilon(tmp_path):
 
 def test_epsilon_zero_skips_the_rule_and_counts_every_pair(monkeypatch):
     """At epsilon = 0 no prefix can qualify, so the hooks do not even evaluate the rule."""
-    import ompmoe.engine.adaptive as adaptive_module
+    import ompmoe.engine.apply.adaptive as adaptive_module
 
     model = scaled_model("qwen3_moe")
     ids = random_ids(seed=21)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.engine.adaptive import (
+from ompmoe.engine.apply.adaptive import (
     STATE_ATTR,
     adaptive_keep_mask,
     adaptive_paths,

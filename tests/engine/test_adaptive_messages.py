@@ -8,7 +8,7 @@ import warnings
 import torch
 
 import ompmoe
-from ompmoe.engine.adaptive import adaptive_report, adaptive_summary, enable_adaptive
+from ompmoe.engine.apply.adaptive import adaptive_report, adaptive_summary, enable_adaptive
 from ompmoe.engine.tiny import tiny_model
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ompmoe.engine.allocation import (
+from ompmoe.engine.planning.allocation import (
     InfeasibleBudgetError,
     LayerChoices,
     allocation_cost,

@@ -2,7 +2,7 @@
 
 The reference runs the unpruned and the really pruned (``ompmoe.prune``) blocks on the same cached inputs, takes
 each kept expert's contribution by zeroing every other expert's down projection, and solves the least squares in
-float64 by hand: nothing of ``ompmoe.engine.compensation`` is reused.
+float64 by hand: nothing of ``ompmoe.engine.apply.compensation`` is reused.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from torch import nn
 
 import ompmoe
 from ompmoe.engine.adapters import architecture_of
-from ompmoe.engine.compensation import (
+from ompmoe.engine.apply.compensation import (
     MAX_SUM_BYTES, Compensation, CompensationError, _count_tokens, _LayerPass, apply_compensation, compensate,
     compensated_view, compensation_record, compensation_sums, fit_scales, fitting_tokens, heldout_losses,
     linear_sum_bytes, spread_blocks,
 )
 from ompmoe.engine.perplexity import perplexity
-from ompmoe.engine.plan import PlanMismatchError
-from ompmoe.engine.statistics import FingerprintMismatchError
+from ompmoe.engine.planning.plan import PlanMismatchError
+from ompmoe.engine.collect.statistics import FingerprintMismatchError
 from ompmoe.engine.tiny import tiny_model
 
 from reference import capture_block_inputs, random_ids

@@ -1,4 +1,4 @@
-"""Optional statistics as plugins (ompmoe.engine.extensions): a new kind is one class and its registration."""
+"""Optional statistics as plugins (ompmoe.engine.collect.extensions): a new kind is one class and its registration."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ompmoe import MoEStats, collect_stats, plan_pruning
-from ompmoe.engine.collect import StatisticsCollector
-from ompmoe.engine.extensions import STATISTICS, LayerSumsMetric, StatisticsExtension, register_statistics
+from ompmoe.engine.collect.collector import StatisticsCollector
+from ompmoe.engine.collect.extensions import STATISTICS, LayerSumsMetric, StatisticsExtension, register_statistics
 from ompmoe.engine.methods import (METHODS, SelectionMethod, check_statistics, register_method, required_statistics,
                                    score_order)
-from ompmoe.engine.methods.registry import require_statistic
-from ompmoe.engine.strategy import PruningStrategy
+from ompmoe.engine.planning.method_registry import require_statistic
+from ompmoe.engine.planning.strategy import PruningStrategy
 from ompmoe.engine.tiny import tiny_model
 
 

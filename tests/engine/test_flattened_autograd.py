@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ompmoe import find_moe_layers
-from ompmoe.engine.collect import _per_expert_forward, expose_expert_outputs
+from ompmoe.engine.collect.collector import _per_expert_forward, expose_expert_outputs
 
 from reference import make_model, random_ids
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 import ompmoe
 from ompmoe.engine.export.weights import CheckpointWeightsError
-from ompmoe.engine.plan import PlanMismatchError, PruningPlan
-from ompmoe.engine.statistics import MoEStats, StatsFileError
-from ompmoe.engine.synthetic import synthetic_stats
+from ompmoe.engine.planning.plan import PlanMismatchError, PruningPlan
+from ompmoe.engine.collect.statistics import MoEStats, StatsFileError
+from ompmoe.engine.collect.synthetic import synthetic_stats
 from ompmoe.engine.tiny import tiny_model
 
 FIX = "Re-save the model (ompmoe.save_pruned) or copy the checkpoint again."

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.engine.allocation import layer_choices
+from ompmoe.engine.planning.allocation import layer_choices
 from ompmoe.engine.methods.loss.selection import (
     greedy_quadratic,
     kept_masks,
@@ -17,8 +17,8 @@ from ompmoe.engine.methods.loss.selection import (
     loss_estimate,
 )
 from ompmoe.engine.methods import METHODS, get_method
-from ompmoe.engine.selection import greedy_pursuit, routing_coverage
-from ompmoe.engine.strategy import strategy_for
+from ompmoe.engine.planning.selection import greedy_pursuit, routing_coverage
+from ompmoe.engine.planning.strategy import strategy_for
 from ompmoe.engine.tiny import tiny_model
 
 
@@ -166,7 +166,7 @@ def test_omp_hybrid_refuses_a_bad_loss_weight(weight):
 def test_missing_optional_statistics_message_names_layers_and_the_fix():
     from types import SimpleNamespace
 
-    from ompmoe.engine.methods.registry import require_layer_tensor
+    from ompmoe.engine.planning.method_registry import require_layer_tensor
 
     layers = [SimpleNamespace(name=f"model.layers.{i}.mlp", gram_loss=None) for i in range(4)]
     with pytest.raises(ValueError) as error:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ompmoe import MoEStats, collect_stats, find_moe_layers
-from ompmoe.engine.collect import StatisticsCollector
+from ompmoe.engine.collect.collector import StatisticsCollector
 from ompmoe.engine.methods.loss import LOSS_TENSORS, LossAwareError
 
 from reference import capture_block_inputs, literal_layer, make_model, random_ids

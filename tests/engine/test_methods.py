@@ -19,10 +19,10 @@ from ompmoe.engine.methods import (
     score_order,
     swap_refine,
 )
-from ompmoe.engine.extensions import CANCELLED_TOKEN
-from ompmoe.engine.selection import greedy_pursuit
-from ompmoe.engine.statistics import LayerStats
-from ompmoe.engine.strategy import PruningStrategy, strategy_for
+from ompmoe.engine.collect.extensions import CANCELLED_TOKEN
+from ompmoe.engine.planning.selection import greedy_pursuit
+from ompmoe.engine.collect.statistics import LayerStats
+from ompmoe.engine.planning.strategy import PruningStrategy, strategy_for
 from ompmoe.engine.tiny import tiny_model
 
 from reference import assert_gram_close, make_model, random_ids
@@ -263,7 +263,7 @@ def test_set_methods_on_tiny_model_stats(stats_name, request):
     for layer, order, ex, sw in zip(stats.layers, omp, exact, swap):
         assert isinstance(ex, SubsetSelection) and isinstance(sw, SubsetSelection)
         assert torch.equal(ex.reference, order) and torch.equal(sw.reference, order)
-        from ompmoe.engine.selection import prefix_residual
+        from ompmoe.engine.planning.selection import prefix_residual
 
         greedy = prefix_residual(layer.gram, order)
         r_exact, r_swap = ex.residual(layer.gram), sw.residual(layer.gram)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ompmoe import InfeasibleBudgetError, OutputExistsError, PruningPlan, collect_stats, plan_pruning
-from ompmoe.engine.allocation import allocation_cost, layer_choices, total_cost
+from ompmoe.engine.planning.allocation import allocation_cost, layer_choices, total_cost
 from ompmoe.engine.methods import METHODS
-from ompmoe.engine.selection import greedy_pursuit, prefix_residual, routing_coverage
-from ompmoe.engine.statistics import LayerStats, MoEStats
+from ompmoe.engine.planning.selection import greedy_pursuit, prefix_residual, routing_coverage
+from ompmoe.engine.collect.statistics import LayerStats, MoEStats
 from ompmoe.engine.tiny import tiny_model
 
 ALLOCATIONS = ("uniform", "waterfill", "optimal")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.engine.plan_choice import choose_plan
+from ompmoe.engine.apply.plan_choice import choose_plan
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.adapters import SIGMOID_SHARED_GROUPED
-from ompmoe.engine.strategy import PruningStrategy, auto_settings
+from ompmoe.engine.planning.strategy import PruningStrategy, auto_settings
 from ompmoe.engine.tiny import tiny_model
 
 from reference import random_ids
@@ -71,7 +71,7 @@ def test_a_layout_with_one_setting_has_one_candidate_the_recommended_plan():
 
 
 def test_equal_candidates_are_measured_once_and_the_first_wins(monkeypatch):
-    import ompmoe.engine.plan_choice as plan_choice
+    import ompmoe.engine.apply.plan_choice as plan_choice
 
     model, stats = calibrated("qwen3_moe")
     plan = ompmoe.plan_pruning(stats, 0.5)

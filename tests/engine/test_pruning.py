@@ -26,7 +26,7 @@ from torch import nn
 
 import ompmoe
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
-from ompmoe.engine.trial import pruned_view
+from ompmoe.engine.apply.trial import pruned_view
 
 ATOL = RTOL = 1e-5
 NEG_INF = float("-inf")

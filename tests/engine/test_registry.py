@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ import torch
 
 import ompmoe
 from ompmoe import collect_stats, plan_pruning
-from ompmoe.engine.allocation import ALLOCATIONS
+from ompmoe.engine.planning.allocation import ALLOCATIONS
 from ompmoe.engine.methods import METHODS, SelectionMethod, get_method, method_table, register_method, score_order
 
 from reference import make_model, random_ids
@@ -220,3 +221,26 @@ def test_removed_names_are_gone(stats):
     with pytest.raises(TypeError, match="min_ratio"):
         plan_pruning(stats, 0.5, min_ratio=0.25)
     assert not hasattr(importlib.import_module("ompmoe.callbacks"), "OMPMoEPruning")
+
+
+@pytest.mark.parametrize("registry", ["ompmoe.engine.collect.extensions:STATISTICS",
+                                      "ompmoe.engine.planning.allocation:ALLOCATIONS",
+                                      "ompmoe.engine.planning.method_registry:METHODS"])
+def test_a_stage_registry_loads_the_built_in_methods_on_its_first_read(registry):
+    """collect/ and planning/ never import methods/: their registries import it when first read, in a fresh process
+    where nothing else loaded it, and registering alone does not."""
+    module, name = registry.split(":")
+    code = textwrap.dedent(f"""
+        import sys
+        from {module} import {name} as registry
+        registry["mine"] = object()
+        print("ompmoe.engine.methods" in sys.modules, registry.registered("omp") is not None)
+        print(list(registry))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, names = done.stdout.splitlines()
+    assert before == "False False"
+    built_in = {"STATISTICS": {"loss_aware", "reroute"}, "METHODS": set(METHODS),
+                "ALLOCATIONS": {"uniform", "waterfill", "optimal", "loss", "loss_risk"}}[name]
+    assert set(ast.literal_eval(names)) == {*built_in, "mine"}

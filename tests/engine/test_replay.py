@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers.integrations.moe as hf_moe
 
-import ompmoe.engine.replay as replay_module
+import ompmoe.engine.collect.replay as replay_module
 from ompmoe import StatisticsCollector, collect_stats, find_moe_layers
-from ompmoe.engine.replay import replay_grouped_mm, replayable
-from ompmoe.engine.statistics import PER_EXPERT_SUMS
+from ompmoe.engine.collect.replay import replay_grouped_mm, replayable
+from ompmoe.engine.collect.statistics import PER_EXPERT_SUMS
 
 from reference import ARCH_IDS, assert_gram_close, capture_block_inputs, make_model, random_ids
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
-from ompmoe.engine.extensions import CANCELLED_TOKEN
+from ompmoe.engine.collect.extensions import CANCELLED_TOKEN
 from ompmoe.engine.methods import get_method
 from ompmoe.engine.methods.reroute import REROUTE_TENSORS, RerouteError, check_reroutable
-from ompmoe.engine.selection import greedy_pursuit
+from ompmoe.engine.planning.selection import greedy_pursuit
 
 from reference import assert_gram_close, capture_block_inputs, make_model, random_ids
 

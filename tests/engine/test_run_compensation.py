@@ -13,12 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import ompmoe
-from ompmoe.engine.collect import StatisticsCollector
-from ompmoe.engine.compensation import compensate, compensated_view, fitting_tokens
+from ompmoe.engine.collect.collector import StatisticsCollector
+from ompmoe.engine.apply.compensation import compensate, compensated_view, fitting_tokens
 from ompmoe.engine.perplexity import perplexity
-from ompmoe.engine.run_compensation import compensation_line, fit_compensation, fitting_text
+from ompmoe.engine.apply.compensation_step import compensation_line, fit_compensation, fitting_text
 from ompmoe.engine.tiny import tiny_model
-from ompmoe.engine.trial import pruned_view
+from ompmoe.engine.apply.trial import pruned_view
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -189,7 +189,7 @@ def test_the_saved_model_carries_the_compensation_in_its_card_and_loads_equal_in
 
 def test_linear_sums_over_the_budget_make_auto_fit_per_expert_and_a_linear_asked_for_refuse_before_calibrating(
         blocks, monkeypatch):
-    import ompmoe.engine.run_compensation as step
+    import ompmoe.engine.apply.compensation_step as step
 
     monkeypatch.setattr(step, "MAX_SUM_BYTES", 1000)
     auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ompmoe import greedy_pursuit
-from ompmoe.engine.selection import prefix_residual, routing_coverage
+from ompmoe.engine.planning.selection import prefix_residual, routing_coverage
 from literal_pursuit import pursuit_on_atoms
 
 

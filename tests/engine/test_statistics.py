@@ -18,7 +18,7 @@ from ompmoe import (
     find_moe_layers,
     model_fingerprint,
 )
-from ompmoe.engine.statistics import PER_EXPERT_SUMS
+from ompmoe.engine.collect.statistics import PER_EXPERT_SUMS
 from ompmoe.engine.tiny import tiny_model
 
 from reference import ARCH_IDS, assert_gram_close, capture_block_inputs, literal_layer, make_model, random_ids
@@ -359,7 +359,7 @@ def test_bad_batches_raise():
 
 
 def test_non_finite_values_at_padded_positions_are_ignored():
-    from ompmoe.engine.collect import MoEStatsMetric
+    from ompmoe.engine.collect.collector import MoEStatsMetric
 
     model = make_model("qwen3_moe")
     layer = find_moe_layers(model)[0]

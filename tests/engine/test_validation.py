@@ -14,12 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ompmoe
-from ompmoe.engine.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
+from ompmoe.engine.apply.adaptive import adaptive_report, enable_adaptive, is_adaptive, reset_adaptive_counters
 from ompmoe import MoEStats, collect_stats, plan_pruning, prune
-from ompmoe.engine.collect import ADAPTIVE_WARNING, CalibrationInputError
-from ompmoe.engine.plan import PlanMismatchError, PruningPlan
-from ompmoe.engine.pruning import load_pruned, save_pruned
-from ompmoe.engine.statistics import FingerprintMismatchError, StatsFileError, model_fingerprint
+from ompmoe.engine.apply.adaptive import ADAPTIVE_WARNING
+from ompmoe.engine.collect.collector import CalibrationInputError
+from ompmoe.engine.planning.plan import PlanMismatchError, PruningPlan
+from ompmoe.engine.export.load import load_pruned
+from ompmoe.engine.export.save import save_pruned
+from ompmoe.engine.collect.statistics import FingerprintMismatchError, StatsFileError, model_fingerprint
 
 from reference import make_model, random_ids
 
@@ -411,7 +413,7 @@ def test_bool_and_float_masks_accepted():
 
 def test_token_weights_must_be_0_or_1():
     # The Lightning callback hands masks (times 0/1 sample weights) straight to the metric.
-    from ompmoe.engine.collect import MoEStatsMetric
+    from ompmoe.engine.collect.collector import MoEStatsMetric
 
     metric = MoEStatsMetric(ompmoe.find_moe_layers(qwen()))
     with pytest.raises(CalibrationInputError, match=re.escape("Token weights (attention_mask) must be 0 or 1; found 0.5.")):

@@ -15,7 +15,7 @@ import torch
 import ompmoe
 from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
 from ompmoe.engine.export.plots import allocation_figure, overview_figure, write_plots
-from ompmoe.engine.run_compensation import CHECK_TOLERANCE, compensation_line, fit_compensation
+from ompmoe.engine.apply.compensation_step import CHECK_TOLERANCE, compensation_line, fit_compensation
 from ompmoe.engine.tiny import tiny_model
 from ompmoe.lightning.calibration_data import CalibrationDataModule
 

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from torch.utils.data import DataLoader
 
 import ompmoe
-from ompmoe.engine.allocation import InfeasibleBudgetError
+from ompmoe.engine.planning.allocation import InfeasibleBudgetError
 from ompmoe.lightning.calibration_data import ResumableDataLoader
 from ompmoe.lightning.calibration_module import CalibrationModule
 from ompmoe.callbacks import ExpertPruning

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ompmoe
 from ompmoe import PruningStrategy
 from ompmoe.callbacks import ExpertPruning
-from ompmoe.engine.collect import WeightsChangedError
+from ompmoe.engine.collect.collector import WeightsChangedError
 from ompmoe.engine.methods.loss.statistics import LossAwareError
 from ompmoe.engine.tiny import tiny_model
 

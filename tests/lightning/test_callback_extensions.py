@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ompmoe.callbacks import ExpertPruning
-from ompmoe.engine.collect import StatisticsCollector
+from ompmoe.engine.collect.collector import StatisticsCollector
 from ompmoe.engine.tiny import tiny_model
 
 

@@ -21,7 +21,7 @@ import torch
 
 import ompmoe
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
-from ompmoe.engine.allocation import InfeasibleBudgetError
+from ompmoe.engine.planning.allocation import InfeasibleBudgetError
 from ompmoe.engine.io import OutputExistsError
 from ompmoe.engine.tiny import tiny_model
 

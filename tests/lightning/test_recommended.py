@@ -14,8 +14,8 @@ import ompmoe
 from ompmoe.callbacks import ExpertPruning
 from ompmoe.engine.adapters import ARCHITECTURES, SIGMOID_SHARED_GROUPED
 from ompmoe.engine.perplexity import perplexity
-from ompmoe.engine.strategy import PruningStrategy, recommended_setting
-from ompmoe.engine.synthetic import synthetic_stats
+from ompmoe.engine.planning.strategy import PruningStrategy, recommended_setting
+from ompmoe.engine.collect.synthetic import synthetic_stats
 from ompmoe.engine.tiny import tiny_model
 from ompmoe.lightning.calibration_module import CalibrationModule
 

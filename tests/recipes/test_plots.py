@@ -22,7 +22,7 @@ from ompmoe.engine.export.plots import (
     layer_index,
     write_plots,
 )
-from ompmoe.engine.statistics import LayerStats
+from ompmoe.engine.collect.statistics import LayerStats
 from ompmoe.engine.tiny import tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -179,7 +179,7 @@ def test_cli_prune_with_a_baseline_method(stats, tmp_path):
 # ------------------------------------------------------------------------ at real scale (48 x 128)
 @pytest.fixture(scope="module")
 def large():
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     stats = synthetic_stats(48, 128, 8)
     return stats, plan_pruning(stats, 0.5)
@@ -240,7 +240,7 @@ def test_overview_is_a_layers_by_k_map_with_the_kept_counts(large):
 
 def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
     stats, plan = large
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     small = synthetic_stats(3, 16, 4)
     small_plan = plan_pruning(small, 0.5)
@@ -263,7 +263,7 @@ def test_allocation_figure_and_csvs_hold_the_plan(large, tmp_path):
 
 
 def test_expert_counts_get_whole_number_ticks():
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
     from ompmoe.engine.export.plots import allocation_figure, residual_figure
 
     small = synthetic_stats(6, 16, 4)
@@ -279,7 +279,7 @@ def test_expert_counts_get_whole_number_ticks():
 
 @pytest.mark.parametrize("num_layers, columns", [(6, 3), (48, 7)])
 def test_residual_curves_are_near_square_with_readable_text(num_layers, columns, tmp_path):
-    from ompmoe.engine.synthetic import synthetic_stats
+    from ompmoe.engine.collect.synthetic import synthetic_stats
 
     small = synthetic_stats(num_layers, 16, 4)
     write_plots(small, tmp_path, plan=plan_pruning(small, 0.5), progress=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.engine.allocation import InfeasibleBudgetError
+from ompmoe.engine.planning.allocation import InfeasibleBudgetError
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
 from ompmoe.engine.io import OutputExistsError
 from ompmoe.recipes.quickstart import prune_tiny_model

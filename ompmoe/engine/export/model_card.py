@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
+from ..record import within_tolerance
 from .config import finetune_records
 
 
@@ -83,17 +84,6 @@ def compensation_check(record: dict[str, Any]) -> str:
     note = within_tolerance(record)
     return (f"held-out calibration loss {record['loss_without']:.4f} -> {record['loss_with']:.4f}{blocks}: {verdict}"
             f"{f', {note}' if note else ''}")
-
-
-def within_tolerance(record: dict[str, Any]) -> str | None:
-    """``it raised the loss by 0.0100 nats, within the 0.02-nat tolerance`` when a compensation record's held-out
-    check kept a map that raised the loss (``auto`` keeps it: smaller moves are noise on so few tokens), else
-    ``None``."""
-    raised = record["loss_with"] - record["loss_without"]
-    if not record.get("applied", True) or raised <= 0 or record.get("tolerance") is None:
-        return None
-    amount = f"{raised:.4f}" if raised >= 1e-4 else f"{raised:.1e}"  # never "by 0.0000"
-    return f"it raised the loss by {amount} nats, within the {record['tolerance']:g}-nat tolerance"
 
 
 def _finetune_summary(stage: str, record: dict[str, Any]) -> str:

@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..collect.statistics import LayerStats, MoEStats
 from ..io import atomic_path, check_writable
-from ..methods import get_method
 from ..methods.omp import GramPursuit
-from ..plan import LayerPlan, PruningPlan
+from ..planning.method_registry import get_method
+from ..planning.plan import LayerPlan, PruningPlan
+from ..planning.selection import PursuitResult, greedy_pursuit, routing_coverage
 from ..progress import progress as progress_bar
-from ..selection import PursuitResult, greedy_pursuit, routing_coverage
-from ..statistics import LayerStats, MoEStats
+
 
 def require_matplotlib(owner: str) -> None:
     """Fail before calibration when plots are asked for and matplotlib is missing (``owner``: who asked)."""

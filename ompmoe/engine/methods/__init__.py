@@ -4,7 +4,7 @@ of :class:`SelectionMethod`, a new kind of statistics one ``@register_statistics
 
 # Importing registers the built-in methods (in the order of the README's method table), allocations and statistics.
 from . import omp, scores, subsets, loss, reroute  # noqa: F401,I001
-from .registry import (METHODS, Selection, SelectionMethod, SubsetSelection, check_statistics, default_allocation,
+from ..planning.method_registry import (METHODS, Selection, SelectionMethod, SubsetSelection, check_statistics, default_allocation,
                        get_method, method_class, method_table, option_defaults, register_method, removed_energy, required_statistics)
 from .omp import omp_orderings
 from .scores import ScoreRanking, reap_scores, score_order

@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import torch
 
-from ..selection import greedy_pursuit
-from ..statistics import LayerStats
-from .registry import Selection, SelectionMethod, register_method, require_statistic
+from ..collect.statistics import LayerStats
+from ..planning.method_registry import Selection, SelectionMethod, register_method, require_statistic
+from ..planning.selection import greedy_pursuit
 
 
 def omp_orderings(layers: Sequence[LayerStats]) -> list[torch.Tensor]:
@@ -32,7 +32,7 @@ class GramPursuit(SelectionMethod):
     names the statistics tensor in ``gram_key``, or overrides :meth:`gram_keys` (and :meth:`pursued_gram`)."""
 
     gram_key: ClassVar[str] = "gram"
-    """The :class:`~ompmoe.engine.statistics.LayerStats` tensor the pursuit runs on."""
+    """The :class:`~ompmoe.engine.collect.statistics.LayerStats` tensor the pursuit runs on."""
 
     def gram_keys(self) -> tuple[str, ...]:
         """The statistics tensors :meth:`pursued_gram` reads."""

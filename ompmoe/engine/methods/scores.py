@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from ..statistics import LayerStats
-from .registry import Selection, SelectionMethod, register_method
+from ..collect.statistics import LayerStats
+from ..planning.method_registry import Selection, SelectionMethod, register_method
 
 
 def score_order(scores: torch.Tensor, num_groups: int = 1) -> torch.Tensor:

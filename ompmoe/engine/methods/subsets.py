@@ -9,9 +9,16 @@ from typing import ClassVar
 
 import torch
 
-from ..statistics import LayerStats
+from ..collect.statistics import LayerStats
+from ..planning.method_registry import (
+    Selection,
+    SelectionMethod,
+    SubsetSelection,
+    kept_masks,
+    register_method,
+    removed_energy,
+)
 from .omp import omp_orderings
-from .registry import Selection, SelectionMethod, SubsetSelection, kept_masks, register_method, removed_energy
 
 EXACT_MAX_SUBSETS = 2_000_000
 """Default limit on the subsets the ``exact`` method may enumerate per layer (``2^N``)."""

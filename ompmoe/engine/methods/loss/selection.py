@@ -12,11 +12,18 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ...allocation import AllocationProblem, optimal_allocation, register_allocation
-from ...selection import grouped_greedy
-from ...statistics import LayerStats
+from ...collect.statistics import LayerStats
+from ...planning.allocation import AllocationProblem, optimal_allocation, register_allocation
+from ...planning.method_registry import (
+    Selection,
+    SelectionMethod,
+    kept_masks,
+    register_method,
+    removed_energy,
+    require_statistic,
+)
+from ...planning.selection import grouped_greedy
 from ..omp import GramPursuit
-from ..registry import Selection, SelectionMethod, kept_masks, register_method, removed_energy, require_statistic
 
 
 def greedy_quadratic(hessian: torch.Tensor, linear: torch.Tensor, num_groups: int = 1) -> torch.Tensor:

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ...adapters import MoELayer
-from ...extensions import LayerSumsMetric, StatisticsExtension, register_statistics
+from ...collect.extensions import LayerSumsMetric, StatisticsExtension, register_statistics
 
 LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
-"""Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by loss-aware collection."""
+"""Optional :class:`~ompmoe.engine.collect.statistics.LayerStats` fields filled by loss-aware collection."""
 
 
 class LossAwareError(ValueError):

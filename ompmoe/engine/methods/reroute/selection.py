@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...planning.method_registry import register_method
 from ..omp import GramPursuit
-from ..registry import register_method
 
 
 @register_method

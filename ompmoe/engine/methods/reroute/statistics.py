@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ...adapters import MoELayer
-from ...extensions import CANCELLED_TOKEN, LayerSumsMetric, StatisticsExtension, register_statistics
+from ...collect.extensions import CANCELLED_TOKEN, LayerSumsMetric, StatisticsExtension, register_statistics
 
 REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
-"""Optional :class:`~ompmoe.engine.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
+"""Optional :class:`~ompmoe.engine.collect.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
 
 
 class RerouteError(ValueError):

@@ -1,6 +1,6 @@
 """Optional statistics as plugins: one :class:`StatisticsExtension` per kind, held by the collector in a dict.
 
-An extension adds sums to the core pass (:mod:`ompmoe.engine.collect`) in the same forward: its sum states,
+An extension adds sums to the core pass (:mod:`ompmoe.engine.collect.collector`) in the same forward: its sum states,
 hooks and checkpoint prefix; methods and allocations declare the ones they need (see docs/statistics.md).
 """
 
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from .adapters import MoELayer
+from ..adapters import MoELayer
+from ..registry import Registry
 
 
 class FilledLayer(Protocol):
@@ -111,15 +112,15 @@ class StatisticsExtension:
         self.recorder.detach()
 
     def standalone(self) -> None:
-        """Called by :func:`~ompmoe.engine.collect.collect_stats`: no training step follows the forward."""
+        """Called by :func:`~ompmoe.engine.collect.collector.collect_stats`: no training step follows the forward."""
 
     def fill(self, layers: list[Layer]) -> list[Layer]:
         """``layers`` with this extension's tensors filled in."""
         return [layer.with_tensors(tensors) for layer, tensors in zip(layers, self.metric.compute())]
 
 
-STATISTICS: dict[str, type[StatisticsExtension]] = {}
-"""Registered statistics extensions by name."""
+STATISTICS: Registry[type[StatisticsExtension]] = Registry()
+"""Registered statistics extensions by name (the built-ins of :mod:`ompmoe.engine.methods` load on the first read)."""
 
 E = TypeVar("E", bound=type[StatisticsExtension])
 
@@ -134,7 +135,7 @@ def register_statistics(cls: E) -> E:
 
 
 def extension(name: str) -> type[StatisticsExtension]:
-    """The registered extension ``name`` (the built-in ones register when :mod:`ompmoe.engine.methods` is imported)."""
+    """The registered extension ``name``."""
     if name not in STATISTICS:
         raise ValueError(f"Unknown statistics {name!r}; choose from {sorted(STATISTICS)}.")
     return STATISTICS[name]

@@ -13,10 +13,11 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import torch
 
-from ..allocation import ALLOCATIONS
-from ..extensions import extension, extension_providing
+from ..collect.extensions import extension, extension_providing
+from ..collect.statistics import LayerStats
 from ..names import did_you_mean
-from ..statistics import LayerStats
+from ..registry import Registry
+from .allocation import ALLOCATIONS
 
 
 def require_layer_tensor(layers: Sequence[LayerStats], key: str, what: str, kind: str, how: str) -> None:
@@ -91,7 +92,7 @@ class SelectionMethod:
     name: ClassVar[str] = ""
     """The method's name in ``plan_pruning(method=...)``, plans, configs and the CLI."""
     statistics: ClassVar[tuple[str, ...]] = ()
-    """Optional statistics it needs (:data:`ompmoe.engine.extensions.STATISTICS` names), checked before calibration."""
+    """Optional statistics it needs (:data:`ompmoe.engine.collect.extensions.STATISTICS` names), checked before calibration."""
     default_allocation: ClassVar[str] = "waterfill"
     """The allocation it runs with when ``allocation="auto"`` beside it: the one its authors publish it with (REAP's
     per-layer ``uniform``), the paper's ``waterfill`` for the rest; so a method named anywhere runs as published."""
@@ -113,8 +114,8 @@ class SelectionMethod:
         return inspect.cleandoc(cls.__doc__ or "").split("\n", 1)[0].rstrip(".")
 
 
-METHODS: dict[str, type[SelectionMethod]] = {}
-"""Registered methods by name (built-ins are registered by importing :mod:`ompmoe.engine.methods`)."""
+METHODS: Registry[type[SelectionMethod]] = Registry()
+"""Registered methods by name (the built-ins of :mod:`ompmoe.engine.methods` load on the first read)."""
 
 M = TypeVar("M", bound=type[SelectionMethod])
 
@@ -125,7 +126,7 @@ def register_method(cls: M) -> M:
         raise TypeError(f"register_method needs a @dataclass subclass of SelectionMethod; got {cls!r}.")
     if not cls.name or not cls.name.isidentifier():
         raise ValueError(f"{cls.__name__}.name must be an identifier-like method name; got {cls.name!r}.")
-    existing = METHODS.get(cls.name)
+    existing = METHODS.registered(cls.name)
     if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
         raise ValueError(f"A method named {cls.name!r} is already registered "
                          f"({existing.__module__}.{existing.__qualname__}).")

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .names import did_you_mean
+from ..names import did_you_mean
+from ..registry import Registry
 
 
 class InfeasibleBudgetError(ValueError):
@@ -229,15 +230,15 @@ class Allocation:
     bounded: bool = True
     """Whether the per-layer kept-fraction bounds and the global budget apply (``uniform``: no)."""
     statistics: tuple[str, ...] = ()
-    """Optional statistics it needs (names of :data:`ompmoe.engine.extensions.STATISTICS`)."""
+    """Optional statistics it needs (names of :data:`ompmoe.engine.collect.extensions.STATISTICS`)."""
 
     @property
     def summary(self) -> str:
         return inspect.cleandoc(self.allocate.__doc__ or "").split("\n", 1)[0].rstrip(".")
 
 
-ALLOCATIONS: dict[str, Allocation] = {}
-"""Registered allocations by name."""
+ALLOCATIONS: Registry[Allocation] = Registry()
+"""Registered allocations by name (the built-ins of :mod:`ompmoe.engine.methods` load on the first read)."""
 
 
 def register_allocation(
@@ -248,7 +249,7 @@ def register_allocation(
         raise ValueError(f"Allocation names must be identifier-like; got {name!r}.")
 
     def decorate(allocate: Callable[[AllocationProblem], list[int]]) -> Callable[[AllocationProblem], list[int]]:
-        existing = ALLOCATIONS.get(name)
+        existing = ALLOCATIONS.registered(name)
         if existing is not None and existing.allocate.__qualname__ != allocate.__qualname__:
             raise ValueError(f"An allocation named {name!r} is already registered ({existing.allocate.__qualname__}).")
         ALLOCATIONS[name] = Allocation(name, allocate, bounded, tuple(statistics))

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .adapters import ARCHITECTURES
-from .methods import METHODS, default_allocation, get_method
+from ..adapters import ARCHITECTURES
+from ..collect.statistics import MoEStats
+from .method_registry import METHODS, default_allocation, get_method
 from .plan import PruningPlan, check_plan_arguments, plan_pruning, validate_budget
-from .statistics import MoEStats
 
 
 @runtime_checkable
@@ -27,7 +27,7 @@ class Strategy(Protocol):
 
 AUTO = "auto"
 """``method`` value: the settings of the model's layout (``ArchitectureSpec.auto``), chosen among by
-:mod:`ompmoe.engine.plan_choice` (without held-out blocks, the first). ``allocation`` value: the same beside ``method
+:mod:`ompmoe.engine.apply.plan_choice` (without held-out blocks, the first). ``allocation`` value: the same beside ``method
 auto``; beside a method named outright, that method's own (``SelectionMethod.default_allocation``: REAP's
 ``uniform``, the paper's ``waterfill``), so a named method runs as published wherever it is named."""
 

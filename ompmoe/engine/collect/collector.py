@@ -7,25 +7,30 @@ block still gets exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 from torchmetrics import Metric
 
-from . import methods  # noqa: F401  (importing it registers the built-in statistics extensions)
-from .adapters import MoELayer, architecture_of, find_moe_layers
-from .adaptive import adaptive_paused
-from .extensions import (CANCELLED_TOKEN, LayerSumsMetric, PairCallback, StatisticsExtension, extension,
-                         selected_statistics)
-from .perplexity import eval_mode
+from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..perplexity import eval_mode
+from ..progress import progress as progress_bar
+from .extensions import (
+    CANCELLED_TOKEN,
+    LayerSumsMetric,
+    PairCallback,
+    StatisticsExtension,
+    extension,
+    selected_statistics,
+)
 from .replay import replayable
-from .progress import progress as progress_bar
 from .statistics import PER_EXPERT_SUMS, LayerStats, MoEStats, model_fingerprint
+
 
 @contextmanager
 def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Iterator[None]:
@@ -389,8 +394,17 @@ class WeightWatch:
         return None
 
 
-ADAPTIVE_WARNING = ("Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
-                    "they cover the full top-k routing, and switched back on afterwards.")
+CalibrationPause = Callable[[nn.Module], AbstractContextManager[bool]]
+CALIBRATION_PAUSES: list[tuple[CalibrationPause, str]] = []
+"""Inference-time hooks switched off while statistics are collected (statistics cover the model's native top-k):
+``(pause, warning)`` with ``pause(model)`` a context manager that yields whether any hook was on, and the warning
+given then. apply/adaptive.py registers OMP-MoE+'s on import (before it, no such hook can be on), so collect/
+never imports apply/."""
+
+
+def pause_during_calibration(pause: CalibrationPause, warning: str) -> None:
+    """Register inference-time hooks that every :class:`StatisticsCollector` switches off while it collects."""
+    CALIBRATION_PAUSES.append((pause, warning))
 
 
 class StatisticsCollector:
@@ -430,9 +444,10 @@ class StatisticsCollector:
 
     def __enter__(self) -> StatisticsCollector:
         with ExitStack() as stack:  # left in reverse: extensions detached, expert calls restored, adaptive resumed
-            if stack.enter_context(adaptive_paused(self.model)) and not self._warned:
-                warnings.warn(ADAPTIVE_WARNING, stacklevel=2)
-                self._warned = True
+            for pause, warning in CALIBRATION_PAUSES:
+                if stack.enter_context(pause(self.model)) and not self._warned:
+                    warnings.warn(warning, stacklevel=2)
+                    self._warned = True
             update = self.metric.update
             # Extensions that run a backward wrap outermost: they silence the chain during checkpoint recomputes.
             for ext in sorted(self.extensions.values(), key=lambda ext: ext.needs_gradients):
@@ -599,7 +614,7 @@ def collect_stats(model: nn.Module, batches: Iterable[Any], *, model_id: str | N
 
     Masked padding is not counted; the model runs in eval mode (some routers jitter in train mode), then is restored.
     ``progress``: a stderr bar (``None``: when stderr is a terminal). ``model_id``/``source`` are recorded.
-    ``statistics`` names optional statistics (:data:`ompmoe.engine.extensions.STATISTICS`); a flag named after one
+    ``statistics`` names optional statistics (:data:`ompmoe.engine.collect.extensions.STATISTICS`); a flag named after one
     asks for it too (``loss_aware=True``: one backward of the next-token loss per batch, parameters frozen).
     """
     collector = StatisticsCollector(model, model_id=model_id, sources=[source] if source else None,

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .safetensors_header import read_header
+from ..safetensors_header import read_header
 
 KINDS = {
     "statistics": "ompmoe statistics (stats.safetensors)",
@@ -68,7 +68,7 @@ def check_input_kind(path: str | os.PathLike, expected: str) -> None:
     does not exist, next to a file of a close name, is refused with that name (a mistyped ``--stats``); otherwise
     its loader says that it is missing."""
     if expected in FILE_NOUNS and not Path(path).exists():
-        from .names import nearest_path_hint
+        from ..names import nearest_path_hint
 
         hint = nearest_path_hint(os.fspath(path))
         if hint.startswith("; did you mean"):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import architecture_of, find_moe_layers
-from .plan import PruningPlan
+from ..adapters import architecture_of, find_moe_layers
+from ..planning.plan import PruningPlan
 from .pruning import slice_module, validate_plan
 
 

@@ -1,4 +1,4 @@
-"""The run's compensation step: after the plan, before pruning, fit :func:`~ompmoe.engine.compensation.compensate` on
+"""The run's compensation step: after the plan, before pruning, fit :func:`~ompmoe.engine.apply.compensation.compensate` on
 the calibration text and decide whether the pruned model gets it (``RunOptions.compensation``).
 
 ``auto`` keeps the ``linear`` map of the ``auto`` method unless it raises the loss on ``auto``'s choice blocks by more
@@ -13,13 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import find_moe_layers
-from .compensation import (DEFAULT_GRANULARITY, GRANULARITIES, MAX_SUM_BYTES, Compensation, CompensationError,
-                           check_sum_budget, compensate, compensated_view, fitting_tokens, heldout_losses,
-                           spread_rows)
-from .perplexity import perplexity
-from .plan import PruningPlan
-from .strategy import AUTO, Strategy
+from ..adapters import find_moe_layers
+from ..perplexity import perplexity
+from ..planning.plan import PruningPlan
+from ..planning.strategy import AUTO, Strategy
+from ..record import within_tolerance
+from .compensation import (
+    DEFAULT_GRANULARITY,
+    GRANULARITIES,
+    MAX_SUM_BYTES,
+    Compensation,
+    CompensationError,
+    check_sum_budget,
+    compensate,
+    compensated_view,
+    fitting_tokens,
+    heldout_losses,
+    spread_rows,
+)
 
 COMPENSATION_MODES = ("auto", "off", *GRANULARITIES)
 """Values of ``RunOptions.compensation``."""
@@ -45,7 +56,7 @@ def compensation_granularity(mode: str, strategy: Strategy) -> str | None:
 
 def run_granularity(mode: str, strategy: Strategy, model: nn.Module) -> str | None:
     """:func:`compensation_granularity` checked against ``model`` before calibrating: where ``linear``'s ``d x d``
-    sums would exceed :data:`~ompmoe.engine.compensation.MAX_SUM_BYTES` (DeepSeek-V3: 48 GB), ``auto`` fits
+    sums would exceed :data:`~ompmoe.engine.apply.compensation.MAX_SUM_BYTES` (DeepSeek-V3: 48 GB), ``auto`` fits
     ``expert`` instead and a ``linear`` asked for is refused."""
     granularity = compensation_granularity(mode, strategy)
     if granularity != "linear":
@@ -96,7 +107,7 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
                      loss_without: float | None = None, unchecked: str = "applied as asked"
                      ) -> tuple[Compensation | None, dict[str, Any]]:
     """Fit ``plan``'s compensation on the **unpruned** ``model`` over ``text`` (at most a quarter of its tokens,
-    :func:`~ompmoe.engine.compensation.fitting_tokens`) and, with ``check_blocks``, keep it unless the pruned
+    :func:`~ompmoe.engine.apply.compensation.fitting_tokens`) and, with ``check_blocks``, keep it unless the pruned
     model's loss there rises by more than :data:`CHECK_TOLERANCE` (``loss_without``: that loss when ``auto``'s trial
     measured it already); without them it is applied, and ``unchecked`` says why in the record.
 
@@ -126,9 +137,8 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
 def compensation_line(record: dict[str, Any]) -> str:
     """``ompmoe: compensation (linear, 4096 tokens): held-out calibration loss 3.9510 -> 3.9020, applied``; a map
     kept although it raised the loss says by how much and the tolerance it is within (``applied (it raised the loss by
-    0.0100 nats, within the 0.02-nat tolerance)``), so the rise does not read as a mistake."""
-    from .export.model_card import within_tolerance  # the card states the same check in the same words
-
+    0.0100 nats, within the 0.02-nat tolerance)``), so the rise does not read as a mistake (the card says it in the same
+    words)."""
     if "num_tokens" not in record:
         return f"ompmoe: compensation ({record['granularity']}) not fitted: {record['checked']}"
     fitted = f"{record['granularity']}, {record['num_tokens']} tokens"

@@ -1,7 +1,7 @@
 """Guards against pruning or saving quantized models: the engine refuses what it would handle wrongly.
 
 Pruning slices fused expert weights along the expert axis, which is wrong for quantized tensors. The
-checks live in the engine so that :mod:`ompmoe.engine.pruning` does not depend on the quantization recipe.
+checks live in the engine so that :mod:`ompmoe.engine.apply.pruning` does not depend on the quantization recipe.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .adapters import ARCHITECTURES, sparse_blocks
+from ..adapters import ARCHITECTURES, sparse_blocks
 
 
 class QuantizedModelError(ValueError):

@@ -14,13 +14,21 @@ from typing import Any
 
 import torch
 
-from .allocation import (AllocationProblem, LayerChoices, allocation_cost, check_feasible, get_allocation,
-                         layer_choices, total_cost, uniform_allocation)
-from .input_kinds import check_input_kind
-from .io import atomic_path
-from .methods import SelectionMethod, SubsetSelection, get_method
+from ..collect.input_kinds import check_input_kind
+from ..collect.statistics import MoEStats
+from ..io import atomic_path
+from .allocation import (
+    AllocationProblem,
+    LayerChoices,
+    allocation_cost,
+    check_feasible,
+    get_allocation,
+    layer_choices,
+    total_cost,
+    uniform_allocation,
+)
+from .method_registry import SelectionMethod, SubsetSelection, get_method
 from .selection import prefix_residual, routing_coverage
-from .statistics import MoEStats
 
 
 class PlanMismatchError(ValueError):

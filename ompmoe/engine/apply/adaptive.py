@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import ARCHITECTURES, MoELayer, find_moe_layers
-from .record import pruning_info
-from . import replay as _replay
-from .statistics import MoEStats
+from ..adapters import ARCHITECTURES, MoELayer, find_moe_layers
+from ..collect import replay as _replay
+from ..collect.collector import pause_during_calibration
+from ..collect.statistics import MoEStats
+from ..record import pruning_info
 
 CONFIG_KEY = "ompmoe_adaptive"
 """Config attribute holding ``{"epsilon", "zeta", "alphas": {layer name: [alpha_e, ...]}}``."""
@@ -439,3 +440,8 @@ __all__ = [
     "is_adaptive", "layer_counts", "masked_grouped_mm", "masked_path_supported", "reset_adaptive_counters",
     "resolve_alphas", "restore_adaptive",
 ]
+
+
+ADAPTIVE_WARNING = ("Adaptive inference (OMP-MoE+) is on: it is switched off while statistics are collected, so "
+                    "they cover the full top-k routing, and switched back on afterwards.")
+pause_during_calibration(adaptive_paused, ADAPTIVE_WARNING)

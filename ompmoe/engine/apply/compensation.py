@@ -1,7 +1,7 @@
 """Compensation after pruning: a least-squares correction of each MoE layer's kept routed experts, folded into their
 down projections (no inference cost; the pruned model stays a stock checkpoint).
 
-Fitted on the **unpruned** model, before :func:`~ompmoe.engine.pruning.prune`, against the **real pruned block**
+Fitted on the **unpruned** model, before :func:`~ompmoe.engine.apply.pruning.prune`, against the **real pruned block**
 (rerouting and renormalization included), from float64 sums that merge by addition across batches and ranks; applied
 after pruning. The three systems, memory, cost and measurements: docs/quality/compensation.md.
 """
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import MoELayer, architecture_of, find_moe_layers
+from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..collect.collector import as_model_inputs, check_calibration_inputs
+from ..perplexity import eval_mode, perplexity
+from ..planning.plan import PruningPlan
+from ..record import CONFIG_KEY, pruning_info
 from .adaptive import adaptive_paused
-from .collect import as_model_inputs, check_calibration_inputs
-from .perplexity import eval_mode, perplexity
-from .plan import PruningPlan
 from .pruning import require_plan_model, slice_module, validate_plan
-from .record import CONFIG_KEY, pruning_info
 from .trial import pruned_view
 
 GRANULARITIES = ("layer", "expert", "linear")
@@ -606,7 +606,7 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
 @contextmanager
 def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensation) -> Iterator[nn.Module]:
     """Within the context, the **unpruned** ``model`` computes what ``prune`` then ``compensation.apply`` would
-    (:func:`~ompmoe.engine.trial.pruned_view` with the kept experts' down projections corrected meanwhile); the
+    (:func:`~ompmoe.engine.apply.trial.pruned_view` with the kept experts' down projections corrected meanwhile); the
     weights are restored bit for bit afterwards, also when the body raises."""
     layers = check_compensable(model, plan)
     kept = [sorted(int(i) for i in layer_plan.kept) for layer_plan in plan.layers]

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .adapters import ROUTING_KEYS, find_moe_layers
+from ..adapters import ROUTING_KEYS, find_moe_layers
+from ..io import atomic_path
+from ..safetensors_header import CorruptSafetensorsError, read_header
 from .extensions import STATISTICS, extension_providing
 from .input_kinds import check_input_kind
-from .io import atomic_path
-from .safetensors_header import CorruptSafetensorsError, read_header
 
 PER_EXPERT_SUMS = ("routing_mass", "token_count", "sq_norm_sum", "norm_sum", "weighted_norm_sum")
 CORE_OPTIONAL_TENSORS = ("gram_normalized",)
@@ -144,7 +144,7 @@ class MoEStats:
 
     def __post_init__(self) -> None:
         if not self.library_version:
-            from .version import __version__
+            from ..version import __version__
 
             self.library_version = __version__
 

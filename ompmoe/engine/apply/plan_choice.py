@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .perplexity import perplexity
-from .plan import PruningPlan
+from ..perplexity import perplexity
+from ..planning.plan import PruningPlan
 from .trial import pruned_view
 
 CHOICE_TOKENS = 2048

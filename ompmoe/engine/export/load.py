@@ -1,0 +1,120 @@
+"""Load a checkpoint written by :func:`~ompmoe.engine.export.save.save_pruned` with each layer at its saved expert
+count, refusing (by name and shape) whatever stock loading would fill silently."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from ..._quiet import quiet_calls
+from ..adapters import architecture_of, find_moe_layers
+from ..apply.adaptive import restore_adaptive
+from ..apply.pruning import _check_record, _slice_layer
+from ..planning.plan import PlanMismatchError
+from ..record import pruning_info
+from ..safetensors_header import read_header
+from .config import load_stock_config
+from .weights import FIX, CheckpointWeightsError, _names, check_loading_info, check_weight_files, weight_files
+
+
+def _causal_lm_class(config: Any) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    names = getattr(config, "architectures", None) or []
+    if not isinstance(names, (list, tuple)):
+        names = [names]
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        fits = isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")
+        if fits and (expected is None or issubclass(cls, expected)):
+            return cls
+        if expected is not None:
+            raise PlanMismatchError(f"config.json names architectures={list(names)}, but {name} is not a causal-LM "
+                                    f"class for model_type={config.model_type!r}; ompmoe loads {expected.__name__}. "
+                                    f'Set "architectures": ["{expected.__name__}"] in config.json.')
+    if expected is None:
+        model_type = getattr(config, "model_type", None)
+        raise PlanMismatchError(f"config.json (model_type={model_type!r}, architectures={list(names)}) has no "
+                                "causal-LM class in transformers; load_pruned loads causal LMs only.")
+    return expected
+
+
+def _check_weight_shapes(path: str | os.PathLike, cls: type, config: Any) -> None:
+    """Every tensor of the weight files has the shape the model built from ``config`` saves it with, by the headers
+    alone (nothing is read): transformers' conversion of expert tensors (stacking per-expert weights) would crash
+    on a transposed one inside its loading report instead of naming it. Names the model does not save are left to
+    the loading report (missing / unexpected)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+
+    files = weight_files(path)
+    if not files:
+        return
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the model is built again by from_pretrained, which warns if need be
+        model = cls(config)
+    saved = revert_weight_conversion(model, model.state_dict())  # the names and shapes save_pretrained writes
+    expected = {name: list(tensor.shape) for name, tensor in saved.items()}
+    for file in files:
+        wrong = [f"{name} {entry['shape']} (model: {expected[name]})" for name, entry in read_header(file).items()
+                 if name in expected and list(entry["shape"]) != expected[name]]
+        if wrong:
+            raise CheckpointWeightsError(f"{file} does not match the model: tensors of the wrong shape: "
+                                         f"{_names(wrong)}. {FIX}")
+
+
+def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) -> None:
+    """Refuse a local folder that holds no model (a run's output, a data folder) with the folder inside that does,
+    if any, as ``how(inner)`` (e.g. ``--model.model run/model``), before anything tries to read it."""
+    directory = Path(path)
+    if directory.is_dir() and not (directory / "config.json").is_file():  # e.g. a run's output (model in model/)
+        inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
+        hint = f"; {inner[0].name}/ does: {how(str(inner[0]))}" if inner else ""
+        raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
+
+
+@quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it
+def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
+    """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
+    with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
+    off unless ``trust_remote_code=True``."""
+    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
+    config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
+    check_weight_files(path)
+    base = _causal_lm_class(config)
+    record = pruning_info(config)
+    cls = base
+    if record is not None:
+        if not isinstance(record, dict):
+            raise PlanMismatchError(f"config.json's ompmoe record is a {type(record).__name__}, not a mapping. The "
+                                    "saved pruning record is corrupt: prune and save the original model again.")
+
+        def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+            """Build each layer at its own size before transformers loads (and converts) the weights."""
+            base.__init__(self, config, *args, **kwargs)
+            layers = find_moe_layers(self)
+            _check_record(record, layers, saved=True)
+            for layer in layers:
+                count = len(record["kept_experts"][layer.name])
+                if layer.num_experts != count:
+                    _slice_layer(layer, torch.arange(count), architecture_of(self).count_attributes)
+
+        cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
+    _check_weight_shapes(path, cls, config)
+    # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
+    kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
+    model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    check_loading_info(path, info)
+    model.__class__ = base
+    restore_adaptive(model)
+    return model
+
