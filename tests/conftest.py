@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+# Under pytest-xdist (``-n auto``) the workers share the cores: each test process already runs torch on one thread
+# (reference.py), and the commands tests start get the same share instead of every core each.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # Test modules in sub-folders import the helpers of this folder (reference.py, make_*.py, ...).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,3 +44,12 @@ def collected(request) -> Collected:
     literal = [literal_layer(layer, inputs[0]) for layer, inputs in zip(layers, captured)]
     assert all(len(inputs) == 1 for inputs in captured)
     return Collected(request.param, model, layers, stats, literal)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, modules holding slow tests are handed out first (longest first): the workers start the long
+    ones together and fill in with the short ones, instead of one worker finishing the last long module alone."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: the order inside stays

@@ -177,6 +177,7 @@ def test_collect_stats_progress_bar_on_request(capsys):
 WARNING_LINE = re.compile(r"warn|deprecat|tip:|failed|^[WE]\d{4} ", re.IGNORECASE)
 
 
+@pytest.mark.slow  # the README's main job in a fresh process: about 13 s
 def test_readme_main_job_prints_no_warning(tmp_path):
     """``ompmoe fit -c configs/tiny.yaml`` as README.md runs it (its first command), after ``pip install -e ".[lightning]"``.
 
@@ -202,6 +203,7 @@ def test_ompmoe_itself_does_not_import_torchao():
     assert done.stdout.strip() == "False", done.stderr
 
 
+@pytest.mark.slow  # an lm-eval suite in a fresh process: about 18 s
 def test_offline_evaluation_suite_prints_no_lm_eval_notice(tmp_path):
     """``ompmoe validate -c configs/eval/tiny.yaml`` (README, Evaluation): no lm-eval notices or warnings."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")

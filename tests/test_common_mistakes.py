@@ -66,8 +66,13 @@ def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkey
 
 
 def test_a_hub_model_neither_cached_nor_reachable_is_one_line_in_fit_and_prune(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # As when the variable is set before the process starts (huggingface_hub reads it once, at import): no request
+    # is tried (each would wait out its retries, 23 s, here where nothing is reachable).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     config = tmp_path / "fit.yaml"
     config.write_text("trainer:\n  logger: false\n  enable_checkpointing: false\n")
     expected = ("error: cannot load model 'ompmoe-test/no-such-moe' from the Hugging Face hub: offline mode is on "

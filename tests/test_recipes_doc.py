@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).parents[1]
 RECIPES = ROOT / "docs" / "recipes.md"
@@ -40,6 +42,7 @@ def test_block_extraction_finds_every_block_and_only_the_marked_ones_are_skipped
     assert all(runs for language, _, runs in found if language == "bash")
 
 
+@pytest.mark.slow  # every recipe of docs/recipes.md: about a minute on 2 CPU cores
 def test_every_recipe_runs_in_order(tmp_path):
     text = RECIPES.read_text()
     for old, new in FAST:

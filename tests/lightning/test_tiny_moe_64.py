@@ -148,7 +148,6 @@ def test_calibration_module_and_data_resolve_the_shipped_name():
     assert data.blocks.shape == (2, 32) and int(data.blocks.max()) < module.model.config.vocab_size
 
 
-@pytest.mark.slow  # a whole calibration fit, plots and save: about 25 s on 2 shared CPU cores
 def test_cli_fit_calibrates_and_prunes_the_shipped_model(tmp_path):
     from pathlib import Path
 
