@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from ompmoe.engine.adapters import ARCHITECTURES
+from ompmoe.engine.adapters import ARCHITECTURES, sparse_blocks
 from ompmoe.engine.collect.collector import BATCH_CONTRACT, batch_inputs, real_sample_count
 from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.planning.strategy import Strategy
@@ -41,7 +41,7 @@ def find_hf_model(pl_module: nn.Module, attribute: str | None = None) -> nn.Modu
         return model
     candidates = [getattr(pl_module, "model", None)] + [child for _, child in pl_module.named_children()]
     for candidate in candidates:
-        if getattr(getattr(candidate, "config", None), "model_type", None) in ARCHITECTURES:
+        if getattr(candidate, "config", None) is not None and sparse_blocks(candidate):
             return candidate
     held = candidates[0]
     if getattr(held, "config", None) is not None:  # a model where one belongs, but dense or of another layout

@@ -4,6 +4,7 @@ Shared experts and dense layers are never matched."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,24 +149,178 @@ def clean_module_name(name: str) -> str:
 
 
 def supported_model_types() -> list[str]:
+    """The model types registered with facts (:data:`ARCHITECTURES`); others are recognized by their modules."""
     return sorted(ARCHITECTURES)
 
 
+ROUTER_ATTRS = ("gate", "router")
+"""Attributes of a sparse block that may hold its router (the first that is a module)."""
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+"""Config attributes that may hold the number of routed experts (the one equal to the experts' ``num_experts``)."""
+
+
+def _is_fused_experts(module: Any) -> bool:
+    """A transformers 5.x fused experts module: an int ``num_experts`` and 3-D weights indexed by expert."""
+    return (isinstance(module, nn.Module) and isinstance(getattr(module, "num_experts", None), int)
+            and any(p.dim() == 3 for p in module.parameters(recurse=False)))
+
+
+def _group_count(router: nn.Module) -> tuple[int, int]:
+    """``(groups, groups kept per token)`` a router declares (``(1, 1)`` when it declares none)."""
+    groups = next((int(value) for attr in ("num_group", "n_group", "num_expert_group")
+                   if isinstance(value := getattr(router, attr, None), int)), 1)
+    return groups, int(getattr(router, "topk_group", groups) or groups)
+
+
+GROUP_SCORE_TOPK: dict[str, int] = dict.fromkeys((
+    "axk1", "axk2", "bailing_hybrid", "beam", "deepseek_v32", "dots1", "dots3_note_text", "exaone_moe",
+    "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "kimi_linear",
+    "mimo_v2_flash", "mistral4", "mistral_large4_text", "nemotron_h", "solar_open"), 2)
+"""How many of a group's experts score it (DeepSeek-V3's layout sums the best two), for recognized types whose
+routers pick groups: the one routing fact the modules do not show (read from each type's router code)."""
+
+
+def _declares_groups(router: nn.Module) -> bool:
+    return _group_count(router)[0] > 1
+
+
+def _probe_router(router: nn.Module, hidden_size: int) -> str | None:
+    """Why ``router`` does not route as the collector expects (``(logits, weights, indices)`` from the hidden states
+    alone), or ``None``; one token on the router's own device and dtype (a skeleton's meta tensors too)."""
+    import torch
+
+    weight = next(iter(router.parameters()), None)
+    options = dict(device=weight.device, dtype=weight.dtype) if weight is not None else {}
+    try:
+        with torch.no_grad():
+            output = router(torch.zeros(1, hidden_size, **options))
+    except Exception as error:  # noqa: BLE001 - any failure is the reason
+        return f"{type(router).__name__} cannot route the hidden states alone ({type(error).__name__}: {error})"
+    if not (isinstance(output, tuple) and len(output) == 3 and not output[-1].is_floating_point()
+            and tuple(output[-1].shape) == (1, router.top_k)):
+        shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
+        return f"{type(router).__name__} returns {shape}, not (logits, weights, expert indices)"
+    return None
+
+
+def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
+    """The facts of an unregistered model type, read off its modules: the sparse blocks (a router and a fused
+    ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
+    :class:`UnsupportedModelError` naming the one fact that cannot be read (register those with
+    :func:`register_architecture`)."""
+    import inspect
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
+    fix = (f"; if the model has routed experts, register the fact with ompmoe.register_architecture({model_type!r}, "
+           "ompmoe.ArchitectureSpec(...)) (docs/methods.md, \"How an architecture is recognized\")")
+    blocks = [module for module in model.modules() if _is_fused_experts(getattr(module, "experts", None))]
+    if not blocks:
+        raise UnsupportedModelError(
+            cannot + "no module holds a transformers-5 fused experts module (`.experts` with 3-D expert weights and "
+            f"an int `num_experts`). Registered architectures: {', '.join(supported_model_types())}.")
+    block = blocks[0]
+    routers = [attr for attr in ROUTER_ATTRS if isinstance(getattr(block, attr, None), nn.Module)]
+    if not routers:
+        raise UnsupportedModelError(cannot + f"cannot tell which module of {type(block).__name__} is its router "
+                                    f"(none of {', '.join('.' + a for a in ROUTER_ATTRS)} is a module)" + fix)
+    router, experts = getattr(block, routers[0]), block.experts
+    if not isinstance(getattr(router, "top_k", None), int):
+        raise UnsupportedModelError(cannot + f"cannot tell how many experts {type(router).__name__} picks per token "
+                                    "(it has no int `top_k`)" + fix)
+    count = experts.num_experts
+    outside = [name for name, tensor in [*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)]
+               if tensor is not None and tensor.dim() > 0 and count in tuple(tensor.shape)[:2]]
+    if outside:
+        raise UnsupportedModelError(
+            cannot + f"{type(block).__name__} keeps {', '.join(outside)} indexed by expert outside its router and "
+            "experts (a routing bias passed into the router): not supported yet" + fix)
+    required = [parameter.name for parameter in inspect.signature(router.forward).parameters.values()
+                if parameter.default is parameter.empty and parameter.kind in (parameter.POSITIONAL_ONLY,
+                                                                               parameter.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise UnsupportedModelError(
+            cannot + f"{type(router).__name__}.forward takes ({', '.join(required)}): routing that depends on more "
+            "than the hidden states (a bias kept on the block, token ids, the previous layer's router state) is not "
+            "supported yet" + fix)
+    arguments = [parameter.name for parameter in inspect.signature(experts.forward).parameters.values()
+                 if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    if len(arguments) != 3:
+        raise UnsupportedModelError(
+            cannot + f"{type(experts).__name__}.forward takes ({', '.join(arguments)}), not (hidden states, expert "
+            "indices, routing weights): the router's weights are not applied inside the experts" + fix)
+    keys = [key for key in EXPERT_COUNT_KEYS if getattr(config, key, None) == count]
+    if not keys:
+        raise UnsupportedModelError(cannot + "cannot tell which config attribute holds the number of routed experts "
+                                    f"({count}; none of {', '.join(EXPERT_COUNT_KEYS)})" + fix)
+    if (problem := _probe_router(router, int(getattr(config, "hidden_size", 0) or 0))) is not None:
+        raise UnsupportedModelError(cannot + problem + fix)
+    groups, kept_groups = _group_count(router)
+    if 1 < groups and kept_groups < groups and model_type not in GROUP_SCORE_TOPK:
+        raise UnsupportedModelError(
+            cannot + f"cannot tell how {type(router).__name__} scores its {groups} expert groups (by the best "
+            "expert or the sum of the best two)" + fix)
+    grouped = model_type in GROUP_SCORE_TOPK
+    return ArchitectureSpec(routers[0], keys[0], _declares_groups, group_score_topk=GROUP_SCORE_TOPK.get(model_type, 1),
+                            experts_arguments=tuple(arguments),  # type: ignore[arg-type]
+                            **({"auto": SIGMOID_SHARED_GROUPED} if grouped else {}))
+
+
+RECOGNIZED: dict[str, ArchitectureSpec] = {}
+"""Specs of unregistered model types read off their modules in this process (:func:`recognize_architecture`);
+kept apart from :data:`ARCHITECTURES`, which holds what was registered."""
+
+
+def known_spec(model_type: str | None) -> ArchitectureSpec | None:
+    """The spec of ``model_type`` if it is registered or was recognized in this process."""
+    return ARCHITECTURES.get(model_type) or RECOGNIZED.get(model_type)  # type: ignore[arg-type]
+
+
 def architecture_of(model: nn.Module) -> ArchitectureSpec:
-    """Return the spec for ``model`` or raise an error naming the supported architectures."""
+    """The spec of ``model``: registered for its model type, else recognized by its modules (once per process);
+    raises :class:`UnsupportedModelError` naming what could not be recognized."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedModelError(f"ompmoe does not support model_type={model_type!r} ({type(model).__name__}). "
-                                    f"Supported architectures: {', '.join(supported_model_types())}. "
-                                    "Pass a transformers 5.x model of one of these types.")
-    return ARCHITECTURES[model_type]
+    spec = known_spec(model_type)
+    if spec is None:
+        spec = RECOGNIZED[model_type] = recognize_architecture(model)
+    return spec
+
+
+def architecture_for_config(config: Any) -> ArchitectureSpec:
+    """The spec of the model ``config`` builds, without weights (a skeleton on the meta device when it must be
+    recognized): for a saved checkpoint's config, or statistics' model type, before a model exists."""
+    spec = known_spec(config.model_type)
+    if spec is None:
+        import torch
+        import transformers
+
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec = architecture_of(transformers.AutoModelForCausalLM.from_config(config))
+    return spec
+
+
+def spec_for_model_type(model_type: str | None) -> ArchitectureSpec | None:
+    """The spec of ``model_type`` without a model or config (statistics name only the type): registered,
+    recognized, or recognized on a skeleton of the type's default config; ``None`` if it cannot be."""
+    spec = known_spec(model_type)
+    if spec is None and model_type is not None:
+        import transformers
+
+        try:
+            spec = architecture_for_config(transformers.CONFIG_MAPPING[model_type]())
+        except Exception:  # noqa: BLE001 - unknown type, a default config that does not build, or refused
+            return None
+    return spec
 
 
 def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.Module]]:
     """``(name, block, router, experts)`` of every module with a router and an ``.experts`` child, fused or not
     (quantized experts too; :func:`find_moe_layers` keeps the prunable ones). Empty for an unsupported architecture."""
-    spec = ARCHITECTURES.get(getattr(getattr(model, "config", None), "model_type", None))
-    if spec is None:
+    try:
+        spec = architecture_of(model)
+    except UnsupportedModelError:
         return []
     blocks = []
     for name, module in model.named_modules():
@@ -198,3 +353,25 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
                          "is not dense (num_experts > 0, mlp_only_layers, first_k_dense_replace) and that the "
                          "model was built by transformers 5.x.")
     return layers
+
+
+def moe_model_types() -> list[str]:
+    """The causal-LM model types of the installed transformers whose modeling file defines a fused ``*Experts``
+    module (read from the source files, nothing imported): what ompmoe recognizes or refuses by name."""
+    import importlib.util
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    experts_class = re.compile(r"^class \w+Experts\(", re.MULTILINE)
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        module = model_type_to_module_name(model_type)
+        try:
+            spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        except ModuleNotFoundError:
+            continue
+        if spec is not None and spec.origin and experts_class.search(open(spec.origin, encoding="utf-8").read()):
+            found.append(model_type)
+    return found

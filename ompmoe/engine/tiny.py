@@ -23,14 +23,68 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 """``model_type -> (config class, overrides)`` of the built-in architectures' tiny models (from their specs)."""
 
 
+_GENERIC: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+    max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 8))
+"""Applied to the defaults of a model type recognized by its modules, each key only where the config has it."""
+
+_MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
+            num_key_value_heads=4)
+_HYBRID = ["linear_attention", "full_attention", "linear_attention"]
+GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
+    "axk1": dict(_MLA, n_group=2, topk_group=1),
+    "axk2": dict(_MLA),
+    "bailing_hybrid": dict(_MLA, layer_group_size=2, num_experts_per_token=2, first_k_dense_replace=1,
+                           num_expert_group=2, topk_group=1),
+    "beam": dict(mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1),
+    "deepseek_v32": dict(_MLA, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2}),
+    "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+    "dots3_note_text": dict(num_key_value_heads=4, n_group=2, topk_group=1),
+    "ernie4_5_moe": dict(moe_k=2),
+    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
+    "glm_moe_dsa": dict(_MLA, mlp_layer_types=["dense", "sparse", "sparse"]),
+    "granitemoehybrid": dict(layer_types=_HYBRID, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                             mamba_chunk_size=16),
+    "hunyuan_v1_moe": dict(moe_topk=2),
+    "inkling2_text": dict(unpadded_vocab_size=256),
+    "inkling2_loop_text": dict(unpadded_vocab_size=256),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                  mamba_d_state=8, mamba_dt_rank=8),
+    "kimi_linear": dict(_MLA, layer_types=_HYBRID, num_experts_per_token=2),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_dense_layers=1),
+    "longcat_flash": dict(_MLA, num_layers=2, ffn_hidden_size=64, moe_topk=2, zero_expert_num=2,
+                          expert_ffn_hidden_size=32),
+    "mistral4": {key: value for key, value in _MLA.items() if key != "head_dim"},
+    "qwen3_5_moe_text": dict(layer_types=_HYBRID),
+    "qwen3_next": dict(layer_types=_HYBRID),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4, ngram_vocab_size_base=1024, split_ngram_parts=8),
+}
+"""What a model type recognized by its modules needs beyond :data:`_GENERIC` to build and run a forward (a hybrid
+needs one attention layer, an MLA model its low-rank sizes, ...)."""
+
+
 def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedConfig:
-    """A small config of ``model_type`` (see :data:`TINY_CONFIGS`; later registered architectures too), with
-    ``overrides`` applied."""
-    available = sorted(name for name, spec in ARCHITECTURES.items() if spec.tiny_config is not None)
-    if model_type not in available:
-        raise ValueError(f"No tiny config for {model_type!r}; available: {available}.")
-    class_name, arch = ARCHITECTURES[model_type].tiny_config  # type: ignore[misc]
-    return getattr(transformers, class_name)(**{**_COMMON, **arch, **overrides})
+    """A small config of ``model_type``: a registered architecture's own (:data:`TINY_CONFIGS`, later registered ones
+    too), else the type's defaults made small (:data:`_GENERIC`, :data:`GENERIC_EXTRAS`); ``overrides`` applied."""
+    spec = ARCHITECTURES.get(model_type)
+    if spec is not None and spec.tiny_config is not None:
+        class_name, arch = spec.tiny_config
+        return getattr(transformers, class_name)(**{**_COMMON, **arch, **overrides})
+    if model_type not in transformers.CONFIG_MAPPING:
+        available = sorted(name for name, spec in ARCHITECTURES.items() if spec.tiny_config is not None)
+        raise ValueError(f"No tiny config for {model_type!r}: transformers has no such model type; registered: "
+                         f"{available}.")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    small = {key: value for key, value in _GENERIC.items() if key in defaults}
+    return config_class(**{**small, **GENERIC_EXTRAS.get(model_type, {}), **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
@@ -40,8 +94,11 @@ def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float3
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             # Zero-initialised router and expert biases would hide slicing bugs.
-            if name.endswith(("router.bias", "e_score_correction_bias", "gate_up_proj_bias", "down_proj_bias")):
+            if name.endswith(("router.bias", "e_score_correction_bias", "gate_up_proj_bias", "down_proj_bias",
+                              "expert_bias")) and tensor.is_floating_point():
                 tensor.copy_(torch.randn_like(tensor, dtype=torch.float32).to(tensor.dtype) * 0.1)
-            elif name.endswith(("gate.weight", "router.weight")) and tensor.abs().max() == 0:
+            elif name.endswith(("gate.weight", "router.weight", ".wg.weight")) and tensor.abs().max() == 0:
                 tensor.normal_(0.0, 0.2)
+            elif tensor.dim() == 3 and tensor.is_floating_point() and tensor.abs().max() == 0:
+                tensor.normal_(0.0, 0.05)  # fused experts some types initialise to zero
     return model.eval()

@@ -50,6 +50,28 @@ def _config_of(model: str | nn.Module) -> tuple[dict[str, Any] | None, str | Non
     return (config if isinstance(config, dict) else None), (architectures or [None])[0]
 
 
+def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str | None:
+    """Why ompmoe does not recognize the model ``config`` describes by its modules (a skeleton on the meta device,
+    no weights), or ``None`` when it does."""
+    import transformers
+
+    from ..engine.adapters import UnsupportedModelError, architecture_for_config
+    from ..engine.tiny import tiny_config
+
+    model_type = config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        return f"the installed transformers has no model_type {model_type!r}"
+    try:
+        built = (tiny_config(model_type) if isinstance(model, str) and is_tiny(model)
+                 else transformers.CONFIG_MAPPING[model_type].from_dict(config))
+        architecture_for_config(built)
+    except UnsupportedModelError as error:
+        return str(error).split("): ", 1)[-1]
+    except Exception as error:  # noqa: BLE001 - a config its own class cannot build: say so
+        return f"its config does not build a causal LM ({type(error).__name__}: {error})"
+    return None
+
+
 def check_prunable(model: str | nn.Module, option: str = "--model.model", action: str = "calibrate",
                    statistics_model: str | None = None, refuse_pruned: bool = True) -> None:
     """Refuse, in one line and before any weights load, a model ompmoe cannot calibrate or prune: a dense one, a
@@ -80,13 +102,15 @@ def check_prunable(model: str | nn.Module, option: str = "--model.model", action
     model_type = config.get("model_type")
     if model_type in ARCHITECTURES:
         return
+    problem = _recognition_problem(config, model)
+    if problem is None:
+        return
     sections = [config, *(value for value in config.values() if isinstance(value, dict))]  # text_config, ...
     counts = [section.get(key) for section in sections for key in EXPERT_COUNT_KEYS]
     supported = ", ".join(supported_model_types())
     if any(isinstance(count, int) and not isinstance(count, bool) and count > 1 for count in counts):
         raise ValueError(f"model {kind} is a Mixture-of-Experts model of model_type {model_type!r}, which ompmoe "
-                         f"does not support: pass a model whose model_type is one of {supported}, or add its layout "
-                         "with ompmoe.register_architecture")
+                         f"cannot prune: {problem}")
     raise ValueError(f"model {kind} has no MoE layers: ompmoe prunes the routed experts of Mixture-of-Experts "
                      f"models; pass a model whose model_type is one of {supported} (e.g. shipped:tiny-moe or "
                      "tiny:qwen3_moe)")

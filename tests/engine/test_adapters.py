@@ -98,9 +98,9 @@ def _tiny_llama() -> torch.nn.Module:
 def test_unsupported_model_raises_listing_supported_types():
     model = _tiny_llama()
     expected = (
-        "ompmoe does not support model_type='llama' (LlamaForCausalLM). "
-        f"Supported architectures: {SUPPORTED}. "
-        "Pass a transformers 5.x model of one of these types."
+        "ompmoe cannot prune model_type='llama' (LlamaForCausalLM): no module holds a transformers-5 fused experts "
+        "module (`.experts` with 3-D expert weights and an int `num_experts`). "
+        f"Registered architectures: {SUPPORTED}."
     )
     with pytest.raises(UnsupportedModelError) as info:
         find_moe_layers(model)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import ARCHITECTURES, MoELayer, find_moe_layers
+from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, find_moe_layers
 from ..collect import replay as _replay
 from ..collect.collector import pause_during_calibration
 from ..collect.statistics import MoEStats
@@ -105,7 +105,8 @@ class _AdaptiveState:
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Per position, the names the registered architectures give the experts' forward arguments.
-    positions = [tuple(dict.fromkeys(spec.experts_arguments[position] for spec in ARCHITECTURES.values()))
+    specs = [*ARCHITECTURES.values(), *RECOGNIZED.values()]
+    positions = [tuple(dict.fromkeys(spec.experts_arguments[position] for spec in specs))
                  for position in range(3)]
     values = list(args[:3])
     for names in positions[len(values):]:

@@ -24,7 +24,7 @@ from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
 from ..record import CONFIG_KEY, pruning_info
 from .adaptive import adaptive_paused
-from .pruning import require_plan_model, slice_module, validate_plan
+from .pruning import require_plan_model, slice_router, validate_plan
 from .trial import pruned_view
 
 GRANULARITIES = ("layer", "expert", "linear")
@@ -177,7 +177,7 @@ class _LayerPass:
         self.layer = layer
         self.kept = torch.tensor(kept, dtype=torch.long)
         self.router = copy.deepcopy(layer.router)
-        slice_module(self.router, self.kept, layer.num_experts, count_attributes)
+        slice_router(self.router, self.kept, layer.num_experts, count_attributes)
         device = _down_projection(layer)[0].device
         k, d = len(kept), _hidden_size(layer)  # kept experts, hidden size
         self.kept_on_device = self.kept.to(device)  # indexed per batch: no host-to-device copy there

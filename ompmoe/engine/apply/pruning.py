@@ -20,18 +20,19 @@ from .quantized import check_not_quantized
 
 
 def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...]) -> dict[str, Any]:
-    """Keep rows ``index`` (ascending) of ``module``'s own tensors indexed by expert and set its counts; returns what
-    was replaced (``parameters``, ``buffers``, ``attributes``), so it can be put back."""
+    """Keep experts ``index`` (ascending) in ``module``'s own tensors indexed by expert (on their first axis, or on
+    the second of a ``(1, experts)`` row such as ERNIE's correction bias) and set its counts; returns what was
+    replaced (``parameters``, ``buffers``, ``attributes``), so :func:`restore_module` can put it back."""
     saved: dict[str, Any] = {"parameters": {}, "buffers": {}, "attributes": {}}
     for name, tensor in list(module.named_parameters(recurse=False)):
-        if tensor.shape[0] == old:
+        if (axis := _expert_axis(tensor, old)) is not None:
             saved["parameters"][name] = tensor
-            sliced = tensor.detach().index_select(0, index.to(tensor.device))
+            sliced = tensor.detach().index_select(axis, index.to(tensor.device))
             setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
     for name, tensor in list(module.named_buffers(recurse=False)):
-        if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
+        if tensor is not None and (axis := _expert_axis(tensor, old)) is not None:
             saved["buffers"][name] = tensor
-            module._buffers[name] = tensor.index_select(0, index.to(tensor.device))
+            module._buffers[name] = tensor.index_select(axis, index.to(tensor.device))
     for attr in count_attributes:
         if getattr(module, attr, None) == old:
             saved["attributes"][attr] = old
@@ -39,10 +40,30 @@ def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attribu
     return saved
 
 
+def _expert_axis(tensor: torch.Tensor, old: int) -> int | None:
+    if tensor.dim() > 0 and tensor.shape[0] == old:
+        return 0
+    return 1 if tensor.dim() == 2 and tensor.shape[0] == 1 and tensor.shape[1] == old else None
+
+
+def restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
+    """Undo :func:`slice_module`."""
+    module._buffers.update(saved["buffers"])
+    for name, value in {**saved["parameters"], **saved["attributes"]}.items():
+        setattr(module, name, value)
+
+
+def slice_router(router: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...]
+                 ) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """:func:`slice_module` on the router and every module inside it (a router's projection may be a child
+    ``nn.Linear``, HunYuan's ``gate.wg``); ``(module, saved)`` pairs for :func:`restore_module`."""
+    return [(module, slice_module(module, index, old, count_attributes)) for module in router.modules()]
+
+
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
     """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
-    for module in (layer.router, layer.experts):
-        slice_module(module, index, layer.num_experts, count_attributes)
+    slice_router(layer.router, index, layer.num_experts, count_attributes)
+    slice_module(layer.experts, index, layer.num_experts, count_attributes)
     layer.num_experts = int(index.numel())
 
 

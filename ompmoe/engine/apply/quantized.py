@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..adapters import ARCHITECTURES, sparse_blocks
+from ..adapters import architecture_of, sparse_blocks
 
 
 class QuantizedModelError(ValueError):
@@ -59,7 +59,7 @@ def find_quantized(model: nn.Module) -> str | None:
         method = getattr(method, "value", method)
         return f"config.quantization_config is set (quant_method={method!r})"
     for block_name, _, router, experts in sparse_blocks(model):
-        router_attr = ARCHITECTURES[model.config.model_type].router_attr
+        router_attr = architecture_of(model).router_attr
         for owner, part in ((experts, "experts"), (router, router_attr)):
             for module_name, module in owner.named_modules():
                 prefix = ".".join(filter(None, (block_name, part, module_name)))

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..adapters import architecture_of, find_moe_layers
 from ..planning.plan import PruningPlan
-from .pruning import slice_module, validate_plan
+from .pruning import restore_module, slice_router, validate_plan
 
 
 @contextmanager
@@ -23,22 +23,20 @@ def pruned_view(model: nn.Module, plan: PruningPlan) -> Iterator[nn.Module]:
     layers = find_moe_layers(model)
     validate_plan(model, plan, layers)
     spec = architecture_of(model)
-    restore: list[dict[str, Any]] = []
+    restore: list[tuple[nn.Module, dict[str, Any]]] = []
     hooks = []
     try:
         for layer, layer_plan in zip(layers, plan.layers):
             kept = torch.tensor(sorted(int(i) for i in layer_plan.kept), dtype=torch.long)
-            restore.append(slice_module(layer.router, kept, layer.num_experts, spec.count_attributes))
+            restore.extend(slice_router(layer.router, kept, layer.num_experts, spec.count_attributes))
             hooks.append(layer.experts.register_forward_pre_hook(
                 partial(_original_ids, kept=kept, name=spec.experts_arguments[1]), with_kwargs=True))
         yield model
     finally:
         for hook in hooks:
             hook.remove()
-        for layer, saved in zip(layers, restore):
-            layer.router._buffers.update(saved["buffers"])
-            for name, value in {**saved["parameters"], **saved["attributes"]}.items():
-                setattr(layer.router, name, value)
+        for module, saved in restore:
+            restore_module(module, saved)
 
 
 def _original_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, kept: torch.Tensor,

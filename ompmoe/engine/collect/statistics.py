@@ -339,11 +339,20 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         return {name: list(p.shape) for name, p in module.named_parameters(recurse=False)}
 
     payload = {
-        "config": {key: _jsonable(getattr(config, key, None)) for key in FINGERPRINT_CONFIG_KEYS},
+        "config": {key: _jsonable(_config_value(config, key)) for key in FINGERPRINT_CONFIG_KEYS},
         "layers": [{"name": layer.name, **layer.routing, "experts": shapes(layer.experts),
                     "router": shapes(layer.router)} for layer in find_moe_layers(model)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _config_value(config: Any, key: str) -> Any:
+    """``config.key``, also where transformers refuses a global read of a per-layer attribute (heterogeneous
+    configs): then the value the config serializes."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(key)
 
 
 def _jsonable(value: Any) -> Any:

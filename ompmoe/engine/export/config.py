@@ -9,7 +9,7 @@ from typing import Any
 
 import transformers
 
-from ..adapters import ARCHITECTURES
+from ..adapters import ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
 from ..record import CONFIG_KEY
 from .hub_code import is_non_uniform, stock_config_dict
 
@@ -42,7 +42,7 @@ def finetune_records(config_dict: dict[str, Any]) -> list[tuple[str, dict[str, A
 
 def count_json_key(model_type: str) -> str:
     """The ``config.json`` key of the routed-expert count (Qwen3-MoE stores ``num_experts`` as ``num_local_experts``)."""
-    key = ARCHITECTURES[model_type].expert_count_key
+    key = known_spec(model_type).expert_count_key  # type: ignore[union-attr]
     return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
 
 
@@ -56,11 +56,26 @@ def refuse_earlier_format(config_dict: dict[str, Any], count_key: str | None, pa
         )
 
 
+def _spec_of(config_dict: dict[str, Any]) -> ArchitectureSpec | None:
+    """The spec of a saved config: registered, or, for a pruned checkpoint of a type recognized by its modules,
+    recognized again on a skeleton without weights (a fresh process has not seen the model)."""
+    model_type = config_dict.get("model_type")
+    if (spec := known_spec(model_type)) is not None:
+        return spec
+    if CONFIG_KEY not in config_dict or model_type not in transformers.CONFIG_MAPPING:
+        return None
+    try:
+        return architecture_for_config(transformers.CONFIG_MAPPING[model_type].from_dict(stock_config_dict(config_dict)))
+    except UnsupportedModelError:
+        return None
+
+
 def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
     """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models."""
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
     model_type = config_dict.get("model_type")
-    key = ARCHITECTURES[model_type].expert_count_key if model_type in ARCHITECTURES else None
+    spec = _spec_of(config_dict)
+    key = spec.expert_count_key if spec is not None else None
     refuse_earlier_format(config_dict, key, path)
     if key is not None and is_non_uniform(config_dict):
         config_class = transformers.CONFIG_MAPPING[model_type]
@@ -74,7 +89,7 @@ def non_uniform_config(path: str | os.PathLike) -> Any | None:
         config_dict = json.loads(Path(path, "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    spec = ARCHITECTURES.get(config_dict.get("model_type")) if isinstance(config_dict, dict) else None
+    spec = _spec_of(config_dict) if isinstance(config_dict, dict) else None
     if spec is None:
         return None
     refuse_earlier_format(config_dict, spec.expert_count_key, path)

@@ -82,14 +82,22 @@ ROUTER_ATTR = {router_attr!r}
 COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
+def _axis(tensor, old):
+    """The axis indexed by expert: the first, or the second of a (1, experts) row."""
+    if tensor.dim() > 0 and tensor.shape[0] == old:
+        return 0
+    return 1 if tensor.dim() == 2 and tensor.shape[0] == 1 and tensor.shape[1] == old else None
+
+
 def _shrink(module, old, new):
-    """Keep the first `new` rows of every tensor indexed by expert and update the stored counts."""
+    """Keep the first `new` experts of every tensor indexed by expert and update the stored counts."""
     for name, tensor in list(module.named_parameters(recurse=False)):
-        if tensor.shape[0] == old:
-            setattr(module, name, nn.Parameter(tensor.detach()[:new].clone(), requires_grad=tensor.requires_grad))
+        if (axis := _axis(tensor, old)) is not None:
+            kept = tensor.detach().narrow(axis, 0, new).clone()
+            setattr(module, name, nn.Parameter(kept, requires_grad=tensor.requires_grad))
     for name, tensor in list(module.named_buffers(recurse=False)):
-        if tensor is not None and tensor.dim() > 0 and tensor.shape[0] == old:
-            module._buffers[name] = tensor[:new].clone()
+        if tensor is not None and (axis := _axis(tensor, old)) is not None:
+            module._buffers[name] = tensor.narrow(axis, 0, new).clone()
     for attr in COUNT_ATTRIBUTES:
         if getattr(module, attr, None) == old:
             setattr(module, attr, new)
@@ -121,7 +129,7 @@ class {model_class}(_BaseForCausalLM):
                     f"config.ompmoe keeps {{len(ids)}} experts in {{name}} but the config builds {{old}}; "
                     "the checkpoint is corrupt."
                 )
-            for module in (getattr(block, ROUTER_ATTR), block.experts):
+            for module in (*getattr(block, ROUTER_ATTR).modules(), block.experts):
                 _shrink(module, old, len(ids))
 '''
 

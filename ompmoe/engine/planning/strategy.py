@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ..adapters import ARCHITECTURES
+from ..adapters import ARCHITECTURES, spec_for_model_type
 from ..collect.statistics import MoEStats
 from .method_registry import METHODS, default_allocation, get_method
 from .plan import PruningPlan, check_plan_arguments, plan_pruning, validate_budget
@@ -35,7 +35,7 @@ auto``; beside a method named outright, that method's own (``SelectionMethod.def
 def auto_settings(model_type: str | None) -> tuple[tuple[str, str], ...]:
     """``(method, allocation)`` settings ``auto`` tries for ``model_type``, the one it takes without held-out blocks
     first."""
-    spec = ARCHITECTURES.get(model_type) if model_type is not None else None
+    spec = spec_for_model_type(model_type)
     if spec is None:
         raise ValueError(
             f"method/allocation 'auto' picks the setting recommended for the model's architecture, but the "

@@ -1,0 +1,101 @@
+"""Every causal-LM MoE of the installed transformers, generated from transformers itself (``moe_model_types``): each
+is recognized by its modules and pruned (statistics equal to literal atoms, a uniform and a per-layer plan saved,
+reloaded with the same logits), or refused with the one fact that could not be read, named here."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.engine.adapters import UnsupportedModelError, moe_model_types
+from ompmoe.engine.tiny import tiny_model
+
+from reference import assert_gram_close, capture_block_inputs, literal_layer
+
+REFUSED = {
+    "afmoe": "AfmoeSparseMoeBlock keeps expert_bias indexed by expert outside its router and experts",
+    "dbrx": "no module holds a transformers-5 fused experts module",
+    "deepseek_v4": "DeepseekV4HashRouter.forward takes (hidden_states, input_ids)",
+    "gemma4_text": "cannot tell how many experts Gemma4TextRouter picks per token",
+    "hy_v3": "HYV3MoE keeps e_score_correction_bias indexed by expert outside its router and experts",
+    "inkling_text": "InklingTopkRouter returns 4 values, not (logits, weights, expert indices)",
+    "jetmoe": "no module holds a transformers-5 fused experts module",
+    "lfm2_moe": "Lfm2MoeSparseMoeBlock keeps expert_bias indexed by expert outside its router and experts",
+    "llama4_text": "Llama4TextExperts.forward takes (hidden_states), not (hidden states, expert indices, routing weights)",
+    "longcat_flash": "no module holds a transformers-5 fused experts module",
+    "minimax_m2": "MiniMaxM2SparseMoeBlock keeps e_score_correction_bias indexed by expert outside its router and experts",
+    "zaya": "ZayaRouter cannot route the hidden states alone",
+}
+"""Types ompmoe refuses, with the reason it gives (docs/methods.md says what each would need)."""
+MULTIMODAL = {"dots3_note", "gemma4", "llama4", "qwen3_5_moe", "qwen4_exp"}
+"""Containers whose text decoder holds the experts (each text decoder type is checked on its own)."""
+NOT_BIT_EQUAL = {"minimax_m3_vl_text": 1e-6}
+"""Reloaded logits equal only to float32 rounding (weights, buffers and kernels equal; 1.5e-7 apart)."""
+
+TYPES = moe_model_types()
+IDS = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _case(model_type: str) -> object:
+    if model_type in MULTIMODAL:
+        return pytest.param(model_type, id=f"{model_type}-multimodal-container-not-yet",
+                            marks=pytest.mark.skip(reason="multimodal container: its text decoder type is checked"))
+    return pytest.param(model_type, id=f"{model_type}-refused" if model_type in REFUSED else model_type)
+
+
+def test_the_matrix_covers_every_moe_type_of_transformers():
+    assert len(TYPES) >= 60 and {"qwen3_moe", "mixtral", "minimax", "glm4_moe_lite"} <= set(TYPES)
+    assert set(REFUSED) | MULTIMODAL <= set(TYPES)
+    supported = [t for t in TYPES if t not in REFUSED and t not in MULTIMODAL]
+    assert len(supported) >= 46, supported  # 2026-11-28, transformers 5.24: 46 of 58 text decoders
+
+
+@pytest.mark.parametrize("model_type", [_case(t) for t in TYPES])
+def test_each_moe_type_prunes_and_reloads_or_is_refused_by_name(model_type, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model(model_type)
+    if model_type in REFUSED:
+        with pytest.raises(UnsupportedModelError) as refused:
+            ompmoe.find_moe_layers(model)
+        assert str(refused.value).startswith(f"ompmoe cannot prune model_type={model_type!r}")
+        assert REFUSED[model_type] in str(refused.value)
+        return
+    layers = ompmoe.find_moe_layers(model)
+    with capture_block_inputs(layers) as captured:
+        stats = ompmoe.collect_stats(model, [IDS], progress=False)
+    literal = literal_layer(layers[0], captured[0][0])
+    assert_gram_close(stats.layers[0].gram, literal.gram)
+    torch.testing.assert_close(stats.layers[0].routing_mass, literal.routing_mass)
+    for allocation in ("uniform", "waterfill"):  # a stock checkpoint, then one with per-layer counts
+        plan = ompmoe.plan_pruning(stats, 0.5, allocation=allocation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pruned = ompmoe.prune(tiny_model(model_type), plan)
+            path = ompmoe.save_pruned(pruned, tmp_path / allocation)
+            reloaded = ompmoe.load_pruned(path)
+        assert ompmoe.pruning_info(reloaded)["kept_experts"] == plan.kept_by_layer()
+        with torch.no_grad():
+            expected, actual = pruned(IDS).logits, reloaded(IDS).logits
+        torch.testing.assert_close(actual, expected, rtol=0, atol=NOT_BIT_EQUAL.get(model_type, 0))
+
+
+def test_the_readme_lists_what_this_matrix_checks():
+    """README's recognized and refused lists are this matrix's, from the installed transformers."""
+    import re
+    from pathlib import Path
+
+    from ompmoe.engine.adapters import ARCHITECTURES
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+
+    def listed(name: str) -> list[str]:
+        block = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", readme, re.DOTALL)
+        assert block, f"README.md has no {name} block"
+        return re.findall(r"`([^`]+)`", block.group(1))
+
+    assert listed("recognized-types") == [t for t in TYPES if t not in {*REFUSED, *MULTIMODAL, *ARCHITECTURES}]
+    assert listed("refused-types") == sorted(REFUSED)
