@@ -15,6 +15,7 @@ import torch
 
 from ompmoe.data import byte_tokens, shipped_text, token_blocks
 from ompmoe import MoELayer
+from ompmoe.engine.adapters import block_expert_tensors
 from ompmoe.engine.tiny import TINY_CONFIGS, tiny_model
 
 TESTS = Path(__file__).resolve().parent
@@ -95,7 +96,8 @@ def literal_layer(layer: MoELayer, hidden: torch.Tensor, keep: torch.Tensor | No
     """
     n, (tokens, d) = layer.num_experts, hidden.shape
     keep = torch.ones(tokens, dtype=torch.bool) if keep is None else keep.reshape(-1).bool()
-    _, weights, index = layer.router(hidden)
+    extra = [getattr(layer.block, name) for name in block_expert_tensors(layer.block, n)]  # MiniMax-M2's bias
+    _, weights, index = layer.router(hidden, *extra)
     atoms = torch.zeros(n, tokens, d, dtype=torch.float64)
     sums = {key: torch.zeros(n, dtype=torch.float64) for key in ("mass", "count", "sq", "norm", "wnorm")}
     for t in range(tokens):

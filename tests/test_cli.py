@@ -180,3 +180,15 @@ def test_fit_and_prune_with_a_method_named_make_the_same_plan_and_say_where_each
     tokens = torch.arange(3, 40)[None]
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, fitted(tokens).logits, rtol=0, atol=0)
+
+
+def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path):
+    """``ompmoe fit --model.model tiny:<type>`` on a type no spec registers (MiniMax-M2: its routing bias on the
+    block): the whole default job, then a reload with the same pruning."""
+    assert "minimax_m2" not in ompmoe.ARCHITECTURES
+    main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:minimax_m2"})),
+          "--trainer.enable_progress_bar=false"])
+    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    model = ompmoe.load_pruned(tmp_path / "run" / "model")
+    assert model.config.model_type == "minimax_m2"
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]

@@ -184,18 +184,28 @@ def _declares_groups(router: nn.Module) -> bool:
     return _group_count(router)[0] > 1
 
 
-def _probe_router(router: nn.Module, hidden_size: int) -> str | None:
+def block_expert_tensors(block: nn.Module, count: int) -> list[str]:
+    """Names of the block's own tensors indexed by expert (MiniMax-M2's ``e_score_correction_bias``, a routing bias
+    the block passes into its router): pruned with the router's."""
+    tensors = [*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)]
+    return [name for name, tensor in tensors if tensor is not None and tensor.dim() > 0
+            and (tensor.shape[0] == count or tuple(tensor.shape) == (1, count))]
+
+
+def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str | None:
     """Why ``router`` does not route as the collector expects (``(logits, weights, indices)`` from the hidden states
-    alone), or ``None``; one token on the router's own device and dtype (a skeleton's meta tensors too)."""
+    and the block's expert-indexed tensors ``extra``), or ``None``; one token on the router's own device and dtype (a
+    skeleton's meta tensors too)."""
     import torch
 
     weight = next(iter(router.parameters()), None)
     options = dict(device=weight.device, dtype=weight.dtype) if weight is not None else {}
     try:
         with torch.no_grad():
-            output = router(torch.zeros(1, hidden_size, **options))
+            output = router(torch.zeros(1, hidden_size, **options), *extra)
     except Exception as error:  # noqa: BLE001 - any failure is the reason
-        return f"{type(router).__name__} cannot route the hidden states alone ({type(error).__name__}: {error})"
+        inputs = "the hidden states and the block's tensors" if extra else "the hidden states alone"
+        return f"{type(router).__name__} cannot route {inputs} ({type(error).__name__}: {error})"
     if not (isinstance(output, tuple) and len(output) == 3 and not output[-1].is_floating_point()
             and tuple(output[-1].shape) == (1, router.top_k)):
         shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
@@ -230,20 +240,16 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         raise UnsupportedModelError(cannot + f"cannot tell how many experts {type(router).__name__} picks per token "
                                     "(it has no int `top_k`)" + fix)
     count = experts.num_experts
-    outside = [name for name, tensor in [*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)]
-               if tensor is not None and tensor.dim() > 0 and count in tuple(tensor.shape)[:2]]
-    if outside:
+    outside = block_expert_tensors(block, count)
+    positional = [parameter for parameter in inspect.signature(router.forward).parameters.values()
+                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    required = [parameter.name for parameter in positional if parameter.default is parameter.empty]
+    if not len(required) <= 1 + len(outside) <= len(positional):
+        taken = f" besides the block's {', '.join(outside)}" if outside else ""
         raise UnsupportedModelError(
-            cannot + f"{type(block).__name__} keeps {', '.join(outside)} indexed by expert outside its router and "
-            "experts (a routing bias passed into the router): not supported yet" + fix)
-    required = [parameter.name for parameter in inspect.signature(router.forward).parameters.values()
-                if parameter.default is parameter.empty and parameter.kind in (parameter.POSITIONAL_ONLY,
-                                                                               parameter.POSITIONAL_OR_KEYWORD)]
-    if len(required) > 1:
-        raise UnsupportedModelError(
-            cannot + f"{type(router).__name__}.forward takes ({', '.join(required)}): routing that depends on more "
-            "than the hidden states (a bias kept on the block, token ids, the previous layer's router state) is not "
-            "supported yet" + fix)
+            cannot + f"{type(router).__name__}.forward takes ({', '.join(required)}){taken}: routing that depends on "
+            "more than the hidden states and the block's expert-indexed tensors (token ids, the previous layer's "
+            "router state) is not supported yet" + fix)
     arguments = [parameter.name for parameter in inspect.signature(experts.forward).parameters.values()
                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
     if len(arguments) != 3:
@@ -254,7 +260,8 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     if not keys:
         raise UnsupportedModelError(cannot + "cannot tell which config attribute holds the number of routed experts "
                                     f"({count}; none of {', '.join(EXPERT_COUNT_KEYS)})" + fix)
-    if (problem := _probe_router(router, int(getattr(config, "hidden_size", 0) or 0))) is not None:
+    if (problem := _probe_router(router, int(getattr(config, "hidden_size", 0) or 0),
+                                 [getattr(block, name) for name in outside])) is not None:
         raise UnsupportedModelError(cannot + problem + fix)
     groups, kept_groups = _group_count(router)
     if 1 < groups and kept_groups < groups and model_type not in GROUP_SCORE_TOPK:

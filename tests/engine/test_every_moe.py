@@ -16,17 +16,14 @@ from ompmoe.engine.tiny import tiny_model
 from reference import assert_gram_close, capture_block_inputs, literal_layer
 
 REFUSED = {
-    "afmoe": "AfmoeSparseMoeBlock keeps expert_bias indexed by expert outside its router and experts",
+    "afmoe": "AfmoeTokenChoiceRouter cannot route the hidden states and the block's tensors",
     "dbrx": "no module holds a transformers-5 fused experts module",
     "deepseek_v4": "DeepseekV4HashRouter.forward takes (hidden_states, input_ids)",
     "gemma4_text": "cannot tell how many experts Gemma4TextRouter picks per token",
-    "hy_v3": "HYV3MoE keeps e_score_correction_bias indexed by expert outside its router and experts",
     "inkling_text": "InklingTopkRouter returns 4 values, not (logits, weights, expert indices)",
     "jetmoe": "no module holds a transformers-5 fused experts module",
-    "lfm2_moe": "Lfm2MoeSparseMoeBlock keeps expert_bias indexed by expert outside its router and experts",
     "llama4_text": "Llama4TextExperts.forward takes (hidden_states), not (hidden states, expert indices, routing weights)",
     "longcat_flash": "no module holds a transformers-5 fused experts module",
-    "minimax_m2": "MiniMaxM2SparseMoeBlock keeps e_score_correction_bias indexed by expert outside its router and experts",
     "zaya": "ZayaRouter cannot route the hidden states alone",
 }
 """Types ompmoe refuses, with the reason it gives (docs/methods.md says what each would need)."""
@@ -50,7 +47,7 @@ def test_the_matrix_covers_every_moe_type_of_transformers():
     assert len(TYPES) >= 60 and {"qwen3_moe", "mixtral", "minimax", "glm4_moe_lite"} <= set(TYPES)
     assert set(REFUSED) | MULTIMODAL <= set(TYPES)
     supported = [t for t in TYPES if t not in REFUSED and t not in MULTIMODAL]
-    assert len(supported) >= 46, supported  # 2026-11-28, transformers 5.24: 46 of 58 text decoders
+    assert len(supported) >= 49, supported  # 2026-11-28, transformers 5.24: 49 of 58 text decoders
 
 
 @pytest.mark.parametrize("model_type", [_case(t) for t in TYPES])
@@ -99,3 +96,23 @@ def test_the_readme_lists_what_this_matrix_checks():
 
     assert listed("recognized-types") == [t for t in TYPES if t not in {*REFUSED, *MULTIMODAL, *ARCHITECTURES}]
     assert listed("refused-types") == sorted(REFUSED)
+
+
+def test_a_routing_bias_kept_on_the_block_is_cut_with_the_router_in_every_step(tmp_path):
+    """MiniMax-M2 keeps ``e_score_correction_bias`` on the block and passes it into the router: a trial view and
+    compensation route exactly as the pruned model does (the bias cut to the kept experts everywhere)."""
+    model = tiny_model("minimax_m2")
+    stats = ompmoe.collect_stats(model, [IDS], progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    pruned = ompmoe.prune(tiny_model("minimax_m2"), plan)
+    assert [tuple(layer.block.e_score_correction_bias.shape) for layer in ompmoe.find_moe_layers(pruned)] == \
+        [(len(layer.kept),) for layer in plan.layers]
+    with torch.no_grad():
+        expected = pruned(IDS).logits
+        with ompmoe.pruned_view(model, plan) as view:
+            torch.testing.assert_close(view(IDS).logits, expected, rtol=0, atol=1e-6)
+    blocks = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(2))
+    compensation = ompmoe.compensate(model, plan, blocks)  # on the unpruned model: its routers see the whole bias
+    compensation.apply(pruned)
+    with torch.no_grad():
+        assert torch.isfinite(pruned(IDS).logits).all() and not torch.equal(pruned(IDS).logits, expected)

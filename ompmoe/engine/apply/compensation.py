@@ -204,8 +204,19 @@ class _LayerPass:
 
     def _router_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         self.router.train(module.training)
+        # The block's expert-indexed arguments (a routing bias it keeps) cut to the kept experts, as pruning cuts them.
+        args = (args[0], *(self._kept_only(value) for value in args[1:]))
+        kwargs = {name: self._kept_only(value) for name, value in kwargs.items()}
         routed = self.router(*args, **kwargs)
         self._routing = (routed[-1].detach(), routed[-2].detach())  # (ids among the kept, weights)
+
+    def _kept_only(self, value: Any) -> Any:
+        count = self.layer.num_experts
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == count:
+            return value.index_select(0, self.kept.to(value.device))
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == (1, count):
+            return value.index_select(1, self.kept.to(value.device))
+        return value
 
     def _forward(self, native: Callable) -> Callable:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,

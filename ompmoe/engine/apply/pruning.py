@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..adapters import MoELayer, architecture_of, block_expert_tensors, find_moe_layers
 from ..collect.statistics import FingerprintMismatchError, model_fingerprint
 from ..names import loaded_name, same_model
 from ..planning.allocation import minimum_kept
@@ -60,9 +60,19 @@ def slice_router(router: nn.Module, index: torch.Tensor, old: int, count_attribu
     return [(module, slice_module(module, index, old, count_attributes)) for module in router.modules()]
 
 
+def slice_routing(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]
+                  ) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """:func:`slice_router`, plus the block's own tensors indexed by expert (a routing bias the block passes into the
+    router, MiniMax-M2's); ``(module, saved)`` pairs for :func:`restore_module`."""
+    saved = slice_router(layer.router, index, layer.num_experts, count_attributes)
+    if block_expert_tensors(layer.block, layer.num_experts):
+        saved.append((layer.block, slice_module(layer.block, index, layer.num_experts, ())))
+    return saved
+
+
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
-    """Keep experts ``index`` (ascending) in the router and experts of ``layer``."""
-    slice_router(layer.router, index, layer.num_experts, count_attributes)
+    """Keep experts ``index`` (ascending) in the router, the block's routing tensors and the experts of ``layer``."""
+    slice_routing(layer, index, count_attributes)
     slice_module(layer.experts, index, layer.num_experts, count_attributes)
     layer.num_experts = int(index.numel())
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..adapters import architecture_of, find_moe_layers
 from ..planning.plan import PruningPlan
-from .pruning import restore_module, slice_router, validate_plan
+from .pruning import restore_module, slice_routing, validate_plan
 
 
 @contextmanager
@@ -28,7 +28,7 @@ def pruned_view(model: nn.Module, plan: PruningPlan) -> Iterator[nn.Module]:
     try:
         for layer, layer_plan in zip(layers, plan.layers):
             kept = torch.tensor(sorted(int(i) for i in layer_plan.kept), dtype=torch.long)
-            restore.extend(slice_router(layer.router, kept, layer.num_experts, spec.count_attributes))
+            restore.extend(slice_routing(layer, kept, spec.count_attributes))
             hooks.append(layer.experts.register_forward_pre_hook(
                 partial(_original_ids, kept=kept, name=spec.experts_arguments[1]), with_kwargs=True))
         yield model

@@ -89,7 +89,7 @@ def _axis(tensor, old):
     return 1 if tensor.dim() == 2 and tensor.shape[0] == 1 and tensor.shape[1] == old else None
 
 
-def _shrink(module, old, new):
+def _shrink(module, old, new, count_attributes=COUNT_ATTRIBUTES):
     """Keep the first `new` experts of every tensor indexed by expert and update the stored counts."""
     for name, tensor in list(module.named_parameters(recurse=False)):
         if (axis := _axis(tensor, old)) is not None:
@@ -98,7 +98,7 @@ def _shrink(module, old, new):
     for name, tensor in list(module.named_buffers(recurse=False)):
         if tensor is not None and (axis := _axis(tensor, old)) is not None:
             module._buffers[name] = tensor.narrow(axis, 0, new).clone()
-    for attr in COUNT_ATTRIBUTES:
+    for attr in count_attributes:
         if getattr(module, attr, None) == old:
             setattr(module, attr, new)
 
@@ -131,6 +131,7 @@ class {model_class}(_BaseForCausalLM):
                 )
             for module in (*getattr(block, ROUTER_ATTR).modules(), block.experts):
                 _shrink(module, old, len(ids))
+            _shrink(block, old, len(ids), ())  # a routing bias the block keeps and passes into its router
 '''
 
 
