@@ -159,6 +159,19 @@ EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "mo
 """Config attributes that may hold the number of routed experts (the one equal to the experts' ``num_experts``)."""
 
 
+TOP_K_KEYS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token")
+"""Config attributes a router without its own ``top_k`` may read its top-k from at call time (Gemma 4's)."""
+
+
+def router_top_k(router: nn.Module) -> int | None:
+    """How many experts ``router`` picks per token: its ``top_k``, else the top-k key of the config it holds."""
+    top_k = getattr(router, "top_k", None)
+    if isinstance(top_k, int):
+        return top_k
+    config = getattr(router, "config", None)
+    return next((value for key in TOP_K_KEYS if isinstance(value := getattr(config, key, None), int)), None)
+
+
 def _is_fused_experts(module: Any) -> bool:
     """A transformers 5.x fused experts module: an int ``num_experts`` and 3-D weights indexed by expert."""
     return (isinstance(module, nn.Module) and isinstance(getattr(module, "num_experts", None), int)
@@ -207,7 +220,7 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
         inputs = "the hidden states and the block's tensors" if extra else "the hidden states alone"
         return f"{type(router).__name__} cannot route {inputs} ({type(error).__name__}: {error})"
     if not (isinstance(output, tuple) and len(output) == 3 and not output[-1].is_floating_point()
-            and tuple(output[-1].shape) == (1, router.top_k)):
+            and tuple(output[-1].shape) == (1, router_top_k(router))):
         shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
         return f"{type(router).__name__} returns {shape}, not (logits, weights, expert indices)"
     return None
@@ -236,9 +249,9 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         raise UnsupportedModelError(cannot + f"cannot tell which module of {type(block).__name__} is its router "
                                     f"(none of {', '.join('.' + a for a in ROUTER_ATTRS)} is a module)" + fix)
     router, experts = getattr(block, routers[0]), block.experts
-    if not isinstance(getattr(router, "top_k", None), int):
+    if router_top_k(router) is None:
         raise UnsupportedModelError(cannot + f"cannot tell how many experts {type(router).__name__} picks per token "
-                                    "(it has no int `top_k`)" + fix)
+                                    f"(it has no int `top_k` nor a config with one of {', '.join(TOP_K_KEYS)})" + fix)
     count = experts.num_experts
     outside = block_expert_tensors(block, count)
     positional = [parameter for parameter in inspect.signature(router.forward).parameters.values()
@@ -351,7 +364,7 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         num_groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
         layers.append(MoELayer(
             name=clean_module_name(name), block=module, router=router, experts=experts,
-            num_experts=int(experts.num_experts), top_k=int(router.top_k), num_groups=num_groups,
+            num_experts=int(experts.num_experts), top_k=int(router_top_k(router)), num_groups=num_groups,  # type: ignore[arg-type]
             topk_group=int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1,
             group_score_topk=spec.group_score_topk if grouped else 1))
     if not layers:
