@@ -215,7 +215,10 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
     options = dict(device=weight.device, dtype=weight.dtype) if weight is not None else {}
     try:
         with torch.no_grad():
-            output = router(torch.zeros(1, hidden_size, **options), *extra)
+            try:
+                output = router(torch.zeros(1, hidden_size, **options), *extra)
+            except ValueError:  # a router that flattens the block's (batch, sequence, hidden) input itself (AFMoE)
+                output = router(torch.zeros(1, 1, hidden_size, **options), *extra)
     except Exception as error:  # noqa: BLE001 - any failure is the reason
         inputs = "the hidden states and the block's tensors" if extra else "the hidden states alone"
         return f"{type(router).__name__} cannot route {inputs} ({type(error).__name__}: {error})"
