@@ -4,6 +4,7 @@ Shared experts and dense layers are never matched."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -234,8 +235,6 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
     :class:`UnsupportedModelError` naming the one fact that cannot be read (register those with
     :func:`register_architecture`)."""
-    import inspect
-
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
@@ -364,12 +363,11 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         if not (isinstance(getattr(experts, "num_experts", None), int) and fused):
             continue
         grouped = spec.is_group_limited(router)
-        num_groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
+        num_groups, topk_group = _group_count(router) if grouped else (1, 1)  # what recognition read, the same way
         layers.append(MoELayer(
             name=clean_module_name(name), block=module, router=router, experts=experts,
-            num_experts=int(experts.num_experts), top_k=int(router_top_k(router)), num_groups=num_groups,  # type: ignore[arg-type]
-            topk_group=int(getattr(router, "topk_group", num_groups) or num_groups) if grouped else 1,
-            group_score_topk=spec.group_score_topk if grouped else 1))
+            num_experts=int(experts.num_experts), top_k=int(router_top_k(router)),  # type: ignore[arg-type]
+            num_groups=num_groups, topk_group=topk_group, group_score_topk=spec.group_score_topk if grouped else 1))
     if not layers:
         raise ValueError(f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
                          f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "
