@@ -182,13 +182,17 @@ def test_fit_and_prune_with_a_method_named_make_the_same_plan_and_say_where_each
         torch.testing.assert_close(again(tokens).logits, fitted(tokens).logits, rtol=0, atol=0)
 
 
-def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path):
-    """``ompmoe fit --model.model tiny:<type>`` on a type no spec registers (MiniMax-M2: its routing bias on the
-    block): the whole default job, then a reload with the same pruning."""
-    assert "minimax_m2" not in ompmoe.ARCHITECTURES
-    main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": "tiny:minimax_m2"})),
+@pytest.mark.parametrize(("model_type", "model_class"), [
+    ("minimax_m2", "MiniMaxM2ForCausalLM"),  # its routing bias on the block
+    ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),  # a multimodal container, pruned in its text decoder
+])
+def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path, model_type, model_class):
+    """``ompmoe fit --model.model tiny:<type>`` on a type no spec registers: the whole default job, then a reload
+    of the same class with the same pruning."""
+    assert model_type not in ompmoe.ARCHITECTURES
+    main(["fit", "-c", str(tiny_config(tmp_path, **{"model.model": f"tiny:{model_type}"})),
           "--trainer.enable_progress_bar=false"])
     plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
-    assert model.config.model_type == "minimax_m2"
+    assert model.config.model_type == model_type and type(model).__name__ == model_class
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]

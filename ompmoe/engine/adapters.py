@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from .model_classes import default_model_class, text_config
+
 
 class UnsupportedModelError(ValueError):
     """The model is not one of the architectures ompmoe knows how to prune."""
@@ -173,6 +175,57 @@ def router_top_k(router: nn.Module) -> int | None:
     return next((value for key in TOP_K_KEYS if isinstance(value := getattr(config, key, None), int)), None)
 
 
+def text_decoder_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``named_modules()`` of ``model`` inside its text decoder: a multimodal container's vision or audio towers (a
+    vision MoE too) never see text calibration and are left alone."""
+    try:
+        decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    except Exception:  # noqa: BLE001 - a model whose get_decoder cannot answer: all of it
+        decoder = model
+    inside = {id(module) for module in decoder.modules()} if isinstance(decoder, nn.Module) else None
+    return [(name, module) for name, module in model.named_modules() if inside is None or id(module) in inside]
+
+
+TOKEN_ID_ARGUMENTS = ("input_ids",)
+"""Router arguments that make the routing a fixed function of the token (DeepSeek-V4's hash layers): such a block's
+experts are never pruned, as the table would send tokens to removed experts; it keeps them all, like a dense layer."""
+
+
+def routes_by_token_id(router: nn.Module) -> bool:
+    """Whether ``router`` needs the token ids (a hash-routed block, left whole)."""
+    try:
+        parameters = inspect.signature(router.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in TOKEN_ID_ARGUMENTS)
+
+
+def _router_of(block: nn.Module) -> nn.Module | None:
+    return next((router for attr in ROUTER_ATTRS if isinstance(router := getattr(block, attr, None), nn.Module)), None)
+
+
+def hash_routed_blocks(model: nn.Module) -> dict[str, int]:
+    """``{name: expert count}`` of the text decoder's sparse blocks routed by token id, which keep every expert: the
+    stored expert count must still build them whole."""
+    return {clean_module_name(name): int(module.experts.num_experts) for name, module in text_decoder_modules(model)
+            if _is_fused_experts(getattr(module, "experts", None)) and (router := _router_of(module)) is not None
+            and routes_by_token_id(router)}
+
+
+EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes")
+"""Router attributes counting its score rows when rows past the routed experts belong to something else (Inkling's
+shared experts, Zaya's skip class): those trailing rows are kept whole when experts are pruned."""
+
+
+def router_extra_rows(router: nn.Module, count: int) -> int:
+    """How many score rows ``router`` has past its ``count`` routed experts (0 for most routers)."""
+    for module in router.modules():
+        for key in EXTRA_CLASS_KEYS:
+            if isinstance(value := getattr(module, key, None), int) and value > count:
+                return value - count
+    return 0
+
+
 def _is_fused_experts(module: Any) -> bool:
     """A transformers 5.x fused experts module: an int ``num_experts`` and 3-D weights indexed by expert."""
     return (isinstance(module, nn.Module) and isinstance(getattr(module, "num_experts", None), int)
@@ -207,7 +260,7 @@ def block_expert_tensors(block: nn.Module, count: int) -> list[str]:
 
 
 def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str | None:
-    """Why ``router`` does not route as the collector expects (``(logits, weights, indices)`` from the hidden states
+    """Why ``router`` does not route as the collector expects (``(logits, weights, indices, ...)`` from the hidden states
     and the block's expert-indexed tensors ``extra``), or ``None``; one token on the router's own device and dtype (a
     skeleton's meta tensors too)."""
     import torch
@@ -218,13 +271,13 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
         with torch.no_grad():
             try:
                 output = router(torch.zeros(1, hidden_size, **options), *extra)
-            except ValueError:  # a router that flattens the block's (batch, sequence, hidden) input itself (AFMoE)
-                output = router(torch.zeros(1, 1, hidden_size, **options), *extra)
+            except (ValueError, RuntimeError, IndexError):  # a router that takes the block's (batch, sequence,
+                output = router(torch.zeros(1, 1, hidden_size, **options), *extra)  # hidden) input itself (AFMoE)
     except Exception as error:  # noqa: BLE001 - any failure is the reason
         inputs = "the hidden states and the block's tensors" if extra else "the hidden states alone"
         return f"{type(router).__name__} cannot route {inputs} ({type(error).__name__}: {error})"
-    if not (isinstance(output, tuple) and len(output) == 3 and not output[-1].is_floating_point()
-            and tuple(output[-1].shape) == (1, router_top_k(router))):
+    if not (isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point()
+            and tuple(output[2].shape) == (1, router_top_k(router))):
         shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
         return f"{type(router).__name__} returns {shape}, not (logits, weights, expert indices)"
     return None
@@ -235,12 +288,15 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
     :class:`UnsupportedModelError` naming the one fact that cannot be read (register those with
     :func:`register_architecture`)."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = text_config(model.config) if hasattr(model, "config") else None
     cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
     fix = (f"; if the model has routed experts, register the fact with ompmoe.register_architecture({model_type!r}, "
            "ompmoe.ArchitectureSpec(...)) (docs/methods.md, \"How an architecture is recognized\")")
-    blocks = [module for module in model.modules() if _is_fused_experts(getattr(module, "experts", None))]
+    fused = [module for _, module in text_decoder_modules(model) if _is_fused_experts(getattr(module, "experts", None))]
+    blocks = [block for block in fused if (router := _router_of(block)) is None or not routes_by_token_id(router)]
+    if fused and not blocks:
+        raise UnsupportedModelError(cannot + "every sparse block routes by token id (a fixed table, never pruned)")
     if not blocks:
         raise UnsupportedModelError(
             cannot + "no module holds a transformers-5 fused experts module (`.experts` with 3-D expert weights and "
@@ -279,12 +335,13 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
                                  [getattr(block, name) for name in outside])) is not None:
         raise UnsupportedModelError(cannot + problem + fix)
     groups, kept_groups = _group_count(router)
-    if 1 < groups and kept_groups < groups and model_type not in GROUP_SCORE_TOPK:
+    text_type = getattr(config, "model_type", None)  # a container's text decoder type (glm4v_moe_text)
+    if 1 < groups and kept_groups < groups and text_type not in GROUP_SCORE_TOPK:
         raise UnsupportedModelError(
             cannot + f"cannot tell how {type(router).__name__} scores its {groups} expert groups (by the best "
             "expert or the sum of the best two)" + fix)
-    grouped = model_type in GROUP_SCORE_TOPK
-    return ArchitectureSpec(routers[0], keys[0], _declares_groups, group_score_topk=GROUP_SCORE_TOPK.get(model_type, 1),
+    grouped = text_type in GROUP_SCORE_TOPK
+    return ArchitectureSpec(routers[0], keys[0], _declares_groups, group_score_topk=GROUP_SCORE_TOPK.get(text_type, 1),
                             experts_arguments=tuple(arguments),  # type: ignore[arg-type]
                             **({"auto": SIGMOID_SHARED_GROUPED} if grouped else {}))
 
@@ -315,11 +372,10 @@ def architecture_for_config(config: Any) -> ArchitectureSpec:
     spec = known_spec(config.model_type)
     if spec is None:
         import torch
-        import transformers
 
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            spec = architecture_of(transformers.AutoModelForCausalLM.from_config(config))
+            spec = architecture_of(default_model_class(config)._from_config(config))
     return spec
 
 
@@ -345,10 +401,10 @@ def sparse_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.
     except UnsupportedModelError:
         return []
     blocks = []
-    for name, module in model.named_modules():
+    for name, module in text_decoder_modules(model):
         experts = getattr(module, "experts", None)
         router = getattr(module, spec.router_attr, None)
-        if isinstance(experts, nn.Module) and isinstance(router, nn.Module):
+        if isinstance(experts, nn.Module) and isinstance(router, nn.Module) and not routes_by_token_id(router):
             blocks.append((name, module, router, experts))
     return blocks
 
@@ -376,18 +432,26 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     return layers
 
 
-def moe_model_types() -> list[str]:
+def moe_model_types(multimodal: bool = False) -> list[str]:
     """The causal-LM model types of the installed transformers whose modeling file defines a fused ``*Experts``
-    module (read from the source files, nothing imported): what ompmoe recognizes or refuses by name."""
+    module (read from the source files, nothing imported): what ompmoe recognizes or refuses by name. With
+    ``multimodal``, instead the containers with a ``text_config`` that no causal-LM class loads (Qwen3-VL-MoE)."""
     import importlib.util
     import re
 
+    from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from transformers import CONFIG_MAPPING
+
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    containers = {model_type for model_type in {*modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                                                *modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES} - set(causal)
+                  if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {})}
+    candidates = containers if multimodal else set(causal)
     experts_class = re.compile(r"^class \w+Experts\(", re.MULTILINE)
     found = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for model_type in sorted(candidates):
         module = model_type_to_module_name(model_type)
         try:
             spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")

@@ -59,13 +59,14 @@ def unsharded(model: nn.Module, is_global_zero: bool) -> nn.Module | None:
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
+
+    from .model_classes import default_model_class
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_global_zero:
         return None
     dtype = next(iter(state.values())).dtype
-    full = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    full = default_model_class(model.config)._from_config(model.config, dtype=dtype)
     full.load_state_dict(state)
     return full.eval()
 

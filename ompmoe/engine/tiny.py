@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from .adapters import ARCHITECTURES
+from .model_classes import default_model_class, text_config_attribute
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -42,10 +43,12 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "deepseek_v32": dict(_MLA, first_k_dense_replace=1, n_group=2, topk_group=1),
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
                  ffn_config={"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2}),
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe", "moe"]),  # a hash-routed layer, left whole
     "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+    "dots3_note_vision_encoder": dict(pyramid_num_routed=[4], num_experts_per_tok=2),  # a vision MoE, left alone
     "dots3_note_text": dict(num_key_value_heads=4, n_group=2, topk_group=1),
     "ernie4_5_moe": dict(moe_k=2),
-    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2),
+    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=256),
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
     "glm_moe_dsa": dict(_MLA, mlp_layer_types=["dense", "sparse", "sparse"]),
     "granitemoehybrid": dict(layer_types=_HYBRID, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
@@ -70,6 +73,45 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
 needs one attention layer, an MLA model its low-rank sizes, ...)."""
 
 
+_TOWER: dict[str, Any] = dict(
+    depth=1, num_hidden_layers=1, num_layers=1, hidden_size=32, num_heads=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32, encoder_layers=1, d_model=32,
+    encoder_attention_heads=2, encoder_ffn_dim=64, downsample_hidden_size=16, adapter_in_dim=32, adapter_input_size=32,
+    **dict.fromkeys(("out_hidden_size", "output_dim", "adapter_out_dim"), _GENERIC["hidden_size"]))
+"""Applied to a multimodal container's vision or audio sub-configs, each key only where the config has it: towers
+text calibration never runs, small enough to build in milliseconds."""
+
+
+def _made_small(config_class: type, generic: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
+    defaults = config_class().to_dict()
+    return {**{key: value for key, value in generic.items() if key in defaults}, **extras}
+
+
+def _small_tower(config: transformers.PreTrainedConfig) -> dict[str, Any]:
+    """A vision or audio tower's config made small (:data:`_TOWER`), the encoders nested in it too (a SAM and a
+    CLIP encoder in one OCR tower)."""
+    small = _made_small(type(config), _TOWER, GENERIC_EXTRAS.get(config.model_type, {}))
+    for name in getattr(type(config), "sub_configs", None) or {}:
+        if isinstance(inner := getattr(config, name, None), transformers.PreTrainedConfig):
+            small[name] = _small_tower(inner)
+    return small
+
+
+def _container_config(config_class: type, text_attribute: str, **overrides: Any) -> transformers.PreTrainedConfig:
+    """A multimodal container's config with its text decoder made small as any type's (:data:`_GENERIC`) and its
+    towers smaller still (:data:`_TOWER`)."""
+    defaults = config_class()
+    parts: dict[str, Any] = {}
+    for name in config_class.sub_configs:
+        sub = getattr(defaults, name, None)
+        if name == text_attribute:  # the text decoder type's own tiny config, as the matrix checks it alone
+            parts[name] = tiny_config(sub.model_type) if sub.model_type in transformers.CONFIG_MAPPING else \
+                type(sub)(**_made_small(type(sub), _GENERIC, GENERIC_EXTRAS.get(sub.model_type, {})))
+        elif isinstance(sub, transformers.PreTrainedConfig):
+            parts[name] = _small_tower(sub)
+    return config_class(**{**parts, **GENERIC_EXTRAS.get(defaults.model_type, {}), **overrides})
+
+
 def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedConfig:
     """A small config of ``model_type``: a registered architecture's own (:data:`TINY_CONFIGS`, later registered ones
     too), else the type's defaults made small (:data:`_GENERIC`, :data:`GENERIC_EXTRAS`); ``overrides`` applied."""
@@ -82,15 +124,17 @@ def tiny_config(model_type: str, **overrides: Any) -> transformers.PreTrainedCon
         raise ValueError(f"No tiny config for {model_type!r}: transformers has no such model type; registered: "
                          f"{available}.")
     config_class = transformers.CONFIG_MAPPING[model_type]
-    defaults = config_class().to_dict()
-    small = {key: value for key, value in _GENERIC.items() if key in defaults}
-    return config_class(**{**small, **GENERIC_EXTRAS.get(model_type, {}), **overrides})
+    if (text_attribute := text_config_attribute(config_class())) is not None:
+        return _container_config(config_class, text_attribute, **overrides)
+    return config_class(**{**_made_small(config_class, _GENERIC, GENERIC_EXTRAS.get(model_type, {})), **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
-    """A randomly initialised tiny causal LM in eval mode; router biases are randomised too."""
+    """A randomly initialised tiny causal LM (a multimodal container for a container's type) in eval mode; router
+    biases are randomised too."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    config = tiny_config(model_type, **overrides)
+    model = default_model_class(config)._from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             # Zero-initialised router and expert biases would hide slicing bugs.

@@ -479,3 +479,24 @@ def test_epsilon_zero_skips_the_rule_and_counts_every_pair(monkeypatch):
     for entry in report.values():
         assert entry["tokens"] == 32 and entry["kept_pairs"] == 32 * top_k
         assert entry["histogram"] == [0] * top_k + [32]
+
+
+@pytest.mark.parametrize("model_type", ["minimax_m2", "qwen3_vl_moe", "deepseek_v4", "inkling_text"])
+def test_types_recognized_by_their_modules_follow_the_literal_rule(model_type):
+    """OMP-MoE+ on types no spec registers (a routing bias on the block, a multimodal container, hash-routed layers
+    left whole, router rows past the experts): every routed layer's output is the literal per-token rule's."""
+    from ompmoe.engine.tiny import tiny_model
+
+    model = tiny_model(model_type)
+    stats = ompmoe.collect_stats(model, [random_ids(batch=4, seq=32, seed=7)], progress=False)
+    enable_adaptive(model, stats, 0.5)  # top-2 routers: the first expert's energy share is >= 0.5
+    with instrument(model) as calls:
+        logits(model, random_ids(batch=2, seq=16, seed=3))
+    skipped = 0
+    for layer, record in zip(ompmoe.find_moe_layers(model), calls):
+        hidden, index, weights = record.received[0]
+        expected, kept = literal_layer_output(layer.experts, hidden, index, weights, stats.layer(layer.name).alpha,
+                                              0.5)
+        torch.testing.assert_close(record.outputs[0].to(torch.float64), expected, rtol=1e-5, atol=1e-5)
+        skipped += index.numel() - len(kept)
+    assert skipped > 0, "epsilon=0.5 skips the second of two experts"

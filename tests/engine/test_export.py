@@ -23,7 +23,7 @@ from safetensors import safe_open
 import ompmoe
 from ompmoe.engine.adapters import ARCHITECTURES, find_moe_layers
 from ompmoe.engine.export.checkpoint import MissingTokenizerWarning
-from ompmoe.engine.export.config import count_json_key, load_tokenizer
+from ompmoe.engine.export.config import load_tokenizer
 from ompmoe.engine.export.hub_code import CONFIG_FILE, HOW_TO_LOAD, MODELING_FILE
 from ompmoe.engine.tiny import tiny_model
 
@@ -250,6 +250,13 @@ def test_non_uniform_directory_layout(exported, model_type):
                                for line in imports), imports
     card = (directory / "README.md").read_text()
     assert "trust_remote_code=True" in card and "ompmoe.load_pruned" in card
+
+
+def count_json_key(model_type: str) -> str:
+    """The ``config.json`` key of a causal LM's expert count (Qwen3-MoE stores ``num_experts`` as
+    ``num_local_experts``)."""
+    key = ARCHITECTURES[model_type].expert_count_key
+    return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
 
 
 def count_mapping_format(directory: Path) -> None:

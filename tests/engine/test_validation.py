@@ -322,7 +322,7 @@ def test_load_pruned_checks_the_record(plan, tmp_path, edit, message):
 def test_load_pruned_refuses_a_non_causal_architecture(plan, tmp_path):
     path = saved(plan, tmp_path, lambda c: c.__setitem__("architectures", ["AutoModel"]))
     with pytest.raises(PlanMismatchError, match=re.escape(
-        "config.json names architectures=['AutoModel'], but AutoModel is not a causal-LM class for "
+        "config.json names architectures=['AutoModel'], but AutoModel is not a causal-LM or multimodal class for "
         "model_type='qwen3_moe'; ompmoe loads Qwen3MoeForCausalLM."
     )):
         load_pruned(path)

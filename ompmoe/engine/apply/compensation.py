@@ -208,7 +208,7 @@ class _LayerPass:
         args = (args[0], *(self._kept_only(value) for value in args[1:]))
         kwargs = {name: self._kept_only(value) for name, value in kwargs.items()}
         routed = self.router(*args, **kwargs)
-        self._routing = (routed[-1].detach(), routed[-2].detach())  # (ids among the kept, weights)
+        self._routing = (routed[2].detach(), routed[1].detach())  # (ids among the kept, weights)
 
     def _kept_only(self, value: Any) -> Any:
         count = self.layer.num_experts

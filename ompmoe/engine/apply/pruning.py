@@ -10,8 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import MoELayer, architecture_of, block_expert_tensors, find_moe_layers
+from ..adapters import (EXTRA_CLASS_KEYS, MoELayer, architecture_of, block_expert_tensors, find_moe_layers,
+                        hash_routed_blocks, router_extra_rows)
 from ..collect.statistics import FingerprintMismatchError, model_fingerprint
+from ..model_classes import text_config
 from ..names import loaded_name, same_model
 from ..planning.allocation import minimum_kept
 from ..planning.plan import PlanMismatchError, PruningPlan
@@ -19,29 +21,42 @@ from ..record import CONFIG_KEY, pruning_info
 from .quantized import check_not_quantized
 
 
-def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...]) -> dict[str, Any]:
+def slice_module(module: nn.Module, index: torch.Tensor, old: int, count_attributes: tuple[str, ...],
+                 extra: int = 0) -> dict[str, Any]:
     """Keep experts ``index`` (ascending) in ``module``'s own tensors indexed by expert (on their first axis, or on
-    the second of a ``(1, experts)`` row such as ERNIE's correction bias) and set its counts; returns what was
-    replaced (``parameters``, ``buffers``, ``attributes``), so :func:`restore_module` can put it back."""
+    the second of a ``(1, experts)`` row such as ERNIE's correction bias) and set its counts; a router's ``extra``
+    rows past the experts (Inkling's shared experts, Zaya's skip class) are kept. Returns what was replaced
+    (``parameters``, ``buffers``, ``attributes``), so :func:`restore_module` can put it back."""
     saved: dict[str, Any] = {"parameters": {}, "buffers": {}, "attributes": {}}
+    trailing = torch.arange(old, old + extra, device=index.device, dtype=index.dtype)
     for name, tensor in list(module.named_parameters(recurse=False)):
-        if (axis := _expert_axis(tensor, old)) is not None:
+        if (axis := _expert_axis(tensor, old, extra)) is not None:
             saved["parameters"][name] = tensor
-            sliced = tensor.detach().index_select(axis, index.to(tensor.device))
+            sliced = tensor.detach().index_select(axis, _rows(tensor, axis, old, index, trailing))
             setattr(module, name, nn.Parameter(sliced, requires_grad=tensor.requires_grad))
     for name, tensor in list(module.named_buffers(recurse=False)):
-        if tensor is not None and (axis := _expert_axis(tensor, old)) is not None:
+        if tensor is not None and (axis := _expert_axis(tensor, old, extra)) is not None:
             saved["buffers"][name] = tensor
-            module._buffers[name] = tensor.index_select(axis, index.to(tensor.device))
+            module._buffers[name] = tensor.index_select(axis, _rows(tensor, axis, old, index, trailing))
     for attr in count_attributes:
         if getattr(module, attr, None) == old:
             saved["attributes"][attr] = old
             setattr(module, attr, int(index.numel()))
+    for attr in EXTRA_CLASS_KEYS if extra else ():
+        if getattr(module, attr, None) == old + extra:
+            saved["attributes"][attr] = old + extra
+            setattr(module, attr, int(index.numel()) + extra)
     return saved
 
 
-def _expert_axis(tensor: torch.Tensor, old: int) -> int | None:
-    if tensor.dim() > 0 and tensor.shape[0] == old:
+def _rows(tensor: torch.Tensor, axis: int, old: int, index: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
+    """The rows to keep: the kept experts, then (on a tensor with rows past the experts) those rows."""
+    rows = index if tensor.shape[axis] == old else torch.cat([index, trailing])
+    return rows.to(tensor.device)
+
+
+def _expert_axis(tensor: torch.Tensor, old: int, extra: int = 0) -> int | None:
+    if tensor.dim() > 0 and tensor.shape[0] in {old, old + extra}:
         return 0
     return 1 if tensor.dim() == 2 and tensor.shape[0] == 1 and tensor.shape[1] == old else None
 
@@ -57,7 +72,8 @@ def slice_router(router: nn.Module, index: torch.Tensor, old: int, count_attribu
                  ) -> list[tuple[nn.Module, dict[str, Any]]]:
     """:func:`slice_module` on the router and every module inside it (a router's projection may be a child
     ``nn.Linear``, HunYuan's ``gate.wg``); ``(module, saved)`` pairs for :func:`restore_module`."""
-    return [(module, slice_module(module, index, old, count_attributes)) for module in router.modules()]
+    extra = router_extra_rows(router, old)
+    return [(module, slice_module(module, index, old, count_attributes, extra)) for module in router.modules()]
 
 
 def slice_routing(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]
@@ -180,8 +196,10 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         original_counts.setdefault(layer.name, layer.num_experts)
         kept_original[layer.name] = [earlier[i] for i in kept]
         _slice_layer(layer, torch.tensor(kept, dtype=torch.long), spec.count_attributes)
-    counts = {len(ids) for ids in kept_original.values()}
-    setattr(model.config, spec.expert_count_key, max(counts))  # loading builds every layer at the largest count
+    # Blocks routed by token id keep every expert, so the stored count must still build them (then per-layer counts).
+    counts = {len(ids) for ids in kept_original.values()} | set(hash_routed_blocks(model).values())
+    # Loading builds every layer at the largest count (a multimodal container's count is its text config's).
+    setattr(text_config(model.config), spec.expert_count_key, max(counts))
     if getattr(model, "num_experts", None) is not None:
         model.num_experts = max(counts)
     record = {"kept_experts": kept_original, "original_num_experts": original_counts, "uniform": len(counts) == 1}

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..adapters import ROUTING_KEYS, find_moe_layers
+from ..model_classes import text_config
 from ..io import atomic_path
 from ..safetensors_header import CorruptSafetensorsError, read_header
 from .extensions import STATISTICS, extension_providing
@@ -333,13 +334,14 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
     Dtype, attention or experts implementation, weights and the checkpoint path do not change it.
     """
-    config = model.config
+    outer, config = model.config, text_config(model.config)  # a multimodal container's sizes are its text config's
 
     def shapes(module: torch.nn.Module) -> dict[str, list[int]]:
         return {name: list(p.shape) for name, p in module.named_parameters(recurse=False)}
 
     payload = {
-        "config": {key: _jsonable(_config_value(config, key)) for key in FINGERPRINT_CONFIG_KEYS},
+        "config": {key: _jsonable(_config_value(outer if key == "model_type" else config, key))
+                   for key in FINGERPRINT_CONFIG_KEYS},
         "layers": [{"name": layer.name, **layer.routing, "experts": shapes(layer.experts),
                     "router": shapes(layer.router)} for layer in find_moe_layers(model)],
     }

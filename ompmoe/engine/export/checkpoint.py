@@ -18,8 +18,9 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of
+from ..model_classes import auto_class_names
 from ..names import resolve_shipped
-from .config import count_json_key, load_tokenizer
+from .config import load_tokenizer
 from .hub_code import write_remote_code
 from .model_card import _is_hub_id, model_card
 
@@ -128,8 +129,9 @@ def save_checkpoint(
     record = config.get("ompmoe") or {}
     remote = bool(record) and not record.get("uniform", True)
     if remote:
-        write_remote_code(directory, _stock_class(type(model.config)).__name__, _stock_class(type(model)).__name__,
-                          count_json_key(config["model_type"]), architecture_of(model).router_attr)
+        stock_model = _stock_class(type(model))
+        write_remote_code(directory, _stock_class(type(model.config)).__name__, stock_model.__name__,
+                          architecture_of(model).router_attr, auto_class_names(model.config, stock_model))
     info = {
         "dtype": str(config.get("dtype", "")).removeprefix("torch."),
         "tokenizer": written_tokenizer is not None,

@@ -40,12 +40,6 @@ def finetune_records(config_dict: dict[str, Any]) -> list[tuple[str, dict[str, A
     return [(stage, record) for stage, record in earlier + later if isinstance(record, dict)]
 
 
-def count_json_key(model_type: str) -> str:
-    """The ``config.json`` key of the routed-expert count (Qwen3-MoE stores ``num_experts`` as ``num_local_experts``)."""
-    key = known_spec(model_type).expert_count_key  # type: ignore[union-attr]
-    return transformers.CONFIG_MAPPING[model_type].attribute_map.get(key, key)
-
-
 def refuse_earlier_format(config_dict: dict[str, Any], count_key: str | None, path: str | os.PathLike) -> None:
     """One clear error for a checkpoint of an earlier ompmoe (the expert count stored as a mapping)."""
     if count_key is not None and isinstance(config_dict.get(count_key), dict):

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..model_classes import AUTO_CLASSES
+
 CONFIG_FILE = "configuration_ompmoe_pruned.py"
 MODELING_FILE = "modeling_ompmoe_pruned.py"
 HOW_TO_LOAD = (
@@ -19,6 +21,12 @@ HOW_TO_LOAD = (
     "(lm-eval: --model_args pretrained=path,trust_remote_code=True) or with ompmoe.load_pruned(path)."
 )
 """``experts_implementation`` of a non-uniform ``config.json``; stock model classes quote it when they refuse."""
+
+
+def how_to_load(auto_class: str = "AutoModelForCausalLM") -> str:
+    """:data:`HOW_TO_LOAD` naming the Auto class that loads the checkpoint (a multimodal container's
+    ``AutoModelForImageTextToText``)."""
+    return HOW_TO_LOAD.replace("AutoModelForCausalLM", auto_class)
 
 _CONFIG_TEMPLATE = '''\
 """Config of an expert-pruned {base_model} whose MoE layers keep different numbers of experts.
@@ -73,6 +81,7 @@ the weights load, exactly as ompmoe.load_pruned does; routing and the experts ke
 code over those experts.
 """
 
+import torch
 from torch import nn
 from transformers import {base_model} as _BaseForCausalLM
 
@@ -80,27 +89,47 @@ from .configuration_ompmoe_pruned import {config_class}
 
 ROUTER_ATTR = {router_attr!r}
 COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
+EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes")  # a router's rows past its experts, kept whole
 
 
-def _axis(tensor, old):
+def _axis(tensor, old, extra=0):
     """The axis indexed by expert: the first, or the second of a (1, experts) row."""
-    if tensor.dim() > 0 and tensor.shape[0] == old:
+    if tensor.dim() > 0 and tensor.shape[0] in (old, old + extra):
         return 0
     return 1 if tensor.dim() == 2 and tensor.shape[0] == 1 and tensor.shape[1] == old else None
 
 
-def _shrink(module, old, new, count_attributes=COUNT_ATTRIBUTES):
+def _kept(tensor, axis, old, new):
+    """The first `new` experts, and any rows past the `old` experts (a router's shared or skip rows)."""
+    kept = tensor.detach().narrow(axis, 0, new)
+    if tensor.shape[axis] > old:
+        kept = torch.cat([kept, tensor.detach().narrow(axis, old, tensor.shape[axis] - old)], dim=axis)
+    return kept.clone()
+
+
+def _extra_rows(router, old):
+    for module in router.modules():
+        for key in EXTRA_CLASS_KEYS:
+            value = getattr(module, key, None)
+            if isinstance(value, int) and value > old:
+                return value - old
+    return 0
+
+
+def _shrink(module, old, new, count_attributes=COUNT_ATTRIBUTES, extra=0):
     """Keep the first `new` experts of every tensor indexed by expert and update the stored counts."""
     for name, tensor in list(module.named_parameters(recurse=False)):
-        if (axis := _axis(tensor, old)) is not None:
-            kept = tensor.detach().narrow(axis, 0, new).clone()
-            setattr(module, name, nn.Parameter(kept, requires_grad=tensor.requires_grad))
+        if (axis := _axis(tensor, old, extra)) is not None:
+            setattr(module, name, nn.Parameter(_kept(tensor, axis, old, new), requires_grad=tensor.requires_grad))
     for name, tensor in list(module.named_buffers(recurse=False)):
-        if tensor is not None and (axis := _axis(tensor, old)) is not None:
-            module._buffers[name] = tensor.narrow(axis, 0, new).clone()
+        if tensor is not None and (axis := _axis(tensor, old, extra)) is not None:
+            module._buffers[name] = _kept(tensor, axis, old, new)
     for attr in count_attributes:
         if getattr(module, attr, None) == old:
             setattr(module, attr, new)
+    for attr in EXTRA_CLASS_KEYS if extra else ():
+        if getattr(module, attr, None) == old + extra:
+            setattr(module, attr, new + extra)
 
 
 class {model_class}(_BaseForCausalLM):
@@ -129,38 +158,44 @@ class {model_class}(_BaseForCausalLM):
                     f"config.ompmoe keeps {{len(ids)}} experts in {{name}} but the config builds {{old}}; "
                     "the checkpoint is corrupt."
                 )
-            for module in (*getattr(block, ROUTER_ATTR).modules(), block.experts):
-                _shrink(module, old, len(ids))
+            router = getattr(block, ROUTER_ATTR)
+            extra = _extra_rows(router, old)
+            for module in router.modules():
+                _shrink(module, old, len(ids), extra=extra)
+            _shrink(block.experts, old, len(ids))
             _shrink(block, old, len(ids), ())  # a routing bias the block keeps and passes into its router
 '''
 
 
 def write_remote_code(
-    directory: str | Path, base_config: str, base_model: str, count_json_key: str, router_attr: str
+    directory: str | Path, base_config: str, base_model: str, router_attr: str,
+    auto_classes: list[str] | tuple[str, ...] = ("AutoModelForCausalLM",),
 ) -> None:
     """Add the remote code to a saved non-uniform checkpoint and make its ``config.json`` (which must hold the
-    ``ompmoe`` record) point to it; its ``count_json_key`` is set to the largest per-layer count."""
+    ``ompmoe`` record and, as :func:`~ompmoe.prune` sets it, the count that builds the largest layer) point to it for
+    ``AutoConfig`` and each of ``auto_classes`` (a multimodal container's ``AutoModelForImageTextToText``)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    config_class = f"OmpmoePruned{base_model.removesuffix('ForCausalLM')}Config"
+    config_class = f"OmpmoePruned{base_model.removesuffix('ForCausalLM').removesuffix('ForConditionalGeneration')}Config"
     model_class = f"OmpmoePruned{base_model}"
+    loading = how_to_load(auto_classes[0])
     values = dict(base_config=base_config, base_model=base_model, router_attr=router_attr, config_class=config_class,
-                  model_class=model_class, how_to_load=HOW_TO_LOAD)
+                  model_class=model_class, how_to_load=loading)
     (directory / CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(**values))
     (directory / MODELING_FILE).write_text(_MODELING_TEMPLATE.format(**values))
-    config[count_json_key] = max(len(ids) for ids in config["ompmoe"]["kept_experts"].values())
-    config["experts_implementation"] = HOW_TO_LOAD
+    config["experts_implementation"] = loading
     config["auto_map"] = {
         "AutoConfig": f"{CONFIG_FILE.removesuffix('.py')}.{config_class}",
-        "AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.{model_class}",
+        **{name: f"{MODELING_FILE.removesuffix('.py')}.{model_class}" for name in auto_classes},
     }
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def is_non_uniform(config_dict: dict[str, Any]) -> bool:
     """Whether ``config_dict`` is a checkpoint written by :func:`write_remote_code`."""
-    return config_dict.get("experts_implementation") == HOW_TO_LOAD
+    value = config_dict.get("experts_implementation")
+    return isinstance(value, str) and any(value == how_to_load(name) for name in AUTO_CLASSES.values())
 
 
 def stock_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
+from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
 from ..apply.pruning import _check_record, _slice_layer
 from ..planning.plan import PlanMismatchError
@@ -24,27 +25,28 @@ from .config import load_stock_config
 from .weights import FIX, CheckpointWeightsError, _names, check_loading_info, check_weight_files, weight_files
 
 
-def _causal_lm_class(config: Any) -> type:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    expected = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+def _model_class(config: Any) -> type:
+    """The class ``config.json`` names when transformers registers it for the model type (a multimodal MoE's
+    container keeps its towers), else the type's default (:func:`default_model_class`)."""
+    classes = model_classes(config)
     names = getattr(config, "architectures", None) or []
     if not isinstance(names, (list, tuple)):
         names = [names]
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         fits = isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")
-        if fits and (expected is None or issubclass(cls, expected)):
+        if fits and (not classes or issubclass(cls, tuple(classes))):
             return cls
-        if expected is not None:
+        if classes:
+            loads = " or ".join(cls.__name__ for cls in classes)
             raise PlanMismatchError(f"config.json names architectures={list(names)}, but {name} is not a causal-LM "
-                                    f"class for model_type={config.model_type!r}; ompmoe loads {expected.__name__}. "
-                                    f'Set "architectures": ["{expected.__name__}"] in config.json.')
-    if expected is None:
+                                    f"or multimodal class for model_type={config.model_type!r}; ompmoe loads {loads}. "
+                                    f'Set "architectures": ["{classes[0].__name__}"] in config.json.')
+    if not classes:
         model_type = getattr(config, "model_type", None)
         raise PlanMismatchError(f"config.json (model_type={model_type!r}, architectures={list(names)}) has no "
-                                "causal-LM class in transformers; load_pruned loads causal LMs only.")
-    return expected
+                                "causal-LM or multimodal class in transformers; load_pruned loads those only.")
+    return default_model_class(config)
 
 
 def _check_weight_shapes(path: str | os.PathLike, cls: type, config: Any) -> None:
@@ -53,7 +55,6 @@ def _check_weight_shapes(path: str | os.PathLike, cls: type, config: Any) -> Non
     on a transposed one inside its loading report instead of naming it. Names the model does not save are left to
     the loading report (missing / unexpected)."""
     from transformers.core_model_loading import revert_weight_conversion
-
 
     files = weight_files(path)
     if not files:
@@ -81,6 +82,18 @@ def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) 
         raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 
 
+def _integer_tensors(model_class: type, config: Any) -> set[str]:
+    """Names (as ``save_pretrained`` writes them) of the tensors a model of ``model_class`` holds as integers (a
+    token-to-expert table), read off a skeleton without weights."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skeleton = model_class._from_config(config)
+    saved = revert_weight_conversion(skeleton, skeleton.state_dict())
+    return {name for name, tensor in saved.items() if not tensor.is_floating_point()}
+
+
 @quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
@@ -89,8 +102,8 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
     require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
-    check_weight_files(path)
-    base = _causal_lm_class(config)
+    base = _model_class(config)
+    check_weight_files(path, lambda: _integer_tensors(base, config))
     record = pruning_info(config)
     cls = base
     if record is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
 from ..record import within_tolerance
 from .config import finetune_records
@@ -215,19 +216,22 @@ def model_card(
     for name, ids in kept.items():
         lines.append(f"| `{name}` | {len(ids)} | {original.get(name, '?')} | {', '.join(map(str, ids))} |")
     lines += ["", "## How to load", ""]
+    auto_class = auto_class_of(config)
+    # lm-eval's `hf` loads causal LMs; its `hf-multimodal` the image-text-to-text classes (generation tasks).
+    lm_eval_model = "hf" if auto_class == "AutoModelForCausalLM" else "hf-multimodal"
     if uniform:
         lines += [
             "Every MoE layer keeps the same number of experts, so this is a standard checkpoint of the original "
             "architecture: any tool that loads the base model loads it (transformers, lm-eval, vLLM, ...).",
             "",
             "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")',
+            f"from transformers import {auto_class}, AutoTokenizer",
+            f'model = {auto_class}.from_pretrained("path/to/this/directory")',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
             "```",
             "",
             "```bash",
-            "lm_eval --model hf --model_args pretrained=path/to/this/directory --tasks ...",
+            f"lm_eval --model {lm_eval_model} --model_args pretrained=path/to/this/directory --tasks ...",
             "```",
         ]
     else:
@@ -237,8 +241,8 @@ def model_card(
             "`auto_map`; they need only torch and transformers), so load it with remote code, or with ompmoe:",
             "",
             "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory", trust_remote_code=True)',
+            f"from transformers import {auto_class}, AutoTokenizer",
+            f'model = {auto_class}.from_pretrained("path/to/this/directory", trust_remote_code=True)',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")  # needs no remote code',
             "# or, with ompmoe installed (no remote code):",
             "import ompmoe",
@@ -246,7 +250,8 @@ def model_card(
             "```",
             "",
             "```bash",
-            "lm_eval --model hf --model_args pretrained=path/to/this/directory,trust_remote_code=True --tasks ...",
+            f"lm_eval --model {lm_eval_model} --model_args pretrained=path/to/this/directory,trust_remote_code=True "
+            "--tasks ...",
             "```",
             "",
             "Without `trust_remote_code=True`, transformers refuses to build the model (also with "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ..safetensors_header import FLOATING, CorruptSafetensorsError, read_header
@@ -37,14 +38,18 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
-def check_weight_files(path: str | os.PathLike) -> None:
-    """Every weight file's header is consistent and every tensor is floating point."""
+def check_weight_files(path: str | os.PathLike, integer_tensors: Callable[[], set[str]] | None = None) -> None:
+    """Every weight file's header is consistent and every tensor is floating point, except those the model itself
+    holds as integers (``integer_tensors()``, asked only when a file has any: DeepSeek-V4's token-to-expert table)."""
     for file in weight_files(path):
         try:
             tensors = read_header(file)
         except CorruptSafetensorsError as error:
             raise CheckpointWeightsError(f"{error}. {FIX}") from None
         integral = [name for name, entry in tensors.items() if entry["dtype"] not in FLOATING]
+        if integral and integer_tensors is not None:
+            held = integer_tensors()
+            integral = [name for name in integral if name not in held]
         if integral:
             kinds = sorted({tensors[name]["dtype"] for name in integral})
             raise CheckpointWeightsError(

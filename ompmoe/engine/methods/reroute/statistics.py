@@ -116,7 +116,7 @@ class RerouteRecorder:
                 extended = module.forward(*args)
         finally:
             module.top_k -= 1
-        self._extended[index] = (extended[-1].detach(), extended[-2].detach())
+        self._extended[index] = (extended[2].detach(), extended[1].detach())  # (logits, weights, ids, ...)
 
     def _experts_pre_hook(self, index: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self._hidden[index] = (args[0] if args else next(iter(kwargs.values()))).detach()

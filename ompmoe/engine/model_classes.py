@@ -1,0 +1,76 @@
+"""Which transformers class builds or loads a model ompmoe prunes: the causal LM, or for a multimodal MoE the
+container class its checkpoint names (vision and audio towers kept, only the text decoder's experts pruned)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+AUTO_CLASSES = {
+    "MODEL_FOR_CAUSAL_LM_MAPPING": "AutoModelForCausalLM",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING": "AutoModelForImageTextToText",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING": "AutoModelForMultimodalLM",
+}
+"""transformers' model mappings ompmoe loads from, each with the Auto class that reads it (causal LM first)."""
+
+
+def text_config(config: Any) -> Any:
+    """The config of the model's text decoder, where the expert count and hidden size live: ``config`` itself, or a
+    multimodal container's text sub-config (Qwen3-VL-MoE's ``text_config``)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def text_config_attribute(config: Any) -> str | None:
+    """The attribute of a multimodal container's config that holds its text config (``"text_config"``); ``None``
+    when ``config`` is the text config."""
+    inner = text_config(config)
+    return next((name for name in getattr(config, "sub_configs", None) or {} if getattr(config, name, None) is inner),
+                None) if inner is not config else None
+
+
+def _registered(config_type: type) -> dict[str, type]:
+    """``{auto class name: model class}`` for every mapping of :data:`AUTO_CLASSES` that knows ``config_type``."""
+    import transformers.models.auto.modeling_auto as auto
+
+    found = {}
+    for mapping, auto_class in AUTO_CLASSES.items():
+        registered = getattr(auto, mapping, None)
+        if registered is not None and config_type in registered:
+            found[auto_class] = registered[config_type]
+    return found
+
+
+def model_classes(config: Any) -> list[type]:
+    """The model classes ompmoe may load ``config`` with: its causal LM and its multimodal container classes."""
+    return list(dict.fromkeys(_registered(type(config)).values()))
+
+
+def default_model_class(config: Any) -> type:
+    """The class a model of ``config`` is built with when nothing names one: for a multimodal container config
+    (one with a text sub-config) its container class, so a pruned checkpoint keeps its towers; else the causal LM."""
+    registered = _registered(type(config))
+    if not registered:
+        raise ValueError(f"transformers has no causal-LM or multimodal model class for "
+                         f"model_type={getattr(config, 'model_type', None)!r} ({type(config).__name__}).")
+    multimodal = [cls for name, cls in registered.items() if name != "AutoModelForCausalLM"]
+    if multimodal and text_config_attribute(config) is not None:
+        return multimodal[0]
+    return registered.get("AutoModelForCausalLM", next(iter(registered.values())))
+
+
+def auto_class_names(config: Any, model_class: type) -> list[str]:
+    """The Auto classes that load ``model_class`` for ``config`` (the ``auto_map`` keys remote code registers)."""
+    return [name for name, cls in _registered(type(config)).items() if issubclass(model_class, cls)]
+
+
+def auto_class_of(config_dict: dict[str, Any]) -> str:
+    """The Auto class that loads a saved ``config.json`` (as a dict) as the class it names: the causal LM, else the
+    multimodal Auto class that maps its type to that class (``AutoModelForImageTextToText`` for Qwen3-VL-MoE)."""
+    import transformers
+
+    model_type = config_dict.get("model_type")
+    config_class = transformers.CONFIG_MAPPING[model_type] if model_type in transformers.CONFIG_MAPPING else None
+    names = set(config_dict.get("architectures") or [])
+    registered = _registered(config_class) if config_class is not None else {}
+    return next((auto for auto, cls in registered.items() if cls.__name__ in names),
+                next(iter(registered), "AutoModelForCausalLM"))
