@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,19 +98,29 @@ def save_checkpoint(
     dtype: torch.dtype | str | None = None,
     calibration: str | None = None,
     final_path: str | os.PathLike | None = None,
+    write_weights: Callable[[Path], None] | None = None,
     **save_kwargs: Any,
 ) -> dict[str, Any]:
     """Write ``model`` and everything stock tools need into the (empty, temporary) ``directory``. ``dtype``: on
     disk; ``None`` keeps the source checkpoint's, else the model's. ``final_path``: where ``directory`` will be moved
-    (named in the warning). Returns ``dtype``, ``tokenizer``, ``remote_code``."""
+    (named in the warning). ``write_weights``: writes the weight files instead of ``save_pretrained`` (a model
+    without weights, pruned from its source files tensor by tensor); config and the rest are written as for any
+    model. Returns ``dtype``, ``tokenizer``, ``remote_code``."""
     directory = Path(directory)
     target = _resolve_dtype(dtype) or source_dtype(model)
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     cast = target is not None and current is not None and target != current and "state_dict" not in save_kwargs
-    if cast:
-        save_kwargs["state_dict"] = _cast_state_dict(model, target)
-    with quiet_calls():  # no "Writing model shards" bar; the caller's own saves keep theirs
-        model.save_pretrained(directory, **save_kwargs)
+    if write_weights is not None:
+        if cast:
+            raise ValueError(f"A checkpoint written from its source files keeps their dtype ({current}); got dtype="
+                             f"{dtype!r}. Load the model to save it in another dtype.")
+        _save_config_like_save_pretrained(model, directory)
+        write_weights(directory)
+    else:
+        if cast:
+            save_kwargs["state_dict"] = _cast_state_dict(model, target)
+        with quiet_calls():  # no "Writing model shards" bar; the caller's own saves keep theirs
+            model.save_pretrained(directory, **save_kwargs)
     written_tokenizer = resolve_tokenizer(tokenizer, model)
     if written_tokenizer is not None:
         written_tokenizer.save_pretrained(directory)
@@ -140,6 +150,19 @@ def save_checkpoint(
     model_id = record.get("plan", {}).get("model_id") or source_name(model)
     (directory / "README.md").write_text(model_card(config, model_id, calibration, info))
     return info
+
+
+def _save_config_like_save_pretrained(model: nn.Module, directory: Path) -> None:
+    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them (its class as the
+    architecture, its dtype), for a model whose weights are written apart."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        model.config.dtype = str(dtype).split(".")[1]
+    model.config.architectures = [_stock_class(type(model)).__name__]
+    model.config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+        generation.save_pretrained(directory)
 
 
 def _stock_class(cls: type) -> type:

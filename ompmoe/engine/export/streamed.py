@@ -1,0 +1,156 @@
+"""A pruned checkpoint written from its source files one decoder layer at a time, never holding the model: each
+layer is read (as ``from_pretrained`` converts it), cut to the plan's experts (as :func:`~ompmoe.prune` cuts them),
+converted back to the file format (as ``save_pretrained`` writes it) and written into safetensors shards by
+parallel writers while the next layer is read. The tensors are those ``save_pruned`` writes for the same plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adapters import architecture_of, find_moe_layers
+from ..apply.pruning import _slice_layer, prune
+from ..io import atomic_path
+from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
+from ..planning.plan import PruningPlan
+from .checkpoint import save_checkpoint
+
+SHARD_BYTES = 5 * 1024**3
+"""Largest shard written (a tensor bigger than this gets a shard of its own); several shards write in parallel."""
+WRITERS = 4
+"""Shards written at once."""
+
+
+def _file_tensors(model: nn.Module, prefix: str, outside: bool) -> dict[str, torch.Tensor]:
+    """The model tensors under ``prefix`` (with ``outside``: all the others), in the files' names and layout."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = {name: tensor for name, tensor in model.state_dict().items()
+             if name.startswith(prefix) != outside and tensor.device.type != "meta"}
+    state = remove_tied_weights_from_state_dict(state, model)
+    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
+
+
+class _ShardWriter:
+    """Groups tensors into shards of at most :data:`SHARD_BYTES` and writes each on a thread as it fills."""
+
+    def __init__(self, directory: Path, shard_bytes: int, workers: int) -> None:
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.pending: list[Future] = []
+        self.current: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.shards: list[list[str]] = []
+        self.bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self.current and self.size + size > self.shard_bytes:
+                self._flush()
+            self.current[name] = tensor
+            self.size += size
+            self.bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        index = len(self.shards)
+        self.shards.append(list(self.current))
+        path = self.directory / f"model-{index + 1:05d}.part.safetensors"
+        self.pending.append(self.pool.submit(save_file, self.current, str(path), metadata={"format": "pt"}))
+        self.current, self.size = {}, 0
+
+    def finish(self) -> int:
+        """Write the last shard, wait for all, name the shards as ``save_pretrained`` does and write the index;
+        returns the bytes written."""
+        if self.current or not self.shards:
+            self._flush()
+        for future in self.pending:
+            future.result()
+        self.pool.shutdown()
+        count = len(self.shards)
+        names = (["model.safetensors"] if count == 1 else
+                 [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        for index, name in enumerate(names):
+            (self.directory / f"model-{index + 1:05d}.part.safetensors").rename(self.directory / name)
+        if count > 1:
+            weight_map = {tensor: name for name, tensors in zip(names, self.shards) for tensor in tensors}
+            index_file = {"metadata": {"total_size": self.bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+        return self.bytes
+
+
+def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, directory: Path, *,
+                         device: torch.device | str = "cpu", shard_bytes: int = SHARD_BYTES, workers: int = WRITERS,
+                         timings: dict[str, float] | None = None) -> int:
+    """The pruned weight files of ``checkpoint``'s model under ``plan`` into ``directory``, layer by layer (the next
+    layer read while this one is cut and written); returns the bytes written."""
+    model = checkpoint.model
+    prefix, layers = decoder_layers(model)
+    spec = architecture_of(model)
+    kept = plan.kept_by_layer()
+    moe_layers = find_moe_layers(model)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    writer = _ShardWriter(directory, shard_bytes, workers)
+    times = timings if timings is not None else {}
+    started = time.perf_counter()
+    parts = [(prefix, True)] + [(f"{prefix}{index}.", False) for index in range(len(layers))]
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        read = reader.submit(checkpoint.fill, (parts[0][0],), device, dtype, parts[0][1])
+        for position, (part, outside) in enumerate(parts):
+            read.result()
+            if position + 1 < len(parts):
+                following, outside_next = parts[position + 1]
+                read = reader.submit(checkpoint.fill, (following,), device, dtype, outside_next)
+            for layer in moe_layers:
+                if f"{layer.name}.".startswith(part) and not outside:
+                    _slice_layer(layer, torch.tensor(sorted(kept[layer.name]), dtype=torch.long),
+                                 spec.count_attributes)
+            writer.add({name: tensor.cpu() for name, tensor in _file_tensors(model, part, outside).items()})
+            if outside:
+                checkpoint.empty_outside(part)
+            else:
+                checkpoint.empty(layers[position - 1])
+    written = writer.finish()
+    times["write"] = time.perf_counter() - started
+    return written
+
+
+def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: str | os.PathLike, *,
+                           tokenizer: Any | None = None, overwrite: bool = False, calibration: str | None = None,
+                           inputs: Iterable[str | os.PathLike] = (), device: torch.device | str = "cpu",
+                           timings: dict[str, float] | None = None) -> Path:
+    """:func:`~ompmoe.save_pruned` of ``source`` (a local safetensors checkpoint) pruned by ``plan``, written
+    atomically from its files one decoder layer at a time: the model is never in memory, and the directory is the
+    one ``save_pruned(prune(load(source), plan))`` writes (config, tokenizer, remote code, card; the same tensors)."""
+    import transformers
+
+    from .config import load_stock_config
+
+    config = load_stock_config(source)
+    dtype = checkpoint_dtype(config)
+    source_model = build_skeleton(config, dtype=dtype)
+    pruned = prune(build_skeleton(load_stock_config(source), dtype=dtype), plan)  # config, record: no weights
+    pruned.config._name_or_path = str(source)
+    generation = Path(source) / "generation_config.json"
+    if generation.is_file() and getattr(pruned, "generation_config", None) is not None:
+        pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
+    with LazyCheckpoint(source, source_model) as checkpoint, \
+            atomic_path(path, overwrite=overwrite, directory=True, inputs=[source, *inputs]) as tmp:
+        save_checkpoint(pruned, tmp, tokenizer=tokenizer, calibration=calibration, final_path=path,
+                        write_weights=lambda directory: write_pruned_weights(checkpoint, plan, directory,
+                                                                             device=device, timings=timings))
+    return Path(path)
+
+
+__all__ = ["SHARD_BYTES", "save_pruned_from_files", "write_pruned_weights"]

@@ -1,0 +1,169 @@
+"""A checkpoint read one part at a time: a model skeleton without weights, whose modules are filled from the
+safetensors files (through transformers' own key renaming and tensor conversions) and emptied again, so that a model
+bigger than memory is handled one decoder layer at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model_classes import default_model_class
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter created inside is put on the meta device (buffers stay real: rotary frequencies and other
+    non-persistent buffers are computed once, as the model's own ``__init__`` computes them); no weight is
+    initialized. As accelerate's ``init_empty_weights(include_buffers=False)``."""
+    from transformers.initialization import no_init_weights
+
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            kwargs = dict(requires_grad=param.requires_grad)
+            module._parameters[name] = type(param)(module._parameters[name].to("meta"), **kwargs)  # type: ignore[call-arg]
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint's ``config.json`` records (what ``from_pretrained(dtype="auto")`` loads), float32 when
+    it records none."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def build_skeleton(config: Any, model_class: type | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model ``config`` describes, its parameters on the meta device (no memory, no initialization) and its
+    buffers real, in eval mode."""
+    model_class = model_class or default_model_class(config)
+    with _parameters_on_meta(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The ``.safetensors`` files of a checkpoint directory, the shards of its index too; a clear error otherwise."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = json.loads(index.read_text()).get("weight_map", {}).values()
+        return [directory / name for name in sorted(set(shards))]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{directory} has no safetensors weights (model.safetensors or "
+                            "model.safetensors.index.json); layer-by-layer calibration reads only those. Convert the "
+                            "checkpoint with save_pretrained(..., safe_serialization=True).")
+
+
+class LazyCheckpoint:
+    """The tensors of a checkpoint opened lazily (memory-mapped, nothing read until a module is filled) and the
+    model skeleton they fill: :meth:`fill` materializes the modules under a prefix, :meth:`empty` frees them."""
+
+    def __init__(self, path: str | os.PathLike, model: nn.Module) -> None:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        self.path, self.model = Path(path), model
+        self._files = [safe_open(str(file), framework="pt", device="cpu") for file in checkpoint_files(path)]
+        self.slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys()}
+        self.mapping = get_model_conversion_mapping(model)
+        renamings = [entry for entry in self.mapping if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in self.mapping if isinstance(entry, WeightConverter)]
+        expected = model.state_dict()
+        self.target = {}
+        for key in self.slices:  # the model tensor each file tensor loads into, as from_pretrained renames it
+            renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+            if renamed not in expected and key in expected:
+                renamed = key
+            self.target[key] = renamed
+        self.used: list[Any] = []
+
+    def keys_under(self, prefixes: tuple[str, ...], outside: bool = False) -> list[str]:
+        """The file tensors that load into model tensors under any of ``prefixes`` (with ``outside``: under none)."""
+        return [key for key, target in self.target.items() if target.startswith(prefixes) != outside]
+
+    def fill(self, prefixes: tuple[str, ...], device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+             outside: bool = False) -> None:
+        """Materialize the model tensors under ``prefixes`` (with ``outside``: all the others) from the files on
+        ``device``, converted exactly as ``from_pretrained`` converts them (fused experts, renamed keys); ``dtype``
+        as ``from_pretrained``'s."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        part = {key: self.slices[key] for key in self.keys_under(prefixes, outside)}
+        config = LoadStateDictConfig(weight_mapping=self.mapping, dtype=dtype, device_map={"": device},
+                                     dtype_plan=self.model._get_dtype_plan(dtype) if dtype is not None else {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            info, _ = convert_and_load_state_dict_in_model(self.model, part, config)
+        for conversion in getattr(self.model, "_weight_conversions", []) or []:
+            if not any(conversion is seen for seen in self.used):
+                self.used.append(conversion)
+        self.model._weight_conversions = [entry for entry in self.mapping if any(entry is seen for seen in self.used)]
+        if info.mismatched_keys or info.conversion_errors:
+            problems = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
+            raise ValueError(f"{self.path} does not match the model under {', '.join(prefixes)}: {problems[:5]}.")
+
+    def empty(self, module: nn.Module) -> None:
+        """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""
+        for child in module.modules():
+            _empty_own(child)
+
+    def empty_outside(self, prefix: str) -> None:
+        """:meth:`empty` every module of the model not under ``prefix`` (the decoder layers)."""
+        for name, module in self.model.named_modules():
+            if not f"{name}.".startswith(prefix):
+                _empty_own(module)
+
+    def close(self) -> None:
+        self._files.clear()
+        self.slices.clear()
+
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _empty_own(module: nn.Module) -> None:
+    for name, parameter in list(module._parameters.items()):
+        if parameter is not None and parameter.device.type != "meta":
+            module._parameters[name] = nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                                    requires_grad=parameter.requires_grad)
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and name not in module._non_persistent_buffers_set and buffer.device.type != "meta":
+            module._buffers[name] = torch.empty_like(buffer, device="meta")
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(prefix, layers)`` of the text decoder's layer list (``model.layers`` of a causal LM, the language model's
+    in a multimodal container): what layer-by-layer calibration runs one at a time."""
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder layer list (`.layers` of {type(decoder).__name__}); "
+                         "layer-by-layer calibration needs one. Calibrate it resident instead.")
+    name = next(name for name, module in model.named_modules() if module is layers)
+    return name + ".", layers
