@@ -23,6 +23,7 @@ from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.planning.strategy import Strategy
 from ompmoe.engine.ranks import RunContext
 from ompmoe.engine.run import PruningRun, RunOptions
+from ompmoe.lightning import layer_by_layer
 from ompmoe.lightning.fabric import RunResults
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model"]
@@ -114,6 +115,8 @@ class ExpertPruning(RunResults, pl.Callback):
                 "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
                 "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
             )
+        if self.pruning.options.layer_by_layer:
+            layer_by_layer.prepare(trainer, pl_module)
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
         inputs = inputs_of(pl_module, getattr(trainer, "datamodule", None))
         self.pruning.check_output(trainer_context(trainer), inputs + local_inputs(self.pruning.options.tokenizer))
@@ -147,6 +150,8 @@ class ExpertPruning(RunResults, pl.Callback):
                 "ompmoe.CalibrationDataModule (its loader is resumable) or a stateful DataLoader."
             )
         self._real_samples = real_sample_count(getattr(loader, "sampler", None))
+        if self.pruning.options.layer_by_layer:
+            layer_by_layer.calibrate(self.pruning, trainer, pl_module, self.batch_to_inputs)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

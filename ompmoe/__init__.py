@@ -17,6 +17,8 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
                          "reset_adaptive_counters"),
     ".engine.planning.allocation": ("ALLOCATIONS", "AllocationProblem", "InfeasibleBudgetError", "register_allocation"),
     ".engine.collect.collector": ("CalibrationInputError", "StatisticsCollector", "collect_stats"),
+    ".engine.collect.layerwise": ("LayerwiseUnsupportedError", "collect_stats_layerwise"),
+    ".engine.export.streamed": ("save_pruned_from_files",),
     ".engine.apply.compensation": ("Compensation", "CompensationError", "compensate"),
     ".engine.io": ("OutputExistsError", "OutputNotReplaceableError", "OutputNotWritableError"),
     ".engine.perplexity": ("perplexity",),

@@ -150,8 +150,11 @@ def replan(
                        dtype=dtype, plots=False) for r in ratio]
     for run in runs:  # plans are microseconds: all made (and checked) before any model loads
         run.replan(statistics)
+    # Nothing in memory differs from the files (no refit, no held-out perplexity, the source dtype): each pruned
+    # checkpoint is written from the model's files one decoder layer at a time, the model never loaded.
+    source = _streamable_source(model, dtype) if model is not None and not refit.granularity and not heldout else None
     if model is not None:
-        _load_model(model, statistics)  # refuse a mismatched model before writing anything
+        _check_model(model, statistics, source)  # refuse a mismatched model before writing anything
     text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
         None, None)
     heldout_blocks, heldout_record = _heldout_blocks(heldout, tokenizer or model)
@@ -167,7 +170,9 @@ def replan(
                       f"{auto_note(run.strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{run.strategy.ratio:g}"
-            loaded = _load_model(model, statistics) if model is not None else None
+            loaded = (_skeleton(source) if source is not None else
+                      _load_model(model, statistics) if model is not None else None)
+            run.source = str(source) if source is not None else None
             if heldout_record:  # as a fit records it: the plans of both say what they were measured on
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
             if loaded is not None and heldout_blocks and not original:
@@ -393,6 +398,43 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     for path in [] if quiet else written:
         print(path)
     return written
+
+
+def _streamable_source(name: str, dtype: str | None) -> Path | None:
+    """The local safetensors checkpoint of ``name`` when ``ompmoe prune`` can write from its files (never a tiny
+    model, nor a new dtype), else ``None`` (then the model is loaded)."""
+    from .lightning.layer_by_layer import local_checkpoint
+    from .lightning.models import is_tiny
+
+    if is_tiny(name) or dtype is not None:
+        return None
+    try:
+        return local_checkpoint(name)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def _skeleton(source: Path) -> Any:
+    """The model of ``source`` without weights (its files are read layer by layer when it is written)."""
+    from .engine.export.config import load_stock_config
+    from .engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+
+    config = load_stock_config(source)
+    return build_skeleton(config, dtype=checkpoint_dtype(config))
+
+
+def _check_model(name: str, statistics: Any, source: Path | None) -> None:
+    """Refuse a model the statistics were not collected on, before anything is written: on its skeleton when it
+    will be written from its files (nothing loaded), else loaded."""
+    if source is None:
+        _load_model(name, statistics)
+        return
+    from .lightning.calibration_module import check_prunable
+
+    check_prunable(name, option="--model", action="prune", statistics_model=statistics.model_id)
+    skeleton = _skeleton(source)
+    skeleton.config._name_or_path = name
+    statistics.check_compatible(skeleton)
 
 
 def _load_model(name: str, statistics: Any) -> Any:

@@ -177,7 +177,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 SHORT_OPTIONS = {"ratio": "strategy", "method": "strategy", "allocation": "strategy", "output_dir": "run",
-                 "overwrite": "run"}
+                 "overwrite": "run", "layer_by_layer": "run"}
 """The options every front door takes by their short names (``fit`` maps them into its ``ExpertPruning``)."""
 SCRIPT_SKIPS = {"strategy", "tokenizer", "dtype"}
 """Run options a script names otherwise: the strategy's own fields, ``--model.tokenizer``, ``--save_dtype``."""
@@ -193,7 +193,7 @@ def add_run_options(parser: Any, short_only: bool = False) -> None:
     if short_only:
         for name, owner in SHORT_OPTIONS.items():
             source = PruningStrategy if owner == "strategy" else RunOptions
-            annotation = {"ratio": float, "overwrite": bool}.get(name, str)
+            annotation = {"ratio": float, "overwrite": bool, "layer_by_layer": bool}.get(name, str)
             parser.add_argument(f"--{name}", type=annotation | None, default=None,  # type: ignore[operator]
                                 help=f"{_field_help(source, name)} (replaces the ExpertPruning callback's "
                                      f"{'strategy.' * (owner == 'strategy')}{name})")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +95,15 @@ class RunOptions:
             it raises the loss on the choice blocks (by more than 0.02 nats); ``linear``, ``expert`` or ``layer``:
             that correction for any method, always applied; ``off``: none (``auto`` with a method named outright,
             e.g. the paper's ``omp``, is ``off`` too). Recorded in ``plan.json`` and the model card.
+        layer_by_layer: Calibrate and write a model bigger than memory: the model is a weightless skeleton, each
+            decoder layer is read from the checkpoint's safetensors files, runs every calibration block and is freed
+            (:func:`ompmoe.collect_stats_layerwise`; the same statistics), and the pruned checkpoint is written from
+            the files layer by layer (:func:`ompmoe.save_pruned_from_files`; the same tensors). What needs the whole
+            model is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
+            setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
+            without a trial, without compensation and without ``evaluate_on``'s held-out perplexity (evaluate the
+            saved model instead: ``ompmoe validate``); loss-aware statistics, a compensation asked for by name and
+            a ``dtype`` are refused.
     """
 
     strategy: Strategy | None = None
@@ -111,9 +122,12 @@ class RunOptions:
     evaluate_blocks: int | None = None
     choice_blocks: int | None = None
     compensation: str = "auto"
+    layer_by_layer: bool = False
 
     def __post_init__(self) -> None:
         check_compensation_mode(self.compensation)
+        if self.layer_by_layer:
+            refuse_whole_model_options(self)
         if self.choice_blocks is not None and self.choice_blocks < 0:
             raise ValueError(f"choice_blocks must be >= 0 (0: no trial of auto's candidate plans); "
                              f"got {self.choice_blocks}.")
@@ -129,6 +143,44 @@ class RunOptions:
             raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
         self.statistics = selected_statistics(self.statistics or (), loss_aware=self.loss_aware, reroute=self.reroute)
         self.evaluate_on = list(self.evaluate_on or [])
+
+
+LAYER_BY_LAYER = "layer by layer"
+"""``plan.extra["calibration"]["mode"]`` of a run calibrated one decoder layer at a time (resident runs record none)."""
+
+
+def refuse_whole_model_options(options: RunOptions) -> None:
+    """Refuse, before any work, what ``layer_by_layer`` cannot run (it needs the whole model), saying what runs."""
+    whole = "needs the whole model in memory, which layer_by_layer never holds"
+    if options.loss_aware or "loss_aware" in (options.statistics or []):
+        raise ValueError(f"layer_by_layer cannot collect loss-aware statistics: their backward {whole}. Remove "
+                         "loss_aware (auto then takes the paper's omp + waterfill), or calibrate resident.")
+    if options.dtype is not None:
+        raise ValueError(f"layer_by_layer writes the checkpoint's tensors as its files store them; got "
+                         f"dtype={options.dtype!r}. Remove dtype (save_dtype), or calibrate resident.")
+    if options.compensation not in (AUTO, "off"):
+        raise ValueError(f"layer_by_layer cannot fit compensation={options.compensation!r}: the fit {whole}. Pass "
+                         "compensation='off' (auto is off layer by layer), or calibrate resident.")
+
+
+def layer_by_layer_strategy(strategy: Strategy, model_type: str | None, heldout: bool) -> tuple[Strategy, str]:
+    """``strategy`` as layer-by-layer calibration runs it, and the line that says so: ``auto`` becomes its first
+    setting needing no loss-aware statistics (the trial of its settings needs the whole model); ``heldout``: the
+    run was asked for held-out perplexity, left out."""
+    note = ("no plan trial, no compensation" + (", no held-out perplexity (evaluate_on; run ompmoe validate on the "
+                                                 "saved model)" if heldout else "") + ": each needs the whole model")
+    if not isinstance(strategy, PruningStrategy) or AUTO not in (strategy.method, strategy.allocation):
+        return strategy, f"ompmoe: calibrated {LAYER_BY_LAYER}: {note}"
+    settings = strategy.settings(model_type)
+    usable = [(m, a) for m, a in settings if "loss_aware" not in required_statistics(m, a)]
+    if not usable:
+        raise ValueError(f"layer_by_layer: every setting auto tries for {model_type} needs loss-aware statistics; "
+                         "name a method and allocation that need none (e.g. method='omp', allocation='waterfill').")
+    method, allocation = usable[0]
+    left = [f"{m} + {a}" for m, a in settings if (m, a) not in usable]
+    dropped = f"; auto's {', '.join(left)} needs loss-aware statistics" if left else ""
+    return (dataclasses.replace(strategy, method=method, allocation=allocation),
+            f"ompmoe: calibrated {LAYER_BY_LAYER}: auto takes {method} + {allocation}{dropped}; {note}")
 
 
 Step = typing.TypeVar("Step", bound=Callable[..., Any])
@@ -185,6 +237,11 @@ class PruningRun:
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
         self.heldout_tokens = 0
         """Tokens per held-out set behind :attr:`heldout_perplexity`."""
+        self.source: str | None = None
+        """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
+        self.layer_by_layer_line: str | None = None
+        self.timings: dict[str, float] = {}
+        """Seconds per step of a layer-by-layer run (``embed``, ``layers``, ``write``)."""
         self.reservation: Reservation | None = None
         """Rank 0's hold on ``output_dir`` from :meth:`check_output` until :meth:`write` (which releases it): another
         run checking the same output meanwhile is refused. A step of the run that fails releases it
@@ -220,17 +277,23 @@ class PruningRun:
         options = self.options
         routings = [(layer.name, layer.routing) for layer in find_moe_layers(model)]
         self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if options.layer_by_layer:  # before the statistics are settled: auto's loss-aware settings are left out
+            self.strategy, self.layer_by_layer_line = layer_by_layer_strategy(self.strategy, self.model_type,
+                                                                              bool(options.evaluate_on))
+            self.strategy_used = self.strategy
+            self.options = options = dataclasses.replace(options, evaluate_on=[])
         self.statistics = self._validate_strategies(routings)
         self.data = data
         if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
-        self.compensation_granularity = run_granularity(options.compensation, self.strategy, model)
+        self.compensation_granularity = (None if options.layer_by_layer else
+                                         run_granularity(options.compensation, self.strategy, model))
         self.calibration_data = calibration_data(data)
         self.collector = StatisticsCollector(model, model_id=model_id, sources=list(sources or []),
                                              statistics=self.statistics)
-        self.choice_data = self._choice_data(context)
+        self.choice_data = None if options.layer_by_layer else self._choice_data(context)
         return self.collector
 
     def _validate_strategies(self, routings: Sequence[tuple[str, dict[str, int]]]) -> list[str]:
@@ -299,6 +362,19 @@ class PruningRun:
         """One instrumented forward per batch in this process (a script's or the demo's loop); returns the count."""
         return self._collector().collect(batches, show_progress)
 
+    @_releases_output_on_failure
+    def collect_layer_by_layer(self, source: str | os.PathLike, batches: Iterable[Any],
+                               device: torch.device | str = "cpu", show_progress: bool | None = None) -> int:
+        """All calibration ``batches`` through the checkpoint at ``source`` one decoder layer at a time (the run's
+        model is its weightless skeleton; ``RunOptions.layer_by_layer``); returns the number of batches."""
+        from .collect.layerwise import collect_layerwise
+
+        if not self.options.layer_by_layer:
+            raise RuntimeError(f"{self.owner}: collect_layer_by_layer needs layer_by_layer=True.")
+        self.source = str(source)
+        return collect_layerwise(self._collector(), source, batches, device=device, progress=show_progress,
+                                 timings=self.timings)
+
     def _collector(self) -> StatisticsCollector:
         if self.collector is None:
             raise RuntimeError(f"{self.owner}: start(model, ...) must come before any batch.")
@@ -332,6 +408,8 @@ class PruningRun:
         batch_size = collector.batch_size or 4  # the calibration's (blocks as long as its own), 4 if it had none
         blocks = self.choice_data if choice_blocks is None else choice_blocks
         plan = self._plan(context, stats, model, blocks, batch_size)
+        if self.options.layer_by_layer:
+            plan = dataclasses.replace(plan, extra={**plan.extra, "calibration": {"mode": LAYER_BY_LAYER}})
         if self.options.evaluate_on:  # the same on every rank: what ``ompmoe prune`` measures its plans on again
             plan = dataclasses.replace(plan, extra={**plan.extra, "heldout": self.heldout_record()})
         self.stats, self.plan = stats, plan
@@ -347,6 +425,8 @@ class PruningRun:
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
             context.print(line)
+        if self.layer_by_layer_line is not None:
+            context.print(self.layer_by_layer_line)
         if "compensation" in plan.extra:
             context.print(compensation_line(plan.extra["compensation"]))
         if heldout:  # after the settings and kept lines: what the plan cost
@@ -383,10 +463,17 @@ class PruningRun:
         return model
 
     def save_model(self, model: nn.Module, path: Any) -> None:
-        """Save the pruned ``model`` (stock checkpoint, tokenizer, model card) at ``path``."""
-        assert self.stats is not None
-        save_pruned(model, path, tokenizer=self.tokenizer, dtype=self.options.dtype,
-                    calibration="; ".join(self.stats.sources) or None)
+        """Save the pruned ``model`` (stock checkpoint, tokenizer, model card) at ``path``; layer by layer, from the
+        source files (``model`` is the pruned skeleton: its config and record)."""
+        assert self.stats is not None and self.plan is not None
+        calibration = "; ".join(self.stats.sources) or None
+        if self.source is not None:
+            from .export.streamed import save_streamed
+
+            save_streamed(self.source, self.plan, model, Path(path), tokenizer=self.tokenizer,
+                          calibration=calibration, timings=self.timings)
+            return
+        save_pruned(model, path, tokenizer=self.tokenizer, dtype=self.options.dtype, calibration=calibration)
 
     def _plan(self, context: RunContext, stats: MoEStats, model: nn.Module | None, blocks: torch.Tensor | None,
               batch_size: int) -> PruningPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -161,9 +162,23 @@ class CalibrationModule(pl.LightningModule):
         if self.calibrates:
             check_prunable(model, refuse_pruned=False)  # a dense model; a pruned one is calibrated to prune again
         self.tokenizer_name = default_tokenizer(self.model_name_or_path, tokenizer)
+        self.skeleton_source: Path | None = None
+        """The checkpoint a layer-by-layer fit reads (``ExpertPruning(layer_by_layer=True)`` sets it): the model is
+        then built without weights (:mod:`ompmoe.lightning.layer_by_layer`)."""
 
     def configure_model(self) -> None:
         """Load the model lazily so strategies such as FSDP can shard it as it is created."""
+        if self.model is None and self.skeleton_source is not None:
+            from ..engine.export.config import load_stock_config
+            from ..engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+            from ..engine.names import resolve_shipped
+            from .layer_by_layer import hold
+
+            config = load_stock_config(self.skeleton_source)
+            shipped = resolve_shipped(self.model_name_or_path) != self.model_name_or_path  # float32, as load_model
+            default = torch.float32 if shipped else checkpoint_dtype(config)
+            hold(self, build_skeleton(config, dtype=self.torch_dtype or default))
+            self.model.config._name_or_path = self.model_name_or_path
         if self.model is None:
             if self.model_name_or_path is None:
                 raise ValueError("CalibrationModule needs a model id, a path, 'tiny:<model_type>' or a model instance.")

@@ -45,7 +45,10 @@ def assert_same_statistics(resident: ompmoe.MoEStats, layered: ompmoe.MoEStats) 
 
 def assert_same_checkpoint(expected: Path, actual: Path) -> None:
     """Bit-identical tensors (names, dtypes, values), the same files and the same config.json."""
-    assert sorted(path.name for path in actual.iterdir()) == sorted(path.name for path in expected.iterdir())
+    def names(directory: Path) -> list[str]:  # an output's own marker aside (a model inside an output has none)
+        return sorted(path.name for path in directory.iterdir() if path.name != ".ompmoe-output")
+
+    assert names(actual) == names(expected)
     ours, theirs = file_tensors(actual), file_tensors(expected)
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
@@ -105,3 +108,69 @@ def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tm
     assert str(refused.value) == (
         "layer-by-layer calibration cannot collect 'loss_aware' statistics: loss-aware statistics need a backward "
         "through the whole model; collect them resident (or plan with the paper's setting, which needs none).")
+
+
+def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left_out(tmp_path, caplog):
+    """``ompmoe fit --layer_by_layer true`` on the default config: the statistics, the plan and the written tensors
+    of the resident fit with the setting it takes (auto's omp + waterfill: its loss-aware setting, the trial,
+    compensation and held-out perplexity need the whole model), each left out in its line, recorded in plan and card;
+    ``ompmoe prune --model`` on those statistics writes from the files too, the same tensors as loading."""
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path / "a")), "--trainer.enable_progress_bar=false",
+          "--layer_by_layer", "true"])
+    lines = [record.getMessage() for record in caplog.records]
+    assert ("ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
+            "loss-aware statistics; no plan trial, no compensation, no held-out perplexity (evaluate_on; run ompmoe "
+            "validate on the saved model): each needs the whole model") in lines
+    main(["fit", "-c", str(tiny_config(tmp_path / "b")), "--trainer.enable_progress_bar=false", "--method", "omp",
+          "--allocation", "waterfill"])
+    layered, resident = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    assert_same_statistics(ompmoe.MoEStats.load(resident / "stats.safetensors"),
+                           ompmoe.MoEStats.load(layered / "stats.safetensors"))
+    plan = ompmoe.PruningPlan.load(layered / "plan.json")
+    assert plan.kept_by_layer() == ompmoe.PruningPlan.load(resident / "plan.json").kept_by_layer()
+    assert plan.extra["calibration"] == {"mode": "layer by layer"} and "compensation" not in plan.extra
+    assert ompmoe.load_pruned(layered / "model").config.ompmoe["plan"]["calibration_mode"] == "layer by layer"
+    assert "| Calibration mode | layer by layer " in (layered / "model" / "README.md").read_text()
+    model = ompmoe.load_pruned(shipped_model_path(), dtype="auto")
+    ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "expected", tokenizer=str(shipped_model_path()))
+    assert file_tensors(layered / "model").keys() == file_tensors(tmp_path / "expected").keys()
+    assert all(torch.equal(tensor, file_tensors(tmp_path / "expected")[name])
+               for name, tensor in file_tensors(layered / "model").items())
+    main(["prune", "--stats", str(layered / "stats.safetensors"), "--model", "shipped:tiny-moe", "--ratio", "0.25",
+          "--output_dir", str(tmp_path / "pruned"), "--quiet"])
+    plan = ompmoe.PruningPlan.load(tmp_path / "pruned" / "plan-0.25.json")
+    ompmoe.save_pruned(ompmoe.prune(ompmoe.load_pruned(shipped_model_path(), dtype="auto"), plan),
+                       tmp_path / "expected-0.25", tokenizer=str(shipped_model_path()))
+    assert_same_checkpoint(tmp_path / "expected-0.25", tmp_path / "pruned" / "model-0.25")
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(loss_aware=True), "layer_by_layer cannot collect loss-aware statistics: their backward needs the whole "
+                            "model in memory, which layer_by_layer never holds. Remove loss_aware (auto then takes "
+                            "the paper's omp + waterfill), or calibrate resident."),
+    (dict(compensation="linear"), "layer_by_layer cannot fit compensation='linear': the fit needs the whole model in "
+                                  "memory, which layer_by_layer never holds. Pass compensation='off' (auto is off "
+                                  "layer by layer), or calibrate resident."),
+    (dict(dtype="float32"), "layer_by_layer writes the checkpoint's tensors as its files store them; got "
+                            "dtype='float32'. Remove dtype (save_dtype), or calibrate resident."),
+])
+def test_run_options_refuse_what_needs_the_whole_model_before_any_work(options, message):
+    with pytest.raises(ValueError) as refused:
+        ompmoe.RunOptions(layer_by_layer=True, **options)
+    assert str(refused.value) == message
+
+
+def test_a_tiny_model_has_no_files_to_read_layer_by_layer():
+    from ompmoe.lightning.layer_by_layer import local_checkpoint
+
+    with pytest.raises(ValueError) as refused:
+        local_checkpoint("tiny:qwen3_moe")
+    assert str(refused.value) == (
+        "layer_by_layer reads the model's safetensors files, and tiny:qwen3_moe has none (it is built in memory); "
+        "save it with save_pretrained and pass that directory, or calibrate resident.")

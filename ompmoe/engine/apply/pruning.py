@@ -215,6 +215,8 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
     record["plan"] = {  # what the model card reports about the plan
         "method": plan.method, "ratio": plan.ratio, "allocation": plan.allocation,
         "num_tokens": plan.num_tokens, "model_id": loaded or plan.model_id}
+    if isinstance(plan.extra.get("calibration"), dict):  # how the statistics were gathered (layer by layer)
+        record["plan"]["calibration_mode"] = plan.extra["calibration"].get("mode")
     if loaded and plan.model_id and not same_model(plan.model_id, loaded):
         record["plan"]["statistics_model_id"] = plan.model_id
         warnings.warn(f"The statistics were collected as {plan.model_id!r} but the model pruned was loaded from "

@@ -82,33 +82,27 @@ def _with_hidden(call: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Ten
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, device: torch.device | str = "cpu",
-                            dtype: torch.dtype | None = None, model: nn.Module | None = None,
-                            model_id: str | None = None, source: str | None = None, progress: bool | None = None,
-                            statistics: Iterable[str] = (), hidden_device: torch.device | str | None = None,
-                            timings: dict[str, float] | None = None) -> MoEStats:
-    """:func:`~ompmoe.collect_stats` on the checkpoint at ``path`` without ever holding its weights: a skeleton
-    (``model``, or built from its config) is filled one decoder layer at a time on ``device`` (the next layer read
-    while one computes) and emptied after. ``hidden_device`` keeps the calibration hidden states (default
-    ``device``; ``"cpu"`` when they do not fit). ``timings`` receives seconds per step."""
-    for name in statistics:
+def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, batches: Iterable[Any], *,
+                      device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                      progress: bool | None = None, hidden_device: torch.device | str | None = None,
+                      timings: dict[str, float] | None = None) -> int:
+    """Feed ``collector`` (built on a weightless skeleton of the checkpoint at ``path``) the calibration ``batches``
+    one decoder layer at a time: the skeleton's modules outside the layers are filled first, then each layer on
+    ``device`` (the next one read while it computes) and emptied after. ``hidden_device`` keeps the calibration
+    hidden states (default ``device``; ``"cpu"`` when they do not fit). Returns the number of batches;
+    ``timings`` receives seconds per step."""
+    for name in collector.extensions:
         if name in LAYERWISE_REFUSED_STATISTICS:
             raise ValueError(f"layer-by-layer calibration cannot collect {name!r} statistics: "
                              f"{LAYERWISE_REFUSED_STATISTICS[name]}.")
     started = time.perf_counter()
-    if model is None:
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(path)
-        dtype = dtype or checkpoint_dtype(config)
-        model = build_skeleton(config, dtype=dtype)
+    model = collector.model
+    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
     device, hidden_device = torch.device(device), torch.device(hidden_device or device)
     prefix, layers = decoder_layers(model)
     times = timings if timings is not None else {}
     with LazyCheckpoint(path, model) as checkpoint:
         checkpoint.fill((prefix,), device, dtype, outside=True)  # embeddings, norms, head: all but the layers
-        collector = StatisticsCollector(model, model_id=model_id or str(path), sources=[source] if source else None,
-                                        statistics=statistics)
         collector.to(device)
         blocks, calls, weights = [], [], []
         for batch in batches:
@@ -127,35 +121,60 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
             for index in progress_bar(range(len(layers)), "ompmoe statistics (layer by layer)", progress,
                                       unit="layer"):
                 pending.result()  # type: ignore[union-attr]
-                nxt = f"{prefix}{index + 1}."
-                pending = reader.submit(checkpoint.fill, (nxt,), device, dtype) if index + 1 < len(layers) else None
+                following = f"{prefix}{index + 1}."
+                pending = reader.submit(checkpoint.fill, (following,), device, dtype) if index + 1 < len(layers) \
+                    else None
                 tick = time.perf_counter()
-                layer = layers[index]
                 with collector, torch.no_grad():
                     for block, (inputs, weight) in enumerate(zip(blocks, weights)):
-                        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
-                        tokens = int(ids.shape[0]) * int(ids.shape[1])
-                        if index == 0:
-                            collector.metric.set_token_weight(weight, num_tokens=tokens)
-                        else:
-                            collector.metric.token_weight = (None if weight is None else
-                                                             weight.reshape(-1).to(collector.metric.num_tokens.device,
-                                                                                   torch.float64))
+                        _set_token_weight(collector, inputs, weight, first_layer=index == 0)
                         args, kwargs = _with_hidden(calls[block][index], hidden[block].to(device))
-                        output = layer(*args, **kwargs)
-                        output = output[0] if isinstance(output, tuple) else output
-                        hidden[block] = output.to(hidden_device)
+                        output = layers[index](*args, **kwargs)
+                        hidden[block] = (output[0] if isinstance(output, tuple) else output).to(hidden_device)
                         collector.metric.token_weight = None
                 compute += time.perf_counter() - tick
-                checkpoint.empty(layer)
-        times["layers"] = compute
-        for inputs in blocks:
-            if inputs.get("input_ids") is not None:
-                collector.token_batches.append({key: inputs[key].detach().cpu()
-                                                for key in ("input_ids", "attention_mask") if key in inputs})
-        result = collector.result()
+                checkpoint.empty(layers[index])
+        checkpoint.empty_outside(prefix)
+    times["layers"] = compute
+    for inputs in blocks:
+        if inputs.get("input_ids") is not None:
+            collector.token_batches.append({key: inputs[key].detach().cpu()
+                                            for key in ("input_ids", "attention_mask") if key in inputs})
+    collector.batch_size = max((int(block["input_ids"].shape[0]) for block in blocks if "input_ids" in block),
+                               default=collector.batch_size)
     times["total"] = time.perf_counter() - started
-    return result
+    return len(blocks)
 
 
-__all__ = ["LAYERWISE_REFUSED_STATISTICS", "LayerwiseUnsupportedError", "collect_stats_layerwise"]
+def _set_token_weight(collector: StatisticsCollector, inputs: dict[str, torch.Tensor], weight: torch.Tensor | None,
+                      first_layer: bool) -> None:
+    """The block's token weights for the layer about to run; its tokens are counted once (at the first layer)."""
+    if first_layer:
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        collector.metric.set_token_weight(weight, num_tokens=int(ids.shape[0]) * int(ids.shape[1]))
+    else:
+        metric = collector.metric
+        metric.token_weight = None if weight is None else weight.reshape(-1).to(metric.num_tokens.device,
+                                                                                torch.float64)
+
+
+def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, device: torch.device | str = "cpu",
+                            dtype: torch.dtype | None = None, model_id: str | None = None, source: str | None = None,
+                            progress: bool | None = None, statistics: Iterable[str] = (),
+                            hidden_device: torch.device | str | None = None,
+                            timings: dict[str, float] | None = None) -> MoEStats:
+    """:func:`~ompmoe.collect_stats` on the local safetensors checkpoint at ``path`` without ever holding its
+    weights (:func:`collect_layerwise`): the same sums, one decoder layer in memory at a time. ``dtype``: the
+    checkpoint's unless given."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = build_skeleton(config, dtype=dtype or checkpoint_dtype(config))
+    collector = StatisticsCollector(model, model_id=model_id or str(path), sources=[source] if source else None,
+                                    statistics=statistics)
+    collect_layerwise(collector, path, batches, device=device, progress=progress, hidden_device=hidden_device,
+                      timings=timings)
+    return collector.result()
+
+
+__all__ = ["LAYERWISE_REFUSED_STATISTICS", "LayerwiseUnsupportedError", "collect_layerwise", "collect_stats_layerwise"]

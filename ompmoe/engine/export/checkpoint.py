@@ -110,12 +110,13 @@ def save_checkpoint(
     target = _resolve_dtype(dtype) or source_dtype(model)
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     cast = target is not None and current is not None and target != current and "state_dict" not in save_kwargs
-    if write_weights is not None:
-        if cast:
-            raise ValueError(f"A checkpoint written from its source files keeps their dtype ({current}); got dtype="
-                             f"{dtype!r}. Load the model to save it in another dtype.")
-        _save_config_like_save_pretrained(model, directory)
+    if write_weights is not None:  # the files' tensors as they are: the source's dtype, whatever the skeleton's
+        if dtype is not None and _resolve_dtype(dtype) != source_dtype(model):
+            raise ValueError(f"A checkpoint written from its source files keeps their dtype ({source_dtype(model)}); "
+                             f"got dtype={dtype!r}. Load the model to save it in another dtype.")
+        _save_config_like_save_pretrained(model, directory, target or current)
         write_weights(directory)
+        cast = False
     else:
         if cast:
             save_kwargs["state_dict"] = _cast_state_dict(model, target)
@@ -152,10 +153,9 @@ def save_checkpoint(
     return info
 
 
-def _save_config_like_save_pretrained(model: nn.Module, directory: Path) -> None:
+def _save_config_like_save_pretrained(model: nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
     """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them (its class as the
-    architecture, its dtype), for a model whose weights are written apart."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    architecture, the weights' ``dtype``), for a model whose weights are written apart."""
     if dtype is not None:
         model.config.dtype = str(dtype).split(".")[1]
     model.config.architectures = [_stock_class(type(model)).__name__]

@@ -199,6 +199,8 @@ def model_card(
         f"| Compensation | {_compensation(record.get('compensation'))} |",
         f"| Calibration data | {readable_source(calibration or plan.get('calibration') or 'not recorded')} |",
         f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
+        *([f"| Calibration mode | {plan['calibration_mode']} (one decoder layer in memory at a time; the same "
+           "statistics as resident) |"] if plan.get("calibration_mode") else []),
         f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",
         f"| Tokenizer included | {'yes' if info.get('tokenizer') else 'no'} |",
         *([f"| Fine-tuned | {'; '.join(_finetune_summary(*finetune) for finetune in finetunes)} (see below) |"]

@@ -22,6 +22,7 @@ from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
 from ..planning.plan import PruningPlan
 from .checkpoint import save_checkpoint
+from .config import load_stock_config
 
 SHARD_BYTES = 5 * 1024**3
 """Largest shard written (a tensor bigger than this gets a shard of its own); several shards write in parallel."""
@@ -126,6 +127,26 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     return written
 
 
+def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Module, directory: Path, *,
+                  tokenizer: Any | None = None, calibration: str | None = None, device: torch.device | str = "cpu",
+                  timings: dict[str, float] | None = None) -> dict[str, Any]:
+    """Write into the (empty, temporary) ``directory`` the checkpoint of ``source`` pruned by ``plan``: weights from
+    the files layer by layer, config and the rest from ``pruned``, a weightless skeleton :func:`~ompmoe.prune`
+    pruned by the same plan (its record, counts, adaptive settings)."""
+    config = load_stock_config(source)
+    dtype = checkpoint_dtype(config)
+    generation = Path(source) / "generation_config.json"
+    if generation.is_file() and getattr(pruned, "generation_config", None) is not None:
+        import transformers
+
+        pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
+    pruned.config._name_or_path = str(source)
+    with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint:
+        return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
+                               write_weights=lambda target: write_pruned_weights(checkpoint, plan, target,
+                                                                                 device=device, timings=timings))
+
+
 def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: str | os.PathLike, *,
                            tokenizer: Any | None = None, overwrite: bool = False, calibration: str | None = None,
                            inputs: Iterable[str | os.PathLike] = (), device: torch.device | str = "cpu",
@@ -133,24 +154,12 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     """:func:`~ompmoe.save_pruned` of ``source`` (a local safetensors checkpoint) pruned by ``plan``, written
     atomically from its files one decoder layer at a time: the model is never in memory, and the directory is the
     one ``save_pruned(prune(load(source), plan))`` writes (config, tokenizer, remote code, card; the same tensors)."""
-    import transformers
-
-    from .config import load_stock_config
-
     config = load_stock_config(source)
-    dtype = checkpoint_dtype(config)
-    source_model = build_skeleton(config, dtype=dtype)
-    pruned = prune(build_skeleton(load_stock_config(source), dtype=dtype), plan)  # config, record: no weights
-    pruned.config._name_or_path = str(source)
-    generation = Path(source) / "generation_config.json"
-    if generation.is_file() and getattr(pruned, "generation_config", None) is not None:
-        pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
-    with LazyCheckpoint(source, source_model) as checkpoint, \
-            atomic_path(path, overwrite=overwrite, directory=True, inputs=[source, *inputs]) as tmp:
-        save_checkpoint(pruned, tmp, tokenizer=tokenizer, calibration=calibration, final_path=path,
-                        write_weights=lambda directory: write_pruned_weights(checkpoint, plan, directory,
-                                                                             device=device, timings=timings))
+    pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
+    with atomic_path(path, overwrite=overwrite, directory=True, inputs=[source, *inputs]) as tmp:
+        save_streamed(source, plan, pruned, tmp, tokenizer=tokenizer, calibration=calibration, device=device,
+                      timings=timings)
     return Path(path)
 
 
-__all__ = ["SHARD_BYTES", "save_pruned_from_files", "write_pruned_weights"]
+__all__ = ["SHARD_BYTES", "save_pruned_from_files", "save_streamed", "write_pruned_weights"]
