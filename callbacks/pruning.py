@@ -110,11 +110,9 @@ class ExpertPruning(RunResults, pl.Callback):
         if stage != "fit":
             return
         if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError(
-                "ExpertPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
-                "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
-                "whose flattened FSDP1 parameters cannot be gathered and sliced per expert."
-            )
+            raise ValueError("ExpertPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
+                             "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
+                             "whose flattened FSDP1 parameters cannot be gathered and sliced per expert.")
         if self.pruning.options.layer_by_layer:
             layer_by_layer.prepare(trainer, pl_module)
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
@@ -144,11 +142,9 @@ class ExpertPruning(RunResults, pl.Callback):
         # Lightning's stateful protocol: only such a loader resumes where it stopped.
         stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
         if self._restored is not None and not stateful:
-            rank_zero_warn(
-                "Resuming a calibration fit with a DataLoader that has no state_dict: Lightning restarts "
-                "it from its first batch, so some batches are counted twice and others never. Use "
-                "ompmoe.CalibrationDataModule (its loader is resumable) or a stateful DataLoader."
-            )
+            rank_zero_warn("Resuming a calibration fit with a DataLoader that has no state_dict: Lightning restarts it "
+                           "from its first batch, so some batches are counted twice and others never. Use "
+                           "ompmoe.CalibrationDataModule (its loader is resumable) or a stateful DataLoader.")
         self._real_samples = real_sample_count(getattr(loader, "sampler", None))
         if self.pruning.options.layer_by_layer:
             layer_by_layer.calibrate(self.pruning, trainer, pl_module, self.batch_to_inputs)

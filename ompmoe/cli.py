@@ -406,12 +406,15 @@ def _streamable_source(name: str, dtype: str | None) -> Path | None:
     from .lightning.layer_by_layer import local_checkpoint
     from .lightning.models import is_tiny
 
+    from .engine.export.config import non_uniform_config
+
     if is_tiny(name) or dtype is not None:
         return None
     try:
-        return local_checkpoint(name)
+        source = local_checkpoint(name)
     except (ValueError, FileNotFoundError):
         return None
+    return None if non_uniform_config(source) is not None else source  # per-layer counts: load_pruned builds them
 
 
 def _skeleton(source: Path) -> Any:
@@ -431,7 +434,11 @@ def _check_model(name: str, statistics: Any, source: Path | None) -> None:
         return
     from .lightning.calibration_module import check_prunable
 
+    from .engine.export.config import load_stock_config
+    from .engine.export.load import check_checkpoint_files
+
     check_prunable(name, option="--model", action="prune", statistics_model=statistics.model_id)
+    check_checkpoint_files(source, load_stock_config(source))
     skeleton = _skeleton(source)
     skeleton.config._name_or_path = name
     statistics.check_compatible(skeleton)

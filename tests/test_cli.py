@@ -116,6 +116,16 @@ def test_paper_configs_parse_with_the_papers_settings(name, capsys):
     assert callback["init_args"]["extra_ratios"] == [0.25]
 
 
+def test_the_one_gpu_config_calibrates_layer_by_layer(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "-c", str(CONFIGS / "qwen3-30b-a3b-one-gpu.yaml"), "--print_config"])
+    assert done.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    init = config["trainer"]["callbacks"][0]["init_args"]
+    assert init["layer_by_layer"] is True and init["strategy"]["init_args"]["method"] == "omp"
+    assert config["trainer"]["devices"] == 1 and (config["data"]["seq_len"], config["data"]["num_blocks"]) == (4096, 64)
+
+
 def test_fit_refuses_an_existing_output_unless_overwrite_is_given(tmp_path, capsys):
     """One overwrite rule: the demo config refuses to replace its output, as ``prune`` does; ``--overwrite`` replaces."""
     assert yaml.safe_load((CONFIGS / "tiny.yaml").read_text())["trainer"]["callbacks"][0]["init_args"]["overwrite"] is False

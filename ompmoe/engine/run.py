@@ -12,7 +12,6 @@ import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -470,8 +469,9 @@ class PruningRun:
         if self.source is not None:
             from .export.streamed import save_streamed
 
-            save_streamed(self.source, self.plan, model, Path(path), tokenizer=self.tokenizer,
-                          calibration=calibration, timings=self.timings)
+            with atomic_path(path, directory=True) as tmp:  # a failed write names the model's folder, as save_pruned's
+                save_streamed(self.source, self.plan, model, tmp, tokenizer=self.tokenizer, calibration=calibration,
+                              timings=self.timings)
             return
         save_pruned(model, path, tokenizer=self.tokenizer, dtype=self.options.dtype, calibration=calibration)
 

@@ -486,3 +486,22 @@ def test_lm_eval_hf_runs_on_the_non_uniform_checkpoint_without_ompmoe(shipped_pr
         assert [float(x) for x in ours] == pytest.approx([float(x) for x in theirs], rel=1e-6, abs=1e-5)
     for metric in ("acc,none", "acc_norm,none"):
         assert stock["results"][metric] == reference["results"]["tiny_mc"][metric]
+
+
+def test_a_non_uniform_checkpoint_of_more_than_ten_moe_layers_loads(tmp_path):
+    """config.json stores the record with sorted keys (``layers.10`` before ``layers.2``): loading matches layers by
+    name, in ompmoe and in the remote code, whatever their order there."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=12)
+    stats = ompmoe.collect_stats(model, [INPUT_IDS], progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    pruned = ompmoe.prune(model, plan)
+    assert not ompmoe.pruning_info(pruned)["uniform"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ompmoe.save_pruned(pruned, tmp_path / "model")
+    record = json.loads((tmp_path / "model" / "config.json").read_text())["ompmoe"]["kept_experts"]
+    assert list(record) != [layer.name for layer in plan.layers]  # stored out of the model's order
+    for reloaded in (ompmoe.load_pruned(tmp_path / "model"),
+                     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)):
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(INPUT_IDS).logits, pruned(INPUT_IDS).logits, rtol=0, atol=0)

@@ -157,7 +157,8 @@ def _check_record(record: Any, layers: list[MoELayer], saved: bool = False) -> N
     if not isinstance(kept, dict) or not isinstance(original, dict):
         raise PlanMismatchError(f"{where} needs 'kept_experts' and 'original_num_experts' mappings. {fix}")
     names = [layer.name for layer in layers]
-    if list(kept) != names or sorted(original) != sorted(names):
+    # A JSON object is unordered (config.json is written with sorted keys: layers.10 before layers.2): names count.
+    if sorted(kept) != sorted(names) or sorted(original) != sorted(names):
         raise PlanMismatchError(f"{where} lists layers {list(kept)} but {built} MoE layers {names}. {fix}")
     for layer in layers:
         count = original[layer.name]

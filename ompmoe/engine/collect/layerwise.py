@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._quiet import quiet_calls
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight
@@ -101,8 +102,12 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
     device, hidden_device = torch.device(device), torch.device(hidden_device or device)
     prefix, layers = decoder_layers(model)
     times = timings if timings is not None else {}
-    with LazyCheckpoint(path, model) as checkpoint:
-        checkpoint.fill((prefix,), device, dtype, outside=True)  # embeddings, norms, head: all but the layers
+    # What runs before the first layer (embeddings, rotary): all but the layers and the output head, which the
+    # recorded forward never reaches (it stops at the last layer).
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    skipped = (prefix, *(f"{name}." for name, module in model.named_modules() if head is not None and module is head))
+    with LazyCheckpoint(path, model) as checkpoint, quiet_calls():  # no Loading-weights bar per layer
+        checkpoint.fill(skipped, device, dtype, outside=True)
         collector.to(device)
         blocks, calls, weights = [], [], []
         for batch in batches:

@@ -82,6 +82,14 @@ def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) 
         raise FileNotFoundError(f"{directory} holds no model (no config.json){hint}")
 
 
+def check_checkpoint_files(path: str | os.PathLike, config: Any) -> None:
+    """What :func:`load_pruned` checks in a checkpoint's weight files before reading a tensor (headers, dtypes,
+    shapes against the model ``config`` builds), for a reader that never builds the model with weights."""
+    base = _model_class(config)
+    check_weight_files(path, lambda: _integer_tensors(base, config))
+    _check_weight_shapes(path, base, config)
+
+
 def _integer_tensors(model_class: type, config: Any) -> set[str]:
     """Names (as ``save_pretrained`` writes them) of the tensors a model of ``model_class`` holds as integers (a
     token-to-expert table), read off a skeleton without weights."""

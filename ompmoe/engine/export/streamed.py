@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
 from ..apply.pruning import _slice_layer, prune
 from ..io import atomic_path
@@ -23,11 +24,14 @@ from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, 
 from ..planning.plan import PruningPlan
 from .checkpoint import save_checkpoint
 from .config import load_stock_config
+from .load import check_checkpoint_files
 
-SHARD_BYTES = 5 * 1024**3
-"""Largest shard written (a tensor bigger than this gets a shard of its own); several shards write in parallel."""
-WRITERS = 4
-"""Shards written at once."""
+SHARD_BYTES = 512 * 1024**2
+"""A shard is written once it holds this much (whole decoder layers: a big model's layers get a shard each, a small
+model one file, as ``save_pretrained`` writes it); while it is written the next layer is read and cut."""
+WRITERS = 1
+"""Shards written at once beside the reading: one, so memory holds at most one shard being written (it does not grow
+with depth)."""
 
 
 def _file_tensors(model: nn.Module, prefix: str, outside: bool) -> dict[str, torch.Tensor]:
@@ -54,17 +58,19 @@ class _ShardWriter:
         self.bytes = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """One part's tensors (a decoder layer's); the shard is written once it holds :data:`SHARD_BYTES`."""
         for name, tensor in tensors.items():
-            size = tensor.numel() * tensor.element_size()
-            if self.current and self.size + size > self.shard_bytes:
-                self._flush()
             self.current[name] = tensor
-            self.size += size
-            self.bytes += size
+            self.size += tensor.numel() * tensor.element_size()
+            self.bytes += tensor.numel() * tensor.element_size()
+        if self.size >= self.shard_bytes:
+            self._flush()
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
+        while len([future for future in self.pending if not future.done()]) >= self.pool._max_workers:
+            next(future for future in self.pending if not future.done()).result()  # one shard in memory at a time
         index = len(self.shards)
         self.shards.append(list(self.current))
         path = self.directory / f"model-{index + 1:05d}.part.safetensors"
@@ -134,6 +140,7 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
     the files layer by layer, config and the rest from ``pruned``, a weightless skeleton :func:`~ompmoe.prune`
     pruned by the same plan (its record, counts, adaptive settings)."""
     config = load_stock_config(source)
+    check_checkpoint_files(source, config)  # as load_pruned refuses them, before anything is written
     dtype = checkpoint_dtype(config)
     generation = Path(source) / "generation_config.json"
     if generation.is_file() and getattr(pruned, "generation_config", None) is not None:
@@ -141,7 +148,7 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
 
         pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
     pruned.config._name_or_path = str(source)
-    with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint:
+    with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint, quiet_calls():
         return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
                                write_weights=lambda target: write_pruned_weights(checkpoint, plan, target,
                                                                                  device=device, timings=timings))

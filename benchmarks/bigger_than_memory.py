@@ -1,0 +1,231 @@
+"""Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
+
+    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T]
+
+Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
+(48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
+rolled per expert: cheap and deterministic), then, in this process: statistics from ``T`` random token ids one
+decoder layer at a time (``ompmoe.collect_stats_layerwise``, in the checkpoint's bf16), the paper's plan at 0.5 (``omp`` +
+``waterfill``), the pruned checkpoint written from the files into ``DIR/pruned`` (``ompmoe.save_pruned_from_files``),
+a check that it loads with ``ompmoe.load_pruned`` on the meta device (shapes and config) and that a resident run of
+a 2-layer slice of the same files keeps the same experts in those layers, then ``DIR/pruned`` is deleted. The peak
+anonymous memory is sampled from ``/proc/self/status`` (RssAnon) every 20 ms; the write step is compared with ``cp``
+of the pruned files' bytes on the same disk (two shards copied, scaled). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+HIDDEN, EXPERTS, TOP_K, MOE_INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 128, 8, 768, 32, 4, 128, 151936
+BASES = 4
+"""Random buffers per tensor shape, rolled per expert (distinct experts without generating 57 GB of noise)."""
+
+
+def qwen3_30b_config(layers: int):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=6144, moe_intermediate_size=MOE_INTERMEDIATE,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_theta=1e6, tie_word_embeddings=False, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
+
+
+def build_source(directory: Path, layers: int) -> float:
+    """Write the checkpoint (skipped when a complete one is there); returns its size in GiB."""
+    from safetensors.torch import save_file
+
+    index_file = directory / "model.safetensors.index.json"
+    if index_file.is_file() and json.loads(index_file.read_text()).get("layers") == layers:
+        return sum(f.stat().st_size for f in directory.glob("*.safetensors")) / 2**30
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def noise(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    expert_bases = {name: [noise(*shape) for _ in range(BASES)] for name, shape in
+                    (("gate_proj", (MOE_INTERMEDIATE, HIDDEN)), ("up_proj", (MOE_INTERMEDIATE, HIDDEN)),
+                     ("down_proj", (HIDDEN, MOE_INTERMEDIATE)))}
+    attention = {"q_proj": noise(HEADS * HEAD_DIM, HIDDEN), "k_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN),
+                 "v_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN), "o_proj": noise(HIDDEN, HEADS * HEAD_DIM)}
+    count = layers + 1
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index in range(count):
+        name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+        if index == layers:  # embeddings, final norm and head in the last shard
+            tensors = {"model.embed_tokens.weight": noise(VOCAB, HIDDEN), "lm_head.weight": noise(VOCAB, HIDDEN),
+                       "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+        else:
+            prefix = f"model.layers.{index}."
+            tensors = {f"{prefix}self_attn.{key}.weight": value.roll(index, 0).clone() for key, value in
+                       attention.items()}
+            tensors.update({f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
+                            f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
+                            f"{prefix}input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                            f"{prefix}post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                            f"{prefix}mlp.gate.weight": noise(EXPERTS, HIDDEN, std=0.05)})
+            for expert in range(EXPERTS):
+                for key, bases in expert_bases.items():
+                    shift = (expert * 7 + index * 13) % bases[0].shape[1]
+                    tensors[f"{prefix}mlp.experts.{expert}.{key}.weight"] = \
+                        bases[(expert + index) % BASES].roll(shift, 1).contiguous()
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    qwen3_30b_config(layers).save_pretrained(directory)
+    index_file.write_text(json.dumps({"metadata": {"total_size": total}, "layers": layers,
+                                      "weight_map": weight_map}, indent=1))
+    return total / 2**30
+
+
+class AnonymousPeak:
+    """The process's peak anonymous memory (RssAnon), sampled every 20 ms on a thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.02)
+
+    def __enter__(self) -> AnonymousPeak:
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cp_seconds(files: list[Path], scratch: Path) -> tuple[float, int]:
+    """Seconds ``cp`` takes to copy ``files`` into ``scratch`` on the same disk (then deleted), and their bytes."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    subprocess.run(["cp", *map(str, files), str(scratch)], check=True)
+    subprocess.run(["sync"], check=True)
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(scratch)
+    return elapsed, sum(f.stat().st_size for f in files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--seq_len", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    warnings.simplefilter("ignore")
+    import ompmoe
+    from ompmoe.engine.lazy_checkpoint import checkpoint_files
+
+    source, pruned = args.out / "source", args.out / "pruned"
+    steps: dict[str, float] = {}
+    started = time.perf_counter()
+    checkpoint_gib = build_source(source, args.layers)
+    steps["build"] = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(1)
+    blocks = [torch.randint(0, VOCAB, (1, args.seq_len), generator=generator)
+              for _ in range(max(1, args.tokens // args.seq_len))]
+    shutil.rmtree(pruned, ignore_errors=True)
+    peaks: dict[str, float] = {}
+    timings: dict[str, float] = {}
+    with AnonymousPeak() as memory:
+        tick = time.perf_counter()
+        stats = ompmoe.collect_stats_layerwise(source, blocks, timings=timings)
+        steps["calibrate"] = time.perf_counter() - tick
+        peaks["calibrate"] = memory.peak / 2**30
+        tick = time.perf_counter()
+        plan = ompmoe.plan_pruning(stats, 0.5, method="omp", allocation="waterfill")
+        steps["plan"] = time.perf_counter() - tick
+    with AnonymousPeak() as writing:
+        tick = time.perf_counter()
+        ompmoe.save_pruned_from_files(source, plan, pruned)
+        subprocess.run(["sync"], check=True)
+        steps["write"] = time.perf_counter() - tick
+    peaks["write"] = writing.peak / 2**30
+    pruned_files = checkpoint_files(pruned)
+    pruned_gib = sum(f.stat().st_size for f in pruned_files) / 2**30
+    copied, copied_bytes = cp_seconds(pruned_files[:2], args.out / "cp-scratch")
+    cp_estimate = copied * pruned_gib * 2**30 / copied_bytes
+    with torch.device("meta"):
+        loaded = ompmoe.load_pruned(pruned, device_map="meta")
+    kept_counts = [layer.num_experts for layer in ompmoe.find_moe_layers(loaded)]
+    loads = kept_counts == [len(layer.kept) for layer in plan.layers]
+    same_plan = resident_slice_agrees(source, blocks, stats)
+    shutil.rmtree(pruned)
+    layer_gib = (EXPERTS * 3 * HIDDEN * MOE_INTERMEDIATE + 2 * HIDDEN * HEADS * HEAD_DIM
+                 + 2 * HIDDEN * KV_HEADS * HEAD_DIM) * 2 / 2**30  # bf16 compute
+    hidden_gib = sum(block.numel() for block in blocks) * HIDDEN * 2 / 2**30
+    print(json.dumps({
+        "layers": args.layers, "tokens": sum(block.numel() for block in blocks),
+        "checkpoint_gib": round(checkpoint_gib, 2), "pruned_gib": round(pruned_gib, 2),
+        "mem_total_gib": round(mem_total() / 2**30, 2), "peak_anon_gib": round(max(peaks.values()), 2),
+        "peak_anon_gib_per_step": {key: round(value, 2) for key, value in peaks.items()},
+        "memory_bound_gib": round(2 * layer_gib + hidden_gib + 2, 2),
+        "wall_s": round(time.perf_counter() - started, 1), "steps": {k: round(v, 1) for k, v in steps.items()},
+        "calibrate_steps": {k: round(v, 1) for k, v in timings.items()},
+        "write_vs_cp": round(steps["write"] / cp_estimate, 2), "cp_estimate_s": round(cp_estimate, 1),
+        "loads_on_meta": loads, "same_plan_as_resident": same_plan}))
+
+
+def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bool:
+    """A resident run of the first two layers (the same files, a 2-layer config) keeps the experts the layer-by-layer
+    statistics keep in those layers (statistics equal to 1e-6 relative, the same uniform plan)."""
+    import transformers
+
+    import ompmoe
+
+    config = transformers.AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = 2
+    with tempfile.TemporaryDirectory() as directory:  # a config of two layers pointing at the same files
+        for file in source.iterdir():
+            if file.name != "config.json":
+                os.symlink(file, Path(directory) / file.name)
+        config.save_pretrained(directory)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    resident = ompmoe.collect_stats(model, blocks, progress=False)
+    layered = ompmoe.MoEStats(layers=stats.layers[:2], num_tokens=stats.num_tokens, fingerprint=resident.fingerprint,
+                              model_id=stats.model_id, model_type=stats.model_type)
+    close = all(torch.allclose(a.gram, b.gram, rtol=1e-6, atol=0) for a, b in zip(layered.layers, resident.layers))
+    planned = ompmoe.plan_pruning(layered, 0.5, allocation="uniform").kept_by_layer()
+    return close and planned == ompmoe.plan_pruning(resident, 0.5, allocation="uniform").kept_by_layer()
+
+
+if __name__ == "__main__":
+    main()
