@@ -64,6 +64,9 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
                           expert_ffn_hidden_size=32),
     "mistral4": {key: value for key, value in _MLA.items() if key != "head_dim"},
     "qwen3_5_moe_text": dict(layer_types=_HYBRID),
+    # Its modeling code reads vision_start_token_id, which the thinker's own config class lacks (real checkpoints'
+    # config.json carries it): a forward with an attention mask needs it.
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=151652),
     "qwen3_next": dict(layer_types=_HYBRID),
     "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention", "linear_attention"],
                            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
