@@ -91,12 +91,13 @@ class LazyCheckpoint:
         renamings = [entry for entry in self.mapping if isinstance(entry, WeightRenaming)]
         converters = [entry for entry in self.mapping if isinstance(entry, WeightConverter)]
         expected = model.state_dict()
-        self.target = {}
+        self.target, self.pattern = {}, {}
         for key in self.slices:  # the model tensor each file tensor loads into, as from_pretrained renames it
-            renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+            renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
             if renamed not in expected and key in expected:
-                renamed = key
-            self.target[key] = renamed
+                renamed, pattern = key, None
+            self.target[key], self.pattern[key] = renamed, pattern
+        self.converters = {pattern: converter for converter in converters for pattern in converter.source_patterns}
         self.used: list[Any] = []
 
     def keys_under(self, prefixes: tuple[str, ...], outside: bool = False) -> list[str]:
@@ -111,7 +112,10 @@ class LazyCheckpoint:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        part = {key: self.slices[key] for key in self.keys_under(prefixes, outside)}
+        stacked, rest = self._stacked(self.keys_under(prefixes, outside))
+        for target, (converter, groups) in stacked.items():
+            self._fill_stacked(target, converter, groups, device)
+        part = {key: self.slices[key] for key in rest}
         config = LoadStateDictConfig(weight_mapping=self.mapping, dtype=dtype, device_map={"": device},
                                      dtype_plan=self.model._get_dtype_plan(dtype) if dtype is not None else {})
         with warnings.catch_warnings():
@@ -124,6 +128,49 @@ class LazyCheckpoint:
         if info.mismatched_keys or info.conversion_errors:
             problems = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
             raise ValueError(f"{self.path} does not match the model under {', '.join(prefixes)}: {problems[:5]}.")
+
+    def _stacked(self, keys: list[str]) -> tuple[dict[str, tuple[Any, dict[str, list[str]]]], list[str]]:
+        """The file tensors that merely stack into a fused experts tensor (transformers' ``MergeModulelist``, then at
+        most a ``Concatenate`` of the stacks: Qwen3-MoE's gate and up projections), grouped by model tensor and
+        pattern; and the other keys, left to transformers' conversion."""
+        stacked: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+        rest = []
+        for key in keys:
+            converter = self.converters.get(self.pattern[key]) if self.pattern[key] is not None else None
+            if converter is None or _stack_then_concat(converter) is False:
+                rest.append(key)
+                continue
+            stacked.setdefault(self.target[key], (converter, {}))[1].setdefault(self.pattern[key], []).append(key)
+        return stacked, rest
+
+    def _fill_stacked(self, target: str, converter: Any, groups: dict[str, list[str]], device: Any) -> None:
+        """Read each expert's tensor straight into its place in the fused tensor: the values transformers' stack and
+        concatenation give, without holding the per-expert copies and the stacks (about 2.5x the layer) at once."""
+        from transformers.core_model_loading import dot_natural_key
+
+        module_name, _, name = target.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        empty = module._parameters[name]
+        fused = torch.empty(empty.shape, dtype=empty.dtype, device=device)
+        axis, offset = _stack_then_concat(converter), 0  # the concatenation's axis within one expert's tensor
+        for pattern in converter.source_patterns:
+            keys = sorted(groups.get(pattern, []), key=dot_natural_key)
+            if len(keys) != fused.shape[0]:
+                raise ValueError(f"{self.path} holds {len(keys)} tensors {pattern} for {target}, which has "
+                                 f"{fused.shape[0]} experts.")
+            size = 0
+            for expert, key in enumerate(keys):
+                tensor = self.slices[key][:]
+                size = tensor.shape[axis] if axis is not None else 0
+                where = fused[expert] if axis is None else fused[expert].narrow(axis, offset, size)
+                if tuple(where.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{self.path} does not match the model: {key} {list(tensor.shape)} does not fit "
+                                     f"{target} {list(empty.shape)}.")
+                where.copy_(tensor)
+            offset += size
+        module._parameters[name] = nn.Parameter(fused, requires_grad=empty.requires_grad)
+        if not any(converter is seen for seen in self.used):
+            self.used.append(converter)
 
     def empty(self, module: nn.Module) -> None:
         """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""
@@ -145,6 +192,18 @@ class LazyCheckpoint:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _stack_then_concat(converter: Any) -> int | None | bool:
+    """For a converter that stacks per-expert tensors and maybe concatenates the stacks: the concatenation's axis
+    within one expert's tensor, ``None`` when it only stacks; ``False`` for any other conversion."""
+    operations = list(getattr(converter, "operations", []))
+    names = [type(operation).__name__ for operation in operations]
+    if names == ["MergeModulelist"] and operations[0].dim == 0 and len(converter.source_patterns) == 1:
+        return None
+    if names == ["MergeModulelist", "Concatenate"] and operations[0].dim == 0 and operations[1].dim >= 1:
+        return operations[1].dim - 1
+    return False
 
 
 def _empty_own(module: nn.Module) -> None:
