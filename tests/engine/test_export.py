@@ -501,6 +501,9 @@ def test_a_non_uniform_checkpoint_of_more_than_ten_moe_layers_loads(tmp_path):
         ompmoe.save_pruned(pruned, tmp_path / "model")
     record = json.loads((tmp_path / "model" / "config.json").read_text())["ompmoe"]["kept_experts"]
     assert list(record) != [layer.name for layer in plan.layers]  # stored out of the model's order
+    rows = [line.split("`")[1] for line in (tmp_path / "model" / "README.md").read_text().splitlines()
+            if line.startswith("| `model.layers.")]
+    assert rows == [layer.name for layer in plan.layers]  # the card lists them in the model's order
     for reloaded in (ompmoe.load_pruned(tmp_path / "model"),
                      transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)):
         with torch.no_grad():

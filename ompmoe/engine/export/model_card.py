@@ -168,6 +168,11 @@ def finetune_section(records: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _module_order(name: str) -> list[tuple[int, int | str]]:
+    """``model.layers.2.mlp`` before ``model.layers.10.mlp``: config.json stores the record with sorted keys."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
+
+
 def model_card(
     config: dict[str, Any], model_id: str | None, calibration: str | None, info: dict[str, Any]
 ) -> str:
@@ -215,7 +220,7 @@ def model_card(
         "| MoE layer | kept | of | kept ids (original numbering) |",
         "|---|---|---|---|",
     ]
-    for name, ids in kept.items():
+    for name, ids in sorted(kept.items(), key=lambda item: _module_order(item[0])):
         lines.append(f"| `{name}` | {len(ids)} | {original.get(name, '?')} | {', '.join(map(str, ids))} |")
     lines += ["", "## How to load", ""]
     auto_class = auto_class_of(config)
