@@ -60,19 +60,25 @@ def build_skeleton(config: Any, model_class: type | None = None, dtype: torch.dt
     return model.eval()
 
 
-def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The ``.safetensors`` files of a checkpoint directory, the shards of its index too; a clear error otherwise."""
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The local ``.safetensors`` files of a checkpoint directory (shards of an index too); [] for anything else."""
     directory = Path(path)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         shards = json.loads(index.read_text()).get("weight_map", {}).values()
         return [directory / name for name in sorted(set(shards))]
     single = directory / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{directory} has no safetensors weights (model.safetensors or "
-                            "model.safetensors.index.json); layer-by-layer calibration reads only those. Convert the "
-                            "checkpoint with save_pretrained(..., safe_serialization=True).")
+    return [single] if single.is_file() else []
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """:func:`weight_files`, or a clear error when a checkpoint has none (layer-by-layer reads only those)."""
+    files = weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"{path} has no safetensors weights (model.safetensors or "
+                                "model.safetensors.index.json); layer-by-layer calibration reads only those. Convert "
+                                "the checkpoint with save_pretrained(..., safe_serialization=True).")
+    return files
 
 
 class LazyCheckpoint:

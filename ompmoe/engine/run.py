@@ -276,6 +276,11 @@ class PruningRun:
         options = self.options
         routings = [(layer.name, layer.routing) for layer in find_moe_layers(model)]
         self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if options.layer_by_layer and any(p.device.type != "meta" for p in model.parameters()):
+            raise ValueError(f"{self.owner}(layer_by_layer=True) calibrates a model built without weights, one layer "
+                             "read from its files at a time (ompmoe fit --layer_by_layer true, or "
+                             "PruningRun.collect_layer_by_layer on ompmoe.engine.lazy_checkpoint.build_skeleton); this "
+                             "model holds its weights: calibrate it resident (layer_by_layer=False).")
         if options.layer_by_layer:  # before the statistics are settled: auto's loss-aware settings are left out
             self.strategy, self.layer_by_layer_line = layer_by_layer_strategy(self.strategy, self.model_type,
                                                                               bool(options.evaluate_on))
@@ -539,8 +544,9 @@ class PruningRun:
         the kept line every front door prints about its plan."""
         assert self.plan is not None
         record = self.plan.extra.get("compensation") or {}
-        settings = settings_summary(self.plan, record["granularity"] if record.get("applied") else "off",
-                                    named_method_sources(self.strategy, self.options.compensation))
+        sources = ({"compensation": LAYER_BY_LAYER} if self.options.layer_by_layer else
+                   named_method_sources(self.strategy, self.options.compensation))
+        settings = settings_summary(self.plan, record["granularity"] if record.get("applied") else "off", sources)
         return [f"ompmoe: {settings}{auto_note(self.strategy, self.model_type, self.choice)}",
                 f"ompmoe: {kept_summary(self.plan)}"]
 

@@ -123,10 +123,16 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     caplog.set_level("INFO")
     main(["fit", "-c", str(tiny_config(tmp_path / "a")), "--trainer.enable_progress_bar=false",
           "--layer_by_layer", "true"])
-    lines = [record.getMessage() for record in caplog.records]
-    assert ("ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
-            "loss-aware statistics; no plan trial, no compensation, no held-out perplexity (evaluate_on; run ompmoe "
-            "validate on the saved model): each needs the whole model") in lines
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    layered_plan = ompmoe.PruningPlan.load(tmp_path / "a" / "run" / "plan.json")
+    assert lines == [  # the whole of what the run says
+        "ompmoe: method omp, allocation waterfill, compensation off (layer by layer), risk_weight 3, "
+        "min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06",
+        f"ompmoe: {ompmoe.kept_summary(layered_plan)}",
+        "ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
+        "loss-aware statistics; no plan trial, no compensation, no held-out perplexity (evaluate_on; run ompmoe "
+        "validate on the saved model): each needs the whole model",
+        f"ompmoe: wrote statistics, plan and pruned model to {tmp_path / 'a' / 'run'}"]
     main(["fit", "-c", str(tiny_config(tmp_path / "b")), "--trainer.enable_progress_bar=false", "--method", "omp",
           "--allocation", "waterfill"])
     layered, resident = tmp_path / "a" / "run", tmp_path / "b" / "run"
@@ -174,3 +180,16 @@ def test_a_tiny_model_has_no_files_to_read_layer_by_layer():
     assert str(refused.value) == (
         "layer_by_layer reads the model's safetensors files, and tiny:qwen3_moe has none (it is built in memory); "
         "save it with save_pretrained and pass that directory, or calibrate resident.")
+
+
+def test_a_loop_that_holds_the_model_is_refused_layer_by_layer():
+    """Fabric, a script or the callback on a user's own module hold a loaded model: layer_by_layer is refused at the
+    run's start, before any batch, in the run itself (one place for every front door)."""
+    run = ompmoe.PruningRun(owner="FabricCalibration", layer_by_layer=True)
+    with pytest.raises(ValueError) as refused:
+        run.start(tiny_model("qwen3_moe"), ompmoe.LocalContext())
+    assert str(refused.value) == (
+        "FabricCalibration(layer_by_layer=True) calibrates a model built without weights, one layer read from its "
+        "files at a time (ompmoe fit --layer_by_layer true, or PruningRun.collect_layer_by_layer on "
+        "ompmoe.engine.lazy_checkpoint.build_skeleton); this model holds its weights: calibrate it resident "
+        "(layer_by_layer=False).")

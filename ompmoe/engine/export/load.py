@@ -15,6 +15,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
+from ..lazy_checkpoint import weight_files
 from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
 from ..apply.pruning import _check_record, _slice_layer
@@ -22,7 +23,7 @@ from ..planning.plan import PlanMismatchError
 from ..record import pruning_info
 from ..safetensors_header import read_header
 from .config import load_stock_config
-from .weights import FIX, CheckpointWeightsError, _names, check_loading_info, check_weight_files, weight_files
+from .weights import FIX, CheckpointWeightsError, _names, check_loading_info, check_weight_files
 
 
 def _model_class(config: Any) -> type:

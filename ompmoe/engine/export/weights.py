@@ -11,6 +11,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from ..lazy_checkpoint import weight_files
 from ..safetensors_header import FLOATING, CorruptSafetensorsError, read_header
 
 SHOWN = 5
@@ -20,17 +21,6 @@ FIX = "Re-save the model (ompmoe.save_pruned) or copy the checkpoint again."
 
 class CheckpointWeightsError(ValueError):
     """The weight files of a checkpoint do not match its model."""
-
-
-def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The local ``.safetensors`` files of a checkpoint directory (shards of an index too); [] for anything else."""
-    directory = Path(path)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = json.loads(index.read_text()).get("weight_map", {}).values()
-        return [directory / name for name in sorted(set(shards))]
-    single = directory / "model.safetensors"
-    return [single] if single.is_file() else []
 
 
 def _names(names: list[str]) -> str:
