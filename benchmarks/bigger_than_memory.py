@@ -132,8 +132,17 @@ def mem_total() -> int:
 
 
 def cp_seconds(files: list[Path], scratch: Path) -> tuple[float, int]:
-    """Seconds ``cp`` takes to copy ``files`` into ``scratch`` on the same disk (then deleted), and their bytes."""
+    """Seconds ``cp`` takes to copy ``files`` into ``scratch`` on the same disk (then deleted), and their bytes.
+    The files are first dropped from the page cache (``posix_fadvise``), so cp reads them from the disk as the
+    writer reads its source: the files were just written and would otherwise be copied from memory."""
     scratch.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["sync"], check=True)
+    for file in files:
+        descriptor = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
     started = time.perf_counter()
     subprocess.run(["cp", *map(str, files), str(scratch)], check=True)
     subprocess.run(["sync"], check=True)
@@ -181,7 +190,7 @@ def main() -> None:
     peaks["write"] = writing.peak / 2**30
     pruned_files = checkpoint_files(pruned)
     pruned_gib = sum(f.stat().st_size for f in pruned_files) / 2**30
-    copied, copied_bytes = cp_seconds(pruned_files[:2], args.out / "cp-scratch")
+    copied, copied_bytes = cp_seconds(pruned_files[:4], args.out / "cp-scratch")
     cp_estimate = copied * pruned_gib * 2**30 / copied_bytes
     with torch.device("meta"):
         loaded = ompmoe.load_pruned(pruned, device_map="meta")

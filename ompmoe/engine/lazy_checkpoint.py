@@ -111,16 +111,19 @@ class LazyCheckpoint:
         return [key for key, target in self.target.items() if target.startswith(prefixes) != outside]
 
     def fill(self, prefixes: tuple[str, ...], device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-             outside: bool = False) -> None:
+             outside: bool = False, only_experts: dict[str, list[int]] | None = None) -> None:
         """Materialize the model tensors under ``prefixes`` (with ``outside``: all the others) from the files on
         ``device``, converted exactly as ``from_pretrained`` converts them (fused experts, renamed keys); ``dtype``
-        as ``from_pretrained``'s."""
+        as ``from_pretrained``'s. ``only_experts`` maps an experts module's name to the (ascending) experts to read:
+        its tensors stored per expert are filled with those experts' rows only, the others never read (the pruned
+        writer reads only what it writes; its tensors stored otherwise are filled whole, for the caller to slice)."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         stacked, rest = self._stacked(self.keys_under(prefixes, outside))
         for target, (converter, groups) in stacked.items():
-            self._fill_stacked(target, converter, groups, device)
+            module_name = target.rpartition(".")[0]
+            self._fill_stacked(target, converter, groups, device, (only_experts or {}).get(module_name))
         part = {key: self.slices[key] for key in rest}
         config = LoadStateDictConfig(weight_mapping=self.mapping, dtype=dtype, device_map={"": device},
                                      dtype_plan=self.model._get_dtype_plan(dtype) if dtype is not None else {})
@@ -149,26 +152,30 @@ class LazyCheckpoint:
             stacked.setdefault(self.target[key], (converter, {}))[1].setdefault(self.pattern[key], []).append(key)
         return stacked, rest
 
-    def _fill_stacked(self, target: str, converter: Any, groups: dict[str, list[str]], device: Any) -> None:
+    def _fill_stacked(self, target: str, converter: Any, groups: dict[str, list[str]], device: Any,
+                      experts: list[int] | None = None) -> None:
         """Read each expert's tensor straight into its place in the fused tensor: the values transformers' stack and
-        concatenation give, without holding the per-expert copies and the stacks (about 2.5x the layer) at once."""
+        concatenation give, without holding the per-expert copies and the stacks (about 2.5x the layer) at once.
+        With ``experts``, only those experts' tensors are read, into a tensor of their rows."""
         from transformers.core_model_loading import dot_natural_key
 
         module_name, _, name = target.rpartition(".")
         module = self.model.get_submodule(module_name)
         empty = module._parameters[name]
-        fused = torch.empty(empty.shape, dtype=empty.dtype, device=device)
+        rows = list(range(empty.shape[0])) if experts is None else list(experts)
+        fused = torch.empty((len(rows), *empty.shape[1:]), dtype=empty.dtype, device=device)
         axis, offset = _stack_then_concat(converter), 0  # the concatenation's axis within one expert's tensor
         for pattern in converter.source_patterns:
             keys = sorted(groups.get(pattern, []), key=dot_natural_key)
-            if len(keys) != fused.shape[0]:
+            if len(keys) != empty.shape[0]:
                 raise ValueError(f"{self.path} holds {len(keys)} tensors {pattern} for {target}, which has "
-                                 f"{fused.shape[0]} experts.")
+                                 f"{empty.shape[0]} experts.")
             size = 0
-            for expert, key in enumerate(keys):
+            for row, expert in enumerate(rows):
+                key = keys[expert]
                 tensor = self.slices[key][:]
                 size = tensor.shape[axis] if axis is not None else 0
-                where = fused[expert] if axis is None else fused[expert].narrow(axis, offset, size)
+                where = fused[row] if axis is None else fused[row].narrow(axis, offset, size)
                 if tuple(where.shape) != tuple(tensor.shape):
                     raise ValueError(f"{self.path} does not match the model: {key} {list(tensor.shape)} does not fit "
                                      f"{target} {list(empty.shape)}.")

@@ -101,6 +101,44 @@ def test_the_shipped_models_calibrate_layer_by_layer_to_the_same_plan(name, tmp_
     assert_same_checkpoint(tmp_path / "resident", tmp_path / "streamed")
 
 
+class RecordingSlices(dict):
+    """The checkpoint's lazy tensors, recording which were read."""
+
+    def __init__(self, slices: dict) -> None:
+        super().__init__(slices)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def test_the_streamed_writer_reads_only_the_kept_experts(tmp_path):
+    """A removed expert is never read from the source (half the bytes of a pruned MoE at 0.5), and the kept ones
+    fill rows equal to the whole layer's kept rows."""
+    from ompmoe.engine.lazy_checkpoint import LazyCheckpoint, build_skeleton
+
+    from ompmoe.engine.export.config import load_stock_config
+
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = load_stock_config(tmp_path)
+    layer = ompmoe.find_moe_layers(build_skeleton(config))[0].name  # model.layers.N.mlp
+    part_prefix, kept = (layer.rpartition(".")[0] + ".",), [0, 2, 3]
+    with LazyCheckpoint(tmp_path, build_skeleton(config)) as whole:
+        whole.fill(part_prefix)
+        experts = whole.model.get_submodule(f"{layer}.experts")
+        expected = {name: tensor[kept].clone() for name, tensor in experts.named_parameters()}
+    with LazyCheckpoint(tmp_path, build_skeleton(config)) as part:
+        part.slices = RecordingSlices(part.slices)
+        part.fill(part_prefix, only_experts={f"{layer}.experts": kept})
+        experts = part.model.get_submodule(f"{layer}.experts")
+        assert expected and dict(experts.named_parameters()).keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(dict(experts.named_parameters())[name], tensor), name
+    read_experts = {int(key.split(".experts.")[1].split(".")[0]) for key in part.slices.read if ".experts." in key}
+    assert read_experts == set(kept)
+
+
 def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(ValueError) as refused:

@@ -108,17 +108,20 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     kept = plan.kept_by_layer()
     moe_layers = find_moe_layers(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    names = {id(module): name for name, module in model.named_modules()}
+    only_experts = {names[id(layer.experts)]: sorted(kept[layer.name]) for layer in moe_layers}
+    # the kept experts are read into tensors of their rows (slicing them then only sets counts); removed: never read
     writer = _ShardWriter(directory, shard_bytes, workers)
     times = timings if timings is not None else {}
     started = time.perf_counter()
     parts = [(prefix, True)] + [(f"{prefix}{index}.", False) for index in range(len(layers))]
     with ThreadPoolExecutor(max_workers=1) as reader:
-        read = reader.submit(checkpoint.fill, (parts[0][0],), device, dtype, parts[0][1])
+        read = reader.submit(checkpoint.fill, (parts[0][0],), device, dtype, parts[0][1], only_experts)
         for position, (part, outside) in enumerate(parts):
             read.result()
             if position + 1 < len(parts):
                 following, outside_next = parts[position + 1]
-                read = reader.submit(checkpoint.fill, (following,), device, dtype, outside_next)
+                read = reader.submit(checkpoint.fill, (following,), device, dtype, outside_next, only_experts)
             for layer in moe_layers:
                 if f"{layer.name}.".startswith(part) and not outside:
                     _slice_layer(layer, torch.tensor(sorted(kept[layer.name]), dtype=torch.long),
