@@ -5,9 +5,7 @@ transformers initialises a missing tensor at random and only logs it; an integer
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
