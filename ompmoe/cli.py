@@ -131,7 +131,8 @@ def replan(
     from .engine.collect.statistics import MoEStats
     from .engine.perplexity import perplexity
     from .engine.planning.strategy import AUTO, PruningStrategy
-    from .engine.run import PruningRun
+    from .engine.apply.trial import pruned_view
+    from .engine.run import PruningRun, paper_plan
     from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
@@ -187,6 +188,10 @@ def replan(
             run.plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if loaded is not None:
+                paper = paper_plan(run.strategy_used, statistics, run.plan, run.compensation) if heldout_blocks else None
+                if paper is not None:  # as a fit's line: the paper's setting beside the run's
+                    with pruned_view(loaded, paper):
+                        run.heldout_paper = {key: perplexity(loaded, blocks) for key, blocks in heldout_blocks.items()}
                 pruned = run.apply(loaded)
                 if heldout_blocks:
                     run.heldout_perplexity = {key: (original[key], perplexity(pruned, blocks))
@@ -272,8 +277,8 @@ class _Refit:
 
 
 def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path, named: bool) -> _Refit:
-    """The granularity given, else none for a named method (as published), else the one the fit applied; refused,
-    before any work, where it cannot be done."""
+    """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
+    also when its choice was the linear map); refused, before any work, where it cannot be done."""
     from .engine.apply.compensation import GRANULARITIES
 
     if given is not None and given not in ("off", *GRANULARITIES):
@@ -285,7 +290,8 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     elif named:
         granularity, source = None, "none for a named method"
     elif fit is not None:  # a fit's plan without a record: the fit compensated nothing
-        granularity, source = record.get("granularity") if record.get("applied") else None, "the fit's plan"
+        granularity = record.get("fitted", record.get("granularity")) if record.get("applied") else None
+        source = "the fit's plan"
     else:
         granularity, source = None, "default"
     if model is None and granularity not in (None, "off"):

@@ -51,7 +51,8 @@ def test_the_fit_records_its_data_settings_with_its_compensation(fit):
     record = json.loads((fit / "plan.json").read_text())["extra"]["compensation"]
     assert record["calibration_data"] == {key: value for key, value in DATA.items() if key != "batch_size"} | {
         "data_files": None, "text_field": None, "split": "train", "seed": None}
-    assert record["checked"] == "held-out calibration loss" and record["granularity"] == "linear"
+    assert record["checked"] == "held-out calibration loss" and record["fitted"] == "down"
+    assert record["granularity"] == ("linear" if min(record["tried"], key=record["tried"].get) == "linear" else "down")
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
@@ -63,7 +64,7 @@ def test_prune_fits_the_fits_compensation_on_the_same_text_and_saves_the_literal
     data = calibration_data()
     original = tiny_model("qwen3_moe")
     bare = ompmoe.PruningPlan(**{**plan.__dict__, "extra": {}})
-    compensation, literal = fit_compensation(original, bare, data.blocks, 4, "linear", data.choice_blocks(2))
+    compensation, literal = fit_compensation(original, bare, data.blocks, 4, "down", data.choice_blocks(2))
     assert {key: record[key] for key in literal} == literal  # the same fit, the same check
     if ratio == 0.5:  # the fit's own ratio: the fit's numbers again
         fitted = json.loads((fit / "plan.json").read_text())["extra"]["compensation"]
@@ -74,7 +75,8 @@ def test_prune_fits_the_fits_compensation_on_the_same_text_and_saves_the_literal
     torch.testing.assert_close(logits(saved(tmp_path / "out" / f"model-{ratio:g}")), logits(expected),
                                rtol=1e-5, atol=1e-5)
     verdict = "applied" if record["applied"] else "not applied (it raised the loss by more than 0.02)"
-    assert (f"ratio {ratio:g}: compensation (linear, {record['num_tokens']} tokens): held-out calibration loss "
+    fitted = "linear" if record["granularity"] == "linear" else f"down, alpha {record['ridge_alpha']:g}"
+    assert (f"ratio {ratio:g}: compensation ({fitted}, {record['num_tokens']} tokens): held-out calibration loss "
             f"{record['loss_without']:.4f} -> {record['loss_with']:.4f}, {verdict}") in capsys.readouterr().out
 
 
@@ -101,7 +103,7 @@ def test_compensation_that_cannot_be_done_is_refused_before_any_work(fit, tmp_pa
                        "linear") == ("error: --compensation refits the pruned models' experts: give --model (plans "
                                      "alone hold no weights)\n")
     assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--output_dir", str(out), "--compensation",
-                       "linaer") == ("error: --compensation must be off, layer, expert, linear; got 'linaer' (the "
+                       "linaer") == ("error: --compensation must be off, layer, expert, linear, down; got 'linaer' (the "
                                      "default: off with a method named, else what the fit applied)\n")
     assert not out.exists()
 

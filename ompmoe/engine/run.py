@@ -31,6 +31,7 @@ from .apply.compensation_step import (
 )
 from .apply.plan_choice import PlanChoice, choose_plan, setting_name
 from .apply.pruning import prune
+from .apply.trial import pruned_view
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
@@ -185,6 +186,28 @@ def layer_by_layer_strategy(strategy: Strategy, model_type: str | None, heldout:
 Step = typing.TypeVar("Step", bound=Callable[..., Any])
 
 
+def paper_plan(strategy: Strategy, stats: MoEStats, plan: PruningPlan, compensation: Compensation | None
+               ) -> PruningPlan | None:
+    """The paper's plan (``omp`` + ``waterfill`` with the run's ratio and limits) when the run's pruned model is not
+    it (another setting, or compensated); ``None`` otherwise, or for a strategy of the user's own class."""
+    if not isinstance(strategy, PruningStrategy):
+        return None
+    if (plan.method, plan.allocation) == ("omp", "waterfill") and compensation is None:
+        return None
+    return dataclasses.replace(strategy, method="omp", allocation="waterfill", method_options={}).plan(stats)
+
+
+def paper_part(original: float, pruned: float, paper: float | None) -> str:
+    """`` (paper's setting 33.90: 24 % of its increase recovered)``: the share of the paper's perplexity increase
+    the run's setting takes back, ``(paper - pruned) / (paper - original)``; only the paper's perplexity where it
+    lost nothing."""
+    if paper is None:
+        return ""
+    if paper <= original:
+        return f" (paper's setting {paper:.2f})"
+    return f" (paper's setting {paper:.2f}: {(paper - pruned) / (paper - original):.0%} of its increase recovered)"
+
+
 def _releases_output_on_failure(step: Step) -> Step:
     """A step of the run that fails (an error, Ctrl-C) frees ``output_dir``: the run will not write it."""
     @functools.wraps(step)
@@ -236,6 +259,9 @@ class PruningRun:
         """``{set: (original, pruned)}`` held-out perplexity, when ``evaluate_on`` names sets (rank 0)."""
         self.heldout_tokens = 0
         """Tokens per held-out set behind :attr:`heldout_perplexity`."""
+        self.heldout_paper: dict[str, float] = {}
+        """Held-out perplexity per set of the paper's setting (``omp`` + ``waterfill``, no compensation) at the
+        run's ratio, when the run's setting differs: what :attr:`heldout_perplexity` is judged against."""
         self.source: str | None = None
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
@@ -423,6 +449,10 @@ class PruningRun:
         evaluate_on = self.options.evaluate_on if model is not None and context.is_global_zero else []  # rank 0 only
         heldout = {name: self.data.heldout_blocks(name, plan.extra["heldout"]["blocks"]) for name in evaluate_on or []}
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
+        paper = paper_plan(self.strategy_used, stats, plan, self.compensation) if heldout else None
+        if paper is not None:  # the baseline the share of its loss recovered is measured against
+            with pruned_view(model, paper):
+                self.heldout_paper = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             self.apply(model)
         after = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
@@ -437,6 +467,7 @@ class PruningRun:
             self.heldout_perplexity = {name: (before[name], after[name]) for name in before}
             self.heldout_tokens = min(blocks.numel() for blocks in heldout.values())
             context.print(self.heldout_line())
+            context.log_metrics({f"heldout_ppl/{name}/paper": value for name, value in self.heldout_paper.items()})
             context.log_metrics({f"heldout_ppl/{name}/{kind}": value for name, pair in self.heldout_perplexity.items()
                                  for kind, value in zip(("original", "pruned"), pair)})
         if self.options.output_dir is not None:
@@ -573,8 +604,8 @@ class PruningRun:
     def heldout_line(self) -> str:
         """``ompmoe: held-out perplexity on 8,192 tokens per set, original -> pruned: heldout:prose 30.10 -> 33.52,
         ...``."""
-        parts = [f"{name} {original:.2f} -> {pruned:.2f}" for name, (original, pruned) in
-                 self.heldout_perplexity.items()]
+        parts = [f"{name} {original:.2f} -> {pruned:.2f}{paper_part(original, pruned, self.heldout_paper.get(name))}"
+                 for name, (original, pruned) in self.heldout_perplexity.items()]
         return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned: "
                 f"{', '.join(parts)}")
 

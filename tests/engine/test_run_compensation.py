@@ -17,6 +17,7 @@ from ompmoe.engine.collect.collector import StatisticsCollector
 from ompmoe.engine.apply.compensation import compensate, compensated_view, fitting_tokens
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.apply.compensation_step import compensation_line, fit_compensation, fitting_text
+from ompmoe.engine.apply.down_refit import DOWN_ALPHAS, compensate_down, down_fitting_tokens, refit_down
 from ompmoe.engine.tiny import tiny_model
 from ompmoe.engine.apply.trial import pruned_view
 
@@ -60,25 +61,36 @@ def literal(original: torch.nn.Module, plan, blocks: torch.Tensor, granularity: 
     """What the run stands for: compensate on the unpruned model (a quarter of the calibration tokens at most),
     prune, apply."""
     model = copy.deepcopy(original)
-    compensation = compensate(model, plan, blocks, 4, granularity=granularity,
-                              max_tokens=fitting_tokens(model, blocks.numel()))
+    if granularity == "down":
+        compensation = compensate_down(model, plan, blocks)
+    else:
+        compensation = compensate(model, plan, blocks, 4, granularity=granularity,
+                                  max_tokens=fitting_tokens(model, blocks.numel()))
     ompmoe.prune(model, plan)
     return compensation.apply(model)
 
 
-def test_auto_fits_the_linear_map_and_the_pruned_model_is_the_literal_compensate_prune_apply(blocks, choice):
+def test_auto_fits_the_down_refit_and_the_pruned_model_is_the_literal_refit_prune_apply(blocks, choice):
     auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
     run, model, original = run_once(blocks, choice, strategy=auto)
     record = run.plan.extra["compensation"]
-    # the trial's loss of the chosen plan is reused; the compensated one is the literal view's
+    # the trial's loss of the chosen plan is reused; each candidate's loss is the literal view's
     assert record["loss_without"] == run.choice.losses[f"{run.plan.method} + {run.plan.allocation}"]
-    with compensated_view(original, run.plan, run.compensation or compensate(
-            original, run.plan, blocks, 4, max_tokens=fitting_tokens(original, blocks.numel()))):
-        assert record["loss_with"] == pytest.approx(math.log(perplexity(original, choice, 4)), rel=1e-12)
+    linear, refits = refit_down(copy.deepcopy(original), run.plan, blocks,
+                                max_tokens=down_fitting_tokens(original, blocks.numel()), alphas=DOWN_ALPHAS)
+    candidates = {"linear": linear, **{f"down, alpha {alpha:g}": refit for alpha, refit in refits.items()}}
+    assert list(record["tried"]) == list(candidates)
+    for name, candidate in candidates.items():
+        with compensated_view(original, run.plan, candidate):
+            assert record["tried"][name] == pytest.approx(math.log(perplexity(original, choice, 4)), abs=1e-6)
+    best = min(record["tried"], key=record["tried"].__getitem__)
+    assert record["loss_with"] == pytest.approx(record["tried"][best], abs=1e-6)
+    assert record["granularity"] == ("linear" if best == "linear" else "down")
     assert record["applied"] == (record["loss_with"] < record["loss_without"] + 0.02) and record["tolerance"] == 0.02
-    assert record["granularity"] == "linear" and record["num_tokens"] == fitting_tokens(original, blocks.numel())
-    expected = literal(original, run.plan, blocks) if record["applied"] else ompmoe.prune(copy.deepcopy(original),
-                                                                                          run.plan)
+    assert record["num_tokens"] == blocks.numel()  # every calibration token
+    expected = ompmoe.prune(copy.deepcopy(original), run.plan)
+    if record["applied"]:
+        candidates[best].apply(expected)
     torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
     assert (model.config.ompmoe.get("compensation") is not None) == record["applied"]
 
@@ -91,7 +103,7 @@ def test_a_method_named_outright_is_left_as_the_paper_prunes_it(blocks, choice):
     assert "compensation" not in model.config.ompmoe
 
 
-@pytest.mark.parametrize("granularity", ["layer", "linear"])
+@pytest.mark.parametrize("granularity", ["layer", "linear", "down"])
 def test_a_named_granularity_is_fitted_for_any_method_and_always_applied(blocks, granularity):
     run, model, original = run_once(blocks, None, compensation=granularity)
     record = run.plan.extra["compensation"]
@@ -128,8 +140,9 @@ def test_a_calibration_fed_inputs_embeds_is_pruned_without_compensation_and_the_
 def test_an_unknown_mode_is_refused_at_construction_naming_the_modes():
     with pytest.raises(ValueError) as caught:
         ompmoe.RunOptions(compensation="linaer")
-    assert str(caught.value) == ("compensation must be one of auto, off, layer, expert, linear ('auto': the linear map "
-                                 "for method 'auto', kept unless it raises held-out loss; 'off': none); got 'linaer'.")
+    assert str(caught.value) == ("compensation must be one of auto, off, layer, expert, linear, down ('auto': for "
+                                 "method 'auto', the down refit or the linear map, whichever has the lower held-out "
+                                 "loss, kept unless it raises that loss; 'off': none); got 'linaer'.")
 
 
 def test_the_check_keeps_compensation_only_when_the_held_out_loss_falls(blocks, choice):

@@ -229,5 +229,5 @@ def test_the_docs_own_module_example_runs(tmp_path, monkeypatch):
     lines: list[str] = []  # the callback's rank-zero lines, whatever logging state earlier tests left
     monkeypatch.setattr("ompmoe.callbacks.pruning.rank_zero_info", lines.append)
     exec(compile(code, "docs/usage.md", "exec"), {"__name__": "docs_usage"})
-    assert lines[0].startswith("ompmoe: method omp_normalized, allocation loss, compensation linear, ")
+    assert lines[0].startswith("ompmoe: method omp_normalized, allocation loss, compensation down, ")
     assert ompmoe.PruningPlan.load(tmp_path / "own-run" / "plan.json").ratio == 0.5

@@ -27,9 +27,12 @@ from .adaptive import adaptive_paused
 from .pruning import require_plan_model, slice_router, validate_plan
 from .trial import pruned_view
 
-GRANULARITIES = ("layer", "expert", "linear")
+GRANULARITIES = ("layer", "expert", "linear", "down")
 """``layer``: one factor per MoE layer; ``expert``: one per kept expert (``ridge`` toward the layer's); ``linear``: a
-``d x d`` map of the layer's routed output (``ridge`` toward the layer's factor times the identity)."""
+``d x d`` map of the layer's routed output (``ridge`` toward the layer's factor times the identity); ``down``: every
+kept expert's down projection refit (:mod:`.down_refit`, ridge toward the ``linear`` map's weights)."""
+SUM_GRANULARITIES = ("layer", "expert", "linear")
+"""The granularities fitted from summed statistics (``down`` fits in its own pass)."""
 
 DEFAULT_GRANULARITY = "linear"
 DEFAULT_RIDGE: float | None = None
@@ -156,6 +159,10 @@ class Compensation:
     kept: dict[str, list[int]]
     record: dict[str, Any] = field(default_factory=dict)
     """JSON-able summary for the plan's ``extra`` and the model card (granularity, ridge, tokens, factors, errors)."""
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    """``down`` (:mod:`.down_refit`): per layer the kept experts' refit down projections ``(K, ...)`` in the
+    experts' layout and dtype, and biases; they replace those rows (``scales`` then only records the map they were
+    regularized toward)."""
 
     def apply(self, pruned_model: nn.Module) -> nn.Module:
         return apply_compensation(pruned_model, self)
@@ -212,20 +219,24 @@ class _LayerPass:
 
     def _kept_only(self, value: Any) -> Any:
         count = self.layer.num_experts
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == count:
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == count:  # not a batch of count
             return value.index_select(0, self.kept.to(value.device))
         if isinstance(value, torch.Tensor) and tuple(value.shape) == (1, count):
             return value.index_select(1, self.kept.to(value.device))
         return value
 
+    def _take_routing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliced router's ``(ids among the kept, weights)`` for this call of the experts (used once)."""
+        if self._routing is None:
+            raise CompensationError(f"The router of {self.layer.name} was not called before its experts; "
+                                    "compensation needs the router's own input.")
+        routing, self._routing = self._routing, None
+        return routing
+
     def _forward(self, native: Callable) -> Callable:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-            if self._routing is None:
-                raise CompensationError(f"The router of {self.layer.name} was not called before its experts; "
-                                        "compensation needs the router's own input.")
-            ids, weights = self._routing
-            self._routing = None
+            ids, weights = self._take_routing()
             outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, self.kept_on_device.to(ids.device)[ids])
             target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)  # the unpruned routed output
             contributions = pruned.float() * weights.float().unsqueeze(-1)  # c = g' F, (T, k', d)
@@ -354,6 +365,7 @@ def compensation_sums(model: nn.Module, plan: PruningPlan, batches: torch.Tensor
     and ranks (``a + b``, :meth:`CompensationSums.all_reduce`).
     """
     _check_options(granularity, ridge)
+    _check_summed(granularity)
     layers = check_compensable(model, plan)
     if granularity == "linear":
         check_sum_budget(layers, max_sum_bytes)
@@ -468,6 +480,12 @@ def _check_options(granularity: str, ridge: float | None) -> None:
         raise CompensationError(f"ridge must be a finite number >= 0 or None (automatic); got {ridge!r}.")
 
 
+def _check_summed(granularity: str) -> None:
+    if granularity not in SUM_GRANULARITIES:
+        raise CompensationError(f"granularity={granularity!r} is not fitted from summed statistics: call "
+                                "compensate(..., granularity='down') (or ompmoe.engine.apply.down_refit.refit_down).")
+
+
 def effective_ridge(granularity: str, ridge: float | None, num_tokens: float, hidden_size: int) -> float:
     """The ridge a fit uses: ``ridge`` itself, or for ``None`` ``hidden_size / num_tokens`` (``linear``),
     :data:`EXPERT_RIDGE` (``expert``), 0 (``layer``, which has none)."""
@@ -527,6 +545,7 @@ def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, r
     expert (ascending ids), ``expert`` ridge-shrunk per-expert factors (CPU), ``linear`` the ``(d, d)`` map (where its
     sums are)."""
     _check_options(granularity, ridge)
+    _check_summed(granularity)
     tokens = float(sums.num_tokens)
     return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
 
@@ -582,8 +601,9 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
     ids the factors belong to). The kept ids must be those the model was pruned to; a model compensated already is
     refused.
     """
+    weights = None
     if isinstance(compensation, Compensation):
-        scales, kept, record = compensation.scales, compensation.kept, compensation.record
+        scales, kept, record, weights = compensation.scales, compensation.kept, compensation.record, compensation.weights
     else:
         scales, record = dict(compensation), {}
         if kept is None:
@@ -607,11 +627,20 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
                 f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
         _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
     for layer in layers:
-        for parameter in _down_projection(layer):
+        for parameter, replacement in zip(_down_projection(layer), _replacements(weights, layer.name)):
             if parameter is not None:
-                parameter.data.copy_(_corrected(layer, parameter, torch.as_tensor(scales[layer.name])))
+                parameter.data.copy_(_corrected(layer, parameter, torch.as_tensor(scales[layer.name]))
+                                     if replacement is None else replacement.to(parameter))
     setattr(model.config, CONFIG_KEY, {**info, "compensation": dict(record or {"method": "least_squares"})})
     return model
+
+
+def _replacements(weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None, name: str
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The refit rows replacing a layer's kept down projection and bias (``(None, None)``: the correction folds)."""
+    if weights is None:
+        return None, None
+    return weights[name]
 
 
 @contextmanager
@@ -630,13 +659,15 @@ def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensa
     try:
         with torch.no_grad():
             for layer, ids in zip(layers, kept):
-                for parameter in _down_projection(layer):
+                replacements = _replacements(compensation.weights, layer.name)
+                for parameter, replacement in zip(_down_projection(layer), replacements):
                     if parameter is None:
                         continue
                     rows = torch.tensor(ids, dtype=torch.long, device=parameter.device)
                     original = parameter.data.index_select(0, rows)
                     saved.append((parameter, rows, original))
-                    parameter.data.index_copy_(0, rows, _corrected(layer, original, compensation.scales[layer.name]))
+                    parameter.data.index_copy_(0, rows, _corrected(layer, original, compensation.scales[layer.name])
+                                               if replacement is None else replacement.to(original))
         with pruned_view(model, plan):
             yield model
     finally:
@@ -703,6 +734,10 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     (:data:`MAX_SUM_BYTES`, 8 GiB; ``None``: no limit): pass ``granularity="expert"`` or a larger budget then.
     """
     _check_options(granularity, ridge)
+    if granularity == "down":
+        raise CompensationError("granularity='down' is fitted in its own pass: "
+                                "ompmoe.engine.apply.down_refit.compensate_down(model, plan, blocks) (a run: "
+                                "compensation='down').")
     if max_tokens == "auto":
         max_tokens = fitting_tokens(model)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
@@ -726,7 +761,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
 
 
 __all__ = ["Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
-           "EXPERT_RIDGE", "GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
+           "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
            "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensated_view",
            "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
            "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks", "spread_rows"]

@@ -31,6 +31,8 @@ from .compensation import (
     heldout_losses,
     spread_rows,
 )
+from .down_refit import DEFAULT_ALPHA, DOWN_ALPHAS, check_down_refit, down_fitting_tokens, refit_down
+from .trial import pruned_view
 
 COMPENSATION_MODES = ("auto", "off", *GRANULARITIES)
 """Values of ``RunOptions.compensation``."""
@@ -43,31 +45,46 @@ that loss by 0 to +0.011 nats), where always keeping it was right in 52 of 54 (d
 def check_compensation_mode(mode: Any) -> None:
     """Refuse an unknown ``compensation`` value at construction, naming the ones there are."""
     if mode not in COMPENSATION_MODES:
-        raise ValueError(f"compensation must be one of {', '.join(COMPENSATION_MODES)} ('auto': the linear map for "
-                         f"method 'auto', kept unless it raises held-out loss; 'off': none); got {mode!r}.")
+        raise ValueError(f"compensation must be one of {', '.join(COMPENSATION_MODES)} ('auto': for method 'auto', "
+                         "the down refit or the linear map, whichever has the lower held-out loss, kept unless it "
+                         f"raises that loss; 'off': none); got {mode!r}.")
+
+
+AUTO_GRANULARITY = "down"
+"""What ``compensation="auto"`` fits: the down refit, whose ``alpha`` (the ``linear`` map itself among the
+candidates) the choice blocks pick (docs/quality/compensation.md)."""
 
 
 def compensation_granularity(mode: str, strategy: Strategy) -> str | None:
     """The granularity a run fits, or ``None`` for none: ``auto`` fits only for the ``auto`` method."""
     if mode == "auto":
-        return DEFAULT_GRANULARITY if getattr(strategy, "method", None) == AUTO else None
+        return AUTO_GRANULARITY if getattr(strategy, "method", None) == AUTO else None
     return None if mode == "off" else mode
 
 
 def run_granularity(mode: str, strategy: Strategy, model: nn.Module) -> str | None:
     """:func:`compensation_granularity` checked against ``model`` before calibrating: where ``linear``'s ``d x d``
-    sums would exceed :data:`~ompmoe.engine.apply.compensation.MAX_SUM_BYTES` (DeepSeek-V3: 48 GB), ``auto`` fits
-    ``expert`` instead and a ``linear`` asked for is refused."""
+    sums (which ``down`` starts from too) would exceed :data:`~ompmoe.engine.apply.compensation.MAX_SUM_BYTES`
+    (DeepSeek-V3: 48 GB), ``auto`` fits ``expert`` instead and a ``linear`` or ``down`` asked for is refused; where
+    the experts are not built on transformers' experts interface, ``auto`` fits ``linear`` instead of ``down``."""
     granularity = compensation_granularity(mode, strategy)
-    if granularity != "linear":
+    if granularity == "down":
+        try:
+            for layer in find_moe_layers(model):
+                check_down_refit(layer)
+        except CompensationError:
+            if mode != "auto":
+                raise
+            granularity = DEFAULT_GRANULARITY  # experts the refit cannot take apart: the linear map
+    if granularity not in ("linear", "down"):
         return granularity
-    try:
+    try:  # the down refit starts from the linear map: the same sums
         check_sum_budget(find_moe_layers(model), MAX_SUM_BYTES)
     except CompensationError as error:
         if mode == "auto":
             return "expert"
-        raise CompensationError(str(error).replace("pass granularity='expert' or a larger max_sum_bytes",
-                                                   "pass compensation='expert' (or 'off')")) from None
+        raise CompensationError(str(error).replace("granularity='linear'", f"granularity={granularity!r}").replace(
+            "pass granularity='expert' or a larger max_sum_bytes", "pass compensation='expert' (or 'off')")) from None
     return granularity
 
 
@@ -114,6 +131,8 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
     Returns the compensation to apply (``None``: not applied) and the record for ``plan.extra["compensation"]``.
     """
     tokens = int(text.numel()) if isinstance(text, torch.Tensor) else sum(int(b["input_ids"].numel()) for b in text)
+    if granularity == "down":
+        return _fit_down(model, plan, text, tokens, check_blocks, loss_without, unchecked, batch_size)
     max_tokens = fitting_tokens(model, tokens)
     if not isinstance(text, torch.Tensor):  # the fewest evenly spaced batches holding them (padding cannot be re-cut)
         rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
@@ -134,6 +153,39 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
     return (compensation if record["applied"] else None), record
 
 
+def _fit_down(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dict[str, torch.Tensor]], tokens: int,
+              check_blocks: torch.Tensor | None, loss_without: float | None, unchecked: str, batch_size: int
+              ) -> tuple[Compensation | None, dict[str, Any]]:
+    """``down``: the refit for each of :data:`~.down_refit.DOWN_ALPHAS` and the ``linear`` map it starts from, fitted
+    in one pass; with ``check_blocks`` the one with the lowest loss there, kept unless it raises the loss by more
+    than :data:`CHECK_TOLERANCE`; without them the refit at :data:`~.down_refit.DEFAULT_ALPHA`."""
+    max_tokens = down_fitting_tokens(model, tokens)
+    if not isinstance(text, torch.Tensor):
+        rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
+        text = text if rows is None else [text[i] for i in rows]
+    alphas = DOWN_ALPHAS if check_blocks is not None else (DEFAULT_ALPHA,)
+    linear, refits = refit_down(model, plan, text, max_tokens=max_tokens, alphas=alphas)
+    if check_blocks is None:
+        compensation = refits[DEFAULT_ALPHA]
+        return compensation, dict(compensation.record, applied=True, checked=unchecked, fitted="down")
+    candidates = {"linear": linear, **{f"down, alpha {alpha:g}": refit for alpha, refit in refits.items()}}
+    losses = {}
+    for name, candidate in candidates.items():
+        with compensated_view(model, plan, candidate):
+            losses[name] = math.log(perplexity(model, check_blocks, batch_size))
+    if loss_without is None:
+        with pruned_view(model, plan):
+            loss_without = math.log(perplexity(model, check_blocks, batch_size))
+    best = min(losses, key=losses.__getitem__)
+    compensation = candidates[best]
+    record = dict(compensation.record, checked="held-out calibration loss", check_blocks=int(check_blocks.shape[0]),
+                  loss_without=loss_without, loss_with=losses[best], tolerance=CHECK_TOLERANCE,
+                  tried={name: round(loss, 6) for name, loss in losses.items()}, fitted="down",
+                  applied=losses[best] < loss_without + CHECK_TOLERANCE)
+    compensation.record.update(tried=record["tried"])
+    return (compensation if record["applied"] else None), record
+
+
 def compensation_line(record: dict[str, Any]) -> str:
     """``ompmoe: compensation (linear, 4096 tokens): held-out calibration loss 3.9510 -> 3.9020, applied``; a map
     kept although it raised the loss says by how much and the tolerance it is within (``applied (it raised the loss by
@@ -141,7 +193,8 @@ def compensation_line(record: dict[str, Any]) -> str:
     words)."""
     if "num_tokens" not in record:
         return f"ompmoe: compensation ({record['granularity']}) not fitted: {record['checked']}"
-    fitted = f"{record['granularity']}, {record['num_tokens']} tokens"
+    alpha = f", alpha {record['ridge_alpha']:g}" if record.get("granularity") == "down" else ""
+    fitted = f"{record['granularity']}{alpha}, {record['num_tokens']} tokens"
     if "loss_with" not in record:
         return f"ompmoe: compensation ({fitted}): {record['checked']}"
     note = within_tolerance(record)
@@ -151,6 +204,6 @@ def compensation_line(record: dict[str, Any]) -> str:
             f"{record['loss_with']:.4f}, {verdict}")
 
 
-__all__ = ["CHECK_TOLERANCE", "COMPENSATION_MODES", "calibration_data", "check_compensation_mode",
+__all__ = ["AUTO_GRANULARITY", "CHECK_TOLERANCE", "COMPENSATION_MODES", "calibration_data", "check_compensation_mode",
            "checks_compensation", "compensation_granularity", "compensation_line", "fit_compensation", "fitting_text",
            "run_granularity"]
