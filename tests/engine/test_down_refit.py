@@ -161,3 +161,20 @@ def test_compensate_names_the_call_for_down():
         compensate(model, plan, BLOCKS, granularity="down")
     assert str(refused.value) == ("granularity='down' is fitted in its own pass: ompmoe.engine.apply.down_refit."
                                   "compensate_down(model, plan, blocks) (a run: compensation='down').")
+
+
+def test_batches_of_different_lengths_fit_as_their_tokens_unpadded():
+    """A DataLoader's padded batches of different lengths run as one right-padded batch: the refit equals the one
+    on the same tokens in one batch of their own length."""
+    model = tiny_model("qwen3_moe")
+    plan = ompmoe.plan_pruning(ompmoe.collect_stats(model, BLOCKS.split(4), progress=False), 0.5,
+                               min_kept_fraction=0.25)
+    short = {"input_ids": BLOCKS[4:, :12], "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    padded = {"input_ids": torch.cat([BLOCKS[:4, :12], torch.zeros(4, 4, dtype=torch.long)], 1),
+              "attention_mask": torch.cat([torch.ones(4, 12), torch.zeros(4, 4)], 1).long()}
+    together = refit_down(model, plan, [{"input_ids": BLOCKS[:, :12]}], alphas=(0.1,))[1][0.1]
+    joined = refit_down(model, plan, [padded, short], alphas=(0.1,))[1][0.1]
+    assert joined.record["num_tokens"] == together.record["num_tokens"] == 96
+    for name, (rows, _) in together.weights.items():
+        torch.testing.assert_close(joined.weights[name][0], rows, rtol=1e-4, atol=1e-6)
+

@@ -185,15 +185,20 @@ def test_the_collector_keeps_the_real_samples_token_ids_on_the_cpu(blocks):
     torch.testing.assert_close(torch.cat(kept), blocks[:6], rtol=0, atol=0)
 
 
-def test_the_saved_model_carries_the_compensation_in_its_card_and_loads_equal_in_stock_transformers(blocks, tmp_path):
-    run, model, _ = run_once(blocks, None, compensation="linear", output_dir=str(tmp_path / "run"))
+@pytest.mark.parametrize("granularity", ["linear", "down"])
+def test_the_saved_model_carries_the_compensation_in_its_card_and_loads_equal_in_stock_transformers(
+        blocks, tmp_path, granularity):
+    run, model, _ = run_once(blocks, None, compensation=granularity, output_dir=str(tmp_path / "run"))
     saved = tmp_path / "run" / "model"
     record = json.loads((saved / "config.json").read_text())["ompmoe"]["compensation"]
-    assert record["granularity"] == "linear" and record["num_tokens"] == run.plan.extra["compensation"]["num_tokens"]
+    assert record["granularity"] == granularity
+    assert record["num_tokens"] == run.plan.extra["compensation"]["num_tokens"]
     card = (saved / "README.md").read_text()
-    assert (f"| Compensation | linear least-squares correction of the kept experts' output, fitted on "
-            f"{record['num_tokens']} calibration tokens (relative routed-output error "
-            f"{record['routed_error_before']:.3f} -> {record['routed_error_after']:.3f}) |") in card
+    what = ("linear least-squares correction of the kept experts' output" if granularity == "linear" else
+            "down projections of the kept experts refit by least squares to the original's routed output (ridge "
+            "alpha 1.0 toward the linear map's)")
+    assert (f"| Compensation | {what}, fitted on {record['num_tokens']} calibration tokens (relative routed-output "
+            f"error {record['routed_error_before']:.3f} -> {record['routed_error_after']:.3f}) |") in card
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["extra"]["compensation"]["applied"] is True
     reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
@@ -220,3 +225,44 @@ def test_linear_sums_over_the_budget_make_auto_fit_per_expert_and_a_linear_asked
     assert run.collector is None  # refused before the model was instrumented
     run, model, original = run_once(blocks, token_blocks(4, seed=1), strategy=auto)
     assert run.plan.extra["compensation"]["granularity"] == "expert"
+
+
+def test_the_heldout_line_gives_the_paper_setting_and_the_share_of_its_increase_recovered(blocks, choice):
+    from ompmoe.engine.run import paper_part, paper_plan
+
+    assert paper_part(40.0, 45.0, 50.0) == " (paper's setting 50.00: 50% of its increase recovered)"
+    assert paper_part(40.0, 52.0, 50.0) == " (paper's setting 50.00: -20% of its increase recovered)"
+    assert paper_part(40.0, 41.0, 39.5) == " (paper's setting 39.50)"  # the paper lost nothing: no share
+    assert paper_part(40.0, 41.0, None) == ""
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    run, model, original = run_once(blocks, choice, strategy=auto)
+    paper = paper_plan(run.strategy_used, run.stats, run.plan, run.compensation)
+    expected = ompmoe.PruningStrategy(ratio=0.5, min_kept_fraction=0.25).plan(run.stats)
+    assert paper is not None and paper.kept_by_layer() == expected.kept_by_layer()
+    assert (paper.method, paper.allocation) == ("omp", "waterfill")
+    # the paper's own setting uncompensated is its own baseline: nothing to compare
+    plain, _, _ = run_once(blocks, None)
+    assert paper_plan(plain.strategy_used, plain.stats, plain.plan, plain.compensation) is None
+
+
+def test_a_run_measures_the_paper_setting_on_its_heldout_blocks(blocks, choice):
+    from ompmoe.engine.run import paper_plan
+
+    heldout = token_blocks(3, seed=5)
+    model = tiny_model(MODEL_TYPE)
+    original = copy.deepcopy(model)
+    data = SimpleNamespace(choice_blocks=lambda n=None: choice, heldout_blocks=lambda name, n: heldout)
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
+    run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=auto, plots=False, evaluate_on=["held"]))
+    lines: list[str] = []
+    context = ompmoe.LocalContext(print=lines.append)
+    run.start(model, context, model_id=f"tiny:{MODEL_TYPE}", data=data)
+    run.collect(blocks.split(4))
+    run.finish(context)
+    with pruned_view(original, paper_plan(run.strategy_used, run.stats, run.plan, run.compensation)):
+        paper = perplexity(original, heldout, 4)
+    assert run.heldout_paper == {"held": pytest.approx(paper, rel=1e-9)}
+    before, after = run.heldout_perplexity["held"]
+    share = "" if paper <= before else f": {(paper - after) / (paper - before):.0%} of its increase recovered"
+    assert lines[-1] == (f"ompmoe: held-out perplexity on {heldout.numel():,} tokens per set, original -> pruned: "
+                         f"held {before:.2f} -> {after:.2f} (paper's setting {paper:.2f}{share})")

@@ -261,7 +261,7 @@ def refit_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | list[
     inputs = [as_model_inputs(batch, device) for batch in ([blocks] if isinstance(blocks, torch.Tensor) else blocks)]
     if not inputs:
         raise CompensationError("Compensation needs at least one batch of calibration tokens.")
-    batch = _concatenated(inputs) if len(inputs) > 1 else inputs[0]
+    batch = _joined(inputs) if len(inputs) > 1 else inputs[0]
     num_tokens = _count_tokens(torch.zeros((), dtype=torch.float64, device=device), batch)
     spec = architecture_of(model)
     passes = [_RefitPass(layer, sorted(int(i) for i in layer_plan.kept), spec.count_attributes,
@@ -289,6 +289,23 @@ def refit_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | list[
         refits[float(alpha)] = Compensation(maps, kept, record,
                                             weights={p.layer.name: p.refits[float(alpha)] for p in passes})
     return linear, refits
+
+
+def _joined(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batches as one: concatenated, or, where their lengths differ, right-padded to the longest with the padding
+    masked (a causal model computes the real tokens exactly as unpadded; padded ones fit nothing)."""
+    lengths = {int(batch["input_ids"].shape[1]) for batch in inputs if "input_ids" in batch}
+    if len(lengths) <= 1 or any(set(batch) - {"input_ids", "attention_mask"} for batch in inputs):
+        return _concatenated(inputs)
+    width = max(lengths)
+    padded = []
+    for batch in inputs:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask", torch.ones_like(ids))
+        extra = width - ids.shape[1]
+        padded.append({"input_ids": torch.nn.functional.pad(ids, (0, extra)),
+                       "attention_mask": torch.nn.functional.pad(mask, (0, extra))})
+    return _concatenated(padded)
 
 
 def compensate_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | list[dict[str, torch.Tensor]], *,

@@ -66,7 +66,11 @@ def _compensation(record: dict[str, Any] | None) -> str:
     """The card's compensation cell: what was fitted into the kept experts, on how much text, and what it did."""
     if not record:
         return "none (the kept experts are the original's)"
-    text = f"{record.get('granularity', '?')} least-squares correction of the kept experts' output"
+    if record.get("granularity") == "down":
+        text = (f"down projections of the kept experts refit by least squares to the original's routed output "
+                f"(ridge alpha {record.get('ridge_alpha', '?')} toward the linear map's)")
+    else:
+        text = f"{record.get('granularity', '?')} least-squares correction of the kept experts' output"
     if record.get("num_tokens"):
         text += f", fitted on {record['num_tokens']} calibration tokens"
     if "routed_error_before" in record:
