@@ -196,7 +196,7 @@ def test_the_saved_model_carries_the_compensation_in_its_card_and_loads_equal_in
     card = (saved / "README.md").read_text()
     what = ("linear least-squares correction of the kept experts' output" if granularity == "linear" else
             "down projections of the kept experts refit by least squares to the original's routed output (ridge "
-            "alpha 1.0 toward the linear map's)")
+            "alpha 0.1 toward the linear map's)")
     assert (f"| Compensation | {what}, fitted on {record['num_tokens']} calibration tokens (relative routed-output "
             f"error {record['routed_error_before']:.3f} -> {record['routed_error_after']:.3f}) |") in card
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())

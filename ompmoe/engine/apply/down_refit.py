@@ -12,7 +12,7 @@ and the target ``Y(x)`` (unpruned routed output), the refit minimizes
 (``A_e = sum u_e u_e^T``, ``n_e`` its size, ``W0_e = M W_e`` the ``linear`` map ``M`` folded in). One expert at a
 time, the others fixed: ``W_e = (R_e^T U_e + lam_e W0_e)(A_e + lam_e I)^-1`` with ``R_e`` the target minus the other
 experts' part, over that expert's tokens only; the prediction is updated in place. Only ``m x m`` systems per
-expert (one eigendecomposition each, shared by every ``alpha`` and sweep): no ``K*m``-sized joint system.
+expert (one Cholesky factor per ``alpha``, shared by the sweeps): no ``K*m``-sized joint system.
 Measured in docs/quality/compensation.md.
 """
 
@@ -45,16 +45,19 @@ from .compensation import (
     spread_blocks,
 )
 
-DOWN_ALPHAS = (0.1, 1.0)
-"""The ridge strengths ``alpha`` tried (toward the ``linear`` map's weights; large: the map itself); a run keeps the
-one with the lowest loss on its choice blocks, the map included (docs/quality/compensation.md)."""
-DEFAULT_ALPHA = 1.0
-"""The ``alpha`` used where nothing chooses (no choice blocks)."""
+DOWN_ALPHAS = (0.1,)
+"""The ridge strengths ``alpha`` a run tries (toward the ``linear`` map's weights; large: the map itself), the map
+included; it keeps the one with the lowest loss on its choice blocks. 0.1 was the best of 0.01, 0.1 and 1 in 15 of
+18 measured cases, and each more ``alpha`` costs as much again as the first (docs/quality/compensation.md)."""
+DEFAULT_ALPHA = 0.1
+"""The ``alpha`` of ``compensation="down"`` and where nothing chooses (no choice blocks)."""
 SWEEPS = 3
 """Gauss-Seidel sweeps over the kept experts: three matched the joint solve within 0.02 % of perplexity."""
 MAX_TOKENS = 65_536
 """The most fitting tokens (all of a run's calibration text up to this): they run as one batch, whose pruned pairs'
 outputs a layer holds at once (Qwen3-30B-A3B: 65,536 tokens x 8 pairs x 2,048 x 4 bytes = 4 GiB)."""
+CHECKED_PAIRS = 8192
+"""Pairs (evenly spread) on which the refit checks its ``down(h)`` against the experts' own outputs."""
 MATCH_TOLERANCE = 1e-3
 """Largest relative difference between the experts' own outputs and ``down(h)`` from the intermediate activations
 computed here: beyond it the refit would fit a different function, and it is refused."""
@@ -80,18 +83,20 @@ def check_down_refit(layer: MoELayer) -> None:
             f"({type(experts).__name__}) is not. Use compensation='linear'.")
 
 
-def expert_intermediate(experts: nn.Module, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """``h_e(x)``, the down projection's input, for each row ``x`` of ``rows`` ``(P, d)`` and its expert
-    ``expert_ids`` ``(P,)``: the up (and gate) projection and activation as transformers' experts compute them."""
+def expert_intermediate(experts: nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor,
+                        expert_ids: torch.Tensor) -> torch.Tensor:
+    """``h_e(x)``, the down projection's input, for each pair ``(x, e)``: the token ``hidden[token_ids]`` and its
+    expert ``expert_ids`` (both ``(P,)``), computed as transformers' experts compute the up (and gate) projection and
+    activation; the pairs' inputs are gathered one expert at a time (never ``(P, d)`` at once)."""
     gated = bool(experts.has_gate)
     weight = experts.gate_up_proj if gated else experts.up_proj
     bias = getattr(experts, "gate_up_proj_bias" if gated else "up_proj_bias", None) if experts.has_bias else None
     transposed = bool(getattr(experts, "is_transposed", False))
     width = weight.shape[2] if transposed else weight.shape[1]
-    projected = rows.new_empty(rows.shape[0], width)
+    projected = hidden.new_empty(token_ids.shape[0], width)
     for expert in torch.unique(expert_ids).tolist():
         where = (expert_ids == expert).nonzero().squeeze(-1)
-        out = rows[where] @ (weight[expert] if transposed else weight[expert].T)
+        out = hidden[token_ids[where]] @ (weight[expert] if transposed else weight[expert].T)
         if bias is not None:
             out = out + bias[expert]
         projected[where] = out.to(projected.dtype)
@@ -138,34 +143,50 @@ def gauss_seidel(target: torch.Tensor, inputs: torch.Tensor, tokens: torch.Tenso
     the ridge toward ``start``: ``inputs`` ``(P, n)`` the pairs' ``u``, ``tokens`` ``(P,)`` their rows of ``target``
     ``(T, d)``, ``segments`` the pairs of each of the ``K`` kept experts (:func:`expert_segments`)."""
     prediction = predict(inputs, tokens, segments, start, target.shape[0])
-    systems: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float] | None] = []
-    for rows in segments:  # per expert once, for every alpha and sweep: A_e's eigenvectors, target^T U_e
-        if rows.numel() == 0:
+    systems: list[tuple[torch.Tensor, torch.Tensor | None, float] | None] = []
+    for rows in segments:  # per expert once, for every alpha and sweep: A_e and, with more pairs than unknowns,
+        if rows.numel() == 0:  # target^T U_e (then a sweep needs one (d, n) product of the pairs, not two)
             systems.append(None)
             continue
         u = inputs[rows]
-        gram = (u.T @ u).double()
-        values, vectors = torch.linalg.eigh(gram)
-        cross = (target[tokens[rows]].T @ u).double()  # (d, n)
-        systems.append((gram, values.clamp(min=0), vectors, cross, float(gram.trace()) / gram.shape[0]))
+        gram = u.T @ u
+        cross = target[tokens[rows]].T @ u if rows.numel() >= u.shape[1] else None
+        scale = float(gram.trace()) / gram.shape[0]
+        systems.append((gram, cross, scale) if scale > 0 else None)  # only padding: the expert keeps its start
     fitted = {}
+    eye = torch.eye(inputs.shape[1], dtype=torch.float64, device=inputs.device)
     for alpha in alphas:
         weights, current = start.clone(), prediction.clone()
+        factors: dict[int, torch.Tensor] = {}
         for _ in range(sweeps):
             for e, rows in enumerate(segments):
                 if systems[e] is None:
                     continue
-                gram, values, vectors, cross, scale = systems[e]  # type: ignore[misc]
+                gram, cross, scale = systems[e]  # type: ignore[misc]
                 lam = alpha * scale
                 u, where = inputs[rows], tokens[rows]
-                # (target - others)^T U_e = target^T U_e - current^T U_e + W_e A_e: one (d, n) product per sweep
-                rhs = cross - (current[where].T @ u).double() + weights[e].double() @ gram + lam * start[e].double()
-                new = (((rhs @ vectors) / (values + lam).clamp(min=torch.finfo(torch.float64).tiny)) @ vectors.T
-                       ).to(weights.dtype)
+                # (target - the others)^T U_e: from target^T U_e - current^T U_e + W_e A_e, or directly with few pairs
+                if cross is not None:
+                    rhs = cross - current[where].T @ u + weights[e] @ gram
+                else:
+                    rhs = (target[where] - current[where] + u @ weights[e].T).T @ u
+                if e not in factors:  # (A_e + lam I)^-1 once per alpha, through a float64 Cholesky factor
+                    factors[e] = torch.cholesky_inverse(torch.linalg.cholesky(gram.double() + lam * eye)).to(rhs)
+                new = (rhs + lam * start[e]) @ factors[e]  # (d, n); (A + lam I) symmetric
                 current.index_add_(0, where, u @ (new - weights[e]).T)
                 weights[e] = new
         fitted[float(alpha)] = weights
     return fitted
+
+
+def _own_outputs(inner: torch.Tensor, positions: torch.Tensor, down: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """``W_e h + b_e`` per pair, one matmul per expert."""
+    out = inner.new_empty(inner.shape[0], down.shape[1])
+    for e, rows in enumerate(expert_segments(positions, down.shape[0])):
+        if rows.numel():
+            out[rows] = inner[rows] @ down[e].T + (0 if bias is None else bias[e])
+    return out
 
 
 class _RefitPass(_LayerPass):
@@ -187,8 +208,10 @@ class _RefitPass(_LayerPass):
             kept = self.kept_on_device.to(ids.device)
             outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, kept[ids])
             target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1).float()
+            del outputs
             contributions = pruned.float() * weights.float().unsqueeze(-1)
             self._add(ids, contributions, target)
+            del contributions
             self._refit(hidden_states, ids, weights, pruned, target)
             if self.last:
                 raise _Stop
@@ -203,14 +226,14 @@ class _RefitPass(_LayerPass):
         token_of_pair = torch.arange(tokens, device=ids.device).repeat_interleave(top)
         positions = ids.reshape(-1)
         kept = self.kept_on_device.to(ids.device)
-        inner = expert_intermediate(layer.experts, hidden[token_of_pair], kept[positions]).float()
+        inner = expert_intermediate(layer.experts, hidden, token_of_pair, kept[positions]).float()
         down, bias = _down_rows(layer, self.kept)
         down, bias = down.to(inner.device), None if bias is None else bias.to(inner.device)
         segments = expert_segments(positions, len(self.sums.kept))
-        own = inner.new_empty(inner.shape[0], down.shape[1])
-        for e, rows in enumerate(segments):
-            own[rows] = inner[rows] @ down[e].T + (0 if bias is None else bias[e])
-        expected = pruned.reshape(-1, pruned.shape[-1]).float()
+        # the experts' own outputs against down(h) on up to CHECKED_PAIRS pairs spread over all (memory: no (P, d))
+        sample = torch.linspace(0, inner.shape[0] - 1, min(inner.shape[0], CHECKED_PAIRS), device=inner.device).long()
+        own = _own_outputs(inner[sample], positions[sample], down, bias)
+        expected = pruned.reshape(-1, pruned.shape[-1])[sample].float()
         mismatch = float((own - expected).norm() / expected.norm().clamp(min=1e-30))
         if mismatch > MATCH_TOLERANCE:
             raise CompensationError(
