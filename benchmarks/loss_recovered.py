@@ -6,8 +6,8 @@ Per shipped model, calibration set (``shipped:prose``, ``shipped:code``, ``shipp
 as ``ompmoe fit`` cuts them, and its 8 choice blocks after them) and ratio, three pruned models:
 
 - ``paper``: ``omp`` + ``waterfill``, no compensation (the paper's OMP-MoE);
-- ``before``: the run's default before the down refit (``auto``, compensation ``auto`` fitting the ``linear`` map);
-- ``default``: the run's default now (``auto``, compensation ``auto``: the down refit or the linear map, chosen on the
+- ``before``: the run's default with ``auto``'s compensation fitting the ``linear`` map alone;
+- ``default``: the run's default (``auto``, compensation ``auto``: the down refit or the linear map, chosen on the
   choice blocks).
 
 Each is made by :class:`ompmoe.PruningRun` exactly as ``ompmoe fit`` makes it, then every held-out block of the

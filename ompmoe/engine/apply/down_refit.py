@@ -194,9 +194,11 @@ class _RefitPass(_LayerPass):
     fitting token; the unpruned output is returned, so the next layer sees the unpruned model's inputs."""
 
     def __init__(self, layer: MoELayer, kept: list[int], count_attributes: tuple[str, ...], last: bool,
-                 ridge: float | None, alphas: Sequence[float], sweeps: int) -> None:
+                 ridge: float | None, alphas: Sequence[float], sweeps: int, num_tokens: float) -> None:
         super().__init__(layer, kept, count_attributes, last, True, None)
         self.ridge, self.alphas, self.sweeps = ridge, tuple(alphas), sweeps
+        self.num_tokens = num_tokens
+        """The fitting tokens (the ``linear`` map's automatic ridge is ``d / num_tokens``)."""
         self.linear_map: torch.Tensor | None = None
         self.refits: dict[float, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.errors: dict[str, float] = {}
@@ -249,7 +251,7 @@ class _RefitPass(_LayerPass):
         if bias is not None:  # [W b] [g'h; g']
             inputs = torch.cat([inputs, gate], dim=1)
             start = torch.cat([down, bias.unsqueeze(-1)], dim=2)
-        self.linear_map = _fit_layer(self.sums, "linear", self.ridge, self._tokens)
+        self.linear_map = _fit_layer(self.sums, "linear", self.ridge, self.num_tokens)
         start = torch.einsum("ij,kjn->kin", self.linear_map.to(start), start)
         fitted = gauss_seidel(target, inputs, token_of_pair, segments, start, self.alphas, self.sweeps)
         for alpha, rows in fitted.items():
@@ -259,8 +261,6 @@ class _RefitPass(_LayerPass):
         for name, rows in {"linear": start, **{f"down {a:g}": r for a, r in fitted.items()}}.items():
             predicted = predict(inputs, token_of_pair, segments, rows, target.shape[0])
             self.errors[name] = float((target - predicted).square().sum()) / energy
-
-    _tokens: float = 1.0
 
 
 @torch.no_grad()
@@ -288,11 +288,10 @@ def refit_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | list[
     num_tokens = _count_tokens(torch.zeros((), dtype=torch.float64, device=device), batch)
     spec = architecture_of(model)
     passes = [_RefitPass(layer, sorted(int(i) for i in layer_plan.kept), spec.count_attributes,
-                         index == len(layers) - 1, ridge, alphas, sweeps)
+                         index == len(layers) - 1, ridge, alphas, sweeps, float(num_tokens))
               for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers))]
     mask = batch.get("attention_mask")
     for each in passes:
-        each._tokens = float(num_tokens)
         each.token_weight = None if mask is None else mask.reshape(-1)
     with eval_mode(model), adaptive_paused(model), ExitStack() as stack:
         for each in passes:
