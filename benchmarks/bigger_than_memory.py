@@ -1,13 +1,15 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
-    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T]
+    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
 rolled per expert: cheap and deterministic), then, in this process: statistics from ``T`` random token ids one
 decoder layer at a time (``ompmoe.collect_stats_layerwise``, in the checkpoint's bf16), the paper's plan at 0.5 (``omp`` +
 ``waterfill``), the pruned checkpoint written from the files into ``DIR/pruned`` (``ompmoe.save_pruned_from_files``),
-a check that it loads with ``ompmoe.load_pruned`` on the meta device (shapes and config) and that a resident run of
+with ``--compensation down`` first the down refit of the kept experts fitted on the same tokens in one more pass
+over the layers (``ompmoe.engine.apply.layer_by_layer.measure_layer_by_layer``; its per-layer rows kept in a scratch
+directory) and folded into the rows as they are written; a check that it loads with ``ompmoe.load_pruned`` on the meta device (shapes and config) and that a resident run of
 a 2-layer slice of the same files keeps the same experts in those layers, then ``DIR/pruned`` is deleted. The peak
 anonymous memory is sampled from ``/proc/self/status`` (RssAnon) every 20 ms; the write step is compared with ``cp``
 of the pruned files' bytes on the same disk (two shards copied, scaled). The last line printed is one JSON object.
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--compensation", choices=("off", "down"), default="off")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     warnings.simplefilter("ignore")
@@ -182,12 +185,26 @@ def main() -> None:
         tick = time.perf_counter()
         plan = ompmoe.plan_pruning(stats, 0.5, method="omp", allocation="waterfill")
         steps["plan"] = time.perf_counter() - tick
+    compensation, scratch = None, tempfile.TemporaryDirectory(dir=args.out)
+    if args.compensation == "down":
+        from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+        from ompmoe.engine.export.config import load_stock_config
+        from ompmoe.engine.lazy_checkpoint import build_skeleton
+
+        with AnonymousPeak() as fitting:
+            tick = time.perf_counter()
+            skeleton = build_skeleton(load_stock_config(source), dtype=torch.bfloat16)
+            compensation = measure_layer_by_layer(source, skeleton, plan, scratch.name, granularity="down",
+                                                  text=torch.cat(blocks), batch_size=len(blocks)).compensation
+            steps["compensate"] = time.perf_counter() - tick
+        peaks["compensate"] = fitting.peak / 2**30
     with AnonymousPeak() as writing:
         tick = time.perf_counter()
-        ompmoe.save_pruned_from_files(source, plan, pruned)
+        ompmoe.save_pruned_from_files(source, plan, pruned, compensation=compensation)
         subprocess.run(["sync"], check=True)
         steps["write"] = time.perf_counter() - tick
     peaks["write"] = writing.peak / 2**30
+    scratch.cleanup()
     pruned_files = checkpoint_files(pruned)
     pruned_gib = sum(f.stat().st_size for f in pruned_files) / 2**30
     copied, copied_bytes = cp_seconds(pruned_files[:4], args.out / "cp-scratch")
@@ -202,7 +219,7 @@ def main() -> None:
                  + 2 * HIDDEN * KV_HEADS * HEAD_DIM) * 2 / 2**30  # bf16 compute
     hidden_gib = sum(block.numel() for block in blocks) * HIDDEN * 2 / 2**30
     print(json.dumps({
-        "layers": args.layers, "tokens": sum(block.numel() for block in blocks),
+        "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
         "checkpoint_gib": round(checkpoint_gib, 2), "pruned_gib": round(pruned_gib, 2),
         "mem_total_gib": round(mem_total() / 2**30, 2), "peak_anon_gib": round(max(peaks.values()), 2),
         "peak_anon_gib_per_step": {key: round(value, 2) for key, value in peaks.items()},
@@ -210,6 +227,8 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - started, 1), "steps": {k: round(v, 1) for k, v in steps.items()},
         "calibrate_steps": {k: round(v, 1) for k, v in timings.items()},
         "write_vs_cp": round(steps["write"] / cp_estimate, 2), "cp_estimate_s": round(cp_estimate, 1),
+        **({"compensate_vs_calibrate": round(steps["compensate"] / steps["calibrate"], 2)}
+           if "compensate" in steps else {}),
         "loads_on_meta": loads, "same_plan_as_resident": same_plan}))
 
 

@@ -91,8 +91,12 @@ class LazyCheckpoint:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
         self.path, self.model = Path(path), model
-        self._files = [safe_open(str(file), framework="pt", device="cpu") for file in checkpoint_files(path)]
+        files = checkpoint_files(path)
+        self._files = [safe_open(str(file), framework="pt", device="cpu") for file in files]
         self.slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys()}
+        self._ranges = _byte_ranges(files)
+        self._descriptors = {file: os.open(file, os.O_RDONLY) for file in files} if hasattr(os, "posix_fadvise") \
+            else {}
         self.mapping = get_model_conversion_mapping(model)
         renamings = [entry for entry in self.mapping if isinstance(entry, WeightRenaming)]
         converters = [entry for entry in self.mapping if isinstance(entry, WeightConverter)]
@@ -120,7 +124,9 @@ class LazyCheckpoint:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        stacked, rest = self._stacked(self.keys_under(prefixes, outside))
+        keys = self.keys_under(prefixes, outside)
+        stacked, rest = self._stacked(keys)
+        self._read_ahead(keys, only_experts or {})
         for target, (converter, groups) in stacked.items():
             module_name = target.rpartition(".")[0]
             self._fill_stacked(target, converter, groups, device, (only_experts or {}).get(module_name))
@@ -137,6 +143,29 @@ class LazyCheckpoint:
         if info.mismatched_keys or info.conversion_errors:
             problems = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
             raise ValueError(f"{self.path} does not match the model under {', '.join(prefixes)}: {problems[:5]}.")
+
+    def read_ahead(self, prefixes: tuple[str, ...], outside: bool = False,
+                   only_experts: dict[str, list[int]] | None = None) -> None:
+        """:meth:`fill`'s reads of the same part, started in the kernel without waiting (call it a part ahead)."""
+        self._read_ahead(self.keys_under(prefixes, outside), only_experts or {})
+
+    def _read_ahead(self, keys: list[str], only_experts: dict[str, list[int]]) -> None:
+        """Ask the kernel to start reading every byte range the fill will copy (only the kept experts' of a tensor
+        stored per expert) at once: the reads are queued together instead of one page fault at a time, which on a
+        disk with latency (network block storage) is what bounds the fill."""
+        if not self._descriptors:
+            return
+        skipped = set()
+        for module_name, experts in only_experts.items():
+            kept = {str(expert) for expert in experts}
+            for key in keys:
+                target_module = self.target[key].rpartition(".")[0]
+                if target_module == module_name and (expert := _expert_of(key)) is not None and expert not in kept:
+                    skipped.add(key)
+        for key in keys:
+            if key not in skipped and key in self._ranges:
+                file, start, length = self._ranges[key]
+                os.posix_fadvise(self._descriptors[file], start, length, os.POSIX_FADV_WILLNEED)
 
     def _stacked(self, keys: list[str]) -> tuple[dict[str, tuple[Any, dict[str, list[str]]]], list[str]]:
         """The file tensors that merely stack into a fused experts tensor (transformers' ``MergeModulelist``, then at
@@ -173,17 +202,37 @@ class LazyCheckpoint:
             size = 0
             for row, expert in enumerate(rows):
                 key = keys[expert]
-                tensor = self.slices[key][:]
-                size = tensor.shape[axis] if axis is not None else 0
+                shape = list(self.slices[key].get_shape())
+                size = shape[axis] if axis is not None else 0
                 where = fused[row] if axis is None else fused[row].narrow(axis, offset, size)
-                if tuple(where.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{self.path} does not match the model: {key} {list(tensor.shape)} does not fit "
+                if tuple(where.shape) != tuple(shape):
+                    raise ValueError(f"{self.path} does not match the model: {key} {shape} does not fit "
                                      f"{target} {list(empty.shape)}.")
-                where.copy_(tensor)
+                if not self._read_into(where, key):
+                    where.copy_(self.slices[key][:])
             offset += size
         module._parameters[name] = nn.Parameter(fused, requires_grad=empty.requires_grad)
         if not any(converter is seen for seen in self.used):
             self.used.append(converter)
+
+    def _read_into(self, where: torch.Tensor, key: str) -> bool:
+        """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
+        one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
+        that does not apply (the caller copies the tensor instead)."""
+        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous()
+                or _FILE_DTYPES.get(self.slices[key].get_dtype()) != where.dtype):
+            return False
+        file, start, length = self._ranges[key]
+        if length != where.numel() * where.element_size():
+            return False
+        buffer = memoryview(where.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < length:
+            count = os.preadv(self._descriptors[file], [buffer[done:]], start + done)
+            if count <= 0:
+                raise OSError(f"{file} ended inside tensor {key}: the file is truncated.")
+            done += count
+        return True
 
     def empty(self, module: nn.Module) -> None:
         """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""
@@ -199,12 +248,42 @@ class LazyCheckpoint:
     def close(self) -> None:
         self._files.clear()
         self.slices.clear()
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
 
     def __enter__(self) -> LazyCheckpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+"""Safetensors dtypes read straight into a tensor's memory (:meth:`LazyCheckpoint._read_into`)."""
+
+
+def _byte_ranges(files: list[Path]) -> dict[str, tuple[Path, int, int]]:
+    """Each tensor's ``(file, offset, length)`` in bytes, from the files' headers."""
+    ranges = {}
+    for file in files:
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                begin, end = entry["data_offsets"]
+                ranges[key] = (file, 8 + length + begin, end - begin)
+    return ranges
+
+
+def _expert_of(key: str) -> str | None:
+    """The expert number in a per-expert file key (``...experts.17.down_proj.weight`` -> ``"17"``), if any."""
+    parts = key.split(".")
+    for index, part in enumerate(parts[:-1]):
+        if part == "experts" and parts[index + 1].isdigit():
+            return parts[index + 1]
+    return None
 
 
 def _stack_then_concat(converter: Any) -> int | None | bool:

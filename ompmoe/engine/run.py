@@ -5,13 +5,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import tempfile
 import typing
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +22,8 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
-from .apply.compensation import Compensation
+from .apply.compensation import Compensation, record_compensation
+from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
     check_compensation_mode,
@@ -98,12 +102,13 @@ class RunOptions:
         layer_by_layer: Calibrate and write a model bigger than memory: the model is a weightless skeleton, each
             decoder layer is read from the checkpoint's safetensors files, runs every calibration block and is freed
             (:func:`ompmoe.collect_stats_layerwise`; the same statistics), and the pruned checkpoint is written from
-            the files layer by layer (:func:`ompmoe.save_pruned_from_files`; the same tensors). What needs the whole
-            model is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
+            the files layer by layer (:func:`ompmoe.save_pruned_from_files`; the same tensors). Compensation, its
+            check on the choice blocks and ``evaluate_on``'s held-out perplexity run in one more pass over the layers
+            (:func:`~ompmoe.engine.apply.layer_by_layer.measure_layer_by_layer`; the same fit and figures, its time
+            printed), the correction folded into the rows as they are written. What needs the whole model at once
+            is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
             setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
-            without a trial, without compensation and without ``evaluate_on``'s held-out perplexity (evaluate the
-            saved model instead: ``ompmoe validate``); loss-aware statistics, a compensation asked for by name and
-            a ``dtype`` are refused.
+            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused.
     """
 
     strategy: Strategy | None = None
@@ -158,19 +163,14 @@ def refuse_whole_model_options(options: RunOptions) -> None:
     if options.dtype is not None:
         raise ValueError(f"layer_by_layer writes the checkpoint's tensors as its files store them; got "
                          f"dtype={options.dtype!r}. Remove dtype (save_dtype), or calibrate resident.")
-    if options.compensation not in (AUTO, "off"):
-        raise ValueError(f"layer_by_layer cannot fit compensation={options.compensation!r}: the fit {whole}. Pass "
-                         "compensation='off' (auto is off layer by layer), or calibrate resident.")
 
 
-def layer_by_layer_strategy(strategy: Strategy, model_type: str | None, heldout: bool) -> tuple[Strategy, str]:
-    """``strategy`` as layer-by-layer calibration runs it, and the line that says so: ``auto`` becomes its first
-    setting needing no loss-aware statistics (the trial of its settings needs the whole model); ``heldout``: the
-    run was asked for held-out perplexity, left out."""
-    note = ("no plan trial, no compensation" + (", no held-out perplexity (evaluate_on; run ompmoe validate on the "
-                                                 "saved model)" if heldout else "") + ": each needs the whole model")
+def layer_by_layer_strategy(strategy: Strategy, model_type: str | None) -> tuple[Strategy, str | None]:
+    """``strategy`` as layer-by-layer calibration runs it, and the line that says what it left out (``None``:
+    nothing): ``auto`` becomes its first setting needing no loss-aware statistics (the trial of its settings needs
+    the whole model)."""
     if not isinstance(strategy, PruningStrategy) or AUTO not in (strategy.method, strategy.allocation):
-        return strategy, f"ompmoe: calibrated {LAYER_BY_LAYER}: {note}"
+        return strategy, None
     settings = strategy.settings(model_type)
     usable = [(m, a) for m, a in settings if "loss_aware" not in required_statistics(m, a)]
     if not usable:
@@ -179,8 +179,9 @@ def layer_by_layer_strategy(strategy: Strategy, model_type: str | None, heldout:
     method, allocation = usable[0]
     left = [f"{m} + {a}" for m, a in settings if (m, a) not in usable]
     dropped = f"; auto's {', '.join(left)} needs loss-aware statistics" if left else ""
+    trial = "; no trial of its settings: it needs the whole model" if len(settings) > 1 else ""
     return (dataclasses.replace(strategy, method=method, allocation=allocation),
-            f"ompmoe: calibrated {LAYER_BY_LAYER}: auto takes {method} + {allocation}{dropped}; {note}")
+            f"ompmoe: calibrated {LAYER_BY_LAYER}: auto takes {method} + {allocation}{dropped}{trial}")
 
 
 Step = typing.TypeVar("Step", bound=Callable[..., Any])
@@ -235,6 +236,8 @@ class PruningRun:
             require_matplotlib(owner)
         self.strategy: Strategy = self.options.strategy  # type: ignore[assignment]
         self.strategy_used: Strategy = self.strategy
+        self.strategy_asked: Strategy = self.strategy
+        """The strategy as given (layer by layer runs ``auto`` as one of its settings; compensation follows this)."""
         """The strategy with ``auto`` replaced by the chosen setting (the extra ratios are planned with it)."""
         self.statistics = list(self.options.statistics or [])
         self.collector: StatisticsCollector | None = None
@@ -249,6 +252,8 @@ class PruningRun:
         """What ``auto`` tried and chose (rank 0's choice, on every rank), when it had blocks to try them on."""
         self.compensation_granularity: str | None = None
         """What compensation fits (``None``: none), settled against the model in :meth:`start`."""
+        self.checks_compensation = False
+        """Whether the fitted compensation is kept only if the choice blocks' loss does not rise (``auto``)."""
         self.compensation: Compensation | None = None
         """The fitted compensation the pruned model gets (``None``: none fitted, or not kept)."""
         self.calibration_data: dict[str, Any] | None = None
@@ -265,6 +270,8 @@ class PruningRun:
         self.source: str | None = None
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
+        self.layer_device: torch.device | str = "cpu"
+        """Where a layer-by-layer run computes its layers (:meth:`collect_layer_by_layer`'s ``device``)."""
         self.timings: dict[str, float] = {}
         """Seconds per step of a layer-by-layer run (``embed``, ``layers``, ``write``)."""
         self.reservation: Reservation | None = None
@@ -307,23 +314,23 @@ class PruningRun:
                              "read from its files at a time (ompmoe fit --layer_by_layer true, or "
                              "PruningRun.collect_layer_by_layer on ompmoe.engine.lazy_checkpoint.build_skeleton); this "
                              "model holds its weights: calibrate it resident (layer_by_layer=False).")
+        asked = self.strategy_asked  # compensation follows what was asked (auto's), whatever layer by layer runs
         if options.layer_by_layer:  # before the statistics are settled: auto's loss-aware settings are left out
-            self.strategy, self.layer_by_layer_line = layer_by_layer_strategy(self.strategy, self.model_type,
-                                                                              bool(options.evaluate_on))
+            self.strategy, self.layer_by_layer_line = layer_by_layer_strategy(asked, self.model_type)
             self.strategy_used = self.strategy
-            self.options = options = dataclasses.replace(options, evaluate_on=[])
         self.statistics = self._validate_strategies(routings)
         self.data = data
         if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
-        self.compensation_granularity = (None if options.layer_by_layer else
-                                         run_granularity(options.compensation, self.strategy, model))
+        self.compensation_granularity = run_granularity(options.compensation, asked, model,
+                                                        per_layer=options.layer_by_layer)
+        self.checks_compensation = checks_compensation(options.compensation, asked)
         self.calibration_data = calibration_data(data)
         self.collector = StatisticsCollector(model, model_id=model_id, sources=list(sources or []),
                                              statistics=self.statistics)
-        self.choice_data = None if options.layer_by_layer else self._choice_data(context)
+        self.choice_data = self._choice_data(context)
         return self.collector
 
     def _validate_strategies(self, routings: Sequence[tuple[str, dict[str, int]]]) -> list[str]:
@@ -349,7 +356,7 @@ class PruningRun:
         ``RunOptions.choice_blocks``)."""
         num_blocks = self.options.choice_blocks
         trial = tries_candidates(self.strategy, self.model_type)
-        if num_blocks == 0 or not (trial or checks_compensation(self.options.compensation, self.strategy)):
+        if num_blocks == 0 or not (trial or self.checks_compensation):
             return None
         if not callable(getattr(self.data, "choice_blocks", None)):
             if num_blocks is not None and trial:
@@ -401,7 +408,7 @@ class PruningRun:
 
         if not self.options.layer_by_layer:
             raise RuntimeError(f"{self.owner}: collect_layer_by_layer needs layer_by_layer=True.")
-        self.source = str(source)
+        self.source, self.layer_device = str(source), device
         return collect_layerwise(self._collector(), source, batches, device=device, progress=show_progress,
                                  timings=self.timings)
 
@@ -443,24 +450,42 @@ class PruningRun:
         if self.options.evaluate_on:  # the same on every rank: what ``ompmoe prune`` measures its plans on again
             plan = dataclasses.replace(plan, extra={**plan.extra, "heldout": self.heldout_record()})
         self.stats, self.plan = stats, plan
-        self.compensation, self.plan = on_rank_zero(
-            context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
-        plan = self.plan
         evaluate_on = self.options.evaluate_on if model is not None and context.is_global_zero else []  # rank 0 only
         heldout = {name: self.data.heldout_blocks(name, plan.extra["heldout"]["blocks"]) for name in evaluate_on or []}
+        if self.options.layer_by_layer:  # one process: fitted and measured in one more pass over the layers
+            with self._layer_by_layer_scratch() as scratch:
+                measured = self._measure_layer_by_layer(model, blocks, batch_size, heldout, scratch)
+                before = {name: pair[0] for name, pair in measured.heldout.items()}
+                after = {name: pair[1] for name, pair in measured.heldout.items()}
+                return self._finish(context, model, heldout, before, after, show_progress,
+                                    self._measured_line(measured, heldout))
+        self.compensation, self.plan = on_rank_zero(
+            context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
-        paper = paper_plan(self.strategy_used, stats, plan, self.compensation) if heldout else None
+        paper = paper_plan(self.strategy_used, stats, self.plan, self.compensation) if heldout else None
         if paper is not None:  # the baseline the share of its loss recovered is measured against
             with pruned_view(model, paper):
                 self.heldout_paper = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
         if model is not None:  # under FSDP only rank 0 holds (and prunes) the full model
             self.apply(model)
         after = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
+        return self._finish(context, model, heldout, before, after, show_progress)
+
+    def _finish(self, context: RunContext, model: nn.Module | None, heldout: dict[str, torch.Tensor],
+                before: dict[str, float], after: dict[str, float], show_progress: bool | None,
+                measured_line: str | None = None) -> PruningPlan:
+        """What every run does once pruned: log, print its lines and write (rank 0), on every rank."""
+        plan = self.plan
+        assert plan is not None
+        if self.options.layer_by_layer and model is not None:
+            self.apply(model)
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
             context.print(line)
         if self.layer_by_layer_line is not None:
             context.print(self.layer_by_layer_line)
+        if measured_line is not None:
+            context.print(measured_line)
         if "compensation" in plan.extra:
             context.print(compensation_line(plan.extra["compensation"]))
         if heldout:  # after the settings and kept lines: what the plan cost
@@ -476,6 +501,59 @@ class PruningRun:
         context.barrier("ompmoe-pruning-written")
         return plan
 
+    @contextlib.contextmanager
+    def _layer_by_layer_scratch(self) -> Iterator[Path]:
+        """Where a layer-by-layer run keeps its per-layer corrections until they are written: beside the output
+        (the disk the user chose for a big model), removed when the run ends, also when it fails."""
+        parent = None
+        if self.options.output_dir is not None and Path(self.options.output_dir).parent.is_dir():
+            parent = Path(self.options.output_dir).parent
+        with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=parent) as scratch:
+            yield Path(scratch)
+
+    def _measure_layer_by_layer(self, model: nn.Module, blocks: torch.Tensor | None, batch_size: int,
+                                heldout: dict[str, torch.Tensor], scratch: Path) -> LayerByLayerMeasures:
+        """The compensation fit, its check and held-out perplexity of a layer-by-layer run, in one more pass over the
+        checkpoint's layers (:func:`~.apply.layer_by_layer.measure_layer_by_layer`); records them as a resident run
+        does."""
+        assert self.plan is not None and self.stats is not None and self.collector is not None
+        granularity = self.compensation_granularity
+        text = fitting_text(self.data, self.collector.token_batches) if granularity else None
+        if granularity and text is None:
+            self.compensate(model, granularity, None)  # recorded: nothing to fit on
+        fit = granularity if text is not None else None
+        if fit is None and not heldout:
+            return LayerByLayerMeasures()  # nothing that needs another pass
+        check = blocks if self.checks_compensation else None
+        unchecked = ("applied without a check: no held-out calibration blocks (choice_blocks)" if
+                     self.options.compensation == "auto" else f"applied as asked (compensation={granularity!r})")
+        paper = paper_plan(self.strategy_used, self.stats, self.plan, None) if heldout else None
+        if heldout and paper is None and fit:  # the run's plan is the paper's: its perplexity uncompensated
+            paper = self.plan
+        measured = measure_layer_by_layer(self.source, model, self.plan, scratch, granularity=fit, text=text,
+                                          batch_size=batch_size, check_blocks=check, unchecked=unchecked,
+                                          heldout=heldout, paper=paper, device=self.layer_device, progress=None)
+        if measured.record is not None:
+            record = dict(measured.record)
+            if self.calibration_data is not None:
+                record["calibration_data"] = self.calibration_data
+            self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
+            self.compensation = measured.compensation
+        if paper_plan(self.strategy_used, self.stats, self.plan, self.compensation) is not None:
+            self.heldout_paper = dict(measured.paper)
+        return measured
+
+    def _measured_line(self, measured: LayerByLayerMeasures, heldout: Mapping[str, torch.Tensor]) -> str | None:
+        """``ompmoe: compensation and its check and held-out perplexity ran layer by layer in one more pass over the
+        layers: 12.3 s (calibration: 20.1 s)``; ``None`` where no pass ran."""
+        uses = (["compensation" + (" and its check" if self.checks_compensation else "")]
+                if measured.record is not None else []) + (["held-out perplexity"] if heldout else [])
+        if not uses:
+            return None
+        calibration = self.timings.get("total")
+        return (f"ompmoe: {' and '.join(uses)} ran {LAYER_BY_LAYER} in one more pass over the layers: "
+                f"{measured.seconds:.1f} s" + (f" (calibration: {calibration:.1f} s)" if calibration is not None else ""))
+
     def replan(self, stats: MoEStats) -> PruningPlan:
         """Plan from saved statistics (``ompmoe prune``): the strategy checked against their layers, then planned."""
         self.model_type = stats.model_type
@@ -490,7 +568,9 @@ class PruningRun:
         plan becomes a pruned model, for every front door."""
         assert self.plan is not None and self.stats is not None
         prune(model, self.plan)
-        if self.compensation is not None:
+        if self.compensation is not None and self.options.layer_by_layer:
+            record_compensation(model, self.compensation.record)  # a skeleton: the writer folds it into the rows
+        elif self.compensation is not None:
             self.compensation.apply(model)
         if self.options.adaptive_epsilon is not None:
             enable_adaptive(model, self.stats, self.options.adaptive_epsilon)
@@ -507,7 +587,7 @@ class PruningRun:
 
             with atomic_path(path, directory=True) as tmp:  # a failed write names the model's folder, as save_pruned's
                 save_streamed(self.source, self.plan, model, tmp, tokenizer=self.tokenizer, calibration=calibration,
-                              timings=self.timings)
+                              timings=self.timings, compensation=self.compensation)
             return
         save_pruned(model, path, tokenizer=self.tokenizer, dtype=self.options.dtype, calibration=calibration)
 
@@ -532,7 +612,7 @@ class PruningRun:
             return None
         assert self.collector is not None
         text = fitting_text(self.data, self.collector.token_batches)
-        check = blocks if checks_compensation(self.options.compensation, self.strategy) else None
+        check = blocks if self.checks_compensation else None
         unchecked = ("applied without a check: no held-out calibration blocks (choice_blocks)" if
                      self.options.compensation == "auto" else f"applied as asked (compensation={granularity!r})")
         without = self.choice.losses[setting_name(self.plan)] if self.choice and check is not None else None
@@ -575,8 +655,7 @@ class PruningRun:
         the kept line every front door prints about its plan."""
         assert self.plan is not None
         record = self.plan.extra.get("compensation") or {}
-        sources = ({"compensation": LAYER_BY_LAYER} if self.options.layer_by_layer else
-                   named_method_sources(self.strategy, self.options.compensation))
+        sources = named_method_sources(self.strategy_asked, self.options.compensation)
         settings = settings_summary(self.plan, record["granularity"] if record.get("applied") else "off", sources)
         return [f"ompmoe: {settings}{auto_note(self.strategy, self.model_type, self.choice)}",
                 f"ompmoe: {kept_summary(self.plan)}"]

@@ -178,3 +178,11 @@ def test_batches_of_different_lengths_fit_as_their_tokens_unpadded():
     for name, (rows, _) in together.weights.items():
         torch.testing.assert_close(joined.weights[name][0], rows, rtol=1e-4, atol=1e-6)
 
+
+
+def test_the_match_tolerance_allows_a_lower_precision_its_rounding_and_no_more():
+    from ompmoe.engine.apply.down_refit import MATCH_TOLERANCE, match_tolerance
+
+    assert match_tolerance(torch.float32) == MATCH_TOLERANCE == 1e-3
+    assert match_tolerance(torch.bfloat16) == 4 * 2.0**-7  # bfloat16 outputs: about 2e-3 from float32's down(h)
+    assert match_tolerance(torch.float16) == 4 * 2.0**-10

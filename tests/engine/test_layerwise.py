@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 import ompmoe
@@ -149,38 +150,62 @@ def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tm
 
 
 def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left_out(tmp_path, caplog):
-    """``ompmoe fit --layer_by_layer true`` on the default config: the statistics, the plan and the written tensors
-    of the resident fit with the setting it takes (auto's omp + waterfill: its loss-aware setting, the trial,
-    compensation and held-out perplexity need the whole model), each left out in its line, recorded in plan and card;
-    ``ompmoe prune --model`` on those statistics writes from the files too, the same tensors as loading."""
+    """``ompmoe fit --layer_by_layer true`` on the default config: the statistics and plan of the resident fit with
+    the setting it takes (auto's omp + waterfill: its loss-aware setting and the trial need the whole model, said in
+    its line), compensation and held-out perplexity measured in one more pass (its time in a line); with
+    ``--compensation off`` the held-out line of the resident fit and its written tensors; ``ompmoe prune --model``
+    on those statistics writes from the files too, the same tensors as loading."""
     from ompmoe.cli import main
 
     from test_cli import tiny_config
 
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    for name in "abc":
+        (tmp_path / name).mkdir()
     caplog.set_level("INFO")
     main(["fit", "-c", str(tiny_config(tmp_path / "a")), "--trainer.enable_progress_bar=false",
           "--layer_by_layer", "true"])
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
-    layered_plan = ompmoe.PruningPlan.load(tmp_path / "a" / "run" / "plan.json")
-    assert lines == [  # the whole of what the run says
-        "ompmoe: method omp, allocation waterfill, compensation off (layer by layer), risk_weight 3, "
+    layered = tmp_path / "a" / "run"
+    layered_plan = ompmoe.PruningPlan.load(layered / "plan.json")
+    record = layered_plan.extra["compensation"]
+    assert record["fitted"] == "down" and record["checked"] == "held-out calibration loss"
+    assert lines[:3] == [  # the whole of what the run says
+        f"ompmoe: method omp, allocation waterfill, compensation {record['granularity']}, risk_weight 3, "
         "min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06",
         f"ompmoe: {ompmoe.kept_summary(layered_plan)}",
         "ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
-        "loss-aware statistics; no plan trial, no compensation, no held-out perplexity (evaluate_on; run ompmoe "
-        "validate on the saved model): each needs the whole model",
-        f"ompmoe: wrote statistics, plan and pruned model to {tmp_path / 'a' / 'run'}"]
-    main(["fit", "-c", str(tiny_config(tmp_path / "b")), "--trainer.enable_progress_bar=false", "--method", "omp",
+        "loss-aware statistics; no trial of its settings: it needs the whole model"]
+    assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in "
+                               "one more pass over the layers: ") and lines[3].endswith(" s)")
+    assert lines[4].startswith(f"ompmoe: compensation ({record['granularity']}")
+    assert lines[5].startswith("ompmoe: held-out perplexity on 512 tokens per set, original -> pruned: heldout:prose ")
+    assert "(paper's setting " in lines[5] if record["applied"] else "(paper's setting" not in lines[5]
+    assert lines[6:] == [f"ompmoe: wrote statistics, plan and pruned model to {layered}"]
+    assert layered_plan.extra["calibration"] == {"mode": "layer by layer"}
+    saved = ompmoe.load_pruned(layered / "model").config.ompmoe
+    assert saved["plan"]["calibration_mode"] == "layer by layer"
+    assert (saved.get("compensation") is not None) == record["applied"]
+    assert "| Calibration mode | layer by layer " in (layered / "model" / "README.md").read_text()
+
+    caplog.clear()
+    config = tiny_config(tmp_path / "b")
+    settings = yaml.safe_load(config.read_text())
+    settings["trainer"]["callbacks"][0]["init_args"]["compensation"] = "off"
+    config.write_text(yaml.safe_dump(settings))
+    main(["fit", "-c", str(config), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true"])
+    layered_lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    caplog.clear()
+    main(["fit", "-c", str(tiny_config(tmp_path / "c")), "--trainer.enable_progress_bar=false", "--method", "omp",
           "--allocation", "waterfill"])
-    layered, resident = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    resident_lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    layered, resident = tmp_path / "b" / "run", tmp_path / "c" / "run"
+    assert [line for line in layered_lines if "held-out perplexity on" in line] == [
+        line for line in resident_lines if "held-out perplexity on" in line]
     assert_same_statistics(ompmoe.MoEStats.load(resident / "stats.safetensors"),
                            ompmoe.MoEStats.load(layered / "stats.safetensors"))
     plan = ompmoe.PruningPlan.load(layered / "plan.json")
     assert plan.kept_by_layer() == ompmoe.PruningPlan.load(resident / "plan.json").kept_by_layer()
-    assert plan.extra["calibration"] == {"mode": "layer by layer"} and "compensation" not in plan.extra
-    assert ompmoe.load_pruned(layered / "model").config.ompmoe["plan"]["calibration_mode"] == "layer by layer"
-    assert "| Calibration mode | layer by layer " in (layered / "model" / "README.md").read_text()
+    assert plan.kept_by_layer() == layered_plan.kept_by_layer() and "compensation" not in plan.extra
     model = ompmoe.load_pruned(shipped_model_path(), dtype="auto")
     ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "expected", tokenizer=str(shipped_model_path()))
     assert file_tensors(layered / "model").keys() == file_tensors(tmp_path / "expected").keys()
@@ -198,9 +223,6 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     (dict(loss_aware=True), "layer_by_layer cannot collect loss-aware statistics: their backward needs the whole "
                             "model in memory, which layer_by_layer never holds. Remove loss_aware (auto then takes "
                             "the paper's omp + waterfill), or calibrate resident."),
-    (dict(compensation="linear"), "layer_by_layer cannot fit compensation='linear': the fit needs the whole model in "
-                                  "memory, which layer_by_layer never holds. Pass compensation='off' (auto is off "
-                                  "layer by layer), or calibrate resident."),
     (dict(dtype="float32"), "layer_by_layer writes the checkpoint's tensors as its files store them; got "
                             "dtype='float32'. Remove dtype (save_dtype), or calibrate resident."),
 ])

@@ -550,32 +550,47 @@ def fit_scales(sums: CompensationSums, granularity: str = DEFAULT_GRANULARITY, r
     return {layer.name: _fit_layer(layer, granularity, ridge, tokens) for layer in sums.layers}
 
 
+def layer_summary(sums: LayerSums, scale: torch.Tensor) -> dict[str, Any]:
+    """What the record keeps of one layer's fit (its sums can then be freed: layer by layer, or a ``d x d`` pair per
+    layer): the factors (a map's diagonal), the routed-output error before and after, the layer's factor and a map's
+    off-diagonal share."""
+    return {"values": (scale if scale.dim() == 1 else scale.diagonal()).detach().to("cpu", torch.float64),
+            "before": sums.residual(torch.ones_like(sums.cross)), "after": sums.residual(scale),
+            "factor": round(layer_factor(sums), 6), "hidden": int(scale.shape[0]),
+            "off_diagonal": float((scale - torch.diag(scale.diagonal())).norm() / scale.norm().clamp(min=1e-30))
+            if scale.dim() == 2 else None}
+
+
+def record_of_summaries(summaries: Mapping[str, dict[str, Any]], num_tokens: float, granularity: str,
+                        ridge: float | None, sequential: bool = False) -> dict[str, Any]:
+    """:func:`compensation_record` from the layers' :func:`layer_summary` (in model order)."""
+    layers = list(summaries.values())
+    values = torch.cat([layer["values"] for layer in layers])
+    record: dict[str, Any] = {
+        "method": "least_squares", "granularity": granularity,
+        "ridge": None if granularity == "layer" else effective_ridge(granularity, ridge, float(num_tokens),
+                                                                     layers[0]["hidden"]),
+        "ridge_rule": "given" if ridge is not None or granularity == "layer" else (
+            "hidden_size / tokens" if granularity == "linear" else f"default {EXPERT_RIDGE:g}"),
+        "sequential": bool(sequential),
+        "num_tokens": int(round(float(num_tokens))),
+        "scale_mean": float(values.mean()), "scale_min": float(values.min()), "scale_max": float(values.max()),
+        "layer_scales": {name: layer["factor"] for name, layer in summaries.items()},
+        "routed_error_before": sum(layer["before"] for layer in layers) / len(layers),
+        "routed_error_after": sum(layer["after"] for layer in layers) / len(layers),
+    }
+    if granularity == "linear":
+        record["map_off_diagonal"] = sum(layer["off_diagonal"] for layer in layers) / len(layers)
+    return record
+
+
 def compensation_record(sums: CompensationSums, scales: Mapping[str, torch.Tensor], granularity: str,
                         ridge: float | None) -> dict[str, Any]:
     """What was fitted, JSON-able: settings, tokens, the factors' range (a map's diagonal; ``map_off_diagonal`` is
     the Frobenius norm of the rest over the map's, mean over layers), and the fitting tokens' relative routed-output
     error ``||Y - Y'||^2 / ||Y||^2`` (mean over layers) before and after."""
-    layer_scales = [scales[layer.name] for layer in sums.layers]
-    values = torch.cat([s if s.dim() == 1 else s.diagonal() for s in layer_scales]).to(torch.float64)
-    before = [layer.residual(torch.ones_like(layer.cross)) for layer in sums.layers]
-    after = [layer.residual(scales[layer.name]) for layer in sums.layers]
-    record: dict[str, Any] = {
-        "method": "least_squares", "granularity": granularity,
-        "ridge": None if granularity == "layer" else effective_ridge(
-            granularity, ridge, float(sums.num_tokens), int(scales[sums.layers[0].name].shape[0])),
-        "ridge_rule": "given" if ridge is not None or granularity == "layer" else (
-            "hidden_size / tokens" if granularity == "linear" else f"default {EXPERT_RIDGE:g}"),
-        "sequential": bool(sums.sequential),
-        "num_tokens": int(round(float(sums.num_tokens))),
-        "scale_mean": float(values.mean()), "scale_min": float(values.min()), "scale_max": float(values.max()),
-        "layer_scales": {layer.name: round(layer_factor(layer), 6) for layer in sums.layers},
-        "routed_error_before": sum(before) / len(before), "routed_error_after": sum(after) / len(after),
-    }
-    if granularity == "linear":
-        ratios = [float((m - torch.diag(m.diagonal())).norm() / m.norm().clamp(min=1e-30))
-                  for m in (scales[layer.name] for layer in sums.layers)]
-        record["map_off_diagonal"] = sum(ratios) / len(ratios)
-    return record
+    summaries = {layer.name: layer_summary(layer, scales[layer.name]) for layer in sums.layers}
+    return record_of_summaries(summaries, float(sums.num_tokens), granularity, ridge, sums.sequential)
 
 
 # -- applying it -------------------------------------------------------------------------------------------------------
@@ -627,12 +642,28 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
                 f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
         _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
     for layer in layers:
-        for parameter, replacement in zip(_down_projection(layer), _replacements(weights, layer.name)):
-            if parameter is not None:
-                parameter.data.copy_(_corrected(layer, parameter, torch.as_tensor(scales[layer.name]))
-                                     if replacement is None else replacement.to(parameter))
+        compensate_layer(layer, torch.as_tensor(scales[layer.name]), _replacements(weights, layer.name))
     setattr(model.config, CONFIG_KEY, {**info, "compensation": dict(record or {"method": "least_squares"})})
     return model
+
+
+@torch.no_grad()
+def compensate_layer(layer: MoELayer, scale: torch.Tensor,
+                     replacement: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
+    """Fold one **pruned** layer's correction into its kept experts' down projection (and bias), or put the refit
+    rows ``replacement`` in their place: :func:`apply_compensation` for one layer (the streamed writer's)."""
+    for parameter, rows in zip(_down_projection(layer), replacement):
+        if parameter is not None:
+            parameter.data.copy_(_corrected(layer, parameter, scale) if rows is None else rows.to(parameter))
+
+
+def record_compensation(model: nn.Module, record: Mapping[str, Any]) -> None:
+    """Add the compensation ``record`` to a pruned model's ``config.ompmoe``, without touching its weights: a
+    weightless skeleton whose files get the compensated rows as they are written (layer by layer)."""
+    info = pruning_info(model)
+    if not isinstance(info, dict) or "kept_experts" not in info:
+        raise CompensationError("record_compensation records on a pruned model (ompmoe.prune(model, plan) first).")
+    setattr(model.config, CONFIG_KEY, {**info, "compensation": dict(record)})
 
 
 def _replacements(weights: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None, name: str
@@ -655,21 +686,31 @@ def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensa
             raise CompensationError(f"The compensation of {layer.name} was fitted for kept experts "
                                     f"{compensation.kept.get(layer.name)}, but the plan keeps {ids}.")
         _check_correction(layer, compensation.scales[layer.name], len(ids))
+    with ExitStack() as stack:
+        for layer, ids in zip(layers, kept):
+            stack.enter_context(corrected_rows(layer, ids, compensation.scales[layer.name],
+                                               _replacements(compensation.weights, layer.name)))
+        with pruned_view(model, plan):
+            yield model
+
+
+@contextmanager
+def corrected_rows(layer: MoELayer, kept: list[int], scale: torch.Tensor,
+                   replacement: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> Iterator[None]:
+    """Within the context, the **unpruned** ``layer``'s rows ``kept`` of its down projection (and bias) carry the
+    correction (or the refit rows); restored bit for bit afterwards, also when the body raises."""
     saved: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():
-            for layer, ids in zip(layers, kept):
-                replacements = _replacements(compensation.weights, layer.name)
-                for parameter, replacement in zip(_down_projection(layer), replacements):
-                    if parameter is None:
-                        continue
-                    rows = torch.tensor(ids, dtype=torch.long, device=parameter.device)
-                    original = parameter.data.index_select(0, rows)
-                    saved.append((parameter, rows, original))
-                    parameter.data.index_copy_(0, rows, _corrected(layer, original, compensation.scales[layer.name])
-                                               if replacement is None else replacement.to(original))
-        with pruned_view(model, plan):
-            yield model
+            for parameter, rows_in in zip(_down_projection(layer), replacement):
+                if parameter is None:
+                    continue
+                rows = torch.tensor(kept, dtype=torch.long, device=parameter.device)
+                original = parameter.data.index_select(0, rows)
+                saved.append((parameter, rows, original))
+                parameter.data.index_copy_(0, rows, _corrected(layer, original, scale)
+                                           if rows_in is None else rows_in.to(original))
+        yield
     finally:
         with torch.no_grad():
             for parameter, rows, original in reversed(saved):
@@ -762,6 +803,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
 
 __all__ = ["Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
            "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
-           "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensated_view",
-           "compensation_record", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
+           "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensate_layer",
+           "compensated_view", "compensation_record", "corrected_rows", "layer_summary", "record_compensation",
+           "record_of_summaries", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
            "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks", "spread_rows"]

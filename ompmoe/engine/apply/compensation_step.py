@@ -62,11 +62,12 @@ def compensation_granularity(mode: str, strategy: Strategy) -> str | None:
     return None if mode == "off" else mode
 
 
-def run_granularity(mode: str, strategy: Strategy, model: nn.Module) -> str | None:
+def run_granularity(mode: str, strategy: Strategy, model: nn.Module, per_layer: bool = False) -> str | None:
     """:func:`compensation_granularity` checked against ``model`` before calibrating: where ``linear``'s ``d x d``
     sums (which ``down`` starts from too) would exceed :data:`~ompmoe.engine.apply.compensation.MAX_SUM_BYTES`
-    (DeepSeek-V3: 48 GB), ``auto`` fits ``expert`` instead and a ``linear`` or ``down`` asked for is refused; where
-    the experts are not built on transformers' experts interface, ``auto`` fits ``linear`` instead of ``down``."""
+    (DeepSeek-V3: 48 GB; ``per_layer``, fitted one layer at a time: one layer's), ``auto`` fits ``expert`` instead
+    and a ``linear`` or ``down`` asked for is refused; where the experts are not built on transformers' experts
+    interface, ``auto`` fits ``linear`` instead of ``down``."""
     granularity = compensation_granularity(mode, strategy)
     if granularity == "down":
         try:
@@ -79,7 +80,7 @@ def run_granularity(mode: str, strategy: Strategy, model: nn.Module) -> str | No
     if granularity not in ("linear", "down"):
         return granularity
     try:  # the down refit starts from the linear map: the same sums
-        check_sum_budget(find_moe_layers(model), MAX_SUM_BYTES)
+        check_sum_budget(find_moe_layers(model)[:1] if per_layer else find_moe_layers(model), MAX_SUM_BYTES)
     except CompensationError as error:
         if mode == "auto":
             return "expert"
@@ -130,45 +131,79 @@ def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | l
 
     Returns the compensation to apply (``None``: not applied) and the record for ``plan.extra["compensation"]``.
     """
-    tokens = int(text.numel()) if isinstance(text, torch.Tensor) else sum(int(b["input_ids"].numel()) for b in text)
     if granularity == "down":
-        return _fit_down(model, plan, text, tokens, check_blocks, loss_without, unchecked, batch_size)
-    max_tokens = fitting_tokens(model, tokens)
-    if not isinstance(text, torch.Tensor):  # the fewest evenly spaced batches holding them (padding cannot be re-cut)
-        rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
-        text = text if rows is None else [text[i] for i in rows]
+        return _fit_down(model, plan, text, check_blocks, loss_without, unchecked, batch_size)
+    text, max_tokens = fitting_text_of(model, granularity, text)
     compensation = compensate(model, plan, text, batch_size, granularity=granularity, max_tokens=max_tokens)
-    record = dict(compensation.record, applied=True)
     if check_blocks is None:
-        record["checked"] = unchecked
-        return compensation, record
+        return compensation, dict(compensation.record, applied=True, checked=unchecked)
     if loss_without is None:
         loss_without, loss_with = heldout_losses(model, plan, compensation, check_blocks, batch_size)
     else:
         with compensated_view(model, plan, compensation):
             loss_with = math.log(perplexity(model, check_blocks, batch_size))
-    record.update(checked="held-out calibration loss", check_blocks=int(check_blocks.shape[0]),
-                  loss_without=loss_without, loss_with=loss_with,
-                  tolerance=CHECK_TOLERANCE, applied=loss_with < loss_without + CHECK_TOLERANCE)
+    return checked_choice({granularity: compensation}, {granularity: loss_with}, loss_without,
+                          int(check_blocks.shape[0]))
+
+
+def fitting_text_of(model: nn.Module, granularity: str, text: torch.Tensor | list[dict[str, torch.Tensor]]
+                    ) -> tuple[torch.Tensor | list[dict[str, torch.Tensor]], int]:
+    """The calibration text ``granularity`` fits on and its ``max_tokens`` (``down``: every token up to
+    :data:`~.down_refit.MAX_TOKENS`; the others: 16 per hidden dimension, at most a quarter): batches of different
+    lengths cut to the fewest evenly spaced ones holding them (padding cannot be re-cut); a tensor is cut by the
+    fit itself."""
+    tokens = int(text.numel()) if isinstance(text, torch.Tensor) else sum(int(b["input_ids"].numel()) for b in text)
+    max_tokens = down_fitting_tokens(model, tokens) if granularity == "down" else fitting_tokens(model, tokens)
+    if not isinstance(text, torch.Tensor):
+        rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
+        text = text if rows is None else [text[i] for i in rows]
+    return text, max_tokens
+
+
+def refit_alphas(checked: bool) -> tuple[float, ...]:
+    """The ``alpha`` values the ``down`` refit fits: each of :data:`~.down_refit.DOWN_ALPHAS` when the choice blocks
+    pick one, else :data:`~.down_refit.DEFAULT_ALPHA`."""
+    return DOWN_ALPHAS if checked else (DEFAULT_ALPHA,)
+
+
+def refit_candidates(linear: Compensation, refits: Mapping[float, Compensation]) -> dict[str, Compensation]:
+    """What ``down``'s choice blocks choose among: the ``linear`` map and each ``alpha``'s refit, by name."""
+    return {"linear": linear, **{f"down, alpha {alpha:g}": refit for alpha, refit in refits.items()}}
+
+
+def checked_choice(candidates: Mapping[str, Compensation], losses: Mapping[str, float], loss_without: float,
+                   check_blocks: int) -> tuple[Compensation | None, dict[str, Any]]:
+    """The candidate with the lowest loss on the ``check_blocks`` choice blocks, kept unless it raises the pruned
+    model's loss there (``loss_without``) by more than :data:`CHECK_TOLERANCE`; ``(None, record)`` when not kept. A
+    single candidate's record is its own; among several (``down``) it lists them all (``tried``)."""
+    best = min(losses, key=losses.__getitem__)
+    compensation = candidates[best]
+    record = dict(compensation.record, applied=True) if len(candidates) == 1 else dict(compensation.record)
+    record.update(checked="held-out calibration loss", check_blocks=check_blocks, loss_without=loss_without,
+                  loss_with=losses[best], tolerance=CHECK_TOLERANCE)
+    if len(candidates) > 1:
+        record.update(tried={name: round(loss, 6) for name, loss in losses.items()}, fitted="down")
+        compensation.record.update(tried=record["tried"])
+    record["applied"] = losses[best] < loss_without + CHECK_TOLERANCE
     return (compensation if record["applied"] else None), record
 
 
-def _fit_down(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dict[str, torch.Tensor]], tokens: int,
+def unchecked_refit(refit: Compensation, unchecked: str) -> tuple[Compensation, dict[str, Any]]:
+    """The ``down`` refit applied without choice blocks, and its record."""
+    return refit, dict(refit.record, applied=True, checked=unchecked, fitted="down")
+
+
+def _fit_down(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dict[str, torch.Tensor]],
               check_blocks: torch.Tensor | None, loss_without: float | None, unchecked: str, batch_size: int
               ) -> tuple[Compensation | None, dict[str, Any]]:
     """``down``: the refit for each of :data:`~.down_refit.DOWN_ALPHAS` and the ``linear`` map it starts from, fitted
     in one pass; with ``check_blocks`` the one with the lowest loss there, kept unless it raises the loss by more
     than :data:`CHECK_TOLERANCE`; without them the refit at :data:`~.down_refit.DEFAULT_ALPHA`."""
-    max_tokens = down_fitting_tokens(model, tokens)
-    if not isinstance(text, torch.Tensor):
-        rows = spread_rows(len(text), max(1, tokens // len(text)), max_tokens)
-        text = text if rows is None else [text[i] for i in rows]
-    alphas = DOWN_ALPHAS if check_blocks is not None else (DEFAULT_ALPHA,)
-    linear, refits = refit_down(model, plan, text, max_tokens=max_tokens, alphas=alphas)
+    text, max_tokens = fitting_text_of(model, "down", text)
+    linear, refits = refit_down(model, plan, text, max_tokens=max_tokens, alphas=refit_alphas(check_blocks is not None))
     if check_blocks is None:
-        compensation = refits[DEFAULT_ALPHA]
-        return compensation, dict(compensation.record, applied=True, checked=unchecked, fitted="down")
-    candidates = {"linear": linear, **{f"down, alpha {alpha:g}": refit for alpha, refit in refits.items()}}
+        return unchecked_refit(refits[DEFAULT_ALPHA], unchecked)
+    candidates = refit_candidates(linear, refits)
     losses = {}
     for name, candidate in candidates.items():
         with compensated_view(model, plan, candidate):
@@ -176,14 +211,7 @@ def _fit_down(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dic
     if loss_without is None:
         with pruned_view(model, plan):
             loss_without = math.log(perplexity(model, check_blocks, batch_size))
-    best = min(losses, key=losses.__getitem__)
-    compensation = candidates[best]
-    record = dict(compensation.record, checked="held-out calibration loss", check_blocks=int(check_blocks.shape[0]),
-                  loss_without=loss_without, loss_with=losses[best], tolerance=CHECK_TOLERANCE,
-                  tried={name: round(loss, 6) for name, loss in losses.items()}, fitted="down",
-                  applied=losses[best] < loss_without + CHECK_TOLERANCE)
-    compensation.record.update(tried=record["tried"])
-    return (compensation if record["applied"] else None), record
+    return checked_choice(candidates, losses, loss_without, int(check_blocks.shape[0]))
 
 
 def compensation_line(record: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +40,9 @@ from .compensation import (
     _LayerPass,
     _pair_outputs,
     _Stop,
-    CompensationSums,
     check_compensable,
-    compensation_record,
+    layer_summary,
+    record_of_summaries,
     spread_blocks,
 )
 
@@ -60,7 +61,14 @@ CHECKED_PAIRS = 8192
 """Pairs (evenly spread) on which the refit checks its ``down(h)`` against the experts' own outputs."""
 MATCH_TOLERANCE = 1e-3
 """Largest relative difference between the experts' own outputs and ``down(h)`` from the intermediate activations
-computed here: beyond it the refit would fit a different function, and it is refused."""
+computed here (in float32; in a lower precision, :func:`match_tolerance`): beyond it the refit would fit a different
+function, and it is refused."""
+
+
+def match_tolerance(dtype: torch.dtype) -> float:
+    """:data:`MATCH_TOLERANCE`, or four rounding units of ``dtype`` where that is more: the experts' own bfloat16
+    outputs differ from the float32 ``down(h)`` by about 2e-3 (a different function: by order 1)."""
+    return max(MATCH_TOLERANCE, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else MATCH_TOLERANCE
 
 
 def down_fitting_tokens(model: nn.Module, calibration_tokens: int | None = None) -> int:
@@ -200,6 +208,8 @@ class _RefitPass(_LayerPass):
         self.num_tokens = num_tokens
         """The fitting tokens (the ``linear`` map's automatic ridge is ``d / num_tokens``)."""
         self.linear_map: torch.Tensor | None = None
+        self.summary: dict[str, Any] = {}
+        """What the record keeps of the ``linear`` map's fit (:func:`~.compensation.layer_summary`)."""
         self.refits: dict[float, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.errors: dict[str, float] = {}
 
@@ -237,7 +247,7 @@ class _RefitPass(_LayerPass):
         own = _own_outputs(inner[sample], positions[sample], down, bias)
         expected = pruned.reshape(-1, pruned.shape[-1])[sample].float()
         mismatch = float((own - expected).norm() / expected.norm().clamp(min=1e-30))
-        if mismatch > MATCH_TOLERANCE:
+        if mismatch > match_tolerance(pruned.dtype):
             raise CompensationError(
                 f"compensation='down': {layer.name}.experts computes something other than a down projection of the "
                 f"intermediate activation its gate and up projections give (relative difference {mismatch:.2e}); "
@@ -252,6 +262,8 @@ class _RefitPass(_LayerPass):
             inputs = torch.cat([inputs, gate], dim=1)
             start = torch.cat([down, bias.unsqueeze(-1)], dim=2)
         self.linear_map = _fit_layer(self.sums, "linear", self.ridge, self.num_tokens)
+        self.summary = layer_summary(self.sums, self.linear_map)
+        self.sums.output_gram = self.sums.output_cross = None  # the d x d sums: only the record needed them
         start = torch.einsum("ij,kjn->kin", self.linear_map.to(start), start)
         fitted = gauss_seidel(target, inputs, token_of_pair, segments, start, self.alphas, self.sweeps)
         for alpha, rows in fitted.items():
@@ -299,18 +311,29 @@ def refit_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | list[
         check_calibration_inputs(model, batch)
         with suppress(_Stop):
             model(**batch, use_cache=False)
-    sums = CompensationSums([each.sums for each in passes], num_tokens, plan.fingerprint)
+    return refit_compensations(passes, float(num_tokens), ridge, alphas, sweeps)
+
+
+def refit_compensations(passes: Sequence[_RefitPass], num_tokens: float, ridge: float | None,
+                        alphas: Sequence[float], sweeps: int) -> tuple[Compensation, dict[float, Compensation]]:
+    """The ``linear`` map's compensation and each ``alpha``'s refit from the fitted layer passes (in model order)."""
     maps = {each.layer.name: each.linear_map for each in passes}
     kept = {each.layer.name: list(each.sums.kept) for each in passes}
-    linear = Compensation(maps, kept, compensation_record(sums, maps, "linear", ridge))
+    summaries = {each.layer.name: each.summary for each in passes}
+    linear = Compensation(maps, kept, record_of_summaries(summaries, num_tokens, "linear", ridge))
     refits = {}
     for alpha in alphas:
-        record = dict(linear.record, granularity="down", ridge_alpha=float(alpha), sweeps=sweeps,
-                      routed_error_linear=linear.record["routed_error_after"],
-                      routed_error_after=sum(p.errors[f"down {alpha:g}"] for p in passes) / len(passes))
-        refits[float(alpha)] = Compensation(maps, kept, record,
-                                            weights={p.layer.name: p.refits[float(alpha)] for p in passes})
+        refits[float(alpha)] = Compensation(maps, kept, refit_record(linear.record, alpha, sweeps, [
+            each.errors[f"down {alpha:g}"] for each in passes]), weights={p.layer.name: p.refits[float(alpha)]
+                                                                       for p in passes})
     return linear, refits
+
+
+def refit_record(linear: dict[str, Any], alpha: float, sweeps: int, errors: Sequence[float]) -> dict[str, Any]:
+    """The refit's record: the ``linear`` map's (which it starts from) with its ``alpha``, sweeps and the layers'
+    routed-output error after it (mean)."""
+    return dict(linear, granularity="down", ridge_alpha=float(alpha), sweeps=sweeps,
+                routed_error_linear=linear["routed_error_after"], routed_error_after=sum(errors) / len(errors))
 
 
 def _joined(inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -345,5 +368,5 @@ def compensate_down(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | 
 
 
 __all__ = ["DEFAULT_ALPHA", "DOWN_ALPHAS", "MAX_TOKENS", "SWEEPS", "check_down_refit", "compensate_down",
-           "down_fitting_tokens",
+           "down_fitting_tokens", "match_tolerance",
            "expert_intermediate", "expert_segments", "gauss_seidel", "predict", "refit_down"]

@@ -4,14 +4,14 @@ sliced, and a pre-hook on each experts module maps the routers' new ids back to 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..adapters import architecture_of, find_moe_layers
+from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..planning.plan import PruningPlan
 from .pruning import restore_module, slice_routing, validate_plan
 
@@ -23,17 +23,28 @@ def pruned_view(model: nn.Module, plan: PruningPlan) -> Iterator[nn.Module]:
     layers = find_moe_layers(model)
     validate_plan(model, plan, layers)
     spec = architecture_of(model)
-    restore: list[tuple[nn.Module, dict[str, Any]]] = []
-    hooks = []
-    try:
+    with ExitStack() as stack:
         for layer, layer_plan in zip(layers, plan.layers):
-            kept = torch.tensor(sorted(int(i) for i in layer_plan.kept), dtype=torch.long)
-            restore.extend(slice_routing(layer, kept, spec.count_attributes))
-            hooks.append(layer.experts.register_forward_pre_hook(
-                partial(_original_ids, kept=kept, name=spec.experts_arguments[1]), with_kwargs=True))
+            stack.enter_context(pruned_layer_view(layer, sorted(int(i) for i in layer_plan.kept),
+                                                  spec.count_attributes, spec.experts_arguments[1]))
         yield model
+
+
+@contextmanager
+def pruned_layer_view(layer: MoELayer, kept: list[int], count_attributes: tuple[str, ...], ids_argument: str
+                      ) -> Iterator[MoELayer]:
+    """:func:`pruned_view` of one MoE layer (kept experts ``kept``, ascending): its routing sliced, its experts
+    called with the original ids; restored after the context."""
+    index = torch.tensor(kept, dtype=torch.long)
+    restore: list[tuple[nn.Module, dict[str, Any]]] = []
+    hook = None
+    try:
+        restore.extend(slice_routing(layer, index, count_attributes))
+        hook = layer.experts.register_forward_pre_hook(partial(_original_ids, kept=index, name=ids_argument),
+                                                       with_kwargs=True)
+        yield layer
     finally:
-        for hook in hooks:
+        if hook is not None:
             hook.remove()
         for module, saved in restore:
             restore_module(module, saved)
@@ -49,4 +60,4 @@ def _original_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, kep
     return args, kwargs
 
 
-__all__ = ["pruned_view"]
+__all__ = ["pruned_layer_view", "pruned_view"]

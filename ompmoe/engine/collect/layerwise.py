@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -83,6 +83,98 @@ def _with_hidden(call: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Ten
     return args, {**kwargs, "hidden_states": hidden}
 
 
+class LayerMajor:
+    """Named sets of token batches (streams) carried through a checkpoint's decoder layers one layer at a time, in
+    layer-major order: :meth:`each_layer` reads each layer once (the next one while this one computes) and frees it
+    after the caller ran the streams it wants through it (:meth:`run`); :meth:`next_token_loss` ends a stream with
+    the model's own head. What runs before the first layer (embeddings, rotary) is filled at the start; the output
+    head only when a loss needs it."""
+
+    def __init__(self, checkpoint: LazyCheckpoint, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 hidden_device: torch.device | str | None = None) -> None:
+        model = checkpoint.model
+        self.checkpoint, self.model = checkpoint, model
+        self.dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.device, self.hidden_device = torch.device(device), torch.device(hidden_device or device)
+        self.prefix, self.layers = decoder_layers(model)
+        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+        self.head = tuple(f"{name}." for name, module in model.named_modules() if head is not None and module is head)
+        # all but the layers and the output head, which the recorded forward never reaches (it stops at the last layer)
+        checkpoint.fill((self.prefix, *self.head), self.device, self.dtype, outside=True)
+        self.inputs: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.calls: dict[str, list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = {}
+        self.hidden: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
+        """A stream of ``batches`` (token ids or model inputs): their layer calls recorded, the first layer's input
+        (the embeddings' output) kept as the hidden states each layer replaces. Returns the batches as model inputs."""
+        inputs = [as_model_inputs(batch, self.device) for batch in batches]
+        calls = [_record_layer_calls(self.model, self.layers, each) for each in inputs]
+        self.inputs[name], self.calls[name] = inputs, calls
+        self.hidden[name] = [_hidden_of(recorded[0]).to(self.hidden_device) for recorded in calls]
+        return inputs
+
+    def each_layer(self, progress: bool | None = None, description: str = "ompmoe (layer by layer)"
+                   ) -> Iterator[tuple[int, nn.Module]]:
+        """``(index, layer)`` for every decoder layer, its weights on the device while the caller has it (the next
+        layer read meanwhile), emptied after."""
+        fill, prefix, layers = self.checkpoint.fill, self.prefix, self.layers
+        with ThreadPoolExecutor(max_workers=1) as reader:
+            pending: Future | None = reader.submit(fill, (f"{prefix}0.",), self.device, self.dtype)
+            for index in progress_bar(range(len(layers)), description, progress, unit="layer"):
+                pending.result()  # type: ignore[union-attr]
+                pending = (reader.submit(fill, (f"{prefix}{index + 1}.",), self.device, self.dtype)
+                           if index + 1 < len(layers) else None)
+                yield index, layers[index]
+                self.checkpoint.empty(layers[index])
+
+    @torch.no_grad()
+    def run(self, name: str, index: int, before: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+            ) -> None:
+        """Stream ``name``'s batches through decoder layer ``index`` as the model's forward calls it (``before``: called
+        with each batch's position and inputs first); their outputs become the next layer's inputs."""
+        layer, hidden = self.layers[index], self.hidden[name]
+        for position, inputs in enumerate(self.inputs[name]):
+            if before is not None:
+                before(position, inputs)
+            args, kwargs = _with_hidden(self.calls[name][position][index], hidden[position].to(self.device))
+            output = layer(*args, **kwargs)
+            hidden[position] = (output[0] if isinstance(output, tuple) else output).to(self.hidden_device)
+
+    @torch.no_grad()
+    def next_token_loss(self, name: str) -> tuple[float, int]:
+        """``(summed next-token loss in nats, predicted tokens)`` of stream ``name`` (token-id batches) after its last
+        layer, through the model's own final norm and head (as :func:`~ompmoe.engine.perplexity.perplexity` counts)."""
+        if self.head and any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
+            self.checkpoint.fill(self.head, self.device, self.dtype)
+            if any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
+                self.model.tie_weights()  # a head tied to the embeddings: no tensor of its own in the files
+        total, count = 0.0, 0
+        for inputs, final in zip(self.inputs[name], self.hidden[name]):
+            def first(*args: Any, final: torch.Tensor = final, **kwargs: Any) -> torch.Tensor:
+                return final.to(self.device)
+
+            def passed(*args: Any, **kwargs: Any) -> torch.Tensor:
+                return _hidden_of((args, kwargs))
+
+            for index, layer in enumerate(self.layers):
+                layer.forward = first if index == 0 else passed
+            try:
+                logits = self.model(**inputs, use_cache=False).logits[:, :-1].float()
+            finally:
+                for layer in self.layers:
+                    del layer.forward
+            targets = inputs["input_ids"][:, 1:]
+            total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                       reduction="sum"))
+            count += targets.numel()
+        return total, count
+
+    def close(self) -> None:
+        """Free everything filled outside the decoder layers (embeddings, norm, head)."""
+        self.checkpoint.empty_outside(self.prefix)
+
+
 def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, batches: Iterable[Any], *,
                       device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       progress: bool | None = None, hidden_device: torch.device | str | None = None,
@@ -97,49 +189,27 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             raise ValueError(f"layer-by-layer calibration cannot collect {name!r} statistics: "
                              f"{LAYERWISE_REFUSED_STATISTICS[name]}.")
     started = time.perf_counter()
-    model = collector.model
-    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
-    device, hidden_device = torch.device(device), torch.device(hidden_device or device)
-    prefix, layers = decoder_layers(model)
     times = timings if timings is not None else {}
-    # What runs before the first layer (embeddings, rotary): all but the layers and the output head, which the
-    # recorded forward never reaches (it stops at the last layer).
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    skipped = (prefix, *(f"{name}." for name, module in model.named_modules() if head is not None and module is head))
-    with LazyCheckpoint(path, model) as checkpoint, quiet_calls():  # no Loading-weights bar per layer
-        checkpoint.fill(skipped, device, dtype, outside=True)
-        collector.to(device)
-        blocks, calls, weights = [], [], []
-        for batch in batches:
-            inputs = as_model_inputs(batch, device)
-            blocks.append(inputs)
-            weights.append(batch_token_weight(inputs, 0, None))
-            calls.append(_record_layer_calls(model, layers, inputs))
+    with LazyCheckpoint(path, collector.model) as checkpoint, quiet_calls():  # no Loading-weights bar per layer
+        passes = LayerMajor(checkpoint, device, dtype, hidden_device)
+        collector.to(passes.device)
+        blocks = passes.add("calibration", batches)
         if not blocks:
             raise ValueError("No calibration batches were given; pass at least one non-empty batch.")
-        # The first layer's input is the embeddings' output: the hidden states every later layer replaces.
-        hidden = [_hidden_of(recorded[0]).to(hidden_device) for recorded in calls]
+        weights = [batch_token_weight(inputs, 0, None) for inputs in blocks]
         times["embed"] = time.perf_counter() - started
         compute = 0.0
-        with ThreadPoolExecutor(max_workers=1) as reader:
-            pending: Future | None = reader.submit(checkpoint.fill, (f"{prefix}0.",), device, dtype)
-            for index in progress_bar(range(len(layers)), "ompmoe statistics (layer by layer)", progress,
-                                      unit="layer"):
-                pending.result()  # type: ignore[union-attr]
-                following = f"{prefix}{index + 1}."
-                pending = reader.submit(checkpoint.fill, (following,), device, dtype) if index + 1 < len(layers) \
-                    else None
-                tick = time.perf_counter()
-                with collector, torch.no_grad():
-                    for block, (inputs, weight) in enumerate(zip(blocks, weights)):
-                        _set_token_weight(collector, inputs, weight, first_layer=index == 0)
-                        args, kwargs = _with_hidden(calls[block][index], hidden[block].to(device))
-                        output = layers[index](*args, **kwargs)
-                        hidden[block] = (output[0] if isinstance(output, tuple) else output).to(hidden_device)
-                        collector.metric.token_weight = None
-                compute += time.perf_counter() - tick
-                checkpoint.empty(layers[index])
-        checkpoint.empty_outside(prefix)
+        for index, _ in passes.each_layer(progress, "ompmoe statistics (layer by layer)"):
+            tick = time.perf_counter()
+
+            def weigh(position: int, inputs: dict[str, torch.Tensor], index: int = index) -> None:
+                _set_token_weight(collector, inputs, weights[position], first_layer=index == 0)
+
+            with collector:
+                passes.run("calibration", index, weigh)
+            collector.metric.token_weight = None
+            compute += time.perf_counter() - tick
+        passes.close()
     times["layers"] = compute
     for inputs in blocks:
         if inputs.get("input_ids") is not None:
@@ -182,4 +252,4 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
     return collector.result()
 
 
-__all__ = ["LAYERWISE_REFUSED_STATISTICS", "LayerwiseUnsupportedError", "collect_layerwise", "collect_stats_layerwise"]
+__all__ = ["LAYERWISE_REFUSED_STATISTICS", "LayerMajor", "LayerwiseUnsupportedError", "collect_layerwise", "collect_stats_layerwise"]

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
+from ..apply.compensation import Compensation, _replacements, compensate_layer, record_compensation
 from ..apply.pruning import _slice_layer, prune
 from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
@@ -99,9 +100,10 @@ class _ShardWriter:
 
 def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, directory: Path, *,
                          device: torch.device | str = "cpu", shard_bytes: int = SHARD_BYTES, workers: int = WRITERS,
-                         timings: dict[str, float] | None = None) -> int:
+                         timings: dict[str, float] | None = None, compensation: Compensation | None = None) -> int:
     """The pruned weight files of ``checkpoint``'s model under ``plan`` into ``directory``, layer by layer (the next
-    layer read while this one is cut and written); returns the bytes written."""
+    layer read while this one is cut and written); ``compensation`` (fitted for ``plan``) folded into each layer's
+    kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it. Returns the bytes written."""
     model = checkpoint.model
     prefix, layers = decoder_layers(model)
     spec = architecture_of(model)
@@ -115,10 +117,13 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     times = timings if timings is not None else {}
     started = time.perf_counter()
     parts = [(prefix, True)] + [(f"{prefix}{index}.", False) for index in range(len(layers))]
-    with ThreadPoolExecutor(max_workers=1) as reader:
+    with ThreadPoolExecutor(max_workers=1) as reader, ThreadPoolExecutor(max_workers=1) as hints:
         read = reader.submit(checkpoint.fill, (parts[0][0],), device, dtype, parts[0][1], only_experts)
         for position, (part, outside) in enumerate(parts):
             read.result()
+            if position + 2 < len(parts):  # the kernel starts reading the part after the next meanwhile
+                ahead, outside_ahead = parts[position + 2]
+                hints.submit(checkpoint.read_ahead, (ahead,), outside_ahead, only_experts)
             if position + 1 < len(parts):
                 following, outside_next = parts[position + 1]
                 read = reader.submit(checkpoint.fill, (following,), device, dtype, outside_next, only_experts)
@@ -126,6 +131,9 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                 if f"{layer.name}.".startswith(part) and not outside:
                     _slice_layer(layer, torch.tensor(sorted(kept[layer.name]), dtype=torch.long),
                                  spec.count_attributes)
+                    if compensation is not None:
+                        compensate_layer(layer, torch.as_tensor(compensation.scales[layer.name]),
+                                         _replacements(compensation.weights, layer.name))
             writer.add({name: tensor.cpu() for name, tensor in _file_tensors(model, part, outside).items()})
             if outside:
                 checkpoint.empty_outside(part)
@@ -138,10 +146,12 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
 
 def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Module, directory: Path, *,
                   tokenizer: Any | None = None, calibration: str | None = None, device: torch.device | str = "cpu",
-                  timings: dict[str, float] | None = None) -> dict[str, Any]:
+                  timings: dict[str, float] | None = None, compensation: Compensation | None = None
+                  ) -> dict[str, Any]:
     """Write into the (empty, temporary) ``directory`` the checkpoint of ``source`` pruned by ``plan``: weights from
-    the files layer by layer, config and the rest from ``pruned``, a weightless skeleton :func:`~ompmoe.prune`
-    pruned by the same plan (its record, counts, adaptive settings)."""
+    the files layer by layer (``compensation`` folded in), config and the rest from ``pruned``, a weightless
+    skeleton :func:`~ompmoe.prune` pruned by the same plan (its record, counts, adaptive settings; with
+    ``compensation``, its record too)."""
     config = load_stock_config(source)
     check_checkpoint_files(source, config)  # as load_pruned refuses them, before anything is written
     dtype = checkpoint_dtype(config)
@@ -153,22 +163,26 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
     pruned.config._name_or_path = str(source)
     with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint, quiet_calls():
         return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
-                               write_weights=lambda target: write_pruned_weights(checkpoint, plan, target,
-                                                                                 device=device, timings=timings))
+                               write_weights=lambda target: write_pruned_weights(
+                                   checkpoint, plan, target, device=device, timings=timings,
+                                   compensation=compensation))
 
 
 def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: str | os.PathLike, *,
                            tokenizer: Any | None = None, overwrite: bool = False, calibration: str | None = None,
                            inputs: Iterable[str | os.PathLike] = (), device: torch.device | str = "cpu",
-                           timings: dict[str, float] | None = None) -> Path:
+                           timings: dict[str, float] | None = None, compensation: Compensation | None = None) -> Path:
     """:func:`~ompmoe.save_pruned` of ``source`` (a local safetensors checkpoint) pruned by ``plan``, written
     atomically from its files one decoder layer at a time: the model is never in memory, and the directory is the
-    one ``save_pruned(prune(load(source), plan))`` writes (config, tokenizer, remote code, card; the same tensors)."""
+    one ``save_pruned(prune(load(source), plan))`` writes (config, tokenizer, remote code, card; the same tensors);
+    with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
+    if compensation is not None:
+        record_compensation(pruned, compensation.record)
     with atomic_path(path, overwrite=overwrite, directory=True, inputs=[source, *inputs]) as tmp:
         save_streamed(source, plan, pruned, tmp, tokenizer=tokenizer, calibration=calibration, device=device,
-                      timings=timings)
+                      timings=timings, compensation=compensation)
     return Path(path)
 
 
