@@ -109,6 +109,10 @@ class LazyCheckpoint:
             self.target[key], self.pattern[key] = renamed, pattern
         self.converters = {pattern: converter for converter in converters for pattern in converter.source_patterns}
         self.used: list[Any] = []
+        self.stacked_files: dict[str, list[tuple[list[str], int | None, int, int]]] = {}
+        """Per fused experts tensor filled from per-expert file tensors: for each of its source patterns, the file
+        names of experts ``0..rows-1`` and where that pattern's part lies in a row (axis, offset, size): what
+        ``save_pretrained`` writes back for each row, as views (:func:`stacked_file_tensors`)."""
 
     def keys_under(self, prefixes: tuple[str, ...], outside: bool = False) -> list[str]:
         """The file tensors that load into model tensors under any of ``prefixes`` (with ``outside``: under none)."""
@@ -194,6 +198,7 @@ class LazyCheckpoint:
         rows = list(range(empty.shape[0])) if experts is None else list(experts)
         fused = torch.empty((len(rows), *empty.shape[1:]), dtype=empty.dtype, device=device)
         axis, offset = _stack_then_concat(converter), 0  # the concatenation's axis within one expert's tensor
+        layout = []
         for pattern in converter.source_patterns:
             keys = sorted(groups.get(pattern, []), key=dot_natural_key)
             if len(keys) != empty.shape[0]:
@@ -210,7 +215,9 @@ class LazyCheckpoint:
                                      f"{target} {list(empty.shape)}.")
                 if not self._read_into(where, key):
                     where.copy_(self.slices[key][:])
+            layout.append((keys[:len(rows)], axis, offset, size))
             offset += size
+        self.stacked_files[target] = layout
         module._parameters[name] = nn.Parameter(fused, requires_grad=empty.requires_grad)
         if not any(converter is seen for seen in self.used):
             self.used.append(converter)
@@ -261,6 +268,18 @@ class LazyCheckpoint:
 
 _FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 """Safetensors dtypes read straight into a tensor's memory (:meth:`LazyCheckpoint._read_into`)."""
+
+
+def stacked_file_tensors(tensor: torch.Tensor, layout: list[tuple[list[str], int | None, int, int]]
+                         ) -> dict[str, torch.Tensor]:
+    """The per-expert file tensors of a fused experts ``tensor`` filled by :meth:`LazyCheckpoint.fill`, named as the
+    files name experts ``0..rows-1`` (``layout``: :attr:`LazyCheckpoint.stacked_files`): views of its rows, no copy
+    (``revert_weight_conversion`` gives the same values, copying a concatenation's halves)."""
+    tensors = {}
+    for names, axis, offset, size in layout:
+        for row, name in enumerate(names[:tensor.shape[0]]):
+            tensors[name] = tensor[row] if axis is None else tensor[row].narrow(axis, offset, size)
+    return tensors
 
 
 def _byte_ranges(files: list[Path]) -> dict[str, tuple[Path, int, int]]:

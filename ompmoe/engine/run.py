@@ -95,10 +95,11 @@ class RunOptions:
             data module without ``choice_blocks``, with a warning if a number was given): the layout's first setting.
         compensation: After planning, refit the kept routed experts to the unpruned model's routed output on the
             calibration text (:func:`ompmoe.compensate`; folded into their down projections, so the checkpoint stays
-            stock and inference costs nothing more). ``auto``: the ``linear`` map for method ``auto``, kept unless
-            it raises the loss on the choice blocks (by more than 0.02 nats); ``linear``, ``expert`` or ``layer``:
-            that correction for any method, always applied; ``off``: none (``auto`` with a method named outright,
-            e.g. the paper's ``omp``, is ``off`` too). Recorded in ``plan.json`` and the model card.
+            stock and inference costs nothing more). ``auto``: for method ``auto``, the ``down`` refit or the
+            ``linear`` map it starts from, whichever has the lower loss on the choice blocks, kept unless it raises
+            that loss (by more than 0.02 nats); ``down``, ``linear``, ``expert`` or ``layer``: that correction for
+            any method, always applied; ``off``: none (``auto`` with a method named outright, e.g. the paper's
+            ``omp``, is ``off`` too). Recorded in ``plan.json`` and the model card.
         layer_by_layer: Calibrate and write a model bigger than memory: the model is a weightless skeleton, each
             decoder layer is read from the checkpoint's safetensors files, runs every calibration block and is freed
             (:func:`ompmoe.collect_stats_layerwise`; the same statistics), and the pruned checkpoint is written from

@@ -418,6 +418,28 @@ def test_tokenizer_is_saved_from_the_source_or_argument_and_missing_one_warns(sh
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_source_without_tokenizer_files_gives_no_made_up_tokenizer(tmp_path):
+    """transformers 5 builds an empty tokenizer from a folder without tokenizer files: the pruned model gets none (and
+    the warning), never that one; named outright, it is refused, naming the folder."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    model = ompmoe.load_pruned(tmp_path / "source")
+    stats = ompmoe.collect_stats(model, [INPUT_IDS])
+    ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform"))
+    with pytest.warns(MissingTokenizerWarning, match=r"No tokenizer was found for the pruned model"):
+        ompmoe.save_pruned(model, tmp_path / "pruned")
+    assert not (tmp_path / "pruned" / "tokenizer.json").exists()
+    assert not (tmp_path / "pruned" / "tokenizer_config.json").exists()
+    with pytest.raises(ValueError) as refused:
+        ompmoe.save_pruned(model, tmp_path / "named", tokenizer=str(tmp_path / "source"))
+    assert str(refused.value) == (
+        f"tokenizer={str(tmp_path / 'source')!r} could not be loaded ({tmp_path / 'source'} has no tokenizer files "
+        "(what loads from it is an empty vocabulary)); pass a hub id, a local directory with tokenizer files, or a "
+        "tokenizer object.")
+    assert not (tmp_path / "named").exists()
+
+
 def test_model_card_front_matter_and_contents(shipped_pruned):
     card = (shipped_pruned["root"] / "bf16" / "README.md").read_text()
     _, front, body = card.split("---\n", 2)

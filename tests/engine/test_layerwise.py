@@ -140,6 +140,52 @@ def test_the_streamed_writer_reads_only_the_kept_experts(tmp_path):
     assert read_experts == set(kept)
 
 
+def test_the_fill_asks_the_kernel_for_exactly_the_bytes_it_will_read(tmp_path, monkeypatch):
+    """The read-ahead hints name each tensor of the part the fill reads (only the kept experts' of a tensor stored per
+    expert), by its byte range in its file; the rows then read with preadv equal the memory map's."""
+    import os
+
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.lazy_checkpoint import LazyCheckpoint, build_skeleton
+
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = load_stock_config(tmp_path)
+    layer = ompmoe.find_moe_layers(build_skeleton(config))[0].name
+    prefix, kept = layer.rpartition(".")[0] + ".", [1, 3]
+    hinted: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: hinted.append((offset, length)))
+    reads: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append(offset) or preadv(fd, buffers, offset))
+    with LazyCheckpoint(tmp_path, build_skeleton(config, dtype=torch.bfloat16)) as part:
+        part.fill((prefix,), only_experts={f"{layer}.experts": kept})
+        expected = {key for key in part.keys_under((prefix,))
+                    if ".experts." not in key or int(key.split(".experts.")[1].split(".")[0]) in kept}
+        assert sorted(hinted) == sorted(part._ranges[key][1:] for key in expected)
+        per_expert = [key for key in expected if ".experts." in key]
+        assert sorted(reads) == sorted(part._ranges[key][1] for key in per_expert)  # each read once, with preadv
+        experts = part.model.get_submodule(f"{layer}.experts")
+        for name, tensor in experts.named_parameters():
+            for row, expert in enumerate(kept):
+                stored = part.slices[f"{layer}.experts.{expert}.down_proj.weight"][:] if name == "down_proj" else None
+                if stored is not None:
+                    assert torch.equal(tensor[row], stored), (name, expert)
+
+
+def test_a_fill_in_another_dtype_than_the_files_converts_as_from_pretrained(tmp_path):
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.lazy_checkpoint import LazyCheckpoint, build_skeleton
+
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = load_stock_config(tmp_path)
+    with LazyCheckpoint(tmp_path, build_skeleton(config, dtype=torch.float32)) as checkpoint:
+        checkpoint.fill(("model.layers.0.",), dtype=torch.float32)
+        for name, tensor in checkpoint.model.model.layers[0].named_parameters():
+            reference = model.model.layers[0].get_parameter(name)
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, reference.float()), name
+
+
 def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(ValueError) as refused:

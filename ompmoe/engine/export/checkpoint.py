@@ -64,7 +64,10 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
         return None
     try:
         path = resolve_shipped(candidate)
-        return load_tokenizer(path, local_files_only=not _is_hub_id(path))
+        loaded = load_tokenizer(path, local_files_only=not _is_hub_id(path))
+        if len(loaded) < 2:  # transformers 5 builds an empty tokenizer for a folder without tokenizer files
+            raise ValueError(f"{path} has no tokenizer files (what loads from it is an empty vocabulary)")
+        return loaded
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
         if named:
             raise ValueError(

@@ -21,7 +21,7 @@ from ..adapters import architecture_of, find_moe_layers
 from ..apply.compensation import Compensation, _replacements, compensate_layer, record_compensation
 from ..apply.pruning import _slice_layer, prune
 from ..io import atomic_path
-from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
+from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers, stacked_file_tensors
 from ..planning.plan import PruningPlan
 from .checkpoint import save_checkpoint
 from .config import load_stock_config
@@ -35,15 +35,24 @@ WRITERS = 1
 with depth)."""
 
 
-def _file_tensors(model: nn.Module, prefix: str, outside: bool) -> dict[str, torch.Tensor]:
-    """The model tensors under ``prefix`` (with ``outside``: all the others), in the files' names and layout."""
+def _file_tensors(model: nn.Module, prefix: str, outside: bool,
+                  stacked: dict[str, list[tuple[list[str], int | None, int, int]]] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The model tensors under ``prefix`` (with ``outside``: all the others), in the files' names and layout; the
+    fused experts tensors in ``stacked`` (:attr:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.stacked_files`) as
+    views of their rows, the others as ``save_pretrained`` reverts them."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    stacked = stacked or {}
     state = {name: tensor for name, tensor in model.state_dict().items()
              if name.startswith(prefix) != outside and tensor.device.type != "meta"}
+    views = {}
+    for name in [name for name in state if name in stacked]:
+        views.update(stacked_file_tensors(state.pop(name), stacked[name]))
     state = remove_tied_weights_from_state_dict(state, model)
-    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
+    reverted = {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
+    return {**reverted, **views}
 
 
 class _ShardWriter:
@@ -134,7 +143,9 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                     if compensation is not None:
                         compensate_layer(layer, torch.as_tensor(compensation.scales[layer.name]),
                                          _replacements(compensation.weights, layer.name))
-            writer.add({name: tensor.cpu() for name, tensor in _file_tensors(model, part, outside).items()})
+            stacked = {name: checkpoint.stacked_files.pop(name) for name in list(checkpoint.stacked_files)
+                       if name.startswith(part) != outside}
+            writer.add({name: tensor.cpu() for name, tensor in _file_tensors(model, part, outside, stacked).items()})
             if outside:
                 checkpoint.empty_outside(part)
             else:
