@@ -106,6 +106,8 @@ def test_batch_to_inputs_maps_a_batch_of_the_users_own_format():
     ([{"labels": torch.zeros(2, 8, dtype=torch.long)}], "dict with keys ['labels'] (labels: tensor (2, 8))"),
     ([(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, dtype=torch.long))],
      "list of 2 (tensor (2, 8), tensor (2,))"),  # (ids, labels): no mask, not guessed at
+    ([(torch.full((2, 8), 5), torch.full((2, 8), -100))],
+     "list of 2 (tensor (2, 8), tensor (2, 8))"),  # labels shaped like the ids are no 0/1 mask either
 ])
 def test_a_batch_outside_the_contract_is_refused_in_one_line_at_the_first_batch(tmp_path, data, got):
     counter = ForwardCounter()

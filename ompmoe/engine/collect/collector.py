@@ -231,10 +231,19 @@ def _contract_inputs(batch: Any) -> dict[str, torch.Tensor] | None:
         return _model_inputs(batch)
     if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 2 and isinstance(batch[0], torch.Tensor):
         mask = batch[1] if len(batch) == 2 else None
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == batch[0].shape):
+        if mask is not None and not _is_mask_of(mask, batch[0]):
             return None  # a second element that is no mask (labels, ...) is not guessed at
         return _model_inputs({"input_ids": batch[0], "attention_mask": mask})
     return None
+
+
+def _is_mask_of(mask: Any, ids: torch.Tensor) -> bool:
+    """Whether ``mask`` can be ``ids``' attention mask: shaped like it and only 0 and 1. Labels (the ids again, or
+    with -100 at padding) fail this, so an ``(input_ids, labels)`` batch is refused as outside the contract instead
+    of being read as a mask."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        return False
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
 
 
 def _describe(batch: Any, depth: int = 0) -> str:
