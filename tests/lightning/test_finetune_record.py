@@ -130,3 +130,23 @@ def test_a_fine_tune_of_a_never_pruned_model_is_recorded_beside_the_pruning_reco
         ("before pruning", record)]
     rows = card_rows(tmp_path / "pruned")
     assert "| Fine-tuned | full, 3 steps before pruning (see below) |" in rows and "## Fine-tuning before pruning" in rows
+
+
+def test_a_fine_tune_after_pruning_is_kept_as_before_pruning_when_the_model_is_pruned_again(tmp_path):
+    model = tiny_model("qwen3_moe")
+    calibration = [torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))]
+    before, after = {"method": "lora", "steps": 2, "tokens": 64, "data": None}, {
+        "method": "full", "steps": 3, "tokens": 96, "data": None}
+    add_finetune_record(model.config, before)  # fine-tuned, then pruned
+    ompmoe.prune(model, ompmoe.plan_pruning(ompmoe.collect_stats(model, calibration), 0.25, allocation="uniform"))
+    add_finetune_record(model.config, after)  # fine-tuned again, then pruned again
+    assert finetune_records(model.config.to_dict()) == [("before pruning", before), ("after pruning", after)]
+    ompmoe.prune(model, ompmoe.plan_pruning(ompmoe.collect_stats(model, calibration), 0.25, allocation="uniform"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MissingTokenizerWarning)
+        ompmoe.save_pruned(model, tmp_path / "twice")
+    config = json.loads((tmp_path / "twice" / "config.json").read_text())
+    assert finetune_records(config) == [("before pruning", before), ("before pruning", after)]
+    assert "finetune" not in config["ompmoe"]
+    assert "| Fine-tuned | LoRA, 2 steps before pruning; full, 3 steps before pruning (see below) |" in card_rows(
+        tmp_path / "twice")

@@ -13,6 +13,7 @@ from torch import nn
 from ..adapters import (EXTRA_CLASS_KEYS, MoELayer, architecture_of, block_expert_tensors, find_moe_layers,
                         hash_routed_blocks, router_extra_rows)
 from ..collect.statistics import FingerprintMismatchError, model_fingerprint
+from ..export.config import FINETUNE_CONFIG_KEY, FINETUNE_KEY
 from ..model_classes import text_config
 from ..names import loaded_name, same_model
 from ..planning.allocation import minimum_kept
@@ -222,5 +223,8 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         record["plan"]["statistics_model_id"] = plan.model_id
         warnings.warn(f"The statistics were collected as {plan.model_id!r} but the model pruned was loaded from "
                       f"{loaded!r}; the model card and config.json name {loaded!r}.", stacklevel=2)
+    if previous.get(FINETUNE_KEY):  # fine-tunes after the earlier pruning came before this one: kept, in order
+        earlier = list(getattr(model.config, FINETUNE_CONFIG_KEY, None) or [])
+        setattr(model.config, FINETUNE_CONFIG_KEY, earlier + list(previous[FINETUNE_KEY]))
     setattr(model.config, CONFIG_KEY, record)
     return model
