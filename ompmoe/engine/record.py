@@ -7,6 +7,11 @@ from typing import Any
 
 CONFIG_KEY = "ompmoe"
 """Config attribute of a pruned model: ``{"kept_experts", "original_num_experts", "uniform", ...}``."""
+FINETUNE_KEY = "finetune"
+"""Key of the fine-tunes' records (a list, oldest first) in a pruned model's ``config.ompmoe``."""
+FINETUNE_CONFIG_KEY = "ompmoe_finetune"
+"""Config attribute holding that list for a model ompmoe never pruned: its ``config.ompmoe`` would read as a
+pruning record without the kept experts, which loading refuses."""
 
 
 def pruning_info(model_or_config: Any) -> dict[str, Any] | None:

@@ -13,12 +13,11 @@ from torch import nn
 from ..adapters import (EXTRA_CLASS_KEYS, MoELayer, architecture_of, block_expert_tensors, find_moe_layers,
                         hash_routed_blocks, router_extra_rows)
 from ..collect.statistics import FingerprintMismatchError, model_fingerprint
-from ..export.config import FINETUNE_CONFIG_KEY, FINETUNE_KEY
 from ..model_classes import text_config
 from ..names import loaded_name, same_model
 from ..planning.allocation import minimum_kept
 from ..planning.plan import PlanMismatchError, PruningPlan
-from ..record import CONFIG_KEY, pruning_info
+from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY, pruning_info
 from .quantized import check_not_quantized
 
 

@@ -10,14 +10,9 @@ from typing import Any
 import transformers
 
 from ..adapters import ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
-from ..record import CONFIG_KEY
+from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY
 from .hub_code import is_non_uniform, stock_config_dict
 
-FINETUNE_KEY = "finetune"
-"""Key of the fine-tunes' records (a list, oldest first) in a pruned model's ``config.ompmoe``."""
-FINETUNE_CONFIG_KEY = "ompmoe_finetune"
-"""Config attribute holding that list for a model ompmoe never pruned: its ``config.ompmoe`` would read as a
-pruning record without the kept experts, which loading refuses."""
 
 
 def add_finetune_record(config: Any, record: dict[str, Any]) -> None:
