@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,8 +96,10 @@ class LazyCheckpoint:
         self._files = [safe_open(str(file), framework="pt", device="cpu") for file in files]
         self.slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys()}
         self._ranges = _byte_ranges(files)
-        self._descriptors = {file: os.open(file, os.O_RDONLY) for file in files} if hasattr(os, "posix_fadvise") \
-            else {}
+        # Direct reads (preadv) and read-ahead hints where the platform has both and stores little-endian like the
+        # files; elsewhere the fill copies from the memory map, which safetensors byte-swaps where needed.
+        direct = hasattr(os, "posix_fadvise") and hasattr(os, "preadv") and sys.byteorder == "little"
+        self._descriptors = {file: os.open(file, os.O_RDONLY) for file in files} if direct else {}
         self.mapping = get_model_conversion_mapping(model)
         renamings = [entry for entry in self.mapping if isinstance(entry, WeightRenaming)]
         converters = [entry for entry in self.mapping if isinstance(entry, WeightConverter)]
@@ -169,7 +172,9 @@ class LazyCheckpoint:
         for key in keys:
             if key not in skipped and key in self._ranges:
                 file, start, length = self._ranges[key]
-                os.posix_fadvise(self._descriptors[file], start, length, os.POSIX_FADV_WILLNEED)
+                if length > 0:  # a length of 0 would ask for the rest of the file
+                    with contextlib.suppress(OSError):  # only a hint: the fill reads the bytes either way
+                        os.posix_fadvise(self._descriptors[file], start, length, os.POSIX_FADV_WILLNEED)
 
     def _stacked(self, keys: list[str]) -> tuple[dict[str, tuple[Any, dict[str, list[str]]]], list[str]]:
         """The file tensors that merely stack into a fused experts tensor (transformers' ``MergeModulelist``, then at

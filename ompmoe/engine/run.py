@@ -166,6 +166,15 @@ def refuse_whole_model_options(options: RunOptions) -> None:
                          f"dtype={options.dtype!r}. Remove dtype (save_dtype), or calibrate resident.")
 
 
+def record_check(compensation: Compensation | None, record: Mapping[str, Any]) -> None:
+    """Copy the held-out check a kept correction passed into the record ``config.json`` and the card carry (resident
+    and layer by layer alike)."""
+    if compensation is not None and "loss_with" in record:
+        compensation.record.update({key: record[key] for key in
+                                    ("checked", "check_blocks", "loss_without", "loss_with", "tolerance")
+                                    if key in record})
+
+
 def layer_by_layer_strategy(strategy: Strategy, model_type: str | None) -> tuple[Strategy, str | None]:
     """``strategy`` as layer-by-layer calibration runs it, and the line that says what it left out (``None``:
     nothing): ``auto`` becomes its first setting needing no loss-aware statistics (the trial of its settings needs
@@ -540,6 +549,7 @@ class PruningRun:
                 record["calibration_data"] = self.calibration_data
             self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
             self.compensation = measured.compensation
+            record_check(self.compensation, record)
         if paper_plan(self.strategy_used, self.stats, self.plan, self.compensation) is not None:
             self.heldout_paper = dict(measured.paper)
         return measured
@@ -552,8 +562,12 @@ class PruningRun:
         if not uses:
             return None
         calibration = self.timings.get("total")
+        adaptive = ("; the pruned perplexity is without OMP-MoE+'s per-token skipping (adaptive_epsilon switches it "
+                    "on in the written model; measure that resident or with ompmoe validate)"
+                    if heldout and self.options.adaptive_epsilon is not None else "")
         return (f"ompmoe: {' and '.join(uses)} ran {LAYER_BY_LAYER} in one more pass over the layers: "
-                f"{measured.seconds:.1f} s" + (f" (calibration: {calibration:.1f} s)" if calibration is not None else ""))
+                f"{measured.seconds:.1f} s" + (f" (calibration: {calibration:.1f} s)" if calibration is not None else "")
+                + adaptive)
 
     def replan(self, stats: MoEStats) -> PruningPlan:
         """Plan from saved statistics (``ompmoe prune``): the strategy checked against their layers, then planned."""
@@ -636,10 +650,7 @@ class PruningRun:
         else:
             compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
                                                     loss_without, unchecked)
-            if compensation is not None and "loss_with" in record:  # the card states the check the map passed
-                compensation.record.update({key: record[key] for key in
-                                            ("checked", "check_blocks", "loss_without", "loss_with", "tolerance")
-                                            if key in record})
+            record_check(compensation, record)
             if self.calibration_data is not None:
                 record["calibration_data"] = self.calibration_data
         self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})

@@ -134,6 +134,7 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
     auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
     run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=auto, plots=False, evaluate_on=list(HELDOUT),
                                               layer_by_layer=True, output_dir=str(tmp_path / "run"),
+                                              adaptive_epsilon=0.1,
                                               tokenizer=str(shipped_model_path())))
     lines: list[str] = []
     context = ompmoe.LocalContext(print=lines.append)
@@ -171,11 +172,17 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
         torch.testing.assert_close(written[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     saved = ompmoe.load_pruned(tmp_path / "run" / "model").config.ompmoe
     assert (saved.get("compensation") is not None) == (compensation is not None)
+    if compensation is not None:  # config.json states the held-out check the correction passed, as a resident run's
+        assert saved["compensation"]["checked"] == record["checked"]
+        assert saved["compensation"]["check_blocks"] == record["check_blocks"]
+        assert saved["compensation"]["loss_with"] == pytest.approx(record["loss_with"], rel=1e-5)
     assert saved["plan"]["calibration_mode"] == "layer by layer"
     assert lines[2] == ("ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss "
                         "needs loss-aware statistics; no trial of its settings: it needs the whole model")
     assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in one "
                                "more pass over the layers: ")
+    assert lines[3].endswith("; the pruned perplexity is without OMP-MoE+'s per-token skipping (adaptive_epsilon "
+                             "switches it on in the written model; measure that resident or with ompmoe validate)")
     assert lines[4].startswith(f"ompmoe: compensation ({record['granularity']}")
     assert lines[5].startswith("ompmoe: held-out perplexity on 32 tokens per set, original -> pruned: heldout:a ")
 
@@ -234,3 +241,38 @@ def test_a_granularity_named_outright_is_fitted_layer_by_layer_and_applied_as_as
     assert_same_record(run.plan.extra["compensation"], record)
     assert run.compensation is not None and list(run.compensation.scales) == [
         layer.name for layer in ompmoe.find_moe_layers(model)]
+
+
+def test_the_writer_refuses_a_compensation_fitted_for_another_plan_before_writing(tmp_path):
+    """Another plan keeping as many experts per layer would fold rows into the wrong experts without a word."""
+    model, stats = saved_tiny("qwen3_moe", tmp_path)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="uniform")
+    other = ompmoe.plan_pruning(stats, 0.5, allocation="uniform", method="random", method_options={"seed": 5})
+    assert [layer.num_kept for layer in other.layers] == [layer.num_kept for layer in plan.layers]
+    assert other.kept_by_layer() != plan.kept_by_layer()
+    compensation, _ = fit_compensation(model, other, TEXT, 4, "expert")
+    name = next(layer.name for layer, mine in zip(other.layers, plan.layers) if sorted(layer.kept) != sorted(mine.kept))
+    with pytest.raises(ompmoe.CompensationError) as error:
+        save_pruned_from_files(tmp_path / "source", plan, tmp_path / "out", compensation=compensation)
+    theirs = sorted(int(i) for i in dict(other.kept_by_layer())[name])
+    mine = sorted(int(i) for i in dict(plan.kept_by_layer())[name])
+    assert str(error.value) == (f"The correction of {name} was fitted for kept experts {theirs} but the model keeps "
+                                f"{mine}; fit it with the plan the model was pruned with.")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_correction_read_after_its_scratch_directory_is_gone_names_the_lifetime(tmp_path):
+    from ompmoe.engine.apply.layer_by_layer import LayerStore
+
+    store = LayerStore(tmp_path / "scratch")
+    (tmp_path / "scratch").mkdir()
+    store.put("model.layers.0.mlp", {"scale": torch.ones(3)})
+    assert torch.equal(store.get("model.layers.0.mlp")["scale"], torch.ones(3))
+    (tmp_path / "scratch" / "00000.safetensors").unlink()
+    (tmp_path / "scratch").rmdir()
+    with pytest.raises(FileNotFoundError) as error:
+        store.get("model.layers.0.mlp")
+    assert str(error.value) == (
+        f"The layer-by-layer correction of model.layers.0.mlp was kept in {tmp_path / 'scratch'}, which no longer "
+        "exists: a run's scratch directory is removed when the run ends. Write the model within the run (output_dir), "
+        "or keep the directory given to measure_layer_by_layer until save_pruned_from_files returns.")

@@ -606,6 +606,31 @@ def _check_correction(layer: MoELayer, correction: torch.Tensor, count: int) -> 
         raise CompensationError(f"The correction of {layer.name} is not all finite.")
 
 
+def check_compensation_fits(model: nn.Module, scales: Mapping[str, Any], kept: Mapping[str, list[int]],
+                            owner: str) -> dict[str, Any]:
+    """Refuse corrections that were not fitted for the plan the **pruned** ``model`` (weights or a skeleton) was
+    pruned with: other layers, other kept ids, or shapes and values that cannot be folded in. Returns its record."""
+    info = pruning_info(model)
+    if not isinstance(info, dict) or "kept_experts" not in info:
+        raise CompensationError(f"{owner} works on a pruned model (ompmoe.prune(model, plan) first); this "
+                                "model carries no pruning record.")
+    if info.get("compensation") is not None:
+        raise CompensationError("This model was compensated already; prune the original model again to refit.")
+    layers = find_moe_layers(model)
+    names = [layer.name for layer in layers]
+    if sorted(scales) != sorted(names):
+        raise CompensationError(f"The corrections cover layers {sorted(scales)} but the model's MoE layers are "
+                                f"{names}.")
+    for layer in layers:
+        ids = [int(i) for i in kept[layer.name]]
+        if info["kept_experts"].get(layer.name) != ids or layer.num_experts != len(ids):
+            raise CompensationError(
+                f"The correction of {layer.name} was fitted for kept experts {ids} but the model keeps "
+                f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
+        _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
+    return info
+
+
 @torch.no_grad()
 def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[str, torch.Tensor],
                        kept: Mapping[str, list[int]] | None = None) -> nn.Module:
@@ -623,25 +648,8 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
         scales, record = dict(compensation), {}
         if kept is None:
             raise CompensationError("apply_compensation needs the kept ids of each layer (kept=...) with bare factors.")
-    info = pruning_info(model)
-    if not isinstance(info, dict) or "kept_experts" not in info:
-        raise CompensationError("apply_compensation works on a pruned model (ompmoe.prune(model, plan) first); this "
-                                "model carries no pruning record.")
-    if info.get("compensation") is not None:
-        raise CompensationError("This model was compensated already; prune the original model again to refit.")
-    layers = find_moe_layers(model)
-    names = [layer.name for layer in layers]
-    if sorted(scales) != sorted(names):
-        raise CompensationError(f"The corrections cover layers {sorted(scales)} but the model's MoE layers are "
-                                f"{names}.")
-    for layer in layers:
-        ids = [int(i) for i in kept[layer.name]]
-        if info["kept_experts"].get(layer.name) != ids or layer.num_experts != len(ids):
-            raise CompensationError(
-                f"The correction of {layer.name} was fitted for kept experts {ids} but the model keeps "
-                f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
-        _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
-    for layer in layers:
+    info = check_compensation_fits(model, scales, kept, "apply_compensation")
+    for layer in find_moe_layers(model):
         compensate_layer(layer, torch.as_tensor(scales[layer.name]), _replacements(weights, layer.name))
     setattr(model.config, CONFIG_KEY, {**info, "compensation": dict(record or {"method": "least_squares"})})
     return model

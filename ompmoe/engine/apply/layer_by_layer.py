@@ -73,7 +73,13 @@ class LayerStore:
         self.files[name] = path
 
     def get(self, name: str) -> dict[str, torch.Tensor]:
-        return load_file(str(self.files[name]))
+        path = self.files[name]
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"The layer-by-layer correction of {name} was kept in {self.directory}, which no longer exists: a "
+                "run's scratch directory is removed when the run ends. Write the model within the run (output_dir), "
+                "or keep the directory given to measure_layer_by_layer until save_pruned_from_files returns.")
+        return load_file(str(path))
 
 
 class StoredScales(Mapping):

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
-from ..apply.compensation import Compensation, _replacements, compensate_layer, record_compensation
+from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, compensate_layer,
+                                  record_compensation)
 from ..apply.pruning import _slice_layer, prune
 from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers, stacked_file_tensors
@@ -189,7 +190,8 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
-    if compensation is not None:
+    if compensation is not None:  # fitted for this plan, or refused before anything is written
+        check_compensation_fits(pruned, compensation.scales, compensation.kept, "save_pruned_from_files")
         record_compensation(pruned, compensation.record)
     with atomic_path(path, overwrite=overwrite, directory=True, inputs=[source, *inputs]) as tmp:
         save_streamed(source, plan, pruned, tmp, tokenizer=tokenizer, calibration=calibration, device=device,
