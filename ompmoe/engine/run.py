@@ -166,15 +166,6 @@ def refuse_whole_model_options(options: RunOptions) -> None:
                          f"dtype={options.dtype!r}. Remove dtype (save_dtype), or calibrate resident.")
 
 
-def record_check(compensation: Compensation | None, record: Mapping[str, Any]) -> None:
-    """Copy the held-out check a kept correction passed into the record ``config.json`` and the card carry (resident
-    and layer by layer alike)."""
-    if compensation is not None and "loss_with" in record:
-        compensation.record.update({key: record[key] for key in
-                                    ("checked", "check_blocks", "loss_without", "loss_with", "tolerance")
-                                    if key in record})
-
-
 def layer_by_layer_strategy(strategy: Strategy, model_type: str | None) -> tuple[Strategy, str | None]:
     """``strategy`` as layer-by-layer calibration runs it, and the line that says what it left out (``None``:
     nothing): ``auto`` becomes its first setting needing no loss-aware statistics (the trial of its settings needs
@@ -549,7 +540,6 @@ class PruningRun:
                 record["calibration_data"] = self.calibration_data
             self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})
             self.compensation = measured.compensation
-            record_check(self.compensation, record)
         if paper_plan(self.strategy_used, self.stats, self.plan, self.compensation) is not None:
             self.heldout_paper = dict(measured.paper)
         return measured
@@ -650,7 +640,6 @@ class PruningRun:
         else:
             compensation, record = fit_compensation(model, self.plan, text, batch_size, granularity, check_blocks,
                                                     loss_without, unchecked)
-            record_check(compensation, record)
             if self.calibration_data is not None:
                 record["calibration_data"] = self.calibration_data
         self.plan = dataclasses.replace(self.plan, extra={**self.plan.extra, "compensation": record})

@@ -185,7 +185,12 @@ def checked_choice(candidates: Mapping[str, Compensation], losses: Mapping[str, 
         record.update(tried={name: round(loss, 6) for name, loss in losses.items()}, fitted="down")
         compensation.record.update(tried=record["tried"])
     record["applied"] = losses[best] < loss_without + CHECK_TOLERANCE
-    return (compensation if record["applied"] else None), record
+    if not record["applied"]:
+        return None, record
+    # the kept map carries the check it passed: config.json and the card read the model's record only
+    compensation.record.update({key: record[key] for key in
+                                ("checked", "check_blocks", "loss_without", "loss_with", "tolerance")})
+    return compensation, record
 
 
 def unchecked_refit(refit: Compensation, unchecked: str) -> tuple[Compensation, dict[str, Any]]:
