@@ -237,9 +237,9 @@ class PruningRun:
             require_matplotlib(owner)
         self.strategy: Strategy = self.options.strategy  # type: ignore[assignment]
         self.strategy_used: Strategy = self.strategy
+        """The strategy with ``auto`` replaced by the chosen setting (the extra ratios are planned with it)."""
         self.strategy_asked: Strategy = self.strategy
         """The strategy as given (layer by layer runs ``auto`` as one of its settings; compensation follows this)."""
-        """The strategy with ``auto`` replaced by the chosen setting (the extra ratios are planned with it)."""
         self.statistics = list(self.options.statistics or [])
         self.collector: StatisticsCollector | None = None
         self.model_type: str | None = None
