@@ -223,6 +223,7 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]
     """
     from .engine.planning.plan import PruningPlan
     from .engine.planning.strategy import AUTO, PruningStrategy
+    from .engine.summary import own_allocation_note
 
     named = given.get("method") not in (None, AUTO)
     auto = {name for name in ("method", "allocation") if given.get(name) == AUTO}
@@ -260,6 +261,8 @@ def _settings(statistics: Any, fit_plan: Path, given: dict[str, Any]
             taken.append(name)
     if named and settings["allocation"] == AUTO:
         sources["allocation"] = f"{settings['method']}'s own"
+    elif named and (note := own_allocation_note(settings["method"], settings["allocation"])):
+        sources["allocation"] = f"{sources['allocation']}; {note}"
     return settings, sources, taken, plan
 
 

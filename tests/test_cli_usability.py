@@ -196,6 +196,23 @@ def test_readme_main_job_prints_no_warning(tmp_path):
     assert (tmp_path / "outputs" / "tiny" / "plots" / "allocation.png").is_file()
 
 
+@pytest.mark.parametrize(("method", "allocation", "said"), [
+    ("reap", "waterfill", "allocation waterfill (as given; reap's own is uniform)"),  # a config's allocation
+    ("reap", "auto", "allocation uniform (reap's own)"),
+    ("omp", "waterfill", "allocation waterfill,"),  # the method's own, given: nothing to say
+    ("omp", "uniform", "allocation uniform (as given; omp's own is waterfill)"),
+])
+def test_a_named_method_with_another_allocation_than_its_own_says_so(method, allocation, said):
+    """``ompmoe fit -c configs/qwen3-30b-a3b.yaml --method reap`` keeps the config's waterfill: the settings line every
+    front door prints says that this is not REAP as published, so a comparison says what it compares."""
+    from ompmoe.engine.run import PruningRun, RunOptions
+
+    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5, method=method, allocation=allocation)))
+    run.replan(synthetic_stats(3, 16, 4))
+    settings, _ = run.summary_lines()
+    assert settings.startswith(f"ompmoe: method {method}, {said}"), settings
+
+
 def test_ompmoe_itself_does_not_import_torchao():
     code = ("import sys, ompmoe, ompmoe.cli, ompmoe.engine.export.plots, ompmoe.recipes.quantization, ompmoe.engine.summary; "
             "print('torchao' in sys.modules)")

@@ -172,8 +172,9 @@ def test_prune_without_method_uses_the_fits_plan_and_says_so(tmp_path, capsys, m
     main(["fit", "-c", str(config)])
     fit_plan = ompmoe.PruningPlan.load(run / "plan.json")
     assert (fit_plan.method, fit_plan.allocation) == ("omp_normalized", "loss")  # not the default omp + waterfill
-    assert logged[0] == ("ompmoe: method omp_normalized, allocation loss, compensation off (none for a named method), "
-                         "risk_weight 3, min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06")
+    assert logged[0] == ("ompmoe: method omp_normalized, allocation loss (as given; omp_normalized's own is "
+                         "waterfill), compensation off (none for a named method), risk_weight 3, min_kept_fraction "
+                         "0.375, max_kept_fraction 0.875, zeta 1e-06")
     capsys.readouterr()
     main(["prune", "--stats", str(run / "stats.safetensors"), "--ratio", "0.5", "--output_dir", str(tmp_path / "a")])
     replanned = ompmoe.PruningPlan.load(tmp_path / "a" / "plan-0.5.json")
@@ -201,7 +202,8 @@ def test_prune_without_method_uses_the_fits_plan_and_says_so(tmp_path, capsys, m
     assert ompmoe.PruningPlan.load(tmp_path / "c" / "plan-0.5.json") == ompmoe.plan_pruning(
         stats, 0.5, method="reap", allocation="loss")
     assert capsys.readouterr().out.splitlines()[0].startswith(
-        "ompmoe prune: method reap (option), allocation loss (option), compensation off (none for a named method), ")
+        "ompmoe prune: method reap (option), allocation loss (option; reap's own is uniform), compensation off (none "
+        "for a named method), ")
 
 
 def test_prune_beside_no_plan_of_these_statistics_uses_the_defaults(tmp_path, capsys):

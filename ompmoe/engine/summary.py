@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .apply.plan_choice import PlanChoice
+from .planning.method_registry import default_allocation
 from .planning.plan import PruningPlan
 from .planning.strategy import AUTO, Strategy
 
@@ -47,13 +48,30 @@ def auto_note(strategy: Strategy, model_type: str | None, choice: PlanChoice | N
     return f" ({' and '.join(auto)} 'auto': {why})"
 
 
+def own_allocation_note(method: str, allocation: str) -> str | None:
+    """``"reap's own is uniform"`` when a named ``method`` runs with an ``allocation`` other than the one its authors
+    publish it with, so a comparison run from a config that names another allocation says it is not the published
+    method; ``None`` when it is (or the method is unknown: refused later, by name)."""
+    if method in (None, AUTO) or allocation in (None, AUTO):
+        return None
+    try:
+        own = default_allocation(method)
+    except (ValueError, TypeError, ImportError, AttributeError):
+        return None
+    return f"{method}'s own is {own}" if own != allocation else None
+
+
 def named_method_sources(strategy: Strategy, compensation_mode: str | None) -> dict[str, str]:
     """Where a named method's allocation and compensation came from when the options left them to it (``auto``): its
-    own allocation, and none of the compensation ``auto`` gives the ``auto`` method."""
+    own allocation, and none of the compensation ``auto`` gives the ``auto`` method; an allocation given that is not
+    the method's own says so (:func:`own_allocation_note`)."""
     method = getattr(strategy, "method", None)
     if method in (None, AUTO):
         return {}
-    sources = {"allocation": f"{method}'s own"} if getattr(strategy, "allocation", None) == AUTO else {}
+    allocation = getattr(strategy, "allocation", None)
+    note = own_allocation_note(method, allocation)
+    sources = ({"allocation": f"{method}'s own"} if allocation == AUTO else
+               {"allocation": f"as given; {note}"} if note else {})
     if compensation_mode == AUTO:
         sources["compensation"] = "none for a named method"
     return sources
@@ -69,4 +87,4 @@ def plan_metrics(plan: PruningPlan) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["auto_note", "kept_summary", "named_method_sources", "plan_metrics", "settings_summary"]
+__all__ = ["auto_note", "kept_summary", "named_method_sources", "own_allocation_note", "plan_metrics", "settings_summary"]
