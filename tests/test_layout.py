@@ -158,6 +158,27 @@ def test_importing_the_engine_loads_no_lightning_and_no_recipe():
     assert result.stdout.strip() == "[]"
 
 
+
+def test_planning_and_plotting_from_saved_statistics_never_import_torchmetrics(tmp_path):
+    """``ompmoe prune``, ``ompmoe plot`` and planning from Python read sums and never fill them, so torchmetrics (about
+    a second to import) stays out of their process; the first collection loads it (collect/sums.py)."""
+    from ompmoe.engine.collect.synthetic import synthetic_stats
+
+    stats = synthetic_stats(2, 8, 2).save(tmp_path / "stats.safetensors")
+    code = (f"import sys\nfrom ompmoe.cli import main\nS = {str(stats)!r}\n"
+            f"main(['prune', '--stats', S, '--ratio', '0.25,0.5', '--output_dir', {str(tmp_path / 'p')!r}, '--quiet'])\n"
+            f"main(['plot', '--stats', S, '--output_dir', {str(tmp_path / 'plots')!r}, '--quiet'])\n"
+            "import ompmoe, ompmoe.engine.methods, ompmoe.engine.apply.compensation_step, ompmoe.engine.export.streamed\n"
+            "ompmoe.plan_pruning(ompmoe.MoEStats.load(S), 0.5, method='reap', allocation='uniform')\n"
+            "print('torchmetrics' in sys.modules)\n"
+            "from ompmoe.engine.tiny import tiny_model\n"
+            "ompmoe.collect_stats(tiny_model('qwen3_moe'), [__import__('torch').arange(3, 19).view(2, 8)])\n"
+            "print('torchmetrics' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+    assert (tmp_path / "p" / "plan-0.5.json").is_file() and (tmp_path / "plots" / "heatmaps.png").is_file()
+
 def test_pyproject_installs_every_package_and_every_shipped_model():
     """A wheel (``pip install ompmoe``, not editable) holds only the packages and data pyproject lists."""
     import tomllib

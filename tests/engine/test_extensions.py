@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from ompmoe import MoEStats, collect_stats, plan_pruning
 from ompmoe.engine.collect.collector import StatisticsCollector
-from ompmoe.engine.collect.extensions import STATISTICS, LayerSumsMetric, StatisticsExtension, register_statistics
+from ompmoe.engine.collect.extensions import STATISTICS, StatisticsExtension, register_statistics
+from ompmoe.engine.collect.sums import LayerSumsMetric
 from ompmoe.engine.methods import (METHODS, SelectionMethod, check_statistics, register_method, required_statistics,
                                    score_order)
 from ompmoe.engine.planning.method_registry import require_statistic

@@ -19,7 +19,7 @@ from ompmoe.engine.methods import (
     score_order,
     swap_refine,
 )
-from ompmoe.engine.collect.extensions import CANCELLED_TOKEN
+from ompmoe.engine.collect.sums import CANCELLED_TOKEN
 from ompmoe.engine.planning.selection import greedy_pursuit
 from ompmoe.engine.collect.statistics import LayerStats
 from ompmoe.engine.planning.strategy import PruningStrategy, strategy_for

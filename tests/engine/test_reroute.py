@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ompmoe import MoEStats, collect_stats, find_moe_layers, plan_pruning
-from ompmoe.engine.collect.extensions import CANCELLED_TOKEN
+from ompmoe.engine.collect.sums import CANCELLED_TOKEN
 from ompmoe.engine.methods import get_method
 from ompmoe.engine.methods.reroute import REROUTE_TENSORS, RerouteError, check_reroutable
 from ompmoe.engine.planning.selection import greedy_pursuit

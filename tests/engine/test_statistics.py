@@ -359,7 +359,7 @@ def test_bad_batches_raise():
 
 
 def test_non_finite_values_at_padded_positions_are_ignored():
-    from ompmoe.engine.collect.collector import MoEStatsMetric
+    from ompmoe.engine.collect.sums import MoEStatsMetric
 
     model = make_model("qwen3_moe")
     layer = find_moe_layers(model)[0]

@@ -413,7 +413,7 @@ def test_bool_and_float_masks_accepted():
 
 def test_token_weights_must_be_0_or_1():
     # The Lightning callback hands masks (times 0/1 sample weights) straight to the metric.
-    from ompmoe.engine.collect.collector import MoEStatsMetric
+    from ompmoe.engine.collect.sums import MoEStatsMetric
 
     metric = MoEStatsMetric(ompmoe.find_moe_layers(qwen()))
     with pytest.raises(CalibrationInputError, match=re.escape("Token weights (attention_mask) must be 0 or 1; found 0.5.")):

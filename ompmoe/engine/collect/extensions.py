@@ -6,15 +6,16 @@ hooks and checkpoint prefix; methods and allocations declare the ones they need 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
-from torchmetrics import Metric
-
 from ..adapters import MoELayer
 from ..registry import Registry
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 
 class FilledLayer(Protocol):
@@ -26,50 +27,15 @@ class FilledLayer(Protocol):
 
 Layer = TypeVar("Layer", bound=FilledLayer)
 
-CANCELLED_TOKEN = 1e-6
-"""A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
-cancel to within float32 rounding) gets no weight in the token-normalized Grams."""
-
 PairCallback = Callable[..., None]
 """``(layer_index, top_k_index (T, k), top_k_weights (T, k), expert_outputs (T*k, d)[, atoms (T*k, d)])``;
 ``atoms`` is ``g * F`` exactly as the block output sums it, so no callback forms it again."""
 
 
-class LayerSumsMetric(Metric):
-    """Sum-reduced float64 states ``{key}_{layer}`` per MoE layer; ``keys`` maps each to ``"gram"``, ``"vector"`` or
-    a row count ``r`` (``(r, N)``: several per-expert sums stacked)."""
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = None
-
-    def __init__(self, layers: Sequence[MoELayer], keys: dict[str, str | int], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.num_experts = [layer.num_experts for layer in layers]
-        self.keys = dict(keys)
-        for i, n in enumerate(self.num_experts):
-            for key, shape in self.keys.items():
-                size = (n, n) if shape == "gram" else (n,) if shape == "vector" else (shape, n)
-                self.add_state(f"{key}_{i}", torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def state(self, key: str, index: int) -> torch.Tensor:
-        return getattr(self, f"{key}_{index}")
-
-    def update(self, index: int, key: str, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` at the flat ``positions`` of layer ``index``'s ``key`` (``e * N + f`` in a Gram)."""
-        state = self.state(key, index)
-        values = values.reshape(-1).to(state.device, torch.float64)
-        state.view(-1).index_add_(0, positions.reshape(-1).to(state.device), values)
-
-    def compute(self) -> list[dict[str, torch.Tensor]]:
-        """Per layer, the summed tensors (over ranks when distributed)."""
-        return [{key: self.state(key, i).clone() for key in self.keys} for i in range(len(self.num_experts))]
-
-
 class StatisticsExtension:
     """One kind of optional statistics: its sums (``metric``), the hooks it attaches, its checkpoint prefix.
 
-    Subclasses set the class variables and build ``self.metric`` (a :class:`LayerSumsMetric`) and ``self.recorder``
+    Subclasses set the class variables and build ``self.metric`` (a :class:`~ompmoe.engine.collect.sums.LayerSumsMetric`) and ``self.recorder``
     (``attach()``/``detach()`` of the hooks feeding it) in ``__init__``; :meth:`wrap` may chain into the callback.
     """
 
@@ -88,7 +54,7 @@ class StatisticsExtension:
     needs_gradients: ClassVar[bool] = False
     """Whether the forward must build an autograd graph (the module switches gradients on)."""
 
-    metric: LayerSumsMetric
+    metric: Metric
     recorder: Any
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], token_weight: Callable[[], torch.Tensor | None]
@@ -152,3 +118,4 @@ def selected_statistics(statistics: Iterable[str] = (), **flags: bool) -> list[s
     for name in flags:
         extension(name)
     return list(dict.fromkeys([*statistics, *(name for name, wanted in flags.items() if wanted)]))
+

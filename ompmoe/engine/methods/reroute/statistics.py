@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ...adapters import MoELayer
-from ...collect.extensions import CANCELLED_TOKEN, LayerSumsMetric, StatisticsExtension, register_statistics
+from ...collect.extensions import StatisticsExtension, register_statistics
+
+if TYPE_CHECKING:
+    from .metric import RerouteStatsMetric
 
 REROUTE_TENSORS = ("gram_reroute", "gram_reroute_normalized")
 """Optional :class:`~ompmoe.engine.collect.statistics.LayerStats` fields filled by ``collect_stats(..., reroute=True)``."""
@@ -56,31 +59,6 @@ def removal_deltas(expert_out: torch.Tensor, gates: torch.Tensor, ids: torch.Ten
     else:
         rerouted = full.unsqueeze(1) - outputs + (next_weight.unsqueeze(-1) * next_out).unsqueeze(1)
     return full.unsqueeze(1) - rerouted
-
-
-class RerouteStatsMetric(LayerSumsMetric):
-    """Sum-reduced rerouting-aware Grams of every MoE layer (merge exactly across batches and ranks)."""
-
-    def __init__(self, layers: list[MoELayer], **kwargs: Any) -> None:
-        super().__init__(layers, dict.fromkeys(REROUTE_TENSORS, "gram"), **kwargs)
-
-    def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
-               token_weight: torch.Tensor | None) -> None:
-        """Add one layer's batch: ``deltas`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``; tokens
-        whose atoms cancel get no weight in the normalized Gram (as in the core token-normalized Gram)."""
-        n = self.num_experts[index]
-        device = self.state("gram_reroute", index).device
-        deltas, atoms, ids = deltas.to(device, torch.float32), atoms.to(device, torch.float32), ids.to(device)
-        products = torch.bmm(deltas, deltas.transpose(1, 2)).to(torch.float64)  # (T, k, k)
-        energy = atoms.sum(1).square().sum(-1).to(torch.float64)
-        atom_energy = atoms.square().sum((1, 2)).to(torch.float64)
-        valid = energy > CANCELLED_TOKEN * atom_energy
-        inverse = torch.where(valid, 1.0 / torch.where(valid, energy, 1.0), 0.0)
-        if token_weight is not None:
-            products = products * token_weight.to(device, torch.float64).view(-1, 1, 1)
-        flat = (ids.unsqueeze(-1) * n + ids.unsqueeze(-2)).reshape(-1)
-        super().update(index, "gram_reroute", flat, products)
-        super().update(index, "gram_reroute_normalized", flat, products * inverse.view(-1, 1, 1))
 
 
 class RerouteRecorder:
@@ -167,7 +145,9 @@ class RerouteStatistics(StatisticsExtension):
     def __init__(self, model: nn.Module, layers: list[MoELayer],
                  token_weight: Callable[[], torch.Tensor | None]) -> None:
         super().__init__(model, layers, token_weight)
-        self.metric = RerouteStatsMetric(layers)
+        from .metric import RerouteStatsMetric  # torchmetrics on the first collection only
+
+        self.metric = RerouteStatsMetric(layers, REROUTE_TENSORS)
         self.recorder = RerouteRecorder(layers, self.metric, token_weight)
 
     def wrap(self, update: Callable[..., None]) -> Callable[..., None]:
