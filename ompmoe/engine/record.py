@@ -14,6 +14,20 @@ FINETUNE_CONFIG_KEY = "ompmoe_finetune"
 pruning record without the kept experts, which loading refuses."""
 
 
+EARLIER_KEY = "earlier"
+"""Key of a re-pruned model's record listing the earlier prunings (:func:`earlier_pruning`), oldest first: the record's
+own plan and compensation are the last pruning's, its kept ids and counts the original model's."""
+
+
+def earlier_pruning(record: dict[str, Any]) -> dict[str, Any]:
+    """What one pruning did, as a later pruning of the same model keeps it: its plan summary, its compensation (the
+    kept experts' weights carry it on) and how many routed experts it left of the original's."""
+    kept = sum(len(ids) for ids in (record.get("kept_experts") or {}).values())
+    return {"plan": dict(record["plan"]), **({"compensation": dict(record["compensation"])}
+                                             if record.get("compensation") else {}),
+            "kept": kept, "of": sum((record.get("original_num_experts") or {}).values())}
+
+
 def pruning_info(model_or_config: Any) -> dict[str, Any] | None:
     """The ``ompmoe`` record of a pruned model or config, or ``None`` if it was never pruned."""
     config = getattr(model_or_config, "config", model_or_config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import warnings
 
 import numpy as np
@@ -94,6 +95,37 @@ def test_the_card_of_a_kept_map_that_raised_the_loss_states_the_check_and_its_to
         f"-> {fitted['routed_error_after']:.3f}); held-out calibration loss {record['loss_without']:.4f} -> "
         f"{record['loss_with']:.4f} on {record['check_blocks']} blocks: kept, it raised the loss by {raised:.4f} "
         f"nats, within the {CHECK_TOLERANCE:g}-nat tolerance |")
+
+
+
+def test_a_model_pruned_again_keeps_what_each_earlier_pruning_did_in_its_record_and_card(raised_within_tolerance,
+                                                                                       tmp_path):
+    """Re-pruning replaced the record's plan and dropped the earlier compensation: the card of a model whose kept
+    experts carry a correction said "none (the kept experts are the original's)". Each pruning now stays listed."""
+    _, plan, compensation, _ = raised_within_tolerance
+    model = compensation.apply(ompmoe.prune(tiny_model(MODEL_TYPE), plan))  # 16 of 32 kept, corrected
+    second = ompmoe.plan_pruning(ompmoe.collect_stats(model, token_blocks(4, seed=3).split(2)), 0.25,
+                                 allocation="uniform")
+    ompmoe.prune(model, second)  # 12 of 32, no correction of its own
+    save(model, tmp_path / "twice")
+    first_step = {"plan": {"allocation": "uniform", "method": "omp", "model_id": None, "num_tokens": 16 * 32,
+                           "ratio": 0.5}, "compensation": compensation.record, "kept": 16, "of": 32}
+    record = json.loads((tmp_path / "twice" / "config.json").read_text())["ompmoe"]
+    assert record["earlier"] == [json.loads(json.dumps(first_step))]
+    assert record["plan"]["num_tokens"] == 4 * 32 and "compensation" not in record
+    assert card_row(tmp_path / "twice", "Compensation") == (
+        "| Compensation | none in the last pruning; the kept experts carry an earlier pruning's (see Pruned before) |")
+    said = "omp, ratio 0.5, uniform allocation, 512 calibration tokens, linear compensation: kept 16 of 32 routed experts"
+    assert card_row(tmp_path / "twice", "Pruned before").startswith(f"| Pruned before | {said} (the method, ")
+    third = ompmoe.plan_pruning(ompmoe.collect_stats(model, token_blocks(2, seed=4).split(2)), 0.25,
+                                allocation="uniform")
+    ompmoe.prune(model, third)  # 8 of 32: both earlier prunings listed, oldest first
+    save(model, tmp_path / "thrice")
+    assert card_row(tmp_path / "thrice", "Pruned before").startswith(
+        f"| Pruned before | {said}; then omp, ratio 0.25, uniform allocation, 128 calibration tokens: kept 12 of 32 "
+        "routed experts (the method, ")
+    assert card_row(tmp_path / "thrice", "Achieved ratio") == "| Achieved ratio | 0.7500 (8 of 32 routed experts kept) |"
+    assert card_row(tmp_path / "thrice", "Requested ratio (experts removed)").endswith("| 0.25 |")
 
 
 @pytest.fixture(scope="module")

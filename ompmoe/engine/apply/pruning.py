@@ -17,7 +17,7 @@ from ..model_classes import text_config
 from ..names import loaded_name, same_model
 from ..planning.allocation import minimum_kept
 from ..planning.plan import PlanMismatchError, PruningPlan
-from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY, pruning_info
+from ..record import CONFIG_KEY, EARLIER_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY, earlier_pruning, pruning_info
 from .quantized import check_not_quantized
 
 
@@ -222,6 +222,8 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
         record["plan"]["statistics_model_id"] = plan.model_id
         warnings.warn(f"The statistics were collected as {plan.model_id!r} but the model pruned was loaded from "
                       f"{loaded!r}; the model card and config.json name {loaded!r}.", stacklevel=2)
+    if previous.get("plan"):  # a pruned model pruned again: what each earlier pruning did, oldest first
+        record[EARLIER_KEY] = [*previous.get(EARLIER_KEY, []), earlier_pruning(previous)]
     if previous.get(FINETUNE_KEY):  # fine-tunes after the earlier pruning came before this one: kept, in order
         earlier = list(getattr(model.config, FINETUNE_CONFIG_KEY, None) or [])
         setattr(model.config, FINETUNE_CONFIG_KEY, earlier + list(previous[FINETUNE_KEY]))

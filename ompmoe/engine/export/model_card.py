@@ -15,7 +15,7 @@ import yaml
 
 from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
-from ..record import within_tolerance
+from ..record import EARLIER_KEY, within_tolerance
 from .config import finetune_records
 
 
@@ -62,9 +62,12 @@ def readable_source(recorded: str) -> str:
     return "; ".join(names.get(part, part) for part in recorded.split("; "))
 
 
-def _compensation(record: dict[str, Any] | None) -> str:
-    """The card's compensation cell: what was fitted into the kept experts, on how much text, and what it did."""
+def _compensation(record: dict[str, Any] | None, earlier: list[dict[str, Any]] = ()) -> str:
+    """The card's compensation cell: what was fitted into the kept experts, on how much text, and what it did; with
+    none fitted by the last pruning, whether an ``earlier`` one's is in the weights."""
     if not record:
+        if any(_applied(step.get("compensation")) for step in earlier):
+            return "none in the last pruning; the kept experts carry an earlier pruning's (see Pruned before)"
         return "none (the kept experts are the original's)"
     if record.get("granularity") == "down":
         text = (f"down projections of the kept experts refit by least squares to the original's routed output "
@@ -79,6 +82,24 @@ def _compensation(record: dict[str, Any] | None) -> str:
     if "loss_with" in record:
         text += "; " + compensation_check(record)
     return text
+
+
+def _applied(compensation: dict[str, Any] | None) -> bool:
+    """A compensation record whose correction is in the weights (``auto`` records one it tried and did not keep)."""
+    return bool(compensation) and compensation.get("applied", True)
+
+
+def earlier_summary(step: dict[str, Any]) -> str:
+    """One earlier pruning of a re-pruned model (:func:`~ompmoe.engine.record.earlier_pruning`): ``omp, ratio 0.5,
+    uniform allocation, 64 calibration tokens, linear compensation: kept 16 of 32 routed experts``."""
+    plan = step.get("plan") or {}
+    parts = [str(plan.get("method", "method not recorded")),
+             f"ratio {plan['ratio']:g}" if plan.get("ratio") is not None else "ratio not recorded",
+             f"{plan.get('allocation', 'not recorded')} allocation",
+             f"{plan['num_tokens']} calibration tokens" if plan.get("num_tokens") else "calibration tokens not recorded"]
+    if _applied(step.get("compensation")):
+        parts.append(f"{step['compensation'].get('granularity', '?')} compensation")
+    return f"{', '.join(parts)}: kept {step.get('kept', '?')} of {step.get('of', '?')} routed experts"
 
 
 def compensation_check(record: dict[str, Any]) -> str:
@@ -190,6 +211,7 @@ def model_card(
     total = sum(original.values())
     ratio = "not recorded" if plan.get("ratio") is None else format(plan["ratio"], "g")
     finetunes = finetune_records(config)
+    earlier = record.get(EARLIER_KEY) or []
     meta = yaml.safe_dump(front_matter(model_id, config.get("model_type"), uniform), sort_keys=False).rstrip()
     title = f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe"
     lines = ["---", meta, "---", "", title, ""]
@@ -205,7 +227,10 @@ def model_card(
         f"| Achieved ratio | {f'{1 - total_kept / total:.4f}' if total else 'not recorded'} "
         f"({total_kept} of {total} routed experts kept) |",
         f"| Allocation | {plan.get('allocation', 'not recorded')} |",
-        f"| Compensation | {_compensation(record.get('compensation'))} |",
+        f"| Compensation | {_compensation(record.get('compensation'), earlier)} |",
+        *([f"| Pruned before | {'; then '.join(earlier_summary(step) for step in earlier)} (the method, "
+           "requested ratio, allocation and compensation above are the last pruning's, of the model the earlier "
+           "left; the achieved ratio, kept ids and counts are against the original) |"] if earlier else []),
         f"| Calibration data | {readable_source(calibration or plan.get('calibration') or 'not recorded')} |",
         f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
         *([f"| Calibration mode | {plan['calibration_mode']} (one decoder layer in memory at a time; the same "
