@@ -3,6 +3,7 @@ suites, plus re-planning, plots and reports from saved statistics and results.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -88,6 +89,7 @@ def replan(
     compensation: str | None = None,
     evaluate_on: list[str] | None = None,
     evaluate_blocks: int | None = None,
+    layer_by_layer: bool | None = None,
 ) -> list[Path]:
     """Plan at each ratio from a statistics file; with ``model``, also save each pruned model.
 
@@ -126,6 +128,9 @@ def replan(
         evaluate_on: With ``model``: held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source)
             on which each ratio prints perplexity original -> pruned. Default: the fit's (its plan records them).
         evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
+        layer_by_layer: With ``model``: refit and measure each plan one decoder layer at a time, in one pass over the
+            checkpoint's files per ratio, and write each model from them (a model bigger than memory; a local or
+            downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated.
     """
     from .engine.apply.compensation_step import compensation_line
     from .engine.collect.statistics import MoEStats
@@ -151,9 +156,13 @@ def replan(
                        dtype=dtype, plots=False) for r in ratio]
     for run in runs:  # plans are microseconds: all made (and checked) before any model loads
         run.replan(statistics)
-    # Nothing in memory differs from the files (no refit, no held-out perplexity, the source dtype): each pruned
-    # checkpoint is written from the model's files one decoder layer at a time, the model never loaded.
-    source = _streamable_source(model, dtype) if model is not None and not refit.granularity and not heldout else None
+    # Nothing in memory differs from the files (no refit, no held-out perplexity, the source dtype), or the refit and
+    # the held-out perplexity run layer by layer: each pruned checkpoint is written from the model's files one
+    # decoder layer at a time, the model never loaded.
+    from_files = _layer_by_layer(layer_by_layer, fit, model, dtype)
+    layerwise = from_files and bool(refit.granularity or heldout)  # measured layer by layer: one pass per ratio
+    source = (_layer_by_layer_source(model) if from_files else  # type: ignore[arg-type]
+              _streamable_source(model, dtype) if model is not None and not refit.granularity and not heldout else None)
     if model is not None:
         _check_model(model, statistics, source)  # refuse a mismatched model before writing anything
     text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
@@ -163,7 +172,8 @@ def replan(
         print(refit.note)
     written: list[Path] = []
     original: dict[str, float] = {}
-    with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp:
+    with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp, \
+            contextlib.ExitStack() as stack:  # per-layer corrections kept until their model is written
         for run in progress(runs, "ompmoe prune", False if quiet else None, unit="ratio"):
             plan = run.plan
             if not quiet and not written:
@@ -171,14 +181,30 @@ def replan(
                       f"{auto_note(run.strategy, statistics.model_type)}"
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{run.strategy.ratio:g}"
-            loaded = (_skeleton(source) if source is not None else
+            loaded = (_skeleton(source, model if layerwise else None) if source is not None else
                       _load_model(model, statistics) if model is not None else None)
             run.source = str(source) if source is not None else None
             if heldout_record:  # as a fit records it: the plans of both say what they were measured on
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
+            scratch = stack.enter_context(run.layer_by_layer_scratch(output_dir)) if layerwise else None
+            measured = None
+            if scratch is not None and loaded is not None:  # the refit and held-out perplexity in one pass
+                if refit.granularity:
+                    run.calibration_data = refit.data  # recorded again: what the fit was compensated on
+                run.checks_compensation = check is not None
+                measured = run.measure_from_files(loaded, refit.granularity, text, check,
+                                                  f"applied as asked (compensation={refit.granularity!r})",
+                                                  heldout_blocks, scratch)
+                original = {key: pair[0] for key, pair in measured.heldout.items()}
+                if not quiet:
+                    line = run.measured_line(measured, heldout_blocks, "one pass") or ""
+                    print(f"ratio {run.strategy.ratio:g}: {line.removeprefix('ompmoe: ')}")
+                    if refit.granularity:
+                        line = compensation_line(run.plan.extra["compensation"]).removeprefix("ompmoe: ")
+                        print(f"ratio {run.strategy.ratio:g}: {line}")
             if loaded is not None and heldout_blocks and not original:
                 original = {key: perplexity(loaded, blocks) for key, blocks in heldout_blocks.items()}
-            if loaded is not None and refit.granularity:
+            if loaded is not None and refit.granularity and measured is None:
                 run.calibration_data = refit.data  # recorded again: what the fit was compensated on
                 run.compensate(loaded, refit.granularity, text, check_blocks=check,
                                unchecked=f"applied as asked (compensation={refit.granularity!r})")
@@ -189,13 +215,14 @@ def replan(
             written.append(Path(output_dir) / f"plan-{name}.json")
             if loaded is not None:
                 paper = paper_plan(run.strategy_used, statistics, run.plan, run.compensation) if heldout_blocks else None
-                if paper is not None:  # as a fit's line: the paper's setting beside the run's
+                if paper is not None and measured is None:  # as a fit's line: the paper's setting beside the run's
                     with pruned_view(loaded, paper):
                         run.heldout_paper = {key: perplexity(loaded, blocks) for key, blocks in heldout_blocks.items()}
                 pruned = run.apply(loaded)
                 if heldout_blocks:
-                    run.heldout_perplexity = {key: (original[key], perplexity(pruned, blocks))
-                                              for key, blocks in heldout_blocks.items()}
+                    run.heldout_perplexity = (dict(measured.heldout) if measured is not None else
+                                              {key: (original[key], perplexity(pruned, blocks))
+                                               for key, blocks in heldout_blocks.items()})
                     run.heldout_tokens = min(blocks.numel() for blocks in heldout_blocks.values())
                     if not quiet:
                         print(f"ratio {run.strategy.ratio:g}: {run.heldout_line().removeprefix('ompmoe: ')}")
@@ -409,6 +436,42 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
     return written
 
 
+def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str | None) -> bool:
+    """Whether ``prune`` refits and measures one decoder layer at a time: as given, else as the fit calibrated (its
+    plan's ``extra.calibration``); refused, before any work, where it cannot be done."""
+    from .engine.run import LAYER_BY_LAYER
+
+    if model is None:
+        if given:
+            raise ValueError("--layer_by_layer reads the model's files: give --model (plans alone hold no weights)")
+        return False
+    fit_mode = (fit.extra.get("calibration") or {}).get("mode") if fit is not None else None
+    wanted = given if given is not None else fit_mode == LAYER_BY_LAYER
+    if wanted and dtype is not None:
+        why = "" if given else " (the fit ran layer by layer, so its plans are refitted and measured so too)"
+        raise ValueError(f"--layer_by_layer writes the checkpoint's tensors as its files store them; got --dtype "
+                         f"{dtype}{why}. Remove --dtype, or pass --layer_by_layer false to load the model.")
+    return bool(wanted)
+
+
+def _layer_by_layer_source(name: str) -> Path:
+    """The local safetensors checkpoint of ``name`` to refit, measure and write from layer by layer; a clear error
+    for a model that has none (a tiny model) or whose files a skeleton cannot read (per-layer expert counts)."""
+    from .engine.export.config import non_uniform_config
+    from .lightning.layer_by_layer import local_checkpoint
+    from .lightning.models import is_tiny
+
+    if is_tiny(name):
+        raise ValueError(f"--layer_by_layer reads the model's safetensors files, and {name} has none (it is built in "
+                         "memory); pass --layer_by_layer false.")
+    source = local_checkpoint(name)
+    if non_uniform_config(source) is not None:
+        raise ValueError(f"--layer_by_layer reads {name} one decoder layer at a time, but its MoE layers keep "
+                         "different numbers of experts (a non-uniform pruned checkpoint); pass --layer_by_layer "
+                         "false to load it.")
+    return source
+
+
 def _streamable_source(name: str, dtype: str | None) -> Path | None:
     """The local safetensors checkpoint of ``name`` when ``ompmoe prune`` can write from its files (never a tiny
     model, nor a new dtype), else ``None`` (then the model is loaded)."""
@@ -426,13 +489,19 @@ def _streamable_source(name: str, dtype: str | None) -> Path | None:
     return None if non_uniform_config(source) is not None else source  # per-layer counts: load_pruned builds them
 
 
-def _skeleton(source: Path) -> Any:
-    """The model of ``source`` without weights (its files are read layer by layer when it is written)."""
+def _skeleton(source: Path, measured_as: str | None = None) -> Any:
+    """The model of ``source`` without weights (its files are read layer by layer when it is written); to measure
+    it layer by layer (``measured_as``: the model's name), in the dtype a fit loads that model in (``load_model``'s:
+    float32 for a shipped model, whose files are bf16 for size only, else the files')."""
+    import torch
+
     from .engine.export.config import load_stock_config
     from .engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+    from .lightning.models import resolve_model
 
     config = load_stock_config(source)
-    return build_skeleton(config, dtype=checkpoint_dtype(config))
+    shipped = measured_as is not None and resolve_model(measured_as) != measured_as
+    return build_skeleton(config, dtype=torch.float32 if shipped else checkpoint_dtype(config))
 
 
 def _check_model(name: str, statistics: Any, source: Path | None) -> None:

@@ -454,12 +454,12 @@ class PruningRun:
         evaluate_on = self.options.evaluate_on if model is not None and context.is_global_zero else []  # rank 0 only
         heldout = {name: self.data.heldout_blocks(name, plan.extra["heldout"]["blocks"]) for name in evaluate_on or []}
         if self.options.layer_by_layer:  # one process: fitted and measured in one more pass over the layers
-            with self._layer_by_layer_scratch() as scratch:
+            with self.layer_by_layer_scratch() as scratch:
                 measured = self._measure_layer_by_layer(model, blocks, batch_size, heldout, scratch)
                 before = {name: pair[0] for name, pair in measured.heldout.items()}
                 after = {name: pair[1] for name, pair in measured.heldout.items()}
                 return self._finish(context, model, heldout, before, after, show_progress,
-                                    self._measured_line(measured, heldout))
+                                    self.measured_line(measured, heldout))
         self.compensation, self.plan = on_rank_zero(
             context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
@@ -503,12 +503,14 @@ class PruningRun:
         return plan
 
     @contextlib.contextmanager
-    def _layer_by_layer_scratch(self) -> Iterator[Path]:
+    def layer_by_layer_scratch(self, output_dir: str | os.PathLike | None = None) -> Iterator[Path]:
         """Where a layer-by-layer run keeps its per-layer corrections until they are written: beside the output
-        (the disk the user chose for a big model), removed when the run ends, also when it fails."""
+        (``output_dir``, else the run's: the disk the user chose for a big model), removed when the run ends, also
+        when it fails."""
         parent = None
-        if self.options.output_dir is not None and Path(self.options.output_dir).parent.is_dir():
-            parent = Path(self.options.output_dir).parent
+        output_dir = output_dir if output_dir is not None else self.options.output_dir
+        if output_dir is not None and Path(output_dir).parent.is_dir():
+            parent = Path(output_dir).parent
         with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=parent) as scratch:
             yield Path(scratch)
 
@@ -528,11 +530,21 @@ class PruningRun:
         check = blocks if self.checks_compensation else None
         unchecked = ("applied without a check: no held-out calibration blocks (choice_blocks)" if
                      self.options.compensation == "auto" else f"applied as asked (compensation={granularity!r})")
+        return self.measure_from_files(model, fit, text, check, unchecked, heldout, scratch, batch_size)
+
+    def measure_from_files(self, model: nn.Module, granularity: str | None, text: Any,
+                           check_blocks: torch.Tensor | None, unchecked: str, heldout: Mapping[str, torch.Tensor],
+                           scratch: Path, batch_size: int = 4) -> LayerByLayerMeasures:
+        """:meth:`compensate` (``granularity`` on ``text``; ``None``: no fit) and the held-out perplexity of the
+        run's plan, on the **unpruned** skeleton ``model`` of the checkpoint at :attr:`source`, one decoder layer at a
+        time (:func:`~.apply.layer_by_layer.measure_layer_by_layer`); recorded as a resident run records them. The
+        correction stays in ``scratch`` until :meth:`save_model` folds it into the rows it writes."""
+        assert self.plan is not None and self.stats is not None and self.source is not None
         paper = paper_plan(self.strategy_used, self.stats, self.plan, None) if heldout else None
-        if heldout and paper is None and fit:  # the run's plan is the paper's: its perplexity uncompensated
+        if heldout and paper is None and granularity:  # the run's plan is the paper's: its perplexity uncompensated
             paper = self.plan
-        measured = measure_layer_by_layer(self.source, model, self.plan, scratch, granularity=fit, text=text,
-                                          batch_size=batch_size, check_blocks=check, unchecked=unchecked,
+        measured = measure_layer_by_layer(self.source, model, self.plan, scratch, granularity=granularity, text=text,
+                                          batch_size=batch_size, check_blocks=check_blocks, unchecked=unchecked,
                                           heldout=heldout, paper=paper, device=self.layer_device, progress=None)
         if measured.record is not None:
             record = dict(measured.record)
@@ -544,9 +556,11 @@ class PruningRun:
             self.heldout_paper = dict(measured.paper)
         return measured
 
-    def _measured_line(self, measured: LayerByLayerMeasures, heldout: Mapping[str, torch.Tensor]) -> str | None:
+    def measured_line(self, measured: LayerByLayerMeasures, heldout: Mapping[str, torch.Tensor],
+                       passes: str = "one more pass") -> str | None:
         """``ompmoe: compensation and its check and held-out perplexity ran layer by layer in one more pass over the
-        layers: 12.3 s (calibration: 20.1 s)``; ``None`` where no pass ran."""
+        layers: 12.3 s (calibration: 20.1 s)``; ``None`` where no pass ran. ``passes``: what the pass was to the
+        run (``ompmoe prune``'s is its only one)."""
         uses = (["compensation" + (" and its check" if self.checks_compensation else "")]
                 if measured.record is not None else []) + (["held-out perplexity"] if heldout else [])
         if not uses:
@@ -555,7 +569,7 @@ class PruningRun:
         adaptive = ("; the pruned perplexity is without OMP-MoE+'s per-token skipping (adaptive_epsilon switches it "
                     "on in the written model; measure that resident or with ompmoe validate)"
                     if heldout and self.options.adaptive_epsilon is not None else "")
-        return (f"ompmoe: {' and '.join(uses)} ran {LAYER_BY_LAYER} in one more pass over the layers: "
+        return (f"ompmoe: {' and '.join(uses)} ran {LAYER_BY_LAYER} in {passes} over the layers: "
                 f"{measured.seconds:.1f} s" + (f" (calibration: {calibration:.1f} s)" if calibration is not None else "")
                 + adaptive)
 
@@ -573,7 +587,7 @@ class PruningRun:
         plan becomes a pruned model, for every front door."""
         assert self.plan is not None and self.stats is not None
         prune(model, self.plan)
-        if self.compensation is not None and self.options.layer_by_layer:
+        if self.compensation is not None and self.source is not None:
             record_compensation(model, self.compensation.record)  # a skeleton: the writer folds it into the rows
         elif self.compensation is not None:
             self.compensation.apply(model)

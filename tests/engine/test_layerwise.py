@@ -195,7 +195,7 @@ def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tm
         "through the whole model; collect them resident (or plan with the paper's setting, which needs none).")
 
 
-def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left_out(tmp_path, caplog):
+def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left_out(tmp_path, caplog, capsys):
     """``ompmoe fit --layer_by_layer true`` on the default config: the statistics and plan of the resident fit with
     the setting it takes (auto's omp + waterfill: its loss-aware setting and the trial need the whole model, said in
     its line), compensation and held-out perplexity measured in one more pass (its time in a line); with
@@ -232,6 +232,26 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     assert saved["plan"]["calibration_mode"] == "layer by layer"
     assert (saved.get("compensation") is not None) == record["applied"]
     assert "| Calibration mode | layer by layer " in (layered / "model" / "README.md").read_text()
+
+    # ompmoe prune on its statistics refits and measures layer by layer too, as the fit did (the model is never
+    # loaded): the plan, the lines and the checkpoint of the resident prune (--layer_by_layer false)
+    from unittest import mock
+
+    capsys.readouterr()
+    prune = ["prune", "--stats", str(layered / "stats.safetensors"), "--model", "shipped:tiny-moe", "--ratio", "0.25"]
+    with mock.patch("ompmoe.lightning.models.load_model", side_effect=AssertionError("the model was loaded")):
+        main([*prune, "--output_dir", str(tmp_path / "files")])
+    from_files = capsys.readouterr().out.splitlines()
+    main([*prune, "--output_dir", str(tmp_path / "loaded"), "--layer_by_layer", "false"])
+    loaded = capsys.readouterr().out.splitlines()
+    assert from_files[1].startswith("ratio 0.25: compensation and its check and held-out perplexity ran layer by "
+                                    "layer in one pass over the layers: ") and from_files[1].endswith(" s")
+    assert from_files[:1] + from_files[2:-1] == loaded[:-1] and len(loaded) == 4  # settings, compensation, held-out
+    assert from_files[-1].removesuffix(f"{tmp_path / 'files' / 'model-0.25'}") == loaded[-1].removesuffix(
+        f"{tmp_path / 'loaded' / 'model-0.25'}")
+    assert ompmoe.PruningPlan.load(tmp_path / "files" / "plan-0.25.json") == ompmoe.PruningPlan.load(
+        tmp_path / "loaded" / "plan-0.25.json")  # its compensation record (fit, check) and held-out record included
+    assert_same_checkpoint(tmp_path / "loaded" / "model-0.25", tmp_path / "files" / "model-0.25")
 
     caplog.clear()
     config = tiny_config(tmp_path / "b")
@@ -276,6 +296,28 @@ def test_run_options_refuse_what_needs_the_whole_model_before_any_work(options, 
     with pytest.raises(ValueError) as refused:
         ompmoe.RunOptions(layer_by_layer=True, **options)
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--layer_by_layer", "true"], "--layer_by_layer reads the model's files: give --model (plans alone hold no "
+                                   "weights)"),
+    (["--layer_by_layer", "true", "--model", "tiny:qwen3_moe"],
+     "--layer_by_layer reads the model's safetensors files, and tiny:qwen3_moe has none (it is built in memory); "
+     "pass --layer_by_layer false."),
+    (["--layer_by_layer", "true", "--model", "shipped:tiny-moe", "--dtype", "float32"],
+     "--layer_by_layer writes the checkpoint's tensors as its files store them; got --dtype float32. Remove --dtype, "
+     "or pass --layer_by_layer false to load the model."),
+])
+def test_prune_refuses_layer_by_layer_where_there_are_no_files_to_read_before_any_work(options, message, tmp_path,
+                                                                                         capsys):
+    from ompmoe.cli import main
+
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), BLOCKS, progress=False).save(tmp_path / "stats.safetensors")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prune", "--stats", str(stats), "--ratio", "0.5", "--output_dir", str(tmp_path / "out"), *options])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_tiny_model_has_no_files_to_read_layer_by_layer():
