@@ -173,7 +173,7 @@ def replan(
     written: list[Path] = []
     original: dict[str, float] = {}
     with atomic_path(output_dir, overwrite=overwrite, directory=True, inputs=inputs) as tmp, \
-            contextlib.ExitStack() as stack:  # per-layer corrections kept until their model is written
+            contextlib.ExitStack() as stack:  # a ratio's per-layer corrections, kept until its model is written
         for run in progress(runs, "ompmoe prune", False if quiet else None, unit="ratio"):
             plan = run.plan
             if not quiet and not written:
@@ -228,6 +228,7 @@ def replan(
                         print(f"ratio {run.strategy.ratio:g}: {run.heldout_line().removeprefix('ompmoe: ')}")
                 run.save_model(pruned, tmp / f"model-{name}")
                 written.append(Path(output_dir) / f"model-{name}")
+            stack.close()  # this ratio's corrections are written: their scratch goes before the next ratio's
             if not quiet:
                 print(f"ratio {run.strategy.ratio:g}: {kept_summary(plan)} -> {written[-1]}")
     return written

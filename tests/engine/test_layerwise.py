@@ -242,6 +242,7 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     with mock.patch("ompmoe.lightning.models.load_model", side_effect=AssertionError("the model was loaded")):
         main([*prune, "--output_dir", str(tmp_path / "files")])
     from_files = capsys.readouterr().out.splitlines()
+    assert not list(tmp_path.glob(".ompmoe-compensation-*"))  # the corrections' scratch beside the output: gone
     main([*prune, "--output_dir", str(tmp_path / "loaded"), "--layer_by_layer", "false"])
     loaded = capsys.readouterr().out.splitlines()
     assert from_files[1].startswith("ratio 0.25: compensation and its check and held-out perplexity ran layer by "
