@@ -163,8 +163,8 @@ def replan(
     layerwise = from_files and bool(refit.granularity or heldout)  # measured layer by layer: one pass per ratio
     source = (_layer_by_layer_source(model) if from_files else  # type: ignore[arg-type]
               _streamable_source(model, dtype) if model is not None and not refit.granularity and not heldout else None)
-    if model is not None:
-        _check_model(model, statistics, source)  # refuse a mismatched model before writing anything
+    # A mismatched model is refused before anything is written.
+    checked = _check_model(model, statistics, source) if model is not None else None
     text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
         None, None)
     heldout_blocks, heldout_record = _heldout_blocks(heldout, tokenizer or model)
@@ -182,7 +182,9 @@ def replan(
                       + (f" ({', '.join(taken)} from the fit's plan {fit_plan})" if taken else ""))
             name = f"{run.strategy.ratio:g}"
             loaded = (_skeleton(source, model if layerwise else None) if source is not None else
+                      checked if checked is not None else  # the model loaded to check it: the first ratio's
                       _load_model(model, statistics) if model is not None else None)
+            checked = None
             run.source = str(source) if source is not None else None
             if heldout_record:  # as a fit records it: the plans of both say what they were measured on
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
@@ -505,12 +507,12 @@ def _skeleton(source: Path, measured_as: str | None = None) -> Any:
     return build_skeleton(config, dtype=torch.float32 if shipped else checkpoint_dtype(config))
 
 
-def _check_model(name: str, statistics: Any, source: Path | None) -> None:
+def _check_model(name: str, statistics: Any, source: Path | None) -> Any:
     """Refuse a model the statistics were not collected on, before anything is written: on its skeleton when it
-    will be written from its files (nothing loaded), else loaded."""
+    will be written from its files (nothing loaded; returns ``None``), else loaded (returns it: the first ratio
+    prunes it, so a resident prune loads the model once per ratio, not once more to check it)."""
     if source is None:
-        _load_model(name, statistics)
-        return
+        return _load_model(name, statistics)
     from .lightning.calibration_module import check_prunable
 
     from .engine.export.config import load_stock_config
@@ -521,6 +523,7 @@ def _check_model(name: str, statistics: Any, source: Path | None) -> None:
     skeleton = _skeleton(source)
     skeleton.config._name_or_path = name
     statistics.check_compatible(skeleton)
+    return None
 
 
 def _load_model(name: str, statistics: Any) -> Any:

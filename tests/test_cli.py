@@ -48,8 +48,14 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
     stats_file = tmp_path / "run" / "stats.safetensors"
     strategy = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())["trainer"]["callbacks"][0]["init_args"]["strategy"]
     method, allocation = strategy["init_args"]["method"], strategy["init_args"]["allocation"]
-    main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
-          "--model", "shipped:tiny-moe", "--method", method, "--allocation", allocation])
+    from unittest import mock
+
+    from ompmoe.lightning import models
+
+    with mock.patch.object(models, "load_model", wraps=models.load_model) as loads:
+        main(["prune", "--stats", str(stats_file), "--ratio", "[0.25,0.5]", "--output_dir", str(tmp_path / "plans"),
+              "--model", "shipped:tiny-moe", "--method", method, "--allocation", allocation])
+    assert loads.call_count == 2  # once per ratio: the model loaded to check it against the statistics is the first
     stats = ompmoe.MoEStats.load(stats_file)
     fit_plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")  # "auto" as the fit resolved it
     assert (method, allocation) == ("auto", "auto") and fit_plan.method != "auto" != fit_plan.allocation
