@@ -190,29 +190,23 @@ def replan(
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
             scratch = stack.enter_context(run.layer_by_layer_scratch(output_dir)) if layerwise else None
             measured = None
+            unchecked = f"applied as asked (compensation={refit.granularity!r})"
+            if loaded is not None and refit.granularity:
+                run.calibration_data = refit.data  # recorded again: what the fit was compensated on
             if scratch is not None and loaded is not None:  # the refit and held-out perplexity in one pass
-                if refit.granularity:
-                    run.calibration_data = refit.data  # recorded again: what the fit was compensated on
-                run.checks_compensation = check is not None
-                measured = run.measure_from_files(loaded, refit.granularity, text, check,
-                                                  f"applied as asked (compensation={refit.granularity!r})",
-                                                  heldout_blocks, scratch)
+                measured = run.measure_from_files(loaded, refit.granularity, text, check, unchecked, heldout_blocks,
+                                                  scratch)
                 original = {key: pair[0] for key, pair in measured.heldout.items()}
                 if not quiet:
                     line = run.measured_line(measured, heldout_blocks, "one pass") or ""
                     print(f"ratio {run.strategy.ratio:g}: {line.removeprefix('ompmoe: ')}")
-                    if refit.granularity:
-                        line = compensation_line(run.plan.extra["compensation"]).removeprefix("ompmoe: ")
-                        print(f"ratio {run.strategy.ratio:g}: {line}")
             if loaded is not None and heldout_blocks and not original:
                 original = {key: perplexity(loaded, blocks) for key, blocks in heldout_blocks.items()}
             if loaded is not None and refit.granularity and measured is None:
-                run.calibration_data = refit.data  # recorded again: what the fit was compensated on
-                run.compensate(loaded, refit.granularity, text, check_blocks=check,
-                               unchecked=f"applied as asked (compensation={refit.granularity!r})")
-                if not quiet:
-                    line = compensation_line(run.plan.extra["compensation"]).removeprefix("ompmoe: ")
-                    print(f"ratio {run.strategy.ratio:g}: {line}")
+                run.compensate(loaded, refit.granularity, text, check_blocks=check, unchecked=unchecked)
+            if loaded is not None and refit.granularity and not quiet:
+                line = compensation_line(run.plan.extra["compensation"]).removeprefix("ompmoe: ")
+                print(f"ratio {run.strategy.ratio:g}: {line}")
             run.plan.save(tmp / f"plan-{name}.json")
             written.append(Path(output_dir) / f"plan-{name}.json")
             if loaded is not None:
@@ -496,15 +490,13 @@ def _skeleton(source: Path, measured_as: str | None = None) -> Any:
     """The model of ``source`` without weights (its files are read layer by layer when it is written); to measure
     it layer by layer (``measured_as``: the model's name), in the dtype a fit loads that model in (``load_model``'s:
     float32 for a shipped model, whose files are bf16 for size only, else the files')."""
-    import torch
-
     from .engine.export.config import load_stock_config
     from .engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
-    from .lightning.models import resolve_model
+    from .lightning.models import default_dtype
 
     config = load_stock_config(source)
-    shipped = measured_as is not None and resolve_model(measured_as) != measured_as
-    return build_skeleton(config, dtype=torch.float32 if shipped else checkpoint_dtype(config))
+    measured = default_dtype(measured_as) if measured_as is not None else None
+    return build_skeleton(config, dtype=measured or checkpoint_dtype(config))
 
 
 def _check_model(name: str, statistics: Any, source: Path | None) -> Any:

@@ -561,7 +561,8 @@ class PruningRun:
         """``ompmoe: compensation and its check and held-out perplexity ran layer by layer in one more pass over the
         layers: 12.3 s (calibration: 20.1 s)``; ``None`` where no pass ran. ``passes``: what the pass was to the
         run (``ompmoe prune``'s is its only one)."""
-        uses = (["compensation" + (" and its check" if self.checks_compensation else "")]
+        checked = measured.record is not None and "loss_with" in measured.record  # checked_choice's record
+        uses = (["compensation" + (" and its check" if checked else "")]
                 if measured.record is not None else []) + (["held-out perplexity"] if heldout else [])
         if not uses:
             return None

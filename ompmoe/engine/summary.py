@@ -56,7 +56,7 @@ def own_allocation_note(method: str, allocation: str) -> str | None:
         return None
     try:
         own = default_allocation(method)
-    except (ValueError, TypeError, ImportError, AttributeError):
+    except ValueError:  # method_class's "not registered", "cannot be imported", "unknown method"
         return None
     return f"{method}'s own is {own}" if own != allocation else None
 

@@ -11,7 +11,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .models import TINY_PREFIX, default_tokenizer, is_tiny, load_model, model_and_name, resolve_dtype, resolve_model
+from .models import (TINY_PREFIX, default_dtype, default_tokenizer, is_tiny, load_model, model_and_name, resolve_dtype,
+                     resolve_model)
 
 __all__ = ["TINY_PREFIX", "CalibrationModule", "check_prunable", "resolve_dtype", "shard_model"]
 
@@ -171,12 +172,10 @@ class CalibrationModule(pl.LightningModule):
         if self.model is None and self.skeleton_source is not None:
             from ..engine.export.config import load_stock_config
             from ..engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
-            from ..engine.names import resolve_shipped
             from .layer_by_layer import hold
 
             config = load_stock_config(self.skeleton_source)
-            shipped = resolve_shipped(self.model_name_or_path) != self.model_name_or_path  # float32, as load_model
-            default = torch.float32 if shipped else checkpoint_dtype(config)
+            default = default_dtype(self.model_name_or_path) or checkpoint_dtype(config)  # as load_model loads it
             hold(self, build_skeleton(config, dtype=self.torch_dtype or default))
             self.model.config._name_or_path = self.model_name_or_path
         if self.model is None:

@@ -53,6 +53,12 @@ def resolve_model(name: str) -> str:
     return path
 
 
+def default_dtype(name: str) -> torch.dtype | None:
+    """The dtype the model ``name`` is loaded (or built without weights) in unless one is given: float32 for a shipped
+    model (bf16 on disk for size only), else ``None``: the checkpoint's own."""
+    return torch.float32 if resolve_shipped(name) != name else None
+
+
 @quiet_calls()  # tiny models too: their first build imports transformers' modeling code (torchao's lines)
 def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM named ``name``; checkpoints pruned by ompmoe load with their per-layer counts.
@@ -66,8 +72,7 @@ def load_model(name: str, dtype: torch.dtype | None = None, trust_remote_code: b
     from ..engine.export.load import load_pruned
 
     path = resolve_model(name)
-    default = torch.float32 if path != name else "auto"
-    return load_pruned(path, dtype=dtype or default, trust_remote_code=trust_remote_code)
+    return load_pruned(path, dtype=dtype or default_dtype(name) or "auto", trust_remote_code=trust_remote_code)
 
 
 @quiet_calls()
