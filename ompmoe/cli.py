@@ -195,7 +195,7 @@ def replan(
                 run.calibration_data = refit.data  # recorded again: what the fit was compensated on
             if scratch is not None and loaded is not None:  # the refit and held-out perplexity in one pass
                 measured = run.measure_from_files(loaded, refit.granularity, text, check, unchecked, heldout_blocks,
-                                                  scratch)
+                                                  scratch, original=original)  # the first ratio's pass measured it
                 original = {key: pair[0] for key, pair in measured.heldout.items()}
                 if not quiet:
                     line = run.measured_line(measured, heldout_blocks, "one pass") or ""

@@ -534,10 +534,12 @@ class PruningRun:
 
     def measure_from_files(self, model: nn.Module, granularity: str | None, text: Any,
                            check_blocks: torch.Tensor | None, unchecked: str, heldout: Mapping[str, torch.Tensor],
-                           scratch: Path, batch_size: int = 4) -> LayerByLayerMeasures:
+                           scratch: Path, batch_size: int = 4, original: Mapping[str, float] | None = None
+                           ) -> LayerByLayerMeasures:
         """:meth:`compensate` (``granularity`` on ``text``; ``None``: no fit) and the held-out perplexity of the
         run's plan, on the **unpruned** skeleton ``model`` of the checkpoint at :attr:`source`, one decoder layer at a
-        time (:func:`~.apply.layer_by_layer.measure_layer_by_layer`); recorded as a resident run records them. The
+        time (:func:`~.apply.layer_by_layer.measure_layer_by_layer`); recorded as a resident run records them.
+        ``original``: the unpruned model's held-out perplexity measured by an earlier plan's pass (not run again). The
         correction stays in ``scratch`` until :meth:`save_model` folds it into the rows it writes."""
         assert self.plan is not None and self.stats is not None and self.source is not None
         paper = paper_plan(self.strategy_used, self.stats, self.plan, None) if heldout else None
@@ -545,7 +547,8 @@ class PruningRun:
             paper = self.plan
         measured = measure_layer_by_layer(self.source, model, self.plan, scratch, granularity=granularity, text=text,
                                           batch_size=batch_size, check_blocks=check_blocks, unchecked=unchecked,
-                                          heldout=heldout, paper=paper, device=self.layer_device, progress=None)
+                                          heldout=heldout, paper=paper, original=original, device=self.layer_device,
+                                          progress=None)
         if measured.record is not None:
             record = dict(measured.record)
             if self.calibration_data is not None:

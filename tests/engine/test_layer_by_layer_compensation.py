@@ -276,3 +276,32 @@ def test_a_correction_read_after_its_scratch_directory_is_gone_names_the_lifetim
         f"The layer-by-layer correction of model.layers.0.mlp was kept in {tmp_path / 'scratch'}, which no longer "
         "exists: a run's scratch directory is removed when the run ends. Write the model within the run (output_dir), "
         "or keep the directory given to measure_layer_by_layer until save_pruned_from_files returns.")
+
+
+def test_a_pass_given_the_originals_perplexity_runs_no_original_stream_and_measures_the_same(tmp_path, monkeypatch):
+    """``ompmoe prune`` at several ratios measures the unpruned model once: a later plan's pass given those figures
+    runs none of its streams and gives the same measures as a pass that runs them."""
+    import ompmoe.engine.apply.layer_by_layer as layer_by_layer
+
+    _, stats = saved_tiny("qwen3_moe", tmp_path)
+    streams: list[str] = []
+    add = layer_by_layer.LayerMajor.add
+
+    def spy(passes, name, batches):
+        streams.append(name)
+        return add(passes, name, batches)
+
+    monkeypatch.setattr(layer_by_layer.LayerMajor, "add", spy)
+    plan = ompmoe.plan_pruning(stats, 0.5)
+    measures = []
+    for original in (None, {"heldout:a": 1.5}):
+        streams.clear()
+        measures.append(measure_layer_by_layer(tmp_path / "source", skeleton(tmp_path / "source"), plan,
+                                               tmp_path / "scratch", granularity="linear", text=TEXT, batch_size=4,
+                                               check_blocks=CHECK, heldout=HELDOUT, original=original,
+                                               progress=False))
+        assert [name for name in streams if name.startswith("original/")] == (
+            ["original/heldout:a", "original/heldout:b"] if original is None else ["original/heldout:b"])
+    first, second = measures
+    assert second.heldout == {"heldout:a": (1.5, first.heldout["heldout:a"][1]), "heldout:b": first.heldout["heldout:b"]}
+    assert second.record == first.record

@@ -5,6 +5,7 @@ architecture the matrix supports and on the shipped models."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -234,25 +235,45 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     assert "| Calibration mode | layer by layer " in (layered / "model" / "README.md").read_text()
 
     # ompmoe prune on its statistics refits and measures layer by layer too, as the fit did (the model is never
-    # loaded): the plan, the lines and the checkpoint of the resident prune (--layer_by_layer false)
+    # loaded): the plans, the lines and the checkpoints of the resident prune (--layer_by_layer false); the original's
+    # perplexity is measured in the first ratio's pass only (it does not depend on the plan)
     from unittest import mock
 
+    from ompmoe.engine.run import PruningRun
+
     capsys.readouterr()
-    prune = ["prune", "--stats", str(layered / "stats.safetensors"), "--model", "shipped:tiny-moe", "--ratio", "0.25"]
-    with mock.patch("ompmoe.lightning.models.load_model", side_effect=AssertionError("the model was loaded")):
+    prune = ["prune", "--stats", str(layered / "stats.safetensors"), "--model", "shipped:tiny-moe", "--ratio",
+             "0.25,0.5"]
+    measure, known = PruningRun.measure_from_files, []
+
+    def measure_from_files(run, *args, original=None, **kwargs):
+        known.append(dict(original or {}))
+        return measure(run, *args, original=original, **kwargs)
+
+    with mock.patch("ompmoe.lightning.models.load_model", side_effect=AssertionError("the model was loaded")), \
+            mock.patch.object(PruningRun, "measure_from_files", measure_from_files):
         main([*prune, "--output_dir", str(tmp_path / "files")])
     from_files = capsys.readouterr().out.splitlines()
     assert not list(tmp_path.glob(".ompmoe-compensation-*"))  # the corrections' scratch beside the output: gone
     main([*prune, "--output_dir", str(tmp_path / "loaded"), "--layer_by_layer", "false"])
     loaded = capsys.readouterr().out.splitlines()
-    assert from_files[1].startswith("ratio 0.25: compensation and its check and held-out perplexity ran layer by "
-                                    "layer in one pass over the layers: ") and from_files[1].endswith(" s")
-    assert from_files[:1] + from_files[2:-1] == loaded[:-1] and len(loaded) == 4  # settings, compensation, held-out
-    assert from_files[-1].removesuffix(f"{tmp_path / 'files' / 'model-0.25'}") == loaded[-1].removesuffix(
-        f"{tmp_path / 'loaded' / 'model-0.25'}")
-    assert ompmoe.PruningPlan.load(tmp_path / "files" / "plan-0.25.json") == ompmoe.PruningPlan.load(
-        tmp_path / "loaded" / "plan-0.25.json")  # its compensation record (fit, check) and held-out record included
-    assert_same_checkpoint(tmp_path / "loaded" / "model-0.25", tmp_path / "files" / "model-0.25")
+    passes = [line for line in from_files if " ran layer by layer " in line]
+    assert [line.split(": ")[0] for line in passes] == ["ratio 0.25", "ratio 0.5"]
+    assert all(line.split(": ", 1)[1].startswith("compensation and its check and held-out perplexity ran layer by "
+                                                 "layer in one pass over the layers: ") for line in passes)
+    heldout = [line for line in loaded if line.startswith("ratio 0.25: held-out perplexity")][0]
+    original = dict(re.findall(r"(heldout:\w+) ([\d.]+) -> ", heldout))  # the resident prune's
+    assert known[0] == {} and known[1].keys() == original.keys() == {"heldout:prose", "heldout:code"}
+    assert all(f"{value:.2f}" == original[name] for name, value in known[1].items())
+    from_files = [line for line in from_files if line not in passes]
+    assert len(from_files) == len(loaded) == 7  # settings; per ratio: compensation, held-out, written
+    assert from_files[:-4] + from_files[-3:-1] == loaded[:-4] + loaded[-3:-1]
+    for ratio, ours, theirs in (("0.25", from_files[-4], loaded[-4]), ("0.5", from_files[-1], loaded[-1])):
+        assert ours.removesuffix(f"{tmp_path / 'files' / f'model-{ratio}'}") == theirs.removesuffix(
+            f"{tmp_path / 'loaded' / f'model-{ratio}'}")
+        assert ompmoe.PruningPlan.load(tmp_path / "files" / f"plan-{ratio}.json") == ompmoe.PruningPlan.load(
+            tmp_path / "loaded" / f"plan-{ratio}.json")  # its compensation record (fit, check), held-out record
+        assert_same_checkpoint(tmp_path / "loaded" / f"model-{ratio}", tmp_path / "files" / f"model-{ratio}")
 
     caplog.clear()
     config = tiny_config(tmp_path / "b")

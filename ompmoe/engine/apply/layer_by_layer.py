@@ -204,10 +204,11 @@ class _MeasuringPass:
         self.summaries: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, list[float]] = {}
 
-    def layer(self, index: int, checked: bool, heldout: list[str]) -> None:
-        """Decoder layer ``index`` (on the device): the fit, the original's streams, each variant's streams."""
+    def layer(self, index: int, checked: bool, heldout: list[str], original: list[str]) -> None:
+        """Decoder layer ``index`` (on the device): the fit, the original's streams (of the sets in ``original``),
+        each variant's streams."""
         corrections = self._fit(index) if self.granularity else {}
-        for name in heldout:
+        for name in original:
             self.passes.run(f"original/{name}", index)
         for variant in self.variants:
             with ExitStack() as stack:
@@ -269,14 +270,19 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
                            *, granularity: str | None = None, text: Any = None, batch_size: int = 4,
                            check_blocks: torch.Tensor | None = None, unchecked: str = "applied as asked",
                            heldout: Mapping[str, torch.Tensor] | None = None, paper: PruningPlan | None = None,
-                           device: torch.device | str = "cpu", progress: bool | None = None) -> LayerByLayerMeasures:
+                           original: Mapping[str, float] | None = None, device: torch.device | str = "cpu",
+                           progress: bool | None = None) -> LayerByLayerMeasures:
     """Fit ``plan``'s compensation (``granularity``; ``None``: none) on ``text`` and measure, on the **unpruned**
     skeleton ``model`` of the checkpoint at ``source``, one decoder layer at a time: with ``check_blocks`` the fit is
     kept as ``auto`` keeps it (:func:`~.compensation_step.checked_choice`), without them applied (``unchecked``
     says why in the record); ``heldout`` sets get the original's and the pruned model's perplexity (and, with
-    ``paper``, the paper plan's). The correction's per-layer tensors go to ``scratch`` (kept until written)."""
+    ``paper``, the paper plan's); ``original``: the unpruned model's perplexity on those sets, already measured (by
+    an earlier plan's pass: it does not depend on the plan), is not run again. The correction's per-layer tensors go
+    to ``scratch`` (kept until written)."""
     started = time.perf_counter()
     heldout = dict(heldout or {})
+    original = dict(original or {})
+    unmeasured = [name for name in heldout if name not in original]
     checked = check_blocks is not None
     layers = check_compensable(model, plan) if granularity else find_moe_layers(model)
     if granularity == "down":
@@ -297,15 +303,15 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
         if granularity:
             fit_batches, run.num_tokens = _fitting_batches(model, granularity, text, batch_size, passes.device)
             passes.add("fit", fit_batches)
-        for name, blocks in heldout.items():
-            passes.add(f"original/{name}", blocks.split(batch_size))
+        for name in unmeasured:
+            passes.add(f"original/{name}", heldout[name].split(batch_size))
         for variant in variants:
             if checked and variant != PAPER:
                 passes.add(f"{variant}/check", check_blocks.split(batch_size))  # type: ignore[union-attr]
             for name, blocks in heldout.items():
                 passes.add(f"{variant}/{name}", blocks.split(batch_size))
         for index, _ in passes.each_layer(progress, "ompmoe compensation and held-out (layer by layer)"):
-            run.layer(index, checked, list(heldout))
+            run.layer(index, checked, list(heldout), unmeasured)
         losses = {stream: passes.next_token_loss(stream) for stream in passes.inputs if stream != "fit"}
         passes.close()
     loss = {stream: total / count for stream, (total, count) in losses.items()}
@@ -325,7 +331,8 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
             measures.record = dict(fitted[granularity].record, applied=True, checked=unchecked)
         chosen = next((name for name in candidates if fitted[name] is measures.compensation), OFF)
     for name in heldout:
-        measures.heldout[name] = (math.exp(loss[f"original/{name}"]), math.exp(loss[f"{chosen}/{name}"]))
+        before = original[name] if name in original else math.exp(loss[f"original/{name}"])
+        measures.heldout[name] = (before, math.exp(loss[f"{chosen}/{name}"]))
         if paper_kept is not None:  # the paper's plan, or the run's own uncompensated where they are the same
             measures.paper[name] = math.exp(loss[f"{PAPER if PAPER in variants else OFF}/{name}"])
     measures.seconds = time.perf_counter() - started
