@@ -185,7 +185,7 @@ def section_layer(args, device, dtype, results, save) -> None:
             batch = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
 
             @torch.no_grad()
-            def plain() -> None:
+            def plain(model: torch.nn.Module = model, batch: torch.Tensor = batch) -> None:  # bound: deleted below
                 model(input_ids=batch, use_cache=False)
 
             # Steady state of a long pass: one collector, timed per batch (its set-up, a few ms of host work, is
@@ -194,7 +194,7 @@ def section_layer(args, device, dtype, results, save) -> None:
             collector.metric.to(device)
 
             @torch.no_grad()
-            def stats_pass() -> None:
+            def stats_pass(collector: ompmoe.StatisticsCollector = collector, batch: torch.Tensor = batch) -> None:
                 with collector:
                     collector.forward({"input_ids": batch})
 

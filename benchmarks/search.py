@@ -280,10 +280,10 @@ def bench_real_shapes(repeats: int, device: torch.device, dtype: torch.dtype, de
         print(f"  {label}: {describe(shape)}; {tokens} tokens{note}")
 
         @torch.no_grad()
-        def plain() -> None:
+        def plain(model: torch.nn.Module = model, batch: torch.Tensor = batch) -> None:  # bound: deleted below
             model(input_ids=batch, use_cache=False)
 
-        def stats() -> MoEStats:
+        def stats(model: torch.nn.Module = model, batch: torch.Tensor = batch) -> MoEStats:
             return collect_stats(model, [batch])
 
         plain_s, stats_s = synchronized(plain, device), synchronized(stats, device)
