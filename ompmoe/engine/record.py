@@ -21,11 +21,28 @@ own plan and compensation are the last pruning's, its kept ids and counts the or
 
 def earlier_pruning(record: dict[str, Any]) -> dict[str, Any]:
     """What one pruning did, as a later pruning of the same model keeps it: its plan summary, its compensation (the
-    kept experts' weights carry it on) and how many routed experts it left of the original's."""
-    kept = sum(len(ids) for ids in (record.get("kept_experts") or {}).values())
+    kept experts' weights carry it on), how many routed experts it left of the original's and which (the original's
+    ids per layer: the later pruning's plan numbers the experts this one left, :func:`last_pruning_kept`)."""
+    kept_experts = {name: [int(i) for i in ids] for name, ids in (record.get("kept_experts") or {}).items()}
     return {"plan": dict(record["plan"]), **({"compensation": dict(record["compensation"])}
                                              if record.get("compensation") else {}),
-            "kept": kept, "of": sum((record.get("original_num_experts") or {}).values())}
+            "kept": sum(len(ids) for ids in kept_experts.values()),
+            "of": sum((record.get("original_num_experts") or {}).values()), "kept_experts": kept_experts}
+
+
+def last_pruning_kept(record: dict[str, Any]) -> dict[str, list[int]] | None:
+    """The experts the last pruning kept, numbered as its plan numbers them (the experts of the model it pruned): the
+    original's ids after a first pruning; after a re-pruning, their positions among the experts the earlier pruning
+    left. ``None`` for a model re-pruned before earlier prunings recorded their ids (it cannot be told)."""
+    kept = {name: [int(i) for i in ids] for name, ids in (record.get("kept_experts") or {}).items()}
+    earlier = record.get(EARLIER_KEY) or []
+    if not earlier:
+        return kept
+    before = earlier[-1].get("kept_experts")
+    if not isinstance(before, dict) or set(before) != set(kept):
+        return None
+    positions = {name: {int(expert): position for position, expert in enumerate(ids)} for name, ids in before.items()}
+    return {name: [positions[name][i] for i in ids] for name, ids in kept.items()}
 
 
 def pruning_info(model_or_config: Any) -> dict[str, Any] | None:

@@ -109,7 +109,8 @@ def test_a_model_pruned_again_keeps_what_each_earlier_pruning_did_in_its_record_
     ompmoe.prune(model, second)  # 12 of 32, no correction of its own
     save(model, tmp_path / "twice")
     first_step = {"plan": {"allocation": "uniform", "method": "omp", "model_id": None, "num_tokens": 16 * 32,
-                           "ratio": 0.5}, "compensation": compensation.record, "kept": 16, "of": 32}
+                           "ratio": 0.5}, "compensation": compensation.record, "kept": 16, "of": 32,
+                  "kept_experts": {layer.name: sorted(int(i) for i in layer.kept) for layer in plan.layers}}
     record = json.loads((tmp_path / "twice" / "config.json").read_text())["ompmoe"]
     assert record["earlier"] == [json.loads(json.dumps(first_step))]
     assert record["plan"]["num_tokens"] == 4 * 32 and "compensation" not in record
@@ -126,6 +127,44 @@ def test_a_model_pruned_again_keeps_what_each_earlier_pruning_did_in_its_record_
         "routed experts (the method, ")
     assert card_row(tmp_path / "thrice", "Achieved ratio") == "| Achieved ratio | 0.7500 (8 of 32 routed experts kept) |"
     assert card_row(tmp_path / "thrice", "Requested ratio (experts removed)").endswith("| 0.25 |")
+
+
+def test_a_model_pruned_again_is_compensated_and_made_adaptive_with_the_statistics_of_the_model_it_pruned():
+    """Re-pruning with a correction failed after all the work: the fit's kept experts (numbered as the pruned model
+    numbers its experts, as its statistics and plan do) were checked against the record's ids of the original. The
+    corrected re-pruned model computes what the compensated view of the model it pruned computes, and its alphas are
+    those statistics' for its experts (or the original's statistics', by the original's ids)."""
+    from ompmoe.engine.apply.adaptive import resolve_alphas
+    from ompmoe.engine.apply.compensation import compensated_view
+
+    original = tiny_model(MODEL_TYPE)
+    first_stats = ompmoe.collect_stats(original, token_blocks(4, seed=5).split(2))
+    first = ompmoe.plan_pruning(first_stats, 0.5, allocation="uniform")
+    model = ompmoe.prune(original, first)  # 16 of 32, numbered 0..15 in the model
+    stats = ompmoe.collect_stats(model, token_blocks(8, seed=6).split(4))
+    second = ompmoe.plan_pruning(stats, 0.5, allocation="uniform")  # 8 of the 16, by their positions
+    kept_first = {layer.name: sorted(int(i) for i in layer.kept) for layer in first.layers}
+    kept_second = {layer.name: sorted(int(i) for i in layer.kept) for layer in second.layers}
+    assert any(kept_second[name] != [kept_first[name][i] for i in ids] for name, ids in kept_second.items())
+    compensation, record = fit_compensation(model, second, token_blocks(8, seed=7), 4, "linear")
+    assert compensation is not None and record["applied"]
+    probe = token_blocks(2, seed=8)
+    with torch.no_grad(), compensated_view(model, second, compensation):
+        expected = model(input_ids=probe).logits
+    compensation.apply(ompmoe.prune(model, second))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=probe).logits, expected, rtol=1e-5, atol=1e-5)
+    saved = ompmoe.pruning_info(model)
+    assert saved["compensation"]["granularity"] == "linear"
+    assert saved["kept_experts"] == {name: [kept_first[name][i] for i in ids] for name, ids in kept_second.items()}
+    assert saved["earlier"][0]["kept_experts"] == kept_first
+    for alphas, expected_alphas in (
+            (resolve_alphas(model, stats), {layer.name: layer.alpha[kept_second[layer.name]] for layer in stats.layers}),
+            (resolve_alphas(model, first_stats),
+             {layer.name: layer.alpha[saved["kept_experts"][layer.name]] for layer in first_stats.layers})):
+        assert alphas.keys() == expected_alphas.keys()
+        for name, value in expected_alphas.items():
+            assert torch.equal(alphas[name], value.to(torch.float64))
 
 
 @pytest.fixture(scope="module")

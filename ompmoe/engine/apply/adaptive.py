@@ -22,7 +22,7 @@ from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, find_moe_layers
 from ..collect import replay as _replay
 from ..collect.collector import pause_during_calibration
 from ..collect.statistics import MoEStats
-from ..record import pruning_info
+from ..record import EARLIER_KEY, last_pruning_kept, pruning_info
 
 CONFIG_KEY = "ompmoe_adaptive"
 """Config attribute holding ``{"epsilon", "zeta", "alphas": {layer name: [alpha_e, ...]}}``."""
@@ -248,6 +248,9 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
     record = pruning_info(model) or {}
     kept = record.get("kept_experts", {})
     original = record.get("original_num_experts", {})
+    # a re-pruned model: statistics of the model its last pruning cut, numbered as that model numbers its experts
+    before = (record.get(EARLIER_KEY) or [{}])[-1].get("kept_experts") or {}
+    last = (last_pruning_kept(record) or {}) if before else {}
     resolved: dict[str, torch.Tensor] = {}
     unseen: dict[str, list[int]] = {}
     for layer in layers:
@@ -256,12 +259,15 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
         alphas = source[layer.name].detach().reshape(-1).to("cpu", torch.float64)
         ids = torch.arange(alphas.numel())  # ids in the statistics of this layer's current experts
         if alphas.numel() != layer.num_experts:
-            if layer.name not in kept or alphas.numel() != original.get(layer.name):
+            if layer.name in kept and alphas.numel() == original.get(layer.name):
+                ids = torch.tensor(kept[layer.name], dtype=torch.long)
+            elif layer.name in last and alphas.numel() == len(before.get(layer.name, ())):
+                ids = torch.tensor(last[layer.name], dtype=torch.long)
+            else:
                 pruned = f" (pruned from {original[layer.name]})" if layer.name in original else ""
                 raise ValueError(f"Layer {layer.name} has {layer.num_experts} experts{pruned} but {alphas.numel()} "
-                                 "alphas were given: use statistics collected on this model, or on the model it was "
+                                 "alphas were given: use statistics collected on this model, or on a model it was "
                                  "pruned from.")
-            ids = torch.tensor(kept[layer.name], dtype=torch.long)
             alphas = alphas[ids]
         if not bool(torch.isfinite(alphas).all()) or bool((alphas < 0).any()):
             raise ValueError(f"Alphas of layer {layer.name} must be finite and non-negative.")

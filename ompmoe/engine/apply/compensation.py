@@ -22,7 +22,7 @@ from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..collect.collector import as_model_inputs, check_calibration_inputs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
-from ..record import CONFIG_KEY, pruning_info
+from ..record import CONFIG_KEY, last_pruning_kept, pruning_info
 from .adaptive import adaptive_paused
 from .pruning import require_plan_model, slice_router, validate_plan
 from .trial import pruned_view
@@ -621,12 +621,14 @@ def check_compensation_fits(model: nn.Module, scales: Mapping[str, Any], kept: M
     if sorted(scales) != sorted(names):
         raise CompensationError(f"The corrections cover layers {sorted(scales)} but the model's MoE layers are "
                                 f"{names}.")
+    pruned_with = last_pruning_kept(info) or {}  # numbered as the plan numbers them (a re-pruned model's too)
     for layer in layers:
         ids = [int(i) for i in kept[layer.name]]
-        if info["kept_experts"].get(layer.name) != ids or layer.num_experts != len(ids):
+        if pruned_with.get(layer.name) != ids or layer.num_experts != len(ids):
             raise CompensationError(
                 f"The correction of {layer.name} was fitted for kept experts {ids} but the model keeps "
-                f"{info['kept_experts'].get(layer.name)}; fit it with the plan the model was pruned with.")
+                f"{pruned_with.get(layer.name, info['kept_experts'].get(layer.name))}; fit it with the plan the "
+                "model was pruned with.")
         _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
     return info
 
