@@ -539,7 +539,8 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
     from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
 
-    args = class_paths(list(sys.argv[1:] if args is None else args))
+    given = list(sys.argv[1:] if args is None else args)
+    args = class_paths(given)
     if "--quiet" in args:  # as Lightning's own switches (:mod:`ompmoe._quiet` drops the rest)
         args = [arg for arg in args if arg != "--quiet"]
         args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
@@ -548,10 +549,13 @@ def lightning_cli(args: list[str] | None = None) -> None:
         for name in LIGHTNING_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
         hf_logging.disable_progress_bar()
-    # LightningCLI warns when it gets ``args`` while sys.argv also holds arguments: here ``args`` are always meant.
-    with mock.patch.object(sys, "argv", sys.argv[:1]):
-        if args and args[0] in EVAL_SUBCOMMANDS:
+    # Lightning starts the other processes of a multi-device run by running sys.argv again: it holds this command
+    # (as given: each process parses it itself) while the run goes on; only while LightningCLI parses ``args`` is it
+    # bare (it warns when both hold arguments; ``args`` are always meant).
+    if args and args[0] in EVAL_SUBCOMMANDS:
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
             return eval_cli(args)
+    with mock.patch.object(sys, "argv", [sys.argv[0], *given]):
 
         from .lightning.calibration_data import CalibrationDataModule
         from .lightning.calibration_module import CalibrationModule
@@ -564,6 +568,10 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
             def before_instantiate_classes(self) -> None:
                 apply_short_options(self.config.get(self.subcommand, self.config), self.subcommand)
+
+            def parse_arguments(self, parser: Any, args: Any) -> None:
+                with mock.patch.object(sys, "argv", sys.argv[:1]):
+                    super().parse_arguments(parser, args)
 
         CalibrationCLI(
             CalibrationModule,

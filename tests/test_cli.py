@@ -1,5 +1,6 @@
 """The `ompmoe` command: `fit -c configs/*.yaml` and re-planning from a statistics file."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,22 @@ def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path, model_type, mode
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert model.config.model_type == model_type and type(model).__name__ == model_class
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]
+
+
+def test_fit_on_two_devices_starts_the_second_process_with_the_same_command(tmp_path):
+    """Lightning starts a multi-device run's other processes by running sys.argv again: ``ompmoe fit`` emptied it
+    while the run went on, so the second process printed the usage and left, and the first waited for ever (the
+    paper's config, 8 devices, too). Both processes calibrate now: every token counted once, the run written."""
+    import subprocess
+    import sys
+
+    command = [str(Path(sys.executable).parent / "ompmoe"), "fit", "-c", str(tiny_config(tmp_path)), "--quiet",
+               "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage: ompmoe" not in done.stdout + done.stderr
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+    stats = ompmoe.MoEStats.load(tmp_path / "run" / "stats.safetensors")
+    assert stats.num_tokens == 4 * 64  # two blocks per process
+    assert ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json").achieved_ratio == pytest.approx(0.5)
