@@ -381,3 +381,39 @@ def test_non_finite_values_at_padded_positions_are_ignored():
     assert tokens_a == tokens_b == 3
     for key, value in a.tensors().items():
         assert torch.equal(value, b.tensors()[key]), key
+
+
+def test_the_sums_are_full_precision_inside_a_mixed_precision_forward():
+    """The hooks run inside the model's forward, which ``bf16-mixed`` autocasts: the sums' products were taken in
+    bfloat16 (a Gram 3e-4 off and not symmetric, which loading then refused). Each metric's update under autocast
+    adds exactly what it adds outside it."""
+    from ompmoe.engine.collect.sums import MoEStatsMetric
+    from ompmoe.engine.methods.loss.metric import LossStatsMetric
+    from ompmoe.engine.methods.loss.statistics import LOSS_TENSORS
+    from ompmoe.engine.methods.reroute.metric import RerouteStatsMetric
+    from ompmoe.engine.methods.reroute.statistics import REROUTE_TENSORS
+
+    layer = find_moe_layers(make_model("qwen3_moe"))[0]
+    generator = torch.Generator().manual_seed(4)
+    tokens, k = 6, layer.top_k
+    ids = torch.stack([torch.randperm(layer.num_experts, generator=generator)[:k] for _ in range(tokens)])
+    gates = torch.rand(tokens, k, generator=generator)
+    outputs = torch.randn(tokens * k, 32, generator=generator)
+    atoms = outputs.view(tokens, k, -1) * gates.unsqueeze(-1)
+    grad = torch.randn(tokens, 32, generator=generator)
+    updates = [(lambda: MoEStatsMetric([layer]), lambda m: m.update(0, ids, gates, outputs)),
+               (lambda: LossStatsMetric([layer], LOSS_TENSORS), lambda m: m.update(0, ids, atoms, grad, None)),
+               (lambda: RerouteStatsMetric([layer], REROUTE_TENSORS),
+                lambda m: m.update(0, ids, atoms * 0.5, atoms, None))]
+    for make, update in updates:
+        plain, mixed = make(), make()
+        if isinstance(plain, MoEStatsMetric):
+            plain.set_token_weight(None, num_tokens=tokens)
+            mixed.set_token_weight(None, num_tokens=tokens)
+        update(plain)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            update(mixed)
+        for name in plain._defaults:
+            assert torch.equal(getattr(mixed, name), getattr(plain, name)), (type(plain).__name__, name)
+        gram = next(getattr(plain, name) for name in plain._defaults if name.startswith("gram"))
+        assert torch.equal(gram, gram.T) and bool(gram.abs().sum() > 0)

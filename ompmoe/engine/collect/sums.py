@@ -5,8 +5,9 @@ second (it loads scipy.signal and its text metrics)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torchmetrics import Metric
@@ -14,6 +15,21 @@ from torchmetrics import Metric
 from ..adapters import MoELayer
 from .errors import CalibrationInputError
 from .statistics import PER_EXPERT_SUMS, LayerStats
+
+Update = TypeVar("Update", bound=Callable[..., None])
+
+
+def outside_autocast(update: Update) -> Update:
+    """A metric's ``update`` with autocast off: the hooks run inside the model's forward, which a mixed-precision run
+    (Lightning's or Fabric's ``bf16-mixed``) autocasts, and its products would be taken in bfloat16 (a Gram 3e-4 off,
+    not even symmetric); the sums are float32 products added in float64 whatever the run's precision."""
+    @functools.wraps(update)
+    def full_precision(self: Metric, *args: Any, **kwargs: Any) -> None:
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            update(self, *args, **kwargs)
+
+    return full_precision  # type: ignore[return-value]
+
 
 CANCELLED_TOKEN = 1e-6
 """A token whose routed output has ``||Y_x||^2 <= CANCELLED_TOKEN * sum_e ||V_e(x)||^2`` (its atoms
@@ -76,6 +92,7 @@ class MoEStatsMetric(LayerSumsMetric):
         self.token_weight = weight
         self.num_tokens += num_tokens if weight is None else weight.sum()
 
+    @outside_autocast
     def update(self, index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
                atoms: torch.Tensor | None = None) -> None:
         """Add one layer's batch: ``outputs`` holds the unweighted ``F_e(x)`` per routed pair, token-major.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...adapters import MoELayer
-from ...collect.sums import LayerSumsMetric
+from ...collect.sums import LayerSumsMetric, outside_autocast
 
 
 class LossStatsMetric(LayerSumsMetric):
@@ -20,6 +20,7 @@ class LossStatsMetric(LayerSumsMetric):
         super().__init__(layers, shapes, **kwargs)
         self.add_state("loss_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
+    @outside_autocast
     def update(self, index: int, top_k_index: torch.Tensor, atoms: torch.Tensor, grad: torch.Tensor,
                token_weight: torch.Tensor | None) -> None:
         """Add one layer's batch: ``atoms`` ``(T, k, d)`` = ``g F``, ``grad`` ``(T, d)`` = ``d_x``."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...adapters import MoELayer
-from ...collect.sums import CANCELLED_TOKEN, LayerSumsMetric
+from ...collect.sums import CANCELLED_TOKEN, LayerSumsMetric, outside_autocast
 
 
 class RerouteStatsMetric(LayerSumsMetric):
@@ -18,6 +18,7 @@ class RerouteStatsMetric(LayerSumsMetric):
     def __init__(self, layers: list[MoELayer], tensors: Sequence[str], **kwargs: Any) -> None:
         super().__init__(layers, dict.fromkeys(tensors, "gram"), **kwargs)
 
+    @outside_autocast
     def update(self, index: int, ids: torch.Tensor, deltas: torch.Tensor, atoms: torch.Tensor,
                token_weight: torch.Tensor | None) -> None:
         """Add one layer's batch: ``deltas`` from :func:`removal_deltas`, ``atoms`` ``(T, k, d)`` = ``g F``; tokens
