@@ -404,3 +404,47 @@ def test_a_dense_model_held_as_self_model_is_named_as_dense_not_as_missing():
         "ExpertPruning: DenseModule.model: model LlamaForCausalLM has no MoE layers: ompmoe prunes the routed experts "
         f"of Mixture-of-Experts models; pass a model whose model_type is one of {supported} (e.g. shipped:tiny-moe or "
         "tiny:qwen3_moe)")
+
+
+class UserModule(pl.LightningModule):
+    """A user's own module, as docs/usage.md writes one: the model as ``self.model``, a forward per batch."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        self.model(**batch)
+
+    def configure_optimizers(self):
+        return None
+
+
+def test_a_users_module_in_train_mode_calibrates_in_eval_mode_and_gets_its_mode_back(tmp_path):
+    """Lightning puts the module in train mode, where Mixtral's router jitters (and dropout drops): the callback's
+    statistics were 16-35 % off collect_stats' (which runs eval mode) and the plan differed. Now they are equal and the
+    model's train mode is back after each batch."""
+    model = tiny_model("mixtral", router_jitter_noise=0.5).train()
+    data = batches(4)
+    modes: list[bool] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            modes.append(pl_module.model.training)
+
+    callback = ExpertPruning(PruningStrategy(ratio=0.5, method="omp", allocation="uniform"), plots=False,
+                             compensation="off")
+    trainer(callbacks=[callback, Watch()]).fit(UserModule(model), DataLoader(data, batch_size=2))
+    expected = ompmoe.collect_stats(tiny_model("mixtral", router_jitter_noise=0.5), DataLoader(data, batch_size=2))
+    assert_stats_equal(callback.stats, expected)
+    assert modes == [True, True]
+
+
+def test_a_spawning_strategy_is_refused_before_calibration(tmp_path, one_thread):
+    """ddp_spawn ran the whole job in the spawned processes, then crashed in the main one: Lightning loads the pruned
+    rank 0's weights back into the unpruned model. Refused in setup, with the strategy that works."""
+    callback = ExpertPruning(PruningStrategy(ratio=0.5), output_dir=str(tmp_path / "run"))
+    with pytest.raises(Exception, match="ExpertPruning cannot run under strategy=DDPStrategy started by 'spawn'"):
+        trainer([callback], devices=2, strategy="ddp_spawn").fit(CalibrationModule("tiny:olmoe"),
+                                                                 DataLoader(batches(4), batch_size=1))
+    assert not (tmp_path / "run").exists()
