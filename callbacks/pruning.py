@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -26,6 +24,7 @@ from ompmoe.engine.ranks import RunContext
 from ompmoe.engine.run import PruningRun, RunOptions
 from ompmoe.lightning import layer_by_layer
 from ompmoe.lightning.fabric import RunResults
+from ompmoe.lightning.strategies import check_trainer_strategy
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model"]
 
@@ -98,8 +97,6 @@ class ExpertPruning(RunResults, pl.Callback):
         self._restored: dict[str, Any] | None = None
         self._batch_size = 1
         self._real_samples: int | None = None
-        self._model: nn.Module | None = None
-        self._was_training = False
 
     @property
     @override
@@ -112,17 +109,7 @@ class ExpertPruning(RunResults, pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError("ExpertPruning shards with FSDP2: use ModelParallelStrategy(data_parallel_size=N, "
-                             "tensor_parallel_size=1) (as configs/qwen3-30b-a3b.yaml does) instead of FSDPStrategy, "
-                             "whose flattened FSDP1 parameters cannot be gathered and sliced per expert.")
-        launcher = getattr(trainer.strategy, "launcher", None)
-        if isinstance(launcher, _MultiProcessingLauncher):
-            raise ValueError(f"ExpertPruning cannot run under strategy={type(trainer.strategy).__name__} started by "
-                             f"{launcher._start_method!r} (ddp_spawn, ddp_fork, ddp_notebook): Lightning copies the "
-                             "spawned rank 0's weights back into the unpruned model of the main process, which no "
-                             "longer fit. Use strategy='ddp' (ompmoe fit, a script run by Lightning, fabric run or "
-                             "torchrun start one process per device).")
+        check_trainer_strategy(trainer.strategy)
         if self.pruning.options.layer_by_layer:
             layer_by_layer.prepare(trainer, pl_module)
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.
@@ -137,7 +124,6 @@ class ExpertPruning(RunResults, pl.Callback):
         tokenizers = (getattr(owner, name, None) for owner, name in (
             (pl_module, "tokenizer"), (pl_module, "tokenizer_name"), (datamodule, "tokenizer")))
         model_id = getattr(pl_module, "model_name_or_path", None)
-        self._model = model
         collector = self.pruning.start(model, trainer_context(trainer), model_id=model_id, data=datamodule,
                                        sources=[describe()] if callable(describe) else None, tokenizers=tokenizers)
         collector.to(pl_module.device)
@@ -164,11 +150,6 @@ class ExpertPruning(RunResults, pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         inputs = batch_inputs(batch, self.batch_to_inputs, self.pruning.owner)  # the one batch contract
-        # The model calibrates in eval mode, as collect_stats and the other front doors run it (Lightning puts the
-        # module in train mode: routers of Mixtral and PhiMoE jitter there, dropout drops); its mode again after.
-        if self._model is not None and self._model.training:
-            self._model.eval()
-            self._was_training = True
         # the batch's first sample's position on this rank, also after a resume
         self.pruning.begin_batch(inputs, batch_idx * self._batch_size, self._real_samples)
 
@@ -176,17 +157,10 @@ class ExpertPruning(RunResults, pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.pruning.end_batch()
-        self._restore_mode()
-
-    def _restore_mode(self) -> None:
-        if self._was_training and self._model is not None:
-            self._model.train()
-        self._was_training = False
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.pruning.end_batch()
-        self._restore_mode()
         self.pruning.release_output()  # Lightning ran the failed forward: the run will not write
         if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:  # then Lightning exits with status 1
             done = trainer.fit_loop.epoch_loop.batch_progress.current.completed

@@ -122,7 +122,7 @@ def replan(
         dtype: Weights dtype of the saved models; default: the source checkpoint's.
         quiet: No progress bar and no summary lines (errors are still printed).
         compensation: With ``model``: refit each pruned model's kept experts to the unpruned model's output
-            (``off``, ``layer``, ``expert`` or ``linear``; RunOptions.compensation) on the fit's calibration text, cut
+            (``off``, ``layer``, ``expert``, ``linear`` or ``down``; RunOptions.compensation) on the fit's calibration text, cut
             again from the data settings its plan recorded. Default: ``off`` with a method named, else what the fit
             applied.
         evaluate_on: With ``model``: held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source)
@@ -134,6 +134,7 @@ def replan(
     """
     from .engine.apply.compensation_step import compensation_line
     from .engine.collect.statistics import MoEStats
+    from .engine.export.checkpoint import check_save_dtype
     from .engine.perplexity import perplexity
     from .engine.planning.strategy import AUTO, PruningStrategy
     from .engine.apply.trial import pruned_view
@@ -141,6 +142,11 @@ def replan(
     from .engine.summary import auto_note, kept_summary, settings_summary
 
     ratio = _ratios(ratio)
+    for option, value in (("--dtype", dtype), ("--tokenizer", tokenizer)):
+        if value is not None and model is None:
+            raise ValueError(f"{option} applies to the models prune writes: give --model (plans alone hold no "
+                             "weights)")
+    check_save_dtype(dtype, "--dtype")
     check_input_kind(stats, "statistics")
     fit_plan = Path(stats).parent / FIT_PLAN
     inputs = local_inputs(stats, fit_plan, model, tokenizer)
@@ -454,19 +460,13 @@ def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str 
 def _layer_by_layer_source(name: str) -> Path:
     """The local safetensors checkpoint of ``name`` to refit, measure and write from layer by layer; a clear error
     for a model that has none (a tiny model) or whose files a skeleton cannot read (per-layer expert counts)."""
-    from .engine.export.config import non_uniform_config
-    from .lightning.layer_by_layer import local_checkpoint
+    from .lightning.layer_by_layer import layer_by_layer_checkpoint
     from .lightning.models import is_tiny
 
     if is_tiny(name):
         raise ValueError(f"--layer_by_layer reads the model's safetensors files, and {name} has none (it is built in "
                          "memory); pass --layer_by_layer false.")
-    source = local_checkpoint(name)
-    if non_uniform_config(source) is not None:
-        raise ValueError(f"--layer_by_layer reads {name} one decoder layer at a time, but its MoE layers keep "
-                         "different numbers of experts (a non-uniform pruned checkpoint); pass --layer_by_layer "
-                         "false to load it.")
-    return source
+    return layer_by_layer_checkpoint(name, "--layer_by_layer", "pass --layer_by_layer false to load it")
 
 
 def _streamable_source(name: str, dtype: str | None) -> Path | None:

@@ -163,3 +163,29 @@ def test_prune_measures_heldout_perplexity_per_ratio_on_the_fits_text(fit, tmp_p
     assert prune_error(capsys, "--stats", str(fit / "stats.safetensors"), "--ratio", "0.5", "--output_dir",
                        str(tmp_path / "plans"), "--evaluate_on", "heldout:prose") == (
         "error: --evaluate_on measures the pruned models: give --model (plans alone hold no weights)\n")
+
+
+def test_a_saved_weights_dtype_is_checked_before_any_work(fit, tmp_path, capsys, monkeypatch):
+    """``--dtype float8`` ran the whole job (calibration, trial, refit, held-out perplexity) and failed at the write;
+    without --model, --dtype and --tokenizer were ignored. Both are refused first, naming the option."""
+    from ompmoe.callbacks import ExpertPruning
+
+    stats = str(fit / "stats.safetensors")
+    monkeypatch.setattr("ompmoe.lightning.models.load_model", None)  # any load would fail
+    assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", "--model", MODEL, "--dtype", "float8",
+                       "--output_dir", str(tmp_path / "out")) == (
+        "error: Unknown --dtype 'float8' for the saved weights; use e.g. 'bfloat16', 'float16' or 'float32' (or "
+        "leave it out: the source's).\n")
+    for option, value in (("--dtype", "bfloat16"), ("--tokenizer", str(tmp_path / "nowhere"))):
+        assert prune_error(capsys, "--stats", stats, "--ratio", "0.5", option, value, "--output_dir",
+                           str(tmp_path / "out")) == (
+            f"error: {option} applies to the models prune writes: give --model (plans alone hold no weights)\n")
+    assert not (tmp_path / "out").exists()
+    message = ("Unknown dtype 'int8' for the saved weights; use e.g. 'bfloat16', 'float16' or 'float32' (or leave it "
+               "out: the source's).")
+    with pytest.raises(ValueError) as refused:
+        ExpertPruning(dtype="int8")
+    assert str(refused.value) == message
+    with pytest.raises(ValueError) as refused:
+        ompmoe.RunOptions(dtype=torch.int8)
+    assert str(refused.value) == message.replace("'int8'", "'torch.int8'")

@@ -39,7 +39,7 @@ from .apply.trial import pruned_view
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
-from .export.checkpoint import usable_tokenizer
+from .export.checkpoint import check_save_dtype, usable_tokenizer
 from .export.plots import require_matplotlib, write_plots
 from .export.save import save_pruned
 from .io import Reservation, atomic_path, reserve
@@ -132,6 +132,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         check_compensation_mode(self.compensation)
+        check_save_dtype(self.dtype)
         if self.layer_by_layer:
             refuse_whole_model_options(self)
         if self.choice_blocks is not None and self.choice_blocks < 0:

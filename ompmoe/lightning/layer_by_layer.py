@@ -35,6 +35,20 @@ def local_checkpoint(name: str) -> Path:
     return Path(path).expanduser()
 
 
+def layer_by_layer_checkpoint(name: str, option: str = "layer_by_layer",
+                              fix: str = "calibrate it resident (layer_by_layer false)") -> Path:
+    """:func:`local_checkpoint`, refused where a skeleton cannot read its files one decoder layer at a time: a
+    non-uniform pruned checkpoint (its layers keep different expert counts; ``option`` and ``fix`` word the error
+    as the front door names them)."""
+    from ..engine.export.config import non_uniform_config
+
+    source = local_checkpoint(name)
+    if non_uniform_config(source) is not None:
+        raise ValueError(f"{option} reads {name} one decoder layer at a time, but its MoE layers keep different "
+                         f"numbers of experts (a non-uniform pruned checkpoint); {fix}.")
+    return source
+
+
 def prepare(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Before the model is built: refuse what a layer-by-layer fit cannot be, and have the module build a skeleton."""
     if trainer.world_size > 1:
@@ -44,7 +58,7 @@ def prepare(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     if not hasattr(pl_module, "skeleton_source") or name is None:
         raise ValueError(f"layer_by_layer needs ompmoe.CalibrationModule with a model named by path or hub id (it "
                          f"builds the model without weights); {type(pl_module).__name__} holds its own model.")
-    pl_module.skeleton_source = local_checkpoint(name)
+    pl_module.skeleton_source = layer_by_layer_checkpoint(name)
 
 
 def calibrate(run: PruningRun, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_to_inputs: Any) -> int:
@@ -62,4 +76,4 @@ def hold(pl_module: nn.Module, model: nn.Module) -> None:
     pl_module.__dict__["model"] = model
 
 
-__all__ = ["calibrate", "hold", "local_checkpoint", "prepare"]
+__all__ = ["calibrate", "hold", "layer_by_layer_checkpoint", "local_checkpoint", "prepare"]

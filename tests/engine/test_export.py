@@ -391,7 +391,7 @@ def test_weights_keep_the_source_dtype_unless_asked(shipped_pruned, tmp_path):
     with safe_open(str(tmp_path / "f32" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     assert (tmp_path / "f32" / "model.safetensors").stat().st_size > 1.9 * (root / "bf16" / "model.safetensors").stat().st_size
-    with pytest.raises(ValueError, match=r"Unknown dtype 'int8'; use e.g. 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"Unknown dtype 'int8' for the saved weights; use e.g. 'bfloat16'"):
         ompmoe.save_pruned(model, tmp_path / "bad", dtype="int8")
     assert not (tmp_path / "bad").exists()
 

@@ -363,3 +363,42 @@ def test_a_loop_that_holds_the_model_is_refused_layer_by_layer():
         "files at a time (ompmoe fit --layer_by_layer true, or PruningRun.collect_layer_by_layer on "
         "ompmoe.engine.lazy_checkpoint.build_skeleton); this model holds its weights: calibrate it resident "
         "(layer_by_layer=False).")
+
+
+def test_a_non_uniform_pruned_checkpoint_is_refused_layer_by_layer_by_every_front_door(tmp_path, capsys):
+    """A skeleton cannot read a checkpoint whose layers keep different expert counts: the fit said only that a file
+    "holds 6 tensors ... which has 9 experts"; the fit and ompmoe prune now say why and what to do, before any work."""
+    from ompmoe.cli import main
+    from ompmoe.engine.export.config import non_uniform_config
+    from ompmoe.lightning.layer_by_layer import layer_by_layer_checkpoint
+
+    model = tiny_model("qwen3_moe")
+    stats = ompmoe.collect_stats(model, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5)
+    assert len({layer.num_kept for layer in plan.layers}) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "pruned")
+    assert non_uniform_config(tmp_path / "pruned") is not None
+    with pytest.raises(ValueError) as refused:
+        layer_by_layer_checkpoint(str(tmp_path / "pruned"))
+    assert str(refused.value) == (
+        f"layer_by_layer reads {tmp_path / 'pruned'} one decoder layer at a time, but its MoE layers keep different "
+        "numbers of experts (a non-uniform pruned checkpoint); calibrate it resident (layer_by_layer false).")
+    saved = stats.save(tmp_path / "stats.safetensors")
+    with pytest.raises(SystemExit):
+        main(["prune", "--stats", str(saved), "--ratio", "0.25", "--output_dir", str(tmp_path / "out"), "--model",
+              str(tmp_path / "pruned"), "--layer_by_layer", "true"])
+    assert capsys.readouterr().err == (
+        f"error: --layer_by_layer reads {tmp_path / 'pruned'} one decoder layer at a time, but its MoE layers keep "
+        "different numbers of experts (a non-uniform pruned checkpoint); pass --layer_by_layer false to load it.\n")
+    import lightning.pytorch as pl
+
+    from ompmoe.callbacks import ExpertPruning
+
+    with pytest.raises(ValueError, match="non-uniform pruned checkpoint"):
+        run_fit = ExpertPruning(layer_by_layer=True, output_dir=str(tmp_path / "run"))
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, callbacks=[run_fit]).fit(
+            ompmoe.CalibrationModule(str(tmp_path / "pruned")), [BLOCKS[0]])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

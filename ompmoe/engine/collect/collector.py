@@ -338,6 +338,8 @@ class StatisticsCollector:
     def __init__(self, model: nn.Module, model_id: str | None = None, sources: list[str] | None = None,
                  statistics: Iterable[str] = (), **extension_flags: bool) -> None:
         architecture_of(model)
+        self._was_training = False
+        """The model was in train mode when :meth:`begin_batch` put it in eval mode: :meth:`end_batch` restores it."""
         self.model = model
         self.layers = find_moe_layers(model)
         from .sums import MoEStatsMetric  # torchmetrics on the first collection only (sums.py)
@@ -410,7 +412,9 @@ class StatisticsCollector:
     def begin_batch(self, inputs: Mapping[str, torch.Tensor], first_sample: int = 0,
                     real_samples: int | None = None) -> None:
         """Instrument the next forward on ``inputs`` (a loop that runs it itself, like Lightning's): padding and
-        the samples past ``real_samples`` count nothing; ``first_sample`` is the batch's position on this rank."""
+        the samples past ``real_samples`` count nothing; ``first_sample`` is the batch's position on this rank.
+        The model runs in eval mode until :meth:`end_batch` (a Lightning loop puts it in train mode, where routers of
+        Mixtral and PhiMoE jitter and dropout drops), as :meth:`calibrate` runs it."""
         check_calibration_inputs(self.model, inputs)  # before the forward: no wrong sums
         if self.weights is None:
             self.weights = WeightWatch(self.model)
@@ -423,6 +427,8 @@ class StatisticsCollector:
         if rows and inputs.get("input_ids") is not None:  # the real samples' token ids (none for inputs_embeds)
             self.token_batches.append({key: inputs[key][:rows].detach().cpu()
                                        for key in ("input_ids", "attention_mask") if inputs.get(key) is not None})
+        self._was_training = self._was_training or self.model.training
+        self.model.eval()
         self.__enter__()
 
     def changed_weight(self, values: bool = True) -> str | None:
@@ -437,10 +443,13 @@ class StatisticsCollector:
             raise WeightsChangedError(weights_changed_message(owner, name))
 
     def end_batch(self) -> None:
-        """Stop instrumenting (also after a failed forward)."""
+        """Stop instrumenting (also after a failed forward); the model in its own mode again."""
         if self._context is not None:
             self.__exit__(None, None, None)
             self.metric.token_weight = None
+        if self._was_training:
+            self.model.train()
+            self._was_training = False
 
     def calibrate(self, inputs: dict[str, torch.Tensor], first_sample: int = 0, real_samples: int | None = None,
                   autocast: Any = None) -> None:

@@ -173,13 +173,19 @@ def _stock_class(cls: type) -> type:
     return next(base for base in cls.__mro__ if base.__module__.startswith("transformers."))
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+def _resolve_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return dtype
     resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32' (or None: the source's).")
+        raise ValueError(f"Unknown {option} {str(dtype)!r} for the saved weights; use e.g. 'bfloat16', 'float16' or "
+                         "'float32' (or leave it out: the source's).")
     return resolved
+
+
+def check_save_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> None:
+    """Refuse, before any work, a saved-weights dtype that :func:`~ompmoe.save_pruned` would refuse at the end."""
+    _resolve_dtype(dtype, option)
 
 
 def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
