@@ -21,7 +21,7 @@ from ompmoe.engine.collect.collector import BATCH_CONTRACT, batch_inputs, real_s
 from ompmoe.engine.io import inputs_of, local_inputs
 from ompmoe.engine.planning.strategy import Strategy
 from ompmoe.engine.ranks import RunContext
-from ompmoe.engine.run import PruningRun, RunOptions
+from ompmoe.engine.run import PruningRun, run_options
 from ompmoe.lightning import layer_by_layer
 from ompmoe.lightning.fabric import RunResults
 from ompmoe.lightning.strategies import check_trainer_strategy
@@ -88,7 +88,7 @@ class ExpertPruning(RunResults, pl.Callback):
 
     def __init__(self, strategy: Strategy | None = None, model_attribute: str | None = None,
                  batch_to_inputs: Callable[[Any], Any] | None = None, **options: Any) -> None:
-        self.pruning = PruningRun(RunOptions(strategy=strategy, **options), owner="ExpertPruning")
+        self.pruning = PruningRun(run_options("ExpertPruning", strategy, **options), owner="ExpertPruning")
         if batch_to_inputs is not None and not callable(batch_to_inputs):
             raise ValueError(f"ExpertPruning: batch_to_inputs must be a function from a batch to {BATCH_CONTRACT}; "
                              f"got {type(batch_to_inputs).__name__}.")

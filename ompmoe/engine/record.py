@@ -14,6 +14,11 @@ FINETUNE_CONFIG_KEY = "ompmoe_finetune"
 pruning record without the kept experts, which loading refuses."""
 
 
+ADAPTIVE_KEY = "ompmoe_adaptive"
+"""Config attribute of a model with OMP-MoE+ switched on: ``{"epsilon", "zeta", "alphas"}``
+(:mod:`ompmoe.engine.apply.adaptive`; ``ompmoe.load_pruned`` switches it on again)."""
+
+
 EARLIER_KEY = "earlier"
 """Key of a re-pruned model's record listing the earlier prunings (:func:`earlier_pruning`), oldest first: the record's
 own plan and compensation are the last pruning's, its kept ids and counts the original model's."""

@@ -145,11 +145,30 @@ class RunOptions:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {self.adaptive_epsilon}.")
         if self.strategy is None:
             self.strategy = PruningStrategy(method=AUTO, allocation=AUTO)
+        elif not (callable(getattr(self.strategy, "validate", None)) and callable(getattr(self.strategy, "plan", None))):
+            path = " (a path? output_dir is a keyword option: output_dir=...)" if isinstance(self.strategy, str) else ""
+            raise TypeError(f"strategy must be a Strategy such as ompmoe.PruningStrategy(ratio=0.5) (any object with "
+                            f"validate and plan); got {type(self.strategy).__name__} {self.strategy!r}{path}.")
         self.extra_ratios = list(self.extra_ratios or [])
         if self.extra_ratios and not hasattr(self.strategy, "ratio"):
             raise TypeError(f"extra_ratios needs a strategy with a `ratio` field; got {type(self.strategy).__name__}.")
         self.statistics = selected_statistics(self.statistics or (), loss_aware=self.loss_aware, reroute=self.reroute)
         self.evaluate_on = list(self.evaluate_on or [])
+
+
+def run_options(owner: str, strategy: Strategy | None = None, **options: Any) -> RunOptions:
+    """:class:`RunOptions` as a front door (``owner``: ``ExpertPruning``, ``FabricCalibration``) takes them, an
+    unknown name refused naming the front door and the fix (a strategy's field, such as ``ratio``, goes in its
+    strategy)."""
+    known = [field.name for field in dataclasses.fields(RunOptions)]
+    for name in options:
+        if name in known:
+            continue
+        if name in {field.name for field in dataclasses.fields(PruningStrategy)}:
+            raise TypeError(f"{owner} takes {name} in its strategy: {owner}(strategy=ompmoe.PruningStrategy("
+                            f"{name}=...)).")
+        raise TypeError(f"{owner} has no option {name!r}; its options: {', '.join(known)} (ompmoe.RunOptions).")
+    return RunOptions(strategy=strategy, **options)
 
 
 LAYER_BY_LAYER = "layer by layer"
@@ -705,8 +724,12 @@ class PruningRun:
         ...``."""
         parts = [f"{name} {original:.2f} -> {pruned:.2f}{paper_part(original, pruned, self.heldout_paper.get(name))}"
                  for name, (original, pruned) in self.heldout_perplexity.items()]
-        return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned: "
-                f"{', '.join(parts)}")
+        # resident, the pruned model measured is the one written: with OMP-MoE+ on, which a plain load runs without
+        adaptive = (f" (with OMP-MoE+ at epsilon {self.options.adaptive_epsilon:g}, as ompmoe.load_pruned runs it; a "
+                    "plain from_pretrained runs without)" if self.options.adaptive_epsilon is not None
+                    and not self.options.layer_by_layer else "")
+        return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned"
+                f"{adaptive}: {', '.join(parts)}")
 
     def write(self, model: nn.Module | None, show_progress: bool | None = False) -> None:
         """Write ``stats.safetensors``, ``plan.json`` (and ``plan-<ratio>.json``), plots and ``model/``.
@@ -734,4 +757,4 @@ class PruningRun:
             next(bar, None)
 
 
-__all__ = ["PruningRun", "RunOptions"]
+__all__ = ["PruningRun", "RunOptions", "run_options"]

@@ -24,7 +24,7 @@ from ..engine.io import local_inputs
 from ..engine.planning.plan import PruningPlan
 from ..engine.planning.strategy import Strategy
 from ..engine.ranks import RunContext
-from ..engine.run import PruningRun, RunOptions
+from ..engine.run import PruningRun, run_options
 
 _END = object()
 
@@ -136,7 +136,8 @@ class FabricCalibration(RunResults):
             raise ValueError(FSDP1_MESSAGE)
         if pruning is not None and (strategy is not None or options):
             raise ValueError("FabricCalibration takes either pruning= or a strategy and options, not both.")
-        self.pruning = pruning or PruningRun(RunOptions(strategy=strategy, **options), owner="FabricCalibration")
+        self.pruning = pruning or PruningRun(run_options("FabricCalibration", strategy, **options),
+                                               owner="FabricCalibration")
         self.fabric, self.model, self.context = fabric, model, fabric_context(fabric)
         self.hf_model = _hf_model(model)
         model_id = model_id or getattr(self.hf_model.config, "_name_or_path", None) or None

@@ -614,3 +614,34 @@ def test_non_uniform_pruning_turns_off_the_pooled_router_aux_loss():
     assert model.config.output_router_logits is False
     assert ompmoe.pruning_info(model)["router_aux_loss"] is True  # FinetuneModule keeps a per-layer aux loss
     model(torch.randint(0, 256, (1, 8)))  # the pooled aux loss would fail on 9 vs 7 experts
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_vl_moe"])
+def test_pruning_leaves_the_config_the_model_was_built_from_as_it_was(model_type):
+    """Models built from one config object share it: pruning one changed the object, so a ratio sweep building each
+    model from it built the next one pruned (7 experts, a record), then failed with 'the pruning record is corrupt'.
+    The pruned model gets its own config (every module holding it, a container's text config too)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ompmoe.engine.model_classes import text_config
+    from ompmoe.engine.tiny import tiny_config
+
+    config = tiny_config(model_type)
+    before = config.to_dict()
+    build = AutoModelForCausalLM if model_type == "qwen3_moe" else AutoModelForImageTextToText
+    plans = []
+    for ratio in (0.25, 0.5):
+        model = build.from_config(config).eval()
+        experts = ompmoe.find_moe_layers(model)[0].num_experts
+        assert experts == (config.num_experts if model_type == "qwen3_moe" else config.text_config.num_experts)
+        stats = ompmoe.collect_stats(model, [torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))],
+                                     progress=False)
+        plans.append(ompmoe.plan_pruning(stats, ratio, allocation="uniform"))
+        ompmoe.prune(model, plans[-1])
+        assert config.to_dict() == before and getattr(config, "ompmoe", None) is None
+        holders = [module.config for module in model.modules() if "config" in module.__dict__]
+        ours = {id(model.config), *(id(value) for value in vars(model.config).values() if hasattr(value, "to_dict"))}
+        theirs = {id(config), *(id(value) for value in vars(config).values() if hasattr(value, "to_dict"))}
+        assert {id(held) for held in holders} <= ours and not ours & theirs
+        assert text_config(model.config).num_experts == ompmoe.find_moe_layers(model)[0].num_experts
+    assert [plan.ratio for plan in plans] == [0.25, 0.5]

@@ -208,3 +208,32 @@ def test_a_waterfill_plan_keeps_its_residual_criterion_and_names_its_method(loss
     assert header == "layer,layer_index,num_experts,kept,uniform_kept,residual,coverage"  # no loss estimates
     figure = allocation_figure(loss_aware, plan)
     assert figure.get_suptitle() == "plan: omp/waterfill, ratio 0.5" and len(figure.axes) == 1
+
+
+def test_a_model_saved_with_omp_moe_plus_says_a_plain_load_runs_without_it(tmp_path):
+    """The fit's held-out figure and ``load_pruned`` skip experts per token; a plain ``from_pretrained`` (lm-eval's
+    ``hf`` model) runs every top-k expert, a different model (85.04 against the 88.82 printed), and nothing said so.
+    The card and the held-out line say it now."""
+    from ompmoe.engine.apply.adaptive import enable_adaptive
+
+    model = tiny_model(MODEL_TYPE)
+    stats = ompmoe.collect_stats(model, token_blocks(4).split(2))
+    pruned = enable_adaptive(ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform")), stats, 0.1)
+    save(pruned, tmp_path / "adaptive")
+    assert card_row(tmp_path / "adaptive", "OMP-MoE+ (adaptive inference)") == (
+        "| OMP-MoE+ (adaptive inference) | epsilon 0.1: each token skips the low-energy tail of its top-k experts when "
+        "loaded with `ompmoe.load_pruned`; a plain `from_pretrained` (lm-eval's `hf` model, serving engines) runs "
+        "every top-k expert: the static pruned model, whose quality and speed differ "
+        "(`ompmoe.engine.apply.adaptive.restore_adaptive(model)` switches it on after such a load) |")
+    save(ompmoe.prune(tiny_model(MODEL_TYPE), ompmoe.plan_pruning(stats, 0.5, allocation="uniform")),
+         tmp_path / "static")
+    assert "OMP-MoE+" not in (tmp_path / "static" / "README.md").read_text()
+    for epsilon, layer_by_layer, said in ((0.1, False, " (with OMP-MoE+ at epsilon 0.1, as ompmoe.load_pruned runs "
+                                                        "it; a plain from_pretrained runs without)"),
+                                          (None, False, ""), (0.1, True, "")):
+        run = ompmoe.PruningRun(ompmoe.RunOptions(adaptive_epsilon=epsilon, layer_by_layer=layer_by_layer,
+                                                  compensation="off" if layer_by_layer else "auto",
+                                                  strategy=ompmoe.PruningStrategy(ratio=0.5)))
+        run.heldout_perplexity, run.heldout_tokens = {"heldout:prose": (30.1, 33.5)}, 8192
+        assert run.heldout_line() == (f"ompmoe: held-out perplexity on 8,192 tokens per set, original -> pruned"
+                                      f"{said}: heldout:prose 30.10 -> 33.50")

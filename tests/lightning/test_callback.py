@@ -448,3 +448,27 @@ def test_a_spawning_strategy_is_refused_before_calibration(tmp_path, one_thread)
         trainer([callback], devices=2, strategy="ddp_spawn").fit(CalibrationModule("tiny:olmoe"),
                                                                  DataLoader(batches(4), batch_size=1))
     assert not (tmp_path / "run").exists()
+
+
+def test_options_given_the_wrong_way_are_refused_when_the_callback_is_made():
+    """``ExpertPruning("run")`` was accepted and failed inside trainer.fit ('str' object has no attribute 'validate');
+    ``ExpertPruning(ratio=0.5)`` said only that RunOptions got an unexpected keyword. Each names the fix now."""
+    cases = [((("run",), {}), "strategy must be a Strategy such as ompmoe.PruningStrategy(ratio=0.5) (any object "
+                              "with validate and plan); got str 'run' (a path? output_dir is a keyword option: "
+                              "output_dir=...)."),
+             ((({"ratio": 0.5},), {}), "strategy must be a Strategy such as ompmoe.PruningStrategy(ratio=0.5) (any "
+                                       "object with validate and plan); got dict {'ratio': 0.5}."),
+             (((), {"ratio": 0.5}), "ExpertPruning takes ratio in its strategy: "
+                                    "ExpertPruning(strategy=ompmoe.PruningStrategy(ratio=...))."),
+             (((), {"outputdir": "x"}), "ExpertPruning has no option 'outputdir'; its options: strategy, output_dir, "
+                                        "overwrite, save_model, extra_ratios, plots, adaptive_epsilon, tokenizer, "
+                                        "dtype, loss_aware, reroute, statistics, evaluate_on, evaluate_blocks, "
+                                        "choice_blocks, compensation, layer_by_layer (ompmoe.RunOptions).")]
+    for (args, kwargs), message in cases:
+        with pytest.raises(TypeError) as refused:
+            ExpertPruning(*args, **kwargs)
+        assert str(refused.value) == message
+    with pytest.raises(TypeError, match=r"^FabricCalibration takes method in its strategy: FabricCalibration\("):
+        from types import SimpleNamespace
+
+        ompmoe.FabricCalibration(SimpleNamespace(strategy=None), tiny_model("qwen3_moe"), method="omp")

@@ -22,9 +22,9 @@ from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, find_moe_layers
 from ..collect import replay as _replay
 from ..collect.collector import pause_during_calibration
 from ..collect.statistics import MoEStats
-from ..record import EARLIER_KEY, last_pruning_kept, pruning_info
+from ..record import ADAPTIVE_KEY, EARLIER_KEY, last_pruning_kept, pruning_info
 
-CONFIG_KEY = "ompmoe_adaptive"
+CONFIG_KEY = ADAPTIVE_KEY
 """Config attribute holding ``{"epsilon", "zeta", "alphas": {layer name: [alpha_e, ...]}}``."""
 ZETA = 1e-6
 STATE_ATTR = "_ompmoe_adaptive"

@@ -3,6 +3,7 @@ by expert change: the native router code routes exactly as before over the kept 
 
 from __future__ import annotations
 
+import copy
 import numbers
 import warnings
 from typing import Any
@@ -179,6 +180,19 @@ def require_plan_model(model: nn.Module, plan: PruningPlan, fix: str) -> None:
             f"model_id={plan.model_id!r}); this model has fingerprint {actual}. {fix}")
 
 
+def own_config(model: nn.Module) -> None:
+    """Give ``model`` a copy of its config (and its sub-configs, a container's text config) in every module that holds
+    it (per-layer configs too), before pruning changes the counts and the record: transformers models built from one
+    config object share it,
+    so a sweep building each model from the same config would build the next one pruned, carrying a record."""
+    copies: dict[int, Any] = {}  # deepcopy's memo: every object of the config's graph -> its copy
+    copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in copies:
+            module.config = copies[id(held)]
+
+
 def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
     """Remove the experts ``plan`` drops, in place, and return ``model``; a plan that does not fit
     (:class:`PlanMismatchError`) or a quantized model (prune first, then quantize) leaves the model untouched."""
@@ -188,6 +202,7 @@ def prune(model: nn.Module, plan: PruningPlan) -> nn.Module:
                                     "made for.")
     validate_plan(model, plan, layers)
     spec = architecture_of(model)
+    own_config(model)
     previous = pruning_info(model) or {}
     kept_original: dict[str, list[int]] = {}
     original_counts: dict[str, int] = dict(previous.get("original_num_experts", {}))

@@ -15,7 +15,7 @@ import yaml
 
 from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
-from ..record import EARLIER_KEY, within_tolerance
+from ..record import ADAPTIVE_KEY, EARLIER_KEY, within_tolerance
 from .config import finetune_records
 
 
@@ -228,6 +228,12 @@ def model_card(
         f"({total_kept} of {total} routed experts kept) |",
         f"| Allocation | {plan.get('allocation', 'not recorded')} |",
         f"| Compensation | {_compensation(record.get('compensation'), earlier)} |",
+        *([f"| OMP-MoE+ (adaptive inference) | epsilon {adaptive['epsilon']:g}: each token skips the low-energy tail "
+           "of its top-k experts when loaded with `ompmoe.load_pruned`; a plain `from_pretrained` (lm-eval's "
+           f"`{'hf' if auto_class_of(config) == 'AutoModelForCausalLM' else 'hf-multimodal'}` model, serving "
+           "engines) runs every top-k expert: the static pruned model, whose quality and speed differ "
+           "(`ompmoe.engine.apply.adaptive.restore_adaptive(model)` switches it on after such a load) |"]
+          if isinstance(adaptive := config.get(ADAPTIVE_KEY), dict) else []),
         *([f"| Pruned before | {'; then '.join(earlier_summary(step) for step in earlier)} (the method, "
            "requested ratio, allocation and compensation above are the last pruning's, of the model the earlier "
            "left; the achieved ratio, kept ids and counts are against the original) |"] if earlier else []),
