@@ -194,6 +194,8 @@ def replan(
             run.source = str(source) if source is not None else None
             if heldout_record:  # as a fit records it: the plans of both say what they were measured on
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
+            if (heldout_record or refit.granularity) and fit_data(fit) is not None:  # and the text they came from
+                run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "calibration_data": fit_data(fit)})
             scratch = stack.enter_context(run.layer_by_layer_scratch(output_dir)) if layerwise else None
             measured = None
             unchecked = f"applied as asked (compensation={refit.granularity!r})"
@@ -334,7 +336,8 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         return _Refit(source="plans only: no --model")
     if granularity in (None, "off"):
         return _Refit(source=source)
-    if record.get("calibration_data") is None:
+    data = record.get("calibration_data") or fit_data(fit)
+    if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
                  "from elsewhere than ompmoe.CalibrationDataModule)" if fit is not None else
                  f"no fit's plan of these statistics ({fit_plan}) records the calibration data")
@@ -343,7 +346,17 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
                                                     f"{where}")
         raise ValueError(f"--compensation {given} fits on the fit's calibration text, but {where}; pass "
                          "--compensation off")
-    return _Refit(granularity, record["calibration_data"], record.get("check_blocks"), source)
+    return _Refit(granularity, data, record.get("check_blocks"), source)
+
+
+def fit_data(fit: Any) -> dict[str, Any] | None:
+    """The data settings of a fit's calibration text, wherever its plan records them (every fit on
+    ompmoe.CalibrationDataModule since they are recorded on their own; before, in its compensation or held-out
+    record)."""
+    if fit is None:
+        return None
+    return (fit.extra.get("calibration_data") or (fit.extra.get("compensation") or {}).get("calibration_data")
+            or (fit.extra.get("heldout") or {}).get("calibration_data"))
 
 
 @dataclasses.dataclass
@@ -368,7 +381,7 @@ def _heldout(given: list[str] | None, blocks: int | None, fit: Any, model: str |
     if not sets or model is None:
         return None
     fit_blocks = record.get("blocks") if given is None or sets == record.get("sets") else None
-    data = record.get("calibration_data") or (fit.extra.get("compensation") or {}).get("calibration_data")
+    data = record.get("calibration_data") or fit_data(fit)
     return _Heldout(sets, blocks or fit_blocks, dict(data or {}))
 
 

@@ -64,6 +64,7 @@ def test_prune_replans_at_other_ratios_without_calibrating(tmp_path):
         plan = ompmoe.PruningPlan.load(tmp_path / "plans" / f"plan-{ratio:g}.json")
         compensation = plan.extra.pop("compensation")  # fitted as the fit did (tests/test_prune_compensation.py)
         assert plan.extra.pop("heldout") == fit_plan.extra["heldout"]  # measured on the fit's held-out sets
+        assert plan.extra.pop("calibration_data") == fit_plan.extra["calibration_data"]  # and its calibration text
         assert plan == ompmoe.plan_pruning(stats, ratio, method=fit_plan.method, allocation=fit_plan.allocation)
         model = ompmoe.load_pruned(tmp_path / "plans" / f"model-{ratio:g}")
         assert ompmoe.pruning_info(model)["kept_experts"] == plan.kept_by_layer()

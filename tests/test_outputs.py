@@ -69,7 +69,8 @@ def test_prune_and_plot_refuse_an_output_dir_holding_their_inputs(earlier_run, t
     plan_file = str(ompmoe.plan_pruning(stats, 0.5).save(Path("out") / "plan-elsewhere.json", overwrite=False))
     before = names(earlier_run)
     for command, named in (
-        (["prune", "--stats", stats_file, "--ratio", "0.5", "--tokenizer", "out/calib.txt"], "out/calib.txt"),
+        (["prune", "--stats", stats_file, "--ratio", "0.5", "--model", "tiny:qwen3_moe", "--tokenizer",
+          "out/calib.txt"], "out/calib.txt"),
         (["prune", "--stats", stats_file, "--ratio", "0.5", "--model", "out/model-0.25"], "out/model-0.25"),
         (["plot", "--stats", stats_file, "--plan", plan_file], plan_file),
     ):

@@ -113,7 +113,8 @@ def test_a_fit_without_recorded_data_settings_is_named_and_its_prune_left_uncomp
     copied.mkdir()
     (copied / "stats.safetensors").write_bytes((fit / "stats.safetensors").read_bytes())
     plan = json.loads((fit / "plan.json").read_text())
-    del plan["extra"]["compensation"]["calibration_data"]  # e.g. a fit on a plain DataLoader
+    for record in (plan["extra"], plan["extra"]["compensation"], plan["extra"].get("heldout", {})):
+        record.pop("calibration_data", None)  # e.g. a fit on a plain DataLoader: no record of its text anywhere
     (copied / "plan.json").write_text(json.dumps(plan))
     stats, out = str(copied / "stats.safetensors"), tmp_path / "out"
     where = (f"the fit's plan {copied / 'plan.json'} records no calibration data settings to cut it again (its text "
@@ -189,3 +190,26 @@ def test_a_saved_weights_dtype_is_checked_before_any_work(fit, tmp_path, capsys,
     with pytest.raises(ValueError) as refused:
         ompmoe.RunOptions(dtype=torch.int8)
     assert str(refused.value) == message.replace("'int8'", "'torch.int8'")
+
+
+def test_a_fit_that_compensated_nothing_is_refitted_on_its_recorded_calibration_text(fit, tmp_path, capsys):
+    """A fit without compensation (a named method, ``compensation off``) recorded no data settings, so
+    ``prune --compensation`` was refused saying its text came from elsewhere than CalibrationDataModule. Every fit on
+    it records them now (``extra.calibration_data``); an older fit's held-out record serves too."""
+    plan = json.loads((fit / "plan.json").read_text())
+    data = plan["extra"]["calibration_data"]
+    assert data == plan["extra"]["compensation"]["calibration_data"]
+    del plan["extra"]["compensation"]
+    plans = {"now": dict(plan, extra={key: value for key, value in plan["extra"].items() if key != "heldout"}),
+             "older": dict(plan, extra={**{key: value for key, value in plan["extra"].items()
+                                           if key != "calibration_data"}, "heldout": {"sets": [], "blocks": 2,
+                                                                                    "calibration_data": data}})}
+    for name, recorded in plans.items():
+        copied = tmp_path / name
+        copied.mkdir()
+        (copied / "stats.safetensors").write_bytes((fit / "stats.safetensors").read_bytes())
+        (copied / "plan.json").write_text(json.dumps(recorded))
+        main(["prune", "--stats", str(copied / "stats.safetensors"), "--ratio", "0.5", "--model", MODEL,
+              "--output_dir", str(tmp_path / f"out-{name}"), "--compensation", "layer", "--quiet"])
+        record = ompmoe.PruningPlan.load(tmp_path / f"out-{name}" / "plan-0.5.json").extra["compensation"]
+        assert record["granularity"] == "layer" and record["calibration_data"] == data

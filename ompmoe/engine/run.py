@@ -468,6 +468,8 @@ class PruningRun:
         plan = self._plan(context, stats, model, blocks, batch_size)
         if self.options.layer_by_layer:
             plan = dataclasses.replace(plan, extra={**plan.extra, "calibration": {"mode": LAYER_BY_LAYER}})
+        if self.calibration_data is not None:  # what ``ompmoe prune`` cuts again to refit its plans (also this fit's)
+            plan = dataclasses.replace(plan, extra={**plan.extra, "calibration_data": self.calibration_data})
         if self.options.evaluate_on:  # the same on every rank: what ``ompmoe prune`` measures its plans on again
             plan = dataclasses.replace(plan, extra={**plan.extra, "heldout": self.heldout_record()})
         self.stats, self.plan = stats, plan
