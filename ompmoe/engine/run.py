@@ -482,6 +482,7 @@ class PruningRun:
                 after = {name: pair[1] for name, pair in measured.heldout.items()}
                 return self._finish(context, model, heldout, before, after, show_progress,
                                     self.measured_line(measured, heldout))
+        self.gather_calibration_text(context)
         self.compensation, self.plan = on_rank_zero(
             context, lambda: (self._compensate(model, blocks, batch_size), self.plan))  # the same on every rank
         before = {name: perplexity(model, blocks, batch_size) for name, blocks in heldout.items()}
@@ -647,6 +648,15 @@ class PruningRun:
         self.strategy_used = dataclasses.replace(self.strategy, method=plan.method,  # type: ignore[type-var]
                                                  allocation=plan.allocation)
         return plan
+
+    def gather_calibration_text(self, context: RunContext) -> None:
+        """Every rank's calibration batches, rank by rank, on every rank (a collective: every rank calls it): the
+        compensation, fitted on rank 0, fits on all the text the statistics saw when the data module holds no blocks
+        of its own (a plain DataLoader), not rank 0's share of it."""
+        if context.world_size > 1 and self.compensation_granularity and self.collector is not None:
+            own = self.collector.token_batches
+            self.collector.token_batches = [batch for rank in range(context.world_size)
+                                            for batch in context.broadcast(own, src=rank)]
 
     def _compensate(self, model: nn.Module | None, blocks: torch.Tensor | None, batch_size: int
                     ) -> Compensation | None:

@@ -266,3 +266,30 @@ def test_a_run_measures_the_paper_setting_on_its_heldout_blocks(blocks, choice):
     share = "" if paper <= before else f": {(paper - after) / (paper - before):.0%} of its increase recovered"
     assert lines[-1] == (f"ompmoe: held-out perplexity on {heldout.numel():,} tokens per set, original -> pruned: "
                          f"held {before:.2f} -> {after:.2f} (paper's setting {paper:.2f}{share})")
+
+
+def test_under_several_ranks_the_compensation_fits_on_every_ranks_calibration_text():
+    """With a plain DataLoader the text to fit on is the batches each rank calibrated on: under DDP rank 0 fitted on
+    its own share (288 of 544 tokens, another correction than one process's). Every rank's batches are gathered first:
+    the run's correction is the literal fit on all of them. (A two-rank context stands in for the other rank.)"""
+    blocks = token_blocks(8, seed=7)
+    mine, theirs = blocks[:4], blocks[4:]
+    model = tiny_model(MODEL_TYPE)
+    original = copy.deepcopy(model)
+    other = [{"input_ids": block} for block in theirs.split(2)]
+
+    def broadcast(obj, src=0):  # rank 0 here; rank 1's calibration batches when it sends them
+        return other if src == 1 and isinstance(obj, list) else None if src == 1 else obj
+
+    context = ompmoe.LocalContext(world_size=2, broadcast=broadcast, print=lambda line: None)
+    run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5), compensation="linear",
+                                              plots=False))
+    run.start(model, context, model_id=f"tiny:{MODEL_TYPE}")
+    run.collect(mine.split(2))
+    run.finish(context)
+    record = run.plan.extra["compensation"]
+    _, literal = fit_compensation(original, run.plan, blocks, 4, "linear", None, None,
+                                  "applied as asked (compensation='linear')")
+    assert record.keys() == literal.keys() and record["num_tokens"] == literal["num_tokens"] == blocks.numel() // 4
+    for key, value in literal.items():
+        assert record[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
