@@ -24,7 +24,7 @@ from ompmoe.engine.ranks import RunContext
 from ompmoe.engine.run import PruningRun, run_options
 from ompmoe.lightning import layer_by_layer
 from ompmoe.lightning.fabric import RunResults
-from ompmoe.lightning.strategies import check_trainer_strategy
+from ompmoe.lightning.strategies import check_trainer_strategy, epochs_warning
 
 __all__ = ["ExpertPruning", "MissingModelError", "find_hf_model"]
 
@@ -110,6 +110,8 @@ class ExpertPruning(RunResults, pl.Callback):
         if stage != "fit":
             return
         check_trainer_strategy(trainer.strategy)
+        if (too_many := epochs_warning(trainer)) is not None and not self.pruning.options.layer_by_layer:
+            rank_zero_warn(too_many)
         if self.pruning.options.layer_by_layer:
             layer_by_layer.prepare(trainer, pl_module)
         # What the run reads (model, tokenizer, data files) must not lie inside an output it will replace.

@@ -521,7 +521,8 @@ class PruningRun:
                                  for kind, value in zip(("original", "pruned"), pair)})
         if self.options.output_dir is not None:
             on_rank_zero(context, lambda: self.write(model, show_progress))
-            context.print(f"ompmoe: wrote statistics, plan and pruned model to {self.options.output_dir}")
+            written = "statistics, plan" + (" and pruned model" if self.options.save_model else " (save_model off)")
+            context.print(f"ompmoe: wrote {written} to {self.options.output_dir}")
         context.barrier("ompmoe-pruning-written")
         return plan
 

@@ -293,3 +293,18 @@ def test_under_several_ranks_the_compensation_fits_on_every_ranks_calibration_te
     assert record.keys() == literal.keys() and record["num_tokens"] == literal["num_tokens"] == blocks.numel() // 4
     for key, value in literal.items():
         assert record[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+
+
+def test_a_run_without_its_model_says_it_wrote_none(tmp_path):
+    """``save_model=False`` printed "wrote statistics, plan and pruned model" and wrote no model."""
+    lines: list[str] = []
+    context = ompmoe.LocalContext(print=lines.append)
+    for save_model, said in ((False, "statistics, plan (save_model off)"), (True, "statistics, plan and pruned model")):
+        out = tmp_path / str(save_model)
+        run = ompmoe.PruningRun(ompmoe.RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5), output_dir=str(out),
+                                                  plots=False, save_model=save_model))
+        run.start(tiny_model(MODEL_TYPE), context, model_id=f"tiny:{MODEL_TYPE}")
+        run.collect(token_blocks(4, seed=3).split(2))
+        run.finish(context)
+        assert lines[-1] == f"ompmoe: wrote {said} to {out}"
+        assert (out / "model").is_dir() == save_model

@@ -472,3 +472,14 @@ def test_options_given_the_wrong_way_are_refused_when_the_callback_is_made():
         from types import SimpleNamespace
 
         ompmoe.FabricCalibration(SimpleNamespace(strategy=None), tiny_model("qwen3_moe"), method="omp")
+
+
+def test_more_than_one_epoch_is_said_to_count_every_batch_again():
+    """``max_epochs=3`` counted the data three times without a word (Lightning's default without max_epochs is 1000)."""
+    callback = ExpertPruning(PruningStrategy(ratio=0.5))
+    with pytest.warns(UserWarning) as caught:
+        trainer([callback], max_epochs=3).fit(CalibrationModule("tiny:olmoe"), DataLoader(batches(2), batch_size=1))
+    assert ("ExpertPruning counts every batch of every epoch: max_epochs=3 runs the calibration data 3 times, counting "
+            "each batch again each time (no new information, that many times the time). Set Trainer(max_epochs=1), "
+            "as configs/*.yaml do.") in [str(warning.message) for warning in caught]
+    assert callback.stats.num_tokens == 3 * 2 * 32
