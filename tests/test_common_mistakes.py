@@ -46,13 +46,21 @@ def test_missing_local_path_says_so_with_the_nearest_existing_one(tmp_path, monk
         resolve_shipped("outputs/other/run/model")
     assert str(error.value) == "path 'outputs/other/run/model' does not exist; 'outputs' exists"
     assert resolve_shipped("outputs/tiny/model") == "outputs/tiny/model"
+    from ompmoe.lightning.models import default_tokenizer, resolve_model
+
+    for call, role in ((lambda: resolve_model("outputs/tiny/modle"), "model path"),
+                       (lambda: default_tokenizer("outputs/tiny/model", "outputs/tiny/tok"), "tokenizer path")):
+        with pytest.raises(FileNotFoundError) as error:  # the role the path was given in, named
+            call()
+        assert str(error.value).startswith(f"{role} 'outputs/tiny/")
     assert resolve_shipped("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"  # a hub id stays a hub id
 
 
 @pytest.mark.parametrize(("model", "expected"), [
     ("shipped:tiny-mo", "error: unknown shipped model 'shipped:tiny-mo': did you mean 'shipped:tiny-moe'? "
                         "the shipped models are shipped:tiny-moe, shipped:tiny-moe-64, shipped:tiny-moe-a3b"),
-    ("outputs/tiny/modle", "error: path 'outputs/tiny/modle' does not exist; did you mean 'outputs/tiny/model'?"),
+    ("outputs/tiny/modle", "error: model path 'outputs/tiny/modle' does not exist; did you mean "
+                           "'outputs/tiny/model'?"),
 ])
 def test_fit_with_a_mistyped_model_is_one_line(model, expected, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -240,5 +240,5 @@ def test_the_finetuning_cli_ends_bad_input_in_one_line_with_status_2(tmp_path, c
                        "--trainer.accelerator", "cpu"])
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"error: path {str(tmp_path / 'no-model')!r} does not exist; {str(tmp_path)!r} exists")
+        f"error: model path {str(tmp_path / 'no-model')!r} does not exist; {str(tmp_path)!r} exists")
     assert not (tmp_path / "out").exists()

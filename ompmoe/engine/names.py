@@ -32,9 +32,10 @@ def shipped_model_path(name: str = "tiny-moe") -> Path:
     return Path(str(resources.files("ompmoe").joinpath("data", name)))
 
 
-def resolve_shipped(spec: str) -> str:
+def resolve_shipped(spec: str, what: str = "path") -> str:
     """``shipped:<model>`` -> its local directory; a hub id or an existing path is returned as is. A misspelt
-    shipped name or a missing local path fails here, with a hint, not later as a confusing hub error."""
+    shipped name or a missing local path (``what``: the role it was given in, e.g. ``model path``) fails here, with a
+    hint, not later as a confusing hub error."""
     if not isinstance(spec, str):
         return spec
     if spec.startswith(SHIPPED_PREFIX):
@@ -45,7 +46,7 @@ def resolve_shipped(spec: str) -> str:
             raise ValueError(f"unknown shipped model {spec!r}: {hint}the shipped models are {_SHIPPED_NAMES}")
         return str(shipped_model_path(spec))
     if looks_local(spec) and not Path(spec).expanduser().exists():
-        raise FileNotFoundError(f"path {spec!r} does not exist{nearest_path_hint(spec)}")
+        raise FileNotFoundError(f"{what} {spec!r} does not exist{nearest_path_hint(spec)}")
     return spec
 
 

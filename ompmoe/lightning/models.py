@@ -42,7 +42,7 @@ def model_and_name(model: str | nn.Module | None) -> tuple[nn.Module | None, str
 def resolve_model(name: str) -> str:
     """``name`` as ``from_pretrained`` takes it, refused at once when it cannot be loaded: a misspelt
     shipped name, a local path that does not exist, or a hub id that is neither cached nor reachable."""
-    path = resolve_shipped(name)
+    path = resolve_shipped(name, "model path")
     if path == name and not Path(name).expanduser().exists():
         require_hub_model(name)
     from ..engine.collect.input_kinds import check_input_kind
@@ -89,4 +89,5 @@ def model_config(name: str, trust_remote_code: bool = False) -> Any:
 
 def default_tokenizer(model_name: str | None, tokenizer: str | None = None) -> str | None:
     """The tokenizer to use: ``tokenizer`` if given, bytes for tiny models, else the model's own."""
-    return resolve_shipped(tokenizer or (BYTES_TOKENIZER if is_tiny(model_name) else model_name))
+    return resolve_shipped(tokenizer or (BYTES_TOKENIZER if is_tiny(model_name) else model_name),
+                           "tokenizer path" if tokenizer else "model path")
