@@ -227,6 +227,8 @@ def paper_part(original: float, pruned: float, paper: float | None) -> str:
         return ""
     if paper <= original:
         return f" (paper's setting {paper:.2f})"
+    if pruned > paper:  # the run's setting lost more than the paper's: how much more, not a negative share
+        return f" (paper's setting {paper:.2f}: this one's increase is {(pruned - original) / (paper - original):.0%} of it)"
     return f" (paper's setting {paper:.2f}: {(paper - pruned) / (paper - original):.0%} of its increase recovered)"
 
 

@@ -231,7 +231,7 @@ def test_the_heldout_line_gives_the_paper_setting_and_the_share_of_its_increase_
     from ompmoe.engine.run import paper_part, paper_plan
 
     assert paper_part(40.0, 45.0, 50.0) == " (paper's setting 50.00: 50% of its increase recovered)"
-    assert paper_part(40.0, 52.0, 50.0) == " (paper's setting 50.00: -20% of its increase recovered)"
+    assert paper_part(40.0, 52.0, 50.0) == " (paper's setting 50.00: this one's increase is 120% of it)"
     assert paper_part(40.0, 41.0, 39.5) == " (paper's setting 39.50)"  # the paper lost nothing: no share
     assert paper_part(40.0, 41.0, None) == ""
     auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto", min_kept_fraction=0.25)
@@ -246,7 +246,7 @@ def test_the_heldout_line_gives_the_paper_setting_and_the_share_of_its_increase_
 
 
 def test_a_run_measures_the_paper_setting_on_its_heldout_blocks(blocks, choice):
-    from ompmoe.engine.run import paper_plan
+    from ompmoe.engine.run import paper_part, paper_plan
 
     heldout = token_blocks(3, seed=5)
     model = tiny_model(MODEL_TYPE)
@@ -263,9 +263,8 @@ def test_a_run_measures_the_paper_setting_on_its_heldout_blocks(blocks, choice):
         paper = perplexity(original, heldout, 4)
     assert run.heldout_paper == {"held": pytest.approx(paper, rel=1e-9)}
     before, after = run.heldout_perplexity["held"]
-    share = "" if paper <= before else f": {(paper - after) / (paper - before):.0%} of its increase recovered"
     assert lines[-1] == (f"ompmoe: held-out perplexity on {heldout.numel():,} tokens per set, original -> pruned: "
-                         f"held {before:.2f} -> {after:.2f} (paper's setting {paper:.2f}{share})")
+                         f"held {before:.2f} -> {after:.2f}{paper_part(before, after, paper)}")  # tested above
 
 
 def test_under_several_ranks_the_compensation_fits_on_every_ranks_calibration_text():
