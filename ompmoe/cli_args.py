@@ -177,7 +177,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 SHORT_OPTIONS = {"ratio": "strategy", "method": "strategy", "allocation": "strategy", "output_dir": "run",
-                 "overwrite": "run", "layer_by_layer": "run"}
+                 "overwrite": "run", "layer_by_layer": "run", "compensation": "run"}
 """The options every front door takes by their short names (``fit`` maps them into its ``ExpertPruning``)."""
 SCRIPT_SKIPS = {"strategy", "tokenizer", "dtype"}
 """Run options a script names otherwise: the strategy's own fields, ``--model.tokenizer``, ``--save_dtype``."""

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 
 import ompmoe
@@ -276,11 +275,9 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
         assert_same_checkpoint(tmp_path / "loaded" / f"model-{ratio}", tmp_path / "files" / f"model-{ratio}")
 
     caplog.clear()
-    config = tiny_config(tmp_path / "b")
-    settings = yaml.safe_load(config.read_text())
-    settings["trainer"]["callbacks"][0]["init_args"]["compensation"] = "off"
-    config.write_text(yaml.safe_dump(settings))
-    main(["fit", "-c", str(config), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true"])
+    config = tiny_config(tmp_path / "b")  # --compensation: the short option for the callback's compensation
+    main(["fit", "-c", str(config), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--compensation", "off"])
     layered_lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     caplog.clear()
     main(["fit", "-c", str(tiny_config(tmp_path / "c")), "--trainer.enable_progress_bar=false", "--method", "omp",
