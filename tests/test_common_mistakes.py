@@ -256,3 +256,23 @@ def test_prune_still_prunes_a_pruned_model_again_from_its_own_statistics(pruned_
           "again", "--quiet"])
     assert sorted(path.name for path in (pruned_run.parent / "again").iterdir()) == [
         ".ompmoe-output", "model-0.25", "plan-0.25.json"]
+
+
+def test_a_missing_statistics_file_and_an_unknown_heldout_set_name_the_cli_way_to_fix_them(tmp_path, capsys):
+    """The missing file named only ompmoe.collect_stats(...).save(path); an unknown held-out set listed the presets,
+    not the held-out sets (heldout:prose, heldout:code)."""
+    import ompmoe
+    from ompmoe.engine.tiny import tiny_model
+
+    missing = tmp_path / "nowhere" / "stats.safetensors"
+    assert run(["prune", "--stats", str(missing), "--ratio", "0.5", "--output_dir", str(tmp_path / "out")],
+               capsys) == (f"error: No statistics file at {missing}; a calibration fit writes one (ompmoe fit -c "
+                           "configs/tiny.yaml: outputs/tiny/stats.safetensors), as does "
+                           "ompmoe.collect_stats(...).save(path).")
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), [torch.randint(3, 200, (2, 16))], progress=False)
+    saved = stats.save(tmp_path / "stats.safetensors")
+    assert run(["prune", "--stats", str(saved), "--ratio", "0.5", "--model", "tiny:qwen3_moe", "--evaluate_on",
+                "heldout:nosuch", "--output_dir", str(tmp_path / "out")], capsys).startswith(
+        "error: Unknown calibration source 'heldout:nosuch'. Use a preset (wikitext2, c4, tulu-math, evol-code, "
+        "shipped), a shipped corpus domain (heldout:prose, heldout:code for held-out sets), ")
+    assert not (tmp_path / "out").exists()

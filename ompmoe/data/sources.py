@@ -337,7 +337,9 @@ class TextSource:
                 )
         else:
             raise ValueError(
-                f"Unknown calibration source {source!r}. Use a preset ({', '.join([*PRESETS, SHIPPED])}), "
+                f"Unknown calibration source {source!r}. Use a preset ({', '.join([*PRESETS, SHIPPED])}), a "
+                f"shipped corpus domain ({', '.join(f'heldout:{domain}' for domain in CORPUS_DOMAINS)} for held-out "
+                "sets), "
                 "a hub data set as 'owner/name' (e.g. 'Salesforce/wikitext'), or a local file "
                 f"({', '.join(LOCAL_SUFFIXES)})."
             )

@@ -203,7 +203,8 @@ class MoEStats:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
-                f"No statistics file at {path}; create one with ompmoe.collect_stats(...).save(path).")
+                f"No statistics file at {path}; a calibration fit writes one (ompmoe fit -c configs/tiny.yaml: "
+                f"outputs/tiny/stats.safetensors), as does ompmoe.collect_stats(...).save(path).")
         check_input_kind(path, "statistics")  # a plan or a model's weights given as statistics
         fix = "Re-collect it: ompmoe.collect_stats(model, batches).save(path)."
         try:
