@@ -349,8 +349,8 @@ def test_bad_batches_raise():
     with pytest.raises(TypeError) as info:
         collect_stats(model, [[1, 2, 3]])
     assert str(info.value) == (
-        "Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
-        "for model(**batch); got list."
+        "Each calibration batch must be an input-id tensor (batch, seq), a dict with 'input_ids' for model(**batch) "
+        "or a tuple/list (input_ids[, attention_mask]) of tensors; got list."
     )
     with pytest.raises(TypeError, match="got dict"):
         collect_stats(model, [{"attention_mask": torch.ones(1, 4)}])

@@ -318,3 +318,21 @@ def test_the_script_refuses_an_existing_output_before_loading_the_model(tmp_path
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: out already exists; pass --overwrite (overwrite=True in Python) to replace it, or choose another "
         "output path.")
+
+
+def test_a_tensor_dataset_loader_calibrates_as_its_tensors_do(fabric):
+    """The (ids[, mask]) lists a TensorDataset loader yields, which ExpertPruning takes, were refused ('got list')."""
+    data = blocks(4)
+    mask = torch.ones_like(data)
+    mask[1, 20:] = 0
+    statistics = []
+    for batches in ([[ids, part] for ids, part in zip(data.split(2), mask.split(2))],
+                    [{"input_ids": ids, "attention_mask": part} for ids, part in zip(data.split(2), mask.split(2))]):
+        calibration = ompmoe.FabricCalibration(fabric, fabric.setup(tiny_model("qwen3_moe")),
+                                               ompmoe.PruningStrategy(ratio=0.5), plots=False)
+        for batch in batches:
+            calibration.update(batch)
+        calibration.finish()
+        statistics.append(calibration.stats)
+    assert statistics[0].num_tokens == statistics[1].num_tokens == data.numel() - 12
+    assert_stats_equal(statistics[0], statistics[1], rtol=0)

@@ -124,12 +124,16 @@ def _model_inputs(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def as_model_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Accept an input-id tensor or a dict for ``model(**batch)``; move tensors to ``device``."""
+    """Accept an input-id tensor, a dict for ``model(**batch)`` or an ``(input_ids[, attention_mask])`` tuple/list (a
+    ``TensorDataset`` loader's, as :func:`batch_inputs` reads it); move tensors to ``device``."""
+    if isinstance(batch, (list, tuple)) and (inputs := _contract_inputs(batch)) is not None:
+        batch = inputs
     if isinstance(batch, torch.Tensor):
         batch = {"input_ids": batch if batch.dim() == 2 else batch.unsqueeze(0)}
     if not isinstance(batch, Mapping) or "input_ids" not in batch and "inputs_embeds" not in batch:
-        raise TypeError("Each calibration batch must be an input-id tensor (batch, seq) or a dict with 'input_ids' "
-                        f"for model(**batch); got {type(batch).__name__}.")
+        raise TypeError("Each calibration batch must be an input-id tensor (batch, seq), a dict with 'input_ids' "
+                        "for model(**batch) or a tuple/list (input_ids[, attention_mask]) of tensors; got "
+                        f"{type(batch).__name__}.")
     return {key: value.to(device) for key, value in _model_inputs(batch).items()}
 
 
