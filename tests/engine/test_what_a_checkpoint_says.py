@@ -237,3 +237,16 @@ def test_a_model_saved_with_omp_moe_plus_says_a_plain_load_runs_without_it(tmp_p
         run.heldout_perplexity, run.heldout_tokens = {"heldout:prose": (30.1, 33.5)}, 8192
         assert run.heldout_line() == (f"ompmoe: held-out perplexity on 8,192 tokens per set, original -> pruned"
                                       f"{said}: heldout:prose 30.10 -> 33.50")
+
+
+def test_a_model_pruned_again_is_titled_by_the_model_its_first_pruning_started_from(tmp_path):
+    """Re-pruning a pruned output titled the card by the folder it loaded ("# model, experts pruned with ompmoe")."""
+    model = tiny_model(MODEL_TYPE)
+    model.config._name_or_path = "org/base-moe"
+    stats = ompmoe.collect_stats(model, token_blocks(4).split(2))
+    save(ompmoe.prune(model, ompmoe.plan_pruning(stats, 0.5, allocation="uniform")), tmp_path / "first" / "model")
+    again = ompmoe.load_pruned(tmp_path / "first" / "model")
+    stats = ompmoe.collect_stats(again, token_blocks(4, seed=1).split(2))
+    save(ompmoe.prune(again, ompmoe.plan_pruning(stats, 0.25, allocation="uniform")), tmp_path / "second")
+    titles = [line for line in (tmp_path / "second" / "README.md").read_text().splitlines() if line.startswith("# ")]
+    assert titles == ["# base-moe, experts pruned with ompmoe"]

@@ -213,7 +213,10 @@ def model_card(
     finetunes = finetune_records(config)
     earlier = record.get(EARLIER_KEY) or []
     meta = yaml.safe_dump(front_matter(model_id, config.get("model_type"), uniform), sort_keys=False).rstrip()
-    title = f"# {os.path.basename(str(model_id)) if model_id else 'MoE model'}, experts pruned with ompmoe"
+    # a model pruned again names the model its first pruning started from (the one it loaded is a pruned output)
+    named = next((step["plan"].get("model_id") for step in earlier[:1] if step.get("plan", {}).get("model_id")),
+                 model_id)
+    title = f"# {os.path.basename(str(named).rstrip('/')) if named else 'MoE model'}, experts pruned with ompmoe"
     lines = ["---", meta, "---", "", title, ""]
     if model_id and not _is_hub_id(model_id):
         lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
