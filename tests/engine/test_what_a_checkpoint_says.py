@@ -5,6 +5,7 @@ plots show the criterion the plan's allocation used, with the plan's method in t
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import warnings
@@ -250,3 +251,21 @@ def test_a_model_pruned_again_is_titled_by_the_model_its_first_pruning_started_f
     save(ompmoe.prune(again, ompmoe.plan_pruning(stats, 0.25, allocation="uniform")), tmp_path / "second")
     titles = [line for line in (tmp_path / "second" / "README.md").read_text().splitlines() if line.startswith("# ")]
     assert titles == ["# base-moe, experts pruned with ompmoe"]
+
+
+def test_the_residual_figures_title_fits_its_figure(loss_aware):
+    """The plan's line of the title ran past both edges of a three-panel-wide figure ("lan: ... allocation.pn")."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from ompmoe.engine.export.plots import residual_figure
+
+    stats = dataclasses.replace(loss_aware, layers=[*loss_aware.layers] * 3)  # 6 layers: 3 x 2 panels, as tiny-moe
+    stats.layers = [dataclasses.replace(layer, name=f"model.layers.{index}.mlp")
+                    for index, layer in enumerate(stats.layers)]
+    plan = ompmoe.plan_pruning(stats, 0.5, method="omp_normalized", allocation="loss", min_kept_fraction=0.25)
+    figure = residual_figure(stats, plan)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    title = figure._suptitle.get_window_extent(canvas.get_renderer())
+    assert 0 <= title.x0 and title.x1 <= figure.bbox.width
+    assert figure._suptitle.get_text().count("\n") == 2

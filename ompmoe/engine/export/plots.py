@@ -250,7 +250,7 @@ def residual_figure(stats: MoEStats, plan: PruningPlan | None = None, zeta: floa
     if plan is not None:
         title += f"\nplan: {plan.method}/{plan.allocation}, ratio {plan.ratio:g}; red line and title: experts kept"
         if plan.allocation in LOSS_ALLOCATIONS:
-            title += " (counts chosen by estimated loss: allocation.png)"
+            title += "\n(counts chosen by estimated loss: allocation.png)"  # a line of its own: 3 panels' width
     columns = min(max_columns, math.ceil(math.sqrt(len(stats.layers))))  # near-square: 6 layers -> 3 x 2 panels
     figure, axes, columns = _panels(len(stats.layers), columns, (3.2, 2.6), (0.0, 1.1), title)
     planned = {layer.name: layer for layer in plan.layers} if plan is not None else {}
