@@ -122,8 +122,8 @@ def replan(
         dtype: Weights dtype of the saved models; default: the source checkpoint's.
         quiet: No progress bar and no summary lines (errors are still printed).
         compensation: With ``model``: refit each pruned model's kept experts to the unpruned model's output
-            (``off``, ``layer``, ``expert``, ``linear`` or ``down``; RunOptions.compensation) on the fit's calibration text, cut
-            again from the data settings its plan recorded. Default: ``off`` with a method named, else what the fit
+            (``off``, ``layer``, ``expert``, ``linear`` or ``down``; RunOptions.compensation) on the fit's
+            calibration text, cut again from the data settings its plan recorded. Default: ``off`` with a method named, else what the fit
             applied.
         evaluate_on: With ``model``: held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source)
             on which each ratio prints perplexity original -> pruned. Default: the fit's (its plan records them).
@@ -564,11 +564,10 @@ def lightning_cli(args: list[str] | None = None) -> None:
         hf_logging.disable_progress_bar()
     # Lightning starts the other processes of a multi-device run by running sys.argv again: it holds this command
     # (as given: each process parses it itself) while the run goes on; only while LightningCLI parses ``args`` is it
-    # bare (it warns when both hold arguments; ``args`` are always meant).
-    if args and args[0] in EVAL_SUBCOMMANDS:
-        with mock.patch.object(sys, "argv", sys.argv[:1]):
-            return eval_cli(args)
+    # bare (OneLineErrors.parse_arguments: it warns when both hold arguments; ``args`` are always meant).
     with mock.patch.object(sys, "argv", [sys.argv[0], *given]):
+        if args and args[0] in EVAL_SUBCOMMANDS:
+            return eval_cli(args)
 
         from .lightning.calibration_data import CalibrationDataModule
         from .lightning.calibration_module import CalibrationModule
@@ -581,10 +580,6 @@ def lightning_cli(args: list[str] | None = None) -> None:
 
             def before_instantiate_classes(self) -> None:
                 apply_short_options(self.config.get(self.subcommand, self.config), self.subcommand)
-
-            def parse_arguments(self, parser: Any, args: Any) -> None:
-                with mock.patch.object(sys, "argv", sys.argv[:1]):
-                    super().parse_arguments(parser, args)
 
         CalibrationCLI(
             CalibrationModule,

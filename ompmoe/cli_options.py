@@ -5,9 +5,11 @@ by every ompmoe parser (``allow_abbrev=False``), so a typo is never silently tak
 from __future__ import annotations
 
 import difflib
+import sys
 from argparse import ArgumentError
 from collections.abc import Iterable
 from typing import Any
+from unittest import mock
 
 PARSER_SETTINGS = {"exit_on_error": False, "allow_abbrev": False}
 """What every ompmoe parser is built with: errors raised (then printed as one line), no abbreviations."""
@@ -46,8 +48,11 @@ class OneLineErrors:
         return super().init_parser(**kwargs, **PARSER_SETTINGS)  # type: ignore[misc]
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        # sys.argv is bare while ``args`` are parsed (LightningCLI warns when both hold arguments), and only then:
+        # Lightning runs it again to start a multi-device run's other processes (``ompmoe.cli.lightning_cli``)
         try:
-            super().parse_arguments(parser, args)  # type: ignore[misc]
+            with mock.patch.object(sys, "argv", sys.argv[:1]):
+                super().parse_arguments(parser, args)  # type: ignore[misc]
         except ArgumentError as error:
             command = f"ompmoe {args[0]}" if isinstance(args, list) and args else "ompmoe"
             raise ValueError(unknown_options_line(str(error), parser_options(parser), command)) from None

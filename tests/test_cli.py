@@ -233,3 +233,19 @@ def test_fit_on_two_devices_starts_the_second_process_with_the_same_command(tmp_
     stats = ompmoe.MoEStats.load(tmp_path / "run" / "stats.safetensors")
     assert stats.num_tokens == 4 * 64  # two blocks per process
     assert ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json").achieved_ratio == pytest.approx(0.5)
+
+
+def test_validate_and_test_run_with_their_command_in_sys_argv(monkeypatch):
+    """``ompmoe validate`` on several devices hung as fit did: its run saw a bare sys.argv, which Lightning runs again
+    to start the other ranks. The evaluation runs with the command in sys.argv too (bare only while parsing)."""
+    import sys
+
+    from ompmoe.cli import lightning_cli
+
+    seen = []
+    monkeypatch.setattr("ompmoe.eval.cli.eval_cli", lambda args: seen.append((list(sys.argv), args)))
+    for command in ("validate", "test"):
+        lightning_cli([command, "-c", "configs/eval/tiny.yaml", "--trainer.devices", "2"])
+    assert seen == [([sys.argv[0], command, "-c", "configs/eval/tiny.yaml", "--trainer.devices", "2"],
+                     [command, "-c", "configs/eval/tiny.yaml", "--trainer.devices", "2"])
+                    for command in ("validate", "test")]

@@ -213,3 +213,22 @@ def test_a_fit_that_compensated_nothing_is_refitted_on_its_recorded_calibration_
               "--output_dir", str(tmp_path / f"out-{name}"), "--compensation", "layer", "--quiet"])
         record = ompmoe.PruningPlan.load(tmp_path / f"out-{name}" / "plan-0.5.json").extra["compensation"]
         assert record["granularity"] == "layer" and record["calibration_data"] == data
+
+
+def test_the_recorded_data_settings_are_json_whatever_the_data_module_was_given():
+    """Every fit records its data settings now: a tokenizer object (or a Path) given to the data module from Python
+    would have made plan.save fail after the whole run. A tokenizer is recorded by its name or path."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from ompmoe.engine.apply.compensation_step import calibration_data
+    from ompmoe.engine.names import shipped_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(shipped_model_path())
+    settings = calibration_data(SimpleNamespace(hparams={
+        "source": "shipped:mix", "tokenizer": tokenizer, "data_files": [Path("a.txt")], "seq_len": 64,
+        "batch_size": 4, "_private": 1}))
+    assert settings == {"source": "shipped:mix", "tokenizer": str(shipped_model_path()), "data_files": ["a.txt"],
+                        "seq_len": 64}
+    assert json.loads(json.dumps(settings)) == settings

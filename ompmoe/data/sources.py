@@ -475,7 +475,8 @@ def text_encoder(tokenizer: Any) -> Encoder:
             return (lambda texts: [byte_tokens(text).tolist() for text in texts]), None
         from ..engine.export.config import load_tokenizer
 
-        tokenizer = load_tokenizer(resolve_shipped(tokenizer, "tokenizer path"))  # reads non-uniform pruned checkpoints too
+        # reads non-uniform pruned checkpoints too
+        tokenizer = load_tokenizer(resolve_shipped(tokenizer, "tokenizer path"))
 
     def encode(texts: list[str]) -> list[list[int]]:
         return list(tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])

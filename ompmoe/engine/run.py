@@ -145,7 +145,7 @@ class RunOptions:
             raise ValueError(f"adaptive_epsilon must lie in [0, 1]; got {self.adaptive_epsilon}.")
         if self.strategy is None:
             self.strategy = PruningStrategy(method=AUTO, allocation=AUTO)
-        elif not (callable(getattr(self.strategy, "validate", None)) and callable(getattr(self.strategy, "plan", None))):
+        elif not all(callable(getattr(self.strategy, name, None)) for name in ("validate", "plan")):
             path = " (a path? output_dir is a keyword option: output_dir=...)" if isinstance(self.strategy, str) else ""
             raise TypeError(f"strategy must be a Strategy such as ompmoe.PruningStrategy(ratio=0.5) (any object with "
                             f"validate and plan); got {type(self.strategy).__name__} {self.strategy!r}{path}.")
@@ -221,14 +221,16 @@ def paper_plan(strategy: Strategy, stats: MoEStats, plan: PruningPlan, compensat
 
 def paper_part(original: float, pruned: float, paper: float | None) -> str:
     """`` (paper's setting 33.90: 24 % of its increase recovered)``: the share of the paper's perplexity increase
-    the run's setting takes back, ``(paper - pruned) / (paper - original)``; only the paper's perplexity where it
+    the run's setting takes back, ``(paper - pruned) / (paper - original)``; where the run's setting lost more, its
+    increase as a share of the paper's (``this one's increase is 120% of it``); only the paper's perplexity where it
     lost nothing."""
     if paper is None:
         return ""
     if paper <= original:
         return f" (paper's setting {paper:.2f})"
     if pruned > paper:  # the run's setting lost more than the paper's: how much more, not a negative share
-        return f" (paper's setting {paper:.2f}: this one's increase is {(pruned - original) / (paper - original):.0%} of it)"
+        increase = (pruned - original) / (paper - original)
+        return f" (paper's setting {paper:.2f}: this one's increase is {increase:.0%} of it)"
     return f" (paper's setting {paper:.2f}: {(paper - pruned) / (paper - original):.0%} of its increase recovered)"
 
 
@@ -656,7 +658,8 @@ class PruningRun:
         """Every rank's calibration batches, rank by rank, on every rank (a collective: every rank calls it): the
         compensation, fitted on rank 0, fits on all the text the statistics saw when the data module holds no blocks
         of its own (a plain DataLoader), not rank 0's share of it."""
-        if context.world_size > 1 and self.compensation_granularity and self.collector is not None:
+        if (context.world_size > 1 and self.compensation_granularity and self.collector is not None
+                and not isinstance(getattr(self.data, "blocks", None), torch.Tensor)):  # the data module's: whole
             own = self.collector.token_batches
             self.collector.token_batches = [batch for rank in range(context.world_size)
                                             for batch in context.broadcast(own, src=rank)]
@@ -740,9 +743,10 @@ class PruningRun:
         parts = [f"{name} {original:.2f} -> {pruned:.2f}{paper_part(original, pruned, self.heldout_paper.get(name))}"
                  for name, (original, pruned) in self.heldout_perplexity.items()]
         # resident, the pruned model measured is the one written: with OMP-MoE+ on, which a plain load runs without
-        adaptive = (f" (with OMP-MoE+ at epsilon {self.options.adaptive_epsilon:g}, as ompmoe.load_pruned runs it; a "
-                    "plain from_pretrained runs without)" if self.options.adaptive_epsilon is not None
-                    and not self.options.layer_by_layer else "")
+        epsilon = self.options.adaptive_epsilon
+        adaptive = ("" if epsilon is None else f" (static: ompmoe.load_pruned switches on OMP-MoE+ at epsilon "
+                    f"{epsilon:g})" if self.options.layer_by_layer else f" (with OMP-MoE+ at epsilon {epsilon:g}, as "
+                    "ompmoe.load_pruned runs it; a plain from_pretrained runs without)")
         return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned"
                 f"{adaptive}: {', '.join(parts)}")
 

@@ -29,12 +29,11 @@ def epochs_warning(trainer: Any) -> str | None:
     """What a fit of more than one epoch does to the statistics (each batch counted once per epoch: the time of as many
     passes for nothing new; Lightning's own default, without max_epochs or max_steps, is 1000 epochs), else ``None``."""
     epochs = trainer.max_epochs
-    if epochs is None or epochs == 1 or (epochs == -1 and trainer.max_steps != -1):
+    if epochs is None or epochs <= 1 or trainer.max_steps != -1:  # one epoch, or bounded otherwise (max_steps)
         return None
-    times = "without end" if epochs == -1 else f"{epochs} times"
     return (f"ExpertPruning counts every batch of every epoch: max_epochs={epochs} runs the calibration data "
-            f"{times}, counting each batch again each time (no new information, that many times the time). Set "
-            "Trainer(max_epochs=1), as configs/*.yaml do.")
+            f"{epochs} times, counting each batch again each time (no new information, that many times the time). "
+            "Set Trainer(max_epochs=1), as configs/*.yaml do.")
 
 
 __all__ = ["check_trainer_strategy", "epochs_warning"]

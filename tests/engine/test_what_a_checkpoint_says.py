@@ -231,7 +231,8 @@ def test_a_model_saved_with_omp_moe_plus_says_a_plain_load_runs_without_it(tmp_p
     assert "OMP-MoE+" not in (tmp_path / "static" / "README.md").read_text()
     for epsilon, layer_by_layer, said in ((0.1, False, " (with OMP-MoE+ at epsilon 0.1, as ompmoe.load_pruned runs "
                                                         "it; a plain from_pretrained runs without)"),
-                                          (None, False, ""), (0.1, True, "")):
+                                          (None, False, ""), (0.1, True, " (static: ompmoe.load_pruned switches "
+                                                                         "on OMP-MoE+ at epsilon 0.1)")):
         run = ompmoe.PruningRun(ompmoe.RunOptions(adaptive_epsilon=epsilon, layer_by_layer=layer_by_layer,
                                                   compensation="off" if layer_by_layer else "auto",
                                                   strategy=ompmoe.PruningStrategy(ratio=0.5)))
@@ -269,3 +270,24 @@ def test_the_residual_figures_title_fits_its_figure(loss_aware):
     title = figure._suptitle.get_window_extent(canvas.get_renderer())
     assert 0 <= title.x0 and title.x1 <= figure.bbox.width
     assert figure._suptitle.get_text().count("\n") == 2
+
+
+def test_a_model_re_pruned_by_an_older_ompmoe_says_why_a_correction_cannot_be_matched():
+    """Its earlier pruning did not record the experts it kept: the correction's ids cannot be mapped, and the error
+    says so instead of listing two numberings as a mismatch."""
+    from ompmoe.engine.apply.compensation import CompensationError
+
+    model = tiny_model(MODEL_TYPE)
+    first = ompmoe.plan_pruning(ompmoe.collect_stats(model, token_blocks(4).split(2)), 0.5, allocation="uniform")
+    ompmoe.prune(model, first)
+    second = ompmoe.plan_pruning(ompmoe.collect_stats(model, token_blocks(4, seed=1).split(2)), 0.5,
+                                 allocation="uniform")
+    compensation, _ = fit_compensation(model, second, token_blocks(8, seed=2), 4, "linear")
+    ompmoe.prune(model, second)
+    del ompmoe.pruning_info(model)["earlier"][0]["kept_experts"]  # as an earlier ompmoe wrote the record
+    with pytest.raises(CompensationError) as refused:
+        compensation.apply(model)
+    assert str(refused.value) == (
+        "This model was pruned again by an ompmoe that did not record which experts its earlier pruning kept, so a "
+        "correction cannot be matched to its experts; prune the original model (or that earlier output) again with "
+        "this ompmoe, then compensate.")

@@ -621,14 +621,17 @@ def check_compensation_fits(model: nn.Module, scales: Mapping[str, Any], kept: M
     if sorted(scales) != sorted(names):
         raise CompensationError(f"The corrections cover layers {sorted(scales)} but the model's MoE layers are "
                                 f"{names}.")
-    pruned_with = last_pruning_kept(info) or {}  # numbered as the plan numbers them (a re-pruned model's too)
+    pruned_with = last_pruning_kept(info)  # numbered as the plan numbers them (a re-pruned model's too)
+    if pruned_with is None:
+        raise CompensationError("This model was pruned again by an ompmoe that did not record which experts its "
+                                "earlier pruning kept, so a correction cannot be matched to its experts; prune the "
+                                "original model (or that earlier output) again with this ompmoe, then compensate.")
     for layer in layers:
         ids = [int(i) for i in kept[layer.name]]
         if pruned_with.get(layer.name) != ids or layer.num_experts != len(ids):
             raise CompensationError(
                 f"The correction of {layer.name} was fitted for kept experts {ids} but the model keeps "
-                f"{pruned_with.get(layer.name, info['kept_experts'].get(layer.name))}; fit it with the plan the "
-                "model was pruned with.")
+                f"{pruned_with.get(layer.name)}; fit it with the plan the model was pruned with.")
         _check_correction(layer, torch.as_tensor(scales[layer.name]), len(ids))
     return info
 
@@ -639,8 +642,9 @@ def apply_compensation(model: nn.Module, compensation: Compensation | Mapping[st
     """Fold the corrections into the kept experts' down projections (and biases) of the **pruned** ``model``, in
     place, and add the record to its ``config.ompmoe`` (saved in ``config.json``); returns ``model``.
 
-    ``compensation``: a :class:`Compensation`, or ``{layer: factors (K,) or map (d, d)}`` with ``kept`` (the original
-    ids the factors belong to). The kept ids must be those the model was pruned to; a model compensated already is
+    ``compensation``: a :class:`Compensation`, or ``{layer: factors (K,) or map (d, d)}`` with ``kept`` (the ids the
+    factors belong to, numbered as the plan numbers them: the original's after a first pruning, the pruned model's
+    positions after a re-pruning). They must be those the model was pruned to; a model compensated already is
     refused.
     """
     weights = None

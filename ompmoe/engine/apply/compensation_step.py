@@ -7,6 +7,7 @@ than :data:`CHECK_TOLERANCE`; a granularity named outright is always applied. Th
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -116,8 +117,23 @@ def calibration_data(data: Any) -> dict[str, Any] | None:
     settings = getattr(data, "hparams", None)
     if not isinstance(settings, Mapping) or not isinstance(settings.get("source"), str):
         return None
-    return {key: value for key, value in settings.items()
+    return {key: _json_setting(value) for key, value in settings.items()
             if key not in ("batch_size", "num_workers") and not key.startswith("_")}
+
+
+def _json_setting(value: Any) -> Any:
+    """A data setting as the plan's JSON holds it: a tokenizer object by its name or path (``None`` when it has
+    none), paths as strings, lists and dicts item by item."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_setting(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): _json_setting(item) for key, item in value.items()}
+    name = getattr(value, "name_or_path", None)
+    return name if isinstance(name, str) and name else None
 
 
 def fit_compensation(model: nn.Module, plan: PruningPlan, text: torch.Tensor | list[dict[str, torch.Tensor]],
