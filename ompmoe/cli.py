@@ -123,8 +123,8 @@ def replan(
         quiet: No progress bar and no summary lines (errors are still printed).
         compensation: With ``model``: refit each pruned model's kept experts to the unpruned model's output
             (``off``, ``layer``, ``expert``, ``linear`` or ``down``; RunOptions.compensation) on the fit's
-            calibration text, cut again from the data settings its plan recorded. Default: ``off`` with a method named, else what the fit
-            applied.
+            calibration text, cut again from the data settings its plan recorded. Default: ``off`` with a method
+            named, else what the fit applied.
         evaluate_on: With ``model``: held-out sets (``heldout:prose``, ``heldout:code`` or any calibration source)
             on which each ratio prints perplexity original -> pruned. Default: the fit's (its plan records them).
         evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
@@ -174,6 +174,7 @@ def replan(
     text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
         None, None)
     heldout_blocks, heldout_record = _heldout_blocks(heldout, tokenizer or model)
+    refit_text = fit_data(fit)  # the data settings of the statistics' calibration text, as the fit recorded them
     if refit.note and not quiet:
         print(refit.note)
     written: list[Path] = []
@@ -194,8 +195,8 @@ def replan(
             run.source = str(source) if source is not None else None
             if heldout_record:  # as a fit records it: the plans of both say what they were measured on
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
-            if (heldout_record or refit.granularity) and fit_data(fit) is not None:  # and the text they came from
-                run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "calibration_data": fit_data(fit)})
+            if (heldout_record or refit.granularity) and refit_text is not None:  # and the text they came from
+                run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "calibration_data": refit_text})
             scratch = stack.enter_context(run.layer_by_layer_scratch(output_dir)) if layerwise else None
             measured = None
             unchecked = f"applied as asked (compensation={refit.granularity!r})"
@@ -336,7 +337,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         return _Refit(source="plans only: no --model")
     if granularity in (None, "off"):
         return _Refit(source=source)
-    data = record.get("calibration_data") or fit_data(fit)
+    data = fit_data(fit)
     if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
                  "from elsewhere than ompmoe.CalibrationDataModule)" if fit is not None else
@@ -350,9 +351,8 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
 
 
 def fit_data(fit: Any) -> dict[str, Any] | None:
-    """The data settings of a fit's calibration text, wherever its plan records them (every fit on
-    ompmoe.CalibrationDataModule since they are recorded on their own; before, in its compensation or held-out
-    record)."""
+    """The data settings of a fit's calibration text, wherever its plan records them: on their own (a fit on
+    ompmoe.CalibrationDataModule), or in its compensation or held-out record (plans of earlier ompmoe versions)."""
     if fit is None:
         return None
     return (fit.extra.get("calibration_data") or (fit.extra.get("compensation") or {}).get("calibration_data")
@@ -381,7 +381,7 @@ def _heldout(given: list[str] | None, blocks: int | None, fit: Any, model: str |
     if not sets or model is None:
         return None
     fit_blocks = record.get("blocks") if given is None or sets == record.get("sets") else None
-    data = record.get("calibration_data") or fit_data(fit)
+    data = fit_data(fit)
     return _Heldout(sets, blocks or fit_blocks, dict(data or {}))
 
 

@@ -29,6 +29,7 @@ from .apply.compensation_step import (
     check_compensation_mode,
     checks_compensation,
     compensation_line,
+    data_blocks,
     fit_compensation,
     fitting_text,
     run_granularity,
@@ -659,7 +660,7 @@ class PruningRun:
         compensation, fitted on rank 0, fits on all the text the statistics saw when the data module holds no blocks
         of its own (a plain DataLoader), not rank 0's share of it."""
         if (context.world_size > 1 and self.compensation_granularity and self.collector is not None
-                and not isinstance(getattr(self.data, "blocks", None), torch.Tensor)):  # the data module's: whole
+                and data_blocks(self.data) is None):  # the data module's blocks are the whole text on every rank
             own = self.collector.token_batches
             self.collector.token_batches = [batch for rank in range(context.world_size)
                                             for batch in context.broadcast(own, src=rank)]
@@ -743,10 +744,10 @@ class PruningRun:
         parts = [f"{name} {original:.2f} -> {pruned:.2f}{paper_part(original, pruned, self.heldout_paper.get(name))}"
                  for name, (original, pruned) in self.heldout_perplexity.items()]
         # resident, the pruned model measured is the one written: with OMP-MoE+ on, which a plain load runs without
-        epsilon = self.options.adaptive_epsilon
-        adaptive = ("" if epsilon is None else f" (static: ompmoe.load_pruned switches on OMP-MoE+ at epsilon "
-                    f"{epsilon:g})" if self.options.layer_by_layer else f" (with OMP-MoE+ at epsilon {epsilon:g}, as "
-                    "ompmoe.load_pruned runs it; a plain from_pretrained runs without)")
+        # (layer by layer it is measured static, which measured_line says)
+        adaptive = (f" (with OMP-MoE+ at epsilon {self.options.adaptive_epsilon:g}, as ompmoe.load_pruned runs it; a "
+                    "plain from_pretrained runs without)" if self.options.adaptive_epsilon is not None
+                    and not self.options.layer_by_layer else "")
         return (f"ompmoe: held-out perplexity on {self.heldout_tokens:,} tokens per set, original -> pruned"
                 f"{adaptive}: {', '.join(parts)}")
 

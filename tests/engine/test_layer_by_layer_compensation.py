@@ -184,8 +184,7 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
     assert lines[3].endswith("; the pruned perplexity is without OMP-MoE+'s per-token skipping (adaptive_epsilon "
                              "switches it on in the written model; measure that resident or with ompmoe validate)")
     assert lines[4].startswith(f"ompmoe: compensation ({record['granularity']}")
-    assert lines[5].startswith("ompmoe: held-out perplexity on 32 tokens per set, original -> pruned (static: "
-                               "ompmoe.load_pruned switches on OMP-MoE+ at epsilon 0.1): heldout:a ")
+    assert lines[5].startswith("ompmoe: held-out perplexity on 32 tokens per set, original -> pruned: heldout:a ")
 
 
 def test_a_run_without_compensation_or_heldout_makes_no_second_pass(tmp_path, monkeypatch):

@@ -231,8 +231,7 @@ def test_a_model_saved_with_omp_moe_plus_says_a_plain_load_runs_without_it(tmp_p
     assert "OMP-MoE+" not in (tmp_path / "static" / "README.md").read_text()
     for epsilon, layer_by_layer, said in ((0.1, False, " (with OMP-MoE+ at epsilon 0.1, as ompmoe.load_pruned runs "
                                                         "it; a plain from_pretrained runs without)"),
-                                          (None, False, ""), (0.1, True, " (static: ompmoe.load_pruned switches "
-                                                                         "on OMP-MoE+ at epsilon 0.1)")):
+                                          (None, False, ""), (0.1, True, "")):  # layer by layer: measured_line
         run = ompmoe.PruningRun(ompmoe.RunOptions(adaptive_epsilon=epsilon, layer_by_layer=layer_by_layer,
                                                   compensation="off" if layer_by_layer else "auto",
                                                   strategy=ompmoe.PruningStrategy(ratio=0.5)))

@@ -250,7 +250,7 @@ def resolve_alphas(model: nn.Module, stats_or_alphas: Any,
     original = record.get("original_num_experts", {})
     # a re-pruned model: statistics of the model its last pruning cut, numbered as that model numbers its experts
     before = (record.get(EARLIER_KEY) or [{}])[-1].get("kept_experts") or {}
-    last = (last_pruning_kept(record) or {}) if before else {}
+    last = last_pruning_kept(record) or {}
     resolved: dict[str, torch.Tensor] = {}
     unseen: dict[str, list[int]] = {}
     for layer in layers:

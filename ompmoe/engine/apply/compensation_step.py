@@ -95,13 +95,20 @@ def checks_compensation(mode: str, strategy: Strategy) -> bool:
     return mode == "auto" and compensation_granularity(mode, strategy) is not None
 
 
+def data_blocks(data: Any) -> torch.Tensor | None:
+    """The data module's calibration blocks ``(num_blocks, seq_len)`` (``CalibrationDataModule.blocks``: the whole
+    text, the same on every rank), or ``None``: the text is the batches the loop fed."""
+    blocks = getattr(data, "blocks", None)
+    return blocks if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else None
+
+
 def fitting_text(data: Any, token_batches: Sequence[dict[str, torch.Tensor]]
                  ) -> torch.Tensor | list[dict[str, torch.Tensor]] | None:
     """The calibration text to fit on: the data module's ``blocks`` (the whole set, the same on every rank), else the
     batches this process calibrated on (one tensor when they are unpadded blocks of one length); ``None``: no token
     ids (the calibration fed ``inputs_embeds``)."""
-    blocks = getattr(data, "blocks", None)
-    if isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
+    blocks = data_blocks(data)
+    if blocks is not None:
         return blocks
     if not token_batches:
         return None
@@ -254,5 +261,5 @@ def compensation_line(record: dict[str, Any]) -> str:
 
 
 __all__ = ["AUTO_GRANULARITY", "CHECK_TOLERANCE", "COMPENSATION_MODES", "calibration_data", "check_compensation_mode",
-           "checks_compensation", "compensation_granularity", "compensation_line", "fit_compensation", "fitting_text",
-           "run_granularity"]
+           "checks_compensation", "compensation_granularity", "compensation_line", "data_blocks", "fit_compensation",
+           "fitting_text", "run_granularity"]

@@ -181,10 +181,9 @@ def require_plan_model(model: nn.Module, plan: PruningPlan, fix: str) -> None:
 
 
 def own_config(model: nn.Module) -> None:
-    """Give ``model`` a copy of its config (and its sub-configs, a container's text config) in every module that holds
-    it (per-layer configs too), before pruning changes the counts and the record: transformers models built from one
-    config object share it,
-    so a sweep building each model from the same config would build the next one pruned, carrying a record."""
+    """Give ``model`` a copy of its config (and of its sub-configs: a container's text config, per-layer configs) in
+    every module that holds it, before pruning changes the counts and the record: transformers models built from one
+    config object share it, so a sweep building each model from the same config would build the next one pruned."""
     copies: dict[int, Any] = {}  # deepcopy's memo: every object of the config's graph -> its copy
     copy.deepcopy(model.config, copies)
     for module in model.modules():
