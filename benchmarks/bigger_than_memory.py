@@ -1,6 +1,6 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
-    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down]
+    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down] [--fp8]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
@@ -13,6 +13,10 @@ directory) and folded into the rows as they are written; a check that it loads w
 a 2-layer slice of the same files keeps the same experts in those layers, then ``DIR/pruned`` is deleted. The peak
 anonymous memory is sampled from ``/proc/self/status`` (RssAnon) every 20 ms; the write step is compared with ``cp``
 of the pruned files' bytes on the same disk (two shards copied, scaled). The last line printed is one JSON object.
+With ``--fp8`` the checkpoint (``DIR/source-fp8``) stores its linear weights in block FP8 as DeepSeek-V3's and
+Qwen3's -FP8 releases do (128 x 128 blocks, one float32 multiplier each): each layer is dequantized as it is read,
+the pruned checkpoint keeps the kept experts' FP8 tensors as stored, and the resident check loads the 2-layer slice
+through transformers' own FP8 dequantization.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 HIDDEN, EXPERTS, TOP_K, MOE_INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 128, 8, 768, 32, 4, 128, 151936
 BASES = 4
+FP8_BLOCK = 128
 """Random buffers per tensor shape, rolled per expert (distinct experts without generating 57 GB of noise)."""
 
 
@@ -45,7 +50,17 @@ def qwen3_30b_config(layers: int):
         rope_theta=1e6, tie_word_embeddings=False, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
 
 
-def build_source(directory: Path, layers: int) -> float:
+def block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 values, float32 multipliers)`` of a weight whose sides are multiples of :data:`FP8_BLOCK`, as the
+    releases quantize it (one multiplier per block: max |w| / 448)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    values = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def build_source(directory: Path, layers: int, fp8: bool = False) -> float:
     """Write the checkpoint (skipped when a complete one is there); returns its size in GiB."""
     from safetensors.torch import save_file
 
@@ -86,11 +101,18 @@ def build_source(directory: Path, layers: int) -> float:
                     shift = (expert * 7 + index * 13) % bases[0].shape[1]
                     tensors[f"{prefix}mlp.experts.{expert}.{key}.weight"] = \
                         bases[(expert + index) % BASES].roll(shift, 1).contiguous()
+            if fp8:  # the linear weights, as the -FP8 releases store them (router, norms, embeddings, head stay)
+                for name in [name for name in tensors if name.endswith("proj.weight")]:
+                    tensors[name], tensors[name + "_scale_inv"] = block_fp8(tensors[name])
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
-    qwen3_30b_config(layers).save_pretrained(directory)
+    config = qwen3_30b_config(layers)
+    if fp8:
+        config.quantization_config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    config.save_pretrained(directory)
     index_file.write_text(json.dumps({"metadata": {"total_size": total}, "layers": layers,
                                       "weight_map": weight_map}, indent=1))
     return total / 2**30
@@ -160,16 +182,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--compensation", choices=("off", "down"), default="off")
+    parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint (DeepSeek-V3's format)")
     args = parser.parse_args()
+    if args.fp8 and args.compensation != "off":
+        parser.error("--fp8 writes the kept experts' FP8 tensors as stored, which a compensation would change "
+                     "(ompmoe refuses it); use --compensation off")
     torch.set_num_threads(os.cpu_count() or 1)
     warnings.simplefilter("ignore")
     import ompmoe
     from ompmoe.engine.lazy_checkpoint import checkpoint_files
 
-    source, pruned = args.out / "source", args.out / "pruned"
+    source, pruned = args.out / ("source-fp8" if args.fp8 else "source"), args.out / "pruned"
     steps: dict[str, float] = {}
     started = time.perf_counter()
-    checkpoint_gib = build_source(source, args.layers)
+    checkpoint_gib = build_source(source, args.layers, args.fp8)
     steps["build"] = time.perf_counter() - started
     generator = torch.Generator().manual_seed(1)
     blocks = [torch.randint(0, VOCAB, (1, args.seq_len), generator=generator)
@@ -220,6 +246,7 @@ def main() -> None:
     hidden_gib = sum(block.numel() for block in blocks) * HIDDEN * 2 / 2**30
     print(json.dumps({
         "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
+        "fp8": args.fp8,
         "checkpoint_gib": round(checkpoint_gib, 2), "pruned_gib": round(pruned_gib, 2),
         "mem_total_gib": round(mem_total() / 2**30, 2), "peak_anon_gib": round(max(peaks.values()), 2),
         "peak_anon_gib_per_step": {key: round(value, 2) for key, value in peaks.items()},

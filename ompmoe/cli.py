@@ -316,6 +316,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
     also when its choice was the linear map); refused, before any work, where it cannot be done."""
     from .engine.apply.compensation import GRANULARITIES
+    from .engine.block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, checkpoint_block_fp8
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -337,6 +338,11 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         return _Refit(source="plans only: no --model")
     if granularity in (None, "off"):
         return _Refit(source=source)
+    if model is not None and Path(model, "config.json").is_file() and checkpoint_block_fp8(model) is not None:
+        if given is not None:  # its kept tensors are written as stored: a refit would change them
+            raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=model).replace(
+                "compensation='off'", "--compensation off"))
+        return _Refit(source="none for a block-FP8 checkpoint")
     data = fit_data(fit)
     if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "

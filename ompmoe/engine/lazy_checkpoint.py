@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, block_fp8_settings, block_size,
+                        checkpoint_block_fp8, compute_config, pair_scales)
 from .model_classes import default_model_class
 
 
@@ -53,11 +55,16 @@ def checkpoint_dtype(config: Any) -> torch.dtype:
 
 def build_skeleton(config: Any, model_class: type | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """The model ``config`` describes, its parameters on the meta device (no memory, no initialization) and its
-    buffers real, in eval mode."""
+    buffers real, in eval mode. A block-FP8 checkpoint's model is built plain, to compute on its weights dequantized
+    (:mod:`~ompmoe.engine.block_fp8`); any other quantization is refused."""
+    stored = block_fp8_settings(config)
+    config = compute_config(config)
     model_class = model_class or default_model_class(config)
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = model_class._from_config(config, dtype=dtype)
+    if stored is not None:
+        setattr(model, STORED_ATTR, stored)
     return model.eval()
 
 
@@ -95,6 +102,16 @@ class LazyCheckpoint:
         files = checkpoint_files(path)
         self._files = [safe_open(str(file), framework="pt", device="cpu") for file in files]
         self.slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys()}
+        settings = checkpoint_block_fp8(path)
+        self.fp8 = pair_scales({key: part.get_dtype() for key, part in self.slices.items()},
+                               {key: part.get_shape() for key, part in self.slices.items()}, settings, path)
+        """``{FP8 weight: its scale tensor}`` of a block-FP8 checkpoint (:mod:`~ompmoe.engine.block_fp8`): the model
+        is filled with their dequantized values; :meth:`as_stored` gives back the stored ones to write."""
+        self.stored = {key: self.slices[key] for pair in self.fp8.items() for key in pair}
+        for weight, scale in self.fp8.items():
+            self.slices[weight] = DequantizedSlice(self.slices[weight], self.slices.pop(scale), block_size(settings))
+        self.written_from: dict[str, str] = {}
+        """Per-expert file name written -> the file tensor it was read from (a kept expert renumbered)."""
         self._ranges = _byte_ranges(files)
         # Direct reads (preadv) and read-ahead hints where the platform has both and stores little-endian like the
         # files; elsewhere the fill copies from the memory map, which safetensors byte-swaps where needed.
@@ -220,6 +237,7 @@ class LazyCheckpoint:
                                      f"{target} {list(empty.shape)}.")
                 if not self._read_into(where, key):
                     where.copy_(self.slices[key][:])
+                self.written_from[keys[row]] = key
             layout.append((keys[:len(rows)], axis, offset, size))
             offset += size
         self.stacked_files[target] = layout
@@ -231,7 +249,7 @@ class LazyCheckpoint:
         """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
         one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
         that does not apply (the caller copies the tensor instead)."""
-        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous()
+        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous() or key in self.fp8
                 or _FILE_DTYPES.get(self.slices[key].get_dtype()) != where.dtype):
             return False
         file, start, length = self._ranges[key]
@@ -245,6 +263,30 @@ class LazyCheckpoint:
                 raise OSError(f"{file} ended inside tensor {key}: the file is truncated.")
             done += count
         return True
+
+    def as_stored(self, tensors: dict[str, torch.Tensor], kept: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """A part's file tensors (named as the files name them, values as the model holds them) with every block-FP8
+        weight as the files store it, beside its scales: a kept expert's read from its source tensor, a fused
+        experts tensor cut to ``kept`` (experts module name -> kept experts) as the model's was. Unchanged for a
+        full-precision checkpoint."""
+        if not self.fp8:
+            return tensors
+        stored = {}
+        for name, value in tensors.items():
+            source = self.written_from.get(name, name)
+            if source not in self.fp8:
+                stored[name] = value
+                continue
+            weight, scale = self.stored[source][:], self.stored[self.fp8[source]][:]
+            if weight.shape != value.shape:  # a fused experts tensor of the files, cut to the kept experts
+                rows = kept.get(self.target[source].rpartition(".")[0])
+                if rows is None or len(rows) != value.shape[0] or weight.shape[1:] != value.shape[1:]:
+                    raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} "
+                                     f"{list(weight.shape)} cut to kept experts; it cannot be written as stored.")
+                index = torch.tensor(rows, dtype=torch.long)
+                weight, scale = weight[index], scale[index]
+            stored[name], stored[name + SCALE_SUFFIX] = weight, scale
+        return stored
 
     def empty(self, module: nn.Module) -> None:
         """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""
@@ -260,6 +302,7 @@ class LazyCheckpoint:
     def close(self) -> None:
         self._files.clear()
         self.slices.clear()
+        self.stored.clear()
         for descriptor in self._descriptors.values():
             os.close(descriptor)
         self._descriptors.clear()

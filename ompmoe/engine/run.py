@@ -27,6 +27,7 @@ from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
     check_compensation_mode,
+    compensation_granularity,
     checks_compensation,
     compensation_line,
     data_blocks,
@@ -36,7 +37,9 @@ from .apply.compensation_step import (
 )
 from .apply.plan_choice import PlanChoice, choose_plan, setting_name
 from .apply.pruning import prune
+from .apply.quantized import QuantizedModelError
 from .apply.trial import pruned_view
+from .block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, stored_block_fp8
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
@@ -110,7 +113,9 @@ class RunOptions:
             printed), the correction folded into the rows as they are written. What needs the whole model at once
             is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
             setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
-            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused.
+            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused. A block-FP8
+            checkpoint (DeepSeek-V3's format) is read dequantized and written as stored, with no compensation
+            (:mod:`ompmoe.engine.block_fp8`).
     """
 
     strategy: Strategy | None = None
@@ -296,6 +301,8 @@ class PruningRun:
         self.source: str | None = None
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
+        self.stored_line: str | None = None
+        """What a block-FP8 checkpoint's run leaves out (:meth:`_compensation_for_files`)."""
         self.layer_device: torch.device | str = "cpu"
         """Where a layer-by-layer run computes its layers (:meth:`collect_layer_by_layer`'s ``device``)."""
         self.timings: dict[str, float] = {}
@@ -350,9 +357,9 @@ class PruningRun:
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
-        self.compensation_granularity = run_granularity(options.compensation, asked, model,
-                                                        per_layer=options.layer_by_layer)
-        self.checks_compensation = checks_compensation(options.compensation, asked)
+        mode = self._compensation_for_files(model, asked)
+        self.compensation_granularity = run_granularity(mode, asked, model, per_layer=options.layer_by_layer)
+        self.checks_compensation = checks_compensation(mode, asked)
         self.calibration_data = calibration_data(data)
         self.collector = StatisticsCollector(model, model_id=model_id, sources=list(sources or []),
                                              statistics=self.statistics)
@@ -395,6 +402,34 @@ class PruningRun:
         return self.data.choice_blocks(num_blocks)
 
     # -- collect -----------------------------------------------------------------------------------------------------
+    def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
+        """The compensation mode the run fits: the one asked, but none for a block-FP8 checkpoint, whose kept tensors
+        are written as stored (``auto`` then fits none and :attr:`stored_line` says so; one named is refused here,
+        before any work). A model transformers loaded quantized is refused too (prune computes on full precision).
+        """
+        mode, stored = self.options.compensation, stored_block_fp8(model)
+        quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+        if quantization and not self.options.layer_by_layer:
+            method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                      else getattr(quantization, "quant_method", None))
+            method = getattr(method, "value", method)
+            fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
+                   "weights dequantized and writes the kept ones as stored" if method == "fp8" else
+                   "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
+            raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
+                                      f"pruning computes on full-precision weights: {fix}.")
+        if stored is None or compensation_granularity(mode, strategy) is None:
+            return mode
+        if mode != "auto":
+            raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=self._model_name(model)))
+        self.stored_line = ("ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no "
+                            "compensation (its refit would change them)")
+        return "off"
+
+    @staticmethod
+    def _model_name(model: nn.Module) -> str:
+        return str(getattr(getattr(model, "config", None), "_name_or_path", None) or "the model")
+
     @property
     def needs_gradients(self) -> bool:
         """Whether a statistic runs a backward (the forward must then run with gradients)."""
@@ -511,8 +546,9 @@ class PruningRun:
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
             context.print(line)
-        if self.layer_by_layer_line is not None:
-            context.print(self.layer_by_layer_line)
+        for line in (self.layer_by_layer_line, self.stored_line):
+            if line is not None:
+                context.print(line)
         if measured_line is not None:
             context.print(measured_line)
         if "compensation" in plan.extra:

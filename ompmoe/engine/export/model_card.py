@@ -198,6 +198,16 @@ def _module_order(name: str) -> list[tuple[int, int | str]]:
     return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
 
 
+def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
+    """The card's weights row: the dtype, or a block-FP8 checkpoint's format (its tensors as the source stores them)."""
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        rows, cols = quantization.get("weight_block_size") or ("?", "?")
+        return (f"FP8 (e4m3, one scale per {rows}x{cols} block; the source's tensors as it stores them), the rest "
+                f"{dtype or 'not recorded'}")
+    return dtype or "not recorded"
+
+
 def model_card(
     config: dict[str, Any], model_id: str | None, calibration: str | None, info: dict[str, Any]
 ) -> str:
@@ -244,7 +254,7 @@ def model_card(
         f"| Calibration tokens | {format(plan['num_tokens'], 'd') if plan.get('num_tokens') else 'not recorded'} |",
         *([f"| Calibration mode | {plan['calibration_mode']} (one decoder layer in memory at a time; the same "
            "statistics as resident) |"] if plan.get("calibration_mode") else []),
-        f"| Weights dtype | {info.get('dtype') or 'not recorded'} |",
+        f"| Weights dtype | {weights_dtype(config, info.get('dtype'))} |",
         f"| Tokenizer included | {'yes' if info.get('tokenizer') else 'no'} |",
         *([f"| Fine-tuned | {'; '.join(_finetune_summary(*finetune) for finetune in finetunes)} (see below) |"]
           if finetunes else []),

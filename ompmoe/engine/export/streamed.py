@@ -21,6 +21,7 @@ from ..adapters import architecture_of, find_moe_layers
 from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, compensate_layer,
                                   record_compensation)
 from ..apply.pruning import _slice_layer, prune
+from ..block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, block_fp8_settings
 from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers, stacked_file_tensors
 from ..planning.plan import PruningPlan
@@ -115,6 +116,8 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     layer read while this one is cut and written); ``compensation`` (fitted for ``plan``) folded into each layer's
     kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it. Returns the bytes written."""
     model = checkpoint.model
+    if compensation is not None and checkpoint.fp8:
+        raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=checkpoint.path))
     prefix, layers = decoder_layers(model)
     spec = architecture_of(model)
     kept = plan.kept_by_layer()
@@ -146,7 +149,8 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                                          _replacements(compensation.weights, layer.name))
             stacked = {name: checkpoint.stacked_files.pop(name) for name in list(checkpoint.stacked_files)
                        if name.startswith(part) != outside}
-            writer.add({name: tensor.cpu() for name, tensor in _file_tensors(model, part, outside, stacked).items()})
+            tensors = checkpoint.as_stored(_file_tensors(model, part, outside, stacked), only_experts)
+            writer.add({name: tensor.cpu() for name, tensor in tensors.items()})
             if outside:
                 checkpoint.empty_outside(part)
             else:
@@ -173,11 +177,18 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
 
         pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
     pruned.config._name_or_path = str(source)
-    with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint, quiet_calls():
-        return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
-                               write_weights=lambda target: write_pruned_weights(
-                                   checkpoint, plan, target, device=device, timings=timings,
-                                   compensation=compensation))
+    quantization = block_fp8_settings(config)
+    if quantization is not None:  # the kept FP8 tensors are written as stored: the config says how to read them
+        pruned.config.quantization_config = quantization
+    try:
+        with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint, quiet_calls():
+            return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
+                                   write_weights=lambda target: write_pruned_weights(
+                                       checkpoint, plan, target, device=device, timings=timings,
+                                       compensation=compensation))
+    finally:
+        if quantization is not None:  # the skeleton computes on dequantized weights (it is the run's model)
+            del pruned.config.quantization_config
 
 
 def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: str | os.PathLike, *,
@@ -190,6 +201,8 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
+    if compensation is not None and block_fp8_settings(config) is not None:
+        raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=source))
     if compensation is not None:  # fitted for this plan, or refused before anything is written
         check_compensation_fits(pruned, compensation.scales, compensation.kept, "save_pruned_from_files")
         record_compensation(pruned, compensation.record)

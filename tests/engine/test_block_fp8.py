@@ -1,0 +1,252 @@
+"""Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3's -FP8 releases) pruned layer by layer: the
+statistics are those of the checkpoint dequantized (literally, block by block), the written checkpoint is the
+source's format with the kept experts' FP8 tensors and scales byte for byte, and what it reads back is exactly
+``save_pruned`` of the dequantized model; stock transformers loads it in a fresh process. What ompmoe cannot read
+right is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.engine.apply.compensation import Compensation
+from ompmoe.engine.block_fp8 import QuantizedCheckpointError, dequantize
+from ompmoe.engine.collect.layerwise import collect_stats_layerwise
+from ompmoe.engine.export.streamed import save_pruned_from_files
+from ompmoe.engine.names import shipped_model_path
+from ompmoe.engine.tiny import tiny_model
+
+from block_fp8_reference import (dequantized_checkpoint, literal_dequantize, quantize, quantized_in_release,
+                                 read_tensors, to_block_fp8)
+
+BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+RELEASED_IN_FP8 = ["deepseek_v3", "qwen3_moe", "minimax_m2", "glm4_moe", "qwen3_next", "gemma4_text"]
+"""Types with block-FP8 releases (DeepSeek-V3 and Kimi K2, Qwen3 -FP8, MiniMax-M2, GLM-4.5 -FP8, Qwen3-Next -FP8),
+and gemma4_text, whose files store fused experts tensors (their FP8 form has ``[experts, ...]`` scales)."""
+
+
+def test_dequantize_is_the_block_by_block_product_partial_blocks_included():
+    torch.manual_seed(0)
+    weight = torch.randn(3, 70, 45)  # 3 experts; 70 x 45 in 32 x 16 blocks: the last ones partial
+    values, scales = quantize(weight, (32, 16))
+    assert scales.shape == (3, 3, 3)
+    ours = dequantize(values, scales, (32, 16))
+    assert ours.dtype == torch.float32 and torch.equal(ours, literal_dequantize(values, scales, (32, 16)))
+    assert (ours - weight).abs().max() <= weight.abs().max() / 8  # e4m3 keeps 3 mantissa bits: a close copy
+
+
+def _fp8_source(model_type: str, tmp_path: Path, block: tuple[int, int] = (32, 16)) -> tuple[Path, Path]:
+    """A tiny ``model_type`` checkpoint in block FP8, and the full-precision checkpoint it stands for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny_model(model_type, dtype=torch.bfloat16).save_pretrained(tmp_path / "original")
+    fp8 = to_block_fp8(tmp_path / "original", tmp_path / "fp8", block)
+    return fp8, dequantized_checkpoint(fp8, tmp_path / "dequantized")
+
+
+@pytest.mark.parametrize("model_type", RELEASED_IN_FP8)
+def test_a_block_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(model_type, tmp_path):
+    fp8, dequantized = _fp8_source(model_type, tmp_path)
+    stored = read_tensors(fp8)
+    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in stored.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ompmoe.load_pruned(dequantized)
+        resident = ompmoe.collect_stats(model, BLOCKS, progress=False)
+        layered = collect_stats_layerwise(fp8, BLOCKS, progress=False)
+        # the statistics are the dequantized checkpoint's, to the last bit the resident pass gives
+        for ours, theirs in zip(layered.layers, resident.layers, strict=True):
+            for key, value in theirs.tensors().items():
+                torch.testing.assert_close(ours.tensors()[key], value, rtol=1e-6, atol=0)
+        plan = ompmoe.plan_pruning(layered, 0.5, allocation="waterfill")
+        assert plan.kept_by_layer() == ompmoe.plan_pruning(resident, 0.5, allocation="waterfill").kept_by_layer()
+        tokenizer = str(shipped_model_path())
+        ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
+        save_pruned_from_files(fp8, plan, tmp_path / "streamed", tokenizer=tokenizer)
+    expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
+    block = (32, 16)
+    scales = {name for name in written if name.endswith("_scale_inv")}
+    assert {name.removesuffix("_scale_inv") for name in scales} <= written.keys()
+    assert written.keys() - scales == expected.keys()
+    fp8_names = {name for name, tensor in written.items() if tensor.dtype == torch.float8_e4m3fn}
+    assert fp8_names == {name.removesuffix("_scale_inv") for name in scales} == {
+        name for name, tensor in expected.items() if quantized_in_release(name, tensor)}  # the source's format
+    for name, tensor in expected.items():  # what the written checkpoint reads back is save_pruned's, bit for bit
+        ours = written[name]
+        if name + "_scale_inv" in written:
+            assert ours.dtype == torch.float8_e4m3fn
+            ours = literal_dequantize(ours, written[name + "_scale_inv"], block).to(tensor.dtype)
+        assert ours.dtype == tensor.dtype and torch.equal(ours, tensor), name
+    # and every FP8 tensor it holds is one of the source's, with the source's scales (kept experts as stored)
+    source_fp8 = {(tensor.view(torch.uint8).numpy().tobytes(), stored[name + "_scale_inv"].numpy().tobytes())
+                  for name, tensor in stored.items() if tensor.dtype == torch.float8_e4m3fn and tensor.dim() == 2}
+    for name in scales:
+        weight, scale = written[name.removesuffix("_scale_inv")], written[name]
+        pairs = zip(weight, scale) if weight.dim() == 3 else [(weight, scale)]  # a fused tensor: one per expert
+        for one, its_scale in pairs:
+            if weight.dim() == 2:
+                assert (one.view(torch.uint8).numpy().tobytes(), its_scale.numpy().tobytes()) in source_fp8, name
+    for name, tensor in written.items():
+        if tensor.dim() == 3 and tensor.dtype == torch.float8_e4m3fn:  # cut from the source's fused tensor
+            kept = torch.tensor(plan.kept_by_layer()[next(layer for layer in plan.kept_by_layer()
+                                                          if name.startswith(layer + "."))])
+            assert torch.equal(tensor.view(torch.uint8), stored[name].view(torch.uint8)[kept]), name
+            assert torch.equal(written[name + "_scale_inv"], stored[name + "_scale_inv"][kept]), name
+    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    assert config.pop("quantization_config") == json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    resident = json.loads((tmp_path / "resident" / "config.json").read_text())
+    for each in (config, resident):  # the checkpoint each was read from (the resident one: the dequantized)
+        del each["ompmoe"]["plan"]["model_id"]
+        each["ompmoe"]["plan"].pop("statistics_model_id", None)
+    assert config == resident
+
+
+def test_stock_transformers_reads_the_pruned_fp8_checkpoint_in_a_fresh_process(tmp_path):
+    """The shipped model in 64 x 64 blocks (transformers dequantizes whole blocks only), pruned uniformly and
+    non-uniformly: stock ``from_pretrained`` (uniform) and ``ompmoe.load_pruned`` (non-uniform, remote code) in a
+    process that never imported ompmoe give the logits of the pruned dequantized model."""
+    fp8 = to_block_fp8(shipped_model_path(), tmp_path / "fp8", (64, 64))
+    dequantized = dequantized_checkpoint(fp8, tmp_path / "dequantized")
+    ids = torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(1))
+    stats = collect_stats_layerwise(fp8, [ids], progress=False)
+    for allocation in ("uniform", "waterfill"):
+        plan = ompmoe.plan_pruning(stats, 0.5, allocation=allocation)
+        save_pruned_from_files(fp8, plan, tmp_path / allocation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pruned = ompmoe.prune(ompmoe.load_pruned(dequantized), plan)
+            with torch.no_grad():
+                expected = pruned(ids).logits
+        load = ("transformers.AutoModelForCausalLM.from_pretrained(path)" if allocation == "uniform" else
+                "transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+        ids_file, out_file = str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")
+        script = (f"import sys, torch, transformers\npath = {str(tmp_path / allocation)!r}\nmodel = {load}\n"
+                  f"assert 'ompmoe' not in sys.modules\nwith torch.no_grad():\n"
+                  f"    torch.save(model(torch.load({ids_file!r})).logits, {out_file!r})")
+        torch.save(ids, tmp_path / "ids.pt")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert torch.equal(torch.load(tmp_path / "out.pt"), expected), allocation
+        assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(tmp_path / allocation).values())
+        assert plan.achieved_ratio == pytest.approx(0.5)
+    card = (tmp_path / "waterfill" / "README.md").read_text()
+    assert ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the source's tensors as it stores them), the rest "
+            "bfloat16 |") in card
+
+
+def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_auto_left_out(tmp_path, caplog,
+                                                                                             capsys):
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
+    fp8 = to_block_fp8(shipped_model_path(), tmp_path / "fp8", (64, 64))
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--model.model", str(fp8)])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    assert ("ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no compensation (its "
+            "refit would change them)") in lines
+    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    assert "compensation" not in plan.extra
+    written = read_tensors(tmp_path / "run" / "model")
+    assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values()) == sum(
+        name.endswith("_scale_inv") for name in written)
+    model = ompmoe.load_pruned(tmp_path / "run" / "model")
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
+
+    # ompmoe prune re-plans its statistics from the same files, FP8 in and out
+    main(["prune", "--stats", str(tmp_path / "run" / "stats.safetensors"), "--ratio", "0.25", "--model", str(fp8),
+          "--output_dir", str(tmp_path / "pruned"), "--quiet", "true"])
+    written = read_tensors(tmp_path / "pruned" / "model-0.25")
+    assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values())
+
+    # a compensation asked for by name is refused before any work, with the fix, by both commands
+    (tmp_path / "again").mkdir()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["fit", "-c", str(tiny_config(tmp_path / "again")), "--trainer.enable_progress_bar=false",
+              "--layer_by_layer", "true", "--model.model", str(fp8), "--compensation", "down"])
+    assert not (tmp_path / "again" / "run").exists()
+    refusal = (f"{fp8} stores its weights in block FP8, which ompmoe writes as stored; a compensation changes the "
+               "kept experts' weights, which would have to be quantized again. Prune it with {off} (the paper's "
+               "setting), or compensate its full-precision checkpoint.")
+    assert refusal.format(off="compensation='off'") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prune", "--stats", str(tmp_path / "run" / "stats.safetensors"), "--ratio", "0.25", "--model",
+              str(fp8), "--output_dir", str(tmp_path / "again" / "pruned"), "--compensation", "down"])
+    assert refusal.format(off="--compensation off") in capsys.readouterr().err
+    assert not (tmp_path / "again" / "pruned").exists()
+
+
+def test_a_named_compensation_of_a_block_fp8_checkpoint_is_refused_before_any_work(tmp_path):
+    fp8, _ = _fp8_source("qwen3_moe", tmp_path)
+    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5)
+    compensation = Compensation(scales={}, kept={})
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        save_pruned_from_files(fp8, plan, tmp_path / "out", compensation=compensation)
+    assert str(refused.value) == (
+        f"{fp8} stores its weights in block FP8, which ompmoe writes as stored; a compensation changes the kept "
+        "experts' weights, which would have to be quantized again. Prune it with compensation='off' (the paper's "
+        "setting), or compensate its full-precision checkpoint.")
+    assert not (tmp_path / "out").exists()
+
+
+def _rewrite(directory: Path, drop: str | None = None, config: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(directory)
+    if drop is not None:
+        del tensors[drop]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_what_ompmoe_cannot_scale_is_refused_by_name_before_anything_is_read(tmp_path):
+    fp8, _ = _fp8_source("qwen3_moe", tmp_path)
+    config = json.loads((fp8 / "config.json").read_text())
+    weight = "model.layers.1.mlp.experts.0.down_proj.weight"
+
+    def refusal() -> str:
+        with pytest.raises(QuantizedCheckpointError) as refused:
+            collect_stats_layerwise(fp8, BLOCKS, progress=False)
+        return str(refused.value)
+
+    _rewrite(fp8, drop=weight + "_scale_inv")
+    assert refusal() == (f"{fp8} stores FP8 weights ompmoe cannot scale: {weight} has no {weight}_scale_inv. Its "
+                         "files are incomplete or in another FP8 layout.")
+    unscaled = {key: value for key, value in config.items() if key != "quantization_config"}
+    _rewrite(fp8, config=unscaled)
+    assert refusal().startswith(f"{fp8} stores ") and refusal().endswith(
+        " tensors in FP8 (model.layers.0.mlp.down_proj.weight, ...) but its config.json has no "
+        "quantization_config saying how they are scaled; they would be read as wrong values. Add the "
+        "quantization_config the checkpoint was released with.")
+    _rewrite(fp8, config={**config, "quantization_config": {"quant_method": "mxfp4"}})
+    assert refusal() == (
+        "The checkpoint is quantized (quant_method='mxfp4', weight_block_size=None); ompmoe reads block-FP8 "
+        "checkpoints (quant_method 'fp8' with a weight_block_size, as DeepSeek-V3, Kimi K2 and Qwen3's -FP8 releases "
+        "store them) and full-precision ones. Prune the full-precision checkpoint, then quantize the pruned model.")
+
+
+def test_a_resident_run_refuses_a_quantized_model_before_calibrating(tmp_path):
+    from ompmoe.engine.ranks import RunContext
+    from ompmoe.engine.run import PruningRun, RunOptions
+
+    model = tiny_model("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5)), owner="ExpertPruning")
+    with pytest.raises(ompmoe.QuantizedModelError) as refused:
+        run.start(model, RunContext())
+    assert str(refused.value) == (
+        "ExpertPruning: the model was loaded quantized (quant_method='fp8'); pruning computes on full-precision "
+        "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
+        "weights dequantized and writes the kept ones as stored.")
