@@ -102,8 +102,8 @@ def build_source(directory: Path, layers: int, fp8: bool = False) -> float:
                     tensors[f"{prefix}mlp.experts.{expert}.{key}.weight"] = \
                         bases[(expert + index) % BASES].roll(shift, 1).contiguous()
             if fp8:  # the linear weights, as the -FP8 releases store them (router, norms, embeddings, head stay)
-                for name in [name for name in tensors if name.endswith("proj.weight")]:
-                    tensors[name], tensors[name + "_scale_inv"] = block_fp8(tensors[name])
+                for key in [key for key in tensors if key.endswith("proj.weight")]:
+                    tensors[key], tensors[key + "_scale_inv"] = block_fp8(tensors[key])
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))

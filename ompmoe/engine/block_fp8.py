@@ -106,6 +106,24 @@ class DequantizedSlice:
         return dequantize(self.weight[:], self.scale_inv[:], self.block)[index]
 
 
+class UnreadSlice:
+    """A block-FP8 weight the pruned writer never reads into the model: a placeholder of its shape, all NaN (what is
+    written is the stored tensor, :meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.as_stored`, which refuses to
+    write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized."""
+
+    def __init__(self, shape: list[int]) -> None:
+        self.shape = list(shape)
+
+    def get_shape(self) -> list[int]:
+        return self.shape
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return torch.full(self.shape, float("nan"), dtype=torch.bfloat16)[index]
+
+
 def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
                 source: str | os.PathLike) -> dict[str, str]:
     """``{FP8 weight: its scale tensor}`` over the files' tensors (``headers``: name -> safetensors dtype), every
@@ -148,5 +166,5 @@ def block_size(settings: dict[str, Any]) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-__all__ = ["DequantizedSlice", "QuantizedCheckpointError", "block_fp8_settings", "checkpoint_block_fp8",
+__all__ = ["DequantizedSlice", "QuantizedCheckpointError", "UnreadSlice", "block_fp8_settings", "checkpoint_block_fp8",
            "compute_config", "dequantize", "pair_scales", "stored_block_fp8"]

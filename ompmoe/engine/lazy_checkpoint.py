@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, block_fp8_settings, block_size,
+from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, UnreadSlice, block_fp8_settings, block_size,
                         checkpoint_block_fp8, compute_config, pair_scales)
 from .model_classes import default_model_class
 
@@ -93,7 +93,9 @@ class LazyCheckpoint:
     """The tensors of a checkpoint opened lazily (memory-mapped, nothing read until a module is filled) and the
     model skeleton they fill: :meth:`fill` materializes the modules under a prefix, :meth:`empty` frees them."""
 
-    def __init__(self, path: str | os.PathLike, model: nn.Module) -> None:
+    def __init__(self, path: str | os.PathLike, model: nn.Module, fp8_values: bool = True) -> None:
+        """``fp8_values=False`` (the pruned writer): a block-FP8 checkpoint's FP8 weights are not read into the model
+        (its tensors there are placeholders of their shape); :meth:`as_stored` reads what is written."""
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -109,7 +111,10 @@ class LazyCheckpoint:
         is filled with their dequantized values; :meth:`as_stored` gives back the stored ones to write."""
         self.stored = {key: self.slices[key] for pair in self.fp8.items() for key in pair}
         for weight, scale in self.fp8.items():
-            self.slices[weight] = DequantizedSlice(self.slices[weight], self.slices.pop(scale), block_size(settings))
+            self.slices.pop(scale)
+            self.slices[weight] = (DequantizedSlice(self.slices[weight], self.stored[scale], block_size(settings))
+                                   if fp8_values else UnreadSlice(self.slices[weight].get_shape()))
+        self.unread = bool(self.fp8) and not fp8_values
         self.written_from: dict[str, str] = {}
         """Per-expert file name written -> the file tensor it was read from (a kept expert renumbered)."""
         self._ranges = _byte_ranges(files)
@@ -245,12 +250,13 @@ class LazyCheckpoint:
         if not any(converter is seen for seen in self.used):
             self.used.append(converter)
 
-    def _read_into(self, where: torch.Tensor, key: str) -> bool:
+    def _read_into(self, where: torch.Tensor, key: str, stored: bool = False) -> bool:
         """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
         one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
         that does not apply (the caller copies the tensor instead)."""
-        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous() or key in self.fp8
-                or _FILE_DTYPES.get(self.slices[key].get_dtype()) != where.dtype):
+        part = self.stored[key] if stored else self.slices[key]  # stored: a block-FP8 tensor's own bytes
+        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous()
+                or isinstance(part, (DequantizedSlice, UnreadSlice)) or _FILE_DTYPES.get(part.get_dtype()) != where.dtype):
             return False
         file, start, length = self._ranges[key]
         if length != where.numel() * where.element_size():
@@ -275,9 +281,12 @@ class LazyCheckpoint:
         for name, value in tensors.items():
             source = self.written_from.get(name, name)
             if source not in self.fp8:
+                if self.unread and value.is_floating_point() and bool(value.isnan().any()):
+                    raise RuntimeError(f"{self.path}: {name} would be written from a placeholder of FP8 weights "
+                                       "it does not name; this layout cannot be written as stored. Please report it.")
                 stored[name] = value
                 continue
-            weight, scale = self.stored[source][:], self.stored[self.fp8[source]][:]
+            weight, scale = self._read_stored(source), self._read_stored(self.fp8[source])
             if weight.shape != value.shape:  # a fused experts tensor of the files, cut to the kept experts
                 rows = kept.get(self.target[source].rpartition(".")[0])
                 if rows is None or len(rows) != value.shape[0] or weight.shape[1:] != value.shape[1:]:
@@ -287,6 +296,12 @@ class LazyCheckpoint:
                 weight, scale = weight[index], scale[index]
             stored[name], stored[name + SCALE_SUFFIX] = weight, scale
         return stored
+
+    def _read_stored(self, key: str) -> torch.Tensor:
+        """A block-FP8 weight or scale tensor as the files store it (read directly where :meth:`_read_into` can)."""
+        part = self.stored[key]
+        tensor = torch.empty(part.get_shape(), dtype=_FILE_DTYPES[part.get_dtype()])
+        return tensor if self._read_into(tensor, key, stored=True) else part[:]
 
     def empty(self, module: nn.Module) -> None:
         """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""
@@ -314,7 +329,8 @@ class LazyCheckpoint:
         self.close()
 
 
-_FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                "F8_E4M3": torch.float8_e4m3fn}
 """Safetensors dtypes read straight into a tensor's memory (:meth:`LazyCheckpoint._read_into`)."""
 
 

@@ -181,7 +181,8 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
     if quantization is not None:  # the kept FP8 tensors are written as stored: the config says how to read them
         pruned.config.quantization_config = quantization
     try:
-        with LazyCheckpoint(source, build_skeleton(config, dtype=dtype)) as checkpoint, quiet_calls():
+        with LazyCheckpoint(source, build_skeleton(config, dtype=dtype), fp8_values=False) as checkpoint, \
+                quiet_calls():
             return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
                                    write_weights=lambda target: write_pruned_weights(
                                        checkpoint, plan, target, device=device, timings=timings,
