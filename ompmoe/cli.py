@@ -155,7 +155,8 @@ def replan(
     settings, sources, taken, fit = _settings(statistics, fit_plan, dict(
         method=method, allocation=allocation, risk_weight=risk_weight, min_kept_fraction=min_kept_fraction,
         max_kept_fraction=max_kept_fraction, zeta=zeta, method_options=method_options))
-    refit = _compensation(compensation, fit, model, fit_plan, named=method not in (None, AUTO))
+    refit = _compensation(compensation, fit, model, fit_plan, named=method not in (None, AUTO),
+                          from_files=layer_by_layer is not False)
     sources["compensation"] = refit.source
     heldout = _heldout(evaluate_on, evaluate_blocks, fit, model)
     runs = [PruningRun(owner="ompmoe prune", strategy=PruningStrategy(ratio=r, **settings), tokenizer=tokenizer,
@@ -312,11 +313,13 @@ class _Refit:
     note: str | None = None
 
 
-def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path, named: bool) -> _Refit:
+def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path, named: bool,
+                  from_files: bool = True) -> _Refit:
     """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
-    also when its choice was the linear map); refused, before any work, where it cannot be done."""
+    also when its choice was the linear map); refused, before any work, where it cannot be done (``from_files``: the
+    model may be written from its files, which a block-FP8 checkpoint's are as stored)."""
     from .engine.apply.compensation import GRANULARITIES
-    from .engine.block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, checkpoint_block_fp8
+    from .engine.block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -338,7 +341,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         return _Refit(source="plans only: no --model")
     if granularity in (None, "off"):
         return _Refit(source=source)
-    if model is not None and Path(model, "config.json").is_file() and checkpoint_block_fp8(model) is not None:
+    if model is not None and from_files and _stores_block_fp8(model):
         if given is not None:  # its kept tensors are written as stored: a refit would change them
             raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=model).replace(
                 "compensation='off'", "--compensation off"))
@@ -537,6 +540,23 @@ def _check_model(name: str, statistics: Any, source: Path | None) -> Any:
     return None
 
 
+def _stores_block_fp8(name: str) -> bool:
+    """Whether the model ``name`` (a path, a shipped model or a hub id: its ``config.json`` only) is a block-FP8
+    checkpoint; other quantizations are refused here."""
+    import transformers
+
+    from .engine.block_fp8 import block_fp8_settings
+    from .lightning.models import is_tiny, resolve_model
+
+    if is_tiny(name):
+        return False
+    try:
+        config, _ = transformers.PreTrainedConfig.get_config_dict(str(resolve_model(name)))
+    except OSError:  # no such model: the load says so, with its own message
+        return False
+    return block_fp8_settings(config) is not None
+
+
 def _load_model(name: str, statistics: Any) -> Any:
     """The model ``name`` (as a calibration fit loads it), refused unless ``statistics`` were collected on it; a
     dense model, or one ompmoe pruned (unless the statistics are its own), before its weights load."""
@@ -545,6 +565,16 @@ def _load_model(name: str, statistics: Any) -> Any:
 
     check_prunable(name, option="--model", action="prune", statistics_model=statistics.model_id)
     model = load_model(name).eval()
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization:  # loaded quantized (a block-FP8 checkpoint on a GPU): refused before any forward
+        from .engine.apply.quantized import QuantizedModelError
+
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+            quantization, "quant_method", None)
+        raise QuantizedModelError(f"--model {name} was loaded quantized (quant_method="
+                                  f"{getattr(method, 'value', method)!r}); prune computes on full-precision weights: "
+                                  "pass --layer_by_layer true, which reads a block-FP8 checkpoint's weights "
+                                  "dequantized and writes the kept ones as stored.")
     statistics.check_compatible(model)
     return model
 

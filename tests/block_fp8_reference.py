@@ -20,8 +20,10 @@ KEPT_FULL = ("embed", "lm_head", "norm", "router", ".gate.weight", "bias", "scal
 
 
 def quantized_in_release(name: str, tensor: torch.Tensor) -> bool:
-    """A linear weight (2-D) or a fused experts tensor (3-D), as DeepSeek-V3's and Qwen3's FP8 releases quantize."""
-    return tensor.is_floating_point() and tensor.dim() in (2, 3) and not any(part in name for part in KEPT_FULL)
+    """A linear weight (2-D ``*.weight``) or a fused experts tensor (3-D), as DeepSeek-V3's and Qwen3's FP8 releases
+    quantize them; what a model keeps in float32 (routers) stays."""
+    shaped = (tensor.dim() == 2 and name.endswith(".weight")) or (tensor.dim() == 3 and ".experts." in name)
+    return shaped and tensor.dtype == torch.bfloat16 and not any(part in name for part in KEPT_FULL)
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
-FP8_FILE_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
-"""The safetensors dtypes of block-FP8 weights (E4M3, the format of every such release)."""
+FP8_FILE_DTYPE = "F8_E4M3"
+"""The safetensors dtype of block-FP8 weights (E4M3, the format of every such release); other 8-bit float dtypes
+(E5M2, E8M0) are refused by name."""
+SCALE_FILE_DTYPE = "F32"
+"""The safetensors dtype of their scales (one float32 multiplier per block)."""
 SCALE_SUFFIX = "_scale_inv"
 """A weight ``<name>``'s block multipliers are ``<name>_scale_inv`` (``x.weight`` -> ``x.weight_scale_inv``)."""
 
@@ -50,6 +53,11 @@ def block_fp8_settings(config: Any) -> dict[str, Any] | None:
             "block-FP8 checkpoints (quant_method 'fp8' with a weight_block_size, as DeepSeek-V3, Kimi K2 and "
             "Qwen3's -FP8 releases store them) and full-precision ones. Prune the full-precision checkpoint, then "
             "quantize the pruned model.")
+    if settings.get("expert_dtype", "fp8") != "fp8":
+        raise QuantizedCheckpointError(
+            f"The checkpoint's experts are stored as {settings.get('expert_dtype')!r} (quantization_config."
+            "expert_dtype), not block FP8; ompmoe reads block-FP8 checkpoints whose experts are FP8 too. Prune the "
+            "full-precision checkpoint instead.")
     if settings.get("activation_scheme", "dynamic") != "dynamic":
         raise QuantizedCheckpointError(
             f"The checkpoint's FP8 activations are statically scaled (activation_scheme="
@@ -129,7 +137,13 @@ def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings:
     """``{FP8 weight: its scale tensor}`` over the files' tensors (``headers``: name -> safetensors dtype), every
     pairing checked: an FP8 tensor without a ``quantization_config`` (its values would be read unscaled), without
     its scales, or with a scale grid that does not cover it in ``weight_block_size`` blocks is refused by name."""
-    fp8 = sorted(name for name, dtype in headers.items() if dtype in FP8_FILE_DTYPES)
+    fp8 = sorted(name for name, dtype in headers.items() if dtype.startswith("F8_") and not name.endswith(SCALE_SUFFIX))
+    other = [f"{name} ({headers[name]})" for name in fp8 if headers[name] != FP8_FILE_DTYPE]
+    if other:
+        raise QuantizedCheckpointError(
+            f"{source} stores {len(other)} weights in an 8-bit float other than E4M3 ({', '.join(other[:2])}"
+            f"{', ...' if len(other) > 2 else ''}); ompmoe reads block-FP8 checkpoints in E4M3 (DeepSeek-V3's "
+            "format). Prune the full-precision checkpoint instead.")
     if fp8 and settings is None:
         raise QuantizedCheckpointError(
             f"{source} stores {len(fp8)} tensors in FP8 ({fp8[0]}, ...) but its config.json has no "
@@ -149,7 +163,9 @@ def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings:
             wrong.append(f"{name} has no {scale}")
             continue
         expected = [*shapes[name][:-2], *(math.ceil(size / b) for size, b in zip(shapes[name][-2:], block))]
-        if list(shapes[scale]) != expected:
+        if headers[scale] != SCALE_FILE_DTYPE:
+            wrong.append(f"{scale} is {headers[scale]}, not float32 multipliers (F32)")
+        elif list(shapes[scale]) != expected:
             wrong.append(f"{scale} {list(shapes[scale])} does not cover {name} {shapes[name]} in {list(block)} "
                          f"blocks (expected {expected})")
         pairs[name] = scale
@@ -166,5 +182,5 @@ def block_size(settings: dict[str, Any]) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-__all__ = ["DequantizedSlice", "QuantizedCheckpointError", "UnreadSlice", "block_fp8_settings", "checkpoint_block_fp8",
-           "compute_config", "dequantize", "pair_scales", "stored_block_fp8"]
+__all__ = ["COMPENSATION_FP8", "DequantizedSlice", "QuantizedCheckpointError", "UnreadSlice", "block_fp8_settings",
+           "checkpoint_block_fp8", "compute_config", "dequantize", "pair_scales", "stored_block_fp8"]

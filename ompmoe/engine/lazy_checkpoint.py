@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, UnreadSlice, block_fp8_settings, block_size,
-                        checkpoint_block_fp8, compute_config, pair_scales)
+from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, QuantizedCheckpointError, UnreadSlice,
+                        block_fp8_settings, block_size, checkpoint_block_fp8, compute_config, pair_scales)
 from .model_classes import default_model_class
 
 
@@ -57,14 +57,14 @@ def build_skeleton(config: Any, model_class: type | None = None, dtype: torch.dt
     """The model ``config`` describes, its parameters on the meta device (no memory, no initialization) and its
     buffers real, in eval mode. A block-FP8 checkpoint's model is built plain, to compute on its weights dequantized
     (:mod:`~ompmoe.engine.block_fp8`); any other quantization is refused."""
-    stored = block_fp8_settings(config)
+    quantization = block_fp8_settings(config)
     config = compute_config(config)
     model_class = model_class or default_model_class(config)
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = model_class._from_config(config, dtype=dtype)
-    if stored is not None:
-        setattr(model, STORED_ATTR, stored)
+    if quantization is not None:
+        setattr(model, STORED_ATTR, quantization)
     return model.eval()
 
 
@@ -109,10 +109,11 @@ class LazyCheckpoint:
                                {key: part.get_shape() for key, part in self.slices.items()}, settings, path)
         """``{FP8 weight: its scale tensor}`` of a block-FP8 checkpoint (:mod:`~ompmoe.engine.block_fp8`): the model
         is filled with their dequantized values; :meth:`as_stored` gives back the stored ones to write."""
-        self.stored = {key: self.slices[key] for pair in self.fp8.items() for key in pair}
+        self.stored_parts = {key: self.slices[key] for pair in self.fp8.items() for key in pair}
+        """The block-FP8 weights' and scales' own slices (the bytes :meth:`as_stored` writes)."""
         for weight, scale in self.fp8.items():
             self.slices.pop(scale)
-            self.slices[weight] = (DequantizedSlice(self.slices[weight], self.stored[scale], block_size(settings))
+            self.slices[weight] = (DequantizedSlice(self.slices[weight], self.stored_parts[scale], block_size(settings))
                                    if fp8_values else UnreadSlice(self.slices[weight].get_shape()))
         self.unread = bool(self.fp8) and not fp8_values
         self.written_from: dict[str, str] = {}
@@ -133,6 +134,7 @@ class LazyCheckpoint:
                 renamed, pattern = key, None
             self.target[key], self.pattern[key] = renamed, pattern
         self.converters = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+        self._refuse_fp8_routers()
         self.used: list[Any] = []
         self.stacked_files: dict[str, list[tuple[list[str], int | None, int, int]]] = {}
         """Per fused experts tensor filled from per-expert file tensors: for each of its source patterns, the file
@@ -254,9 +256,10 @@ class LazyCheckpoint:
         """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
         one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
         that does not apply (the caller copies the tensor instead)."""
-        part = self.stored[key] if stored else self.slices[key]  # stored: a block-FP8 tensor's own bytes
-        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous()
-                or isinstance(part, (DequantizedSlice, UnreadSlice)) or _FILE_DTYPES.get(part.get_dtype()) != where.dtype):
+        part = self.stored_parts[key] if stored else self.slices[key]  # stored: a block-FP8 tensor's own bytes
+        computed = isinstance(part, (DequantizedSlice, UnreadSlice))  # values that are not the file's bytes
+        if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous() or computed
+                or _FILE_DTYPES.get(part.get_dtype()) != where.dtype):
             return False
         file, start, length = self._ranges[key]
         if length != where.numel() * where.element_size():
@@ -279,7 +282,7 @@ class LazyCheckpoint:
             return tensors
         stored = {}
         for name, value in tensors.items():
-            source = self.written_from.get(name, name)
+            source = self._source_of(name, kept)
             if source not in self.fp8:
                 if self.unread and value.is_floating_point() and bool(value.isnan().any()):
                     raise RuntimeError(f"{self.path}: {name} would be written from a placeholder of FP8 weights "
@@ -297,9 +300,41 @@ class LazyCheckpoint:
             stored[name], stored[name + SCALE_SUFFIX] = weight, scale
         return stored
 
+    def _source_of(self, name: str, kept: dict[str, list[int]]) -> str:
+        """The file tensor a written tensor was read from: for a per-expert name under an experts module cut to
+        ``kept``, the kept expert it renumbers (the plan's, checked against what the fill read); else itself."""
+        expert, target = _expert_of(name), self.target.get(name)
+        module = next((module for module in kept if target is not None and target.startswith(f"{module}.")), None)
+        if expert is None or module is None:
+            return name
+        rows = kept[module]
+        parts = name.split(".")
+        at = next(i for i in range(len(parts) - 1) if parts[i] == "experts" and parts[i + 1] == expert)
+        source = (".".join([*parts[:at + 1], str(rows[int(expert)]), *parts[at + 2:]]) if int(expert) < len(rows)
+                  else None)
+        if source is None or self.written_from.get(name, source) != source:
+            raise RuntimeError(f"{self.path}: {name} is expert {expert} of {len(rows)} kept in {module}, but the fill "
+                               f"read it from {self.written_from.get(name)}; it cannot be written as stored.")
+        return source
+
+    def _refuse_fp8_routers(self) -> None:
+        """A router stored in FP8 cannot be cut to the kept experts' rows as stored (its blocks span experts):
+        refused when the checkpoint is opened. The releases keep their routers in full precision."""
+        from .adapters import find_moe_layers
+
+        names = {id(module): name for name, module in self.model.named_modules()}
+        routers = tuple(f"{names[id(layer.router)]}." for layer in find_moe_layers(self.model)
+                        if id(layer.router) in names)
+        stored = sorted(key for key in self.fp8 if routers and self.target[key].startswith(routers))
+        if stored:
+            raise QuantizedCheckpointError(
+                f"{self.path} stores its routers' weights in FP8 ({stored[0]}{', ...' if len(stored) > 1 else ''}): "
+                "cutting a router to the kept experts' rows would split its FP8 blocks. ompmoe reads block-FP8 "
+                "checkpoints whose routers are full precision, as the releases store them.")
+
     def _read_stored(self, key: str) -> torch.Tensor:
         """A block-FP8 weight or scale tensor as the files store it (read directly where :meth:`_read_into` can)."""
-        part = self.stored[key]
+        part = self.stored_parts[key]
         tensor = torch.empty(part.get_shape(), dtype=_FILE_DTYPES[part.get_dtype()])
         return tensor if self._read_into(tensor, key, stored=True) else part[:]
 
@@ -317,7 +352,7 @@ class LazyCheckpoint:
     def close(self) -> None:
         self._files.clear()
         self.slices.clear()
-        self.stored.clear()
+        self.stored_parts.clear()
         for descriptor in self._descriptors.values():
             os.close(descriptor)
         self._descriptors.clear()

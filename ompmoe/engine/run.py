@@ -409,10 +409,16 @@ class PruningRun:
         """
         mode, stored = self.options.compensation, stored_block_fp8(model)
         quantization = getattr(getattr(model, "config", None), "quantization_config", None)
-        if quantization and not self.options.layer_by_layer:
+        if quantization:
             method = (quantization.get("quant_method") if isinstance(quantization, dict)
                       else getattr(quantization, "quant_method", None))
             method = getattr(method, "value", method)
+            if self.options.layer_by_layer:  # a skeleton built otherwise than build_skeleton builds it
+                raise QuantizedModelError(
+                    f"{self.owner}(layer_by_layer=True): the model was built with its config's quantization_config "
+                    f"(quant_method={method!r}); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), "
+                    "which builds it to compute on the weights dequantized (a block-FP8 checkpoint) or refuses the "
+                    "format.")
             fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
                    "weights dequantized and writes the kept ones as stored" if method == "fp8" else
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")

@@ -89,10 +89,8 @@ def test_a_block_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(model_
                   for name, tensor in stored.items() if tensor.dtype == torch.float8_e4m3fn and tensor.dim() == 2}
     for name in scales:
         weight, scale = written[name.removesuffix("_scale_inv")], written[name]
-        pairs = zip(weight, scale) if weight.dim() == 3 else [(weight, scale)]  # a fused tensor: one per expert
-        for one, its_scale in pairs:
-            if weight.dim() == 2:
-                assert (one.view(torch.uint8).numpy().tobytes(), its_scale.numpy().tobytes()) in source_fp8, name
+        if weight.dim() == 2:
+            assert (weight.view(torch.uint8).numpy().tobytes(), scale.numpy().tobytes()) in source_fp8, name
     for name, tensor in written.items():
         if tensor.dim() == 3 and tensor.dtype == torch.float8_e4m3fn:  # cut from the source's fused tensor
             kept = torch.tensor(plan.kept_by_layer()[next(layer for layer in plan.kept_by_layer()
@@ -136,9 +134,12 @@ def test_stock_transformers_reads_the_pruned_fp8_checkpoint_in_a_fresh_process(t
         assert torch.equal(torch.load(tmp_path / "out.pt"), expected), allocation
         assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(tmp_path / allocation).values())
         assert plan.achieved_ratio == pytest.approx(0.5)
-    card = (tmp_path / "waterfill" / "README.md").read_text()
-    assert ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the source's tensors as it stores them), the rest "
-            "bfloat16 |") in card
+    row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the source's tensors as it stores them), the rest "
+           "bfloat16")
+    assert f"{row} |" in (tmp_path / "uniform" / "README.md").read_text()
+    assert (f"{row}; with per-layer expert counts it loads dequantized (on CPU): transformers' FP8 loading on a GPU "
+            "builds every layer at the largest count (prune with a uniform allocation to run it in FP8) |"
+            ) in (tmp_path / "waterfill" / "README.md").read_text()
 
 
 def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_auto_left_out(tmp_path, caplog,
@@ -200,41 +201,140 @@ def test_a_named_compensation_of_a_block_fp8_checkpoint_is_refused_before_any_wo
     assert not (tmp_path / "out").exists()
 
 
-def _rewrite(directory: Path, drop: str | None = None, config: dict | None = None) -> None:
+def _rewrite(directory: Path, change) -> None:
+    """``change(tensors, config)`` applied to the checkpoint's files and config.json in place."""
     from safetensors.torch import save_file
 
-    tensors = read_tensors(directory)
-    if drop is not None:
-        del tensors[drop]
+    tensors, config = read_tensors(directory), json.loads((directory / "config.json").read_text())
+    change(tensors, config)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    if config is not None:
-        (directory / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps(config))
 
 
-def test_what_ompmoe_cannot_scale_is_refused_by_name_before_anything_is_read(tmp_path):
+WEIGHT = "model.layers.1.mlp.experts.0.down_proj.weight"
+ROUTER = "model.layers.1.mlp.gate.weight"
+
+
+def _unscaled(tensors: dict, config: dict) -> None:
+    del config["quantization_config"]
+
+
+def _without_a_scale(tensors: dict, config: dict) -> None:
+    del tensors[WEIGHT + "_scale_inv"]
+
+
+def _e5m2(tensors: dict, config: dict) -> None:
+    tensors[WEIGHT] = tensors[WEIGHT].float().to(torch.float8_e5m2)
+
+
+def _bf16_scales(tensors: dict, config: dict) -> None:
+    tensors[WEIGHT + "_scale_inv"] = tensors[WEIGHT + "_scale_inv"].to(torch.bfloat16)
+
+
+def _short_scales(tensors: dict, config: dict) -> None:
+    tensors[WEIGHT + "_scale_inv"] = torch.ones(2, 5)
+
+
+def _fp8_router(tensors: dict, config: dict) -> None:
+    tensors[ROUTER], tensors[ROUTER + "_scale_inv"] = quantize(tensors[ROUTER], (32, 16))
+
+
+def _setting(**changes):
+    def change(tensors: dict, config: dict) -> None:
+        config["quantization_config"].update(changes)
+    return change
+
+
+def _full_precision_files(tensors: dict, config: dict) -> None:
+    for name in [name for name in tensors if name.endswith("_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        tensors[weight] = literal_dequantize(tensors[weight], tensors.pop(name), (32, 16)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_without_a_scale, "{fp8} stores FP8 weights ompmoe cannot scale: {w} has no {w}_scale_inv. Its files are "
+                       "incomplete or in another FP8 layout."),
+    (_bf16_scales, "{fp8} stores FP8 weights ompmoe cannot scale: {w}_scale_inv is BF16, not float32 multipliers "
+                   "(F32). Its files are incomplete or in another FP8 layout."),
+    (_short_scales, "{fp8} stores FP8 weights ompmoe cannot scale: {w}_scale_inv [2, 5] does not cover {w} {shape} "
+                    "in [32, 16] blocks (expected {grid}). Its files are incomplete or in another FP8 layout."),
+    (_e5m2, "{fp8} stores 1 weights in an 8-bit float other than E4M3 ({w} (F8_E5M2)); ompmoe reads block-FP8 "
+            "checkpoints in E4M3 (DeepSeek-V3's format). Prune the full-precision checkpoint instead."),
+    (_unscaled, "{fp8} stores {count} tensors in FP8 (model.layers.0.mlp.down_proj.weight, ...) but its config.json "
+                "has no quantization_config saying how they are scaled; they would be read as wrong values. Add the "
+                "quantization_config the checkpoint was released with."),
+    (_full_precision_files, "{fp8}'s config.json says its weights are FP8 (quantization_config), but no tensor of its "
+                            "files is FP8; remove the quantization_config from config.json if the weights are full "
+                            "precision."),
+    (_fp8_router, "{fp8} stores its routers' weights in FP8 (model.layers.1.mlp.gate.weight): cutting a router to the "
+                  "kept experts' rows would split its FP8 blocks. ompmoe reads block-FP8 checkpoints whose routers "
+                  "are full precision, as the releases store them."),
+    (_setting(quant_method="mxfp4"), "The checkpoint is quantized (quant_method='mxfp4', weight_block_size=[32, 16]); "
+                                     "ompmoe reads block-FP8 checkpoints (quant_method 'fp8' with a "
+                                     "weight_block_size, as DeepSeek-V3, Kimi K2 and Qwen3's -FP8 releases store "
+                                     "them) and full-precision ones. Prune the full-precision checkpoint, then "
+                                     "quantize the pruned model."),
+    (_setting(activation_scheme="static"), "The checkpoint's FP8 activations are statically scaled "
+                                           "(activation_scheme='static'): their scales were calibrated for the "
+                                           "unpruned model. ompmoe reads block-FP8 checkpoints with dynamic "
+                                           "activations (DeepSeek-V3's format); prune the full-precision checkpoint "
+                                           "instead."),
+    (_setting(expert_dtype="fp4"), "The checkpoint's experts are stored as 'fp4' (quantization_config.expert_dtype), "
+                                   "not block FP8; ompmoe reads block-FP8 checkpoints whose experts are FP8 too. "
+                                   "Prune the full-precision checkpoint instead."),
+], ids=lambda value: getattr(value, "__name__", "")[:24] or None)
+def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(change, message, tmp_path):
     fp8, _ = _fp8_source("qwen3_moe", tmp_path)
-    config = json.loads((fp8 / "config.json").read_text())
-    weight = "model.layers.1.mlp.experts.0.down_proj.weight"
+    stored = read_tensors(fp8)
+    count = sum(tensor.dtype == torch.float8_e4m3fn for tensor in stored.values())
+    shape, grid = list(stored[WEIGHT].shape), list(stored[WEIGHT + "_scale_inv"].shape)
+    assert grid != [2, 5]
+    _rewrite(fp8, change)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    assert str(refused.value) == message.format(fp8=fp8, w=WEIGHT, count=count, shape=shape, grid=grid)
 
-    def refusal() -> str:
-        with pytest.raises(QuantizedCheckpointError) as refused:
-            collect_stats_layerwise(fp8, BLOCKS, progress=False)
-        return str(refused.value)
 
-    _rewrite(fp8, drop=weight + "_scale_inv")
-    assert refusal() == (f"{fp8} stores FP8 weights ompmoe cannot scale: {weight} has no {weight}_scale_inv. Its "
-                         "files are incomplete or in another FP8 layout.")
-    unscaled = {key: value for key, value in config.items() if key != "quantization_config"}
-    _rewrite(fp8, config=unscaled)
-    assert refusal().startswith(f"{fp8} stores ") and refusal().endswith(
-        " tensors in FP8 (model.layers.0.mlp.down_proj.weight, ...) but its config.json has no "
-        "quantization_config saying how they are scaled; they would be read as wrong values. Add the "
-        "quantization_config the checkpoint was released with.")
-    _rewrite(fp8, config={**config, "quantization_config": {"quant_method": "mxfp4"}})
-    assert refusal() == (
-        "The checkpoint is quantized (quant_method='mxfp4', weight_block_size=None); ompmoe reads block-FP8 "
-        "checkpoints (quant_method 'fp8' with a weight_block_size, as DeepSeek-V3, Kimi K2 and Qwen3's -FP8 releases "
-        "store them) and full-precision ones. Prune the full-precision checkpoint, then quantize the pruned model.")
+def test_held_out_perplexity_layer_by_layer_is_the_dequantized_models(tmp_path):
+    """What the run prints for an FP8 checkpoint (original -> pruned) is the dequantized model's perplexity, before
+    and after pruning, as the resident pass measures it."""
+    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+    from ompmoe.engine.perplexity import perplexity
+
+    fp8, dequantized = _fp8_source("deepseek_v3", tmp_path)
+    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
+    config = load_stock_config(fp8)
+    measured = measure_layer_by_layer(fp8, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
+                                      tmp_path / "scratch", heldout={"set": heldout}, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ompmoe.load_pruned(dequantized)
+    before = perplexity(model, heldout)
+    after = perplexity(ompmoe.prune(model, plan), heldout)
+    assert measured.heldout["set"] == pytest.approx((before, after), rel=1e-6)
+    assert before != after
+
+
+def test_a_layer_by_layer_run_refuses_a_skeleton_that_keeps_its_quantization_config():
+    from ompmoe.engine.ranks import RunContext
+    from ompmoe.engine.run import PruningRun, RunOptions
+
+    from ompmoe.engine.lazy_checkpoint import build_skeleton
+
+    skeleton = build_skeleton(tiny_model("qwen3_moe").config)  # as a user's own might be: its config kept whole
+    skeleton.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5), layer_by_layer=True),
+                     owner="ExpertPruning")
+    with pytest.raises(ompmoe.QuantizedModelError) as refused:
+        run.start(skeleton, RunContext())
+    assert str(refused.value) == (
+        "ExpertPruning(layer_by_layer=True): the model was built with its config's quantization_config "
+        "(quant_method='fp8'); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), which builds it to "
+        "compute on the weights dequantized (a block-FP8 checkpoint) or refuses the format.")
 
 
 def test_a_resident_run_refuses_a_quantized_model_before_calibrating(tmp_path):
