@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import ompmoe
 from ompmoe.engine.apply.compensation import Compensation
@@ -136,10 +137,34 @@ def test_stock_transformers_reads_the_pruned_fp8_checkpoint_in_a_fresh_process(t
         assert plan.achieved_ratio == pytest.approx(0.5)
     row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the source's tensors as it stores them), the rest "
            "bfloat16")
-    assert f"{row} |" in (tmp_path / "uniform" / "README.md").read_text()
-    assert (f"{row}; with per-layer expert counts it loads dequantized (on CPU): transformers' FP8 loading on a GPU "
-            "builds every layer at the largest count (prune with a uniform allocation to run it in FP8) |"
-            ) in (tmp_path / "waterfill" / "README.md").read_text()
+    assert f"{row} |" in (tmp_path / "waterfill" / "README.md").read_text()
+
+
+def test_a_non_uniform_fp8_checkpoint_loads_each_layer_at_its_own_count_in_fp8(tmp_path, monkeypatch):
+    """On a GPU, transformers keeps the FP8 weights and rebuilds every experts module for them from
+    ``module.config``: the remote code and ``ompmoe.load_pruned`` give each a config with its own count (run here on
+    CPU with the quantizer's device check bypassed: loading only; the FP8 kernels need a GPU)."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+
+    fp8 = to_block_fp8(shipped_model_path(), tmp_path / "fp8", (64, 64))
+    stats = collect_stats_layerwise(fp8, [torch.randint(3, 4000, (2, 24))], progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    counts = [len(kept) for kept in plan.kept_by_layer().values()]
+    assert len(set(counts)) > 1
+    save_pruned_from_files(fp8, plan, tmp_path / "pruned")
+    stored = read_tensors(tmp_path / "pruned")
+    monkeypatch.setattr(fp8_quantizer.FineGrainedFP8HfQuantizer, "validate_environment", lambda *args, **kwargs: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (ompmoe.load_pruned(tmp_path / "pruned", device_map="cpu"),
+                      transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True,
+                                                                        device_map="cpu")):
+            experts = [layer.mlp.experts for layer in model.model.layers]
+            assert [type(each).__name__ for each in experts] == ["FP8Experts"] * len(counts)
+            assert [each.gate_up_proj.shape[0] for each in experts] == counts == [each.num_experts for each in experts]
+            down = experts[0].down_proj[1]  # the second kept expert of the first layer, as stored
+            assert torch.equal(down.view(torch.uint8),
+                               stored["model.layers.0.mlp.experts.1.down_proj.weight"].view(torch.uint8))
 
 
 def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_auto_left_out(tmp_path, caplog,

@@ -246,7 +246,7 @@ def test_non_uniform_directory_layout(exported, model_type):
     for name in (CONFIG_FILE, MODELING_FILE):
         source = (directory / name).read_text()
         imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
-        assert imports and all(line.split()[1] in {"torch", "transformers", ".configuration_ompmoe_pruned"}
+        assert imports and all(line.split()[1] in {"copy", "torch", "transformers", ".configuration_ompmoe_pruned"}
                                for line in imports), imports
     card = (directory / "README.md").read_text()
     assert "trust_remote_code=True" in card and "ompmoe.load_pruned" in card

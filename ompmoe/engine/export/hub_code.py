@@ -81,6 +81,8 @@ the weights load, exactly as ompmoe.load_pruned does; routing and the experts ke
 code over those experts.
 """
 
+import copy
+
 import torch
 from torch import nn
 from transformers import {base_model} as _BaseForCausalLM
@@ -105,6 +107,17 @@ def _kept(tensor, axis, old, new):
     if tensor.shape[axis] > old:
         kept = torch.cat([kept, tensor.detach().narrow(axis, old, tensor.shape[axis] - old)], dim=axis)
     return kept.clone()
+
+
+def _own_count(experts, count, config):
+    """A config of the experts module's own, with its count: transformers' FP8 loading (on a GPU) rebuilds each
+    experts module from `module.config` (else the model's), which would size every layer at the largest. Only for
+    a quantized checkpoint: a module config of its own no longer follows set_experts_implementation."""
+    own = copy.copy(getattr(experts, "config", None) or config.get_text_config())
+    for attr in COUNT_ATTRIBUTES:
+        if hasattr(own, attr):
+            setattr(own, attr, count)
+    experts.config = own
 
 
 def _extra_rows(router, old):
@@ -163,6 +176,8 @@ class {model_class}(_BaseForCausalLM):
             for module in router.modules():
                 _shrink(module, old, len(ids), extra=extra)
             _shrink(block.experts, old, len(ids))
+            if getattr(config, "quantization_config", None):  # FP8 experts are rebuilt from module.config
+                _own_count(block.experts, len(ids), config)
             _shrink(block, old, len(ids), ())  # a routing bias the block keeps and passes into its router
 '''
 

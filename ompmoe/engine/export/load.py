@@ -3,6 +3,8 @@ count, refusing (by name and shape) whatever stock loading would fill silently."
 
 from __future__ import annotations
 
+import copy
+
 import os
 import warnings
 from collections.abc import Callable
@@ -48,6 +50,18 @@ def _model_class(config: Any) -> type:
         raise PlanMismatchError(f"config.json (model_type={model_type!r}, architectures={list(names)}) has no "
                                 "causal-LM or multimodal class in transformers; load_pruned loads those only.")
     return default_model_class(config)
+
+
+def own_expert_count(experts: nn.Module, count: int, config: Any, attributes: tuple[str, ...]) -> None:
+    """Give a cut experts module a config of its own with its count: transformers' FP8 loading (on a GPU) rebuilds
+    each experts module from ``module.config`` (else the model's), which would size every layer at the largest
+    (the remote code of a non-uniform checkpoint does the same, :mod:`.hub_code`). Only for a quantized checkpoint:
+    a module config of its own no longer follows ``set_experts_implementation``."""
+    own = copy.copy(getattr(experts, "config", None) or config.get_text_config())
+    for attr in {*attributes, "num_experts", "n_routed_experts", "num_local_experts"}:
+        if hasattr(own, attr):
+            setattr(own, attr, count)
+    experts.config = own
 
 
 def _check_weight_shapes(path: str | os.PathLike, cls: type, config: Any) -> None:
@@ -128,7 +142,10 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
             for layer in layers:
                 count = len(record["kept_experts"][layer.name])
                 if layer.num_experts != count:
-                    _slice_layer(layer, torch.arange(count), architecture_of(self).count_attributes)
+                    attributes = architecture_of(self).count_attributes
+                    _slice_layer(layer, torch.arange(count), attributes)
+                    if getattr(config, "quantization_config", None):  # FP8 experts are rebuilt from their config
+                        own_expert_count(layer.experts, count, config, attributes)
 
         cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
     _check_weight_shapes(path, cls, config)

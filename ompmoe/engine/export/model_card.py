@@ -203,11 +203,8 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
         rows, cols = quantization.get("weight_block_size") or ("?", "?")
-        uniform = (config.get("ompmoe") or {}).get("uniform", True)
         return (f"FP8 (e4m3, one scale per {rows}x{cols} block; the source's tensors as it stores them), the rest "
-                f"{dtype or 'not recorded'}" + ("" if uniform else
-                "; with per-layer expert counts it loads dequantized (on CPU): transformers' FP8 loading on a GPU "
-                "builds every layer at the largest count (prune with a uniform allocation to run it in FP8)"))
+                f"{dtype or 'not recorded'}")
     return dtype or "not recorded"
 
 
