@@ -212,6 +212,27 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_a
     assert not (tmp_path / "again" / "pruned").exists()
 
 
+def test_loading_partial_fp8_blocks_without_a_gpu_is_refused_where_transformers_would_read_them_wrong(tmp_path):
+    """Tiny DeepSeek-V3 in 32 x 16 blocks: its 48-row weights end in a partial block, which transformers'
+    dequantization (without a GPU) reads as two blocks of 24 rows. ompmoe.load_pruned (every resident front door's
+    loader) refuses it by name; the layer-by-layer reading of the same files is the literal one (the test above)."""
+    fp8, dequantized = _fp8_source("deepseek_v3", tmp_path)
+    literal = read_tensors(dequantized)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = dict(transformers.AutoModelForCausalLM.from_pretrained(fp8).state_dict())
+    name = "model.layers.0.mlp.gate_proj.weight"
+    assert list(literal[name].shape)[0] == 48 and not torch.equal(theirs[name], literal[name])  # wrong, no error
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        ompmoe.load_pruned(fp8)
+    message = str(refused.value)
+    assert message.startswith(f"{fp8} stores FP8 weights that are not whole 32x16 blocks (")
+    assert name in message and message.endswith(
+        "); without a GPU transformers dequantizes them as if they were and would load them wrong. Calibrate and "
+        "prune it with layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads partial blocks as "
+        "DeepSeek's reference does, or load it on a GPU.")
+
+
 def test_a_named_compensation_of_a_block_fp8_checkpoint_is_refused_before_any_work(tmp_path):
     fp8, _ = _fp8_source("qwen3_moe", tmp_path)
     stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
+from ..block_fp8 import QuantizedCheckpointError, block_fp8_settings, block_size
 from ..lazy_checkpoint import weight_files
 from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
@@ -50,6 +51,29 @@ def _model_class(config: Any) -> type:
         raise PlanMismatchError(f"config.json (model_type={model_type!r}, architectures={list(names)}) has no "
                                 "causal-LM or multimodal class in transformers; load_pruned loads those only.")
     return default_model_class(config)
+
+
+def _refuse_partial_fp8_blocks(path: str | os.PathLike, config: Any) -> None:
+    """Without a GPU transformers dequantizes a block-FP8 checkpoint itself, taking each block's size from the scale
+    grid (``rows // scale_rows``): right for whole blocks only. A weight whose sides are not whole blocks (DeepSeek-V3's
+    ``kv_a_proj_with_mqa``: 576 rows in 128-row blocks) would load wrong, or fail deep inside its loading; refused
+    here by name, before any tensor is read. ``layer_by_layer`` reads such blocks as DeepSeek's reference does."""
+    try:
+        settings = block_fp8_settings(config)
+    except QuantizedCheckpointError:  # another format: transformers loads it as it loads it
+        return
+    if settings is None or torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return
+    rows, cols = block_size(settings)
+    partial = [f"{name} {entry['shape']}" for file in weight_files(path) for name, entry in read_header(file).items()
+               if entry["dtype"].startswith("F8_") and len(entry["shape"]) >= 2
+               and (entry["shape"][-2] % rows or entry["shape"][-1] % cols)]
+    if partial:
+        raise QuantizedCheckpointError(
+            f"{path} stores FP8 weights that are not whole {rows}x{cols} blocks ({_names(partial)}); without a GPU "
+            "transformers dequantizes them as if they were and would load them wrong. Calibrate and prune it with "
+            "layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads partial blocks as DeepSeek's "
+            "reference does, or load it on a GPU.")
 
 
 def own_expert_count(experts: nn.Module, count: int, config: Any, attributes: tuple[str, ...]) -> None:
@@ -127,6 +151,7 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
     base = _model_class(config)
     check_weight_files(path, lambda: _integer_tensors(base, config))
+    _refuse_partial_fp8_blocks(path, config)
     record = pruning_info(config)
     cls = base
     if record is not None:
