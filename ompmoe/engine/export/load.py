@@ -17,7 +17,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
-from ..block_fp8 import QuantizedCheckpointError, block_fp8_settings, block_size
+from ..block_fp8 import SCALE_SUFFIX, QuantizedCheckpointError, block_fp8_settings, block_size
 from ..lazy_checkpoint import weight_files
 from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
@@ -66,7 +66,7 @@ def _refuse_partial_fp8_blocks(path: str | os.PathLike, config: Any) -> None:
         return
     rows, cols = block_size(settings)
     partial = [f"{name} {entry['shape']}" for file in weight_files(path) for name, entry in read_header(file).items()
-               if entry["dtype"].startswith("F8_") and len(entry["shape"]) >= 2
+               if entry["dtype"].startswith("F8_") and len(entry["shape"]) >= 2 and not name.endswith(SCALE_SUFFIX)
                and (entry["shape"][-2] % rows or entry["shape"][-1] % cols)]
     if partial:
         raise QuantizedCheckpointError(
