@@ -560,21 +560,17 @@ def _stores_block_fp8(name: str) -> bool:
 def _load_model(name: str, statistics: Any) -> Any:
     """The model ``name`` (as a calibration fit loads it), refused unless ``statistics`` were collected on it; a
     dense model, or one ompmoe pruned (unless the statistics are its own), before its weights load."""
+    from .engine.apply.quantized import QuantizedModelError, quant_method
     from .lightning.calibration_module import check_prunable
     from .lightning.models import load_model
 
     check_prunable(name, option="--model", action="prune", statistics_model=statistics.model_id)
     model = load_model(name).eval()
-    quantization = getattr(model.config, "quantization_config", None)
-    if quantization:  # loaded quantized (a block-FP8 checkpoint on a GPU): refused before any forward
-        from .engine.apply.quantized import QuantizedModelError
-
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-            quantization, "quant_method", None)
-        raise QuantizedModelError(f"--model {name} was loaded quantized (quant_method="
-                                  f"{getattr(method, 'value', method)!r}); prune computes on full-precision weights: "
-                                  "pass --layer_by_layer true, which reads a block-FP8 checkpoint's weights "
-                                  "dequantized and writes the kept ones as stored.")
+    method = quant_method(model.config)
+    if method is not None:  # loaded quantized (a block-FP8 checkpoint on a GPU): refused before any forward
+        raise QuantizedModelError(f"--model {name} was loaded quantized (quant_method={method!r}); prune computes "
+                                  "on full-precision weights: pass --layer_by_layer true, which reads a block-FP8 "
+                                  "checkpoint's weights dequantized and writes the kept ones as stored.")
     statistics.check_compatible(model)
     return model
 

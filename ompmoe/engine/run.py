@@ -37,7 +37,7 @@ from .apply.compensation_step import (
 )
 from .apply.plan_choice import PlanChoice, choose_plan, setting_name
 from .apply.pruning import prune
-from .apply.quantized import QuantizedModelError
+from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
 from .block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, stored_block_fp8
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
@@ -408,11 +408,8 @@ class PruningRun:
         before any work). A model transformers loaded quantized is refused too (prune computes on full precision).
         """
         mode, stored = self.options.compensation, stored_block_fp8(model)
-        quantization = getattr(getattr(model, "config", None), "quantization_config", None)
-        if quantization:
-            method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                      else getattr(quantization, "quant_method", None))
-            method = getattr(method, "value", method)
+        method = quant_method(getattr(model, "config", None))
+        if method is not None:
             if self.options.layer_by_layer:  # a skeleton built otherwise than build_skeleton builds it
                 raise QuantizedModelError(
                     f"{self.owner}(layer_by_layer=True): the model was built with its config's quantization_config "

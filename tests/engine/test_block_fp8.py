@@ -178,9 +178,19 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_a
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
           "--model.model", str(fp8)])
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
-    assert ("ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no compensation (its "
-            "refit would change them)") in lines
     plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    assert lines[:4] == [  # the whole of what the run says
+        "ompmoe: method omp, allocation waterfill, compensation off, risk_weight 3, min_kept_fraction 0.375, "
+        "max_kept_fraction 0.875, zeta 1e-06",
+        f"ompmoe: {ompmoe.kept_summary(plan)}",
+        "ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
+        "loss-aware statistics; no trial of its settings: it needs the whole model",
+        "ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no compensation (its refit "
+        "would change them)"]
+    assert lines[4].startswith("ompmoe: held-out perplexity ran layer by layer in one more pass over the layers: ")
+    assert lines[5].startswith("ompmoe: held-out perplexity on 512 tokens per set, original -> pruned: heldout:prose ")
+    assert "paper's setting" not in lines[5]  # the run's plan is the paper's
+    assert lines[6:] == [f"ompmoe: wrote statistics, plan and pruned model to {tmp_path / 'run'}"]
     assert "compensation" not in plan.extra
     written = read_tensors(tmp_path / "run" / "model")
     assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values()) == sum(
@@ -365,34 +375,47 @@ def test_held_out_perplexity_layer_by_layer_is_the_dequantized_models(tmp_path):
     assert before != after
 
 
-def test_a_layer_by_layer_run_refuses_a_skeleton_that_keeps_its_quantization_config():
+@pytest.mark.parametrize(("layer_by_layer", "message"), [
+    (True, "ExpertPruning(layer_by_layer=True): the model was built with its config's quantization_config "
+           "(quant_method='fp8'); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), which builds it "
+           "to compute on the weights dequantized (a block-FP8 checkpoint) or refuses the format."),
+    (False, "ExpertPruning: the model was loaded quantized (quant_method='fp8'); pruning computes on full-precision "
+            "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
+            "weights dequantized and writes the kept ones as stored."),
+])
+def test_a_run_refuses_a_model_that_kept_its_quantization_config_before_calibrating(layer_by_layer, message):
+    """Layer by layer: a skeleton built otherwise than build_skeleton builds it (a user's own, its config whole);
+    resident: a model transformers loaded quantized (a block-FP8 checkpoint on a GPU)."""
+    from ompmoe.engine.lazy_checkpoint import build_skeleton
     from ompmoe.engine.ranks import RunContext
     from ompmoe.engine.run import PruningRun, RunOptions
 
-    from ompmoe.engine.lazy_checkpoint import build_skeleton
-
-    skeleton = build_skeleton(tiny_model("qwen3_moe").config)  # as a user's own might be: its config kept whole
-    skeleton.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5), layer_by_layer=True),
+    model = build_skeleton(tiny_model("qwen3_moe").config) if layer_by_layer else tiny_model("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5), layer_by_layer=layer_by_layer),
                      owner="ExpertPruning")
     with pytest.raises(ompmoe.QuantizedModelError) as refused:
-        run.start(skeleton, RunContext())
-    assert str(refused.value) == (
-        "ExpertPruning(layer_by_layer=True): the model was built with its config's quantization_config "
-        "(quant_method='fp8'); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), which builds it to "
-        "compute on the weights dequantized (a block-FP8 checkpoint) or refuses the format.")
-
-
-def test_a_resident_run_refuses_a_quantized_model_before_calibrating(tmp_path):
-    from ompmoe.engine.ranks import RunContext
-    from ompmoe.engine.run import PruningRun, RunOptions
-
-    model = tiny_model("qwen3_moe")
-    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    run = PruningRun(RunOptions(strategy=ompmoe.PruningStrategy(ratio=0.5)), owner="ExpertPruning")
-    with pytest.raises(ompmoe.QuantizedModelError) as refused:
         run.start(model, RunContext())
+    assert str(refused.value) == message
+
+
+def test_ompmoe_prune_refuses_a_model_loaded_quantized_before_any_forward(tmp_path, monkeypatch):
+    """``ompmoe prune --layer_by_layer false`` on a GPU loads a block-FP8 checkpoint quantized: refused once loaded,
+    before its held-out perplexity or any pruning."""
+    import ompmoe.lightning.models as models
+    from ompmoe.cli import _load_model
+
+    stats = ompmoe.collect_stats(tiny_model("qwen3_moe"), BLOCKS, model_id="tiny:qwen3_moe", progress=False)
+
+    def loaded_quantized(name: str, *args, **kwargs):
+        model = tiny_model("qwen3_moe")
+        model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        return model
+
+    monkeypatch.setattr(models, "load_model", loaded_quantized)
+    with pytest.raises(ompmoe.QuantizedModelError) as refused:
+        _load_model("tiny:qwen3_moe", stats)
     assert str(refused.value) == (
-        "ExpertPruning: the model was loaded quantized (quant_method='fp8'); pruning computes on full-precision "
-        "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
-        "weights dequantized and writes the kept ones as stored.")
+        "--model tiny:qwen3_moe was loaded quantized (quant_method='fp8'); prune computes on full-precision weights: "
+        "pass --layer_by_layer true, which reads a block-FP8 checkpoint's weights dequantized and writes the kept "
+        "ones as stored.")

@@ -7,6 +7,7 @@ checks live in the engine so that :mod:`ompmoe.engine.apply.pruning` does not de
 from __future__ import annotations
 
 from itertools import chain
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,15 +49,23 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"stored as {tensor.dtype}"
 
 
+def quant_method(config: Any) -> str | None:
+    """The ``quant_method`` of ``config.quantization_config`` (a dict or a transformers config object), ``None``
+    without one: what a model transformers loaded quantized says it is."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    return str(getattr(method, "value", method))
+
+
 def find_quantized(model: nn.Module) -> str | None:
     """Why ``model`` counts as quantized for pruning, or ``None`` if it does not: ``config.quantization_config``
     (transformers integrations), :func:`quantize_experts`, or the routers' and routed experts' tensors (tensor
     subclasses such as torchao's, non-floating parameters)."""
-    quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)
-    if quantization_config:
-        method = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)
-                  else getattr(quantization_config, "quant_method", None))
-        method = getattr(method, "value", method)
+    method = quant_method(getattr(model, "config", None))
+    if method is not None:
         return f"config.quantization_config is set (quant_method={method!r})"
     for block_name, _, router, experts in sparse_blocks(model):
         router_attr = architecture_of(model).router_attr

@@ -82,7 +82,7 @@ def own_expert_count(experts: nn.Module, count: int, config: Any, attributes: tu
     (the remote code of a non-uniform checkpoint does the same, :mod:`.hub_code`). Only for a quantized checkpoint:
     a module config of its own no longer follows ``set_experts_implementation``."""
     own = copy.copy(getattr(experts, "config", None) or config.get_text_config())
-    for attr in {*attributes, "num_experts", "n_routed_experts", "num_local_experts"}:
+    for attr in attributes:
         if hasattr(own, attr):
             setattr(own, attr, count)
     experts.config = own
