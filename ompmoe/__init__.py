@@ -32,7 +32,7 @@ _LAZY_MODULES: dict[str, tuple[str, ...]] = {
     ".engine.export.save": ("save_pruned",),
     ".engine.export.load": ("load_pruned",),
     ".engine.apply.quantized": ("QuantizedModelError",),
-    ".engine.block_fp8": ("QuantizedCheckpointError",),
+    ".engine.quantized_files": ("QuantizedCheckpointError",),
     ".engine.planning.selection": ("greedy_pursuit",),
     ".engine.collect.statistics": ("FingerprintMismatchError", "LayerStats", "MoEStats", "StatsFileError", "model_fingerprint"),
     ".engine.summary": ("kept_summary",),

@@ -317,9 +317,10 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
                   from_files: bool = True) -> _Refit:
     """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
     also when its choice was the linear map); refused, before any work, where it cannot be done (``from_files``: the
-    model may be written from its files, which a block-FP8 checkpoint's are as stored)."""
+    model may be written from its files, which a quantized checkpoint's are as stored)."""
     from .engine.apply.compensation import GRANULARITIES
-    from .engine.block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError
+    from .engine.quantized_files import QuantizedCheckpointError
+    from .engine.stored_formats import COMPENSATION_STORED, format_name
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -341,11 +342,12 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         return _Refit(source="plans only: no --model")
     if granularity in (None, "off"):
         return _Refit(source=source)
-    if model is not None and from_files and _stores_block_fp8(model):
+    stored = _stored_quantization(model) if model is not None and from_files else None
+    if stored is not None:
         if given is not None:  # its kept tensors are written as stored: a refit would change them
-            raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=model).replace(
+            raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))
-        return _Refit(source="none for a block-FP8 checkpoint")
+        return _Refit(source=f"none for a {format_name(stored)} checkpoint")
     data = fit_data(fit)
     if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
@@ -540,21 +542,22 @@ def _check_model(name: str, statistics: Any, source: Path | None) -> Any:
     return None
 
 
-def _stores_block_fp8(name: str) -> bool:
-    """Whether the model ``name`` (a path, a shipped model or a hub id: its ``config.json`` only) is a block-FP8
-    checkpoint; other quantizations are refused here."""
+def _stored_quantization(name: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` of the model ``name`` (a path, a shipped model or a hub id: its ``config.json``
+    only) if it is stored in a format ompmoe reads (block FP8, MXFP4), else ``None``; other quantizations are refused
+    here."""
     import transformers
 
-    from .engine.block_fp8 import block_fp8_settings
+    from .engine.stored_formats import stored_settings
     from .lightning.models import is_tiny, resolve_model
 
     if is_tiny(name):
-        return False
+        return None
     try:
         config, _ = transformers.PreTrainedConfig.get_config_dict(str(resolve_model(name)))
     except OSError:  # no such model: the load says so, with its own message
-        return False
-    return block_fp8_settings(config) is not None
+        return None
+    return stored_settings(config)
 
 
 def _load_model(name: str, statistics: Any) -> Any:
@@ -569,8 +572,8 @@ def _load_model(name: str, statistics: Any) -> Any:
     method = quant_method(model.config)
     if method is not None:  # loaded quantized (a block-FP8 checkpoint on a GPU): refused before any forward
         raise QuantizedModelError(f"--model {name} was loaded quantized (quant_method={method!r}); prune computes "
-                                  "on full-precision weights: pass --layer_by_layer true, which reads a block-FP8 "
-                                  "checkpoint's weights dequantized and writes the kept ones as stored.")
+                                  "on full-precision weights: pass --layer_by_layer true, which reads a block-FP8 or "
+                                  "MXFP4 checkpoint's weights dequantized and writes the kept ones as stored.")
     statistics.check_compatible(model)
     return model
 

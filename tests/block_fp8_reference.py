@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+from quantized_checkpoints import read_tensors, write_checkpoint
 
 E4M3_MAX = 448.0
 KEPT_FULL = ("embed", "lm_head", "norm", "router", ".gate.weight", "bias", "scale", "conv")
@@ -52,42 +51,23 @@ def literal_dequantize(values: torch.Tensor, scales: torch.Tensor, block: tuple[
     return out
 
 
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return tensors
-
-
-def _copy_beside_weights(source: Path, target: Path) -> None:
-    target.mkdir(parents=True)
-    for path in source.iterdir():
-        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
-            shutil.copy(path, target / path.name)
-
-
 def to_block_fp8(source: Path, target: Path, block: tuple[int, int]) -> Path:
     """``source`` (a full-precision checkpoint) as a block-FP8 release stores it, in one file."""
-    _copy_beside_weights(source, target)
     tensors = {}
     for name, tensor in read_tensors(source).items():
         if quantized_in_release(name, tensor):
             tensors[name], tensors[name + "_scale_inv"] = quantize(tensor, block)
         else:
             tensors[name] = tensor
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": list(block)}
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
+    return write_checkpoint(source, target, tensors, config)
 
 
 def dequantized_checkpoint(source: Path, target: Path) -> Path:
     """The full-precision checkpoint a block-FP8 ``source`` stands for (each FP8 weight dequantized literally, in the
     dtype its config records), without its quantization_config."""
-    _copy_beside_weights(source, target)
     config = json.loads((source / "config.json").read_text())
     block = tuple(config.pop("quantization_config")["weight_block_size"])
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
@@ -95,6 +75,4 @@ def dequantized_checkpoint(source: Path, target: Path) -> Path:
     tensors = {name: (literal_dequantize(tensor, stored[name + "_scale_inv"], block).to(dtype)
                       if tensor.dtype == torch.float8_e4m3fn else tensor)
                for name, tensor in stored.items() if not name.endswith("_scale_inv")}
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
+    return write_checkpoint(source, target, tensors, config)

@@ -7,14 +7,13 @@ byte in every tensor it keeps."""
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
 FP8_FILE_DTYPE = "F8_E4M3"
 """The safetensors dtype of block-FP8 weights (E4M3, the format of every such release); other 8-bit float dtypes
@@ -25,34 +24,15 @@ SCALE_SUFFIX = "_scale_inv"
 """A weight ``<name>``'s block multipliers are ``<name>_scale_inv`` (``x.weight`` -> ``x.weight_scale_inv``)."""
 
 
-STORED_ATTR = "_ompmoe_block_fp8"
-"""Attribute of a skeleton built from a block-FP8 checkpoint: its ``quantization_config`` (the files' format)."""
-COMPENSATION_FP8 = ("{source} stores its weights in block FP8, which ompmoe writes as stored; a compensation changes "
-                    "the kept experts' weights, which would have to be quantized again. Prune it with "
-                    "compensation='off' (the paper's setting), or compensate its full-precision checkpoint.")
-"""Why a compensation is refused for a block-FP8 source."""
-
-
-class QuantizedCheckpointError(ValueError):
-    """A checkpoint stored in a quantized format ompmoe does not read (or stored inconsistently)."""
-
-
-def block_fp8_settings(config: Any) -> dict[str, Any] | None:
-    """The ``quantization_config`` of a block-FP8 checkpoint's config (object or ``config.json`` dict); ``None`` for a
-    checkpoint without one. Any other quantization is refused here, before anything is read."""
-    settings = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config",
-                                                                                          None)
-    if not settings:
-        return None
-    if not isinstance(settings, dict):
-        settings = settings.to_dict() if callable(getattr(settings, "to_dict", None)) else vars(settings)
-    method, block = settings.get("quant_method"), settings.get("weight_block_size")
-    if method != "fp8" or not (isinstance(block, (list, tuple)) and len(block) == 2):
+def block_fp8_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (a ``quantization_config`` with ``quant_method`` ``fp8``) checked: a block size, FP8 experts and
+    dynamic activations, what ompmoe reads right; any other FP8 variant is refused here, before anything is read."""
+    block = settings.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2):
         raise QuantizedCheckpointError(
-            f"The checkpoint is quantized (quant_method={method!r}, weight_block_size={block!r}); ompmoe reads "
-            "block-FP8 checkpoints (quant_method 'fp8' with a weight_block_size, as DeepSeek-V3, Kimi K2 and "
-            "Qwen3's -FP8 releases store them) and full-precision ones. Prune the full-precision checkpoint, then "
-            "quantize the pruned model.")
+            f"The checkpoint is quantized in FP8 without blocks (weight_block_size={block!r}); ompmoe reads "
+            "block-FP8 checkpoints (a weight_block_size, as DeepSeek-V3, Kimi K2 and Qwen3's -FP8 releases store "
+            "them). Prune the full-precision checkpoint, then quantize the pruned model.")
     if settings.get("expert_dtype", "fp8") != "fp8":
         raise QuantizedCheckpointError(
             f"The checkpoint's experts are stored as {settings.get('expert_dtype')!r} (quantization_config."
@@ -67,27 +47,6 @@ def block_fp8_settings(config: Any) -> dict[str, Any] | None:
     return dict(settings)
 
 
-def checkpoint_block_fp8(path: str | os.PathLike) -> dict[str, Any] | None:
-    """:func:`block_fp8_settings` of the checkpoint directory at ``path`` (``None`` without a ``config.json``)."""
-    config = Path(path) / "config.json"
-    return block_fp8_settings(json.loads(config.read_text(encoding="utf-8"))) if config.is_file() else None
-
-
-def compute_config(config: Any) -> Any:
-    """``config`` as the model that computes on the dequantized weights is built from: a copy without its
-    ``quantization_config`` (the skeleton's modules are plain; the files' FP8 tensors are dequantized into them)."""
-    if block_fp8_settings(config) is None:
-        return config
-    plain = copy.deepcopy(config)
-    del plain.quantization_config
-    return plain
-
-
-def stored_block_fp8(model: Any) -> dict[str, Any] | None:
-    """The ``quantization_config`` of the block-FP8 checkpoint ``model`` (a skeleton) was built from, else ``None``."""
-    return getattr(model, STORED_ATTR, None)
-
-
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The float32 values of an FP8 ``weight`` (``[..., rows, cols]``) with one multiplier per ``block`` in
     ``scale_inv`` (``[..., ceil(rows / b0), ceil(cols / b1)]``; the last blocks may be partial, as DeepSeek's)."""
@@ -97,7 +56,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return weight.float() * scale
 
 
-class DequantizedSlice:
+class DequantizedSlice(ComputedSlice):
     """A block-FP8 tensor of the files read as its dequantized float32 values (what transformers' loading reads
     from a safetensors slice: ``slice[...]``, its shape and dtype)."""
 
@@ -112,24 +71,6 @@ class DequantizedSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         return dequantize(self.weight[:], self.scale_inv[:], self.block)[index]
-
-
-class UnreadSlice:
-    """A block-FP8 weight the pruned writer never reads into the model: a placeholder of its shape, all NaN (what is
-    written is the stored tensor, :meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.as_stored`, which refuses to
-    write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized."""
-
-    def __init__(self, shape: list[int]) -> None:
-        self.shape = list(shape)
-
-    def get_shape(self) -> list[int]:
-        return self.shape
-
-    def get_dtype(self) -> str:
-        return "BF16"
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return torch.full(self.shape, float("nan"), dtype=torch.bfloat16)[index]
 
 
 def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
@@ -182,5 +123,4 @@ def block_size(settings: dict[str, Any]) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-__all__ = ["COMPENSATION_FP8", "DequantizedSlice", "QuantizedCheckpointError", "UnreadSlice", "block_fp8_settings",
-           "checkpoint_block_fp8", "compute_config", "dequantize", "pair_scales", "stored_block_fp8"]
+__all__ = ["SCALE_SUFFIX", "DequantizedSlice", "block_fp8_settings", "block_size", "dequantize", "pair_scales"]

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .block_fp8 import (SCALE_SUFFIX, STORED_ATTR, DequantizedSlice, QuantizedCheckpointError, UnreadSlice,
-                        block_fp8_settings, block_size, checkpoint_block_fp8, compute_config, pair_scales)
+from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
+from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
+                             pair_stored, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -55,9 +56,9 @@ def checkpoint_dtype(config: Any) -> torch.dtype:
 
 def build_skeleton(config: Any, model_class: type | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """The model ``config`` describes, its parameters on the meta device (no memory, no initialization) and its
-    buffers real, in eval mode. A block-FP8 checkpoint's model is built plain, to compute on its weights dequantized
-    (:mod:`~ompmoe.engine.block_fp8`); any other quantization is refused."""
-    quantization = block_fp8_settings(config)
+    buffers real, in eval mode. A quantized checkpoint's model is built plain, to compute on its weights dequantized
+    (:mod:`~ompmoe.engine.stored_formats`); a quantization ompmoe does not read is refused."""
+    quantization = stored_settings(config)
     config = compute_config(config)
     model_class = model_class or default_model_class(config)
     with _parameters_on_meta(), warnings.catch_warnings():
@@ -93,9 +94,9 @@ class LazyCheckpoint:
     """The tensors of a checkpoint opened lazily (memory-mapped, nothing read until a module is filled) and the
     model skeleton they fill: :meth:`fill` materializes the modules under a prefix, :meth:`empty` frees them."""
 
-    def __init__(self, path: str | os.PathLike, model: nn.Module, fp8_values: bool = True) -> None:
-        """``fp8_values=False`` (the pruned writer): a block-FP8 checkpoint's FP8 weights are not read into the model
-        (its tensors there are placeholders of their shape); :meth:`as_stored` reads what is written."""
+    def __init__(self, path: str | os.PathLike, model: nn.Module, dequantized: bool = True) -> None:
+        """``dequantized=False`` (the pruned writer): a quantized checkpoint's quantized weights are not read into the
+        model (its tensors there are placeholders of their shape); :meth:`as_stored` reads what is written."""
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -104,18 +105,23 @@ class LazyCheckpoint:
         files = checkpoint_files(path)
         self._files = [safe_open(str(file), framework="pt", device="cpu") for file in files]
         self.slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys()}
-        settings = checkpoint_block_fp8(path)
-        self.fp8 = pair_scales({key: part.get_dtype() for key, part in self.slices.items()},
-                               {key: part.get_shape() for key, part in self.slices.items()}, settings, path)
-        """``{FP8 weight: its scale tensor}`` of a block-FP8 checkpoint (:mod:`~ompmoe.engine.block_fp8`): the model
-        is filled with their dequantized values; :meth:`as_stored` gives back the stored ones to write."""
-        self.stored_parts = {key: self.slices[key] for pair in self.fp8.items() for key in pair}
-        """The block-FP8 weights' and scales' own slices (the bytes :meth:`as_stored` writes)."""
-        for weight, scale in self.fp8.items():
-            self.slices.pop(scale)
-            self.slices[weight] = (DequantizedSlice(self.slices[weight], self.stored_parts[scale], block_size(settings))
-                                   if fp8_values else UnreadSlice(self.slices[weight].get_shape()))
-        self.unread = bool(self.fp8) and not fp8_values
+        settings = checkpoint_stored_settings(path)
+        self.settings = settings
+        """The files' ``quantization_config`` (:func:`~ompmoe.engine.stored_formats.stored_settings`), else None."""
+        self.stored = pair_stored({key: part.get_dtype() for key, part in self.slices.items()},
+                                  {key: part.get_shape() for key, part in self.slices.items()}, settings, path)
+        """``{quantized weight: {suffix: its file tensors}}`` of a quantized checkpoint
+        (:mod:`~ompmoe.engine.stored_formats`): the model is filled with their dequantized values; :meth:`as_stored`
+        gives back the stored ones to write."""
+        self.stored_parts = {key: self.slices.pop(key) for parts in self.stored.values() for key in parts.values()}
+        """The quantized weights' stored tensors' own slices (the bytes :meth:`as_stored` writes)."""
+        self.stored_shapes: dict[str, list[int]] = {}
+        """Each quantized weight's shape in the model (dequantized)."""
+        for weight, parts in self.stored.items():
+            values = dequantized_slice({suffix: self.stored_parts[key] for suffix, key in parts.items()}, settings)
+            self.stored_shapes[weight] = values.get_shape()
+            self.slices[weight] = values if dequantized else UnreadSlice(values.get_shape())
+        self.unread = bool(self.stored) and not dequantized
         self.written_from: dict[str, str] = {}
         """Per-expert file name written -> the file tensor it was read from (a kept expert renumbered)."""
         self._ranges = _byte_ranges(files)
@@ -134,7 +140,7 @@ class LazyCheckpoint:
                 renamed, pattern = key, None
             self.target[key], self.pattern[key] = renamed, pattern
         self.converters = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-        self._refuse_fp8_routers()
+        self._refuse_quantized_routers()
         self.used: list[Any] = []
         self.stacked_files: dict[str, list[tuple[list[str], int | None, int, int]]] = {}
         """Per fused experts tensor filled from per-expert file tensors: for each of its source patterns, the file
@@ -256,8 +262,8 @@ class LazyCheckpoint:
         """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
         one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
         that does not apply (the caller copies the tensor instead)."""
-        part = self.stored_parts[key] if stored else self.slices[key]  # stored: a block-FP8 tensor's own bytes
-        computed = isinstance(part, (DequantizedSlice, UnreadSlice))  # values that are not the file's bytes
+        part = self.stored_parts[key] if stored else self.slices[key]  # stored: a quantized tensor's own bytes
+        computed = isinstance(part, ComputedSlice)  # values that are not the file's bytes
         if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous() or computed
                 or _FILE_DTYPES.get(part.get_dtype()) != where.dtype):
             return False
@@ -274,30 +280,32 @@ class LazyCheckpoint:
         return True
 
     def as_stored(self, tensors: dict[str, torch.Tensor], kept: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """A part's file tensors (named as the files name them, values as the model holds them) with every block-FP8
-        weight as the files store it, beside its scales: a kept expert's read from its source tensor, a fused
-        experts tensor cut to ``kept`` (experts module name -> kept experts) as the model's was. Unchanged for a
-        full-precision checkpoint."""
-        if not self.fp8:
+        """A part's file tensors (named as the files name them, values as the model holds them) with every quantized
+        weight as the files store it (block FP8: the weight beside its scales; MXFP4: its blocks and scales): a kept
+        expert's read from its source tensors, a fused experts tensor cut to ``kept`` (experts module name -> kept
+        experts) as the model's was. Unchanged for a full-precision checkpoint."""
+        if not self.stored:
             return tensors
         stored = {}
         for name, value in tensors.items():
             source = self._source_of(name, kept)
-            if source not in self.fp8:
+            if source not in self.stored:
                 if self.unread and value.is_floating_point() and bool(value.isnan().any()):
-                    raise RuntimeError(f"{self.path}: {name} would be written from a placeholder of FP8 weights "
-                                       "it does not name; this layout cannot be written as stored. Please report it.")
+                    raise RuntimeError(f"{self.path}: {name} would be written from a placeholder of quantized "
+                                       "weights it does not name; this layout cannot be written as stored. Please "
+                                       "report it.")
                 stored[name] = value
                 continue
-            weight, scale = self._read_stored(source), self._read_stored(self.fp8[source])
-            if weight.shape != value.shape:  # a fused experts tensor of the files, cut to the kept experts
+            parts = {suffix: self._read_stored(key) for suffix, key in self.stored[source].items()}
+            shape = self.stored_shapes[source]
+            if list(value.shape) != shape:  # a fused experts tensor of the files, cut to the kept experts
                 rows = kept.get(self.target[source].rpartition(".")[0])
-                if rows is None or len(rows) != value.shape[0] or weight.shape[1:] != value.shape[1:]:
-                    raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} "
-                                     f"{list(weight.shape)} cut to kept experts; it cannot be written as stored.")
+                if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
+                    raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
+                                     "experts; it cannot be written as stored.")
                 index = torch.tensor(rows, dtype=torch.long)
-                weight, scale = weight[index], scale[index]
-            stored[name], stored[name + SCALE_SUFFIX] = weight, scale
+                parts = {suffix: tensor[index] for suffix, tensor in parts.items()}
+            stored.update({name + suffix: tensor for suffix, tensor in parts.items()})
         return stored
 
     def _source_of(self, name: str, kept: dict[str, list[int]]) -> str:
@@ -317,23 +325,24 @@ class LazyCheckpoint:
                                f"read it from {self.written_from.get(name)}; it cannot be written as stored.")
         return source
 
-    def _refuse_fp8_routers(self) -> None:
-        """A router stored in FP8 cannot be cut to the kept experts' rows as stored (its blocks span experts):
+    def _refuse_quantized_routers(self) -> None:
+        """A router stored quantized cannot be cut to the kept experts' rows as stored (FP8 blocks span experts):
         refused when the checkpoint is opened. The releases keep their routers in full precision."""
         from .adapters import find_moe_layers
 
         names = {id(module): name for name, module in self.model.named_modules()}
         routers = tuple(f"{names[id(layer.router)]}." for layer in find_moe_layers(self.model)
                         if id(layer.router) in names)
-        stored = sorted(key for key in self.fp8 if routers and self.target[key].startswith(routers))
+        stored = sorted(key for key in self.stored if routers and self.target[key].startswith(routers))
         if stored:
+            name = format_name(self.settings)
             raise QuantizedCheckpointError(
-                f"{self.path} stores its routers' weights in FP8 ({stored[0]}{', ...' if len(stored) > 1 else ''}): "
-                "cutting a router to the kept experts' rows would split its FP8 blocks. ompmoe reads block-FP8 "
-                "checkpoints whose routers are full precision, as the releases store them.")
+                f"{self.path} stores {name} routers ({stored[0]}{', ...' if len(stored) > 1 else ''}): "
+                f"cutting a router to the kept experts' rows would split its blocks. ompmoe reads {name} checkpoints "
+                "whose routers are full precision, as the releases store them.")
 
     def _read_stored(self, key: str) -> torch.Tensor:
-        """A block-FP8 weight or scale tensor as the files store it (read directly where :meth:`_read_into` can)."""
+        """A quantized weight's stored tensor as the files store it (read directly where :meth:`_read_into` can)."""
         part = self.stored_parts[key]
         tensor = torch.empty(part.get_shape(), dtype=_FILE_DTYPES[part.get_dtype()])
         return tensor if self._read_into(tensor, key, stored=True) else part[:]
@@ -365,7 +374,7 @@ class LazyCheckpoint:
 
 
 _FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                "F8_E4M3": torch.float8_e4m3fn}
+                "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
 """Safetensors dtypes read straight into a tensor's memory (:meth:`LazyCheckpoint._read_into`)."""
 
 

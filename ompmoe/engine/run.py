@@ -39,7 +39,8 @@ from .apply.plan_choice import PlanChoice, choose_plan, setting_name
 from .apply.pruning import prune
 from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
-from .block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, stored_block_fp8
+from .quantized_files import QuantizedCheckpointError
+from .stored_formats import COMPENSATION_STORED, format_name, stored_quantization
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
@@ -114,8 +115,8 @@ class RunOptions:
             is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
             setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
             without the trial of its settings; loss-aware statistics and a ``dtype`` are refused. A block-FP8
-            checkpoint (DeepSeek-V3's format) is read dequantized and written as stored, with no compensation
-            (:mod:`ompmoe.engine.block_fp8`).
+            checkpoint (DeepSeek-V3's format) or MXFP4 experts (gpt-oss's) are read dequantized and written as
+            stored, with no compensation (:mod:`ompmoe.engine.stored_formats`).
     """
 
     strategy: Strategy | None = None
@@ -302,7 +303,7 @@ class PruningRun:
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
         self.stored_line: str | None = None
-        """What a block-FP8 checkpoint's run leaves out (:meth:`_compensation_for_files`)."""
+        """What a quantized checkpoint's run leaves out (:meth:`_compensation_for_files`)."""
         self.layer_device: torch.device | str = "cpu"
         """Where a layer-by-layer run computes its layers (:meth:`collect_layer_by_layer`'s ``device``)."""
         self.timings: dict[str, float] = {}
@@ -403,30 +404,31 @@ class PruningRun:
 
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
-        """The compensation mode the run fits: the one asked, but none for a block-FP8 checkpoint, whose kept tensors
+        """The compensation mode the run fits: the one asked, but none for a quantized checkpoint, whose kept tensors
         are written as stored (``auto`` then fits none and :attr:`stored_line` says so; one named is refused here,
         before any work). A model transformers loaded quantized is refused too (prune computes on full precision).
         """
-        mode, stored = self.options.compensation, stored_block_fp8(model)
+        mode, stored = self.options.compensation, stored_quantization(model)
         method = quant_method(getattr(model, "config", None))
         if method is not None:
             if self.options.layer_by_layer:  # a skeleton built otherwise than build_skeleton builds it
                 raise QuantizedModelError(
                     f"{self.owner}(layer_by_layer=True): the model was built with its config's quantization_config "
                     f"(quant_method={method!r}); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), "
-                    "which builds it to compute on the weights dequantized (a block-FP8 checkpoint) or refuses the "
+                    "which builds it to compute on the weights dequantized (block FP8, MXFP4) or refuses the "
                     "format.")
-            fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
-                   "weights dequantized and writes the kept ones as stored" if method == "fp8" else
+            fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
+                   "weights dequantized and writes the kept ones as stored" if method in ("fp8", "mxfp4") else
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")
         if stored is None or compensation_granularity(mode, strategy) is None:
             return mode
         if mode != "auto":
-            raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=self._model_name(model)))
-        self.stored_line = ("ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no "
-                            "compensation (its refit would change them)")
+            raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=self._model_name(model),
+                                                                      format=format_name(stored)))
+        self.stored_line = (f"ompmoe: the checkpoint stores {format_name(stored)} weights, written as stored: auto "
+                            "fits no compensation (its refit would change them)")
         return "off"
 
     @staticmethod

@@ -7,8 +7,6 @@ right is refused before any work."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,14 +16,17 @@ import transformers
 
 import ompmoe
 from ompmoe.engine.apply.compensation import Compensation
-from ompmoe.engine.block_fp8 import QuantizedCheckpointError, dequantize
+from ompmoe.engine.block_fp8 import dequantize
+from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.collect.layerwise import collect_stats_layerwise
 from ompmoe.engine.export.streamed import save_pruned_from_files
 from ompmoe.engine.names import shipped_model_path
 from ompmoe.engine.tiny import tiny_model
 
-from block_fp8_reference import (dequantized_checkpoint, literal_dequantize, quantize, quantized_in_release,
-                                 read_tensors, to_block_fp8)
+from block_fp8_reference import dequantized_checkpoint, literal_dequantize, quantize, quantized_in_release, to_block_fp8
+from test_layerwise import assert_same_statistics
+from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
+                                   assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
 RELEASED_IN_FP8 = ["deepseek_v3", "qwen3_moe", "minimax_m2", "glm4_moe", "qwen3_next", "gemma4_text"]
@@ -62,10 +63,7 @@ def test_a_block_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(model_
         model = ompmoe.load_pruned(dequantized)
         resident = ompmoe.collect_stats(model, BLOCKS, progress=False)
         layered = collect_stats_layerwise(fp8, BLOCKS, progress=False)
-        # the statistics are the dequantized checkpoint's, to the last bit the resident pass gives
-        for ours, theirs in zip(layered.layers, resident.layers, strict=True):
-            for key, value in theirs.tensors().items():
-                torch.testing.assert_close(ours.tensors()[key], value, rtol=1e-6, atol=0)
+        assert_same_statistics(resident, layered)  # the dequantized checkpoint's, as the resident pass gives them
         plan = ompmoe.plan_pruning(layered, 0.5, allocation="waterfill")
         assert plan.kept_by_layer() == ompmoe.plan_pruning(resident, 0.5, allocation="waterfill").kept_by_layer()
         tokenizer = str(shipped_model_path())
@@ -115,26 +113,9 @@ def test_stock_transformers_reads_the_pruned_fp8_checkpoint_in_a_fresh_process(t
     dequantized = dequantized_checkpoint(fp8, tmp_path / "dequantized")
     ids = torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(1))
     stats = collect_stats_layerwise(fp8, [ids], progress=False)
-    for allocation in ("uniform", "waterfill"):
-        plan = ompmoe.plan_pruning(stats, 0.5, allocation=allocation)
-        save_pruned_from_files(fp8, plan, tmp_path / allocation)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pruned = ompmoe.prune(ompmoe.load_pruned(dequantized), plan)
-            with torch.no_grad():
-                expected = pruned(ids).logits
-        load = ("transformers.AutoModelForCausalLM.from_pretrained(path)" if allocation == "uniform" else
-                "transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
-        ids_file, out_file = str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")
-        script = (f"import sys, torch, transformers\npath = {str(tmp_path / allocation)!r}\nmodel = {load}\n"
-                  f"assert 'ompmoe' not in sys.modules\nwith torch.no_grad():\n"
-                  f"    torch.save(model(torch.load({ids_file!r})).logits, {out_file!r})")
-        torch.save(ids, tmp_path / "ids.pt")
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert torch.equal(torch.load(tmp_path / "out.pt"), expected), allocation
-        assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(tmp_path / allocation).values())
-        assert plan.achieved_ratio == pytest.approx(0.5)
+    written = assert_stock_transformers_reads_it_pruned(fp8, dequantized, stats, ids, tmp_path)
+    for path in written.values():
+        assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(path).values())
     row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the source's tensors as it stores them), the rest "
            "bfloat16")
     assert f"{row} |" in (tmp_path / "waterfill" / "README.md").read_text()
@@ -205,21 +186,8 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_a
     assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values())
 
     # a compensation asked for by name is refused before any work, with the fix, by both commands
-    (tmp_path / "again").mkdir()
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(["fit", "-c", str(tiny_config(tmp_path / "again")), "--trainer.enable_progress_bar=false",
-              "--layer_by_layer", "true", "--model.model", str(fp8), "--compensation", "down"])
-    assert not (tmp_path / "again" / "run").exists()
-    refusal = (f"{fp8} stores its weights in block FP8, which ompmoe writes as stored; a compensation changes the "
-               "kept experts' weights, which would have to be quantized again. Prune it with {off} (the paper's "
-               "setting), or compensate its full-precision checkpoint.")
-    assert refusal.format(off="compensation='off'") in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["prune", "--stats", str(tmp_path / "run" / "stats.safetensors"), "--ratio", "0.25", "--model",
-              str(fp8), "--output_dir", str(tmp_path / "again" / "pruned"), "--compensation", "down"])
-    assert refusal.format(off="--compensation off") in capsys.readouterr().err
-    assert not (tmp_path / "again" / "pruned").exists()
+    assert_both_commands_refuse_a_named_compensation(fp8, tmp_path / "run" / "stats.safetensors", tmp_path, capsys,
+                                                     "block-FP8")
 
 
 def test_loading_partial_fp8_blocks_without_a_gpu_is_refused_where_transformers_would_read_them_wrong(tmp_path):
@@ -251,20 +219,10 @@ def test_a_named_compensation_of_a_block_fp8_checkpoint_is_refused_before_any_wo
     with pytest.raises(QuantizedCheckpointError) as refused:
         save_pruned_from_files(fp8, plan, tmp_path / "out", compensation=compensation)
     assert str(refused.value) == (
-        f"{fp8} stores its weights in block FP8, which ompmoe writes as stored; a compensation changes the kept "
+        f"{fp8} stores block-FP8 weights, which ompmoe writes as stored; a compensation changes the kept "
         "experts' weights, which would have to be quantized again. Prune it with compensation='off' (the paper's "
         "setting), or compensate its full-precision checkpoint.")
     assert not (tmp_path / "out").exists()
-
-
-def _rewrite(directory: Path, change) -> None:
-    """``change(tensors, config)`` applied to the checkpoint's files and config.json in place."""
-    from safetensors.torch import save_file
-
-    tensors, config = read_tensors(directory), json.loads((directory / "config.json").read_text())
-    change(tensors, config)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
 
 
 WEIGHT = "model.layers.1.mlp.experts.0.down_proj.weight"
@@ -322,14 +280,18 @@ def _full_precision_files(tensors: dict, config: dict) -> None:
     (_full_precision_files, "{fp8}'s config.json says its weights are FP8 (quantization_config), but no tensor of its "
                             "files is FP8; remove the quantization_config from config.json if the weights are full "
                             "precision."),
-    (_fp8_router, "{fp8} stores its routers' weights in FP8 (model.layers.1.mlp.gate.weight): cutting a router to the "
-                  "kept experts' rows would split its FP8 blocks. ompmoe reads block-FP8 checkpoints whose routers "
-                  "are full precision, as the releases store them."),
-    (_setting(quant_method="mxfp4"), "The checkpoint is quantized (quant_method='mxfp4', weight_block_size=[32, 16]); "
-                                     "ompmoe reads block-FP8 checkpoints (quant_method 'fp8' with a "
-                                     "weight_block_size, as DeepSeek-V3, Kimi K2 and Qwen3's -FP8 releases store "
-                                     "them) and full-precision ones. Prune the full-precision checkpoint, then "
-                                     "quantize the pruned model."),
+    (_fp8_router, "{fp8} stores block-FP8 routers (model.layers.1.mlp.gate.weight): cutting a router to the kept "
+                  "experts' rows would split its blocks. ompmoe reads block-FP8 checkpoints whose routers are full "
+                  "precision, as the releases store them."),
+    (_setting(quant_method="awq"), "The checkpoint is quantized (quant_method='awq'); ompmoe reads block-FP8 "
+                                   "checkpoints (quant_method 'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, "
+                                   "Qwen3's -FP8 releases), MXFP4 experts (quant_method 'mxfp4': gpt-oss) and "
+                                   "full-precision ones. Prune the full-precision checkpoint, then quantize the "
+                                   "pruned model."),
+    (_setting(weight_block_size=None), "The checkpoint is quantized in FP8 without blocks (weight_block_size=None); "
+                                       "ompmoe reads block-FP8 checkpoints (a weight_block_size, as DeepSeek-V3, Kimi "
+                                       "K2 and Qwen3's -FP8 releases store them). Prune the full-precision "
+                                       "checkpoint, then quantize the pruned model."),
     (_setting(activation_scheme="static"), "The checkpoint's FP8 activations are statically scaled "
                                            "(activation_scheme='static'): their scales were calibrated for the "
                                            "unpruned model. ompmoe reads block-FP8 checkpoints with dynamic "
@@ -345,7 +307,7 @@ def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(
     count = sum(tensor.dtype == torch.float8_e4m3fn for tensor in stored.values())
     shape, grid = list(stored[WEIGHT].shape), list(stored[WEIGHT + "_scale_inv"].shape)
     assert grid != [2, 5]
-    _rewrite(fp8, change)
+    rewrite(fp8, change)
     with pytest.raises(QuantizedCheckpointError) as refused:
         collect_stats_layerwise(fp8, BLOCKS, progress=False)
     assert str(refused.value) == message.format(fp8=fp8, w=WEIGHT, count=count, shape=shape, grid=grid)
@@ -378,9 +340,9 @@ def test_held_out_perplexity_layer_by_layer_is_the_dequantized_models(tmp_path):
 @pytest.mark.parametrize(("layer_by_layer", "message"), [
     (True, "ExpertPruning(layer_by_layer=True): the model was built with its config's quantization_config "
            "(quant_method='fp8'); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), which builds it "
-           "to compute on the weights dequantized (a block-FP8 checkpoint) or refuses the format."),
+           "to compute on the weights dequantized (block FP8, MXFP4) or refuses the format."),
     (False, "ExpertPruning: the model was loaded quantized (quant_method='fp8'); pruning computes on full-precision "
-            "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a block-FP8 checkpoint's "
+            "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
             "weights dequantized and writes the kept ones as stored."),
 ])
 def test_a_run_refuses_a_model_that_kept_its_quantization_config_before_calibrating(layer_by_layer, message):
@@ -417,5 +379,5 @@ def test_ompmoe_prune_refuses_a_model_loaded_quantized_before_any_forward(tmp_pa
         _load_model("tiny:qwen3_moe", stats)
     assert str(refused.value) == (
         "--model tiny:qwen3_moe was loaded quantized (quant_method='fp8'); prune computes on full-precision weights: "
-        "pass --layer_by_layer true, which reads a block-FP8 checkpoint's weights dequantized and writes the kept "
-        "ones as stored.")
+        "pass --layer_by_layer true, which reads a block-FP8 or MXFP4 checkpoint's weights dequantized and writes the "
+        "kept ones as stored.")

@@ -17,7 +17,10 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
-from ..block_fp8 import SCALE_SUFFIX, QuantizedCheckpointError, block_fp8_settings, block_size
+from ..block_fp8 import SCALE_SUFFIX, block_size
+from ..mxfp4 import stored_names as mxfp4_stored_names
+from ..quantized_files import QuantizedCheckpointError
+from ..stored_formats import stored_settings
 from ..lazy_checkpoint import weight_files
 from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
@@ -59,10 +62,11 @@ def _refuse_partial_fp8_blocks(path: str | os.PathLike, config: Any) -> None:
     ``kv_a_proj_with_mqa``: 576 rows in 128-row blocks) would load wrong, or fail deep inside its loading; refused
     here by name, before any tensor is read. ``layer_by_layer`` reads such blocks as DeepSeek's reference does."""
     try:
-        settings = block_fp8_settings(config)
+        settings = stored_settings(config)
     except QuantizedCheckpointError:  # another format: transformers loads it as it loads it
         return
-    if settings is None or torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+    gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    if settings is None or settings["quant_method"] != "fp8" or gpu:
         return
     rows, cols = block_size(settings)
     partial = [f"{name} {entry['shape']}" for file in weight_files(path) for name, entry in read_header(file).items()
@@ -131,14 +135,17 @@ def check_checkpoint_files(path: str | os.PathLike, config: Any) -> None:
 
 def _integer_tensors(model_class: type, config: Any) -> set[str]:
     """Names (as ``save_pretrained`` writes them) of the tensors a model of ``model_class`` holds as integers (a
-    token-to-expert table), read off a skeleton without weights."""
+    token-to-expert table), read off a skeleton without weights; for an MXFP4 checkpoint, its experts' blocks and
+    scales too (the quantizer loads them)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         skeleton = model_class._from_config(config)
     saved = revert_weight_conversion(skeleton, skeleton.state_dict())
-    return {name for name, tensor in saved.items() if not tensor.is_floating_point()}
+    integral = {name for name, tensor in saved.items() if not tensor.is_floating_point()}
+    settings = stored_settings(config)
+    return integral | (mxfp4_stored_names(list(saved)) if settings and settings["quant_method"] == "mxfp4" else set())
 
 
 @quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it

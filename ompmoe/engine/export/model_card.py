@@ -199,12 +199,16 @@ def _module_order(name: str) -> list[tuple[int, int | str]]:
 
 
 def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
-    """The card's weights row: the dtype, or a block-FP8 checkpoint's format (its tensors as the source stores them)."""
+    """The card's weights row: the dtype, or a quantized checkpoint's format (its tensors as the source stores them)."""
     quantization = config.get("quantization_config")
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "fp8":
         rows, cols = quantization.get("weight_block_size") or ("?", "?")
         return (f"FP8 (e4m3, one scale per {rows}x{cols} block; the source's tensors as it stores them), the rest "
                 f"{dtype or 'not recorded'}")
+    if method == "mxfp4":
+        return (f"MXFP4 experts (e2m1, one power-of-two scale per 32 values; the source's tensors as it stores them), "
+                f"the rest {dtype or 'not recorded'}")
     return dtype or "not recorded"
 
 

@@ -21,7 +21,8 @@ from ..adapters import architecture_of, find_moe_layers
 from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, compensate_layer,
                                   record_compensation)
 from ..apply.pruning import _slice_layer, prune
-from ..block_fp8 import COMPENSATION_FP8, QuantizedCheckpointError, block_fp8_settings
+from ..quantized_files import QuantizedCheckpointError
+from ..stored_formats import COMPENSATION_STORED, format_name, stored_settings
 from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers, stacked_file_tensors
 from ..planning.plan import PruningPlan
@@ -116,8 +117,9 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     layer read while this one is cut and written); ``compensation`` (fitted for ``plan``) folded into each layer's
     kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it. Returns the bytes written."""
     model = checkpoint.model
-    if compensation is not None and checkpoint.fp8:
-        raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=checkpoint.path))
+    if compensation is not None and checkpoint.stored:
+        raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=checkpoint.path,
+                                                                  format=format_name(checkpoint.settings)))
     prefix, layers = decoder_layers(model)
     spec = architecture_of(model)
     kept = plan.kept_by_layer()
@@ -177,11 +179,11 @@ def save_streamed(source: str | os.PathLike, plan: PruningPlan, pruned: nn.Modul
 
         pruned.generation_config = transformers.GenerationConfig.from_pretrained(source)
     pruned.config._name_or_path = str(source)
-    quantization = block_fp8_settings(config)
-    if quantization is not None:  # the kept FP8 tensors are written as stored: the config says how to read them
+    quantization = stored_settings(config)
+    if quantization is not None:  # the kept tensors are written as stored: the config says how to read them
         pruned.config.quantization_config = quantization
     try:
-        with LazyCheckpoint(source, build_skeleton(config, dtype=dtype), fp8_values=False) as checkpoint, \
+        with LazyCheckpoint(source, build_skeleton(config, dtype=dtype), dequantized=False) as checkpoint, \
                 quiet_calls():
             return save_checkpoint(pruned, directory, tokenizer=tokenizer, calibration=calibration,
                                    write_weights=lambda target: write_pruned_weights(
@@ -202,8 +204,8 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
-    if compensation is not None and block_fp8_settings(config) is not None:
-        raise QuantizedCheckpointError(COMPENSATION_FP8.format(source=source))
+    if compensation is not None and (quantization := stored_settings(config)) is not None:
+        raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=source, format=format_name(quantization)))
     if compensation is not None:  # fitted for this plan, or refused before anything is written
         check_compensation_fits(pruned, compensation.scales, compensation.kept, "save_pruned_from_files")
         record_compensation(pruned, compensation.record)

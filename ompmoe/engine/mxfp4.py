@@ -1,0 +1,96 @@
+"""Checkpoints whose experts are stored in MXFP4 (gpt-oss's release: ``quant_method`` ``mxfp4``): each fused experts
+weight ``<name>`` is ``<name>_blocks`` (``uint8`` ``[experts, out, in / 32, 16]``: two E2M1 codes per byte) beside
+``<name>_scales`` (``uint8`` ``[experts, out, in / 32]``: one power-of-two exponent, biased by 127, per 32 values),
+the OCP Microscaling format. Layer-by-layer runs compute on the weights as transformers dequantizes them (exactly:
+every such value is a bfloat16) and write the kept experts' blocks and scales as stored."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .quantized_files import ComputedSlice, QuantizedCheckpointError
+
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+"""A weight ``<name>`` is stored as ``<name>_blocks`` and ``<name>_scales``."""
+VALUES_PER_BLOCK = 32
+"""Values sharing one scale (16 bytes of two codes each)."""
+QUANTIZED = (".experts.gate_up_proj", ".experts.down_proj")
+"""The model tensors the format stores in MXFP4 (transformers' ``Mxfp4HfQuantizer.serialized_names``)."""
+
+
+def mxfp4_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (a ``quantization_config`` with ``quant_method`` ``mxfp4``) checked: the stored format has no
+    variant ompmoe would read wrong, so there is nothing to refuse yet."""
+    return dict(settings)
+
+
+def stored_names(saved: list[str]) -> set[str]:
+    """The ``uint8`` tensor names a checkpoint in this format stores for the model tensors ``saved`` (as
+    ``save_pretrained`` names them): each experts projection's blocks and scales."""
+    return {name + suffix for name in saved if name.endswith(QUANTIZED) for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX)}
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 model-layout tensor (``[experts, in, out]``) of ``blocks`` and ``scales``, as transformers'
+    ``from_pretrained`` dequantizes gpt-oss (its own function: the same values, bit for bit)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+
+
+class Mxfp4Slice(ComputedSlice):
+    """An MXFP4 weight of the files read as its dequantized bfloat16 values, in the model's layout."""
+
+    def __init__(self, blocks: Any, scales: Any) -> None:
+        self.blocks, self.scales = blocks, scales
+
+    def get_shape(self) -> list[int]:
+        experts, rows, groups, width = self.blocks.get_shape()
+        return [experts, groups * width * 2, rows]
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return dequantize(self.blocks[:], self.scales[:])[index]
+
+
+def pair_blocks(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
+                source: str | os.PathLike) -> list[str]:
+    """The MXFP4 weights of the files (``headers``: name -> safetensors dtype), each ``<name>_blocks`` checked against
+    its ``<name>_scales``: MXFP4 tensors without a ``quantization_config`` saying so (they would not load), or one
+    whose scales are missing or do not cover its blocks, are refused by name."""
+    names = sorted(name.removesuffix(BLOCKS_SUFFIX) for name, dtype in headers.items()
+                   if dtype == "U8" and name.endswith(BLOCKS_SUFFIX) and name.removesuffix(BLOCKS_SUFFIX) +
+                   SCALES_SUFFIX in headers)
+    if names and settings is None:
+        raise QuantizedCheckpointError(
+            f"{source} stores {len(names)} weights in MXFP4 ({names[0]}{BLOCKS_SUFFIX}, ...) but its config.json has "
+            "no quantization_config with quant_method 'mxfp4'; they would not be read as weights. Add the "
+            "quantization_config the checkpoint was released with.")
+    if settings is None:
+        return []
+    if not names:
+        raise QuantizedCheckpointError(
+            f"{source}'s config.json says its experts are MXFP4 (quantization_config), but its files hold no "
+            f"<name>{BLOCKS_SUFFIX} / <name>{SCALES_SUFFIX} pair; remove the quantization_config from config.json if "
+            "the weights are full precision.")
+    wrong = []
+    for name in names:
+        blocks, scales = shapes[name + BLOCKS_SUFFIX], shapes[name + SCALES_SUFFIX]
+        if headers[name + SCALES_SUFFIX] != "U8":
+            wrong.append(f"{name}{SCALES_SUFFIX} is {headers[name + SCALES_SUFFIX]}, not 8-bit exponents (U8)")
+        elif len(blocks) != 4 or blocks[-1] != VALUES_PER_BLOCK // 2 or list(scales) != list(blocks[:-1]):
+            wrong.append(f"{name}{BLOCKS_SUFFIX} {list(blocks)} and {name}{SCALES_SUFFIX} {list(scales)} are not "
+                         f"[experts, rows, groups, {VALUES_PER_BLOCK // 2}] and [experts, rows, groups]")
+    if wrong:
+        raise QuantizedCheckpointError(f"{source} stores MXFP4 weights ompmoe cannot read: {'; '.join(wrong[:3])}"
+                                       f"{'; ...' if len(wrong) > 3 else ''}. Its files are incomplete or in another "
+                                       "MXFP4 layout (ompmoe reads gpt-oss's).")
+    return names
+
+
+__all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "Mxfp4Slice", "dequantize", "mxfp4_settings", "pair_blocks", "stored_names"]

@@ -1,0 +1,48 @@
+"""What the quantized file formats ompmoe reads (:mod:`.block_fp8`, :mod:`.mxfp4`) share: their error, and the
+slices that stand for a quantized weight in a :class:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint` (its values
+computed from the stored tensors, or a placeholder the pruned writer never reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class QuantizedCheckpointError(ValueError):
+    """A checkpoint stored in a quantized format ompmoe does not read (or stored inconsistently)."""
+
+
+class ComputedSlice:
+    """A weight of the files whose values are computed, not its stored bytes (what transformers' loading reads from
+    a safetensors slice: ``slice[...]``, its shape and dtype); the direct byte reads skip it."""
+
+    def get_shape(self) -> list[int]:
+        raise NotImplementedError
+
+    def get_dtype(self) -> str:
+        raise NotImplementedError
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnreadSlice(ComputedSlice):
+    """A quantized weight the pruned writer never reads into the model: a placeholder of its shape, all NaN (what is
+    written is the stored tensors, :meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.as_stored`, which refuses to
+    write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized."""
+
+    def __init__(self, shape: list[int]) -> None:
+        self.shape = list(shape)
+
+    def get_shape(self) -> list[int]:
+        return self.shape
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return torch.full(self.shape, float("nan"), dtype=torch.bfloat16)[index]
+
+
+__all__ = ["ComputedSlice", "QuantizedCheckpointError", "UnreadSlice"]

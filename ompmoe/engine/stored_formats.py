@@ -1,0 +1,97 @@
+"""The quantized formats a checkpoint's files may store its weights in, and which ompmoe reads layer by layer: block
+FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8) and MXFP4 experts (:mod:`.mxfp4`:
+gpt-oss). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
+so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .block_fp8 import SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales
+from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
+from .quantized_files import ComputedSlice, QuantizedCheckpointError
+
+FORMATS = {"fp8": ("block-FP8", block_fp8_settings), "mxfp4": ("MXFP4", mxfp4_settings)}
+"""``quant_method`` -> (its name in messages, the check of its settings)."""
+STORED_ATTR = "_ompmoe_stored_quantization"
+"""Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
+COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
+                       "the kept experts' weights, which would have to be quantized again. Prune it with "
+                       "compensation='off' (the paper's setting), or compensate its full-precision checkpoint.")
+"""Why a compensation is refused for a quantized source (``format``: :func:`format_name`)."""
+
+
+def stored_settings(config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a quantized checkpoint's config (object or ``config.json`` dict), checked;
+    ``None`` for a checkpoint without one. A format ompmoe does not read is refused here, before anything is read."""
+    settings = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config",
+                                                                                          None)
+    if not settings:
+        return None
+    if not isinstance(settings, dict):
+        settings = settings.to_dict() if callable(getattr(settings, "to_dict", None)) else vars(settings)
+    method = settings.get("quant_method")
+    method = str(getattr(method, "value", method))
+    if method not in FORMATS:
+        raise QuantizedCheckpointError(
+            f"The checkpoint is quantized (quant_method={method!r}); ompmoe reads block-FP8 checkpoints (quant_method "
+            "'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, Qwen3's -FP8 releases), MXFP4 experts "
+            "(quant_method 'mxfp4': gpt-oss) and full-precision ones. Prune the full-precision checkpoint, then "
+            "quantize the pruned model.")
+    return FORMATS[method][1]({**settings, "quant_method": method})
+
+
+def checkpoint_stored_settings(path: str | os.PathLike) -> dict[str, Any] | None:
+    """:func:`stored_settings` of the checkpoint directory at ``path`` (``None`` without a ``config.json``)."""
+    config = Path(path) / "config.json"
+    return stored_settings(json.loads(config.read_text(encoding="utf-8"))) if config.is_file() else None
+
+
+def format_name(settings: dict[str, Any]) -> str:
+    """How messages and the model card name the format of ``settings`` (``"block-FP8"``, ``"MXFP4"``)."""
+    return FORMATS[settings["quant_method"]][0]
+
+
+def compute_config(config: Any) -> Any:
+    """``config`` as the model that computes on the dequantized weights is built from: a copy without its
+    ``quantization_config`` (the skeleton's modules are plain; the files' tensors are dequantized into them)."""
+    if stored_settings(config) is None:
+        return config
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    return plain
+
+
+def stored_quantization(model: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` of the quantized checkpoint ``model`` (a skeleton) was built from, else ``None``."""
+    return getattr(model, STORED_ATTR, None)
+
+
+def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
+                source: str | os.PathLike) -> dict[str, dict[str, str]]:
+    """``{weight: {suffix: file tensor}}``: each quantized weight of the files (``headers``: name -> safetensors
+    dtype) and the tensors that store it, ``weight + suffix`` (block FP8: the weight itself and its scales; MXFP4:
+    its blocks and scales), every pairing checked by its format (:func:`.block_fp8.pair_scales`,
+    :func:`.mxfp4.pair_blocks`)."""
+    method = settings["quant_method"] if settings is not None else None
+    fp8 = pair_scales(headers, shapes, settings if method == "fp8" else None, source)
+    mxfp4 = pair_blocks(headers, shapes, settings if method == "mxfp4" else None, source)
+    return {**{weight: {"": weight, SCALE_SUFFIX: scale} for weight, scale in fp8.items()},
+            **{weight: {BLOCKS_SUFFIX: weight + BLOCKS_SUFFIX, SCALES_SUFFIX: weight + SCALES_SUFFIX}
+               for weight in mxfp4}}
+
+
+def dequantized_slice(parts: dict[str, Any], settings: dict[str, Any]) -> ComputedSlice:
+    """The weight whose stored tensors are ``parts`` (``{suffix: safetensors slice}``, :func:`pair_stored`'s) read as
+    its dequantized values, in the model's layout."""
+    if settings["quant_method"] == "fp8":
+        return DequantizedSlice(parts[""], parts[SCALE_SUFFIX], block_size(settings))
+    return Mxfp4Slice(parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX])
+
+
+__all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
+           "dequantized_slice", "format_name", "pair_stored", "stored_quantization", "stored_settings"]

@@ -1,0 +1,117 @@
+"""What the tests of quantized checkpoints (block FP8, MXFP4) share: writing a checkpoint's files beside its config,
+changing them in place, the logits stock transformers gives in a fresh process, and the refusal of a named
+compensation by both commands."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return tensors
+
+
+def write_checkpoint(source: Path, target: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """``target``: ``source``'s files other than its weights (tokenizer, generation config), ``tensors`` in one
+    safetensors file and ``config`` as its config.json."""
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.suffix != ".safetensors" and path.name not in ("model.safetensors.index.json", "config.json"):
+            shutil.copy(path, target / path.name)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def rewrite(directory: Path, change) -> None:
+    """``change(tensors, config)`` applied to the checkpoint's files and config.json in place."""
+    tensors, config = read_tensors(directory), json.loads((directory / "config.json").read_text())
+    change(tensors, config)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def logits_in_a_fresh_process(path: Path, ids: torch.Tensor, scratch: Path, remote_code: bool) -> torch.Tensor:
+    """The logits of stock ``AutoModelForCausalLM.from_pretrained(path)`` (with ``trust_remote_code`` if
+    ``remote_code``) for ``ids``, in a process that never imports ompmoe."""
+    ids_file, out_file = str(scratch / "ids.pt"), str(scratch / "out.pt")
+    torch.save(ids, ids_file)
+    load = f"transformers.AutoModelForCausalLM.from_pretrained(path{', trust_remote_code=True' if remote_code else ''})"
+    script = (f"import sys, torch, transformers\npath = {str(path)!r}\nmodel = {load}\n"
+              f"assert 'ompmoe' not in sys.modules\nwith torch.no_grad():\n"
+              f"    torch.save(model(torch.load({ids_file!r})).logits, {out_file!r})")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(out_file)
+
+
+def assert_both_commands_refuse_a_named_compensation(source: Path, stats: Path, tmp_path: Path, capsys,
+                                                     stored: str) -> str:
+    """``ompmoe fit --layer_by_layer true`` and ``ompmoe prune --model`` of ``source`` (``stored``: its format as
+    messages name it) with ``--compensation down``: refused before any work, with the fix, nothing written.
+    Returns the refusal as the Python API words it."""
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
+    (tmp_path / "again").mkdir()
+    capsys.readouterr()
+    try:
+        main(["fit", "-c", str(tiny_config(tmp_path / "again")), "--trainer.enable_progress_bar=false",
+              "--layer_by_layer", "true", "--model.model", str(source), "--compensation", "down"])
+    except SystemExit:
+        pass
+    else:
+        raise AssertionError("ompmoe fit --compensation down was not refused")
+    assert not (tmp_path / "again" / "run").exists()
+    refusal = (f"{source} stores {stored} weights, which ompmoe writes as stored; a compensation changes the kept "
+               "experts' weights, which would have to be quantized again. Prune it with {off} (the paper's "
+               "setting), or compensate its full-precision checkpoint.")
+    assert refusal.format(off="compensation='off'") in capsys.readouterr().err
+    try:
+        main(["prune", "--stats", str(stats), "--ratio", "0.25", "--model", str(source), "--output_dir",
+              str(tmp_path / "again" / "pruned"), "--compensation", "down"])
+    except SystemExit:
+        pass
+    else:
+        raise AssertionError("ompmoe prune --compensation down was not refused")
+    assert refusal.format(off="--compensation off") in capsys.readouterr().err
+    assert not (tmp_path / "again" / "pruned").exists()
+    return refusal.format(off="compensation='off'")
+
+
+def assert_stock_transformers_reads_it_pruned(source: Path, dequantized: Path, stats, ids: torch.Tensor,
+                                              tmp_path: Path) -> dict[str, Path]:
+    """``source`` (quantized) pruned at 0.5 from its files, uniformly and per layer (``tmp_path/<allocation>``): stock
+    transformers (the remote code for per-layer counts), in a fresh process, gives the logits of ``dequantized``
+    (the full-precision checkpoint it stands for) pruned by the same plan, exactly. Returns the written checkpoints."""
+    import warnings
+
+    import ompmoe
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+
+    written = {}
+    for allocation in ("uniform", "waterfill"):
+        plan = ompmoe.plan_pruning(stats, 0.5, allocation=allocation)
+        assert plan.achieved_ratio == 0.5
+        written[allocation] = save_pruned_from_files(source, plan, tmp_path / allocation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pruned = ompmoe.prune(ompmoe.load_pruned(dequantized), plan)
+            with torch.no_grad():
+                expected = pruned(ids).logits
+        logits = logits_in_a_fresh_process(written[allocation], ids, tmp_path, remote_code=allocation != "uniform")
+        assert torch.equal(logits, expected), allocation
+    return written
