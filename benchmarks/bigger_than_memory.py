@@ -1,6 +1,6 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
-    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down] [--fp8]
+    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down] [--fp8 | --mxfp4]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
@@ -16,7 +16,11 @@ of the pruned files' bytes on the same disk (two shards copied, scaled). The las
 With ``--fp8`` the checkpoint (``DIR/source-fp8``) stores its linear weights in block FP8 as DeepSeek-V3's and
 Qwen3's -FP8 releases do (128 x 128 blocks, one float32 multiplier each): each layer is dequantized as it is read,
 the pruned checkpoint keeps the kept experts' FP8 tensors as stored, and the resident check loads the 2-layer slice
-through transformers' own FP8 dequantization.
+through transformers' own FP8 dequantization. With ``--mxfp4`` the checkpoint (``DIR/source-mxfp4``) has
+gpt-oss-120b's shape and format instead (128 experts of 2880 x 2880, top-4; each experts projection's blocks and
+scales in MXFP4, random codes; attention, routers and biases bf16): each layer's experts are dequantized as read,
+the pruned checkpoint keeps the kept experts' blocks and scales, and the resident check loads the 2-layer slice
+through transformers' own MXFP4 dequantization.
 """
 
 from __future__ import annotations
@@ -60,62 +64,146 @@ def block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
-def build_source(directory: Path, layers: int, fp8: bool = False) -> float:
-    """Write the checkpoint (skipped when a complete one is there); returns its size in GiB."""
-    from safetensors.torch import save_file
+OSS_HIDDEN, OSS_EXPERTS, OSS_TOP_K, OSS_INTERMEDIATE, OSS_HEADS, OSS_KV_HEADS, OSS_HEAD_DIM, OSS_VOCAB = (
+    2880, 128, 4, 2880, 64, 8, 64, 201088)
+"""gpt-oss-120b's shape (its experts in MXFP4: 32 values per power-of-two scale)."""
 
+
+def gpt_oss_120b_config(layers: int):
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=OSS_VOCAB, hidden_size=OSS_HIDDEN, intermediate_size=OSS_INTERMEDIATE, num_hidden_layers=layers,
+        num_attention_heads=OSS_HEADS, num_key_value_heads=OSS_KV_HEADS, head_dim=OSS_HEAD_DIM,
+        num_local_experts=OSS_EXPERTS, num_experts_per_tok=OSS_TOP_K, sliding_window=128,
+        layer_types=["sliding_attention" if index % 2 == 0 else "full_attention" for index in range(layers)],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        max_position_embeddings=131072, tie_word_embeddings=False, dtype="bfloat16",
+        architectures=["GptOssForCausalLM"],
+        quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                        "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"})
+
+
+def built_size(directory: Path, layers: int) -> float | None:
+    """The size in GiB of a complete checkpoint of ``layers`` layers already in ``directory``, else ``None``."""
     index_file = directory / "model.safetensors.index.json"
     if index_file.is_file() and json.loads(index_file.read_text()).get("layers") == layers:
         return sum(f.stat().st_size for f in directory.glob("*.safetensors")) / 2**30
+    return None
+
+
+def write_shards(directory: Path, layers: int, shard, config) -> float:
+    """``directory`` written afresh: ``shard(index)``'s tensors for each decoder layer, then ``shard(layers)``'s
+    (embeddings, final norm, head), one file each, ``config`` and the index; returns the size in GiB."""
+    from safetensors.torch import save_file
+
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
-
-    def noise(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
-
-    expert_bases = {name: [noise(*shape) for _ in range(BASES)] for name, shape in
-                    (("gate_proj", (MOE_INTERMEDIATE, HIDDEN)), ("up_proj", (MOE_INTERMEDIATE, HIDDEN)),
-                     ("down_proj", (HIDDEN, MOE_INTERMEDIATE)))}
-    attention = {"q_proj": noise(HEADS * HEAD_DIM, HIDDEN), "k_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN),
-                 "v_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN), "o_proj": noise(HIDDEN, HEADS * HEAD_DIM)}
     count = layers + 1
     weight_map: dict[str, str] = {}
     total = 0
     for index in range(count):
         name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-        if index == layers:  # embeddings, final norm and head in the last shard
-            tensors = {"model.embed_tokens.weight": noise(VOCAB, HIDDEN), "lm_head.weight": noise(VOCAB, HIDDEN),
-                       "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
-        else:
-            prefix = f"model.layers.{index}."
-            tensors = {f"{prefix}self_attn.{key}.weight": value.roll(index, 0).clone() for key, value in
-                       attention.items()}
-            tensors.update({f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
-                            f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
-                            f"{prefix}input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-                            f"{prefix}post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-                            f"{prefix}mlp.gate.weight": noise(EXPERTS, HIDDEN, std=0.05)})
-            for expert in range(EXPERTS):
-                for key, bases in expert_bases.items():
-                    shift = (expert * 7 + index * 13) % bases[0].shape[1]
-                    tensors[f"{prefix}mlp.experts.{expert}.{key}.weight"] = \
-                        bases[(expert + index) % BASES].roll(shift, 1).contiguous()
-            if fp8:  # the linear weights, as the -FP8 releases store them (router, norms, embeddings, head stay)
-                for key in [key for key in tensors if key.endswith("proj.weight")]:
-                    tensors[key], tensors[key + "_scale_inv"] = block_fp8(tensors[key])
+        tensors = shard(index)
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
+    config.save_pretrained(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "layers": layers, "weight_map": weight_map}, indent=1))
+    return total / 2**30
+
+
+def noise_source(seed: int = 0):
+    """``(generator, noise)``: bf16 normal noise of a shape and standard deviation, deterministic from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    return generator, noise
+
+
+def build_mxfp4_source(directory: Path, layers: int) -> float:
+    """A gpt-oss-120b-shaped checkpoint as its release stores it (experts in MXFP4: random codes, scales of 2^-7,
+    so that values are about 0.02; the rest bf16), one shard per layer; skipped when a complete one is there."""
+    if (size := built_size(directory, layers)) is not None:
+        return size
+    generator, noise = noise_source()
+
+    def mxfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (OSS_EXPERTS, rows, cols // 32, 16), generator=generator, dtype=torch.uint8)
+        return codes, torch.full((OSS_EXPERTS, rows, cols // 32), 127 - 7, dtype=torch.uint8)
+
+    def shard(index: int) -> dict[str, torch.Tensor]:
+        if index == layers:
+            return {"model.embed_tokens.weight": noise(OSS_VOCAB, OSS_HIDDEN),
+                    "lm_head.weight": noise(OSS_VOCAB, OSS_HIDDEN),
+                    "model.norm.weight": torch.ones(OSS_HIDDEN, dtype=torch.bfloat16)}
+        prefix = f"model.layers.{index}."
+        heads, kv_heads = OSS_HEADS * OSS_HEAD_DIM, OSS_KV_HEADS * OSS_HEAD_DIM
+        sizes = {"q_proj": (heads, OSS_HIDDEN), "k_proj": (kv_heads, OSS_HIDDEN), "v_proj": (kv_heads, OSS_HIDDEN),
+                 "o_proj": (OSS_HIDDEN, heads)}
+        tensors = {}
+        for key, shape in sizes.items():
+            tensors[f"{prefix}self_attn.{key}.weight"] = noise(*shape)
+            tensors[f"{prefix}self_attn.{key}.bias"] = noise(shape[0])
+        tensors.update({f"{prefix}self_attn.sinks": noise(OSS_HEADS, std=1.0),
+                        f"{prefix}input_layernorm.weight": torch.ones(OSS_HIDDEN, dtype=torch.bfloat16),
+                        f"{prefix}post_attention_layernorm.weight": torch.ones(OSS_HIDDEN, dtype=torch.bfloat16),
+                        f"{prefix}mlp.router.weight": noise(OSS_EXPERTS, OSS_HIDDEN, std=0.05),
+                        f"{prefix}mlp.router.bias": noise(OSS_EXPERTS, std=0.1),
+                        f"{prefix}mlp.experts.gate_up_proj_bias": noise(OSS_EXPERTS, 2 * OSS_INTERMEDIATE),
+                        f"{prefix}mlp.experts.down_proj_bias": noise(OSS_EXPERTS, OSS_HIDDEN)})
+        for key, (rows, cols) in (("gate_up_proj", (2 * OSS_INTERMEDIATE, OSS_HIDDEN)),
+                                  ("down_proj", (OSS_HIDDEN, OSS_INTERMEDIATE))):
+            tensors[f"{prefix}mlp.experts.{key}_blocks"], tensors[f"{prefix}mlp.experts.{key}_scales"] = \
+                mxfp4(rows, cols)
+        return tensors
+
+    return write_shards(directory, layers, shard, gpt_oss_120b_config(layers))
+
+
+def build_source(directory: Path, layers: int, fp8: bool = False) -> float:
+    """Write the checkpoint (skipped when a complete one is there); returns its size in GiB."""
+    if (size := built_size(directory, layers)) is not None:
+        return size
+    _, noise = noise_source()
+    expert_bases = {name: [noise(*shape) for _ in range(BASES)] for name, shape in
+                    (("gate_proj", (MOE_INTERMEDIATE, HIDDEN)), ("up_proj", (MOE_INTERMEDIATE, HIDDEN)),
+                     ("down_proj", (HIDDEN, MOE_INTERMEDIATE)))}
+    attention = {"q_proj": noise(HEADS * HEAD_DIM, HIDDEN), "k_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN),
+                 "v_proj": noise(KV_HEADS * HEAD_DIM, HIDDEN), "o_proj": noise(HIDDEN, HEADS * HEAD_DIM)}
+
+    def shard(index: int) -> dict[str, torch.Tensor]:
+        if index == layers:  # embeddings, final norm and head in the last shard
+            return {"model.embed_tokens.weight": noise(VOCAB, HIDDEN), "lm_head.weight": noise(VOCAB, HIDDEN),
+                    "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+        prefix = f"model.layers.{index}."
+        tensors = {f"{prefix}self_attn.{key}.weight": value.roll(index, 0).clone() for key, value in
+                   attention.items()}
+        tensors.update({f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
+                        f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM, dtype=torch.bfloat16),
+                        f"{prefix}input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                        f"{prefix}post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                        f"{prefix}mlp.gate.weight": noise(EXPERTS, HIDDEN, std=0.05)})
+        for expert in range(EXPERTS):
+            for key, bases in expert_bases.items():
+                shift = (expert * 7 + index * 13) % bases[0].shape[1]
+                tensors[f"{prefix}mlp.experts.{expert}.{key}.weight"] = \
+                    bases[(expert + index) % BASES].roll(shift, 1).contiguous()
+        if fp8:  # the linear weights, as the -FP8 releases store them (router, norms, embeddings, head stay)
+            for key in [key for key in tensors if key.endswith("proj.weight")]:
+                tensors[key], tensors[key + "_scale_inv"] = block_fp8(tensors[key])
+        return tensors
+
     config = qwen3_30b_config(layers)
     if fp8:
         config.quantization_config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-    config.save_pretrained(directory)
-    index_file.write_text(json.dumps({"metadata": {"total_size": total}, "layers": layers,
-                                      "weight_map": weight_map}, indent=1))
-    return total / 2**30
+    return write_shards(directory, layers, shard, config)
 
 
 class AnonymousPeak:
@@ -182,23 +270,28 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--compensation", choices=("off", "down"), default="off")
-    parser.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint (DeepSeek-V3's format)")
+    stored = parser.add_mutually_exclusive_group()
+    stored.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint (DeepSeek-V3's format)")
+    stored.add_argument("--mxfp4", action="store_true", help="gpt-oss-120b's shape, its experts in MXFP4")
     args = parser.parse_args()
-    if args.fp8 and args.compensation != "off":
-        parser.error("--fp8 writes the kept experts' FP8 tensors as stored, which a compensation would change "
+    if (args.fp8 or args.mxfp4) and args.compensation != "off":
+        parser.error("--fp8 and --mxfp4 write the kept experts' tensors as stored, which a compensation would change "
                      "(ompmoe refuses it); use --compensation off")
     torch.set_num_threads(os.cpu_count() or 1)
     warnings.simplefilter("ignore")
     import ompmoe
     from ompmoe.engine.lazy_checkpoint import checkpoint_files
 
-    source, pruned = args.out / ("source-fp8" if args.fp8 else "source"), args.out / "pruned"
+    kind = "fp8" if args.fp8 else "mxfp4" if args.mxfp4 else None
+    source, pruned = args.out / (f"source-{kind}" if kind else "source"), args.out / "pruned"
+    vocab = OSS_VOCAB if args.mxfp4 else VOCAB
     steps: dict[str, float] = {}
     started = time.perf_counter()
-    checkpoint_gib = build_source(source, args.layers, args.fp8)
+    checkpoint_gib = (build_mxfp4_source(source, args.layers) if args.mxfp4 else
+                      build_source(source, args.layers, args.fp8))
     steps["build"] = time.perf_counter() - started
     generator = torch.Generator().manual_seed(1)
-    blocks = [torch.randint(0, VOCAB, (1, args.seq_len), generator=generator)
+    blocks = [torch.randint(0, vocab, (1, args.seq_len), generator=generator)
               for _ in range(max(1, args.tokens // args.seq_len))]
     shutil.rmtree(pruned, ignore_errors=True)
     peaks: dict[str, float] = {}
@@ -241,12 +334,16 @@ def main() -> None:
     loads = kept_counts == [len(layer.kept) for layer in plan.layers]
     same_plan = resident_slice_agrees(source, blocks, stats)
     shutil.rmtree(pruned)
-    layer_gib = (EXPERTS * 3 * HIDDEN * MOE_INTERMEDIATE + 2 * HIDDEN * HEADS * HEAD_DIM
-                 + 2 * HIDDEN * KV_HEADS * HEAD_DIM) * 2 / 2**30  # bf16 compute
-    hidden_gib = sum(block.numel() for block in blocks) * HIDDEN * 2 / 2**30
+    if args.mxfp4:
+        layer_gib = (OSS_EXPERTS * 3 * OSS_HIDDEN * OSS_INTERMEDIATE + 2 * OSS_HIDDEN * OSS_HEADS * OSS_HEAD_DIM
+                     + 2 * OSS_HIDDEN * OSS_KV_HEADS * OSS_HEAD_DIM) * 2 / 2**30  # bf16 compute
+    else:
+        layer_gib = (EXPERTS * 3 * HIDDEN * MOE_INTERMEDIATE + 2 * HIDDEN * HEADS * HEAD_DIM
+                     + 2 * HIDDEN * KV_HEADS * HEAD_DIM) * 2 / 2**30  # bf16 compute
+    hidden_gib = sum(block.numel() for block in blocks) * (OSS_HIDDEN if args.mxfp4 else HIDDEN) * 2 / 2**30
     print(json.dumps({
         "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
-        "fp8": args.fp8,
+        "fp8": args.fp8, "mxfp4": args.mxfp4, "shape": "gpt-oss-120b" if args.mxfp4 else "qwen3-30b-a3b",
         "checkpoint_gib": round(checkpoint_gib, 2), "pruned_gib": round(pruned_gib, 2),
         "mem_total_gib": round(mem_total() / 2**30, 2), "peak_anon_gib": round(max(peaks.values()), 2),
         "peak_anon_gib_per_step": {key: round(value, 2) for key, value in peaks.items()},
@@ -268,6 +365,8 @@ def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bo
 
     config = transformers.AutoConfig.from_pretrained(source)
     config.num_hidden_layers = 2
+    if getattr(config, "layer_types", None):  # gpt-oss: one attention type per layer
+        config.layer_types = config.layer_types[:2]
     with tempfile.TemporaryDirectory() as directory:  # a config of two layers pointing at the same files
         for file in source.iterdir():
             if file.name != "config.json":

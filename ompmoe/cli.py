@@ -130,7 +130,8 @@ def replan(
         evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
         layer_by_layer: With ``model``: refit and measure each plan one decoder layer at a time, in one pass over the
             checkpoint's files per ratio, and write each model from them (a model bigger than memory; a local or
-            downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated.
+            downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated, and always for a
+            block-FP8 or MXFP4 checkpoint (written as stored).
     """
     from .engine.apply.compensation_step import compensation_line
     from .engine.collect.statistics import MoEStats
@@ -320,7 +321,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     model may be written from its files, which a quantized checkpoint's are as stored)."""
     from .engine.apply.compensation import GRANULARITIES
     from .engine.quantized_files import QuantizedCheckpointError
-    from .engine.stored_formats import COMPENSATION_STORED, format_name
+    from .engine.stored_formats import COMPENSATION_STORED, format_name, with_article
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -347,7 +348,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         if given is not None:  # its kept tensors are written as stored: a refit would change them
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))
-        return _Refit(source=f"none for a {format_name(stored)} checkpoint")
+        return _Refit(source=f"none for {with_article(stored)} checkpoint")
     data = fit_data(fit)
     if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
@@ -465,17 +466,21 @@ def plot(*, stats: str, output_dir: str, plan: str | None = None, overwrite: boo
 
 def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str | None) -> bool:
     """Whether ``prune`` refits and measures one decoder layer at a time: as given, else as the fit calibrated (its
-    plan's ``extra.calibration``); refused, before any work, where it cannot be done."""
+    plan's ``extra.calibration``), or for a checkpoint stored quantized (its pruned tensors written as stored);
+    refused, before any work, where it cannot be done."""
     from .engine.run import LAYER_BY_LAYER
+    from .engine.stored_formats import format_name
 
     if model is None:
         if given:
             raise ValueError("--layer_by_layer reads the model's files: give --model (plans alone hold no weights)")
         return False
     fit_mode = (fit.extra.get("calibration") or {}).get("mode") if fit is not None else None
-    wanted = given if given is not None else fit_mode == LAYER_BY_LAYER
+    stored = _stored_quantization(model) if given is None and fit_mode != LAYER_BY_LAYER else None
+    wanted = given if given is not None else fit_mode == LAYER_BY_LAYER or stored is not None
     if wanted and dtype is not None:
-        why = "" if given else " (the fit ran layer by layer, so its plans are refitted and measured so too)"
+        why = ("" if given else f" (the model stores {format_name(stored)} weights, written as stored)" if stored
+               else " (the fit ran layer by layer, so its plans are refitted and measured so too)")
         raise ValueError(f"--layer_by_layer writes the checkpoint's tensors as its files store them; got --dtype "
                          f"{dtype}{why}. Remove --dtype, or pass --layer_by_layer false to load the model.")
     return bool(wanted)

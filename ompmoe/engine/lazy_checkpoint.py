@@ -180,6 +180,19 @@ class LazyCheckpoint:
         if info.mismatched_keys or info.conversion_errors:
             problems = sorted(info.mismatched_keys) or sorted(info.conversion_errors)
             raise ValueError(f"{self.path} does not match the model under {', '.join(prefixes)}: {problems[:5]}.")
+        self._refuse_unfilled(prefixes, outside)
+
+    def _refuse_unfilled(self, prefixes: tuple[str, ...], outside: bool) -> None:
+        """A parameter the fill left on the meta device has no tensor in the files: the part would compute on
+        nothing (NaN statistics, a checkpoint written without it). Refused by name; a head tied to the embeddings
+        (no tensor of its own, tied after the fill) aside."""
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        unfilled = [name for name, parameter in self.model.named_parameters(remove_duplicate=False)
+                    if name.startswith(prefixes) != outside and parameter.device.type == "meta" and name not in tied]
+        if unfilled:
+            raise ValueError(f"{self.path} holds no tensor for {len(unfilled)} parameters of the model "
+                             f"({', '.join(unfilled[:3])}{', ...' if len(unfilled) > 3 else ''}): the checkpoint's "
+                             "files are incomplete. Copy or download the checkpoint again.")
 
     def read_ahead(self, prefixes: tuple[str, ...], outside: bool = False,
                    only_experts: dict[str, list[int]] | None = None) -> None:
@@ -258,25 +271,31 @@ class LazyCheckpoint:
         if not any(converter is seen for seen in self.used):
             self.used.append(converter)
 
-    def _read_into(self, where: torch.Tensor, key: str, stored: bool = False) -> bool:
+    def _read_into(self, where: torch.Tensor, key: str, stored: bool = False, rows: list[int] | None = None) -> bool:
         """Read ``key``'s bytes from its file straight into ``where`` (host memory, contiguous, the file's dtype):
-        one copy from the page cache, no page faults on a memory map and no intermediate tensor. ``False`` where
-        that does not apply (the caller copies the tensor instead)."""
+        one copy from the page cache, no page faults on a memory map and no intermediate tensor; with ``rows``, only
+        those rows of its first axis (a fused experts tensor's kept experts). ``False`` where that does not apply
+        (the caller copies the tensor instead)."""
         part = self.stored_parts[key] if stored else self.slices[key]  # stored: a quantized tensor's own bytes
         computed = isinstance(part, ComputedSlice)  # values that are not the file's bytes
         if (not self._descriptors or where.device.type != "cpu" or not where.is_contiguous() or computed
                 or _FILE_DTYPES.get(part.get_dtype()) != where.dtype):
             return False
         file, start, length = self._ranges[key]
-        if length != where.numel() * where.element_size():
+        row_bytes = length // part.get_shape()[0] if rows is not None else length
+        spans = [(start + row * row_bytes, row_bytes) for row in rows] if rows is not None else [(start, length)]
+        if sum(size for _, size in spans) != where.numel() * where.element_size():
             return False
         buffer = memoryview(where.view(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < length:
-            count = os.preadv(self._descriptors[file], [buffer[done:]], start + done)
-            if count <= 0:
-                raise OSError(f"{file} ended inside tensor {key}: the file is truncated.")
-            done += count
+        at = 0
+        for offset, size in spans:
+            done = 0
+            while done < size:
+                count = os.preadv(self._descriptors[file], [buffer[at + done:at + size]], offset + done)
+                if count <= 0:
+                    raise OSError(f"{file} ended inside tensor {key}: the file is truncated.")
+                done += count
+            at += size
         return True
 
     def as_stored(self, tensors: dict[str, torch.Tensor], kept: dict[str, list[int]]) -> dict[str, torch.Tensor]:
@@ -296,15 +315,13 @@ class LazyCheckpoint:
                                        "report it.")
                 stored[name] = value
                 continue
-            parts = {suffix: self._read_stored(key) for suffix, key in self.stored[source].items()}
-            shape = self.stored_shapes[source]
+            shape, rows = self.stored_shapes[source], None
             if list(value.shape) != shape:  # a fused experts tensor of the files, cut to the kept experts
                 rows = kept.get(self.target[source].rpartition(".")[0])
                 if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
-                index = torch.tensor(rows, dtype=torch.long)
-                parts = {suffix: tensor[index] for suffix, tensor in parts.items()}
+            parts = {suffix: self._read_stored(key, rows) for suffix, key in self.stored[source].items()}
             stored.update({name + suffix: tensor for suffix, tensor in parts.items()})
         return stored
 
@@ -341,11 +358,16 @@ class LazyCheckpoint:
                 f"cutting a router to the kept experts' rows would split its blocks. ompmoe reads {name} checkpoints "
                 "whose routers are full precision, as the releases store them.")
 
-    def _read_stored(self, key: str) -> torch.Tensor:
-        """A quantized weight's stored tensor as the files store it (read directly where :meth:`_read_into` can)."""
+    def _read_stored(self, key: str, rows: list[int] | None = None) -> torch.Tensor:
+        """A quantized weight's stored tensor as the files store it, or only ``rows`` of its first axis (read directly
+        where :meth:`_read_into` can: the removed experts' bytes are never read)."""
         part = self.stored_parts[key]
-        tensor = torch.empty(part.get_shape(), dtype=_FILE_DTYPES[part.get_dtype()])
-        return tensor if self._read_into(tensor, key, stored=True) else part[:]
+        shape = part.get_shape()
+        tensor = torch.empty([len(rows), *shape[1:]] if rows is not None else shape,
+                             dtype=_FILE_DTYPES[part.get_dtype()])
+        if self._read_into(tensor, key, stored=True, rows=rows):
+            return tensor
+        return part[:] if rows is None else part[:][torch.tensor(rows, dtype=torch.long)]
 
     def empty(self, module: nn.Module) -> None:
         """Put ``module``'s parameters and persistent buffers back on the meta device (its memory is freed)."""

@@ -30,7 +30,8 @@ class ComputedSlice:
 class UnreadSlice(ComputedSlice):
     """A quantized weight the pruned writer never reads into the model: a placeholder of its shape, all NaN (what is
     written is the stored tensors, :meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.as_stored`, which refuses to
-    write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized."""
+    write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized.
+    One NaN seen at every position: it takes no memory until the pruning cuts it to the kept experts' rows."""
 
     def __init__(self, shape: list[int]) -> None:
         self.shape = list(shape)
@@ -42,7 +43,7 @@ class UnreadSlice(ComputedSlice):
         return "BF16"
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return torch.full(self.shape, float("nan"), dtype=torch.bfloat16)[index]
+        return torch.full((), float("nan"), dtype=torch.bfloat16).expand(self.shape)[index]
 
 
 __all__ = ["ComputedSlice", "QuantizedCheckpointError", "UnreadSlice"]

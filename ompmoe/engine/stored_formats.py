@@ -15,8 +15,8 @@ from .block_fp8 import SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
-FORMATS = {"fp8": ("block-FP8", block_fp8_settings), "mxfp4": ("MXFP4", mxfp4_settings)}
-"""``quant_method`` -> (its name in messages, the check of its settings)."""
+FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an", mxfp4_settings)}
+"""``quant_method`` -> (its name in messages, that name's article, the check of its settings)."""
 STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
 COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
@@ -42,7 +42,7 @@ def stored_settings(config: Any) -> dict[str, Any] | None:
             "'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, Qwen3's -FP8 releases), MXFP4 experts "
             "(quant_method 'mxfp4': gpt-oss) and full-precision ones. Prune the full-precision checkpoint, then "
             "quantize the pruned model.")
-    return FORMATS[method][1]({**settings, "quant_method": method})
+    return FORMATS[method][2]({**settings, "quant_method": method})
 
 
 def checkpoint_stored_settings(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -54,6 +54,11 @@ def checkpoint_stored_settings(path: str | os.PathLike) -> dict[str, Any] | None
 def format_name(settings: dict[str, Any]) -> str:
     """How messages and the model card name the format of ``settings`` (``"block-FP8"``, ``"MXFP4"``)."""
     return FORMATS[settings["quant_method"]][0]
+
+
+def with_article(settings: dict[str, Any]) -> str:
+    """:func:`format_name` with its indefinite article (``a block-FP8``, ``an MXFP4``)."""
+    return f"{FORMATS[settings['quant_method']][1]} {format_name(settings)}"
 
 
 def compute_config(config: Any) -> Any:
@@ -94,4 +99,4 @@ def dequantized_slice(parts: dict[str, Any], settings: dict[str, Any]) -> Comput
 
 
 __all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
-           "dequantized_slice", "format_name", "pair_stored", "stored_quantization", "stored_settings"]
+           "dequantized_slice", "format_name", "pair_stored", "stored_quantization", "stored_settings", "with_article"]

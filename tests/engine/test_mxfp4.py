@@ -45,7 +45,9 @@ def _mxfp4_source(tmp_path: Path, **overrides) -> tuple[Path, Path]:
     return mxfp4, dequantized_checkpoint(mxfp4, tmp_path / "dequantized")
 
 
-def test_dequantize_is_the_code_by_code_product_and_exact_in_bfloat16():
+def test_dequantize_is_the_code_by_code_product_and_transformers_own_bit_for_bit():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     torch.manual_seed(0)
     weight = torch.randn(3, 64, 40)  # [experts, in, out]: 2 groups of 32 per row
     blocks, scales = quantize(weight)
@@ -54,6 +56,11 @@ def test_dequantize_is_the_code_by_code_product_and_exact_in_bfloat16():
     literal = literal_dequantize(blocks, scales)
     assert ours.dtype == torch.bfloat16 and torch.equal(ours.float(), literal)  # every such value is a bfloat16
     assert (literal - weight).abs().max() <= weight.abs().max() / 4  # e2m1 keeps 1 mantissa bit: a coarse copy
+    codes = torch.randint(0, 256, (2, 8, 3, 16), dtype=torch.uint8)  # every code, and exponents to the extremes
+    exponents = torch.randint(0, 256, (2, 8, 3), dtype=torch.uint8)
+    exponents[0, :2] = torch.tensor([[0, 1, 2], [127, 254, 255]], dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(codes, exponents, dtype=torch.bfloat16)
+    assert torch.equal(dequantize(codes, exponents).view(torch.int16), theirs.view(torch.int16))  # NaNs included
 
 
 def test_an_mxfp4_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path):
@@ -169,6 +176,10 @@ def _bf16_scales(tensors: dict, config: dict) -> None:
     tensors[WEIGHT + "_scales"] = tensors[WEIGHT + "_scales"].to(torch.bfloat16)
 
 
+def _without_scales(tensors: dict, config: dict) -> None:
+    del tensors[WEIGHT + "_scales"]
+
+
 def _short_scales(tensors: dict, config: dict) -> None:
     tensors[WEIGHT + "_scales"] = tensors[WEIGHT + "_scales"][..., :0].contiguous()
 
@@ -180,8 +191,10 @@ def _short_scales(tensors: dict, config: dict) -> None:
     (_full_precision_files, "{source}'s config.json says its experts are MXFP4 (quantization_config), but its files "
                             "hold no <name>_blocks / <name>_scales pair; remove the quantization_config from "
                             "config.json if the weights are full precision."),
-    (_bf16_scales, "{source} stores MXFP4 weights ompmoe cannot read: {w}_scales is BF16, not 8-bit exponents (U8). "
-                   "Its files are incomplete or in another MXFP4 layout (ompmoe reads gpt-oss's)."),
+    (_bf16_scales, "{source} stores MXFP4 weights ompmoe cannot read: {w}_scales is BF16, not 8-bit codes or "
+                   "exponents (U8). Its files are incomplete or in another MXFP4 layout (ompmoe reads gpt-oss's)."),
+    (_without_scales, "{source} stores MXFP4 weights ompmoe cannot read: {w} has no {w}_scales. Its files are "
+                      "incomplete or in another MXFP4 layout (ompmoe reads gpt-oss's)."),
     (_short_scales, "{source} stores MXFP4 weights ompmoe cannot read: {w}_blocks [16, 64, 1, 16] and {w}_scales "
                     "[16, 64, 0] are not [experts, rows, groups, 16] and [experts, rows, groups]. Its files are "
                     "incomplete or in another MXFP4 layout (ompmoe reads gpt-oss's)."),
@@ -192,3 +205,50 @@ def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(
     with pytest.raises(QuantizedCheckpointError) as refused:
         collect_stats_layerwise(mxfp4, BLOCKS, progress=False)
     assert str(refused.value) == message.format(source=mxfp4, w=WEIGHT)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_by_name_when_its_layer_is_read(tmp_path):
+    """Not MXFP4 only: a parameter the files hold no tensor for would stay on the meta device and compute NaN
+    statistics (and be left out of the written checkpoint); the fill refuses it by name."""
+    _, dequantized = _mxfp4_source(tmp_path)
+    rewrite(dequantized, lambda tensors, config: tensors.pop(WEIGHT))
+    with pytest.raises(ValueError) as refused:
+        collect_stats_layerwise(dequantized, BLOCKS, progress=False)
+    assert str(refused.value) == (f"{dequantized} holds no tensor for 1 parameters of the model ({WEIGHT}): the "
+                                  "checkpoint's files are incomplete. Copy or download the checkpoint again.")
+
+
+def test_ompmoe_prune_writes_an_mxfp4_checkpoint_from_its_files_whatever_calibrated_it(tmp_path):
+    """Statistics of a resident calibration (the dequantized model): ``ompmoe prune --model`` of the MXFP4 files
+    still writes from them, in MXFP4, its held-out perplexity measured layer by layer (not the dequantized model in
+    bf16, which a resident prune measuring it would write)."""
+    from ompmoe.cli import main
+
+    mxfp4, _ = _mxfp4_source(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = ompmoe.collect_stats(ompmoe.load_pruned(mxfp4), BLOCKS, model_id=str(mxfp4), progress=False)
+    stats.save(tmp_path / "stats.safetensors")
+    main(["prune", "--stats", str(tmp_path / "stats.safetensors"), "--ratio", "0.5", "--model", str(mxfp4),
+          "--output_dir", str(tmp_path / "pruned"), "--evaluate_on", "heldout:prose", "--evaluate_blocks", "2"])
+    written = read_tensors(tmp_path / "pruned" / "model-0.5")
+    assert sum(name.endswith("_blocks") for name in written) == 2 * len(stats.layers)
+    assert not any(name.endswith(PROJECTIONS) for name in written)
+
+
+def test_load_pruned_leaves_other_quantized_checkpoints_to_its_weight_checks(tmp_path):
+    """A GPTQ checkpoint (a format ompmoe neither reads nor writes) gets the loader's own message about its
+    integer tensors, not advice to prune another checkpoint."""
+    from ompmoe.engine.export.weights import CheckpointWeightsError
+
+    _, dequantized = _mxfp4_source(tmp_path)
+
+    def as_gptq(tensors: dict, config: dict) -> None:
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+        tensors["model.layers.0.self_attn.q_proj.qweight"] = torch.zeros(4, 4, dtype=torch.int32)
+
+    rewrite(dequantized, as_gptq)
+    with pytest.raises(CheckpointWeightsError) as refused:
+        ompmoe.load_pruned(dequantized)
+    assert str(refused.value).startswith(f"{dequantized / 'model.safetensors'} stores 1 tensors in a non-floating "
+                                         "dtype (I32): model.layers.0.self_attn.q_proj.qweight;")

@@ -25,6 +25,7 @@ from ..lazy_checkpoint import weight_files
 from ..model_classes import default_model_class, model_classes
 from ..apply.adaptive import restore_adaptive
 from ..apply.pruning import _check_record, _slice_layer
+from ..apply.quantized import quant_method
 from ..planning.plan import PlanMismatchError
 from ..record import pruning_info
 from ..safetensors_header import read_header
@@ -144,8 +145,7 @@ def _integer_tensors(model_class: type, config: Any) -> set[str]:
         skeleton = model_class._from_config(config)
     saved = revert_weight_conversion(skeleton, skeleton.state_dict())
     integral = {name for name, tensor in saved.items() if not tensor.is_floating_point()}
-    settings = stored_settings(config)
-    return integral | (mxfp4_stored_names(list(saved)) if settings and settings["quant_method"] == "mxfp4" else set())
+    return integral | (mxfp4_stored_names(list(saved)) if quant_method(config) == "mxfp4" else set())
 
 
 @quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it
