@@ -130,8 +130,8 @@ def replan(
         evaluate_blocks: Blocks per held-out set (default: the fit's, else 8,192 tokens' worth).
         layer_by_layer: With ``model``: refit and measure each plan one decoder layer at a time, in one pass over the
             checkpoint's files per ratio, and write each model from them (a model bigger than memory; a local or
-            downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated, and always for a
-            block-FP8 or MXFP4 checkpoint (written as stored).
+            downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated, and for a
+            block-FP8 or MXFP4 checkpoint with equal expert counts in every layer (written as stored).
     """
     from .engine.apply.compensation_step import compensation_line
     from .engine.collect.statistics import MoEStats
@@ -468,8 +468,10 @@ def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str 
     """Whether ``prune`` refits and measures one decoder layer at a time: as given, else as the fit calibrated (its
     plan's ``extra.calibration``), or for a checkpoint stored quantized (its pruned tensors written as stored);
     refused, before any work, where it cannot be done."""
+    from .engine.export.config import non_uniform_config
     from .engine.run import LAYER_BY_LAYER
     from .engine.stored_formats import format_name
+    from .lightning.models import resolve_model
 
     if model is None:
         if given:
@@ -477,6 +479,8 @@ def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str 
         return False
     fit_mode = (fit.extra.get("calibration") or {}).get("mode") if fit is not None else None
     stored = _stored_quantization(model) if given is None and fit_mode != LAYER_BY_LAYER else None
+    if stored is not None and non_uniform_config(resolve_model(model)) is not None:
+        stored = None  # a skeleton cannot read per-layer counts: it loads, as before (dequantized)
     wanted = given if given is not None else fit_mode == LAYER_BY_LAYER or stored is not None
     if wanted and dtype is not None:
         why = ("" if given else f" (the model stores {format_name(stored)} weights, written as stored)" if stored

@@ -259,6 +259,27 @@ def block_expert_tensors(block: nn.Module, count: int) -> list[str]:
             and (tensor.shape[0] == count or tuple(tensor.shape) == (1, count))]
 
 
+def _zeros_for_meta(value: Any) -> Any:
+    """A module (copied) or tensor whose meta tensors are zeros on the CPU, its real ones as they are: a skeleton's
+    router mixes meta weights with real buffers (MiniMax-M2's routing bias), which no device runs together."""
+    import copy
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype) if value.device.type == "meta" else value
+    if not isinstance(value, nn.Module):
+        return value
+    value = copy.deepcopy(value)
+    for module in value.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None and parameter.device.type == "meta":
+                module._parameters[name] = nn.Parameter(_zeros_for_meta(parameter), requires_grad=False)
+        for name, buffer in module._buffers.items():
+            module._buffers[name] = _zeros_for_meta(buffer) if buffer is not None else None
+    return value
+
+
 def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str | None:
     """Why ``router`` does not route as the collector expects (``(logits, weights, indices, ...)`` from the hidden states
     and the block's expert-indexed tensors ``extra``), or ``None``; one token on the router's own device and dtype (a
@@ -266,6 +287,9 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
     import torch
 
     weight = next(iter(router.parameters()), None)
+    if weight is not None and weight.device.type == "meta":  # a skeleton's router: probed on a copy of zeros, so
+        router, extra = _zeros_for_meta(router), [_zeros_for_meta(tensor) for tensor in extra]  # real buffers fit
+        weight = next(iter(router.parameters()))
     options = dict(device=weight.device, dtype=weight.dtype) if weight is not None else {}
     try:
         with torch.no_grad():

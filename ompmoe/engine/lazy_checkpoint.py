@@ -186,9 +186,14 @@ class LazyCheckpoint:
         """A parameter the fill left on the meta device has no tensor in the files: the part would compute on
         nothing (NaN statistics, a checkpoint written without it). Refused by name; a head tied to the embeddings
         (no tensor of its own, tied after the fill) aside."""
-        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        tied = dict(getattr(self.model, "all_tied_weights_keys", None) or {})  # head -> embeddings
         unfilled = [name for name, parameter in self.model.named_parameters(remove_duplicate=False)
                     if name.startswith(prefixes) != outside and parameter.device.type == "meta" and name not in tied]
+        stored_heads = [head for head, source in tied.items() if source in unfilled and head in self.target.values()]
+        if stored_heads:  # transformers ties either way; a skeleton reads each side from its own tensor
+            raise ValueError(f"{self.path} stores the tied {stored_heads[0]} but not {tied[stored_heads[0]]}, which "
+                             "layer-by-layer reads the embeddings from. Save the checkpoint again with "
+                             "save_pretrained (it stores the embeddings), or calibrate it resident.")
         if unfilled:
             raise ValueError(f"{self.path} holds no tensor for {len(unfilled)} parameters of the model "
                              f"({', '.join(unfilled[:3])}{', ...' if len(unfilled) > 3 else ''}): the checkpoint's "

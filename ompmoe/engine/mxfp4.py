@@ -83,11 +83,11 @@ def pair_blocks(headers: dict[str, str], shapes: dict[str, list[int]], settings:
     its ``<name>_scales``: MXFP4 tensors without a ``quantization_config`` saying so (they would not load), or one
     whose partner is missing, of another dtype or not covering it, are refused by name."""
     suffixes = (BLOCKS_SUFFIX, SCALES_SUFFIX)
-    names = sorted({name.removesuffix(BLOCKS_SUFFIX).removesuffix(SCALES_SUFFIX) for name, dtype in headers.items()
-                    if dtype == "U8" and name.endswith(suffixes)})
+    present = sorted(name for name, dtype in headers.items() if dtype == "U8" and name.endswith(suffixes))
+    names = sorted({name[:-len(next(suffix for suffix in suffixes if name.endswith(suffix)))] for name in present})
     if names and settings is None:
         raise QuantizedCheckpointError(
-            f"{source} stores {len(names)} weights in MXFP4 ({names[0]}{BLOCKS_SUFFIX}, ...) but its config.json has "
+            f"{source} stores {len(names)} weights in MXFP4 ({present[0]}, ...) but its config.json has "
             "no quantization_config with quant_method 'mxfp4'; they would not be read as weights. Add the "
             "quantization_config the checkpoint was released with.")
     if settings is None:

@@ -31,7 +31,8 @@ class UnreadSlice(ComputedSlice):
     """A quantized weight the pruned writer never reads into the model: a placeholder of its shape, all NaN (what is
     written is the stored tensors, :meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.as_stored`, which refuses to
     write a placeholder it did not replace), so that the kept experts' bytes are read once, not also dequantized.
-    One NaN seen at every position: it takes no memory until the pruning cuts it to the kept experts' rows."""
+    One NaN seen at every position: no memory of its own until it is copied (the pruning's cut to the kept experts'
+    rows, a tensor made contiguous to be written, a skeleton in another dtype)."""
 
     def __init__(self, shape: list[int]) -> None:
         self.shape = list(shape)

@@ -248,3 +248,20 @@ def test_a_pruned_checkpoint_loads_in_stock_transformers_in_a_fresh_process(mode
                 results[f"{allocation}-refused"]
             assert f'{auto_class}.from_pretrained("path/to/this/directory", trust_remote_code=True)' in card
         assert ("lm_eval --model hf-multimodal" in card) == (auto_class != "AutoModelForCausalLM")
+
+
+@pytest.mark.parametrize("model_type", [t for t in TYPES + MULTIMODAL
+                                        if t not in {*REFUSED, *MULTIMODAL_REFUSED, *NO_TINY_CONFIG}])
+def test_each_moe_type_is_recognized_on_its_skeleton_as_on_the_model(model_type, monkeypatch):
+    """Layer by layer, a fresh process recognizes the architecture on the weightless skeleton (meta weights beside
+    real buffers, which its router is probed with): the facts read off the model with weights."""
+    import ompmoe.engine.adapters as adapters
+    from ompmoe.engine.lazy_checkpoint import build_skeleton
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model(model_type)
+        monkeypatch.setattr(adapters, "RECOGNIZED", {})
+        on_skeleton = adapters.architecture_of(build_skeleton(model.config))
+        monkeypatch.setattr(adapters, "RECOGNIZED", {})
+        assert on_skeleton == adapters.architecture_of(model)

@@ -252,3 +252,42 @@ def test_load_pruned_leaves_other_quantized_checkpoints_to_its_weight_checks(tmp
         ompmoe.load_pruned(dequantized)
     assert str(refused.value).startswith(f"{dequantized / 'model.safetensors'} stores 1 tensors in a non-floating "
                                          "dtype (I32): model.layers.0.self_attn.q_proj.qweight;")
+
+
+def test_a_tied_head_stored_instead_of_its_embeddings_is_refused_with_the_fix(tmp_path):
+    """transformers ties either side of a tied head; layer by layer reads the embeddings from their own tensor."""
+    _, dequantized = _mxfp4_source(tmp_path, tie_word_embeddings=True)
+
+    def head_only(tensors: dict, config: dict) -> None:
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+
+    rewrite(dequantized, head_only)
+    with pytest.raises(ValueError) as refused:
+        collect_stats_layerwise(dequantized, BLOCKS, progress=False)
+    assert str(refused.value) == (
+        f"{dequantized} stores the tied lm_head.weight but not model.embed_tokens.weight, which layer-by-layer reads "
+        "the embeddings from. Save the checkpoint again with save_pretrained (it stores the embeddings), or "
+        "calibrate it resident.")
+
+
+def test_ompmoe_prune_of_an_mxfp4_checkpoint_pruned_to_per_layer_counts_loads_it(tmp_path):
+    """A skeleton cannot read per-layer counts: pruning ompmoe's own non-uniform MXFP4 output again loads it
+    (dequantized), as before, rather than refusing the files it would otherwise write from."""
+    from ompmoe.cli import main
+
+    mxfp4, _ = _mxfp4_source(tmp_path)
+    plan = ompmoe.plan_pruning(collect_stats_layerwise(mxfp4, BLOCKS, progress=False), 0.5, allocation="waterfill")
+    assert len({len(kept) for kept in plan.kept_by_layer().values()}) > 1
+    save_pruned_from_files(mxfp4, plan, tmp_path / "pruned")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = ompmoe.collect_stats(ompmoe.load_pruned(tmp_path / "pruned"), BLOCKS, model_id=str(tmp_path / "pruned"),
+                                     progress=False)
+    stats.save(tmp_path / "stats.safetensors")
+    main(["prune", "--stats", str(tmp_path / "stats.safetensors"), "--ratio", "0.25", "--model",
+          str(tmp_path / "pruned"), "--output_dir", str(tmp_path / "again"), "--quiet", "true"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = ompmoe.load_pruned(tmp_path / "again" / "model-0.25")
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(again)] == [
+        len(kept) for kept in ompmoe.PruningPlan.load(tmp_path / "again" / "plan-0.25.json").kept_by_layer().values()]
