@@ -115,3 +115,37 @@ def assert_stock_transformers_reads_it_pruned(source: Path, dequantized: Path, s
         logits = logits_in_a_fresh_process(written[allocation], ids, tmp_path, remote_code=allocation != "uniform")
         assert torch.equal(logits, expected), allocation
     return written
+
+
+def assert_pruned_layer_by_layer_as_resident(source: Path, dequantized: Path, blocks: list, tmp_path: Path,
+                                             tokenizer: str | None = None):
+    """The layer-by-layer statistics of ``source`` (quantized) equal the resident pass on ``dequantized`` (the
+    full-precision checkpoint it stands for), with the same plan at 0.5 (``waterfill``); both pruned checkpoints are
+    written, ``save_pruned``'s to ``tmp_path/resident`` and the files' to ``tmp_path/streamed``, whose config is
+    ``save_pruned``'s plus the source's ``quantization_config``. Returns the plan."""
+    import warnings
+
+    import ompmoe
+    from ompmoe.engine.collect.layerwise import collect_stats_layerwise
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+
+    from test_layerwise import assert_same_statistics
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ompmoe.load_pruned(dequantized)
+        resident = ompmoe.collect_stats(model, blocks, progress=False)
+        layered = collect_stats_layerwise(source, blocks, progress=False)
+        assert_same_statistics(resident, layered)  # the dequantized checkpoint's, as the resident pass gives them
+        plan = ompmoe.plan_pruning(layered, 0.5, allocation="waterfill")
+        assert plan.kept_by_layer() == ompmoe.plan_pruning(resident, 0.5, allocation="waterfill").kept_by_layer()
+        ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
+        save_pruned_from_files(source, plan, tmp_path / "streamed", tokenizer=tokenizer)
+    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    assert config.pop("quantization_config") == json.loads((source / "config.json").read_text())["quantization_config"]
+    resident = json.loads((tmp_path / "resident" / "config.json").read_text())
+    for each in (config, resident):  # the checkpoint each was read from (the resident one: the dequantized)
+        del each["ompmoe"]["plan"]["model_id"]
+        each["ompmoe"]["plan"].pop("statistics_model_id", None)
+    assert config == resident
+    return plan

@@ -6,7 +6,6 @@ right is refused before any work."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from ompmoe.engine.names import shipped_model_path
 from ompmoe.engine.tiny import tiny_model
 
 from block_fp8_reference import dequantized_checkpoint, literal_dequantize, quantize, quantized_in_release, to_block_fp8
-from test_layerwise import assert_same_statistics
 from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
+                                   assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
@@ -58,17 +57,7 @@ def test_a_block_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(model_
     fp8, dequantized = _fp8_source(model_type, tmp_path)
     stored = read_tensors(fp8)
     assert any(tensor.dtype == torch.float8_e4m3fn for tensor in stored.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = ompmoe.load_pruned(dequantized)
-        resident = ompmoe.collect_stats(model, BLOCKS, progress=False)
-        layered = collect_stats_layerwise(fp8, BLOCKS, progress=False)
-        assert_same_statistics(resident, layered)  # the dequantized checkpoint's, as the resident pass gives them
-        plan = ompmoe.plan_pruning(layered, 0.5, allocation="waterfill")
-        assert plan.kept_by_layer() == ompmoe.plan_pruning(resident, 0.5, allocation="waterfill").kept_by_layer()
-        tokenizer = str(shipped_model_path())
-        ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
-        save_pruned_from_files(fp8, plan, tmp_path / "streamed", tokenizer=tokenizer)
+    plan = assert_pruned_layer_by_layer_as_resident(fp8, dequantized, BLOCKS, tmp_path, str(shipped_model_path()))
     expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
     block = (32, 16)
     scales = {name for name in written if name.endswith("_scale_inv")}
@@ -96,13 +85,6 @@ def test_a_block_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(model_
                                                           if name.startswith(layer + "."))])
             assert torch.equal(tensor.view(torch.uint8), stored[name].view(torch.uint8)[kept]), name
             assert torch.equal(written[name + "_scale_inv"], stored[name + "_scale_inv"][kept]), name
-    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
-    assert config.pop("quantization_config") == json.loads((fp8 / "config.json").read_text())["quantization_config"]
-    resident = json.loads((tmp_path / "resident" / "config.json").read_text())
-    for each in (config, resident):  # the checkpoint each was read from (the resident one: the dequantized)
-        del each["ompmoe"]["plan"]["model_id"]
-        each["ompmoe"]["plan"].pop("statistics_model_id", None)
-    assert config == resident
 
 
 def test_stock_transformers_reads_the_pruned_fp8_checkpoint_in_a_fresh_process(tmp_path):

@@ -6,7 +6,6 @@ cannot read right is refused before any work."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -24,8 +23,8 @@ from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.tiny import tiny_model
 
 from mxfp4_reference import dequantized_checkpoint, literal_dequantize, quantize, to_mxfp4
-from test_layerwise import assert_same_statistics
 from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
+                                   assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 4000, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
@@ -66,17 +65,8 @@ def test_dequantize_is_the_code_by_code_product_and_transformers_own_bit_for_bit
 def test_an_mxfp4_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path):
     mxfp4, dequantized = _mxfp4_source(tmp_path)
     stored = read_tensors(mxfp4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = ompmoe.load_pruned(dequantized)
-        resident = ompmoe.collect_stats(model, BLOCKS, progress=False)
-        layered = collect_stats_layerwise(mxfp4, BLOCKS, progress=False)
-        assert_same_statistics(resident, layered)  # the dequantized checkpoint's, as the resident pass gives them
-        plan = ompmoe.plan_pruning(layered, 0.5, allocation="waterfill")
-        assert plan.kept_by_layer() == ompmoe.plan_pruning(resident, 0.5, allocation="waterfill").kept_by_layer()
-        assert len({len(kept) for kept in plan.kept_by_layer().values()}) > 1  # non-uniform: counts differ
-        ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident")
-        save_pruned_from_files(mxfp4, plan, tmp_path / "streamed")
+    plan = assert_pruned_layer_by_layer_as_resident(mxfp4, dequantized, BLOCKS, tmp_path)
+    assert len({len(kept) for kept in plan.kept_by_layer().values()}) > 1  # non-uniform: counts differ
     expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
     quantized = {name for name in expected if name.endswith(PROJECTIONS)}
     assert len(quantized) == 2 * len(plan.layers)
@@ -92,13 +82,6 @@ def test_an_mxfp4_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path)
                 assert torch.equal(written[name + suffix], stored[name + suffix][kept]), name + suffix
             ours = literal_dequantize(written[name + "_blocks"], written[name + "_scales"]).to(tensor.dtype)
         assert ours.dtype == tensor.dtype and torch.equal(ours, tensor), name
-    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
-    assert config.pop("quantization_config") == json.loads((mxfp4 / "config.json").read_text())["quantization_config"]
-    resident = json.loads((tmp_path / "resident" / "config.json").read_text())
-    for each in (config, resident):  # the checkpoint each was read from (the resident one: the dequantized)
-        del each["ompmoe"]["plan"]["model_id"]
-        each["ompmoe"]["plan"].pop("statistics_model_id", None)
-    assert config == resident
     row = ("| Weights dtype | MXFP4 experts (e2m1, one power-of-two scale per 32 values; the source's tensors as it "
            "stores them), the rest bfloat16 |")
     assert row in (tmp_path / "streamed" / "README.md").read_text()
