@@ -553,8 +553,8 @@ def _check_model(name: str, statistics: Any, source: Path | None) -> Any:
 
 def _stored_quantization(name: str) -> dict[str, Any] | None:
     """The ``quantization_config`` of the model ``name`` (a path, a shipped model or a hub id: its ``config.json``
-    only) if it is stored in a format ompmoe reads (block FP8, MXFP4), else ``None``; other quantizations are refused
-    here."""
+    only) if it is stored in a format ompmoe reads (block FP8, MXFP4, compressed-tensors), else ``None``; other
+    quantizations are refused here."""
     import transformers
 
     from .engine.stored_formats import stored_settings

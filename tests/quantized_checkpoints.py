@@ -1,6 +1,6 @@
-"""What the tests of quantized checkpoints (block FP8, MXFP4) share: writing a checkpoint's files beside its config,
-changing them in place, the logits stock transformers gives in a fresh process, and the refusal of a named
-compensation by both commands."""
+"""What the tests of quantized checkpoints (block FP8, MXFP4, compressed-tensors) share: writing a checkpoint's files
+beside its config, changing them in place, the logits stock transformers gives in a fresh process, and the refusal of
+a named compensation by both commands."""
 
 from __future__ import annotations
 

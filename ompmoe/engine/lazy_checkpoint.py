@@ -118,7 +118,8 @@ class LazyCheckpoint:
         self.stored_shapes: dict[str, list[int]] = {}
         """Each quantized weight's shape in the model (dequantized)."""
         for weight, parts in self.stored.items():
-            values = dequantized_slice({suffix: self.stored_parts[key] for suffix, key in parts.items()}, settings)
+            stored = {suffix: self.stored_parts[key] for suffix, key in parts.items()}
+            values = dequantized_slice(weight, stored, settings)
             self.stored_shapes[weight] = values.get_shape()
             self.slices[weight] = values if dequantized else UnreadSlice(values.get_shape())
         self.unread = bool(self.stored) and not dequantized
@@ -401,7 +402,8 @@ class LazyCheckpoint:
 
 
 _FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+                "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32,
+                "I64": torch.int64}
 """Safetensors dtypes read straight into a tensor's memory (:meth:`LazyCheckpoint._read_into`)."""
 
 

@@ -40,7 +40,7 @@ from .apply.pruning import prune
 from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
 from .quantized_files import QuantizedCheckpointError
-from .stored_formats import COMPENSATION_STORED, format_name, stored_quantization
+from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, stored_quantization
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
@@ -415,10 +415,10 @@ class PruningRun:
                 raise QuantizedModelError(
                     f"{self.owner}(layer_by_layer=True): the model was built with its config's quantization_config "
                     f"(quant_method={method!r}); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), "
-                    "which builds it to compute on the weights dequantized (block FP8, MXFP4) or refuses the "
-                    "format.")
+                    "which builds it to compute on the weights dequantized (block FP8, MXFP4, compressed-tensors) or "
+                    "refuses the format.")
             fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
-                   "weights dequantized and writes the kept ones as stored" if method in ("fp8", "mxfp4") else
+                   "weights dequantized and writes the kept ones as stored" if method in FORMATS else
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")

@@ -1,6 +1,7 @@
 """The quantized formats a checkpoint's files may store its weights in, and which ompmoe reads layer by layer: block
-FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8) and MXFP4 experts (:mod:`.mxfp4`:
-gpt-oss). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
+FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8), MXFP4 experts (:mod:`.mxfp4`:
+gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
+requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from .block_fp8 import SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales
+from .compressed_tensors_format import CompressedSlice, compressed_tensors_settings, pair_compressed, scheme_of
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
-FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an", mxfp4_settings)}
+FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an", mxfp4_settings),
+           "compressed-tensors": ("compressed-tensors", "a", compressed_tensors_settings)}
 """``quant_method`` -> (its name in messages, that name's article, the check of its settings)."""
 STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
@@ -40,7 +43,8 @@ def stored_settings(config: Any) -> dict[str, Any] | None:
         raise QuantizedCheckpointError(
             f"The checkpoint is quantized (quant_method={method!r}); ompmoe reads block-FP8 checkpoints (quant_method "
             "'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, Qwen3's -FP8 releases), MXFP4 experts "
-            "(quant_method 'mxfp4': gpt-oss) and full-precision ones. Prune the full-precision checkpoint, then "
+            "(quant_method 'mxfp4': gpt-oss), compressed-tensors ones (quant_method 'compressed-tensors': "
+            "pack-quantized integers, FP8) and full-precision ones. Prune the full-precision checkpoint, then "
             "quantize the pruned model.")
     return FORMATS[method][2]({**settings, "quant_method": method})
 
@@ -80,9 +84,13 @@ def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings:
                 source: str | os.PathLike) -> dict[str, dict[str, str]]:
     """``{weight: {suffix: file tensor}}``: each quantized weight of the files (``headers``: name -> safetensors
     dtype) and the tensors that store it, ``weight + suffix`` (block FP8: the weight itself and its scales; MXFP4:
-    its blocks and scales), every pairing checked by its format (:func:`.block_fp8.pair_scales`,
-    :func:`.mxfp4.pair_blocks`)."""
+    its blocks and scales; compressed-tensors: its packed values, scales and shape, or FP8 weight and scales), every
+    pairing checked by its format (:func:`.block_fp8.pair_scales`, :func:`.mxfp4.pair_blocks`,
+    :func:`.compressed_tensors_format.pair_compressed`)."""
     method = settings["quant_method"] if settings is not None else None
+    compressed = pair_compressed(headers, shapes, settings if method == "compressed-tensors" else None, source)
+    if method == "compressed-tensors":  # its FP8 weights are its own (scaled per row, tensor or block)
+        return compressed
     fp8 = pair_scales(headers, shapes, settings if method == "fp8" else None, source)
     mxfp4 = pair_blocks(headers, shapes, settings if method == "mxfp4" else None, source)
     return {**{weight: {"": weight, SCALE_SUFFIX: scale} for weight, scale in fp8.items()},
@@ -90,9 +98,11 @@ def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings:
                for weight in mxfp4}}
 
 
-def dequantized_slice(parts: dict[str, Any], settings: dict[str, Any]) -> ComputedSlice:
-    """The weight whose stored tensors are ``parts`` (``{suffix: safetensors slice}``, :func:`pair_stored`'s) read as
-    its dequantized values, in the model's layout."""
+def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, Any]) -> ComputedSlice:
+    """``weight``, whose stored tensors are ``parts`` (``{suffix: safetensors slice}``, :func:`pair_stored`'s), read
+    as its dequantized values, in the model's layout."""
+    if settings["quant_method"] == "compressed-tensors":
+        return CompressedSlice(parts, scheme_of(weight[:-len(".weight")], settings))
     if settings["quant_method"] == "fp8":
         return DequantizedSlice(parts[""], parts[SCALE_SUFFIX], block_size(settings))
     return Mxfp4Slice(parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX])

@@ -322,7 +322,7 @@ def test_held_out_perplexity_layer_by_layer_is_the_dequantized_models(tmp_path):
 @pytest.mark.parametrize(("layer_by_layer", "message"), [
     (True, "ExpertPruning(layer_by_layer=True): the model was built with its config's quantization_config "
            "(quant_method='fp8'); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), which builds it "
-           "to compute on the weights dequantized (block FP8, MXFP4) or refuses the format."),
+           "to compute on the weights dequantized (block FP8, MXFP4, compressed-tensors) or refuses the format."),
     (False, "ExpertPruning: the model was loaded quantized (quant_method='fp8'); pruning computes on full-precision "
             "weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
             "weights dequantized and writes the kept ones as stored."),

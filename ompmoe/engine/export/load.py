@@ -18,6 +18,7 @@ from torch import nn
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
 from ..block_fp8 import SCALE_SUFFIX, block_size
+from ..compressed_tensors_format import stored_names as compressed_stored_names
 from ..mxfp4 import stored_names as mxfp4_stored_names
 from ..quantized_files import QuantizedCheckpointError
 from ..stored_formats import stored_settings
@@ -137,7 +138,7 @@ def check_checkpoint_files(path: str | os.PathLike, config: Any) -> None:
 def _integer_tensors(model_class: type, config: Any) -> set[str]:
     """Names (as ``save_pretrained`` writes them) of the tensors a model of ``model_class`` holds as integers (a
     token-to-expert table), read off a skeleton without weights; for an MXFP4 checkpoint, its experts' blocks and
-    scales too (the quantizer loads them)."""
+    scales too, for a compressed-tensors one its packed weights and their shapes (the quantizers load them)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"), warnings.catch_warnings():
@@ -145,7 +146,8 @@ def _integer_tensors(model_class: type, config: Any) -> set[str]:
         skeleton = model_class._from_config(config)
     saved = revert_weight_conversion(skeleton, skeleton.state_dict())
     integral = {name for name, tensor in saved.items() if not tensor.is_floating_point()}
-    return integral | (mxfp4_stored_names(list(saved)) if quant_method(config) == "mxfp4" else set())
+    stored = {"mxfp4": mxfp4_stored_names, "compressed-tensors": compressed_stored_names}.get(quant_method(config))
+    return integral | (stored(list(saved)) if stored is not None else set())
 
 
 @quiet_calls()  # no transformers bars or torchao import lines from ompmoe's own load; nothing changed after it

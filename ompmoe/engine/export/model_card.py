@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ..compressed_tensors_format import describe
 from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
 from ..record import ADAPTIVE_KEY, EARLIER_KEY, within_tolerance
@@ -209,6 +210,9 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
     if method == "mxfp4":
         return (f"MXFP4 experts (e2m1, one power-of-two scale per 32 values; the source's tensors as it stores them), "
                 f"the rest {dtype or 'not recorded'}")
+    if method == "compressed-tensors":
+        return (f"compressed-tensors ({describe(quantization)}; the source's tensors as it stores them), the rest "
+                f"{dtype or 'not recorded'}")
     return dtype or "not recorded"
 
 

@@ -1,0 +1,283 @@
+"""Checkpoints in compressed-tensors' format (``quant_method`` ``compressed-tensors``, what llm-compressor writes:
+Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic requants). Two of its formats are read:
+
+- ``pack-quantized``: a weight ``<m>.weight`` is ``<m>.weight_packed`` (``int32``, ``num_bits``-bit integers packed
+  densely along each row, offset by ``2 ** (num_bits - 1)``) beside ``<m>.weight_scale`` (one multiplier per group
+  of ``group_size`` inputs, per row, or for the tensor) and ``<m>.weight_shape`` (its ``[rows, cols]``);
+- ``float-quantized``: ``<m>.weight`` in FP8 (E4M3) beside ``<m>.weight_scale`` (per row, per tensor or per block).
+
+Layer-by-layer runs compute on the weights as compressed-tensors dequantizes them (``value * scale`` in the scale's
+dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
+stored. Which scheme a weight has is its module's config group (``targets``: ``re:`` patterns first, then class
+names, as transformers resolves experts), checked against the stored shapes. What would be read wrong (zero points,
+activation-ordered groups, static activation scales, sparsity, transforms, a KV-cache scheme) is refused by name."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+
+from .quantized_files import ComputedSlice, QuantizedCheckpointError
+
+PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"
+"""A weight ``<m>.weight`` is stored as ``<m>.weight_packed`` (or ``<m>.weight`` itself, FP8), ``<m>.weight_scale``
+and (packed) ``<m>.weight_shape``."""
+REFUSED_SUFFIXES = {"_zero_point": "asymmetric zero points", "_g_idx": "activation-ordered groups (g_idx)",
+                    "_global_scale": "a global scale (NVFP4)"}
+"""Tensors beside a weight that ompmoe does not apply, so a weight that has one is refused (what each means)."""
+FORMATS = {"int": "pack-quantized", "float": "float-quantized"}
+"""The compressed-tensors format ompmoe reads for each weight type."""
+FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+"""The scales' safetensors dtypes (the dequantized values take theirs)."""
+ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+"""Static activation (or KV-cache) scales: calibrated on the unpruned model's activations, so refused."""
+FIX = "Prune the full-precision checkpoint, then quantize the pruned model (llm-compressor's oneshot)."
+
+
+def compressed_tensors_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (a ``quantization_config`` with ``quant_method`` ``compressed-tensors``) checked: compressed
+    weights in a format ompmoe reads, symmetric, without activation scales calibrated for the unpruned model; any
+    other variant is refused here, before anything is read."""
+    status = settings.get("quantization_status", "compressed")
+    wrong = []
+    if status != "compressed":
+        wrong.append(f"quantization_status={status!r} (its files do not store the compressed weights)")
+    for key, what in (("sparsity_config", "a sparsity_config"), ("transform_config", "a transform_config (rotations)"),
+                      ("kv_cache_scheme", "a kv_cache_scheme (KV-cache scales calibrated for the unpruned model)")):
+        if settings.get(key):
+            wrong.append(what)
+    groups = settings.get("config_groups") or {}
+    if not groups:
+        wrong.append("no config_groups")
+    for name, group in groups.items():
+        wrong.extend(f"config_groups.{name}: {problem}" for problem in _group_problems(group, settings.get("format")))
+    if wrong:
+        raise QuantizedCheckpointError(
+            f"The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {'; '.join(wrong)}. "
+            "ompmoe reads symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized "
+            f"FP8 weights, with dynamic or no activation quantization. {FIX}")
+    return dict(settings)
+
+
+def _group_problems(group: dict[str, Any], default_format: str | None) -> list[str]:
+    """What in one config group ompmoe would read wrong (empty: nothing)."""
+    weights = group.get("weights")
+    if not weights:
+        return ["no weights scheme (activations only)"]
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    problems = []
+    form = group.get("format") or default_format
+    if kind not in FORMATS or form != FORMATS[kind]:
+        problems.append(f"{kind} weights in format {form!r} (ompmoe reads int pack-quantized, float float-quantized)")
+    elif kind == "int" and not (isinstance(bits, int) and 1 <= bits <= 8):
+        problems.append(f"{bits}-bit integers (pack-quantized stores 1 to 8)")
+    elif kind == "float" and bits != 8:
+        problems.append(f"{bits}-bit floats (ompmoe reads FP8)")
+    allowed = ("group", "channel", "tensor") if kind == "int" else ("channel", "tensor", "block")
+    if strategy not in allowed:
+        problems.append(f"strategy {strategy!r}")
+    if not weights.get("symmetric", True):
+        problems.append("asymmetric weights (zero points)")
+    if weights.get("actorder") in ("group", "dynamic"):
+        problems.append(f"actorder {weights.get('actorder')!r} (activation-ordered groups)")
+    if weights.get("dynamic") not in (False, None):
+        problems.append("dynamic weight scales")
+    for side in ("input_activations", "output_activations"):
+        activations = group.get(side)
+        if activations and (side == "output_activations" or activations.get("dynamic") not in (True, "local")):
+            problems.append(f"static {side} (scales calibrated for the unpruned model)")
+    return problems
+
+
+def scheme_of(module: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``weights`` scheme of the config group that quantizes ``module`` (a module name as the files name it):
+    the first group one of whose ``re:`` targets matches it, else the first with a class-name target (``Linear``:
+    every stored quantized weight is a linear's), as transformers resolves a checkpoint's experts."""
+    groups = list((settings.get("config_groups") or {}).values())
+    for group in groups:
+        if any(target.startswith("re:") and re.match(target[3:], module) for target in group.get("targets", [])):
+            return group["weights"]
+    for group in groups:
+        if any(not target.startswith("re:") for target in group.get("targets", [])):
+            return group["weights"]
+    raise QuantizedCheckpointError(f"{module} is stored quantized but no config_groups target of the checkpoint's "
+                                   "quantization_config names it; the files and config.json disagree.")
+
+
+def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """The signed integers (``int8``, ``[rows, cols]``) packed densely in ``packed`` (``int32`` ``[rows, words]``):
+    value ``i`` of a row in bits ``i * bits ..`` of the row's little-endian bit stream, stored offset by
+    ``2 ** (bits - 1)`` (compressed-tensors' ``pack_to_int32``). The offset is taken off in wrapping ``int8``
+    arithmetic, exact since every value fits."""
+    rows = packed.shape[0]
+    data = packed.contiguous()
+    if sys.byteorder == "big":  # the stream is little-endian within each word
+        data = data.view(torch.uint8).view(rows, -1, 4).flip(-1).reshape(rows, -1)
+    octets = data.view(torch.uint8).reshape(rows, -1)
+    if bits == 8:
+        values = octets
+    elif 8 % bits == 0:  # whole values per byte (1, 2, 4 bits): each byte's, lowest bits first
+        mask = (1 << bits) - 1
+        values = torch.stack([(octets >> shift) & mask for shift in range(0, 8, bits)], dim=-1).reshape(rows, -1)
+    else:  # values straddle bytes: read the bit stream
+        stream = ((octets[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(rows, -1).to(torch.int32)
+        weights = 1 << torch.arange(bits, dtype=torch.int32)
+        values = (stream[:, :cols * bits].reshape(rows, cols, bits) * weights).sum(-1, dtype=torch.int32)
+        values = values.to(torch.uint8)
+    return values[:, :cols].view(torch.int8) - (1 << (bits - 1))
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, scheme: dict[str, Any]) -> torch.Tensor:
+    """``values`` (integers or FP8, ``[rows, cols]``) times their multipliers in ``scale`` by ``scheme``'s strategy,
+    computed in the scale's dtype, as compressed-tensors' ``dequantize`` does (its value, bit for bit)."""
+    rows, cols = values.shape
+    product = values.to(scale.dtype)
+    strategy = scheme["strategy"]
+    if strategy == "group":
+        size = int(scheme["group_size"])
+        return (product.reshape(rows, cols // size, size) * scale.reshape(rows, -1, 1)).reshape(rows, cols)
+    if strategy == "block":
+        height, width = scheme["block_structure"]
+        grid = scale.repeat_interleave(height, dim=0)[:rows].repeat_interleave(width, dim=1)[:, :cols]
+        return product * grid
+    return product * scale.reshape(rows, 1) if strategy == "channel" else product * scale.reshape(())
+
+
+class CompressedSlice(ComputedSlice):
+    """A compressed-tensors weight of the files read as its dequantized values (the scale's dtype), in the model's
+    layout (the files' ``[rows, cols]``)."""
+
+    def __init__(self, parts: dict[str, Any], scheme: dict[str, Any]) -> None:
+        self.parts, self.scheme = parts, scheme
+        self._shape: list[int] | None = None
+
+    def get_shape(self) -> list[int]:
+        if self._shape is None:
+            self._shape = ([int(size) for size in self.parts[SHAPE][:].tolist()] if PACKED in self.parts
+                           else list(self.parts[""].get_shape()))
+        return self._shape
+
+    def get_dtype(self) -> str:
+        return self.parts[SCALE].get_dtype()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if PACKED in self.parts:
+            values = unpack(self.parts[PACKED][:], int(self.scheme["num_bits"]), self.get_shape()[1])
+        else:
+            values = self.parts[""][:]
+        return dequantize(values, self.parts[SCALE][:], self.scheme)[index]
+
+
+def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
+                    source: str | os.PathLike) -> dict[str, dict[str, str]]:
+    """``{weight: {suffix: file tensor}}`` for the compressed-tensors weights of the files (``headers``: name ->
+    safetensors dtype), each checked against its config group's scheme: packed weights without a
+    ``quantization_config`` saying so, a missing or misshapen scale or shape, or a tensor ompmoe would not apply
+    (zero points, g_idx, global or input scales) are refused by name."""
+    packed = sorted(name[:-len(PACKED)] for name, dtype in headers.items() if name.endswith(".weight" + PACKED))
+    if settings is None:
+        if packed:
+            raise QuantizedCheckpointError(
+                f"{source} stores {len(packed)} packed integer weights ({packed[0]}{PACKED}, ...) but its config.json "
+                "has no quantization_config with quant_method 'compressed-tensors'; they would not be read as "
+                "weights. Add the quantization_config the checkpoint was released with.")
+        return {}
+    fp8 = sorted(name for name, dtype in headers.items() if dtype.startswith("F8_") and name.endswith(".weight"))
+    if not packed and not fp8:
+        raise QuantizedCheckpointError(
+            f"{source}'s config.json says its weights are compressed-tensors (quantization_config), but its files "
+            "hold no <name>.weight_packed or FP8 <name>.weight; remove the quantization_config from config.json if "
+            "the weights are full precision.")
+    pairs, wrong = {}, []
+    for weight in [*packed, *fp8]:
+        module = weight[:-len(".weight")]
+        scheme = scheme_of(module, settings)
+        problem = _stored_problem(weight, headers, shapes, scheme, weight in packed)
+        if problem:
+            wrong.append(problem)
+            continue
+        pairs[weight] = ({PACKED: weight + PACKED, SCALE: weight + SCALE, SHAPE: weight + SHAPE} if weight in packed
+                         else {"": weight, SCALE: weight + SCALE})
+    activations = sorted(name for name in headers if name.endswith(ACTIVATION_SCALES))
+    wrong.extend(f"{name} (an activation scale calibrated for the unpruned model)" for name in activations[:1])
+    if wrong:
+        raise QuantizedCheckpointError(f"{source} stores compressed-tensors weights ompmoe cannot read: "
+                                       f"{'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}. {FIX}")
+    return pairs
+
+
+def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list[int]], scheme: dict[str, Any],
+                    packed: bool) -> str | None:
+    """What is wrong with how the files store ``weight`` for ``scheme`` (``None``: nothing)."""
+    for suffix, what in REFUSED_SUFFIXES.items():
+        if weight + suffix in headers:
+            return f"{weight}{suffix} ({what})"
+    if (scheme.get("type") == "int") != packed:
+        stored = "packed integers" if packed else f"FP8 ({headers[weight]})"
+        return f"{weight} is stored as {stored} but its config group quantizes {scheme.get('type')} weights"
+    scale = weight + SCALE
+    if scale not in headers:
+        return f"{weight} has no {scale}"
+    if headers[scale] not in FILE_DTYPES:
+        return f"{scale} is {headers[scale]}, not floating-point multipliers"
+    if packed:
+        stored = weight + PACKED
+        if weight + SHAPE not in headers:
+            return f"{weight} has no {weight + SHAPE}"
+        if headers[stored] != "I32" or len(shapes[stored]) != 2 or list(shapes[weight + SHAPE]) != [2]:
+            return f"{stored} is {headers[stored]} {shapes[stored]}, not 2-D int32 words beside a [2] weight_shape"
+        rows, words = shapes[stored]
+        cols = None
+    else:
+        if headers[weight] != "F8_E4M3" or len(shapes[weight]) != 2:
+            return f"{weight} is {headers[weight]} {shapes[weight]}, not a 2-D FP8 (E4M3) weight"
+        rows, cols = shapes[weight]
+    strategy, grid = scheme["strategy"], list(shapes[scale])
+    if strategy == "group":
+        size, bits = int(scheme["group_size"]), int(scheme["num_bits"])
+        expected = [rows, grid[-1] if len(grid) == 2 else -1]
+        if grid != expected or math.ceil(grid[1] * size * bits / 32) != words:
+            return (f"{scale} {grid} does not cover {weight + PACKED} {shapes[weight + PACKED]} in groups of {size} "
+                    f"{bits}-bit values")
+    elif strategy == "channel":
+        if grid != [rows, 1]:
+            return f"{scale} {grid} is not one multiplier per row of {weight} ([{rows}, 1])"
+    elif strategy == "tensor":
+        if math.prod(grid) != 1:
+            return f"{scale} {grid} is not one multiplier for {weight}"
+    else:
+        height, width = scheme["block_structure"]
+        expected = [math.ceil(rows / height), math.ceil(cols / width)]
+        if grid != expected:
+            return f"{scale} {grid} does not cover {weight} {shapes[weight]} in {height}x{width} blocks ({expected})"
+    return None
+
+
+def stored_names(saved: list[str]) -> set[str]:
+    """The integer tensor names a compressed-tensors checkpoint may store for the model tensors ``saved`` (as
+    ``save_pretrained`` names them): each weight's packed values, shape, zero points and group indices."""
+    return {name + suffix for name in saved if name.endswith(".weight")
+            for suffix in (PACKED, SHAPE, "_zero_point", "_g_idx")}
+
+
+def describe(settings: dict[str, Any]) -> str:
+    """The schemes of ``settings``' config groups as the model card names them (``int4 per group of 32``)."""
+    described = []
+    for group in (settings.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        kind = f"int{weights.get('num_bits')}" if weights.get("type") == "int" else "fp8 e4m3"
+        strategy = weights.get("strategy")
+        how = {"group": f"per group of {weights.get('group_size')}", "channel": "per channel",
+               "tensor": "per tensor"}.get(strategy, "per {}x{} block".format(*(weights.get("block_structure")
+                                                                               or ("?", "?"))))
+        described.append(f"{kind} {how}")
+    return "; ".join(dict.fromkeys(described))
+
+
+__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "pair_compressed",
+           "scheme_of", "stored_names", "unpack"]

@@ -1,0 +1,263 @@
+"""compressed-tensors checkpoints (Kimi K2 Thinking's INT4 experts, llm-compressor's FP8-dynamic requants) pruned
+layer by layer: ompmoe's reading equals compressed-tensors' own bit for bit, the statistics are those of the
+checkpoint dequantized, the written checkpoint keeps the kept experts' tensors as stored, and stock transformers
+(with compressed-tensors) reads it in a fresh process as the pruned dequantized model. What ompmoe cannot read
+right is refused before any work."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ompmoe
+from ompmoe.engine.collect.layerwise import collect_stats_layerwise
+from ompmoe.engine.compressed_tensors_format import dequantize, unpack
+from ompmoe.engine.names import shipped_model_path
+from ompmoe.engine.quantized_files import QuantizedCheckpointError
+from ompmoe.engine.tiny import tiny_model
+
+from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, MIXED, decompress, dequantized_checkpoint,
+                                          quantized_names, scheme_for, to_compressed)
+from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
+                                   assert_pruned_layer_by_layer_as_resident,
+                                   assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
+
+BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+SOURCES = {"int4_experts": ("deepseek_v3", INT4_EXPERTS, {"n_routed_experts": 32}),
+           "fp8_dynamic": ("qwen3_moe", FP8_DYNAMIC, {}), "mixed": ("deepseek_v3", MIXED, {"n_routed_experts": 32})}
+"""Kimi K2 Thinking's format on its architecture (DeepSeek-V3's; 32 experts, so that its plan's counts differ by
+layer), llm-compressor's FP8_DYNAMIC on Qwen3-MoE, and two schemes in one checkpoint (INT4 experts, FP8 attention)."""
+
+
+def _source(kind: str, tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny checkpoint stored as ``SOURCES[kind]`` says (the shipped tokenizer beside it), and the full-precision
+    checkpoint it stands for."""
+    model_type, settings, overrides = SOURCES[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny_model(model_type, dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
+                   num_hidden_layers=4, vocab_size=4096, **overrides).save_pretrained(tmp_path / "original")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(shipped_model_path() / name, tmp_path / "original" / name)
+    compressed = to_compressed(tmp_path / "original", tmp_path / kind, settings)
+    return compressed, dequantized_checkpoint(compressed, tmp_path / "dequantized", tmp_path / "original")
+
+
+def _int_scheme(bits: int, strategy: str, group_size: int | None = None) -> dict:
+    return {"type": "int", "num_bits": bits, "strategy": strategy, "group_size": group_size, "symmetric": True}
+
+
+@pytest.mark.parametrize(("bits", "strategy", "cols"), [(4, "group", 96), (8, "group", 64), (2, "channel", 70),
+                                                       (3, "channel", 45), (4, "tensor", 37), (7, "group", 64)])
+def test_unpack_and_dequantize_equal_compressed_tensors_own_reading_bit_for_bit(bits, strategy, cols):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    generator = torch.Generator().manual_seed(bits)
+    integers = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (6, cols), generator=generator, dtype=torch.int8)
+    packed = pack_to_int32(integers, bits)
+    assert torch.equal(unpack(packed, bits, cols), integers)
+    assert torch.equal(unpack_from_int32(packed, bits, torch.Size([6, cols])), integers)  # the same reading
+    groups = {"group": cols // 32, "channel": 1, "tensor": None}[strategy]
+    scale = (torch.rand(6, groups, generator=generator) if groups else torch.rand(1, generator=generator))
+    scale = (scale + 0.01).to(torch.bfloat16)
+    scheme = _int_scheme(bits, strategy, 32 if strategy == "group" else None)
+    parts = {"_packed": packed, "_scale": scale, "_shape": torch.tensor([6, cols])}
+    ours = dequantize(unpack(packed, bits, cols), scale, scheme)
+    theirs = decompress(parts, scheme, "pack-quantized")
+    assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+def test_fp8_weights_dequantize_as_compressed_tensors_reads_them(strategy):
+    torch.manual_seed(0)
+    weight = torch.randn(70, 45)
+    shape = {"channel": (70, 1), "tensor": (1,), "block": (3, 3)}[strategy]  # blocks of 32 x 16: the last partial
+    scale = torch.rand(shape) + 0.01
+    values = (weight / 0.05).to(torch.float8_e4m3fn)
+    scheme = {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True,
+              "block_structure": [32, 16] if strategy == "block" else None}
+    ours = dequantize(values, scale, scheme)
+    theirs = decompress({"": values, "_scale": scale}, scheme, "float-quantized")
+    assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_a_compressed_tensors_checkpoint_prunes_layer_by_layer_into_its_own_format(kind, tmp_path):
+    source, dequantized = _source(kind, tmp_path)
+    stored = read_tensors(source)
+    plan = assert_pruned_layer_by_layer_as_resident(source, dequantized, BLOCKS, tmp_path, str(shipped_model_path()))
+    assert len({len(kept) for kept in plan.kept_by_layer().values()}) > 1  # non-uniform: counts differ
+    expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
+    settings = SOURCES[kind][1]
+    schemes = {name: scheme_for(name, tensor, settings) for name, tensor in expected.items()}
+    suffixes = {name: ("_packed", "_scale", "_shape") if scheme[0]["type"] == "int" else ("", "_scale")
+                for name, scheme in schemes.items() if scheme is not None}
+    quantized = set(quantized_names(expected, settings))
+    assert quantized == suffixes.keys() and any(".experts." in name for name in quantized)
+    assert (kind == "int4_experts") == all(".experts." in name for name in quantized)
+    assert written.keys() == (expected.keys() - quantized) | {name + suffix for name in quantized
+                                                              for suffix in suffixes[name]}
+    kept = plan.kept_by_layer()
+    for name, tensor in expected.items():  # what the written checkpoint reads back is save_pruned's, bit for bit
+        ours = written[name] if name not in quantized else decompress(
+            {suffix: written[name + suffix] for suffix in suffixes[name]}, *schemes[name]).to(tensor.dtype)
+        assert ours.dtype == tensor.dtype and torch.equal(ours, tensor), name
+        if name in quantized:  # as the source stores it: a kept expert's tensors are its source expert's
+            layer, _, rest = name.partition(".experts.")
+            number, _, projection = rest.partition(".")
+            origin = f"{layer}.experts.{kept[layer][int(number)]}.{projection}" if ".experts." in name else name
+            for suffix in suffixes[name]:
+                ours, theirs = written[name + suffix], stored[origin + suffix]
+                assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), name + suffix
+    described = {"int4_experts": "int4 per group of 32", "fp8_dynamic": "fp8 e4m3 per channel",
+                 "mixed": "fp8 e4m3 per channel; int4 per group of 32"}[kind]
+    row = (f"| Weights dtype | compressed-tensors ({described}; the source's tensors as it stores them), the rest "
+           "bfloat16 |")
+    assert row in (tmp_path / "streamed" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["int4_experts", "mixed"])
+def test_stock_transformers_reads_the_pruned_int4_checkpoint_in_a_fresh_process(kind, tmp_path):
+    """Pruned uniformly and non-uniformly: stock ``from_pretrained`` (uniform) and with the remote code
+    (non-uniform), with compressed-tensors installed, in a process that never imported ompmoe, read it to the logits
+    of the pruned dequantized model (FP8 attention too, when the checkpoint mixes schemes)."""
+    source, dequantized = _source(kind, tmp_path)
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(1))
+    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
+    written = assert_stock_transformers_reads_it_pruned(source, dequantized, stats, ids, tmp_path)
+    assert all(any(name.endswith(".weight_packed") for name in read_tensors(path)) for path in written.values())
+
+
+def test_stock_transformers_runs_the_pruned_fp8_dynamic_checkpoint_as_the_source_cut_by_hand(tmp_path):
+    """FP8_DYNAMIC also quantizes each linear's input to FP8 as it runs (what its format asks; ompmoe's statistics
+    are the dequantized weights' on full-precision activations), so the reference here is the source as stock
+    transformers runs it, each MoE block's router rows and experts cut to the kept ones by hand; the pruned
+    checkpoint, read by stock transformers in a fresh process (the remote code for per-layer counts), gives its
+    logits exactly."""
+    import transformers
+    from torch import nn
+
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+
+    from quantized_checkpoints import logits_in_a_fresh_process
+
+    source, _ = _source("fp8_dynamic", tmp_path)
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(1))
+    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
+    for allocation in ("uniform", "waterfill"):
+        plan = ompmoe.plan_pruning(stats, 0.5, allocation=allocation)
+        written = save_pruned_from_files(source, plan, tmp_path / allocation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_pretrained(source)
+        for name, kept in plan.kept_by_layer().items():
+            block, rows = model.get_submodule(name), torch.tensor(kept)
+            block.gate.weight = nn.Parameter(block.gate.weight[rows])
+            block.experts.gate_up_proj = nn.Parameter(block.experts.gate_up_proj[rows])
+            block.experts.down_proj = nn.Parameter(block.experts.down_proj[rows])
+            block.gate.num_experts = block.experts.num_experts = len(kept)
+        with torch.no_grad():
+            expected = model(ids).logits
+        logits = logits_in_a_fresh_process(written, ids, tmp_path, remote_code=allocation != "uniform")
+        assert torch.equal(logits, expected), allocation
+        assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(written).values())
+
+
+def test_load_pruned_reads_a_compressed_tensors_release_as_transformers_does(tmp_path):
+    """The resident front doors load through ``ompmoe.load_pruned``: the release's packed int32 values and shapes are
+    the format's, not wrong weights, and transformers (with compressed-tensors) decompresses the experts to the
+    values compressed-tensors reads."""
+    source, dequantized = _source("int4_experts", tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours, theirs = ompmoe.load_pruned(source).state_dict(), ompmoe.load_pruned(dequantized).state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_path, caplog, capsys):
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
+    source, _ = _source("int4_experts", tmp_path)
+    with pytest.raises(SystemExit):  # resident: what transformers loads is quantized; refused with the fix
+        main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--model.model",
+              str(source)])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: ExpertPruning: the model was loaded quantized (quant_method='compressed-tensors'); pruning computes on "
+        "full-precision weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized "
+        "checkpoint's weights dequantized and writes the kept ones as stored.")
+    assert not (tmp_path / "run" / "model").exists()
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--model.model", str(source)])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    assert ("ompmoe: the checkpoint stores compressed-tensors weights, written as stored: auto fits no compensation "
+            "(its refit would change them)") in lines
+    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    written = read_tensors(tmp_path / "run" / "model")
+    experts = sum(layer.num_kept for layer in plan.layers)
+    assert sum(name.endswith(".weight_packed") for name in written) == 3 * experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ompmoe.load_pruned(tmp_path / "run" / "model", trust_remote_code=True)
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
+    assert_both_commands_refuse_a_named_compensation(source, tmp_path / "run" / "stats.safetensors", tmp_path,
+                                                     capsys, "compressed-tensors")
+
+
+EXPERT = "model.layers.1.mlp.experts.0.down_proj.weight"
+GATE = "model.layers.1.mlp.experts.0.gate_proj.weight"  # [32, 64]: two groups of 32 per row
+GROUP = "config_groups.group_0: "
+SETTINGS = ("The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {}. ompmoe reads "
+            "symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized FP8 weights, "
+            "with dynamic or no activation quantization. Prune the full-precision checkpoint, then quantize the "
+            "pruned model (llm-compressor's oneshot).")
+FILES = ("{{source}} stores compressed-tensors weights ompmoe cannot read: {}. Prune the full-precision checkpoint, "
+         "then quantize the pruned model (llm-compressor's oneshot).")
+
+
+def _weights(config: dict) -> dict:
+    return config["quantization_config"]["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda tensors, config: _weights(config).update(symmetric=False),
+     SETTINGS.format(GROUP + "asymmetric weights (zero points)")),
+    (lambda tensors, config: _weights(config).update(actorder="group"),
+     SETTINGS.format(GROUP + "actorder 'group' (activation-ordered groups)")),
+    (lambda tensors, config: config["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations={"dynamic": False, "num_bits": 8, "type": "float", "strategy": "tensor"}),
+     SETTINGS.format(GROUP + "static input_activations (scales calibrated for the unpruned model)")),
+    (lambda tensors, config: config["quantization_config"].update(format="nvfp4-pack-quantized"),
+     SETTINGS.format(GROUP + "int weights in format 'nvfp4-pack-quantized' (ompmoe reads int pack-quantized, float "
+                     "float-quantized)")),
+    (lambda tensors, config: config["quantization_config"].update(
+        kv_cache_scheme={"num_bits": 8, "type": "float"}, quantization_status="frozen"),
+     SETTINGS.format("quantization_status='frozen' (its files do not store the compressed weights); a "
+                     "kv_cache_scheme (KV-cache scales calibrated for the unpruned model)")),
+    (lambda tensors, config: config.pop("quantization_config"),
+     "{source} stores 288 packed integer weights (model.layers.1.mlp.experts.0.down_proj.weight_packed, ...) but its "
+     "config.json has no quantization_config with quant_method 'compressed-tensors'; they would not be read as "
+     "weights. Add the quantization_config the checkpoint was released with."),
+    (lambda tensors, config: tensors.pop(EXPERT + "_scale"),
+     FILES.format(f"{EXPERT} has no {EXPERT}_scale")),
+    (lambda tensors, config: tensors.update({EXPERT + "_zero_point": torch.zeros(64, 1, dtype=torch.int32)}),
+     FILES.format(f"{EXPERT}_zero_point (asymmetric zero points)")),
+    (lambda tensors, config: tensors.update({GATE + "_scale": tensors[GATE + "_scale"][:, :1].contiguous()}),
+     FILES.format(f"{GATE}_scale [32, 1] does not cover {GATE}_packed [32, 8] in groups of 32 4-bit values")),
+    (lambda tensors, config: tensors.update({EXPERT[:-len("weight")] + "input_scale": torch.ones(1)}),
+     FILES.format(f"{EXPERT[:-len('weight')]}input_scale (an activation scale calibrated for the unpruned model)")),
+], ids=["asymmetric", "actorder", "static_activations", "nvfp4", "frozen_kv_cache", "no_config", "no_scale",
+        "zero_point", "short_scale", "input_scale"])
+def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(change, message, tmp_path):
+    source, _ = _source("int4_experts", tmp_path)
+    rewrite(source, change)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(source, BLOCKS, progress=False)
+    assert str(refused.value) == message.format(source=source)
