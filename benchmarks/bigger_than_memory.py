@@ -1,6 +1,7 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
-    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down] [--fp8 | --mxfp4]
+    python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down]
+        [--fp8 | --mxfp4 | --int4 [--experts E]]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
@@ -20,7 +21,13 @@ through transformers' own FP8 dequantization. With ``--mxfp4`` the checkpoint (`
 gpt-oss-120b's shape and format instead (128 experts of 2880 x 2880, top-4; each experts projection's blocks and
 scales in MXFP4, random codes; attention, routers and biases bf16): each layer's experts are dequantized as read,
 the pruned checkpoint keeps the kept experts' blocks and scales, and the resident check loads the 2-layer slice
-through transformers' own MXFP4 dequantization.
+through transformers' own MXFP4 dequantization. With ``--int4`` the checkpoint (``DIR/source-int4-E``) has Kimi K2
+Thinking's shape and format (DeepSeek-V3's model with ``E`` routed experts of 7168 x 2048, 384 by default as Kimi's,
+top-8, one shared expert, every layer MoE; the routed experts in compressed-tensors' pack-quantized INT4, one bf16
+scale per 32 inputs, random codes; attention, shared experts and routers bf16; its ``config.json`` as Kimi ships it,
+``model_type`` ``kimi_k2`` with an ``auto_map`` to remote code that is not there): each expert is dequantized as read,
+the pruned checkpoint keeps the kept experts' packed values, scales and shapes, and the resident check loads the
+2-layer slice through transformers' own compressed-tensors decompression (the compressed-tensors package needed).
 """
 
 from __future__ import annotations
@@ -83,6 +90,83 @@ def gpt_oss_120b_config(layers: int):
         architectures=["GptOssForCausalLM"],
         quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                         "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"})
+
+
+KIMI_HIDDEN, KIMI_INTERMEDIATE, KIMI_EXPERTS, KIMI_TOP_K, KIMI_HEADS, KIMI_VOCAB = 7168, 2048, 384, 8, 64, 163840
+"""Kimi K2 Thinking's shape (DeepSeek-V3's model; its routed experts in INT4 per group of 32)."""
+INT4_GROUP = 32
+KIMI_QUANTIZATION = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": INT4_GROUP,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                    "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*mlp\\.gate$"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+"""Kimi K2 Thinking's ``quantization_config``."""
+
+
+def kimi_k2_config(layers: int, experts: int):
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        vocab_size=KIMI_VOCAB, hidden_size=KIMI_HIDDEN, intermediate_size=18432, moe_intermediate_size=KIMI_INTERMEDIATE,
+        num_hidden_layers=layers, num_attention_heads=KIMI_HEADS, num_key_value_heads=KIMI_HEADS, n_shared_experts=1,
+        n_routed_experts=experts, routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+        num_experts_per_tok=KIMI_TOP_K, first_k_dense_replace=0, norm_topk_prob=True, max_position_embeddings=262144,
+        rope_theta=50000.0, tie_word_embeddings=False, dtype="bfloat16", architectures=["DeepseekV3ForCausalLM"])
+
+
+def build_int4_source(directory: Path, layers: int, experts: int) -> float:
+    """A Kimi-K2-Thinking-shaped checkpoint as its release stores it (module docstring), one shard per layer; the
+    tensors' names and shapes are those ``save_pretrained`` writes for the model (read off a meta skeleton);
+    skipped when a complete one is there."""
+    if (size := built_size(directory, layers)) is not None:
+        return size
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        skeleton = transformers.DeepseekV3ForCausalLM(kimi_k2_config(1, experts))
+    saved = {name: list(tensor.shape) for name, tensor in revert_weight_conversion(skeleton, skeleton.state_dict()).items()}
+    generator, noise = noise_source()
+    words = {(rows, cols): [torch.randint(-2**31, 2**31 - 1, (rows, cols * 4 // 32), generator=generator,
+                                          dtype=torch.int32) for _ in range(BASES)]
+             for rows, cols in ((KIMI_INTERMEDIATE, KIMI_HIDDEN), (KIMI_HIDDEN, KIMI_INTERMEDIATE))}
+
+    def shard(index: int) -> dict[str, torch.Tensor]:
+        if index == layers:
+            return {name: (noise(*shape) if len(shape) == 2 else torch.ones(shape, dtype=torch.bfloat16))
+                    for name, shape in saved.items() if not name.startswith("model.layers.")}
+        tensors = {}
+        for name, shape in saved.items():
+            if not name.startswith("model.layers.0."):
+                continue
+            name = f"model.layers.{index}." + name.removeprefix("model.layers.0.")
+            if ".mlp.experts." in name:  # packed INT4: random codes (rolled bases), scales making values ~0.02
+                expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+                base = words[tuple(shape)][(expert + index) % BASES]
+                tensors[name + "_packed"] = base.roll((expert * 7 + index * 13) % base.shape[1], 1).contiguous()
+                tensors[name + "_scale"] = torch.full((shape[0], shape[1] // INT4_GROUP), 0.005, dtype=torch.bfloat16)
+                tensors[name + "_shape"] = torch.tensor(shape)
+            elif name.endswith("e_score_correction_bias"):
+                tensors[name] = torch.zeros(shape)
+            elif len(shape) == 2:
+                tensors[name] = noise(*shape, std=0.05 if name.endswith("mlp.gate.weight") else 0.02)
+            else:
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        return tensors
+
+    config = kimi_k2_config(layers, experts)
+    config.quantization_config = KIMI_QUANTIZATION
+    size = write_shards(directory, layers, shard, config)
+    released = json.loads((directory / "config.json").read_text())  # as Kimi ships it: its type, its remote code
+    released.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (directory / "config.json").write_text(json.dumps(released, indent=2))
+    return size
 
 
 def built_size(directory: Path, layers: int) -> float | None:
@@ -273,21 +357,25 @@ def main() -> None:
     stored = parser.add_mutually_exclusive_group()
     stored.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint (DeepSeek-V3's format)")
     stored.add_argument("--mxfp4", action="store_true", help="gpt-oss-120b's shape, its experts in MXFP4")
+    stored.add_argument("--int4", action="store_true", help="Kimi K2 Thinking's shape, its experts in INT4 "
+                        "(compressed-tensors)")
+    parser.add_argument("--experts", type=int, default=KIMI_EXPERTS, help="with --int4: routed experts per layer")
     args = parser.parse_args()
-    if (args.fp8 or args.mxfp4) and args.compensation != "off":
-        parser.error("--fp8 and --mxfp4 write the kept experts' tensors as stored, which a compensation would change "
-                     "(ompmoe refuses it); use --compensation off")
+    if (args.fp8 or args.mxfp4 or args.int4) and args.compensation != "off":
+        parser.error("--fp8, --mxfp4 and --int4 write the kept experts' tensors as stored, which a compensation would "
+                     "change (ompmoe refuses it); use --compensation off")
     torch.set_num_threads(os.cpu_count() or 1)
     warnings.simplefilter("ignore")
     import ompmoe
     from ompmoe.engine.lazy_checkpoint import checkpoint_files
 
-    kind = "fp8" if args.fp8 else "mxfp4" if args.mxfp4 else None
+    kind = "fp8" if args.fp8 else "mxfp4" if args.mxfp4 else f"int4-{args.experts}" if args.int4 else None
     source, pruned = args.out / (f"source-{kind}" if kind else "source"), args.out / "pruned"
-    vocab = OSS_VOCAB if args.mxfp4 else VOCAB
+    vocab = OSS_VOCAB if args.mxfp4 else KIMI_VOCAB if args.int4 else VOCAB
     steps: dict[str, float] = {}
     started = time.perf_counter()
     checkpoint_gib = (build_mxfp4_source(source, args.layers) if args.mxfp4 else
+                      build_int4_source(source, args.layers, args.experts) if args.int4 else
                       build_source(source, args.layers, args.fp8))
     steps["build"] = time.perf_counter() - started
     generator = torch.Generator().manual_seed(1)
@@ -334,16 +422,25 @@ def main() -> None:
     loads = kept_counts == [len(layer.kept) for layer in plan.layers]
     same_plan = resident_slice_agrees(source, blocks, stats)
     shutil.rmtree(pruned)
-    if args.mxfp4:
+    if args.int4:  # what a layer computes on, in bf16 (its experts dequantized)
+        from ompmoe.engine.export.config import load_stock_config
+        from ompmoe.engine.lazy_checkpoint import build_skeleton
+
+        layer = build_skeleton(load_stock_config(source), dtype=torch.bfloat16).model.layers[0]
+        layer_gib = sum(tensor.numel() for tensor in layer.state_dict().values()) * 2 / 2**30
+    elif args.mxfp4:
         layer_gib = (OSS_EXPERTS * 3 * OSS_HIDDEN * OSS_INTERMEDIATE + 2 * OSS_HIDDEN * OSS_HEADS * OSS_HEAD_DIM
                      + 2 * OSS_HIDDEN * OSS_KV_HEADS * OSS_HEAD_DIM) * 2 / 2**30  # bf16 compute
     else:
         layer_gib = (EXPERTS * 3 * HIDDEN * MOE_INTERMEDIATE + 2 * HIDDEN * HEADS * HEAD_DIM
                      + 2 * HIDDEN * KV_HEADS * HEAD_DIM) * 2 / 2**30  # bf16 compute
-    hidden_gib = sum(block.numel() for block in blocks) * (OSS_HIDDEN if args.mxfp4 else HIDDEN) * 2 / 2**30
+    width = OSS_HIDDEN if args.mxfp4 else KIMI_HIDDEN if args.int4 else HIDDEN
+    hidden_gib = sum(block.numel() for block in blocks) * width * 2 / 2**30
     print(json.dumps({
         "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
-        "fp8": args.fp8, "mxfp4": args.mxfp4, "shape": "gpt-oss-120b" if args.mxfp4 else "qwen3-30b-a3b",
+        "fp8": args.fp8, "mxfp4": args.mxfp4, "int4": args.int4,
+        "shape": ("gpt-oss-120b" if args.mxfp4 else f"kimi-k2-thinking ({args.experts} experts)" if args.int4
+                  else "qwen3-30b-a3b"),
         "checkpoint_gib": round(checkpoint_gib, 2), "pruned_gib": round(pruned_gib, 2),
         "mem_total_gib": round(mem_total() / 2**30, 2), "peak_anon_gib": round(max(peaks.values()), 2),
         "peak_anon_gib_per_step": {key: round(value, 2) for key, value in peaks.items()},
@@ -362,8 +459,10 @@ def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bo
     import transformers
 
     import ompmoe
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.export.load import dequantized_loading
 
-    config = transformers.AutoConfig.from_pretrained(source)
+    config = load_stock_config(source)  # Kimi's kimi_k2 config as deepseek_v3
     config.num_hidden_layers = 2
     if getattr(config, "layer_types", None):  # gpt-oss: one attention type per layer
         config.layer_types = config.layer_types[:2]
@@ -372,7 +471,8 @@ def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bo
             if file.name != "config.json":
                 os.symlink(file, Path(directory) / file.name)
         config.save_pretrained(directory)
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, **dequantized_loading(config, {"dtype": torch.bfloat16, "config": config}))
     resident = ompmoe.collect_stats(model, blocks, progress=False)
     layered = ompmoe.MoEStats(layers=stats.layers[:2], num_tokens=stats.num_tokens, fingerprint=resident.fingerprint,
                               model_id=stats.model_id, model_type=stats.model_type)

@@ -60,6 +60,20 @@ there the lowest held-out calibration loss did not find the best plan."""
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {}
 """Supported ``config.model_type`` values and their specs (add one with :func:`register_architecture`)."""
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""Checkpoints whose ``config.json`` names a type transformers does not have (its remote code does) for an architecture
+it has: Kimi K2 and K2 Thinking are DeepSeek-V3's model (their ``architectures`` say so; transformers' own Kimi-K2.5
+config reads its ``kimi_k2`` text model as ``deepseek_v3``), so ompmoe reads them with the stock class, as
+``deepseek_v3``."""
+
+
+def with_stock_type(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """``config_dict`` (a ``config.json``) with the stock ``model_type`` of an aliased one (:data:`MODEL_TYPE_ALIASES`)
+    and without the ``auto_map`` to its remote code; any other as it is."""
+    stock = MODEL_TYPE_ALIASES.get(config_dict.get("model_type"))  # type: ignore[arg-type]
+    if stock is None:
+        return config_dict
+    return {**{key: value for key, value in config_dict.items() if key != "auto_map"}, "model_type": stock}
 
 
 def register_architecture(model_type: str, spec: ArchitectureSpec) -> ArchitectureSpec:

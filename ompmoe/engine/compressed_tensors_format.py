@@ -4,13 +4,14 @@ Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic req
 - ``pack-quantized``: a weight ``<m>.weight`` is ``<m>.weight_packed`` (``int32``, ``num_bits``-bit integers packed
   densely along each row, offset by ``2 ** (num_bits - 1)``) beside ``<m>.weight_scale`` (one multiplier per group
   of ``group_size`` inputs, per row, or for the tensor) and ``<m>.weight_shape`` (its ``[rows, cols]``);
-- ``float-quantized``: ``<m>.weight`` in FP8 (E4M3) beside ``<m>.weight_scale`` (per row, per tensor or per block).
+- ``float-quantized``: ``<m>.weight`` in FP8 (E4M3) beside ``<m>.weight_scale`` (per row or per tensor).
 
 Layer-by-layer runs compute on the weights as compressed-tensors dequantizes them (``value * scale`` in the scale's
 dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
-stored. Which scheme a weight has is its module's config group (``targets``: ``re:`` patterns first, then class
-names, as transformers resolves experts), checked against the stored shapes. What would be read wrong (zero points,
-activation-ordered groups, static activation scales, sparsity, transforms, a KV-cache scheme) is refused by name."""
+stored. Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
+shapes; where compressed-tensors and transformers would read a weight differently, or a renumbered expert would be
+read with another scheme, ompmoe refuses. What would be read wrong (zero points, activation-ordered groups, static
+activation scales, sparsity, transforms, a KV-cache scheme, block-scaled FP8) is refused by name."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ FORMATS = {"int": "pack-quantized", "float": "float-quantized"}
 """The compressed-tensors format ompmoe reads for each weight type."""
 FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 """The scales' safetensors dtypes (the dequantized values take theirs)."""
-ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".input_global_scale")
 """Static activation (or KV-cache) scales: calibrated on the unpruned model's activations, so refused."""
 FIX = "Prune the full-precision checkpoint, then quantize the pruned model (llm-compressor's oneshot)."
 
@@ -47,8 +48,12 @@ def compressed_tensors_settings(settings: dict[str, Any]) -> dict[str, Any]:
     wrong = []
     if status != "compressed":
         wrong.append(f"quantization_status={status!r} (its files do not store the compressed weights)")
-    for key, what in (("sparsity_config", "a sparsity_config"), ("transform_config", "a transform_config (rotations)"),
-                      ("kv_cache_scheme", "a kv_cache_scheme (KV-cache scales calibrated for the unpruned model)")):
+    sparsity = settings.get("sparsity_config")
+    if sparsity and (sparsity.get("format") if isinstance(sparsity, dict) else None) != "dense":  # dense: none
+        wrong.append("a sparsity_config")
+    for key, what in (("transform_config", "a transform_config (rotations)"),
+                      ("kv_cache_scheme", "a kv_cache_scheme (KV-cache scales calibrated for the unpruned model)"),
+                      ("moe_sparsity_config", "a moe_sparsity_config (experts already pruned by compressed-tensors)")):
         if settings.get(key):
             wrong.append(what)
     groups = settings.get("config_groups") or {}
@@ -56,11 +61,14 @@ def compressed_tensors_settings(settings: dict[str, Any]) -> dict[str, Any]:
         wrong.append("no config_groups")
     for name, group in groups.items():
         wrong.extend(f"config_groups.{name}: {problem}" for problem in _group_problems(group, settings.get("format")))
+    linear = [name for name, group in groups.items() if "Linear" in (group.get("targets") or [])]
+    if len(linear) > 1:
+        wrong.append(f"config groups {', '.join(linear)} all target Linear (which one stores a weight is ambiguous)")
     if wrong:
         raise QuantizedCheckpointError(
             f"The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {'; '.join(wrong)}. "
             "ompmoe reads symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized "
-            f"FP8 weights, with dynamic or no activation quantization. {FIX}")
+            f"FP8 weights (per channel or tensor), with dynamic or no activation quantization. {FIX}")
     return dict(settings)
 
 
@@ -78,12 +86,15 @@ def _group_problems(group: dict[str, Any], default_format: str | None) -> list[s
         problems.append(f"{bits}-bit integers (pack-quantized stores 1 to 8)")
     elif kind == "float" and bits != 8:
         problems.append(f"{bits}-bit floats (ompmoe reads FP8)")
-    allowed = ("group", "channel", "tensor") if kind == "int" else ("channel", "tensor", "block")
-    if strategy not in allowed:
+    allowed = ("group", "channel", "tensor") if kind == "int" else ("channel", "tensor")
+    if strategy not in allowed:  # block FP8: transformers 5.24 cannot read such experts
         problems.append(f"strategy {strategy!r}")
+    other = [target for target in group.get("targets") or [] if target != "Linear" and not target.startswith("re:")]
+    if other:
+        problems.append(f"target {other[0]!r} (ompmoe reads groups that target Linear or re: patterns)")
     if not weights.get("symmetric", True):
         problems.append("asymmetric weights (zero points)")
-    if weights.get("actorder") in ("group", "dynamic"):
+    if weights.get("actorder") in ("group", "dynamic", True):
         problems.append(f"actorder {weights.get('actorder')!r} (activation-ordered groups)")
     if weights.get("dynamic") not in (False, None):
         problems.append("dynamic weight scales")
@@ -96,17 +107,58 @@ def _group_problems(group: dict[str, Any], default_format: str | None) -> list[s
 
 def scheme_of(module: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The ``weights`` scheme of the config group that quantizes ``module`` (a module name as the files name it):
-    the first group one of whose ``re:`` targets matches it, else the first with a class-name target (``Linear``:
-    every stored quantized weight is a linear's), as transformers resolves a checkpoint's experts."""
-    groups = list((settings.get("config_groups") or {}).values())
-    for group in groups:
-        if any(target.startswith("re:") and re.match(target[3:], module) for target in group.get("targets", [])):
-            return group["weights"]
-    for group in groups:
-        if any(not target.startswith("re:") for target in group.get("targets", [])):
-            return group["weights"]
-    raise QuantizedCheckpointError(f"{module} is stored quantized but no config_groups target of the checkpoint's "
-                                   "quantization_config names it; the files and config.json disagree.")
+    the group one of whose ``re:`` targets matches it, else the group that targets ``Linear`` (every stored quantized
+    weight is a linear's), as compressed-tensors matches (its ``re:`` patterns before class names). Refused where
+    readers would disagree: two groups matching by pattern (compressed-tensors takes the alphabetically first
+    pattern), or a routed expert outside the group transformers reads every routed expert with (the first whose
+    ``re:`` targets name experts)."""
+    return settings["config_groups"][_group_of(module, settings)]["weights"]
+
+
+def _group_of(module: str, settings: dict[str, Any]) -> str:
+    """The name of the config group that quantizes ``module`` (:func:`scheme_of`)."""
+    groups = settings.get("config_groups") or {}
+    matched = [name for name, group in groups.items()
+               if any(target.startswith("re:") and re.match(target[3:], module) for target in group.get("targets", []))]
+    if len(matched) > 1:
+        raise QuantizedCheckpointError(
+            f"{module} is matched by the re: targets of several config groups ({', '.join(matched)}): which scheme "
+            f"stores it is ambiguous (readers differ). {FIX}")
+    chosen = matched[0] if matched else next((name for name, group in groups.items()
+                                              if "Linear" in group.get("targets", [])), None)
+    if chosen is None:
+        raise QuantizedCheckpointError(f"{module} is stored quantized but no config_groups target of the checkpoint's "
+                                       "quantization_config names it; the files and config.json disagree.")
+    if ".experts." in f".{module}.":  # transformers dequantizes a layer's routed experts with one group
+        named = [name for name, group in groups.items()
+                 if any(target.startswith("re:") and "experts" in target for target in group.get("targets", []))]
+        theirs = named[0] if named else next((name for name, group in groups.items()
+                                              if "Linear" in group.get("targets", [])), next(iter(groups)))
+        if theirs != chosen:
+            raise QuantizedCheckpointError(
+                f"{module} is stored with config group {chosen!r}, but transformers reads every routed expert with "
+                f"group {theirs!r} (the first whose re: targets name experts): the checkpoint does not load as it is "
+                f"stored. {FIX}")
+    return chosen
+
+
+def ignored(module: str, settings: dict[str, Any]) -> bool:
+    """Whether the ``ignore`` list of ``settings`` keeps ``module`` in full precision (an exact name or a matching
+    ``re:`` pattern)."""
+    return any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module
+               for entry in settings.get("ignore") or [])
+
+
+def renamed_problem(written: str, source: str, settings: dict[str, Any]) -> str | None:
+    """Why the weight ``source`` cannot be written as stored under the name ``written`` (a kept expert renumbered):
+    the config read under the new name would give it another scheme, or none; ``None`` when it reads the same."""
+    old, new = source.removesuffix(".weight"), written.removesuffix(".weight")
+    try:
+        same = _group_of(new, settings) == _group_of(old, settings) and ignored(new, settings) == ignored(old, settings)
+    except QuantizedCheckpointError:
+        same = False
+    return None if same else (f"{source} is written as {written}, which the checkpoint's quantization_config reads "
+                              "with another scheme (its targets or ignore list name experts by number)")
 
 
 def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -141,10 +193,6 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, scheme: dict[str, Any]
     if strategy == "group":
         size = int(scheme["group_size"])
         return (product.reshape(rows, cols // size, size) * scale.reshape(rows, -1, 1)).reshape(rows, cols)
-    if strategy == "block":
-        height, width = scheme["block_structure"]
-        grid = scale.repeat_interleave(height, dim=0)[:rows].repeat_interleave(width, dim=1)[:, :cols]
-        return product * grid
     return product * scale.reshape(rows, 1) if strategy == "channel" else product * scale.reshape(())
 
 
@@ -152,14 +200,22 @@ class CompressedSlice(ComputedSlice):
     """A compressed-tensors weight of the files read as its dequantized values (the scale's dtype), in the model's
     layout (the files' ``[rows, cols]``)."""
 
-    def __init__(self, parts: dict[str, Any], scheme: dict[str, Any]) -> None:
-        self.parts, self.scheme = parts, scheme
+    def __init__(self, weight: str, parts: dict[str, Any], scheme: dict[str, Any]) -> None:
+        self.weight, self.parts, self.scheme = weight, parts, scheme
         self._shape: list[int] | None = None
 
     def get_shape(self) -> list[int]:
+        """The weight's ``[rows, cols]``: a packed one's stored shape, checked against its words and scales (a
+        scheme that does not describe them would be read as other values)."""
         if self._shape is None:
-            self._shape = ([int(size) for size in self.parts[SHAPE][:].tolist()] if PACKED in self.parts
-                           else list(self.parts[""].get_shape()))
+            if PACKED in self.parts:
+                shape = [int(size) for size in self.parts[SHAPE][:].tolist()]
+                problem = _unpacked_problem(self.weight, shape, self.parts, self.scheme)
+                if problem:
+                    raise QuantizedCheckpointError(f"{problem}: its config group's scheme does not describe it. {FIX}")
+                self._shape = shape
+            else:
+                self._shape = list(self.parts[""].get_shape())
         return self._shape
 
     def get_dtype(self) -> str:
@@ -171,6 +227,22 @@ class CompressedSlice(ComputedSlice):
         else:
             values = self.parts[""][:]
         return dequantize(values, self.parts[SCALE][:], self.scheme)[index]
+
+
+def _unpacked_problem(weight: str, shape: list[int], parts: dict[str, Any], scheme: dict[str, Any]) -> str | None:
+    """What does not fit between a packed weight's stored ``shape``, its words and its scales under ``scheme``."""
+    rows, words = parts[PACKED].get_shape()
+    bits, grid = int(scheme["num_bits"]), list(parts[SCALE].get_shape())
+    if len(shape) != 2 or shape[0] != rows or math.ceil(shape[1] * bits / 32) != words:
+        return (f"{weight}{PACKED} [{rows}, {words}] does not hold {weight}{SHAPE} {shape} in {bits}-bit values "
+                f"({weight}{SHAPE} and the scheme's num_bits disagree)")
+    expected = {"group": [rows, math.ceil(shape[1] / int(scheme.get("group_size") or 1))], "channel": [rows, 1]}
+    strategy = scheme["strategy"]
+    if strategy == "group" and shape[1] % int(scheme["group_size"]):
+        return f"{weight} has {shape[1]} columns, not whole groups of {scheme['group_size']}"
+    if (grid != expected[strategy]) if strategy in expected else math.prod(grid) != 1:
+        return f"{weight}{SCALE} {grid} is not one multiplier per {strategy} of {weight} {shape}"
+    return None
 
 
 def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
@@ -223,8 +295,10 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
     scale = weight + SCALE
     if scale not in headers:
         return f"{weight} has no {scale}"
-    if headers[scale] not in FILE_DTYPES:
-        return f"{scale} is {headers[scale]}, not floating-point multipliers"
+    if headers[scale] not in FILE_DTYPES or (not packed and headers[scale] == "F16"):
+        return (f"{scale} is {headers[scale]}, not floating-point multipliers" if headers[scale] not in FILE_DTYPES
+                else f"{scale} is F16 (transformers and compressed-tensors round FP8 weights with half-precision scales "
+                     "differently; ompmoe reads bf16 or float32 scales)")
     if packed:
         stored = weight + PACKED
         if weight + SHAPE not in headers:
@@ -250,11 +324,6 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
     elif strategy == "tensor":
         if math.prod(grid) != 1:
             return f"{scale} {grid} is not one multiplier for {weight}"
-    else:
-        height, width = scheme["block_structure"]
-        expected = [math.ceil(rows / height), math.ceil(cols / width)]
-        if grid != expected:
-            return f"{scale} {grid} does not cover {weight} {shapes[weight]} in {height}x{width} blocks ({expected})"
     return None
 
 
@@ -273,11 +342,10 @@ def describe(settings: dict[str, Any]) -> str:
         kind = f"int{weights.get('num_bits')}" if weights.get("type") == "int" else "fp8 e4m3"
         strategy = weights.get("strategy")
         how = {"group": f"per group of {weights.get('group_size')}", "channel": "per channel",
-               "tensor": "per tensor"}.get(strategy, "per {}x{} block".format(*(weights.get("block_structure")
-                                                                               or ("?", "?"))))
+               "tensor": "per tensor"}.get(strategy, f"per {strategy}")
         described.append(f"{kind} {how}")
     return "; ".join(dict.fromkeys(described))
 
 
-__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "pair_compressed",
-           "scheme_of", "stored_names", "unpack"]
+__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "ignored", "pair_compressed",
+           "renamed_problem", "scheme_of", "stored_names", "unpack"]

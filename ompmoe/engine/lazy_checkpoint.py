@@ -18,7 +18,7 @@ from torch import nn
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
-                             pair_stored, stored_settings)
+                             pair_stored, renamed_stored, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -43,6 +43,20 @@ def _parameters_on_meta() -> Iterator[None]:
             yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def checkpoint_config(path: str | os.PathLike) -> Any:
+    """The transformers config of the checkpoint at ``path``, without running remote code; a type transformers knows
+    under another name (:data:`~ompmoe.engine.adapters.MODEL_TYPE_ALIASES`: Kimi K2) as that name's."""
+    import transformers
+
+    from .adapters import with_stock_type
+
+    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
+    stock = with_stock_type(config_dict)
+    if stock is config_dict:
+        return transformers.AutoConfig.from_pretrained(path)
+    return transformers.CONFIG_MAPPING[stock["model_type"]].from_dict(stock, name_or_path=str(path))
 
 
 def checkpoint_dtype(config: Any) -> torch.dtype:
@@ -327,6 +341,10 @@ class LazyCheckpoint:
                 if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
+            problem = renamed_stored(name, source, self.settings) if name != source else None
+            if problem:
+                raise QuantizedCheckpointError(f"{self.path}: {problem}; it cannot be written as stored. Prune its "
+                                               "full-precision checkpoint, or keep the experts it names by number.")
             parts = {suffix: self._read_stored(key, rows) for suffix, key in self.stored[source].items()}
             stored.update({name + suffix: tensor for suffix, tensor in parts.items()})
         return stored

@@ -58,8 +58,10 @@ def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str 
     import transformers
 
     from ..engine.adapters import UnsupportedModelError, architecture_for_config
+    from ..engine.adapters import with_stock_type
     from ..engine.tiny import tiny_config
 
+    config = with_stock_type(config)
     model_type = config.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         return f"the installed transformers has no model_type {model_type!r}"

@@ -267,9 +267,10 @@ def _full_precision_files(tensors: dict, config: dict) -> None:
                   "precision, as the releases store them."),
     (_setting(quant_method="awq"), "The checkpoint is quantized (quant_method='awq'); ompmoe reads block-FP8 "
                                    "checkpoints (quant_method 'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, "
-                                   "Qwen3's -FP8 releases), MXFP4 experts (quant_method 'mxfp4': gpt-oss) and "
-                                   "full-precision ones. Prune the full-precision checkpoint, then quantize the "
-                                   "pruned model."),
+                                   "Qwen3's -FP8 releases), MXFP4 experts (quant_method 'mxfp4': gpt-oss), "
+                                   "compressed-tensors ones (quant_method 'compressed-tensors': pack-quantized "
+                                   "integers, FP8) and full-precision ones. Prune the full-precision checkpoint, then "
+                                   "quantize the pruned model."),
     (_setting(weight_block_size=None), "The checkpoint is quantized in FP8 without blocks (weight_block_size=None); "
                                        "ompmoe reads block-FP8 checkpoints (a weight_block_size, as DeepSeek-V3, Kimi "
                                        "K2 and Qwen3's -FP8 releases store them). Prune the full-precision "

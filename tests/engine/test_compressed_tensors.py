@@ -6,6 +6,8 @@ right is refused before any work."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -51,8 +53,9 @@ def _int_scheme(bits: int, strategy: str, group_size: int | None = None) -> dict
     return {"type": "int", "num_bits": bits, "strategy": strategy, "group_size": group_size, "symmetric": True}
 
 
-@pytest.mark.parametrize(("bits", "strategy", "cols"), [(4, "group", 96), (8, "group", 64), (2, "channel", 70),
-                                                       (3, "channel", 45), (4, "tensor", 37), (7, "group", 64)])
+@pytest.mark.parametrize(("bits", "strategy", "cols"), [(1, "channel", 45), (2, "channel", 70), (3, "channel", 45),
+                                                       (4, "group", 96), (4, "tensor", 37), (5, "group", 64),
+                                                       (6, "channel", 33), (7, "group", 64), (8, "group", 64)])
 def test_unpack_and_dequantize_equal_compressed_tensors_own_reading_bit_for_bit(bits, strategy, cols):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
@@ -71,18 +74,17 @@ def test_unpack_and_dequantize_equal_compressed_tensors_own_reading_bit_for_bit(
     assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
-def test_fp8_weights_dequantize_as_compressed_tensors_reads_them(strategy):
+@pytest.mark.parametrize(("strategy", "dtype"), [("channel", torch.bfloat16), ("channel", torch.float32),
+                                                 ("tensor", torch.float32)])
+def test_fp8_weights_dequantize_as_compressed_tensors_reads_them(strategy, dtype):
     torch.manual_seed(0)
     weight = torch.randn(70, 45)
-    shape = {"channel": (70, 1), "tensor": (1,), "block": (3, 3)}[strategy]  # blocks of 32 x 16: the last partial
-    scale = torch.rand(shape) + 0.01
+    scale = (torch.rand((70, 1) if strategy == "channel" else (1,)) + 0.01).to(dtype)
     values = (weight / 0.05).to(torch.float8_e4m3fn)
-    scheme = {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True,
-              "block_structure": [32, 16] if strategy == "block" else None}
+    scheme = {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True}
     ours = dequantize(values, scale, scheme)
     theirs = decompress({"": values, "_scale": scale}, scheme, "float-quantized")
-    assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
+    assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -167,11 +169,13 @@ def test_stock_transformers_runs_the_pruned_fp8_dynamic_checkpoint_as_the_source
         assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(written).values())
 
 
-def test_load_pruned_reads_a_compressed_tensors_release_as_transformers_does(tmp_path):
+@pytest.mark.parametrize("kind", SOURCES)
+def test_load_pruned_reads_a_compressed_tensors_release_dequantized(kind, tmp_path):
     """The resident front doors load through ``ompmoe.load_pruned``: the release's packed int32 values and shapes are
-    the format's, not wrong weights, and transformers (with compressed-tensors) decompresses the experts to the
-    values compressed-tensors reads."""
-    source, dequantized = _source("int4_experts", tmp_path)
+    the format's, not wrong weights, and transformers (with compressed-tensors) dequantizes every weight to the
+    values compressed-tensors reads, as it loads (a model left compressed until its first forward would wrap every
+    forward then)."""
+    source, dequantized = _source(kind, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours, theirs = ompmoe.load_pruned(source).state_dict(), ompmoe.load_pruned(dequantized).state_dict()
@@ -185,14 +189,6 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
     from test_cli import tiny_config
 
     source, _ = _source("int4_experts", tmp_path)
-    with pytest.raises(SystemExit):  # resident: what transformers loads is quantized; refused with the fix
-        main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--model.model",
-              str(source)])
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "error: ExpertPruning: the model was loaded quantized (quant_method='compressed-tensors'); pruning computes on "
-        "full-precision weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized "
-        "checkpoint's weights dequantized and writes the kept ones as stored.")
-    assert not (tmp_path / "run" / "model").exists()
     caplog.set_level("INFO")
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
           "--model.model", str(source)])
@@ -210,14 +206,27 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
     assert_both_commands_refuse_a_named_compensation(source, tmp_path / "run" / "stats.safetensors", tmp_path,
                                                      capsys, "compressed-tensors")
 
+    # pruned again, resident (per-layer counts: a skeleton cannot read them): it computes on the weights dequantized
+    # as transformers loads them and writes them in bf16, as block FP8 and MXFP4 do without their kernels
+    (tmp_path / "twice").mkdir()
+    main(["fit", "-c", str(tiny_config(tmp_path / "twice")), "--trainer.enable_progress_bar=false", "--model.model",
+          str(tmp_path / "run" / "model"), "--compensation", "off"])
+    twice = ompmoe.PruningPlan.load(tmp_path / "twice" / "run" / "plan.json")
+    assert [layer.num_experts for layer in twice.layers] == [layer.num_kept for layer in plan.layers]
+    written = read_tensors(tmp_path / "twice" / "run" / "model")
+    assert all(tensor.is_floating_point() for tensor in written.values())
+    assert "quantization_config" not in json.loads((tmp_path / "twice" / "run" / "model" / "config.json").read_text())
+
 
 EXPERT = "model.layers.1.mlp.experts.0.down_proj.weight"
+MODULE = EXPERT.removesuffix(".weight")
 GATE = "model.layers.1.mlp.experts.0.gate_proj.weight"  # [32, 64]: two groups of 32 per row
 GROUP = "config_groups.group_0: "
 SETTINGS = ("The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {}. ompmoe reads "
-            "symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized FP8 weights, "
-            "with dynamic or no activation quantization. Prune the full-precision checkpoint, then quantize the "
-            "pruned model (llm-compressor's oneshot).")
+            "symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized FP8 weights "
+            "(per channel or tensor), with dynamic or no activation quantization. Prune the full-precision "
+            "checkpoint, then quantize the pruned model (llm-compressor's oneshot).")
+FIX = "Prune the full-precision checkpoint, then quantize the pruned model (llm-compressor's oneshot)."
 FILES = ("{{source}} stores compressed-tensors weights ompmoe cannot read: {}. Prune the full-precision checkpoint, "
          "then quantize the pruned model (llm-compressor's oneshot).")
 
@@ -253,11 +262,152 @@ def _weights(config: dict) -> dict:
      FILES.format(f"{GATE}_scale [32, 1] does not cover {GATE}_packed [32, 8] in groups of 32 4-bit values")),
     (lambda tensors, config: tensors.update({EXPERT[:-len("weight")] + "input_scale": torch.ones(1)}),
      FILES.format(f"{EXPERT[:-len('weight')]}input_scale (an activation scale calibrated for the unpruned model)")),
+    (lambda tensors, config: _weights(config).update(actorder=True),
+     SETTINGS.format(GROUP + "actorder True (activation-ordered groups)")),
+    (lambda tensors, config: config["quantization_config"]["config_groups"]["group_0"]["targets"].append(MODULE),
+     SETTINGS.format(GROUP + f"target {MODULE!r} (ompmoe reads groups that target Linear or re: patterns)")),
+    (lambda tensors, config: config["quantization_config"]["config_groups"].update(
+        group_1=config["quantization_config"]["config_groups"]["group_0"]),
+     SETTINGS.format("config groups group_0, group_1 all target Linear (which one stores a weight is ambiguous)")),
+    (lambda tensors, config: config["quantization_config"].update(moe_sparsity_config={"method": "prune"}),
+     SETTINGS.format("a moe_sparsity_config (experts already pruned by compressed-tensors)")),
+    (lambda tensors, config: config["quantization_config"]["config_groups"].update(
+        a={**config["quantization_config"]["config_groups"]["group_0"], "targets": ["re:.*experts.*"]},
+        b={**config["quantization_config"]["config_groups"]["group_0"], "targets": ["re:.*down_proj"]}),
+     f"{MODULE} is matched by the re: targets of several config groups (a, b): which scheme stores it is ambiguous "
+     f"(readers differ). {FIX}"),
+    (lambda tensors, config: config["quantization_config"]["config_groups"].update(
+        shared={**config["quantization_config"]["config_groups"]["group_0"], "targets": ["re:.*shared_experts.*"]}),
+     f"{MODULE} is stored with config group 'group_0', but transformers reads every routed expert with group "
+     f"'shared' (the first whose re: targets name experts): the checkpoint does not load as it is stored. {FIX}"),
+    (lambda tensors, config: tensors.update({EXPERT + "_shape": torch.tensor([64, 64])}),
+     f"{EXPERT}_packed [64, 4] does not hold {EXPERT}_shape [64, 64] in 4-bit values ({EXPERT}_shape and the "
+     f"scheme's num_bits disagree): its config group's scheme does not describe it. {FIX}"),
+    (lambda tensors, config: tensors.update({MODULE + ".input_global_scale": torch.ones(1)}),
+     FILES.format(f"{MODULE}.input_global_scale (an activation scale calibrated for the unpruned model)")),
 ], ids=["asymmetric", "actorder", "static_activations", "nvfp4", "frozen_kv_cache", "no_config", "no_scale",
-        "zero_point", "short_scale", "input_scale"])
+        "zero_point", "short_scale", "input_scale", "actorder_true", "exact_name", "two_linear_groups",
+        "moe_sparsity", "two_patterns", "experts_group", "shape_vs_bits", "global_scale"])
 def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(change, message, tmp_path):
-    source, _ = _source("int4_experts", tmp_path)
+    _assert_refused("int4_experts", change, message, tmp_path)
+
+
+def _assert_refused(kind: str, change, message: str, tmp_path: Path) -> None:
+    """``SOURCES[kind]`` changed by ``change(tensors, config)`` is refused with ``message`` (``{source}``: its path)
+    when the layer-by-layer run opens it."""
+    source, _ = _source(kind, tmp_path)
     rewrite(source, change)
     with pytest.raises(QuantizedCheckpointError) as refused:
         collect_stats_layerwise(source, BLOCKS, progress=False)
     assert str(refused.value) == message.format(source=source)
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda tensors, config: _weights(config).update(strategy="block", block_structure=[32, 32]),
+     SETTINGS.format(GROUP + "strategy 'block'")),
+    (lambda tensors, config: tensors.update({Q_PROJ + "_scale": tensors[Q_PROJ + "_scale"].half()}),
+     FILES.format(f"{Q_PROJ}_scale is F16 (transformers and compressed-tensors round FP8 weights with half-precision "
+                  "scales differently; ompmoe reads bf16 or float32 scales)")),
+], ids=["block", "f16_scale"])
+def test_fp8_variants_transformers_reads_otherwise_are_refused(change, message, tmp_path):
+    _assert_refused("fp8_dynamic", change, message, tmp_path)
+
+
+def test_what_compressed_tensors_leaves_aside_is_read(tmp_path):
+    """A dense sparsity_config (no sparsity: compressed-tensors ignores it) and GPTQ's ``actorder: weight`` (no
+    g_idx stored) read as the checkpoint without them."""
+    source, _ = _source("int4_experts", tmp_path)
+    expected = collect_stats_layerwise(source, BLOCKS, progress=False)
+
+    def change(tensors: dict, config: dict) -> None:
+        config["quantization_config"]["sparsity_config"] = {"format": "dense", "global_sparsity": 0.0}
+        _weights(config).update(actorder="weight")
+
+    rewrite(source, change)
+    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
+    assert all(torch.equal(ours.gram, theirs.gram) for ours, theirs in zip(stats.layers, expected.layers))
+
+
+def test_an_expert_named_by_number_is_not_written_under_a_number_read_otherwise(tmp_path):
+    """An ignore list naming experts by number (experts 0 and 1's down projections kept in bf16): a kept expert
+    renumbered into 0 or 1 would be read as full precision from its packed tensors, so the writer refuses it, and
+    nothing is written."""
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+
+    source, dequantized = _source("int4_experts", tmp_path)
+    pattern = "re:.*experts\\.(0|1)\\.down_proj$"
+    plain = read_tensors(dequantized)
+
+    def change(tensors: dict, config: dict) -> None:
+        config["quantization_config"]["ignore"].append(pattern)
+        for name in [name for name in tensors if re.match(r".*experts\.(0|1)\.down_proj\.weight_", name)]:
+            base = name[:name.index(".weight_") + len(".weight")]
+            tensors.pop(name)
+            tensors[base] = plain[base]
+
+    rewrite(source, change)
+    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5)
+    renumbered = [(f"{layer}.experts.{expert}.down_proj.weight", f"{layer}.experts.{index}.down_proj.weight")
+                  for layer, kept in plan.kept_by_layer().items() for index, expert in enumerate(kept[:2]) if expert > 1]
+    assert renumbered  # the plan removes expert 0 or 1 somewhere
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        save_pruned_from_files(source, plan, tmp_path / "pruned")
+    assert str(refused.value) in {
+        f"{source}: {origin} is written as {written}, which the checkpoint's quantization_config reads with another "
+        "scheme (its targets or ignore list name experts by number); it cannot be written as stored. Prune its "
+        "full-precision checkpoint, or keep the experts it names by number." for origin, written in renumbered}
+    assert not (tmp_path / "pruned").exists()
+
+
+def _as_kimi_release(tensors: dict, config: dict) -> None:
+    """config.json as Kimi K2 (Thinking) ships it: its own model_type, and its remote code for DeepSeek-V3's model."""
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+
+
+def test_kimi_k2_thinking_as_released_prunes_as_deepseek_v3(tmp_path, capfd):
+    """model_type ``kimi_k2`` is not transformers' (its remote code, written for transformers 4, is not run): ompmoe
+    reads it as ``deepseek_v3``, the model its ``architectures`` name, with the same statistics as that checkpoint
+    labelled so, without transformers asking to run the remote code; the pruned checkpoint is a stock DeepSeek-V3
+    one, read by stock transformers in a fresh process, and the release loads resident through load_pruned."""
+    source, dequantized = _source("int4_experts", tmp_path)
+    kimi = tmp_path / "kimi"
+    shutil.copytree(source, kimi)
+    rewrite(kimi, _as_kimi_release)
+    stats = collect_stats_layerwise(kimi, BLOCKS, progress=False)
+    expected = collect_stats_layerwise(source, BLOCKS, progress=False)
+    assert stats.model_type == "deepseek_v3"
+    assert all(torch.equal(ours.gram, theirs.gram) for ours, theirs in zip(stats.layers, expected.layers))
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(1))
+    written = assert_stock_transformers_reads_it_pruned(kimi, dequantized, stats, ids, tmp_path / "pruned")
+    for allocation, path in written.items():
+        config = json.loads((path / "config.json").read_text())
+        assert config["model_type"] == "deepseek_v3", allocation
+        assert "auto_map" not in config if allocation == "uniform" else "ompmoe" in config["auto_map"]["AutoConfig"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert type(ompmoe.load_pruned(kimi)).__name__ == "DeepseekV3ForCausalLM"
+    captured = capfd.readouterr()
+    assert "custom code" not in captured.out + captured.err
+
+
+def test_a_release_loaded_resident_runs_ompmoe_hooks_and_adaptive_inference(tmp_path):
+    """transformers leaves a compressed-tensors model compressed until its first forward, which then wraps every
+    module's forward and failed on those ompmoe replaces; load_pruned reads it dequantized, so the resident
+    statistics of the release are those of the dequantized checkpoint, and it runs OMP-MoE+."""
+    source, dequantized = _source("int4_experts", tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ompmoe.load_pruned(source)
+        theirs = ompmoe.collect_stats(ompmoe.load_pruned(dequantized), BLOCKS, progress=False)
+    ours = ompmoe.collect_stats(model, BLOCKS, progress=False)
+    assert all(torch.equal(a.gram, b.gram) for a, b in zip(ours.layers, theirs.layers))
+    ompmoe.enable_adaptive(model, ours, epsilon=0.1)
+    with torch.no_grad():
+        assert torch.isfinite(model(BLOCKS[0]).logits).all()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..._quiet import quiet_calls
-from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers
+from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_config, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight
 from .statistics import MoEStats
@@ -241,9 +241,7 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
     """:func:`~ompmoe.collect_stats` on the local safetensors checkpoint at ``path`` without ever holding its
     weights (:func:`collect_layerwise`): the same sums, one decoder layer in memory at a time. ``dtype``: the
     checkpoint's unless given."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = checkpoint_config(path)
     model = build_skeleton(config, dtype=dtype or checkpoint_dtype(config))
     collector = StatisticsCollector(model, model_id=model_id or str(path), sources=[source] if source else None,
                                     statistics=statistics)

@@ -9,8 +9,9 @@ from typing import Any
 
 import transformers
 
-from ..adapters import ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
+from ..adapters import MODEL_TYPE_ALIASES, ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
 from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY
+from ..lazy_checkpoint import checkpoint_config
 from .hub_code import is_non_uniform, stock_config_dict
 
 
@@ -60,9 +61,13 @@ def _spec_of(config_dict: dict[str, Any]) -> ArchitectureSpec | None:
 
 
 def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
-    """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models."""
+    """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models,
+    and for a type transformers knows under another name (:data:`~ompmoe.engine.adapters.MODEL_TYPE_ALIASES`: Kimi K2)
+    that name's, without its remote code."""
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
     model_type = config_dict.get("model_type")
+    if model_type in MODEL_TYPE_ALIASES:
+        return checkpoint_config(path)
     spec = _spec_of(config_dict)
     key = spec.expert_count_key if spec is not None else None
     refuse_earlier_format(config_dict, key, path)
@@ -85,9 +90,21 @@ def non_uniform_config(path: str | os.PathLike) -> Any | None:
     return load_stock_config(path) if is_non_uniform(config_dict) else None
 
 
+def _aliased_config(path: str | os.PathLike) -> Any | None:
+    """The stock config of a local checkpoint of an aliased type (:func:`~ompmoe.engine.adapters.with_stock_type`),
+    else ``None``."""
+    try:
+        config_dict = json.loads(Path(path, "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    aliased = isinstance(config_dict, dict) and config_dict.get("model_type") in MODEL_TYPE_ALIASES
+    return load_stock_config(path) if aliased else None
+
+
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
-    """``AutoTokenizer.from_pretrained``, handed the stock config of a non-uniform pruned checkpoint."""
-    config = non_uniform_config(name) if "config" not in kwargs else None
+    """``AutoTokenizer.from_pretrained``, handed the stock config of a non-uniform pruned checkpoint or of an aliased
+    type (Kimi K2: so that transformers does not ask to run its config's remote code)."""
+    config = (non_uniform_config(name) or _aliased_config(name)) if "config" not in kwargs else None
     if config is not None:
         kwargs["config"] = config
     return transformers.AutoTokenizer.from_pretrained(name, **kwargs)

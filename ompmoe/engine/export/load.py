@@ -184,10 +184,20 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
         cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
     _check_weight_shapes(path, cls, config)
     # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
-    kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
+    kwargs = {**dequantized_loading(config, from_pretrained_kwargs), "ignore_mismatched_sizes": True}
     model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
     check_loading_info(path, info)
     model.__class__ = base
     restore_adaptive(model)
     return model
+
+
+def dequantized_loading(config: Any, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained_kwargs`` with a compressed-tensors checkpoint read dequantized, unless they set a
+    ``quantization_config``: transformers otherwise keeps it compressed until its first forward, which then wraps every
+    module's ``forward`` and fails on those ompmoe replaces (the statistics' hooks, adaptive inference). Dequantized,
+    it computes in bf16 as transformers does block FP8 and MXFP4 without their kernels."""
+    if quant_method(config) != "compressed-tensors" or "quantization_config" in from_pretrained_kwargs:
+        return from_pretrained_kwargs
+    return {**from_pretrained_kwargs, "quantization_config": transformers.CompressedTensorsConfig(dequantize=True)}
 
