@@ -186,6 +186,20 @@ def test_a_fill_in_another_dtype_than_the_files_converts_as_from_pretrained(tmp_
             assert tensor.dtype == torch.float32 and torch.equal(tensor, reference.float()), name
 
 
+def test_token_ids_past_the_vocabulary_are_refused_layer_by_layer_as_resident(tmp_path):
+    """Text tokenized with another tokenizer than the model's: named, as the resident pass names it (it was reported
+    as decoder layers that pass more than their hidden states: the embedding lookup failed while recording)."""
+    from ompmoe.engine.collect.collector import CalibrationInputError
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    vocab = tiny_model("qwen3_moe").config.vocab_size
+    with pytest.raises(CalibrationInputError) as refused:
+        collect_stats_layerwise(tmp_path, [torch.full((1, 8), vocab)], progress=False)
+    assert str(refused.value) == (f"input_ids hold token id {vocab} (min {vocab}, max {vocab}) but the model's "
+                                  f"vocabulary has {vocab} tokens (valid ids 0..{vocab - 1}); tokenize with this "
+                                  "model's tokenizer.")
+
+
 def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(ValueError) as refused:

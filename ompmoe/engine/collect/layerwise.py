@@ -19,7 +19,7 @@ from torch import nn
 from ..._quiet import quiet_calls
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_config, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
-from .collector import StatisticsCollector, as_model_inputs, batch_token_weight
+from .collector import StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs
 from .statistics import MoEStats
 
 LAYERWISE_REFUSED_STATISTICS = {
@@ -109,6 +109,8 @@ class LayerMajor:
         """A stream of ``batches`` (token ids or model inputs): their layer calls recorded, the first layer's input
         (the embeddings' output) kept as the hidden states each layer replaces. Returns the batches as model inputs."""
         inputs = [as_model_inputs(batch, self.device) for batch in batches]
+        for each in inputs:  # as the resident pass refuses them (token ids past the vocabulary: another tokenizer)
+            check_calibration_inputs(self.model, each)
         calls = [_record_layer_calls(self.model, self.layers, each) for each in inputs]
         self.inputs[name], self.calls[name] = inputs, calls
         self.hidden[name] = [_hidden_of(recorded[0]).to(self.hidden_device) for recorded in calls]
