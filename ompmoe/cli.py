@@ -707,6 +707,18 @@ def _interrupted_line(argv: list[str]) -> str:
     return f"ompmoe: interrupted; nothing was written{kept}: run the same command again to redo it"
 
 
+def refuse_repeated_lists(argv: list[str], flags: tuple[str, ...]) -> None:
+    """A list flag given more than once (``--ratio 0.25 --ratio 0.5``) is refused with the one list it stands for:
+    the parser keeps the last, which would silently drop the others."""
+    for flag in flags:
+        values = [argv[i + 1] if arg == flag and i + 1 < len(argv) else arg.partition("=")[2]
+                  for i, arg in enumerate(argv) if arg == flag or arg.startswith(flag + "=")]
+        if len(values) > 1:
+            joined = ",".join(value.strip("[] ") for value in values)
+            raise ValueError(f"{flag} is given {len(values)} times ({', '.join(values)}); the parser keeps only the "
+                             f"last. Give them in one list: {flag} [{joined}]")
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``ompmoe`` command; a user error is one ``error:`` line on stderr and exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -726,6 +738,7 @@ def main(argv: list[str] | None = None) -> None:
         elif is_plain_help(argv):  # Lightning's full help, built once and then printed from the cache
             print_help(argv, command_cli if argv[0] in COMMANDS else lightning_cli)
         elif argv[0] in COMMANDS:
+            refuse_repeated_lists(argv, ("--ratio",) if argv[0] == "prune" else ())
             command_cli(argv)
         else:
             check_config_files(argv)

@@ -56,6 +56,17 @@ def test_prune_refuses_bad_ratios_before_any_work(tmp_path, ratio, message):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("ratios", [["--ratio", "0.25", "--ratio", "0.5"], ["--ratio=0.25", "--ratio", "[0.5]"]])
+def test_prune_refuses_a_repeated_ratio_before_any_work(tmp_path, ratios):
+    """The parser keeps the last of a repeated flag: two --ratio would silently plan only the last ratio."""
+    out = tmp_path / "plans"
+    shown = "0.25, 0.5" if ratios[0] == "--ratio" else "0.25, [0.5]"
+    assert cli_error(["prune", "--stats", str(tmp_path / "none"), *ratios, "--output_dir", str(out)]) == (
+        f"error: --ratio is given 2 times ({shown}); the parser keeps only the last. Give them in one list: "
+        "--ratio [0.25,0.5]")
+    assert not out.exists()
+
+
 def test_other_argument_errors_are_one_line(tmp_path):
     assert cli_error(["prune", "--stats", "x"]) == (
         "error: the following arguments are required: ratio, output_dir (see ompmoe prune --help)"
