@@ -68,6 +68,27 @@ def test_fit_gathers_the_same_statistics_as_collect_stats_and_prunes(tmp_path):
     assert not module.model.training
 
 
+def test_validate_before_fit_says_that_nothing_was_pruned_and_after_fit_runs_the_pruned_model(tmp_path):
+    callback = ExpertPruning(PruningStrategy(ratio=0.5))
+    module = WithValidation("tiny:olmoe")
+    loop = trainer(callbacks=[callback])
+    with pytest.warns(UserWarning) as warned:
+        loop.validate(module)
+    assert [str(each.message) for each in warned if "ExpertPruning" in str(each.message)] == [
+        "ExpertPruning prunes during trainer.fit (it calibrates on the fit's batches); trainer.validate runs the model "
+        "as it is, unpruned. Call trainer.fit first, or load a model it pruned with ompmoe.load_pruned."]
+    assert ompmoe.find_moe_layers(module.model)[0].num_experts == 16
+    loop.fit(module, DataLoader(batches(2), batch_size=2))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        loop.validate(module)
+    assert not [each for each in later if "ExpertPruning" in str(each.message)]
+    kept = [layer.num_kept for layer in callback.plan.layers]
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(module.model)] == kept and sum(kept) < 16 * len(kept)
+
+
 def test_padding_tokens_are_not_counted():
     block = batches(1, seq_len=48)[0]
     padded = {"input_ids": block["input_ids"].clone(), "attention_mask": block["attention_mask"].clone()}
