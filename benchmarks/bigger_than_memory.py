@@ -102,7 +102,7 @@ KIMI_QUANTIZATION = {
                     "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
                     "symmetric": True, "type": "int"}}},
     "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*mlp\\.gate$"],
+                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 """Kimi K2 Thinking's ``quantization_config``."""
 
@@ -460,7 +460,7 @@ def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bo
 
     import ompmoe
     from ompmoe.engine.export.config import load_stock_config
-    from ompmoe.engine.export.load import dequantized_loading
+    from ompmoe.engine.export.load import decompress_now
 
     config = load_stock_config(source)  # Kimi's kimi_k2 config as deepseek_v3
     config.num_hidden_layers = 2
@@ -471,8 +471,8 @@ def resident_slice_agrees(source: Path, blocks: list[torch.Tensor], stats) -> bo
             if file.name != "config.json":
                 os.symlink(file, Path(directory) / file.name)
         config.save_pretrained(directory)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, **dequantized_loading(config, {"dtype": torch.bfloat16, "config": config}))
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, config=config)
+    decompress_now(model)  # compressed-tensors: before the statistics' hooks replace forwards
     resident = ompmoe.collect_stats(model, blocks, progress=False)
     layered = ompmoe.MoEStats(layers=stats.layers[:2], num_tokens=stats.num_tokens, fingerprint=resident.fingerprint,
                               model_id=stats.model_id, model_type=stats.model_type)

@@ -107,12 +107,8 @@ class ExpertPruning(RunResults, pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":  # validate, test, predict: nothing to calibrate on; say so before the fit has pruned
-            if self.pruning.plan is None:
-                rank_zero_warn(f"ExpertPruning prunes during trainer.fit (it calibrates on the fit's batches); "
-                               f"trainer.{getattr(stage, 'value', stage)} runs the model as it is, unpruned. Call trainer.fit first, or load "
-                               "a model it pruned with ompmoe.load_pruned.")
-            return
+        if stage != "fit":  # validate, test, predict: nothing to calibrate on; said before the fit has pruned
+            return None if (unpruned := self.pruning.unpruned_line(stage)) is None else rank_zero_warn(unpruned)
         check_trainer_strategy(trainer.strategy)
         if (too_many := epochs_warning(trainer)) is not None and not self.pruning.options.layer_by_layer:
             rank_zero_warn(too_many)

@@ -20,8 +20,16 @@ INT4_EXPERTS = {  # Kimi K2 Thinking's: the routed experts in INT4, per group of
                     "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
                     "type": "int"}}},
     "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*mlp\\.gate$"],
+                                           "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+LINEAR_PLUS_ATTENTION = {  # an llm-compressor recipe: every linear in INT4 per group of 32, attention in INT8 per
+    "config_groups": {  # channel (a pattern ranks above the class name); the head and routers bf16
+        "group_0": INT4_EXPERTS["config_groups"]["group_0"],
+        "group_1": {"input_activations": None, "output_activations": None, "targets": ["re:.*self_attn\\..*"],
+                    "weights": {"dynamic": False, "num_bits": 8, "strategy": "channel", "symmetric": True,
+                                "type": "int"}}},
+    "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp\\.gate$"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 FP8_DYNAMIC = {  # llm-compressor's FP8_DYNAMIC: every linear but the head and routers in FP8 per channel
     "config_groups": {"group_0": {
         "input_activations": {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True,
@@ -47,7 +55,7 @@ MIXED = {  # two schemes, each group naming its modules: the routed experts in I
 def scheme_for(name: str, tensor: torch.Tensor, settings: dict) -> tuple[dict, str] | None:
     """The scheme and format ``settings`` stores the weight ``name`` with, by a literal rule per setting (``None``:
     full precision): INT4_EXPERTS the routed experts, FP8_DYNAMIC every linear but the head and routers, MIXED the
-    routed experts (INT4) and attention (FP8)."""
+    routed experts (INT4) and attention (FP8), LINEAR_PLUS_ATTENTION attention (INT8) and every other linear (INT4)."""
     linear = (name.endswith(".weight") and tensor.dim() == 2 and "embed_tokens" not in name
               and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
     groups = settings["config_groups"]
@@ -58,6 +66,9 @@ def scheme_for(name: str, tensor: torch.Tensor, settings: dict) -> tuple[dict, s
         return (groups[group]["weights"], groups[group]["format"]) if group else None
     if settings == INT4_EXPERTS and ".experts." not in name:
         return None
+    if settings == LINEAR_PLUS_ATTENTION:
+        group = "group_1" if ".self_attn." in name else "group_0"
+        return groups[group]["weights"], settings["format"]
     return groups["group_0"]["weights"], settings["format"]
 
 
@@ -67,13 +78,13 @@ def quantized_names(tensors: dict[str, torch.Tensor], settings: dict) -> list[st
 
 
 def compress(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
-    """``weight`` (``[rows, cols]``) stored as ``scheme`` stores it (suffix -> tensor): INT per group, packed with
-    compressed-tensors' own ``pack_to_int32``; FP8 per channel. Scales are the absolute maximum over the quantized
-    range, in bfloat16."""
+    """``weight`` (``[rows, cols]``) stored as ``scheme`` stores it (suffix -> tensor): INT per group or channel,
+    packed with compressed-tensors' own ``pack_to_int32``; FP8 per channel. Scales are the absolute maximum over the
+    quantized range, in bfloat16."""
     rows, cols = weight.shape
     values = weight.float()
     if scheme["type"] == "int":
-        size, bits = scheme["group_size"], scheme["num_bits"]
+        size, bits = scheme["group_size"] if scheme["strategy"] == "group" else cols, scheme["num_bits"]
         top = 2 ** (bits - 1) - 1
         groups = values.reshape(rows, cols // size, size)
         scale = (groups.abs().amax(-1) / top).clamp(min=1e-6).to(torch.bfloat16)

@@ -9,8 +9,8 @@ Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic req
 Layer-by-layer runs compute on the weights as compressed-tensors dequantizes them (``value * scale`` in the scale's
 dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
 stored. Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
-shapes; where compressed-tensors and transformers would read a weight differently, or a renumbered expert would be
-read with another scheme, ompmoe refuses. What would be read wrong (zero points, activation-ordered groups, static
+shapes; where compressed-tensors and transformers would read a weight differently ompmoe refuses, and so where a
+layer's routed experts are not all stored alike (a kept expert renumbered could then be read with another scheme). What would be read wrong (zero points, activation-ordered groups, static
 activation scales, sparsity, transforms, a KV-cache scheme, block-scaled FP8) is refused by name."""
 
 from __future__ import annotations
@@ -149,18 +149,6 @@ def ignored(module: str, settings: dict[str, Any]) -> bool:
                for entry in settings.get("ignore") or [])
 
 
-def renamed_problem(written: str, source: str, settings: dict[str, Any]) -> str | None:
-    """Why the weight ``source`` cannot be written as stored under the name ``written`` (a kept expert renumbered):
-    the config read under the new name would give it another scheme, or none; ``None`` when it reads the same."""
-    old, new = source.removesuffix(".weight"), written.removesuffix(".weight")
-    try:
-        same = _group_of(new, settings) == _group_of(old, settings) and ignored(new, settings) == ignored(old, settings)
-    except QuantizedCheckpointError:
-        same = False
-    return None if same else (f"{source} is written as {written}, which the checkpoint's quantization_config reads "
-                              "with another scheme (its targets or ignore list name experts by number)")
-
-
 def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """The signed integers (``int8``, ``[rows, cols]``) packed densely in ``packed`` (``int32`` ``[rows, words]``):
     value ``i`` of a row in bits ``i * bits ..`` of the row's little-endian bit stream, stored offset by
@@ -269,12 +257,13 @@ def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], setti
     for weight in [*packed, *fp8]:
         module = weight[:-len(".weight")]
         scheme = scheme_of(module, settings)
-        problem = _stored_problem(weight, headers, shapes, scheme, weight in packed)
+        problem = _stored_problem(weight, headers, shapes, scheme, weight in packed, settings)
         if problem:
             wrong.append(problem)
             continue
         pairs[weight] = ({PACKED: weight + PACKED, SCALE: weight + SCALE, SHAPE: weight + SHAPE} if weight in packed
                          else {"": weight, SCALE: weight + SCALE})
+    wrong.extend(_mixed_experts(headers))
     activations = sorted(name for name in headers if name.endswith(ACTIVATION_SCALES))
     wrong.extend(f"{name} (an activation scale calibrated for the unpruned model)" for name in activations[:1])
     if wrong:
@@ -283,12 +272,34 @@ def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], setti
     return pairs
 
 
+def _mixed_experts(headers: dict[str, str]) -> list[str]:
+    """The projections whose routed experts are stored some quantized (packed or FP8), some in full precision:
+    transformers reads a layer's experts with one scheme (such a checkpoint does not load), and a kept expert
+    renumbered would be read under another number's scheme."""
+    stored: dict[tuple[str, str], dict[int, bool]] = {}
+    for name, dtype in headers.items():
+        found = re.match(r"(.*\.experts)\.(\d+)\.(.+)\.weight(_packed)?$", name)
+        if found:
+            quantized = name.endswith(PACKED) or dtype.startswith("F8_")
+            stored.setdefault((found[1], found[3]), {})[int(found[2])] = quantized
+    problems = []
+    for (experts, projection), quantized in sorted(stored.items()):
+        plain = sorted(number for number, is_quantized in quantized.items() if not is_quantized)
+        if plain and len(plain) < len(quantized):
+            problems.append(f"{experts}.{{{', '.join(map(str, plain[:3]))}{', ...' if len(plain) > 3 else ''}}}."
+                            f"{projection} are stored in full precision and the layer's other experts quantized "
+                            "(transformers reads a layer's experts with one scheme)")
+    return problems
+
+
 def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list[int]], scheme: dict[str, Any],
-                    packed: bool) -> str | None:
+                    packed: bool, settings: dict[str, Any]) -> str | None:
     """What is wrong with how the files store ``weight`` for ``scheme`` (``None``: nothing)."""
     for suffix, what in REFUSED_SUFFIXES.items():
         if weight + suffix in headers:
             return f"{weight}{suffix} ({what})"
+    if ignored(weight.removesuffix(".weight"), settings):
+        return f"{weight} is stored quantized, but the quantization_config's ignore list names it"
     if (scheme.get("type") == "int") != packed:
         stored = "packed integers" if packed else f"FP8 ({headers[weight]})"
         return f"{weight} is stored as {stored} but its config group quantizes {scheme.get('type')} weights"
@@ -348,4 +359,4 @@ def describe(settings: dict[str, Any]) -> str:
 
 
 __all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "ignored", "pair_compressed",
-           "renamed_problem", "scheme_of", "stored_names", "unpack"]
+           "scheme_of", "stored_names", "unpack"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
-                             pair_stored, renamed_stored, stored_settings)
+                             pair_stored, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -341,10 +341,6 @@ class LazyCheckpoint:
                 if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
-            problem = renamed_stored(name, source, self.settings) if name != source else None
-            if problem:
-                raise QuantizedCheckpointError(f"{self.path}: {problem}; it cannot be written as stored. Prune its "
-                                               "full-precision checkpoint, or keep the experts it names by number.")
             parts = {suffix: self._read_stored(key, rows) for suffix, key in self.stored[source].items()}
             stored.update({name + suffix: tensor for suffix, tensor in parts.items()})
         return stored

@@ -40,6 +40,7 @@ from .apply.pruning import prune
 from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
 from .quantized_files import QuantizedCheckpointError
+from .record import CONFIG_KEY
 from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, stored_quantization
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
@@ -402,6 +403,15 @@ class PruningRun:
             return None
         return self.data.choice_blocks(num_blocks)
 
+    def unpruned_line(self, stage: Any) -> str | None:
+        """What a Trainer's ``stage`` (validate, test, predict) run before this run pruned the model is told: that
+        the model runs unpruned (the run calibrates on the fit's batches only); ``None`` once it has pruned."""
+        if self.plan is not None:
+            return None
+        return (f"{self.owner} prunes during trainer.fit (it calibrates on the fit's batches); "
+                f"trainer.{getattr(stage, 'value', stage)} runs the model as it is, unpruned. Call trainer.fit first, "
+                "or load a model it pruned with ompmoe.load_pruned.")
+
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
         """The compensation mode the run fits: the one asked, but none for a quantized checkpoint, whose kept tensors
@@ -417,7 +427,12 @@ class PruningRun:
                     f"(quant_method={method!r}); build it with ompmoe.engine.lazy_checkpoint.build_skeleton(config), "
                     "which builds it to compute on the weights dequantized (block FP8, MXFP4, compressed-tensors) or "
                     "refuses the format.")
-            fix = ("pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
+            record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+            per_layer = isinstance(record, dict) and not record.get("uniform", True)  # layer by layer cannot read it
+            fix = ("it was pruned to per-layer counts, which layer by layer cannot read: plan again from the "
+                   "statistics it was pruned with and prune its source (ompmoe prune --stats STATS --ratio R --model "
+                   "SOURCE)" if method in FORMATS and per_layer else
+                   "pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
                    "weights dequantized and writes the kept ones as stored" if method in FORMATS else
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .block_fp8 import SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales
-from .compressed_tensors_format import (CompressedSlice, compressed_tensors_settings, pair_compressed, renamed_problem,
-                                       scheme_of)
+from .compressed_tensors_format import CompressedSlice, compressed_tensors_settings, pair_compressed, scheme_of
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
@@ -109,12 +108,5 @@ def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, An
     return Mxfp4Slice(parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX])
 
 
-def renamed_stored(written: str, source: str, settings: dict[str, Any]) -> str | None:
-    """Why the quantized weight ``source`` cannot be written as stored under the name ``written`` (a kept expert
-    renumbered), else ``None``: only a format whose config names weights (compressed-tensors) can read it otherwise."""
-    return renamed_problem(written, source, settings) if settings["quant_method"] == "compressed-tensors" else None
-
-
 __all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
-           "dequantized_slice", "format_name", "pair_stored", "renamed_stored", "stored_quantization", "stored_settings",
-           "with_article"]
+           "dequantized_slice", "format_name", "pair_stored", "stored_quantization", "stored_settings", "with_article"]

@@ -22,17 +22,19 @@ from ompmoe.engine.names import shipped_model_path
 from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.tiny import tiny_model
 
-from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, MIXED, decompress, dequantized_checkpoint,
-                                          quantized_names, scheme_for, to_compressed)
+from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, LINEAR_PLUS_ATTENTION, MIXED, decompress,
+                                          dequantized_checkpoint, quantized_names, scheme_for, to_compressed)
 from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
                                    assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
 SOURCES = {"int4_experts": ("deepseek_v3", INT4_EXPERTS, {"n_routed_experts": 32}),
-           "fp8_dynamic": ("qwen3_moe", FP8_DYNAMIC, {}), "mixed": ("deepseek_v3", MIXED, {"n_routed_experts": 32})}
+           "fp8_dynamic": ("qwen3_moe", FP8_DYNAMIC, {}), "mixed": ("deepseek_v3", MIXED, {"n_routed_experts": 32}),
+           "linear_plus_attention": ("qwen3_moe", LINEAR_PLUS_ATTENTION, {})}
 """Kimi K2 Thinking's format on its architecture (DeepSeek-V3's; 32 experts, so that its plan's counts differ by
-layer), llm-compressor's FP8_DYNAMIC on Qwen3-MoE, and two schemes in one checkpoint (INT4 experts, FP8 attention)."""
+layer), llm-compressor's FP8_DYNAMIC on Qwen3-MoE, two schemes in one checkpoint (INT4 experts, FP8 attention), and
+a recipe whose second group takes attention from the first (INT8 per channel among INT4 per group)."""
 
 
 def _source(kind: str, tmp_path: Path) -> tuple[Path, Path]:
@@ -116,7 +118,8 @@ def test_a_compressed_tensors_checkpoint_prunes_layer_by_layer_into_its_own_form
                 ours, theirs = written[name + suffix], stored[origin + suffix]
                 assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), name + suffix
     described = {"int4_experts": "int4 per group of 32", "fp8_dynamic": "fp8 e4m3 per channel",
-                 "mixed": "fp8 e4m3 per channel; int4 per group of 32"}[kind]
+                 "mixed": "fp8 e4m3 per channel; int4 per group of 32",
+                 "linear_plus_attention": "int4 per group of 32; int8 per channel"}[kind]
     row = (f"| Weights dtype | compressed-tensors ({described}; the source's tensors as it stores them), the rest "
            "bfloat16 |")
     assert row in (tmp_path / "streamed" / "README.md").read_text()
@@ -172,14 +175,15 @@ def test_stock_transformers_runs_the_pruned_fp8_dynamic_checkpoint_as_the_source
 @pytest.mark.parametrize("kind", SOURCES)
 def test_load_pruned_reads_a_compressed_tensors_release_dequantized(kind, tmp_path):
     """The resident front doors load through ``ompmoe.load_pruned``: the release's packed int32 values and shapes are
-    the format's, not wrong weights, and transformers (with compressed-tensors) dequantizes every weight to the
-    values compressed-tensors reads, as it loads (a model left compressed until its first forward would wrap every
-    forward then)."""
+    the format's, not wrong weights, and transformers (with compressed-tensors) reads every weight as
+    compressed-tensors does, each with its own config group, decompressed as it loads (left compressed until its first
+    forward, that forward would wrap every module's forward, ompmoe's hooks included)."""
     source, dequantized = _source(kind, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours, theirs = ompmoe.load_pruned(source).state_dict(), ompmoe.load_pruned(dequantized).state_dict()
-    assert ours.keys() == theirs.keys()
+    assert theirs.keys() <= ours.keys()  # and the quantized linears' scales and shapes, which stock loading keeps
+    assert all(name.endswith(("weight_scale", "weight_shape")) for name in ours.keys() - theirs.keys())
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 
@@ -189,6 +193,14 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
     from test_cli import tiny_config
 
     source, _ = _source("int4_experts", tmp_path)
+    with pytest.raises(SystemExit):  # resident: transformers loads it quantized; refused with the fix
+        main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--model.model",
+              str(source)])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: ExpertPruning: the model was loaded quantized (quant_method='compressed-tensors'); pruning computes on "
+        "full-precision weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized "
+        "checkpoint's weights dequantized and writes the kept ones as stored.")
+    assert not (tmp_path / "run" / "model").exists()
     caplog.set_level("INFO")
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
           "--model.model", str(source)])
@@ -206,16 +218,17 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
     assert_both_commands_refuse_a_named_compensation(source, tmp_path / "run" / "stats.safetensors", tmp_path,
                                                      capsys, "compressed-tensors")
 
-    # pruned again, resident (per-layer counts: a skeleton cannot read them): it computes on the weights dequantized
-    # as transformers loads them and writes them in bf16, as block FP8 and MXFP4 do without their kernels
+    # pruned again: per-layer counts, which a skeleton cannot read, and stored quantized, which a resident run does
+    # not prune; the refusal says what to do instead (both refusals used to point at each other)
     (tmp_path / "twice").mkdir()
-    main(["fit", "-c", str(tiny_config(tmp_path / "twice")), "--trainer.enable_progress_bar=false", "--model.model",
-          str(tmp_path / "run" / "model"), "--compensation", "off"])
-    twice = ompmoe.PruningPlan.load(tmp_path / "twice" / "run" / "plan.json")
-    assert [layer.num_experts for layer in twice.layers] == [layer.num_kept for layer in plan.layers]
-    written = read_tensors(tmp_path / "twice" / "run" / "model")
-    assert all(tensor.is_floating_point() for tensor in written.values())
-    assert "quantization_config" not in json.loads((tmp_path / "twice" / "run" / "model" / "config.json").read_text())
+    with pytest.raises(SystemExit):
+        main(["fit", "-c", str(tiny_config(tmp_path / "twice")), "--trainer.enable_progress_bar=false",
+              "--model.model", str(tmp_path / "run" / "model")])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: ExpertPruning: the model was loaded quantized (quant_method='compressed-tensors'); pruning computes on "
+        "full-precision weights: it was pruned to per-layer counts, which layer by layer cannot read: plan again "
+        "from the statistics it was pruned with and prune its source (ompmoe prune --stats STATS --ratio R --model "
+        "SOURCE).")
 
 
 EXPERT = "model.layers.1.mlp.experts.0.down_proj.weight"
@@ -331,36 +344,38 @@ def test_what_compressed_tensors_leaves_aside_is_read(tmp_path):
     assert all(torch.equal(ours.gram, theirs.gram) for ours, theirs in zip(stats.layers, expected.layers))
 
 
-def test_an_expert_named_by_number_is_not_written_under_a_number_read_otherwise(tmp_path):
-    """An ignore list naming experts by number (experts 0 and 1's down projections kept in bf16): a kept expert
-    renumbered into 0 or 1 would be read as full precision from its packed tensors, so the writer refuses it, and
-    nothing is written."""
-    from ompmoe.engine.export.streamed import save_pruned_from_files
-
+def test_experts_stored_partly_quantized_or_quantized_but_ignored_are_refused_when_opened(tmp_path):
+    """An ignore list naming experts by number: experts 0 and 1's down projections kept in bf16 among INT4 ones
+    (transformers does not load such a layer, and a kept expert renumbered into 0 or 1 would be read as full
+    precision from its packed tensors), or a quantized expert the ignore list names."""
     source, dequantized = _source("int4_experts", tmp_path)
-    pattern = "re:.*experts\\.(0|1)\\.down_proj$"
     plain = read_tensors(dequantized)
 
-    def change(tensors: dict, config: dict) -> None:
-        config["quantization_config"]["ignore"].append(pattern)
+    def partly(tensors: dict, config: dict) -> None:
+        config["quantization_config"]["ignore"].append("re:.*experts\\.(0|1)\\.down_proj$")
         for name in [name for name in tensors if re.match(r".*experts\.(0|1)\.down_proj\.weight_", name)]:
             base = name[:name.index(".weight_") + len(".weight")]
             tensors.pop(name)
             tensors[base] = plain[base]
 
-    rewrite(source, change)
-    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
-    plan = ompmoe.plan_pruning(stats, 0.5)
-    renumbered = [(f"{layer}.experts.{expert}.down_proj.weight", f"{layer}.experts.{index}.down_proj.weight")
-                  for layer, kept in plan.kept_by_layer().items() for index, expert in enumerate(kept[:2]) if expert > 1]
-    assert renumbered  # the plan removes expert 0 or 1 somewhere
+    layers = [f"model.layers.{index}.mlp.experts" for index in (1, 2, 3)]
+    rewrite(source, partly)
     with pytest.raises(QuantizedCheckpointError) as refused:
-        save_pruned_from_files(source, plan, tmp_path / "pruned")
-    assert str(refused.value) in {
-        f"{source}: {origin} is written as {written}, which the checkpoint's quantization_config reads with another "
-        "scheme (its targets or ignore list name experts by number); it cannot be written as stored. Prune its "
-        "full-precision checkpoint, or keep the experts it names by number." for origin, written in renumbered}
-    assert not (tmp_path / "pruned").exists()
+        collect_stats_layerwise(source, BLOCKS, progress=False)
+    problems = "; ".join(f"{layer}.{{0, 1}}.down_proj are stored in full precision and the layer's other experts "
+                         "quantized (transformers reads a layer's experts with one scheme)" for layer in layers)
+    assert str(refused.value) == f"{source} stores compressed-tensors weights ompmoe cannot read: {problems}. {FIX}"
+
+    ignored = tmp_path / "ignored"
+    shutil.rmtree(source)
+    source, _ = _source("int4_experts", ignored)
+    rewrite(source, lambda tensors, config: config["quantization_config"]["ignore"].append(
+        "re:.*experts\\.0\\.down_proj$"))
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(source, BLOCKS, progress=False)
+    problems = "; ".join(f"{layer}.0.down_proj.weight is stored quantized, but the quantization_config's ignore list "
+                         "names it" for layer in layers)
+    assert str(refused.value) == f"{source} stores compressed-tensors weights ompmoe cannot read: {problems}. {FIX}"
 
 
 def _as_kimi_release(tensors: dict, config: dict) -> None:
@@ -393,6 +408,20 @@ def test_kimi_k2_thinking_as_released_prunes_as_deepseek_v3(tmp_path, capfd):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert type(ompmoe.load_pruned(kimi)).__name__ == "DeepseekV3ForCausalLM"
+    captured = capfd.readouterr()
+    assert "custom code" not in captured.out + captured.err
+
+    # Kimi's tokenizer is remote code (tiktoken): refused by name with what to pass instead, never run nor asked about
+    from ompmoe.engine.export.checkpoint import resolve_tokenizer
+
+    settings = json.loads((kimi / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="TikTokenTokenizer", auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer",
+                                                                                     None]})
+    (kimi / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError) as refused:
+        resolve_tokenizer(str(kimi), None)
+    assert ("; its tokenizer is remote code, which ompmoe does not run: pass one that loads without it (ompmoe fit "
+            "--model.tokenizer, ompmoe prune --tokenizer); pass a hub id") in str(refused.value)
     captured = capfd.readouterr()
     assert "custom code" not in captured.out + captured.err
 

@@ -70,8 +70,11 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
         return loaded
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for "no tokenizer here"
         if named:
+            remote = ("; its tokenizer is remote code, which ompmoe does not run: pass one that loads without it "
+                      "(ompmoe fit --model.tokenizer, ompmoe prune --tokenizer)" if "trust_remote_code" in str(error)
+                      else "")
             raise ValueError(
-                f"tokenizer={tokenizer!r} could not be loaded ({error}); pass a hub id, a local "
+                f"tokenizer={tokenizer!r} could not be loaded ({error}){remote}; pass a hub id, a local "
                 "directory with tokenizer files, or a tokenizer object."
             ) from error
     return None

@@ -103,7 +103,9 @@ def _aliased_config(path: str | os.PathLike) -> Any | None:
 
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
     """``AutoTokenizer.from_pretrained``, handed the stock config of a non-uniform pruned checkpoint or of an aliased
-    type (Kimi K2: so that transformers does not ask to run its config's remote code)."""
+    type (Kimi K2: so that transformers does not ask to run its config's remote code); a tokenizer's own remote code
+    runs only where ``trust_remote_code=True`` is passed (transformers would otherwise ask on a terminal)."""
+    kwargs.setdefault("trust_remote_code", False)
     config = (non_uniform_config(name) or _aliased_config(name)) if "config" not in kwargs else None
     if config is not None:
         kwargs["config"] = config

@@ -178,26 +178,27 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
                 if layer.num_experts != count:
                     attributes = architecture_of(self).count_attributes
                     _slice_layer(layer, torch.arange(count), attributes)
-                    if getattr(config, "quantization_config", None):  # FP8 experts are rebuilt from their config
+                    if quant_method(config) in ("fp8", "mxfp4"):  # their experts are rebuilt from their config
                         own_expert_count(layer.experts, count, config, attributes)
 
         cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
     _check_weight_shapes(path, cls, config)
     # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
-    kwargs = {**dequantized_loading(config, from_pretrained_kwargs), "ignore_mismatched_sizes": True}
+    kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
     model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
     check_loading_info(path, info)
     model.__class__ = base
+    decompress_now(model)
     restore_adaptive(model)
     return model
 
 
-def dequantized_loading(config: Any, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` with a compressed-tensors checkpoint read dequantized, unless they set a
-    ``quantization_config``: transformers otherwise keeps it compressed until its first forward, which then wraps every
-    module's ``forward`` and fails on those ompmoe replaces (the statistics' hooks, adaptive inference). Dequantized,
-    it computes in bf16 as transformers does block FP8 and MXFP4 without their kernels."""
-    if quant_method(config) != "compressed-tensors" or "quantization_config" in from_pretrained_kwargs:
-        return from_pretrained_kwargs
-    return {**from_pretrained_kwargs, "quantization_config": transformers.CompressedTensorsConfig(dequantize=True)}
-
+def decompress_now(model: nn.Module) -> None:
+    """A model transformers loaded from a compressed-tensors checkpoint is decompressed by compressed-tensors on its
+    first forward, which then wraps every module's ``forward`` and fails on those ompmoe replaces (the statistics'
+    hooks, adaptive inference): done here instead, as it loads, with the same function (so each weight reads with its
+    own config group, and FP8-dynamic's activation quantization stays, as stock ``from_pretrained`` runs it). Nothing
+    for other models, nor for one on the meta device (shapes only: it never runs)."""
+    on_meta = any(parameter.is_meta for parameter in model.parameters())
+    if getattr(model, "ct_decompress_hook", None) is not None and not on_meta:
+        model.hf_quantizer.compressor.decompress_model(model)
