@@ -10,8 +10,9 @@ Layer-by-layer runs compute on the weights as compressed-tensors dequantizes the
 dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
 stored. Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
 shapes; where compressed-tensors and transformers would read a weight differently ompmoe refuses, and so where a
-layer's routed experts are not all stored alike (a kept expert renumbered could then be read with another scheme). What would be read wrong (zero points, activation-ordered groups, static
-activation scales, sparsity, transforms, a KV-cache scheme, block-scaled FP8) is refused by name."""
+layer's routed experts are not all stored alike (a kept expert renumbered could then be read with another scheme).
+What would be read wrong (zero points, activation-ordered groups, static activation scales, sparsity, transforms, a
+KV-cache scheme, block-scaled FP8) is refused by name."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ REFUSED_SUFFIXES = {"_zero_point": "asymmetric zero points", "_g_idx": "activati
 """Tensors beside a weight that ompmoe does not apply, so a weight that has one is refused (what each means)."""
 FORMATS = {"int": "pack-quantized", "float": "float-quantized"}
 """The compressed-tensors format ompmoe reads for each weight type."""
-FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+SCALE_DTYPES = ("BF16", "F16", "F32")
 """The scales' safetensors dtypes (the dequantized values take theirs)."""
 ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".input_global_scale")
 """Static activation (or KV-cache) scales: calibrated on the unpruned model's activations, so refused."""
@@ -112,11 +113,6 @@ def scheme_of(module: str, settings: dict[str, Any]) -> dict[str, Any]:
     readers would disagree: two groups matching by pattern (compressed-tensors takes the alphabetically first
     pattern), or a routed expert outside the group transformers reads every routed expert with (the first whose
     ``re:`` targets name experts)."""
-    return settings["config_groups"][_group_of(module, settings)]["weights"]
-
-
-def _group_of(module: str, settings: dict[str, Any]) -> str:
-    """The name of the config group that quantizes ``module`` (:func:`scheme_of`)."""
     groups = settings.get("config_groups") or {}
     matched = [name for name, group in groups.items()
                if any(target.startswith("re:") and re.match(target[3:], module) for target in group.get("targets", []))]
@@ -139,7 +135,7 @@ def _group_of(module: str, settings: dict[str, Any]) -> str:
                 f"{module} is stored with config group {chosen!r}, but transformers reads every routed expert with "
                 f"group {theirs!r} (the first whose re: targets name experts): the checkpoint does not load as it is "
                 f"stored. {FIX}")
-    return chosen
+    return groups[chosen]["weights"]
 
 
 def ignored(module: str, settings: dict[str, Any]) -> bool:
@@ -306,10 +302,11 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
     scale = weight + SCALE
     if scale not in headers:
         return f"{weight} has no {scale}"
-    if headers[scale] not in FILE_DTYPES or (not packed and headers[scale] == "F16"):
-        return (f"{scale} is {headers[scale]}, not floating-point multipliers" if headers[scale] not in FILE_DTYPES
-                else f"{scale} is F16 (transformers and compressed-tensors round FP8 weights with half-precision scales "
-                     "differently; ompmoe reads bf16 or float32 scales)")
+    if headers[scale] not in SCALE_DTYPES:
+        return f"{scale} is {headers[scale]}, not floating-point multipliers"
+    if not packed and headers[scale] == "F16":
+        return (f"{scale} is F16 (transformers and compressed-tensors round FP8 weights with half-precision scales "
+                "differently; ompmoe reads bf16 or float32 scales)")
     if packed:
         stored = weight + PACKED
         if weight + SHAPE not in headers:
@@ -317,11 +314,10 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
         if headers[stored] != "I32" or len(shapes[stored]) != 2 or list(shapes[weight + SHAPE]) != [2]:
             return f"{stored} is {headers[stored]} {shapes[stored]}, not 2-D int32 words beside a [2] weight_shape"
         rows, words = shapes[stored]
-        cols = None
     else:
         if headers[weight] != "F8_E4M3" or len(shapes[weight]) != 2:
             return f"{weight} is {headers[weight]} {shapes[weight]}, not a 2-D FP8 (E4M3) weight"
-        rows, cols = shapes[weight]
+        rows = shapes[weight][0]
     strategy, grid = scheme["strategy"], list(shapes[scale])
     if strategy == "group":
         size, bits = int(scheme["group_size"]), int(scheme["num_bits"])

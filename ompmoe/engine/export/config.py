@@ -98,7 +98,7 @@ def _aliased_config(path: str | os.PathLike) -> Any | None:
     except (OSError, ValueError):
         return None
     aliased = isinstance(config_dict, dict) and config_dict.get("model_type") in MODEL_TYPE_ALIASES
-    return load_stock_config(path) if aliased else None
+    return checkpoint_config(path) if aliased else None
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
