@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ..data.sources import HubUnavailableError, hub_offline, hub_reachable, offline_mode
+from ..data.sources import HubUnavailableError, hub_offline
+from ..engine.hub import hub_reachable, offline_mode
 
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder"}
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
-import math
 import os
 import random
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from unittest import mock  # torch imports it anyway
 
 import torch
 
+from ..engine.hub import hub_reachable, offline_mode
 from ..engine.names import SHIPPED_TEXT_RECORD, corpus_record
 from . import CORPUS_DOMAINS, byte_tokens, corpus_documents, resolve_shipped, shipped_text, token_blocks
 
@@ -36,7 +35,6 @@ LOCAL_SUFFIXES: dict[str, str] = {
 _TOKENIZE_BATCH = 32  # documents tokenized per tokenizer call
 _TEXT_CHUNK = 64 * 1024  # characters of a .txt file read (and tokenized) at a time
 _TEXT_WINDOW_MAX = 16 * _TEXT_CHUNK  # a window without a cut point is cut here regardless
-_PROBE_TIMEOUT_S = 5.0  # one HEAD request to the hub before any download, no retries
 
 
 class HubUnavailableError(ConnectionError):
@@ -203,32 +201,6 @@ def local_format(path: str) -> str | None:
     """``text``, ``json`` or ``parquet`` by the file name's extension; ``None`` if unsupported."""
     matches = [suffix for suffix in LOCAL_SUFFIXES if Path(path).name.lower().endswith(suffix)]
     return LOCAL_SUFFIXES[max(matches, key=len)] if matches else None
-
-
-def offline_mode() -> bool:
-    """Offline mode as the environment says *now* (or as the hub libraries read it at import)."""
-    from huggingface_hub import constants  # a dependency of transformers
-
-    flags = (os.environ.get(var, "").upper() for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    return any(flag in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(constants.HF_HUB_OFFLINE)
-
-
-_ANSWER_KEPT_S = 60.0  # a hub that answered is taken as reachable this long: one probe for a name checked twice
-_ANSWERED: dict[str, float] = {}  # endpoint -> time.monotonic() of its last answer
-
-
-def hub_reachable() -> bool:
-    """One HEAD request to the hub endpoint (proxies honoured), no retries; none while its last answer is recent."""
-    from huggingface_hub import constants, get_session
-
-    if time.monotonic() - _ANSWERED.get(constants.ENDPOINT, -math.inf) < _ANSWER_KEPT_S:
-        return True
-    try:
-        get_session().head(constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
-    except Exception:  # any transport failure: DNS, refused, timeout, proxy
-        return False
-    _ANSWERED[constants.ENDPOINT] = time.monotonic()
-    return True
 
 
 def require_hub_model(repo_id: str) -> None:

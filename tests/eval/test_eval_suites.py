@@ -150,7 +150,8 @@ def _cli(subcommand: str, output: Path, *args: str) -> Run:
               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
               "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(output.parent),
               "--model.model", MODEL, "--model.dtype", DTYPE, "--data.batch_size", str(BATCH_SIZE),
-              "--data.bootstrap_iters", "0", "--data.log_samples", "true", "--data.output_path", str(output), *args])
+              "--data.bootstrap_iters", "0", "--data.log_samples", "true", "--data.output_path", str(output),
+              "--model.timing_repeats", "0", *args])  # no timing probe: tests/eval/test_eval.py tests it
     return Run(json.loads(output.read_text()), recorded["data"], recorded["raw"])
 
 

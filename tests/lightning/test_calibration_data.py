@@ -325,6 +325,7 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
     import huggingface_hub
 
     import ompmoe.data.sources as module
+    import ompmoe.engine.hub as hub
     from ompmoe.lightning.models import resolve_model
 
     heads = []
@@ -338,7 +339,7 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
                 raise ConnectionError("refused")
 
     session = Session()
-    monkeypatch.setattr(module, "_ANSWERED", {})
+    monkeypatch.setattr(hub, "_ANSWERED", {})
     monkeypatch.setattr(module, "offline_mode", lambda: False)
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename: None)
@@ -349,8 +350,8 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
     assert len(heads) == 2
     session.reachable = True
     assert [resolve_model("someone/moe") for _ in range(2)] == ["someone/moe", "someone/moe"]
-    assert len(heads) == 3 and heads[-1][1] == module._PROBE_TIMEOUT_S
-    module._ANSWERED[heads[-1][0]] -= module._ANSWER_KEPT_S  # the answer is now as old as it may be
+    assert len(heads) == 3 and heads[-1][1] == hub.PROBE_TIMEOUT_S
+    hub._ANSWERED[heads[-1][0]] -= hub.ANSWER_KEPT_S  # the answer is now as old as it may be
     session.reachable = False
     with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
         resolve_model("someone/moe")

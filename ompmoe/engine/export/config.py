@@ -9,6 +9,7 @@ from typing import Any
 
 import transformers
 
+from ..hub import cache_only_where_unreachable
 from ..adapters import MODEL_TYPE_ALIASES, ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
 from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY
 from ..lazy_checkpoint import checkpoint_config
@@ -104,9 +105,11 @@ def _aliased_config(path: str | os.PathLike) -> Any | None:
 def load_tokenizer(name: str | os.PathLike, **kwargs: Any) -> Any:
     """``AutoTokenizer.from_pretrained``, handed the stock config of a non-uniform pruned checkpoint or of an aliased
     type (Kimi K2: so that transformers does not ask to run its config's remote code); a tokenizer's own remote code
-    runs only where ``trust_remote_code=True`` is passed (transformers would otherwise ask on a terminal)."""
+    runs only where ``trust_remote_code=True`` is passed (transformers would otherwise ask on a terminal). A hub id is
+    read from the cache alone where the hub does not answer (no minute of retries)."""
     kwargs.setdefault("trust_remote_code", False)
     config = (non_uniform_config(name) or _aliased_config(name)) if "config" not in kwargs else None
     if config is not None:
         kwargs["config"] = config
-    return transformers.AutoTokenizer.from_pretrained(name, **kwargs)
+    with cache_only_where_unreachable(name):
+        return transformers.AutoTokenizer.from_pretrained(name, **kwargs)

@@ -19,6 +19,7 @@ from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
 from ..block_fp8 import SCALE_SUFFIX, block_size
 from ..compressed_tensors_format import stored_names as compressed_stored_names
+from ..hub import cache_only_where_unreachable
 from ..mxfp4 import stored_names as mxfp4_stored_names
 from ..quantized_files import QuantizedCheckpointError
 from ..stored_formats import stored_settings
@@ -154,7 +155,13 @@ def _integer_tensors(model_class: type, config: Any) -> set[str]:
 def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model saved after :func:`prune`, whatever number of experts each layer kept (a never-pruned one as usual),
     with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
-    off unless ``trust_remote_code=True``."""
+    off unless ``trust_remote_code=True``. A cached hub model is read from the cache alone where the hub does not
+    answer (the hub libraries would retry each file for about 23 s)."""
+    with cache_only_where_unreachable(path):
+        return _load_pruned(path, **from_pretrained_kwargs)
+
+
+def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
     require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
