@@ -321,6 +321,17 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
     return None
 
 
+def _sibling_blocks(names: list[str]) -> tuple[str, list[str]] | None:
+    """The first module holding several sparse blocks of ``names`` as named attributes (their parent), with those
+    names; ``None`` where each sparse block stands alone (the decoder layers of a list are not siblings)."""
+    children: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        if not child.isdigit():
+            children.setdefault(parent, []).append(child)
+    return next(((clean_module_name(parent), found) for parent, found in children.items() if len(found) > 1), None)
+
+
 def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     """The facts of an unregistered model type, read off its modules: the sparse blocks (a router and a fused
     ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
@@ -331,8 +342,17 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
     fix = (f"; if the model has routed experts, register the fact with ompmoe.register_architecture({model_type!r}, "
            "ompmoe.ArchitectureSpec(...)) (docs/methods.md, \"How an architecture is recognized\")")
-    fused = [module for _, module in text_decoder_modules(model) if _is_fused_experts(getattr(module, "experts", None))]
+    named = [(name, module) for name, module in text_decoder_modules(model)
+             if _is_fused_experts(getattr(module, "experts", None))]
+    fused = [module for _, module in named]
     blocks = [block for block in fused if (router := _router_of(block)) is None or not routes_by_token_id(router)]
+    if (paired := _sibling_blocks([name for name, _ in named])) is not None:
+        parent, children = paired
+        raise UnsupportedModelError(
+            cannot + f"{parent} holds {len(children)} sparse blocks ({', '.join(children)}), each routing its own "
+            "tokens (ERNIE-4.5-VL: text tokens to one, image and video tokens to the other) into one router-logits "
+            "tensor of one expert count: text calibration measures only the text experts, and a text block pruned "
+            "alone no longer fits the other one (inputs with images would fail)")
     if fused and not blocks:
         raise UnsupportedModelError(cannot + "every sparse block routes by token id (a fixed table, never pruned)")
     if not blocks:

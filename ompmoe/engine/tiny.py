@@ -48,6 +48,22 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "dots3_note_vision_encoder": dict(pyramid_num_routed=[4], num_experts_per_tok=2),  # a vision MoE, left alone
     "dots3_note_text": dict(num_key_value_heads=4, n_group=2, topk_group=1),
     "ernie4_5_moe": dict(moe_k=2),
+    "glm4v_moe_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                            "mrope_section": [2, 1, 1]}),  # sums to head_dim * 0.5 / 2
+    "mistral_large4_text": dict(_MLA, qk_head_dim=16, index_head_dim=16, index_n_heads=2, no_rope_layers=[1, 1, 0],
+                                kv_source_layers=[0, 1, 2]),
+    "ernie4_5_vl_moe_text": dict(moe_k=2, moe_intermediate_size=[32, 16], mlp_layer_types=["dense", "sparse", "sparse"],
+                                 rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [3, 3, 2]}),
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
+    "glm5_next_text": dict(_MLA, qk_rope_head_dim=0, qk_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=0,
+                           mlp_layer_types=["dense", "sparse", "sparse"], index_head_dim=16, index_n_heads=2,
+                           index_topk=16, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+                           indexer_types=["full"] * 3, linear_head_dim=16, linear_num_heads=4),
+    "muse_spark_text": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            layer_rope_theta=[5e5, 0, 5e5], mlp_layer_types=["sparse"] * 3, moe_hidden_size=32),
+    "muse_spark_vision": dict(layer_types=["full_attention"]),
+    "muse_spark_audio": dict(patch_sizes=[16], hidden_sizes=[32], depths=[1]),
+    "inkling_vision": dict(n_layers=2),  # 24 by default: a 1.5 TB tower
     "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=256),
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
     "glm_moe_dsa": dict(_MLA, mlp_layer_types=["dense", "sparse", "sparse"]),
@@ -80,7 +96,7 @@ _TOWER: dict[str, Any] = dict(
     depth=1, num_hidden_layers=1, num_layers=1, hidden_size=32, num_heads=2, num_attention_heads=2,
     num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32, encoder_layers=1, d_model=32,
     encoder_attention_heads=2, encoder_ffn_dim=64, downsample_hidden_size=16, adapter_in_dim=32, adapter_input_size=32,
-    **dict.fromkeys(("out_hidden_size", "output_dim", "adapter_out_dim"), _GENERIC["hidden_size"]))
+    **dict.fromkeys(("out_hidden_size", "output_dim", "adapter_out_dim", "text_hidden_size"), _GENERIC["hidden_size"]))
 """Applied to a multimodal container's vision or audio sub-configs, each key only where the config has it: towers
 text calibration never runs, small enough to build in milliseconds."""
 

@@ -28,22 +28,10 @@ REFUSED = {
 """Types ompmoe refuses, with the reason it gives (docs/methods.md says what each would need)."""
 MULTIMODAL_REFUSED = {
     "diffusion_gemma": "cannot tell how many experts DiffusionGemmaTextRouter picks per token",
+    "ernie4_5_vl_moe": "model.language_model.layers.1.mlp holds 2 sparse blocks (text_moe, vision_moe)",
     "step3p7": "no module holds a transformers-5 fused experts module",
 }
 """Multimodal-only containers ompmoe refuses, with the reason it gives."""
-NO_TINY_CONFIG = {
-    "deepseek_ocr2": "text config without mlp_layer_types",
-    "ernie4_5_vl_moe": "moe_intermediate_size per modality",
-    "glm4v_moe": "mrope_section of the default head_dim",
-    "glm5_next": "architecture validator",
-    "inkling2": "architecture validator",
-    "inkling2_loop": "architecture validator",
-    "inkling_mm_model": "a default tower of 1.5 TB",
-    "mistral_large4": "attention sizes of the default",
-    "muse_spark": "architecture validator",
-}
-"""Multimodal containers whose tiny config is not derived from their defaults yet (a test-fixture limit, not
-ompmoe's): skipped with this reason in the test id."""
 MULTIMODAL = moe_model_types(multimodal=True)
 NOT_BIT_EQUAL = {"minimax_m3_vl_text": 1e-6}
 """Reloaded logits equal only to float32 rounding (weights, buffers and kernels equal; 1.5e-7 apart)."""
@@ -85,22 +73,18 @@ def _literal_sums(layer, router_args, experts_args):
 
 
 def _case(model_type: str) -> object:
-    if model_type in NO_TINY_CONFIG:
-        reason = NO_TINY_CONFIG[model_type]
-        return pytest.param(model_type, id=f"{model_type}-no-tiny-config-{reason.split()[0]}",
-                            marks=pytest.mark.skip(reason=f"tiny config not derived: {reason}"))
     refused = model_type in REFUSED or model_type in MULTIMODAL_REFUSED
     return pytest.param(model_type, id=f"{model_type}-refused" if refused else model_type)
 
 
 def test_the_matrix_covers_every_moe_type_of_transformers():
     assert len(TYPES) >= 60 and {"qwen3_moe", "mixtral", "minimax", "glm4_moe_lite", "gemma4"} <= set(TYPES)
-    assert set(REFUSED) <= set(TYPES) and {*MULTIMODAL_REFUSED, *NO_TINY_CONFIG} <= set(MULTIMODAL)
+    assert set(REFUSED) <= set(TYPES) and set(MULTIMODAL_REFUSED) <= set(MULTIMODAL)
     assert not set(MULTIMODAL) & set(TYPES) and {"qwen3_vl_moe", "aria"} <= set(MULTIMODAL)
     supported = [t for t in TYPES if t not in REFUSED]
     assert len(supported) >= 58, supported  # 2026-11-28, transformers 5.24: 58 of 63 causal-LM MoE types (92 %)
-    containers = [t for t in MULTIMODAL if t not in {*MULTIMODAL_REFUSED, *NO_TINY_CONFIG}]
-    assert len(containers) >= 6, containers  # and 4 containers among the causal-LM types (gemma4, ...)
+    containers = [t for t in MULTIMODAL if t not in MULTIMODAL_REFUSED]
+    assert len(containers) >= 14, containers  # and 4 containers among the causal-LM types (gemma4, ...)
 
 
 @pytest.mark.parametrize("model_type", [_case(t) for t in TYPES + MULTIMODAL])
@@ -156,7 +140,7 @@ def test_the_readme_lists_what_this_matrix_checks():
 
     assert listed("recognized-types") == [t for t in TYPES if t not in {*REFUSED, *ARCHITECTURES}]
     assert listed("refused-types") == sorted(REFUSED)
-    assert listed("multimodal-types") == [t for t in MULTIMODAL if t not in {*MULTIMODAL_REFUSED, *NO_TINY_CONFIG}]
+    assert listed("multimodal-types") == [t for t in MULTIMODAL if t not in MULTIMODAL_REFUSED]
 
 
 def test_a_routing_bias_kept_on_the_block_is_cut_with_the_router_in_every_step(tmp_path):
@@ -251,7 +235,7 @@ def test_a_pruned_checkpoint_loads_in_stock_transformers_in_a_fresh_process(mode
 
 
 @pytest.mark.parametrize("model_type", [t for t in TYPES + MULTIMODAL
-                                        if t not in {*REFUSED, *MULTIMODAL_REFUSED, *NO_TINY_CONFIG}])
+                                        if t not in {*REFUSED, *MULTIMODAL_REFUSED}])
 def test_each_moe_type_is_recognized_on_its_skeleton_as_on_the_model(model_type, monkeypatch):
     """Layer by layer, a fresh process recognizes the architecture on the weightless skeleton (meta weights beside
     real buffers, which its router is probed with): the facts read off the model with weights."""

@@ -20,12 +20,12 @@ from ompmoe.engine.lazy_checkpoint import checkpoint_files
 from ompmoe.engine.names import SHIPPED_MODELS, shipped_model_path
 from ompmoe.engine.tiny import tiny_model
 
-from test_every_moe import MULTIMODAL, MULTIMODAL_REFUSED, NO_TINY_CONFIG, REFUSED, TYPES
+from test_every_moe import MULTIMODAL, MULTIMODAL_REFUSED, REFUSED, TYPES
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
-PASS_STATE = {"glm_moe_dsa", "hy_v4", "hy_v4_vl", "zaya"}
+PASS_STATE = {"glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4", "zaya"}
 """Types whose decoder layers hand more than the hidden states to the next layer: refused layer by layer."""
-SUPPORTED = [t for t in TYPES + MULTIMODAL if t not in {*REFUSED, *MULTIMODAL_REFUSED, *NO_TINY_CONFIG}]
+SUPPORTED = [t for t in TYPES + MULTIMODAL if t not in {*REFUSED, *MULTIMODAL_REFUSED}]
 
 
 def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
