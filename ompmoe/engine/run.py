@@ -22,7 +22,7 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
-from .apply.compensation import Compensation, record_compensation
+from .apply.compensation import Compensation, CompensationError, check_foldable, record_compensation
 from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
@@ -303,7 +303,7 @@ class PruningRun:
         self.source: str | None = None
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
-        self.stored_line: str | None = None
+        self.no_compensation_line: str | None = None
         """What a quantized checkpoint's run leaves out (:meth:`_compensation_for_files`)."""
         self.layer_device: torch.device | str = "cpu"
         """Where a layer-by-layer run computes its layers (:meth:`collect_layer_by_layer`'s ``device``)."""
@@ -359,7 +359,7 @@ class PruningRun:
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
-        mode = self._compensation_for_files(model, asked)
+        mode = self._compensation_for_experts(model, self._compensation_for_files(model, asked), asked)
         self.compensation_granularity = run_granularity(mode, asked, model, per_layer=options.layer_by_layer)
         self.checks_compensation = checks_compensation(mode, asked)
         self.calibration_data = calibration_data(data)
@@ -415,7 +415,7 @@ class PruningRun:
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
         """The compensation mode the run fits: the one asked, but none for a quantized checkpoint, whose kept tensors
-        are written as stored (``auto`` then fits none and :attr:`stored_line` says so; one named is refused here,
+        are written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused here,
         before any work). A model transformers loaded quantized is refused too (prune computes on full precision).
         """
         mode, stored = self.options.compensation, stored_quantization(model)
@@ -442,9 +442,26 @@ class PruningRun:
         if mode != "auto":
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=self._model_name(model),
                                                                       format=format_name(stored)))
-        self.stored_line = (f"ompmoe: the checkpoint stores {format_name(stored)} weights, written as stored: auto "
+        self.no_compensation_line = (f"ompmoe: the checkpoint stores {format_name(stored)} weights, written as stored: auto "
                             "fits no compensation (its refit would change them)")
         return "off"
+
+    def _compensation_for_experts(self, model: nn.Module, mode: str, strategy: Strategy) -> str:
+        """``mode``, but none where the experts' down projection, which every correction folds into, cannot take one
+        (each expert's output normalized after it: MuseSpark): ``auto`` then fits none and
+        :attr:`no_compensation_line` says so; one named is refused here, before any work."""
+        if compensation_granularity(mode, strategy) is None:
+            return mode
+        try:
+            for layer in find_moe_layers(model):
+                check_foldable(layer)
+        except CompensationError as error:
+            if mode != "auto":
+                raise
+            why = str(error).removesuffix("; run without compensation.").removesuffix(" Run without compensation.")
+            self.no_compensation_line = f"ompmoe: auto fits no compensation: {why}"
+            return "off"
+        return mode
 
     @staticmethod
     def _model_name(model: nn.Module) -> str:
@@ -566,7 +583,7 @@ class PruningRun:
         context.log_metrics(plan_metrics(plan))
         for line in self.summary_lines():
             context.print(line)
-        for line in (self.layer_by_layer_line, self.stored_line):
+        for line in (self.layer_by_layer_line, self.no_compensation_line):
             if line is not None:
                 context.print(line)
         if measured_line is not None:

@@ -34,6 +34,8 @@ _GENERIC: dict[str, Any] = dict(
 _MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
             num_key_value_heads=4)
 _HYBRID = ["linear_attention", "full_attention", "linear_attention"]
+_SHARED_TOPK = dict(index_topk=4, indexer_types=["full", "shared", "full"])
+"""DSA indexers that keep fewer tokens than a test block has, one layer reusing the previous layer's choice."""
 GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "axk1": dict(_MLA, n_group=2, topk_group=1),
     "axk2": dict(_MLA),
@@ -51,14 +53,15 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "glm4v_moe_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                             "mrope_section": [2, 1, 1]}),  # sums to head_dim * 0.5 / 2
     "mistral_large4_text": dict(_MLA, qk_head_dim=16, index_head_dim=16, index_n_heads=2, no_rope_layers=[1, 1, 0],
-                                kv_source_layers=[0, 1, 2]),
+                                kv_source_layers=[0, 0, 2], **_SHARED_TOPK),  # layer 1 reuses layer 0's keys too
     "ernie4_5_vl_moe_text": dict(moe_k=2, moe_intermediate_size=[32, 16], mlp_layer_types=["dense", "sparse", "sparse"],
                                  rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [3, 3, 2]}),
     "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
     "glm5_next_text": dict(_MLA, qk_rope_head_dim=0, qk_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=0,
                            mlp_layer_types=["dense", "sparse", "sparse"], index_head_dim=16, index_n_heads=2,
-                           index_topk=16, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
-                           indexer_types=["full"] * 3, linear_head_dim=16, linear_num_heads=4),
+                           index_topk=8, index_kpool=4, indexer_types=_SHARED_TOPK["indexer_types"],
+                           layer_types=["indexed_attention", "indexed_attention", "linear_attention"],
+                           linear_head_dim=16, linear_num_heads=4),
     "muse_spark_text": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                             layer_rope_theta=[5e5, 0, 5e5], mlp_layer_types=["sparse"] * 3, moe_hidden_size=32),
     "muse_spark_vision": dict(layer_types=["full_attention"]),
@@ -66,7 +69,7 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "inkling_vision": dict(n_layers=2),  # 24 by default: a 1.5 TB tower
     "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=256),
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
-    "glm_moe_dsa": dict(_MLA, mlp_layer_types=["dense", "sparse", "sparse"]),
+    "glm_moe_dsa": dict(_MLA, mlp_layer_types=["dense", "sparse", "sparse"], **_SHARED_TOPK),
     "granitemoehybrid": dict(layer_types=_HYBRID, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                              mamba_chunk_size=16),
     "hunyuan_v1_moe": dict(moe_topk=2),

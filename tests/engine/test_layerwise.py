@@ -23,8 +23,6 @@ from ompmoe.engine.tiny import tiny_model
 from test_every_moe import MULTIMODAL, MULTIMODAL_REFUSED, REFUSED, TYPES
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
-PASS_STATE = {"glm5_next", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "mistral_large4", "zaya"}
-"""Types whose decoder layers hand more than the hidden states to the next layer: refused layer by layer."""
 SUPPORTED = [t for t in TYPES + MULTIMODAL if t not in {*REFUSED, *MULTIMODAL_REFUSED}]
 
 
@@ -69,17 +67,31 @@ def test_layer_by_layer_statistics_and_the_streamed_checkpoint_equal_the_residen
         ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
         save_pruned_from_files(tmp_path / "source", plan, tmp_path / "streamed", tokenizer=tokenizer)
     assert_same_checkpoint(tmp_path / "resident", tmp_path / "streamed")
-    if model_type in PASS_STATE:
-        with pytest.raises(LayerwiseUnsupportedError) as refused:  # the indexer's top-k, Zaya's router state
-            collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
-        assert str(refused.value).startswith(f"{type(model).__name__}'s decoder layers pass more than the hidden "
-                                             "states on to the next layer (its forward failed after ")
-        assert str(refused.value).endswith("layer-by-layer calibration cannot run them one at a time. Calibrate it "
-                                           "resident instead.")
-        return
     layered = collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
     assert_same_statistics(resident, layered)
     assert ompmoe.plan_pruning(layered, 0.5, allocation="waterfill").kept_by_layer() == plan.kept_by_layer()
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_layers_that_pass_on_state_ompmoe_does_not_carry_are_refused_whatever_the_batch(batch, tmp_path, monkeypatch):
+    """GLM-5's layers return (hidden states, the indexer's top-k) and the next one takes the top-k; with that state
+    not carried, the model's forward unpacks the recorder's bare hidden states. Three blocks a batch fail to unpack;
+    two unpacked into two tensors and ran on, which replaying would have fed wrong inputs: both are refused."""
+    import ompmoe.engine.collect.layerwise as layerwise
+
+    model = tiny_model("glm_moe_dsa", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "source")
+    monkeypatch.setattr(layerwise, "CARRIED_STATE", ("prev_router_hidden_states",))
+    blocks = [torch.randint(3, 250, (batch, 16), generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(LayerwiseUnsupportedError) as refused:
+        collect_stats_layerwise(tmp_path / "source", blocks, progress=False)
+    said = {2: "GlmMoeDsaForCausalLM's forward does not hand decoder layer 0's hidden states to layer 1 as they are (it "
+               "changes them between layers, or its layers pass on more than ompmoe carries: "
+               "prev_router_hidden_states); ",
+            3: "GlmMoeDsaForCausalLM's decoder layers pass more than the hidden states on to the next layer (its "
+               "forward failed after 1 of 3 layers: ValueError: too many values to unpack (expected 2)); "}[batch]
+    assert str(refused.value) == said + ("layer-by-layer calibration cannot run them one at a time. Calibrate it "
+                                         "resident instead.")
 
 
 @pytest.mark.parametrize("name", SHIPPED_MODELS)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import ompmoe
 from ompmoe.engine.collect.collector import StatisticsCollector
-from ompmoe.engine.apply.compensation import compensate, compensated_view, fitting_tokens
+from ompmoe.engine.apply.compensation import CompensationError, compensate, compensated_view, fitting_tokens
 from ompmoe.engine.perplexity import perplexity
 from ompmoe.engine.apply.compensation_step import compensation_line, fit_compensation, fitting_text
 from ompmoe.engine.apply.down_refit import DOWN_ALPHAS, compensate_down, down_fitting_tokens, refit_down
@@ -135,6 +135,34 @@ def test_a_calibration_fed_inputs_embeds_is_pruned_without_compensation_and_the_
                                               "checked": "the calibration fed inputs_embeds, no token ids to fit on"}
     expected = ompmoe.prune(copy.deepcopy(original), run.plan)
     torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+
+
+POST_NORM = ("model.language_model.layers.0.mlp.experts normalizes each expert's output after its down projection, "
+             "so a correction there does not reach the output")
+
+
+def test_experts_normalized_after_the_down_projection_get_no_compensation_from_auto_and_a_named_one_is_refused(blocks,
+                                                                                                               choice):
+    """MuseSpark normalizes each expert's output after the down projection every correction folds into: ``auto``
+    failed after calibrating (the fit refused at the end); it now fits none and says why, and a granularity asked for
+    is refused before the collector exists."""
+    model = tiny_model("muse_spark")
+    original = copy.deepcopy(model)
+    lines: list[str] = []
+    auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
+    run = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, strategy=auto))
+    context = ompmoe.LocalContext(print=lines.append)
+    run.start(model, context, model_id="tiny:muse_spark", data=SimpleNamespace(choice_blocks=lambda n=None: choice))
+    run.collect(blocks.split(4))
+    run.finish(context)
+    assert f"ompmoe: auto fits no compensation: {POST_NORM}" in lines and "compensation" not in run.plan.extra
+    expected = ompmoe.prune(copy.deepcopy(original), run.plan)
+    torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
+    for granularity in ("linear", "down", "expert"):
+        named = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, compensation=granularity))
+        with pytest.raises(CompensationError) as refused:
+            named.start(copy.deepcopy(original), context, model_id="tiny:muse_spark")
+        assert str(refused.value) == f"{POST_NORM}; run without compensation." and named.collector is None
 
 
 def test_an_unknown_mode_is_refused_at_construction_naming_the_modes():

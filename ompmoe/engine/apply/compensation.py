@@ -311,6 +311,12 @@ def check_compensable(model: nn.Module, plan: PruningPlan) -> list[MoELayer]:
     return layers
 
 
+def check_foldable(layer: MoELayer) -> None:
+    """Refuse a layer whose experts' fused down projection cannot take a correction: every granularity folds there
+    (no 3-D ``down_proj`` indexed by expert, or each expert's output normalized after it: MuseSpark)."""
+    _down_projection(layer)
+
+
 def _down_projection(layer: MoELayer) -> tuple[nn.Parameter, nn.Parameter | None]:
     """The fused down projection (and its bias) of a layer's experts, indexed by expert on the first axis."""
     experts = layer.experts
@@ -815,7 +821,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     return Compensation(scales, kept, compensation_record(sums, scales, granularity, ridge))
 
 
-__all__ = ["Compensation", "CompensationError", "CompensationSums", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
+__all__ = ["Compensation", "CompensationError", "CompensationSums", "check_foldable", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
            "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
            "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensate_layer",
            "compensated_view", "compensation_record", "corrected_rows", "layer_summary", "record_compensation",

@@ -3,10 +3,13 @@ block's hidden states go through layer l, then layer l + 1, each layer's weights
 freed after it; memory holds two layers (the one computing, the next being read) and the hidden states.
 
 The sums are the resident pass's: the same collector hooks on the same expert modules see the same inputs (the
-layers run as the model's own forward calls them, with the keyword arguments it passes them, recorded once)."""
+layers run as the model's own forward calls them, with the keyword arguments it passes them, recorded once, and
+with the state a layer hands the next one beside its hidden states: :data:`CARRIED_STATE`)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +32,19 @@ LAYERWISE_REFUSED_STATISTICS = {
 """Optional statistics layer-by-layer calibration cannot gather, with why and what runs instead."""
 
 
+CARRIED_STATE = ("prev_topk_indices", "prev_router_hidden_states")
+"""Decoder-layer arguments that take the previous layer's second output, which such a layer returns beside its hidden
+states: the top-k of the DSA indexers a layer may reuse (GLM-5, GLM-5-Next, Mistral Large 4, HY-V4) and Zaya's
+router state. Layer by layer hands each layer's to the next, as the model's forward does."""
+
+
+def carried_state(layer: nn.Module) -> tuple[str, int] | None:
+    """``(name, position)`` of ``layer``'s argument of :data:`CARRIED_STATE` (its position among the forward's
+    arguments after ``self``), or ``None`` for a layer that returns its hidden states alone."""
+    names = list(inspect.signature(type(layer).forward).parameters)[1:]
+    return next(((name, names.index(name)) for name in CARRIED_STATE if name in names), None)
+
+
 class LayerwiseUnsupportedError(ValueError):
     """A model whose decoder layers cannot run one at a time from recorded inputs."""
 
@@ -37,25 +53,41 @@ class _Recorded(Exception):
     """Raised by the last layer's recorder: the rest of the forward is not needed."""
 
 
+class _NotHandedOn(Exception):
+    """Raised by a layer's recorder given other hidden states than the previous recorder returned."""
+
+
 def _record_layer_calls(model: nn.Module, layers: nn.ModuleList, inputs: dict[str, torch.Tensor]
                         ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """The ``(args, kwargs)`` the model's forward calls each decoder layer with on ``inputs`` (masks, position
-    embeddings, ...; the hidden states only of the first layer are real), without running any layer."""
+    embeddings, ...; the hidden states and the carried state only of the first layer are real), without running
+    any layer."""
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    handed: list[torch.Tensor] = []  # what each recorder returned as the hidden states
 
-    def recorder(*args: Any, **kwargs: Any) -> Any:
+    def recorder(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
+        hidden = _hidden_of((args, kwargs))
+        if handed and hidden is not handed[-1]:  # replaying would feed the layer what the model did not
+            raise _NotHandedOn
         calls.append((args, kwargs))
         if len(calls) == len(layers):
             raise _Recorded
-        return _hidden_of((args, kwargs))
+        handed.append(hidden)
+        return (hidden, None) if carries else hidden
 
     for layer in layers:
-        layer.forward = recorder
+        layer.forward = functools.partial(recorder, carries=carried_state(layer) is not None)
     try:
         with torch.no_grad():
             model(**inputs, use_cache=False)
     except _Recorded:
         pass
+    except _NotHandedOn:
+        raise LayerwiseUnsupportedError(
+            f"{type(model).__name__}'s forward does not hand decoder layer {len(calls) - 1}'s hidden states to layer "
+            f"{len(calls)} as they are (it changes them between layers, or its layers pass on more than ompmoe "
+            f"carries: {', '.join(CARRIED_STATE)}); layer-by-layer calibration cannot run them one at a time. "
+            "Calibrate it resident instead.") from None
     except Exception as error:  # noqa: BLE001 - a forward that needs more of its layers than their hidden states
         raise LayerwiseUnsupportedError(
             f"{type(model).__name__}'s decoder layers pass more than the hidden states on to the next layer (its "
@@ -83,6 +115,15 @@ def _with_hidden(call: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Ten
     return args, {**kwargs, "hidden_states": hidden}
 
 
+def _with_state(call: tuple[tuple[Any, ...], dict[str, Any]], argument: tuple[str, int], state: Any
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``call`` with its carried-state argument (``(name, position)``, :func:`carried_state`) set to ``state``."""
+    (args, kwargs), (name, position) = call, argument
+    if name in kwargs or position >= len(args):
+        return args, {**kwargs, name: state}
+    return (*args[:position], state, *args[position + 1:]), kwargs
+
+
 class LayerMajor:
     """Named sets of token batches (streams) carried through a checkpoint's decoder layers one layer at a time, in
     layer-major order: :meth:`each_layer` reads each layer once (the next one while this one computes) and frees it
@@ -97,6 +138,7 @@ class LayerMajor:
         self.dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.device, self.hidden_device = torch.device(device), torch.device(hidden_device or device)
         self.prefix, self.layers = decoder_layers(model)
+        self.carried = [carried_state(layer) for layer in self.layers]
         head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
         self.head = tuple(f"{name}." for name, module in model.named_modules() if head is not None and module is head)
         # all but the layers and the output head, which the recorded forward never reaches (it stops at the last layer)
@@ -104,6 +146,7 @@ class LayerMajor:
         self.inputs: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.calls: dict[str, list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = {}
         self.hidden: dict[str, list[torch.Tensor]] = {}
+        self.state: dict[str, list[Any]] = {}  # per stream and batch: what the last layer run hands the next
 
     def add(self, name: str, batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
         """A stream of ``batches`` (token ids or model inputs): their layer calls recorded, the first layer's input
@@ -114,6 +157,7 @@ class LayerMajor:
         calls = [_record_layer_calls(self.model, self.layers, each) for each in inputs]
         self.inputs[name], self.calls[name] = inputs, calls
         self.hidden[name] = [_hidden_of(recorded[0]).to(self.hidden_device) for recorded in calls]
+        self.state[name] = [None] * len(inputs)
         return inputs
 
     def each_layer(self, progress: bool | None = None, description: str = "ompmoe (layer by layer)"
@@ -135,13 +179,18 @@ class LayerMajor:
             ) -> None:
         """Stream ``name``'s batches through decoder layer ``index`` as the model's forward calls it (``before``: called
         with each batch's position and inputs first); their outputs become the next layer's inputs."""
-        layer, hidden = self.layers[index], self.hidden[name]
+        layer, hidden, state, argument = self.layers[index], self.hidden[name], self.state[name], self.carried[index]
         for position, inputs in enumerate(self.inputs[name]):
             if before is not None:
                 before(position, inputs)
-            args, kwargs = _with_hidden(self.calls[name][position][index], hidden[position].to(self.device))
+            call = self.calls[name][position][index]
+            if argument is not None and index > 0:  # the first layer's is the model's own, as recorded
+                call = _with_state(call, argument, _to(state[position], self.device))
+            args, kwargs = _with_hidden(call, hidden[position].to(self.device))
             output = layer(*args, **kwargs)
             hidden[position] = (output[0] if isinstance(output, tuple) else output).to(self.hidden_device)
+            if argument is not None:
+                state[position] = _to(output[1], self.hidden_device)
 
     @torch.no_grad()
     def next_token_loss(self, name: str) -> tuple[float, int]:
@@ -153,14 +202,15 @@ class LayerMajor:
                 self.model.tie_weights()  # a head tied to the embeddings: no tensor of its own in the files
         total, count = 0.0, 0
         for inputs, final in zip(self.inputs[name], self.hidden[name]):
-            def first(*args: Any, final: torch.Tensor = final, **kwargs: Any) -> torch.Tensor:
-                return final.to(self.device)
+            def first(*args: Any, final: torch.Tensor = final, carries: bool = False, **kwargs: Any) -> Any:
+                return (final.to(self.device), None) if carries else final.to(self.device)
 
-            def passed(*args: Any, **kwargs: Any) -> torch.Tensor:
-                return _hidden_of((args, kwargs))
+            def passed(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
+                return (_hidden_of((args, kwargs)), None) if carries else _hidden_of((args, kwargs))
 
             for index, layer in enumerate(self.layers):
-                layer.forward = first if index == 0 else passed
+                layer.forward = functools.partial(first if index == 0 else passed,
+                                                  carries=self.carried[index] is not None)
             try:
                 logits = self.model(**inputs, use_cache=False).logits[:, :-1].float()
             finally:
@@ -175,6 +225,10 @@ class LayerMajor:
     def close(self) -> None:
         """Free everything filled outside the decoder layers (embeddings, norm, head)."""
         self.checkpoint.empty_outside(self.prefix)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, batches: Iterable[Any], *,
@@ -252,4 +306,5 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
     return collector.result()
 
 
-__all__ = ["LAYERWISE_REFUSED_STATISTICS", "LayerMajor", "LayerwiseUnsupportedError", "collect_layerwise", "collect_stats_layerwise"]
+__all__ = ["CARRIED_STATE", "LAYERWISE_REFUSED_STATISTICS", "LayerMajor", "LayerwiseUnsupportedError", "carried_state", "collect_layerwise",
+           "collect_stats_layerwise"]
