@@ -557,13 +557,16 @@ def _stored_quantization(name: str) -> dict[str, Any] | None:
     quantizations are refused here."""
     import transformers
 
+    from .engine.hub import cache_only_where_unreachable
     from .engine.stored_formats import stored_settings
     from .lightning.models import is_tiny, resolve_model
 
     if is_tiny(name):
         return None
     try:
-        config, _ = transformers.PreTrainedConfig.get_config_dict(str(resolve_model(name)))
+        source = str(resolve_model(name))
+        with cache_only_where_unreachable(source):
+            config, _ = transformers.PreTrainedConfig.get_config_dict(source)
     except OSError:  # no such model: the load says so, with its own message
         return None
     return stored_settings(config)

@@ -42,10 +42,13 @@ def _config_of(model: str | nn.Module) -> tuple[dict[str, Any] | None, str | Non
         except (TypeError, ValueError):  # a config with required arguments: the tiny model's own error
             return None, None
         return config, names.get(model_type)
+    from ..engine.hub import cache_only_where_unreachable
     from ..engine.names import resolve_shipped
 
     try:  # no remote code runs; a name that cannot load is left to the loader's own error
-        config, _ = transformers.PreTrainedConfig.get_config_dict(resolve_shipped(model))
+        source = resolve_shipped(model)
+        with cache_only_where_unreachable(source):
+            config, _ = transformers.PreTrainedConfig.get_config_dict(source)
     except (OSError, ValueError):
         return None, None
     architectures = config.get("architectures") if isinstance(config, dict) else None

@@ -21,6 +21,10 @@ from ompmoe.engine.export.config import load_tokenizer
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+class HubAsked(BaseException):
+    """Raised on any hub request: a BaseException, so that no library's ``except Exception`` falls back quietly."""
+
+
 @pytest.fixture
 def unreachable_hub(monkeypatch, tmp_path) -> Path:
     """A hub cache holding ``org/moe`` (the shipped model), offline mode off, the hub not answering, no back-off."""
@@ -36,7 +40,7 @@ def unreachable_hub(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(hub, "hub_reachable", lambda: False)
 
     def no_session():
-        raise AssertionError("the hub was asked although it does not answer")
+        raise HubAsked("the hub was asked although it does not answer")
 
     monkeypatch.setattr(huggingface_hub, "get_session", no_session)
     monkeypatch.setattr(huggingface_hub.utils._http, "get_session", no_session)
@@ -84,3 +88,16 @@ def test_reads_stay_the_hub_libraries_own_where_the_hub_answers_or_the_name_is_a
     with hub.cache_only_where_unreachable("org/moe"):
         assert constants.HF_HUB_OFFLINE is True
     assert constants.HF_HUB_OFFLINE is False and asked == ["probe", "probe"]
+
+
+def test_ompmoe_fit_prunes_a_cached_hub_model_without_asking_the_hub(unreachable_hub, tmp_path):
+    """The whole command on a hub id: its early checks, the model, its config and its tokenizer all come from the
+    cache; the pruned model carries the cached tokenizer."""
+    from test_cli import tiny_config
+
+    from ompmoe.cli import main
+
+    config = tiny_config(tmp_path)
+    main(["fit", "-c", str(config), "--model.model", "org/moe", "--trainer.enable_progress_bar=false"])
+    assert ompmoe.MoEStats.load(tmp_path / "run" / "stats.safetensors").model_id == "org/moe"
+    assert (tmp_path / "run" / "model" / "tokenizer.json").read_bytes() == (unreachable_hub / "tokenizer.json").read_bytes()

@@ -64,18 +64,19 @@ def _spec_of(config_dict: dict[str, Any]) -> ArchitectureSpec | None:
 def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
     """The stock transformers config of ``path``, for a non-uniform checkpoint without what refuses stock models,
     and for a type transformers knows under another name (:data:`~ompmoe.engine.adapters.MODEL_TYPE_ALIASES`: Kimi K2)
-    that name's, without its remote code."""
-    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
-    model_type = config_dict.get("model_type")
-    if model_type in MODEL_TYPE_ALIASES:
-        return checkpoint_config(path)
-    spec = _spec_of(config_dict)
-    key = spec.expert_count_key if spec is not None else None
-    refuse_earlier_format(config_dict, key, path)
-    if key is not None and is_non_uniform(config_dict):
-        config_class = transformers.CONFIG_MAPPING[model_type]
-        return config_class.from_dict(stock_config_dict(config_dict), name_or_path=str(path))
-    return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    that name's, without its remote code. A cached hub id is read from the cache alone where the hub does not answer."""
+    with cache_only_where_unreachable(path):
+        config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
+        model_type = config_dict.get("model_type")
+        if model_type in MODEL_TYPE_ALIASES:
+            return checkpoint_config(path)
+        spec = _spec_of(config_dict)
+        key = spec.expert_count_key if spec is not None else None
+        refuse_earlier_format(config_dict, key, path)
+        if key is not None and is_non_uniform(config_dict):
+            config_class = transformers.CONFIG_MAPPING[model_type]
+            return config_class.from_dict(stock_config_dict(config_dict), name_or_path=str(path))
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def non_uniform_config(path: str | os.PathLike) -> Any | None:
