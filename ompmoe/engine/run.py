@@ -429,9 +429,10 @@ class PruningRun:
                     "refuses the format.")
             record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
             per_layer = isinstance(record, dict) and not record.get("uniform", True)  # layer by layer cannot read it
+            source = ((record.get("plan") or {}).get("model_id") if per_layer else None) or "SOURCE"
             fix = ("it was pruned to per-layer counts, which layer by layer cannot read: plan again from the "
-                   "statistics it was pruned with and prune its source (ompmoe prune --stats STATS --ratio R --model "
-                   "SOURCE)" if method in FORMATS and per_layer else
+                   f"statistics it was pruned with and prune its source (ompmoe prune --stats STATS --ratio R --model "
+                   f"{source})" if method in FORMATS and per_layer else
                    "pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized checkpoint's "
                    "weights dequantized and writes the kept ones as stored" if method in FORMATS else
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")

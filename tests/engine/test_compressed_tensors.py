@@ -228,7 +228,7 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
         "error: ExpertPruning: the model was loaded quantized (quant_method='compressed-tensors'); pruning computes on "
         "full-precision weights: it was pruned to per-layer counts, which layer by layer cannot read: plan again "
         "from the statistics it was pruned with and prune its source (ompmoe prune --stats STATS --ratio R --model "
-        "SOURCE).")
+        f"{source}).")  # the source the record names
 
 
 EXPERT = "model.layers.1.mlp.experts.0.down_proj.weight"
