@@ -336,3 +336,33 @@ def test_a_tensor_dataset_loader_calibrates_as_its_tensors_do(fabric):
         statistics.append(calibration.stats)
     assert statistics[0].num_tokens == statistics[1].num_tokens == data.numel() - 12
     assert_stats_equal(statistics[0], statistics[1], rtol=0)
+
+
+def test_a_second_epoch_over_the_same_loader_counts_as_the_first_whatever_the_sampler(fabric, tmp_path):
+    """Rank 1 of 2 over 5 blocks gets blocks 1 and 3 and a padded repeat of block 0. A second epoch over the same
+    loader kept counting positions from the first: every sample of it was taken for a repeat and left out, on 2
+    processes only (one process counted it). Each epoch now counts its real samples, and a Fabric loader's own
+    epochs too."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ompmoe.lightning.fabric import FabricCalibration
+
+    data = blocks(5)
+
+    def rank_one() -> DataLoader:
+        return DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
+
+    # a plain loader whose sampler the loop moves to each epoch; a Fabric loader, which does that itself
+    loaders = {"set_epoch": rank_one(), "fabric": fabric.setup_dataloaders(rank_one(), use_distributed_sampler=False)}
+    expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), [data[[1, 3]], data[[1, 3]]])
+    for name, loader in loaders.items():
+        model = fabric.setup(tiny_model("qwen3_moe"))
+        calibration = FabricCalibration(fabric, model, ompmoe.PruningStrategy(ratio=0.5, min_kept_fraction=0.25),
+                                        output_dir=tmp_path / name, plots=False)
+        for epoch in range(2):
+            if name == "set_epoch":
+                loader.sampler.set_epoch(epoch)
+            for batch in loader:
+                calibration.update(batch, loader)
+        calibration.finish()
+        assert_stats_equal(calibration.stats, expected)
