@@ -350,9 +350,9 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         parent, children = paired
         raise UnsupportedModelError(
             cannot + f"{parent} holds {len(children)} sparse blocks ({', '.join(children)}), each routing its own "
-            "tokens (ERNIE-4.5-VL: text tokens to one, image and video tokens to the other) into one router-logits "
-            "tensor of one expert count: text calibration measures only the text experts, and a text block pruned "
-            "alone no longer fits the other one (inputs with images would fail)")
+            "share of the tokens into one router-logits tensor of one expert count (ERNIE-4.5-VL: text tokens to "
+            "one, image and video tokens to the other): calibration measures only the experts its tokens reach, and "
+            "a block pruned alone no longer fits the others (inputs with images would fail)")
     if fused and not blocks:
         raise UnsupportedModelError(cannot + "every sparse block routes by token id (a fixed table, never pruned)")
     if not blocks:

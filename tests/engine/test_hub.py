@@ -1,6 +1,6 @@
 """A hub id where the hub does not answer is read from the local cache alone: the hub libraries would retry each
 file five times with back-off (about 23 s a file) before falling back to the cache. The cache here is a hub-snapshot
-tree of the shipped model; the hub's answer is patched (no test touches the network) and a back-off sleep fails."""
+tree of the shipped model; the hub's answer is patched (no test touches the network) and any hub request raises."""
 
 from __future__ import annotations
 
@@ -101,3 +101,31 @@ def test_ompmoe_fit_prunes_a_cached_hub_model_without_asking_the_hub(unreachable
     main(["fit", "-c", str(config), "--model.model", "org/moe", "--trainer.enable_progress_bar=false"])
     assert ompmoe.MoEStats.load(tmp_path / "run" / "stats.safetensors").model_id == "org/moe"
     assert (tmp_path / "run" / "model" / "tokenizer.json").read_bytes() == (unreachable_hub / "tokenizer.json").read_bytes()
+
+
+def test_a_path_that_does_not_exist_is_no_hub_id_and_is_refused_without_asking_the_hub(unreachable_hub, monkeypatch,
+                                                                                          tmp_path):
+    """It was taken for a hub id: a probe of the hub, then transformers' "Repo id must use alphanumeric chars"."""
+    asked = []
+    monkeypatch.setattr(hub, "hub_reachable", lambda: asked.append("probe") or False)
+    for name in ("./not-written-yet", str(tmp_path / "absent")):
+        with pytest.raises(FileNotFoundError) as refused:
+            ompmoe.load_pruned(name)
+        assert str(refused.value) == (f"{name.removeprefix('./')} does not exist (and is no hub id, org/name): pass a "
+                                      "checkpoint directory or a hub id")
+    assert asked == [] and hub.is_hub_id("org/moe") and not hub.is_hub_id(unreachable_hub)
+
+
+def test_datasets_offline_mode_alone_leaves_model_reads_to_the_hub(monkeypatch):
+    """HF_DATASETS_OFFLINE is about data sets: a model's reads stay the hub libraries' own where the hub answers."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    with hub.cache_only_where_unreachable("org/moe"):
+        assert constants.HF_HUB_OFFLINE is False
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with hub.cache_only_where_unreachable("org/moe"):
+        assert constants.HF_HUB_OFFLINE is True

@@ -321,17 +321,16 @@ def test_hub_unreachable_fails_fast(monkeypatch, tmp_path):
 
 def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
     """CalibrationModule checks the name when built and load_model again: one HEAD request while the hub's last
-    answer is recent, a new one each time while it does not answer or once the answer is old."""
+    answer (or its silence) is recent, a new one once that is old."""
     import huggingface_hub
 
-    import ompmoe.data.sources as module
     import ompmoe.engine.hub as hub
     from ompmoe.lightning.models import resolve_model
 
     heads = []
 
     class Session:
-        reachable = True
+        reachable = False
 
         def head(self, url, timeout):
             heads.append((url, timeout))
@@ -340,22 +339,29 @@ def test_a_hub_model_checked_twice_probes_the_hub_once(monkeypatch):
 
     session = Session()
     monkeypatch.setattr(hub, "_ANSWERED", {})
-    monkeypatch.setattr(module, "offline_mode", lambda: False)
+    monkeypatch.setattr("ompmoe.data.sources.offline_mode", lambda: False)
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename: None)
-    session.reachable = False
+
+    def age() -> None:  # the last probe is now as old as a kept outcome may be
+        answered, when = hub._ANSWERED[heads[-1][0]]
+        hub._ANSWERED[heads[-1][0]] = (answered, when - hub.ANSWER_KEPT_S)
+
     for _ in range(2):
         with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
             resolve_model("someone/moe")
-    assert len(heads) == 2
+    assert len(heads) == 1 and heads[-1][1] == hub.PROBE_TIMEOUT_S  # the silence is kept too
     session.reachable = True
+    with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
+        resolve_model("someone/moe")  # still within the kept silence
+    age()
     assert [resolve_model("someone/moe") for _ in range(2)] == ["someone/moe", "someone/moe"]
-    assert len(heads) == 3 and heads[-1][1] == hub.PROBE_TIMEOUT_S
-    hub._ANSWERED[heads[-1][0]] -= hub.ANSWER_KEPT_S  # the answer is now as old as it may be
+    assert len(heads) == 2
+    age()
     session.reachable = False
     with pytest.raises(HubUnavailableError, match="'someone/moe'.*unreachable"):
         resolve_model("someone/moe")
-    assert len(heads) == 4
+    assert len(heads) == 3
 
 
 def test_source_errors(tmp_path):

@@ -38,10 +38,15 @@ states: the top-k of the DSA indexers a layer may reuse (GLM-5, GLM-5-Next, Mist
 router state. Layer by layer hands each layer's to the next, as the model's forward does."""
 
 
+def _parameter_names(layer: nn.Module) -> list[str]:
+    """The names of ``layer``'s forward arguments after ``self``, in order."""
+    return list(inspect.signature(type(layer).forward).parameters)[1:]
+
+
 def carried_state(layer: nn.Module) -> tuple[str, int] | None:
     """``(name, position)`` of ``layer``'s argument of :data:`CARRIED_STATE` (its position among the forward's
     arguments after ``self``), or ``None`` for a layer that returns its hidden states alone."""
-    names = list(inspect.signature(type(layer).forward).parameters)[1:]
+    names = _parameter_names(layer)
     return next(((name, names.index(name)) for name in CARRIED_STATE if name in names), None)
 
 
@@ -50,56 +55,135 @@ class LayerwiseUnsupportedError(ValueError):
 
 
 class _Recorded(Exception):
-    """Raised by the last layer's recorder: the rest of the forward is not needed."""
+    """Raised by the output head's stand-in (or the last layer's, without a head): every layer call is recorded."""
 
 
 class _NotHandedOn(Exception):
     """Raised by a layer's recorder given other hidden states than the previous recorder returned."""
 
 
+class _OutOfOrder(Exception):
+    """Raised by a layer's recorder called before the previous layers, or again (a looped model)."""
+
+
+RECORDINGS_APART = 1.0
+"""What the second recording adds to each layer's stand-in output: an argument that differs between the two
+recordings is computed from earlier layers' outputs."""
+
+
 def _record_layer_calls(model: nn.Module, layers: nn.ModuleList, inputs: dict[str, torch.Tensor]
                         ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """The ``(args, kwargs)`` the model's forward calls each decoder layer with on ``inputs`` (masks, position
     embeddings, ...; the hidden states and the carried state only of the first layer are real), without running
-    any layer."""
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    handed: list[torch.Tensor] = []  # what each recorder returned as the hidden states
+    any layer. Replaying them is the model's forward only where each layer takes its hidden states from the one
+    before and nothing else from the layers' outputs (but :data:`CARRIED_STATE`), each layer once and in order: the
+    forward is recorded twice, the layers' stand-in outputs apart by :data:`RECORDINGS_APART`, and an argument that
+    differs between the two (Inkling2's attention-residual block states), a layer called out of order or again (a
+    looped model) or hidden states changed between layers are refused."""
+    first = _record_once(model, layers, inputs, 0.0)
+    second = _record_once(model, layers, inputs, RECORDINGS_APART)
+    for index, (layer, ours, again) in enumerate(zip(layers, first, second)):
+        differing = _differing(_other_arguments(ours, layer), _other_arguments(again, layer))
+        if differing:
+            raise LayerwiseUnsupportedError(
+                f"{type(model).__name__}'s forward computes decoder layer {index}'s {', '.join(differing)} from the "
+                "outputs of the layers before it; layer-by-layer calibration cannot run them one at a time. "
+                "Calibrate it resident instead.")
+    return first
 
-    def recorder(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
+
+def _record_once(model: nn.Module, layers: nn.ModuleList, inputs: dict[str, torch.Tensor], shift: float
+                 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """One recording of the layer calls, each layer's stand-in output its input hidden states plus ``shift`` (the
+    input itself for 0: the calls then share the first layer's; otherwise they keep none, only one layer's hidden
+    states alive at a time); stopped where the output head is called."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    handed: list[torch.Tensor] = []  # what the last recorder returned as the hidden states
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+
+    def recorder(*args: Any, index: int, carries: bool, **kwargs: Any) -> Any:
+        if index != len(calls):
+            raise _OutOfOrder(index)
         hidden = _hidden_of((args, kwargs))
         if handed and hidden is not handed[-1]:  # replaying would feed the layer what the model did not
             raise _NotHandedOn
-        calls.append((args, kwargs))
-        if len(calls) == len(layers):
+        calls.append(_with_hidden((args, kwargs), None) if shift else (args, kwargs))  # type: ignore[arg-type]
+        if head is None and len(calls) == len(layers):
             raise _Recorded
-        handed.append(hidden)
-        return (hidden, None) if carries else hidden
+        handed[:] = [hidden + shift if shift else hidden]
+        return (handed[-1], None) if carries else handed[-1]
 
-    for layer in layers:
-        layer.forward = functools.partial(recorder, carries=carried_state(layer) is not None)
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise _Recorded
+
+    for index, layer in enumerate(layers):
+        layer.forward = functools.partial(recorder, index=index, carries=carried_state(layer) is not None)
+    if head is not None:
+        head.forward = stop
+    name = type(model).__name__
     try:
         with torch.no_grad():
             model(**inputs, use_cache=False)
     except _Recorded:
         pass
+    except _OutOfOrder as called:
+        raise LayerwiseUnsupportedError(
+            f"{name}'s forward calls decoder layer {called.args[0]} after layer {len(calls) - 1} (it runs layers "
+            "again, in a loop, or out of order); layer-by-layer calibration runs each layer once, in order. "
+            "Calibrate it resident instead.") from None
     except _NotHandedOn:
         raise LayerwiseUnsupportedError(
-            f"{type(model).__name__}'s forward does not hand decoder layer {len(calls) - 1}'s hidden states to layer "
+            f"{name}'s forward does not hand decoder layer {len(calls) - 1}'s hidden states to layer "
             f"{len(calls)} as they are (it changes them between layers, or its layers pass on more than ompmoe "
             f"carries: {', '.join(CARRIED_STATE)}); layer-by-layer calibration cannot run them one at a time. "
             "Calibrate it resident instead.") from None
     except Exception as error:  # noqa: BLE001 - a forward that needs more of its layers than their hidden states
-        raise LayerwiseUnsupportedError(
-            f"{type(model).__name__}'s decoder layers pass more than the hidden states on to the next layer (its "
-            f"forward failed after {len(calls)} of {len(layers)} layers: {type(error).__name__}: {error}); "
-            "layer-by-layer calibration cannot run them one at a time. Calibrate it resident instead.") from None
+        if len(calls) < len(layers):
+            raise LayerwiseUnsupportedError(
+                f"{name}'s decoder layers pass more than the hidden states on to the next layer (its forward failed "
+                f"after {len(calls)} of {len(layers)} layers: {type(error).__name__}: {error}); layer-by-layer "
+                "calibration cannot run them one at a time. Calibrate it resident instead.") from None
+        # every layer was called: what the forward does after them is not recorded (replay runs it for real)
     finally:
         for layer in layers:
             del layer.forward
+        if head is not None:
+            del head.forward
     if len(calls) != len(layers):
-        raise LayerwiseUnsupportedError(f"{type(model).__name__}'s forward called {len(calls)} of its {len(layers)} decoder layers; "
-                           "layer-by-layer calibration cannot run it. Calibrate it resident instead.")
+        raise LayerwiseUnsupportedError(f"{name}'s forward called {len(calls)} of its {len(layers)} decoder layers; "
+                                        "layer-by-layer calibration cannot run it. Calibrate it resident instead.")
     return calls
+
+
+def _other_arguments(call: tuple[tuple[Any, ...], dict[str, Any]], layer: nn.Module) -> dict[str, Any]:
+    """A recorded call of ``layer``'s arguments but its hidden states and carried state, by name."""
+    args, kwargs = call
+    names = _parameter_names(layer)
+    positional = {names[position] if position < len(names) else f"argument {position}": value
+                  for position, value in enumerate(args) if position > 0}
+    skipped = {"hidden_states", *CARRIED_STATE}
+    return {key: value for key, value in {**positional, **kwargs}.items() if key not in skipped}
+
+
+def _differing(ours: dict[str, Any], again: dict[str, Any]) -> list[str]:
+    """The names whose values hold tensors that differ between two recordings (nested tuples, lists and dicts)."""
+    def tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(value, torch.Tensor):
+            yield path, value
+        elif isinstance(value, (tuple, list)):
+            for position, item in enumerate(value):
+                yield from tensors(item, f"{path}[{position}]")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield from tensors(item, f"{path}[{key!r}]")
+
+    differing = []
+    for name in ours:
+        left, right = dict(tensors(ours[name], "")), dict(tensors(again.get(name), ""))
+        if left.keys() != right.keys() or any(
+                left[key].shape != right[key].shape or not torch.equal(left[key], right[key]) for key in left):
+            differing.append(name)
+    return differing
 
 
 def _hidden_of(call: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
 from ..block_fp8 import SCALE_SUFFIX, block_size
 from ..compressed_tensors_format import stored_names as compressed_stored_names
-from ..hub import cache_only_where_unreachable
+from ..hub import cache_only_where_unreachable, is_hub_id
 from ..mxfp4 import stored_names as mxfp4_stored_names
 from ..quantized_files import QuantizedCheckpointError
 from ..stored_formats import stored_settings
@@ -122,6 +122,9 @@ def require_model_directory(path: str | os.PathLike, how: Callable[[str], str]) 
     """Refuse a local folder that holds no model (a run's output, a data folder) with the folder inside that does,
     if any, as ``how(inner)`` (e.g. ``--model.model run/model``), before anything tries to read it."""
     directory = Path(path)
+    if not directory.expanduser().exists() and not is_hub_id(path):
+        raise FileNotFoundError(f"{directory} does not exist (and is no hub id, org/name): pass a checkpoint "
+                                "directory or a hub id")
     if directory.is_dir() and not (directory / "config.json").is_file():  # e.g. a run's output (model in model/)
         inner = [child for child in sorted(directory.iterdir()) if (child / "config.json").is_file()]
         hint = f"; {inner[0].name}/ does: {how(str(inner[0]))}" if inner else ""
@@ -157,13 +160,13 @@ def load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Mo
     with its saved adaptive inference switched back on. Keyword arguments go to ``from_pretrained``; remote code is
     off unless ``trust_remote_code=True``. A cached hub model is read from the cache alone where the hub does not
     answer (the hub libraries would retry each file for about 23 s)."""
+    require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
     with cache_only_where_unreachable(path):
         return _load_pruned(path, **from_pretrained_kwargs)
 
 
 def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     from_pretrained_kwargs.setdefault("trust_remote_code", False)
-    require_model_directory(path, lambda inner: f"ompmoe.load_pruned({inner!r})")
     config = load_stock_config(path, trust_remote_code=from_pretrained_kwargs["trust_remote_code"])
     base = _model_class(config)
     check_weight_files(path, lambda: _integer_tensors(base, config))
