@@ -75,10 +75,10 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": dict(moe_topk=2),
     "hy_v4": dict(_SHARED_TOPK),
     "hy_v4_vl_text": dict(_SHARED_TOPK),
-    # attention-residual blocks of one layer (a block boundary after each), and a loop over layer 1 run twice
+    # attention-residual blocks of one layer: a block boundary after each (the loop of Inkling2-Loop is left out:
+    # tests/engine/test_layerwise.py runs one)
     "inkling2_text": dict(unpadded_vocab_size=256, n_layers_per_attn_res_block=1),
-    "inkling2_loop_text": dict(unpadded_vocab_size=256, n_layers_per_attn_res_block=1, loop_layer_index_start=1,
-                               loop_layer_index_end=2, loop_num_passes=2),
+    "inkling2_loop_text": dict(unpadded_vocab_size=256, n_layers_per_attn_res_block=1),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
                   mamba_d_state=8, mamba_dt_rank=8),
     "kimi_linear": dict(_MLA, layer_types=_HYBRID, num_experts_per_token=2),

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ..engine.adapters import architecture_of
 from ..engine.apply.plan_choice import PlanChoice
-from ..engine.collect.collector import as_model_inputs, real_sample_count
+from ..engine.collect.collector import as_model_inputs, loader_epoch, real_sample_count
 from ..engine.collect.statistics import MoEStats
 from ..engine.io import local_inputs
 from ..engine.planning.plan import PruningPlan
@@ -107,12 +107,6 @@ class RunResults:
         return self.pruning.heldout_perplexity
 
 
-def _epoch_of(dataloader: Any) -> tuple[Any, Any]:
-    """Which pass over ``dataloader`` its batches now come from: Fabric's count of its iterations and its
-    ``DistributedSampler``'s epoch (``set_epoch``), whichever it has."""
-    return getattr(dataloader, "_num_iter_calls", None), getattr(getattr(dataloader, "sampler", None), "epoch", None)
-
-
 class FabricCalibration(RunResults):
     """Gather OMP-MoE statistics in a Fabric loop on every rank, sum them exactly, plan, prune and write once.
 
@@ -155,22 +149,19 @@ class FabricCalibration(RunResults):
             ext.standalone()  # the forward's output is dropped: no step reuses its graph
         self.sharded = any(isinstance(p, DTensor) for p in self.hf_model.parameters())
         """Whether the weights are FSDP2-sharded (every forward is then a collective)."""
-        self._loader: Any = None
-        self._epoch: Any = None
+        self._pass: Any = None  # (loader, its epoch) the position counts in
         self._position = 0
         self._real_samples: int | None = None
 
     def update(self, batch: Any, dataloader: Any = None) -> None:
         """Run the model on one batch (input ids, or a dict with ``input_ids`` and ``attention_mask``) and add it.
 
-        Pass the ``dataloader`` the batch comes from so the samples its ``DistributedSampler`` repeats are
-        not counted; another epoch over it (Fabric's loaders count them, a ``DistributedSampler`` has
-        ``set_epoch``) starts counting from its first sample again, so a second epoch counts on any number of
-        processes alike. Under DDP the forward is local (ranks may call this unequally often); under FSDP2 it is
-        a collective: every rank must call this equally often, or use :meth:`run`.
+        Pass the ``dataloader`` the batch comes from so the samples its ``DistributedSampler`` repeats (in each
+        epoch: :func:`~ompmoe.engine.collect.collector.loader_epoch`) are not counted. Under DDP the forward is local
+        (ranks may call this unequally often); under FSDP2 a collective: call it equally often, or use :meth:`run`.
         """
-        if dataloader is not None and (dataloader is not self._loader or _epoch_of(dataloader) != self._epoch):
-            self._loader, self._epoch, self._position = dataloader, _epoch_of(dataloader), 0
+        if dataloader is not None and self._pass != (dataloader, loader_epoch(dataloader)):
+            self._pass, self._position = (dataloader, loader_epoch(dataloader)), 0
             self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
         inputs = as_model_inputs(batch, self.fabric.device)
         self.pruning.forward(inputs, self._position, self._real_samples, self.fabric.autocast())

@@ -30,8 +30,8 @@ _LOOP = ("'s forward calls decoder layer 1 after layer 1 (it runs layers again, 
 NOT_LAYER_BY_LAYER = {
     "inkling2": "Inkling2ForConditionalGeneration" + _BLOCK_STATES,
     "inkling2_text": "Inkling2ForCausalLM" + _BLOCK_STATES,
-    "inkling2_loop": "Inkling2LoopForConditionalGeneration" + _LOOP,
-    "inkling2_loop_text": "Inkling2LoopForCausalLM" + _LOOP,
+    "inkling2_loop": "Inkling2LoopForConditionalGeneration" + _BLOCK_STATES,
+    "inkling2_loop_text": "Inkling2LoopForCausalLM" + _BLOCK_STATES,
 }
 """Types layer by layer refuses, with the start of the reason: replaying each layer from recorded inputs would not be
 the model's forward (it ran, silently wrong, before the recording was checked twice)."""
@@ -86,6 +86,16 @@ def test_layer_by_layer_statistics_and_the_streamed_checkpoint_equal_the_residen
     layered = collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
     assert_same_statistics(resident, layered)
     assert ompmoe.plan_pruning(layered, 0.5, allocation="waterfill").kept_by_layer() == plan.kept_by_layer()
+
+
+def test_a_model_that_runs_a_layer_again_is_refused_layer_by_layer(tmp_path):
+    """Inkling2-Loop runs layers 6 to 18 three times (here layer 1 twice): replay runs each layer once."""
+    model = tiny_model("inkling2_loop_text", dtype=torch.bfloat16, n_layers_per_attn_res_block=1,
+                       loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2)
+    model.save_pretrained(tmp_path / "source")
+    with pytest.raises(LayerwiseUnsupportedError) as refused:
+        collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
+    assert str(refused.value) == "Inkling2LoopForCausalLM" + _LOOP
 
 
 @pytest.mark.parametrize("batch", [2, 3])

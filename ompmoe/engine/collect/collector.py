@@ -533,6 +533,13 @@ def real_sample_count(sampler: Any) -> int | None:
     return None
 
 
+def loader_epoch(dataloader: Any) -> tuple[Any, Any]:
+    """Which pass over ``dataloader`` its batches now come from (Fabric's count of its iterations, its
+    ``DistributedSampler``'s ``set_epoch``): a new one counts from its first sample again, so every epoch counts
+    alike on any number of processes (the last one's samples were taken for repeats on 2)."""
+    return getattr(dataloader, "_num_iter_calls", None), getattr(getattr(dataloader, "sampler", None), "epoch", None)
+
+
 def batch_token_weight(inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
                        ) -> torch.Tensor | None:
     """Per-token weights of a batch (``None``: every token counts): its attention mask, times 0 for samples past
