@@ -22,7 +22,8 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
-from .apply.compensation import Compensation, CompensationError, check_foldable, record_compensation
+from .apply.compensation import (Compensation, CompensationError, check_foldable, check_single_pass,
+                                 record_compensation)
 from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
@@ -449,11 +450,13 @@ class PruningRun:
 
     def _compensation_for_experts(self, model: nn.Module, mode: str, strategy: Strategy) -> str:
         """``mode``, but none where the experts' down projection, which every correction folds into, cannot take one
-        (each expert's output normalized after it: MuseSpark): ``auto`` then fits none and
+        (each expert's output normalized after it: MuseSpark), or a layer run twice per forward (Inkling2-Loop):
+        ``auto`` then fits none and
         :attr:`no_compensation_line` says so; one named is refused here, before any work."""
         if compensation_granularity(mode, strategy) is None:
             return mode
         try:
+            check_single_pass(model)
             for layer in find_moe_layers(model):
                 check_foldable(layer)
         except CompensationError as error:

@@ -139,30 +139,35 @@ def test_a_calibration_fed_inputs_embeds_is_pruned_without_compensation_and_the_
 
 POST_NORM = ("model.language_model.layers.0.mlp.experts normalizes each expert's output after its down projection, "
              "so a correction there does not reach the output")
+LOOP = ("Inkling2LoopForCausalLM runs decoder layers 1 to 2 2 times per forward (loop_num_passes): compensation fits "
+        "each layer's one call")
+LOOPED = dict(n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2)
 
 
-def test_experts_normalized_after_the_down_projection_get_no_compensation_from_auto_and_a_named_one_is_refused(blocks,
-                                                                                                               choice):
-    """MuseSpark normalizes each expert's output after the down projection every correction folds into: ``auto``
-    failed after calibrating (the fit refused at the end); it now fits none and says why, and a granularity asked for
-    is refused before the collector exists."""
-    model = tiny_model("muse_spark")
+@pytest.mark.parametrize(("model_type", "overrides", "why"), [("muse_spark", {}, POST_NORM),
+                                                                ("inkling2_loop_text", LOOPED, LOOP)])
+def test_a_model_compensation_cannot_fit_gets_none_from_auto_and_a_named_one_is_refused(blocks, choice, model_type,
+                                                                                       overrides, why):
+    """MuseSpark normalizes each expert's output after the down projection every correction folds into; Inkling2-Loop
+    runs layers 6 to 18 three times (here layer 1 twice). ``auto`` failed after calibrating (the fit refused at the
+    end); it now fits none and says why, and a granularity asked for is refused before the collector exists."""
+    model = tiny_model(model_type, **overrides)
     original = copy.deepcopy(model)
     lines: list[str] = []
     auto = ompmoe.PruningStrategy(ratio=0.5, method="auto", allocation="auto")
     run = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, strategy=auto))
     context = ompmoe.LocalContext(print=lines.append)
-    run.start(model, context, model_id="tiny:muse_spark", data=SimpleNamespace(choice_blocks=lambda n=None: choice))
+    run.start(model, context, model_id=f"tiny:{model_type}", data=SimpleNamespace(choice_blocks=lambda n=None: choice))
     run.collect(blocks.split(4))
     run.finish(context)
-    assert f"ompmoe: auto fits no compensation: {POST_NORM}" in lines and "compensation" not in run.plan.extra
+    assert f"ompmoe: auto fits no compensation: {why}" in lines and "compensation" not in run.plan.extra
     expected = ompmoe.prune(copy.deepcopy(original), run.plan)
     torch.testing.assert_close(logits(model, blocks[:2]), logits(expected, blocks[:2]), rtol=0, atol=0)
     for granularity in ("linear", "down", "expert"):
         named = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, compensation=granularity))
         with pytest.raises(CompensationError) as refused:
-            named.start(copy.deepcopy(original), context, model_id="tiny:muse_spark")
-        assert str(refused.value) == f"{POST_NORM}; run without compensation." and named.collector is None
+            named.start(copy.deepcopy(original), context, model_id=f"tiny:{model_type}")
+        assert str(refused.value) == f"{why}; run without compensation." and named.collector is None
 
 
 def test_an_unknown_mode_is_refused_at_construction_naming_the_modes():

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..model_classes import text_config
 from ..collect.collector import as_model_inputs, check_calibration_inputs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
@@ -306,9 +307,23 @@ def check_compensable(model: nn.Module, plan: PruningPlan) -> list[MoELayer]:
     require_plan_model(model, plan, "Compensation runs on the unpruned model the plan was made for, before "
                                     "ompmoe.prune.")
     validate_plan(model, plan, layers)
+    check_single_pass(model)
     for layer in layers:
         _down_projection(layer)
     return layers
+
+
+def check_single_pass(model: nn.Module) -> None:
+    """Refuse a model whose forward runs decoder layers more than once (Inkling2-Loop's ``loop_num_passes``): a
+    correction is fitted to each layer's one call."""
+    config = text_config(getattr(model, "config", None))
+    passes, start, end = (getattr(config, key, None) for key in ("loop_num_passes", "loop_layer_index_start",
+                                                                   "loop_layer_index_end"))
+    layers = getattr(config, "num_hidden_layers", 0)
+    if all(isinstance(value, int) for value in (passes, start, end, layers)) and passes > 1 and start < min(end, layers):
+        raise CompensationError(
+            f"{type(model).__name__} runs decoder layers {start} to {end} {passes} times per forward "
+            "(loop_num_passes): compensation fits each layer's one call; run without compensation.")
 
 
 def check_foldable(layer: MoELayer) -> None:
@@ -821,7 +836,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
     return Compensation(scales, kept, compensation_record(sums, scales, granularity, ridge))
 
 
-__all__ = ["Compensation", "CompensationError", "CompensationSums", "check_foldable", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
+__all__ = ["Compensation", "CompensationError", "CompensationSums", "check_foldable", "check_single_pass", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
            "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
            "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensate_layer",
            "compensated_view", "compensation_record", "corrected_rows", "layer_summary", "record_compensation",
