@@ -22,7 +22,8 @@ from ..model_classes import auto_class_names
 from ..names import resolve_shipped
 from .config import load_tokenizer
 from .hub_code import write_remote_code
-from .model_card import _is_hub_id, model_card
+from ..hub import is_hub_id
+from .model_card import model_card
 
 TOKENIZER_HINT = (
     "pass tokenizer=<hub id, path or tokenizer> to save_pruned (CLI: ompmoe prune --tokenizer ...; "
@@ -64,7 +65,7 @@ def resolve_tokenizer(tokenizer: Any, model: nn.Module) -> Any | None:
         return None
     try:
         path = resolve_shipped(candidate)
-        loaded = load_tokenizer(path, local_files_only=not _is_hub_id(path))
+        loaded = load_tokenizer(path, local_files_only=not is_hub_id(path))
         if len(loaded) < 2:  # transformers 5 builds an empty tokenizer for a folder without tokenizer files
             raise ValueError(f"{path} has no tokenizer files (what loads from it is an empty vocabulary)")
         return loaded

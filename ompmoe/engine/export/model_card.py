@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from functools import cache
 from typing import Any
 
 import yaml
 
+from ..hub import is_hub_id
 from ..compressed_tensors_format import describe
 from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
@@ -21,7 +21,8 @@ from .config import finetune_records
 
 
 def _is_hub_id(name: str | None) -> bool:
-    return bool(name) and not os.path.exists(str(name)) and re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) is not None
+    """A hub repository id with its owner (``org/name``): what the hub takes as ``base_model``."""
+    return bool(name) and "/" in str(name) and is_hub_id(str(name))
 
 
 def front_matter(model_id: str | None, model_type: str | None, uniform: bool) -> dict[str, Any]:
