@@ -321,7 +321,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     model may be written from its files, which a quantized checkpoint's are as stored)."""
     from .engine.apply.compensation import GRANULARITIES
     from .engine.quantized_files import QuantizedCheckpointError
-    from .engine.stored_formats import COMPENSATION_STORED, format_name, with_article
+    from .engine.stored_formats import COMPENSATION_STORED, format_name, requantizes, with_article
 
     if given is not None and given not in ("off", *GRANULARITIES):
         raise ValueError(f"--compensation must be off, {', '.join(GRANULARITIES)}; got {given!r} (the default: off "
@@ -344,7 +344,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     if granularity in (None, "off"):
         return _Refit(source=source)
     stored = _stored_quantization(model) if model is not None and from_files else None
-    if stored is not None:
+    if stored is not None and not requantizes(stored):  # block FP8: compensated down projections quantized again
         if given is not None:  # its kept tensors are written as stored: a refit would change them
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))

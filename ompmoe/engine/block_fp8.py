@@ -3,7 +3,9 @@
 holding one multiplier per block. Layer-by-layer runs compute on the weights dequantized (``value * scale`` per
 block, as DeepSeek's reference ``weight_dequant`` and transformers' ``Fp8Dequantize`` give them) and write the kept
 experts' FP8 tensors and scales as the source stores them, so the pruned checkpoint is the source's format, byte for
-byte in every tensor it keeps."""
+byte in every tensor it keeps. A compensation changes the kept experts' down projections: those are quantized again
+(:func:`quantize`, as transformers' ``Fp8Quantize`` quantizes), and the run measures them as they are written
+(:func:`round_to_grid`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ FP8_FILE_DTYPE = "F8_E4M3"
 (E5M2, E8M0) are refused by name."""
 SCALE_FILE_DTYPE = "F32"
 """The safetensors dtype of their scales (one float32 multiplier per block)."""
+E4M3_MAX = 448.0
+"""The largest E4M3 value: a block's largest magnitude is quantized to it."""
+SCALE_FORMATS = (None, "ue8m0")
+"""``scale_fmt`` values :func:`quantize` writes: float32 multipliers, or powers of two (DeepSeek-V3.1's ``ue8m0``)."""
 SCALE_SUFFIX = "_scale_inv"
 """A weight ``<name>``'s block multipliers are ``<name>_scale_inv`` (``x.weight`` -> ``x.weight_scale_inv``)."""
 
@@ -54,6 +60,39 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
     return weight.float() * scale
+
+
+def quantize(values: torch.Tensor, block: tuple[int, int], scale_fmt: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(E4M3 weight, float32 multipliers)`` of ``values`` (``[..., rows, cols]``) per ``block`` (the last blocks may
+    be partial, as DeepSeek's): each block divided by its largest magnitude over 448, computed as transformers'
+    ``Fp8Quantize`` computes it (a block of zeros gets multiplier 1; ``scale_fmt="ue8m0"``: the multiplier rounded up
+    to a power of two first), so :func:`dequantize` reads back the values within E4M3's rounding."""
+    if scale_fmt not in SCALE_FORMATS:
+        raise QuantizedCheckpointError(f"scale_fmt={scale_fmt!r}: ompmoe writes block-FP8 multipliers as float32 or "
+                                       "ue8m0 (powers of two).")
+    rows, cols = values.shape[-2:]
+    lead = values.shape[:-2]
+    tiles = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    padded = values.new_zeros((*lead, tiles[0] * block[0], tiles[1] * block[1]), dtype=torch.float32)
+    padded[..., :rows, :cols] = values.to(torch.float32)
+    reshaped = padded.reshape(*lead, tiles[0], block[0], tiles[1], block[1])
+    max_abs = reshaped.abs().amax(dim=(-3, -1))
+    scales = torch.where(max_abs > 0, E4M3_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)),
+                         torch.ones_like(max_abs))
+    inverse = (1.0 / scales).to(torch.float32)
+    if scale_fmt == "ue8m0":
+        inverse = torch.pow(2.0, torch.ceil(torch.log2(inverse.clamp(min=torch.finfo(torch.float32).tiny))))
+        scales = 1.0 / inverse
+    scaled = reshaped * scales.unsqueeze(-1).unsqueeze(-3)
+    weight = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(padded.shape)[..., :rows, :cols]
+    return weight.contiguous(), inverse
+
+
+def round_to_grid(values: torch.Tensor, block: tuple[int, int], scale_fmt: str | None = None) -> torch.Tensor:
+    """``values`` as a checkpoint that stores them :func:`quantize`-d is read back (:func:`dequantize`), in their
+    dtype: what a run measures for weights it will write quantized."""
+    return dequantize(*quantize(values, block, scale_fmt), block).to(values.dtype)
 
 
 class DequantizedSlice(ComputedSlice):
@@ -123,4 +162,5 @@ def block_size(settings: dict[str, Any]) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-__all__ = ["SCALE_SUFFIX", "DequantizedSlice", "block_fp8_settings", "block_size", "dequantize", "pair_scales"]
+__all__ = ["SCALE_SUFFIX", "DequantizedSlice", "block_fp8_settings", "block_size", "dequantize", "pair_scales",
+           "quantize", "round_to_grid"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
-                             pair_stored, stored_settings)
+                             pair_stored, quantized_again, requantizes, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -137,6 +137,8 @@ class LazyCheckpoint:
             self.stored_shapes[weight] = values.get_shape()
             self.slices[weight] = values if dequantized else UnreadSlice(values.get_shape())
         self.unread = bool(self.stored) and not dequantized
+        self.requantized: set[str] = set()
+        """Quantized weights the model holds dequantized and :meth:`as_stored` quantizes again (:meth:`requantize`)."""
         self.written_from: dict[str, str] = {}
         """Per-expert file name written -> the file tensor it was read from (a kept expert renumbered)."""
         self._ranges = _byte_ranges(files)
@@ -161,6 +163,19 @@ class LazyCheckpoint:
         """Per fused experts tensor filled from per-expert file tensors: for each of its source patterns, the file
         names of experts ``0..rows-1`` and where that pattern's part lies in a row (axis, offset, size): what
         ``save_pretrained`` writes back for each row, as views (:func:`stacked_file_tensors`)."""
+
+    def requantize(self, targets: set[str]) -> None:
+        """Fill the quantized weights that load into the model tensors ``targets`` with their dequantized values, and
+        write them quantized again from what the model then holds (a compensation's down projections; the writer's
+        other quantized weights stay as stored). Refused for a format ompmoe does not quantize again."""
+        weights = {key for key in self.stored if self.target[key] in targets}
+        if weights and not requantizes(self.settings):
+            raise QuantizedCheckpointError(f"ompmoe does not quantize {format_name(self.settings)} weights again "
+                                           f"({sorted(weights)[0]}, ...).")
+        for weight in weights:
+            stored = {suffix: self.stored_parts[key] for suffix, key in self.stored[weight].items()}
+            self.slices[weight] = dequantized_slice(weight, stored, self.settings)
+        self.requantized |= weights
 
     def keys_under(self, prefixes: tuple[str, ...], outside: bool = False) -> list[str]:
         """The file tensors that load into model tensors under any of ``prefixes`` (with ``outside``: under none)."""
@@ -341,6 +356,9 @@ class LazyCheckpoint:
                 if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
+            if source in self.requantized:  # changed by a compensation: quantized from what the model holds
+                stored.update(quantized_again(name, value, self.settings))
+                continue
             parts = {suffix: self._read_stored(key, rows) for suffix, key in self.stored[source].items()}
             stored.update({name + suffix: tensor for suffix, tensor in parts.items()})
         return stored

@@ -22,8 +22,8 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
-from .apply.compensation import (Compensation, CompensationError, check_foldable, check_single_pass,
-                                 record_compensation)
+from .apply.compensation import (Compensation, CompensationError, check_foldable, check_regridable,
+                                 check_single_pass, record_compensation)
 from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
@@ -42,7 +42,7 @@ from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
 from .quantized_files import QuantizedCheckpointError
 from .record import CONFIG_KEY
-from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, stored_quantization
+from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, requantizes, stored_quantization
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
@@ -415,9 +415,10 @@ class PruningRun:
 
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
-        """The compensation mode the run fits: the one asked, but none for a quantized checkpoint, whose kept tensors
-        are written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused here,
-        before any work). A model transformers loaded quantized is refused too (prune computes on full precision).
+        """The compensation mode the run fits: the one asked, but none for a quantized checkpoint whose kept tensors
+        are written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused
+        here, before any work); a block-FP8 one's compensated down projections are quantized again. A model
+        transformers loaded quantized is refused too (prune computes on full precision).
         """
         mode, stored = self.options.compensation, stored_quantization(model)
         method = quant_method(getattr(model, "config", None))
@@ -439,8 +440,8 @@ class PruningRun:
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")
-        if stored is None or compensation_granularity(mode, strategy) is None:
-            return mode
+        if stored is None or compensation_granularity(mode, strategy) is None or requantizes(stored):
+            return mode  # block FP8: its compensated down projections are quantized again
         if mode != "auto":
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=self._model_name(model),
                                                                       format=format_name(stored)))
@@ -459,6 +460,8 @@ class PruningRun:
             check_single_pass(model)
             for layer in find_moe_layers(model):
                 check_foldable(layer)
+                if stored_quantization(model) is not None:  # its down projections are quantized again
+                    check_regridable(layer)
         except CompensationError as error:
             if mode != "auto":
                 raise

@@ -2,17 +2,24 @@
 FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8), MXFP4 experts (:mod:`.mxfp4`:
 gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
 requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
-so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read."""
+so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
+compensation changes the kept experts' down projections: a block-FP8 checkpoint's are quantized again
+(:func:`requantizes`); the other formats' would lose what their quantizer fitted (GPTQ's order, MXFP4's shared
+exponents), so a compensation of them is refused."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .block_fp8 import SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales
+import torch
+
+from .block_fp8 import (SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales, quantize,
+                        round_to_grid)
 from .compressed_tensors_format import CompressedSlice, compressed_tensors_settings, pair_compressed, scheme_of
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
@@ -23,9 +30,11 @@ FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an
 STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
 COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
-                       "the kept experts' weights, which would have to be quantized again. Prune it with "
-                       "compensation='off' (the paper's setting), or compensate its full-precision checkpoint.")
-"""Why a compensation is refused for a quantized source (``format``: :func:`format_name`)."""
+                       "the kept experts' weights, which would have to be quantized again (ompmoe quantizes again "
+                       "block-FP8 ones only). Prune it with compensation='off' (the paper's setting), or compensate "
+                       "its full-precision checkpoint.")
+"""Why a compensation is refused for a quantized source (``format``: :func:`format_name`) ompmoe does not
+quantize again."""
 
 
 def stored_settings(config: Any) -> dict[str, Any] | None:
@@ -80,6 +89,34 @@ def stored_quantization(model: Any) -> dict[str, Any] | None:
     return getattr(model, STORED_ATTR, None)
 
 
+def requantizes(settings: dict[str, Any] | None) -> bool:
+    """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
+    full precision, or block FP8 with a scale format :func:`~.block_fp8.quantize` writes (its compensated down
+    projections quantized again)."""
+    return settings is None or (settings["quant_method"] == "fp8" and settings.get("scale_fmt") in (None, "ue8m0"))
+
+
+def grid_of(settings: dict[str, Any] | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The values a weight computed for a checkpoint stored as ``settings`` is read back as once written quantized
+    (block FP8: :func:`~.block_fp8.round_to_grid` over the files' layout, ``[..., rows, cols]``); ``None`` for full
+    precision."""
+    if settings is None:
+        return None
+    if not requantizes(settings):
+        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings)} weight again.")
+    block, scale_fmt = block_size(settings), settings.get("scale_fmt")
+    return lambda values: round_to_grid(values, block, scale_fmt)
+
+
+def quantized_again(weight: str, values: torch.Tensor, settings: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``{file tensor: tensor}`` storing ``weight`` (a file tensor name) with ``values`` (the files' layout) as the
+    checkpoint stores its weights (block FP8: the E4M3 weight and its float32 ``_scale_inv``)."""
+    if settings is None or not requantizes(settings):
+        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings)} weight again.")
+    fp8, scale_inv = quantize(values, block_size(settings), settings.get("scale_fmt"))
+    return {weight: fp8, weight + SCALE_SUFFIX: scale_inv}
+
+
 def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
                 source: str | os.PathLike) -> dict[str, dict[str, str]]:
     """``{weight: {suffix: file tensor}}``: each quantized weight of the files (``headers``: name -> safetensors
@@ -109,4 +146,5 @@ def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, An
 
 
 __all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
-           "dequantized_slice", "format_name", "pair_stored", "stored_quantization", "stored_settings", "with_article"]
+           "dequantized_slice", "format_name", "grid_of", "pair_stored", "quantized_again", "requantizes",
+           "stored_quantization", "stored_settings", "with_article"]

@@ -14,7 +14,6 @@ import torch
 import transformers
 
 import ompmoe
-from ompmoe.engine.apply.compensation import Compensation
 from ompmoe.engine.block_fp8 import dequantize
 from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.collect.layerwise import collect_stats_layerwise
@@ -23,8 +22,7 @@ from ompmoe.engine.names import shipped_model_path
 from ompmoe.engine.tiny import tiny_model
 
 from block_fp8_reference import dequantized_checkpoint, literal_dequantize, quantize, quantized_in_release, to_block_fp8
-from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
-                                   assert_pruned_layer_by_layer_as_resident,
+from quantized_checkpoints import (assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
@@ -130,8 +128,7 @@ def test_a_non_uniform_fp8_checkpoint_loads_each_layer_at_its_own_count_in_fp8(t
                                stored["model.layers.0.mlp.experts.1.down_proj.weight"].view(torch.uint8))
 
 
-def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_auto_left_out(tmp_path, caplog,
-                                                                                             capsys):
+def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint(tmp_path, caplog):
     from ompmoe.cli import main
 
     from test_cli import tiny_config
@@ -142,34 +139,190 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_block_fp8_checkpoint_and_says_what_a
           "--model.model", str(fp8)])
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
-    assert lines[:4] == [  # the whole of what the run says
-        "ompmoe: method omp, allocation waterfill, compensation off, risk_weight 3, min_kept_fraction 0.375, "
+    assert lines[:3] == [  # auto fits its compensation: the down projections it changes are quantized again
+        "ompmoe: method omp, allocation waterfill, compensation linear, risk_weight 3, min_kept_fraction 0.375, "
         "max_kept_fraction 0.875, zeta 1e-06",
         f"ompmoe: {ompmoe.kept_summary(plan)}",
         "ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
-        "loss-aware statistics; no trial of its settings: it needs the whole model",
-        "ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no compensation (its refit "
-        "would change them)"]
-    assert lines[4].startswith("ompmoe: held-out perplexity ran layer by layer in one more pass over the layers: ")
+        "loss-aware statistics; no trial of its settings: it needs the whole model"]
+    assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in ")
+    assert lines[4].startswith("ompmoe: compensation (linear, 256 tokens): held-out calibration loss ")
     assert lines[5].startswith("ompmoe: held-out perplexity on 512 tokens per set, original -> pruned: heldout:prose ")
-    assert "paper's setting" not in lines[5]  # the run's plan is the paper's
     assert lines[6:] == [f"ompmoe: wrote statistics, plan and pruned model to {tmp_path / 'run'}"]
-    assert "compensation" not in plan.extra
-    written = read_tensors(tmp_path / "run" / "model")
+    record = plan.extra["compensation"]
+    assert record["granularity"] == "linear" and "loss_with" in record
+    written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(fp8)
     assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values()) == sum(
         name.endswith("_scale_inv") for name in written)
+    down = [name for name in written if ".down_proj.weight" in name and ".experts." in name
+            and not name.endswith("_scale_inv")]
+    assert down and all(written[name].dtype == torch.float8_e4m3fn for name in down)
+    changed = sum(not torch.equal(written[name + "_scale_inv"], stored[_source_name(name, plan)+ "_scale_inv"])
+                  for name in down)
+    assert changed == (len(down) if record["applied"] else 0)
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the kept experts' compensated down projections "
+           "quantized again, the others the source's tensors as it stores them), the rest bfloat16 |")
+    assert (row in card) == record["applied"]
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
 
-    # ompmoe prune re-plans its statistics from the same files, FP8 in and out
+    # ompmoe prune re-plans its statistics from the same files, FP8 in and out, compensated as the fit was
     main(["prune", "--stats", str(tmp_path / "run" / "stats.safetensors"), "--ratio", "0.25", "--model", str(fp8),
           "--output_dir", str(tmp_path / "pruned"), "--quiet", "true"])
     written = read_tensors(tmp_path / "pruned" / "model-0.25")
-    assert 0 < sum(tensor.dtype == torch.float8_e4m3fn for tensor in written.values())
+    replanned = ompmoe.PruningPlan.load(tmp_path / "pruned" / "plan-0.25.json")
+    assert replanned.extra["compensation"]["num_tokens"] > 0  # refit as the fit's record says (auto's down)
+    down = [name for name in written if ".down_proj.weight" in name and ".experts." in name
+            and not name.endswith("_scale_inv")]
+    changed = sum(not torch.equal(written[name + "_scale_inv"], stored[_source_name(name, replanned) + "_scale_inv"])
+                  for name in down)
+    assert down and changed == (len(down) if replanned.extra["compensation"]["applied"] else 0)
 
-    # a compensation asked for by name is refused before any work, with the fix, by both commands
-    assert_both_commands_refuse_a_named_compensation(fp8, tmp_path / "run" / "stats.safetensors", tmp_path, capsys,
-                                                     "block-FP8")
+
+def _source_name(name: str, plan: ompmoe.PruningPlan) -> str:
+    """The source's file tensor of a written per-expert tensor (its kept expert renumbered)."""
+    layer, _, rest = name.partition(".experts.")
+    number, _, tail = rest.partition(".")
+    return f"{layer}.experts.{plan.kept_by_layer()[layer][int(number)]}.{tail}"
+
+
+def test_quantize_is_transformers_fp8_quantizer_bit_for_bit_partial_blocks_one_by_one():
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from ompmoe.engine.block_fp8 import quantize as ours
+
+    def theirs(block: torch.Tensor, size: tuple[int, int], scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        config = SimpleNamespace(weight_block_size=size, scale_fmt=scale_fmt)
+        out = Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one("w.weight", block)
+        return out["w.weight"], out["w.weight_scale_inv"].float()
+
+    torch.manual_seed(0)
+    weight = torch.randn(3, 70, 45, dtype=torch.bfloat16) * 0.02
+    weight[0, :32, :16] = 0  # a block of zeros keeps multiplier 1
+    for scale_fmt in (None, "ue8m0"):
+        values, scales = ours(weight, (32, 16), scale_fmt)
+        assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and scales.shape == (3, 3, 3)
+        for i in range(3):
+            for j in range(3):
+                rows, cols = slice(32 * i, 32 * (i + 1)), slice(16 * j, 16 * (j + 1))
+                block = weight[:, rows, cols]
+                expected_values, expected_scales = theirs(block, tuple(block.shape[-2:]), scale_fmt)
+                assert torch.equal(values[:, rows, cols].view(torch.uint8), expected_values.view(torch.uint8))
+                assert torch.equal(scales[:, i, j], expected_scales.reshape(3))
+        assert torch.equal(scales[0, 0, 0], torch.tensor(1.0))
+    with pytest.raises(QuantizedCheckpointError, match=r"^scale_fmt='e4m3': ompmoe writes block-FP8 multipliers as "):
+        ours(weight, (32, 16), "e4m3")
+
+
+@pytest.mark.parametrize(("model_type", "granularity"), [("deepseek_v3", "linear"), ("qwen3_moe", "down"),
+                                                         ("gemma4_text", "expert")])
+def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(model_type, granularity, tmp_path):
+    """The layer-by-layer pass fits the compensation and measures the pruned model with its corrected down
+    projections as they will be written (quantized again); the streamed writer quantizes the same values as
+    transformers' FP8 quantizer does: the written checkpoint, read back literally, has the perplexity the run
+    reported, its compensated down projections are the resident compensated model's quantized, and every other
+    tensor is the source's as stored (gemma4_text: fused experts tensors in the files)."""
+    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+    from ompmoe.engine.perplexity import perplexity
+
+    block = (32, 16)
+    fp8, dequantized = _fp8_source(model_type, tmp_path, block)
+    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
+    config = load_stock_config(fp8)
+    (tmp_path / "scratch").mkdir()
+    measured = measure_layer_by_layer(fp8, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
+                                      tmp_path / "scratch", granularity=granularity, text=torch.cat(BLOCKS),
+                                      heldout={"set": heldout}, progress=False)
+    assert measured.compensation is not None
+    save_pruned_from_files(fp8, plan, tmp_path / "written", compensation=measured.compensation)
+    written, stored = read_tensors(tmp_path / "written"), read_tensors(fp8)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read_back = ompmoe.load_pruned(dequantized_checkpoint(tmp_path / "written", tmp_path / "read"))
+        resident = measured.compensation.apply(ompmoe.prune(ompmoe.load_pruned(dequantized), plan))
+    assert perplexity(read_back, heldout) == pytest.approx(measured.heldout["set"][1], rel=1e-6)
+    expected = {name: tensor for name, tensor in read_tensors(_saved(resident, tmp_path / "resident")).items()}
+    down = {name for name in written if ".experts." in name and "down_proj" in name and written[name].dtype ==
+            torch.float8_e4m3fn}
+    assert down
+    for name in down:  # the resident compensated rows, quantized as transformers' Fp8Quantize quantizes them
+        values, scales = quantize_like_transformers(expected[name], block)
+        assert torch.equal(written[name].view(torch.uint8), values.view(torch.uint8)), name
+        assert torch.equal(written[name + "_scale_inv"], scales), name
+        assert not torch.equal(written[name + "_scale_inv"], _kept_rows(stored, name, plan, "_scale_inv")), name
+    for name, tensor in written.items():  # the rest: the source's, as stored
+        weight = name.removesuffix("_scale_inv")
+        if tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+            if weight not in down:
+                assert torch.equal(tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor,
+                                   _kept_rows(stored, name, plan, "", uint8=tensor.dtype == torch.float8_e4m3fn)), name
+
+
+def _saved(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def _kept_rows(stored: dict, name: str, plan, suffix: str, uint8: bool = False) -> torch.Tensor:
+    """The source's tensor a written ``name`` was cut from (a per-expert one renumbered, a fused one's kept rows)."""
+    base = name.removesuffix(suffix) if suffix else name
+    layer = next((layer for layer in plan.kept_by_layer() if base.startswith(layer + ".")), None)
+    if layer is not None and ".experts." in base and base.split(".experts.")[1].split(".")[0].isdigit():
+        source = _source_name(base, plan) + suffix
+        tensor = stored[source]
+    elif layer is not None and ".experts." in base and stored[name.removesuffix(suffix) + suffix].dim() == 3:
+        tensor = stored[name][torch.tensor(plan.kept_by_layer()[layer])]
+    else:
+        tensor = stored[name.removesuffix(suffix) + suffix]
+    return tensor.view(torch.uint8) if uint8 else tensor
+
+
+def quantize_like_transformers(values: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` quantized by transformers' ``Fp8Quantize``, block by block (each partial block as a whole)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    rows, cols = values.shape[-2:]
+    out = torch.empty(values.shape, dtype=torch.float8_e4m3fn)
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scales = torch.empty((*values.shape[:-2], *grid), dtype=torch.float32)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = values[..., i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            config = SimpleNamespace(weight_block_size=tuple(part.shape[-2:]), scale_fmt=None)
+            quantized = Fp8Quantize(SimpleNamespace(quantization_config=config))._quantize_one("w.weight", part)
+            out[..., i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = quantized["w.weight"]
+            scales[..., i, j] = quantized["w.weight_scale_inv"].reshape(scales[..., i, j].shape)
+    return out, scales
+
+
+def test_a_transposed_experts_block_fp8_checkpoint_is_not_compensated(tmp_path):
+    """gpt-oss keeps its experts' down projection transposed (no block-FP8 release does): auto fits no compensation
+    and says why; one asked for is refused when the run starts, before calibrating."""
+    from ompmoe.engine.apply.compensation import CompensationError
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.lazy_checkpoint import build_skeleton
+
+    fp8, _ = _fp8_source("gpt_oss", tmp_path)
+    why = ("model.layers.0.mlp.experts stores its down projection transposed; ompmoe quantizes compensated down "
+           "projections again only in the files' layout")
+    run = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, layer_by_layer=True))
+    run.start(build_skeleton(load_stock_config(fp8)), ompmoe.LocalContext(), model_id=str(fp8))
+    assert run.no_compensation_line == f"ompmoe: auto fits no compensation: {why}."
+    assert run.compensation_granularity is None
+    named = ompmoe.PruningRun(ompmoe.RunOptions(plots=False, layer_by_layer=True, compensation="linear"))
+    with pytest.raises(CompensationError) as refused:
+        named.start(build_skeleton(load_stock_config(fp8)), ompmoe.LocalContext(), model_id=str(fp8))
+    assert str(refused.value) == f"{why}. Run without compensation." and named.collector is None
 
 
 def test_loading_partial_fp8_blocks_without_a_gpu_is_refused_where_transformers_would_read_them_wrong(tmp_path):
@@ -191,20 +344,6 @@ def test_loading_partial_fp8_blocks_without_a_gpu_is_refused_where_transformers_
         "); without a GPU transformers dequantizes them as if they were and would load them wrong. Calibrate and "
         "prune it with layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads partial blocks as "
         "DeepSeek's reference does, or load it on a GPU.")
-
-
-def test_a_named_compensation_of_a_block_fp8_checkpoint_is_refused_before_any_work(tmp_path):
-    fp8, _ = _fp8_source("qwen3_moe", tmp_path)
-    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
-    plan = ompmoe.plan_pruning(stats, 0.5)
-    compensation = Compensation(scales={}, kept={})
-    with pytest.raises(QuantizedCheckpointError) as refused:
-        save_pruned_from_files(fp8, plan, tmp_path / "out", compensation=compensation)
-    assert str(refused.value) == (
-        f"{fp8} stores block-FP8 weights, which ompmoe writes as stored; a compensation changes the kept "
-        "experts' weights, which would have to be quantized again. Prune it with compensation='off' (the paper's "
-        "setting), or compensate its full-precision checkpoint.")
-    assert not (tmp_path / "out").exists()
 
 
 WEIGHT = "model.layers.1.mlp.experts.0.down_proj.weight"

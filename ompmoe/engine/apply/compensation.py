@@ -731,25 +731,40 @@ def compensated_view(model: nn.Module, plan: PruningPlan, compensation: Compensa
 
 @contextmanager
 def corrected_rows(layer: MoELayer, kept: list[int], scale: torch.Tensor,
-                   replacement: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> Iterator[None]:
+                   replacement: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                   grid: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[None]:
     """Within the context, the **unpruned** ``layer``'s rows ``kept`` of its down projection (and bias) carry the
-    correction (or the refit rows); restored bit for bit afterwards, also when the body raises."""
+    correction (or the refit rows); restored bit for bit afterwards, also when the body raises. ``grid``: the values
+    corrected down projections are read back as once written quantized (:func:`~ompmoe.engine.stored_formats.grid_of`),
+    so a run measures what it writes."""
     saved: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():
-            for parameter, rows_in in zip(_down_projection(layer), replacement):
+            for position, (parameter, rows_in) in enumerate(zip(_down_projection(layer), replacement)):
                 if parameter is None:
                     continue
                 rows = torch.tensor(kept, dtype=torch.long, device=parameter.device)
                 original = parameter.data.index_select(0, rows)
                 saved.append((parameter, rows, original))
-                parameter.data.index_copy_(0, rows, _corrected(layer, original, scale)
-                                           if rows_in is None else rows_in.to(original))
+                corrected = _corrected(layer, original, scale) if rows_in is None else rows_in.to(original)
+                if grid is not None and position == 0:  # the weight; a bias stays full precision
+                    check_regridable(layer)
+                    corrected = grid(corrected)
+                parameter.data.index_copy_(0, rows, corrected)
         yield
     finally:
         with torch.no_grad():
             for parameter, rows, original in reversed(saved):
                 parameter.data.index_copy_(0, rows, original)
+
+
+def check_regridable(layer: MoELayer) -> None:
+    """Refuse quantizing a layer's corrected down projection again where the model's layout may not be the files'
+    (a transposed experts module: gpt-oss, Aria; none is released in block FP8)."""
+    if getattr(layer.experts, "is_transposed", False):
+        raise CompensationError(f"{layer.name}.experts stores its down projection transposed; ompmoe quantizes "
+                                "compensated down projections again only in the files' layout. Run without "
+                                "compensation.")
 
 
 def heldout_losses(model: nn.Module, plan: PruningPlan, compensation: Compensation, blocks: torch.Tensor,
@@ -838,7 +853,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
 
 __all__ = ["Compensation", "CompensationError", "CompensationSums", "check_foldable", "check_single_pass", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
            "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
-           "apply_compensation", "check_compensable", "check_sum_budget", "compensate", "compensate_layer",
+           "apply_compensation", "check_compensable", "check_regridable", "check_sum_budget", "compensate", "compensate_layer",
            "compensated_view", "compensation_record", "corrected_rows", "layer_summary", "record_compensation",
            "record_of_summaries", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
            "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks", "spread_rows"]

@@ -18,11 +18,11 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
-from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, compensate_layer,
-                                  record_compensation)
+from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, check_regridable,
+                                  compensate_layer, record_compensation)
 from ..apply.pruning import _slice_layer, prune
 from ..quantized_files import QuantizedCheckpointError
-from ..stored_formats import COMPENSATION_STORED, format_name, stored_settings
+from ..stored_formats import COMPENSATION_STORED, format_name, requantizes, stored_settings
 from ..io import atomic_path
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_dtype, decoder_layers, stacked_file_tensors
 from ..planning.plan import PruningPlan
@@ -115,9 +115,10 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                          timings: dict[str, float] | None = None, compensation: Compensation | None = None) -> int:
     """The pruned weight files of ``checkpoint``'s model under ``plan`` into ``directory``, layer by layer (the next
     layer read while this one is cut and written); ``compensation`` (fitted for ``plan``) folded into each layer's
-    kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it. Returns the bytes written."""
+    kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it (a block-FP8 checkpoint's
+    compensated down projections quantized again, the rest as stored). Returns the bytes written."""
     model = checkpoint.model
-    if compensation is not None and checkpoint.stored:
+    if compensation is not None and checkpoint.stored and not requantizes(checkpoint.settings):
         raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=checkpoint.path,
                                                                   format=format_name(checkpoint.settings)))
     prefix, layers = decoder_layers(model)
@@ -126,6 +127,10 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     moe_layers = find_moe_layers(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     names = {id(module): name for name, module in model.named_modules()}
+    if compensation is not None and checkpoint.stored:  # the compensated down projections are quantized again
+        for layer in moe_layers:
+            check_regridable(layer)
+        checkpoint.requantize({f"{names[id(layer.experts)]}.down_proj" for layer in moe_layers})
     only_experts = {names[id(layer.experts)]: sorted(kept[layer.name]) for layer in moe_layers}
     # the kept experts are read into tensors of their rows (slicing them then only sets counts); removed: never read
     writer = _ShardWriter(directory, shard_bytes, workers)
@@ -204,7 +209,8 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
-    if compensation is not None and (quantization := stored_settings(config)) is not None:
+    if compensation is not None and not requantizes(quantization := stored_settings(config)):
+        assert quantization is not None
         raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=source, format=format_name(quantization)))
     if compensation is not None:  # fitted for this plan, or refused before anything is written
         check_compensation_fits(pruned, compensation.scales, compensation.kept, "save_pruned_from_files")
