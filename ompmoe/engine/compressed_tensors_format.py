@@ -213,10 +213,22 @@ class CompressedSlice(ComputedSlice):
         return dequantize(values, self.parts[SCALE][:], self.scheme)[index]
 
 
+def _sparse_packing(weight: str, rows: int, words: int, cols: int, bits: int) -> str | None:
+    """The problem of a weight of ``cols`` ``bits``-bit values packed ``32 // bits`` to an int32 word, none across
+    words, as compressed-tensors packed 3, 5, 6 and 7 bits before its dense packing (``None``: not that layout)."""
+    if 32 % bits and words == math.ceil(cols / (32 // bits)) != math.ceil(cols * bits / 32):
+        return (f"{weight}{PACKED} [{rows}, {words}] holds {32 // bits} {bits}-bit values per int32 word, as "
+                "compressed-tensors packed them before its dense packing; current compressed-tensors and "
+                "transformers read it as other values")
+    return None
+
+
 def _unpacked_problem(weight: str, shape: list[int], parts: dict[str, Any], scheme: dict[str, Any]) -> str | None:
     """What does not fit between a packed weight's stored ``shape``, its words and its scales under ``scheme``."""
     rows, words = parts[PACKED].get_shape()
     bits, grid = int(scheme["num_bits"]), list(parts[SCALE].get_shape())
+    if len(shape) == 2 and shape[0] == rows and (old := _sparse_packing(weight, rows, words, shape[1], bits)):
+        return old
     if len(shape) != 2 or shape[0] != rows or math.ceil(shape[1] * bits / 32) != words:
         return (f"{weight}{PACKED} [{rows}, {words}] does not hold {weight}{SHAPE} {shape} in {bits}-bit values "
                 f"({weight}{SHAPE} and the scheme's num_bits disagree)")
@@ -322,6 +334,8 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
     if strategy == "group":
         size, bits = int(scheme["group_size"]), int(scheme["num_bits"])
         expected = [rows, grid[-1] if len(grid) == 2 else -1]
+        if grid == expected and (old := _sparse_packing(weight, rows, words, grid[1] * size, bits)):
+            return old
         if grid != expected or math.ceil(grid[1] * size * bits / 32) != words:
             return (f"{scale} {grid} does not cover {weight + PACKED} {shapes[weight + PACKED]} in groups of {size} "
                     f"{bits}-bit values")

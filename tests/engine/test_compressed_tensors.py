@@ -305,6 +305,29 @@ def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(
     _assert_refused("int4_experts", change, message, tmp_path)
 
 
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_a_weight_packed_before_compressed_tensors_dense_packing_is_refused_saying_so(bits, tmp_path):
+    """compressed-tensors once packed 3, 5, 6 and 7 bits ``32 // bits`` to a word, none across words; current
+    versions (and transformers through them) read such words densely, as other values."""
+    source, _ = _source("int4_experts", tmp_path)
+    per_word = 32 // bits
+
+    def old_packing(tensors: dict, config: dict) -> None:
+        _weights(config).update(num_bits=bits)
+        for name in [name for name in tensors if name.endswith(".weight_packed")]:
+            rows, cols = tensors[name.removesuffix("_packed") + "_shape"].tolist()
+            tensors[name] = torch.zeros(rows, -(-cols // per_word), dtype=torch.int32)
+
+    rewrite(source, old_packing)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(source, BLOCKS, progress=False)
+    message = str(refused.value)
+    assert message.startswith(f"{source} stores compressed-tensors weights ompmoe cannot read: {EXPERT}_packed "
+                              f"[64, {-(-32 // per_word)}] holds {per_word} {bits}-bit values per int32 word, as "
+                              "compressed-tensors packed them before its dense packing; current compressed-tensors "
+                              "and transformers read it as other values; ") and message.endswith(f"; .... {FIX}")
+
+
 def _assert_refused(kind: str, change, message: str, tmp_path: Path) -> None:
     """``SOURCES[kind]`` changed by ``change(tensors, config)`` is refused with ``message`` (``{source}``: its path)
     when the layer-by-layer run opens it."""
