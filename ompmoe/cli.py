@@ -131,7 +131,8 @@ def replan(
         layer_by_layer: With ``model``: refit and measure each plan one decoder layer at a time, in one pass over the
             checkpoint's files per ratio, and write each model from them (a model bigger than memory; a local or
             downloadable safetensors checkpoint in its own dtype). Default: as the fit calibrated, and for a
-            block-FP8 or MXFP4 checkpoint with equal expert counts in every layer (written as stored).
+            quantized checkpoint with equal expert counts in every layer (written in its format: the kept tensors as
+            stored, compensated down projections quantized again).
     """
     from .engine.apply.compensation_step import compensation_line
     from .engine.collect.statistics import MoEStats
@@ -319,7 +320,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
     also when its choice was the linear map); refused, before any work, where it cannot be done (``from_files``: the
     model may be written from its files, which a quantized checkpoint's are as stored)."""
-    from .engine.apply.compensation import GRANULARITIES
+    from .engine.apply.compensation import GRANULARITIES, CompensationError
     from .engine.quantized_files import QuantizedCheckpointError
     from .engine.stored_formats import COMPENSATION_STORED, format_name, requantizes, with_article
 
@@ -344,11 +345,15 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     if granularity in (None, "off"):
         return _Refit(source=source)
     stored = _stored_quantization(model) if model is not None and from_files else None
-    if stored is not None and not requantizes(stored):  # block FP8: compensated down projections quantized again
-        if given is not None:  # its kept tensors are written as stored: a refit would change them
+    if stored is not None and not requantizes(stored):  # MXFP4: its kept tensors are written as stored
+        if given is not None:  # a refit would change them
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))
         return _Refit(source=f"none for {with_article(stored)} checkpoint")
+    if stored is not None and (why := _not_requantizable(model)) is not None:  # before the pass reads a layer
+        if given is not None:
+            raise CompensationError(f"{why} Run without compensation (--compensation off).")
+        return _Refit(source=f"none: {why}")
     data = fit_data(fit)
     if data is None:
         where = (f"the fit's plan {fit_plan} records no calibration data settings to cut it again (its text came "
@@ -360,6 +365,23 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
         raise ValueError(f"--compensation {given} fits on the fit's calibration text, but {where}; pass "
                          "--compensation off")
     return _Refit(granularity, data, record.get("check_blocks"), source)
+
+
+def _not_requantizable(model: str) -> str | None:
+    """Why the quantized checkpoint ``model``'s compensated down projections cannot be quantized again (transposed
+    experts: :func:`~ompmoe.engine.apply.compensation.check_regridable`), from its weightless skeleton; ``None``:
+    they can."""
+    from .engine.adapters import find_moe_layers
+    from .engine.apply.compensation import CompensationError, check_regridable
+    from .engine.export.config import load_stock_config
+    from .engine.lazy_checkpoint import build_skeleton
+
+    try:
+        for layer in find_moe_layers(build_skeleton(load_stock_config(model))):
+            check_regridable(layer)
+    except CompensationError as error:
+        return str(error).removesuffix(" Run without compensation.")
+    return None
 
 
 def fit_data(fit: Any) -> dict[str, Any] | None:
@@ -483,7 +505,7 @@ def _layer_by_layer(given: bool | None, fit: Any, model: str | None, dtype: str 
         stored = None  # a skeleton cannot read per-layer counts: it loads, as before (dequantized)
     wanted = given if given is not None else fit_mode == LAYER_BY_LAYER or stored is not None
     if wanted and dtype is not None:
-        why = ("" if given else f" (the model stores {format_name(stored)} weights, written as stored)" if stored
+        why = ("" if given else f" (the model stores {format_name(stored)} weights, written in that format)" if stored
                else " (the fit ran layer by layer, so its plans are refitted and measured so too)")
         raise ValueError(f"--layer_by_layer writes the checkpoint's tensors as its files store them; got --dtype "
                          f"{dtype}{why}. Remove --dtype, or pass --layer_by_layer false to load the model.")

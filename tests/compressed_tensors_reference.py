@@ -95,6 +95,31 @@ def compress(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
     return {"": (values / scale.float()).to(torch.float8_e4m3fn), "_scale": scale}
 
 
+def compress_as_llm_compressor(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
+    """``weight`` (``[rows, cols]``, in its dtype) stored as llm-compressor stores it (suffix -> tensor): the min-max
+    observer's range per group, row or tensor, compressed-tensors' own ``calculate_qparams`` and ``quantize``, and its
+    ``pack_to_int32`` for integers."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(**{key: value for key, value in scheme.items() if value is not None})
+    rows, cols = weight.shape
+    if scheme["strategy"] == "group":
+        grouped = weight.reshape(rows, cols // scheme["group_size"], scheme["group_size"])
+        low, high = grouped.amin(-1), grouped.amax(-1)
+    elif scheme["strategy"] == "channel":
+        low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
+    else:
+        low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+    scale, zero_point = calculate_qparams(low, high, args)
+    if scheme["type"] == "int":
+        integers = quantize(weight, scale, zero_point, args, dtype=torch.int8)
+        return {"_packed": pack_to_int32(integers, scheme["num_bits"]), "_scale": scale,
+                "_shape": torch.tensor([rows, cols])}
+    return {"": quantize(weight, scale, zero_point, args, dtype=torch.float8_e4m3fn), "_scale": scale}
+
+
 def decompress(parts: dict[str, torch.Tensor], scheme: dict, format: str) -> torch.Tensor:
     """compressed-tensors' own reading of one stored weight (``parts``: suffix -> tensor, as :func:`compress`)."""
     state = {"weight" + suffix: tensor for suffix, tensor in parts.items()}

@@ -24,8 +24,9 @@ SCALE_FILE_DTYPE = "F32"
 """The safetensors dtype of their scales (one float32 multiplier per block)."""
 E4M3_MAX = 448.0
 """The largest E4M3 value: a block's largest magnitude is quantized to it."""
-SCALE_FORMATS = (None, "ue8m0")
-"""``scale_fmt`` values :func:`quantize` writes: float32 multipliers, or powers of two (DeepSeek-V3.1's ``ue8m0``)."""
+SCALE_FORMATS = (None, "float", "ue8m0")
+"""``scale_fmt`` values :func:`quantize` writes: float32 multipliers (none, or ``float``: what transformers'
+``FineGrainedFP8Config`` records), or powers of two (DeepSeek-V3.1's ``ue8m0``)."""
 SCALE_SUFFIX = "_scale_inv"
 """A weight ``<name>``'s block multipliers are ``<name>_scale_inv`` (``x.weight`` -> ``x.weight_scale_inv``)."""
 

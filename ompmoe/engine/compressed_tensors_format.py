@@ -36,6 +36,8 @@ FORMATS = {"int": "pack-quantized", "float": "float-quantized"}
 """The compressed-tensors format ompmoe reads for each weight type."""
 SCALE_DTYPES = ("BF16", "F16", "F32")
 """The scales' safetensors dtypes (the dequantized values take theirs)."""
+SCALE_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+"""Each of :data:`SCALE_DTYPES` as a torch dtype (what scales quantized again are computed and stored in)."""
 ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".input_global_scale")
 """Static activation (or KV-cache) scales: calibrated on the unpruned model's activations, so refused."""
 FIX = "Prune the full-precision checkpoint, then quantize the pruned model (llm-compressor's oneshot)."
@@ -178,6 +180,45 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, scheme: dict[str, Any]
         size = int(scheme["group_size"])
         return (product.reshape(rows, cols // size, size) * scale.reshape(rows, -1, 1)).reshape(rows, cols)
     return product * scale.reshape(rows, 1) if strategy == "channel" else product * scale.reshape(())
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values`` (``int8`` ``[rows, cols]``, each in ``bits`` signed bits) packed densely into ``int32`` words, the
+    inverse of :func:`unpack` (compressed-tensors' ``pack_to_int32``)."""
+    rows, cols = values.shape
+    shifted = (values.to(torch.int32) + (1 << (bits - 1))).to(torch.uint8)
+    stream = ((shifted[..., None] >> torch.arange(bits, dtype=torch.uint8)) & 1).reshape(rows, cols * bits)
+    words = math.ceil(cols * bits / 32)
+    stream = torch.nn.functional.pad(stream, (0, words * 32 - cols * bits)).reshape(rows, words, 32).to(torch.int64)
+    unsigned = (stream << torch.arange(32, dtype=torch.int64)).sum(-1)
+    return (unsigned - (unsigned >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32)
+
+
+def quantize(values: torch.Tensor, scheme: dict[str, Any], scale_dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(integers or FP8, multipliers)`` of a weight's ``values`` (``[rows, cols]``) by ``scheme``, computed in
+    ``scale_dtype`` as llm-compressor's min-max observer and compressed-tensors' ``calculate_qparams`` and
+    ``quantize`` compute them (each group's largest magnitude over half the integer or FP8 range; a zero multiplier
+    replaced by the dtype's epsilon); multipliers ``[rows, groups]``, ``[rows, 1]`` or ``[1]``."""
+    x = values.to(scale_dtype)
+    rows, cols = x.shape
+    strategy = scheme["strategy"]
+    size = int(scheme["group_size"]) if strategy == "group" else cols
+    grouped = x.reshape(1, 1, rows * cols) if strategy == "tensor" else x.reshape(rows, cols // size, size)
+    low = torch.clamp(grouped.amin(-1, keepdim=True), max=0)
+    high = torch.clamp(grouped.amax(-1, keepdim=True), min=0)
+    if scheme["type"] == "int":
+        bits = int(scheme["num_bits"])
+        bottom, top, span = -(1 << (bits - 1)), (1 << (bits - 1)) - 1, (1 << bits) - 1
+    else:
+        bottom, top, span = -448.0, 448.0, 896.0
+    scale = torch.max(low.abs(), high.abs()) / (torch.tensor(span, dtype=scale_dtype) / 2)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype), scale)
+    clamped = torch.clamp(grouped / scale, bottom, top)
+    quantized = (torch.round(clamped).to(torch.int8) if scheme["type"] == "int"
+                 else clamped.to(torch.float8_e4m3fn))
+    shape = [1] if strategy == "tensor" else [rows, cols // size]
+    return quantized.reshape(rows, cols), scale.reshape(shape)
 
 
 class CompressedSlice(ComputedSlice):
@@ -368,5 +409,5 @@ def describe(settings: dict[str, Any]) -> str:
     return "; ".join(dict.fromkeys(described))
 
 
-__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "ignored", "pair_compressed",
-           "scheme_of", "stored_names", "unpack"]
+__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "ignored", "pack",
+           "pair_compressed", "quantize", "scheme_of", "stored_names", "unpack"]

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
-                             pair_stored, quantized_again, requantizes, stored_settings)
+                             pair_stored, regrid, requantizes, stored_again, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -173,9 +173,34 @@ class LazyCheckpoint:
             raise QuantizedCheckpointError(f"ompmoe does not quantize {format_name(self.settings)} weights again "
                                            f"({sorted(weights)[0]}, ...).")
         for weight in weights:
-            stored = {suffix: self.stored_parts[key] for suffix, key in self.stored[weight].items()}
-            self.slices[weight] = dequantized_slice(weight, stored, self.settings)
+            self.slices[weight] = dequantized_slice(weight, self._parts(weight), self.settings)
         self.requantized |= weights
+
+    def grid(self, target: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What values computed for the model tensor ``target`` (per expert, ``[..., rows, cols]`` as the files store
+        each) read back as once :meth:`requantize` has written them quantized again; ``None`` where the files store
+        ``target`` in full precision (written as computed)."""
+        weights = sorted(key for key in self.stored if self.target[key] == target)
+        if not weights:
+            return None
+        if not requantizes(self.settings):
+            raise QuantizedCheckpointError(f"ompmoe does not quantize {format_name(self.settings)} weights again "
+                                           f"({weights[0]}, ...).")
+        shape, read_back = self.stored_shapes[weights[0]][-2:], regrid(weights[0], self._parts(weights[0]),
+                                                                        self.settings)
+
+        def grid(values: torch.Tensor) -> torch.Tensor:
+            if list(values.shape[-2:]) != list(shape):  # not the files' layout: the blocks would fall elsewhere
+                raise QuantizedCheckpointError(f"{self.path}: {target} rows {list(values.shape[-2:])} are not "
+                                               f"{weights[0]} {list(shape)}; they cannot be quantized again as "
+                                               "stored.")
+            return read_back(values)
+
+        return grid
+
+    def _parts(self, weight: str) -> dict[str, Any]:
+        """A quantized weight's stored tensors' slices, by suffix."""
+        return {suffix: self.stored_parts[key] for suffix, key in self.stored[weight].items()}
 
     def keys_under(self, prefixes: tuple[str, ...], outside: bool = False) -> list[str]:
         """The file tensors that load into model tensors under any of ``prefixes`` (with ``outside``: under none)."""
@@ -357,7 +382,7 @@ class LazyCheckpoint:
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
             if source in self.requantized:  # changed by a compensation: quantized from what the model holds
-                stored.update(quantized_again(name, value, self.settings))
+                stored.update(stored_again(name, source, value, self._parts(source), self.settings))
                 continue
             parts = {suffix: self._read_stored(key, rows) for suffix, key in self.stored[source].items()}
             stored.update({name + suffix: tensor for suffix, tensor in parts.items()})

@@ -415,10 +415,10 @@ class PruningRun:
 
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
-        """The compensation mode the run fits: the one asked, but none for a quantized checkpoint whose kept tensors
-        are written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused
-        here, before any work); a block-FP8 one's compensated down projections are quantized again. A model
-        transformers loaded quantized is refused too (prune computes on full precision).
+        """The compensation mode the run fits: the one asked, but none for an MXFP4 checkpoint, whose kept tensors are
+        written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused
+        here, before any work); a block-FP8 or compressed-tensors one's compensated down projections are quantized
+        again. A model transformers loaded quantized is refused too (prune computes on full precision).
         """
         mode, stored = self.options.compensation, stored_quantization(model)
         method = quant_method(getattr(model, "config", None))
@@ -441,7 +441,7 @@ class PruningRun:
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")
         if stored is None or compensation_granularity(mode, strategy) is None or requantizes(stored):
-            return mode  # block FP8: its compensated down projections are quantized again
+            return mode  # block FP8, compressed-tensors: its compensated down projections are quantized again
         if mode != "auto":
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=self._model_name(model),
                                                                       format=format_name(stored)))

@@ -3,9 +3,9 @@ FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8), MXFP4 
 gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
 requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
-compensation changes the kept experts' down projections: a block-FP8 checkpoint's are quantized again
-(:func:`requantizes`); the other formats' would lose what their quantizer fitted (GPTQ's order, MXFP4's shared
-exponents), so a compensation of them is refused."""
+compensation changes the kept experts' down projections: a block-FP8 or compressed-tensors checkpoint's are quantized
+again (:func:`requantizes`, :func:`stored_again`); MXFP4's would move the shared exponents its release chose, so a
+compensation of it is refused."""
 
 from __future__ import annotations
 
@@ -18,9 +18,16 @@ from typing import Any
 
 import torch
 
-from .block_fp8 import (SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales, quantize,
-                        round_to_grid)
-from .compressed_tensors_format import CompressedSlice, compressed_tensors_settings, pair_compressed, scheme_of
+from .block_fp8 import (SCALE_FORMATS, SCALE_SUFFIX, DequantizedSlice, block_fp8_settings, block_size, pair_scales,
+                        quantize, round_to_grid)
+from .compressed_tensors_format import PACKED as CT_PACKED
+from .compressed_tensors_format import SCALE as CT_SCALE
+from .compressed_tensors_format import SCALE_TORCH_DTYPES
+from .compressed_tensors_format import SHAPE as CT_SHAPE
+from .compressed_tensors_format import (CompressedSlice, compressed_tensors_settings, pack, pair_compressed,
+                                        scheme_of)
+from .compressed_tensors_format import dequantize as compressed_dequantize
+from .compressed_tensors_format import quantize as compressed_quantize
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
@@ -31,8 +38,8 @@ STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
 COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
                        "the kept experts' weights, which would have to be quantized again (ompmoe quantizes again "
-                       "block-FP8 ones only). Prune it with compensation='off' (the paper's setting), or compensate "
-                       "its full-precision checkpoint.")
+                       "block-FP8 and compressed-tensors ones only). Prune it with compensation='off' (the paper's "
+                       "setting), or compensate its full-precision checkpoint.")
 """Why a compensation is refused for a quantized source (``format``: :func:`format_name`) ompmoe does not
 quantize again."""
 
@@ -91,30 +98,52 @@ def stored_quantization(model: Any) -> dict[str, Any] | None:
 
 def requantizes(settings: dict[str, Any] | None) -> bool:
     """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
-    full precision, or block FP8 with a scale format :func:`~.block_fp8.quantize` writes (its compensated down
-    projections quantized again)."""
-    return settings is None or (settings["quant_method"] == "fp8" and settings.get("scale_fmt") in (None, "ue8m0"))
-
-
-def grid_of(settings: dict[str, Any] | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The values a weight computed for a checkpoint stored as ``settings`` is read back as once written quantized
-    (block FP8: :func:`~.block_fp8.round_to_grid` over the files' layout, ``[..., rows, cols]``); ``None`` for full
-    precision."""
+    full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, or compressed-tensors (its
+    compensated down projections quantized again, :func:`stored_again`). MXFP4's shared exponents are not."""
     if settings is None:
-        return None
-    if not requantizes(settings):
-        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings)} weight again.")
-    block, scale_fmt = block_size(settings), settings.get("scale_fmt")
-    return lambda values: round_to_grid(values, block, scale_fmt)
+        return True
+    method = settings["quant_method"]
+    return method == "compressed-tensors" or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS)
 
 
-def quantized_again(weight: str, values: torch.Tensor, settings: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``{file tensor: tensor}`` storing ``weight`` (a file tensor name) with ``values`` (the files' layout) as the
-    checkpoint stores its weights (block FP8: the E4M3 weight and its float32 ``_scale_inv``)."""
+def stored_again(weight: str, source: str, values: torch.Tensor, parts: dict[str, Any], settings: dict[str, Any]
+                 ) -> dict[str, torch.Tensor]:
+    """``{file tensor: tensor}`` storing ``values`` (the files' layout) as ``weight``, a weight the files store as
+    ``source`` with ``parts`` (``{suffix: safetensors slice}``), quantized again as the checkpoint's format quantizes
+    (block FP8: transformers' ``Fp8Quantize``; compressed-tensors: llm-compressor's min-max round to nearest, in the
+    stored scales' dtype and layout)."""
     if settings is None or not requantizes(settings):
-        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings)} weight again.")
-    fp8, scale_inv = quantize(values, block_size(settings), settings.get("scale_fmt"))
-    return {weight: fp8, weight + SCALE_SUFFIX: scale_inv}
+        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings or {})} weight again.")
+    if settings["quant_method"] == "fp8":
+        fp8, scale_inv = quantize(values, block_size(settings), settings.get("scale_fmt"))
+        return {weight: fp8, weight + SCALE_SUFFIX: scale_inv}
+    scheme = scheme_of(source[:-len(".weight")], settings)
+    scale_part = parts[CT_SCALE]
+    quantized, scale = compressed_quantize(values, scheme, SCALE_TORCH_DTYPES[scale_part.get_dtype()])
+    scale = scale.reshape(scale_part.get_shape())
+    if CT_PACKED not in parts:
+        return {weight: quantized, weight + CT_SCALE: scale}
+    shape = parts[CT_SHAPE][:]
+    return {weight + CT_PACKED: pack(quantized, int(scheme["num_bits"])), weight + CT_SCALE: scale,
+            weight + CT_SHAPE: torch.tensor(list(values.shape), dtype=shape.dtype)}
+
+
+def regrid(source: str, parts: dict[str, Any], settings: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What values ``[..., rows, cols]`` (each ``[rows, cols]`` a weight stored as ``source``, with ``parts``) are
+    read back as once :func:`stored_again` has written them: what a run measures for weights it writes quantized."""
+    if settings["quant_method"] == "fp8":
+        block, scale_fmt = block_size(settings), settings.get("scale_fmt")
+        return lambda values: round_to_grid(values, block, scale_fmt)
+    scheme = scheme_of(source[:-len(".weight")], settings)
+    scale_dtype = SCALE_TORCH_DTYPES[parts[CT_SCALE].get_dtype()]
+
+    def read_back(values: torch.Tensor) -> torch.Tensor:
+        matrices = values.reshape(-1, *values.shape[-2:])
+        rounded = [compressed_dequantize(*compressed_quantize(matrix, scheme, scale_dtype), scheme)
+                   for matrix in matrices]
+        return torch.stack(rounded).reshape(values.shape).to(values.dtype)
+
+    return read_back
 
 
 def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
@@ -146,5 +175,5 @@ def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, An
 
 
 __all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
-           "dequantized_slice", "format_name", "grid_of", "pair_stored", "quantized_again", "requantizes",
+           "dequantized_slice", "format_name", "pair_stored", "regrid", "requantizes", "stored_again",
            "stored_quantization", "stored_settings", "with_article"]

@@ -157,9 +157,7 @@ def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint
     down = [name for name in written if ".down_proj.weight" in name and ".experts." in name
             and not name.endswith("_scale_inv")]
     assert down and all(written[name].dtype == torch.float8_e4m3fn for name in down)
-    changed = sum(not torch.equal(written[name + "_scale_inv"], stored[_source_name(name, plan)+ "_scale_inv"])
-                  for name in down)
-    assert changed == (len(down) if record["applied"] else 0)
+    assert sum(_requantized(written, stored, name, plan) for name in down) == (len(down) if record["applied"] else 0)
     card = (tmp_path / "run" / "model" / "README.md").read_text()
     row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the kept experts' compensated down projections "
            "quantized again, the others the source's tensors as it stores them), the rest bfloat16 |")
@@ -175,9 +173,15 @@ def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint
     assert replanned.extra["compensation"]["num_tokens"] > 0  # refit as the fit's record says (auto's down)
     down = [name for name in written if ".down_proj.weight" in name and ".experts." in name
             and not name.endswith("_scale_inv")]
-    changed = sum(not torch.equal(written[name + "_scale_inv"], stored[_source_name(name, replanned) + "_scale_inv"])
-                  for name in down)
+    changed = sum(_requantized(written, stored, name, replanned) for name in down)
     assert down and changed == (len(down) if replanned.extra["compensation"]["applied"] else 0)
+
+
+def _requantized(written: dict, stored: dict, name: str, plan: ompmoe.PruningPlan) -> bool:
+    """Whether the written FP8 weight ``name`` (or its scales) is not its source's as stored."""
+    source = _source_name(name, plan)
+    return not (torch.equal(written[name].view(torch.uint8), stored[source].view(torch.uint8))
+                and torch.equal(written[name + "_scale_inv"], stored[source + "_scale_inv"]))
 
 
 def _source_name(name: str, plan: ompmoe.PruningPlan) -> str:
@@ -213,13 +217,32 @@ def test_quantize_is_transformers_fp8_quantizer_bit_for_bit_partial_blocks_one_b
                 assert torch.equal(values[:, rows, cols].view(torch.uint8), expected_values.view(torch.uint8))
                 assert torch.equal(scales[:, i, j], expected_scales.reshape(3))
         assert torch.equal(scales[0, 0, 0], torch.tensor(1.0))
+    for values, scales in (ours(weight, (32, 16), "float"),):  # FineGrainedFP8Config's default: float32 ones
+        assert torch.equal(values.view(torch.uint8), ours(weight, (32, 16))[0].view(torch.uint8))
+        assert torch.equal(scales, ours(weight, (32, 16))[1])
     with pytest.raises(QuantizedCheckpointError, match=r"^scale_fmt='e4m3': ompmoe writes block-FP8 multipliers as "):
         ours(weight, (32, 16), "e4m3")
 
 
-@pytest.mark.parametrize(("model_type", "granularity"), [("deepseek_v3", "linear"), ("qwen3_moe", "down"),
-                                                         ("gemma4_text", "expert")])
-def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(model_type, granularity, tmp_path):
+def _scale_fmt_float(tensors: dict, config: dict) -> None:
+    """The ``quantization_config`` transformers' ``FineGrainedFP8Config`` writes (``scale_fmt: float``)."""
+    config["quantization_config"]["scale_fmt"] = "float"
+
+
+def _full_precision_layer(tensors: dict, config: dict) -> None:
+    """Layer 2's routed experts' down projections kept in bf16 (a block-FP8 checkpoint quantizes what it names)."""
+    for name in [name for name in tensors if name.startswith("model.layers.2.mlp.experts.")
+                 and name.endswith("down_proj.weight")]:
+        tensors[name] = literal_dequantize(tensors[name], tensors.pop(name + "_scale_inv"), (32, 16)).to(
+            torch.bfloat16)
+
+
+@pytest.mark.parametrize(("model_type", "granularity", "change"), [
+    ("deepseek_v3", "linear", None), ("qwen3_moe", "down", None), ("gemma4_text", "expert", None),
+    ("deepseek_v3", "down", _full_precision_layer), ("qwen3_moe", "linear", _scale_fmt_float)],
+    ids=["deepseek_v3", "qwen3_moe", "gemma4_text", "one_layer_in_bf16", "scale_fmt_float"])
+def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(model_type, granularity, change,
+                                                                              tmp_path):
     """The layer-by-layer pass fits the compensation and measures the pruned model with its corrected down
     projections as they will be written (quantized again); the streamed writer quantizes the same values as
     transformers' FP8 quantizer does: the written checkpoint, read back literally, has the perplexity the run
@@ -231,7 +254,10 @@ def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(mo
     from ompmoe.engine.perplexity import perplexity
 
     block = (32, 16)
-    fp8, dequantized = _fp8_source(model_type, tmp_path, block)
+    fp8, _ = _fp8_source(model_type, tmp_path, block)
+    if change is not None:
+        rewrite(fp8, change)
+    dequantized = dequantized_checkpoint(fp8, tmp_path / "dequantized-again")
     stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
     plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
     heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
@@ -253,6 +279,10 @@ def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(mo
     down = {name for name in written if ".experts." in name and "down_proj" in name and written[name].dtype ==
             torch.float8_e4m3fn}
     assert down
+    if change is _full_precision_layer:  # written as computed, where the files keep them in full precision
+        kept_bf16 = [name for name in written if name.startswith("model.layers.2.mlp.experts.")
+                     and name.endswith("down_proj.weight")]
+        assert kept_bf16 and all(torch.equal(written[name], expected[name]) for name in kept_bf16)
     for name in down:  # the resident compensated rows, quantized as transformers' Fp8Quantize quantizes them
         values, scales = quantize_like_transformers(expected[name], block)
         assert torch.equal(written[name].view(torch.uint8), values.view(torch.uint8)), name
@@ -305,7 +335,7 @@ def quantize_like_transformers(values: torch.Tensor, block: tuple[int, int]) -> 
     return out, scales
 
 
-def test_a_transposed_experts_block_fp8_checkpoint_is_not_compensated(tmp_path):
+def test_a_transposed_experts_block_fp8_checkpoint_is_not_compensated(tmp_path, capsys):
     """gpt-oss keeps its experts' down projection transposed (no block-FP8 release does): auto fits no compensation
     and says why; one asked for is refused when the run starts, before calibrating."""
     from ompmoe.engine.apply.compensation import CompensationError
@@ -323,6 +353,17 @@ def test_a_transposed_experts_block_fp8_checkpoint_is_not_compensated(tmp_path):
     with pytest.raises(CompensationError) as refused:
         named.start(build_skeleton(load_stock_config(fp8)), ompmoe.LocalContext(), model_id=str(fp8))
     assert str(refused.value) == f"{why}. Run without compensation." and named.collector is None
+
+    # ompmoe prune --compensation: refused before the pass reads a layer (the skeleton says so)
+    from ompmoe.cli import main
+
+    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False).save(tmp_path / "stats.safetensors")
+    with pytest.raises(SystemExit):
+        main(["prune", "--stats", str(stats), "--ratio", "0.5", "--model", str(fp8), "--output_dir",
+              str(tmp_path / "pruned"), "--compensation", "down", "--quiet", "true"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {why}. Run without compensation (--compensation off).")
+    assert not (tmp_path / "pruned").exists()
 
 
 def test_loading_partial_fp8_blocks_without_a_gpu_is_refused_where_transformers_would_read_them_wrong(tmp_path):

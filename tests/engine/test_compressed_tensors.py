@@ -24,8 +24,7 @@ from ompmoe.engine.tiny import tiny_model
 
 from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, LINEAR_PLUS_ATTENTION, MIXED, decompress,
                                           dequantized_checkpoint, quantized_names, scheme_for, to_compressed)
-from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
-                                   assert_pruned_layer_by_layer_as_resident,
+from quantized_checkpoints import (assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
@@ -87,6 +86,64 @@ def test_fp8_weights_dequantize_as_compressed_tensors_reads_them(strategy, dtype
     ours = dequantize(values, scale, scheme)
     theirs = decompress({"": values, "_scale": scale}, scheme, "float-quantized")
     assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(("kind", "granularity"), [("int4_experts", "down"), ("fp8_dynamic", "linear"),
+                                                   ("linear_plus_attention", "expert")])
+def test_a_compensated_compressed_tensors_checkpoint_is_written_as_the_run_measured_it(kind, granularity, tmp_path):
+    """The layer-by-layer pass measures the compensated down projections as they will be written (quantized again:
+    INT4 per group, FP8 per channel); the writer quantizes the resident compensated rows exactly as llm-compressor
+    does (compressed-tensors' own functions, its packing); read back by compressed-tensors itself, the checkpoint
+    has the perplexity the run reported, and every other tensor is the source's as stored."""
+    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+    from ompmoe.engine.perplexity import perplexity
+
+    from compressed_tensors_reference import compress_as_llm_compressor
+
+    source, dequantized = _source(kind, tmp_path)
+    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
+    config = load_stock_config(source)
+    (tmp_path / "scratch").mkdir()
+    measured = measure_layer_by_layer(source, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
+                                      tmp_path / "scratch", granularity=granularity, text=torch.cat(BLOCKS),
+                                      heldout={"set": heldout}, progress=False)
+    save_pruned_from_files(source, plan, tmp_path / "written", compensation=measured.compensation)
+    written, stored = read_tensors(tmp_path / "written"), read_tensors(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resident = measured.compensation.apply(ompmoe.prune(ompmoe.load_pruned(dequantized), plan))
+        resident.save_pretrained(tmp_path / "resident")
+        read_back = ompmoe.load_pruned(dequantized_checkpoint(tmp_path / "written", tmp_path / "read",
+                                                              tmp_path / "resident"))
+    assert perplexity(read_back, heldout) == pytest.approx(measured.heldout["set"][1], rel=1e-6)
+    expected = read_tensors(tmp_path / "resident")
+    settings = SOURCES[kind][1]
+    kept = plan.kept_by_layer()
+    down = [name for name in quantized_names(expected, settings) if ".experts." in name and "down_proj" in name]
+    assert down
+    for name, tensor in expected.items():
+        scheme = scheme_for(name, tensor, settings)
+        if scheme is None:
+            continue
+        suffixes = ("_packed", "_scale", "_shape") if scheme[0]["type"] == "int" else ("", "_scale")
+        if name in down:  # the resident compensated rows, stored as llm-compressor stores them
+            theirs = compress_as_llm_compressor(tensor, scheme[0])
+            for suffix in suffixes:
+                assert torch.equal(written[name + suffix].view(torch.uint8),
+                                   theirs[suffix].view(torch.uint8)), name + suffix
+            continue
+        layer, _, rest = name.partition(".experts.")  # the rest as the source stores it
+        number, _, projection = rest.partition(".")
+        origin = f"{layer}.experts.{kept[layer][int(number)]}.{projection}" if ".experts." in name else name
+        for suffix in suffixes:
+            assert torch.equal(written[name + suffix].view(torch.uint8), stored[origin + suffix].view(torch.uint8))
+    row = "; the kept experts' compensated down projections quantized again, the others the source's tensors as it "
+    assert row in (tmp_path / "written" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -205,18 +262,27 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
     main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
           "--model.model", str(source)])
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
-    assert ("ompmoe: the checkpoint stores compressed-tensors weights, written as stored: auto fits no compensation "
-            "(its refit would change them)") in lines
+    assert not any("fits no compensation" in line for line in lines)
     plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
-    written = read_tensors(tmp_path / "run" / "model")
+    record = plan.extra["compensation"]  # auto fits and checks one; its down projections are quantized again
+    assert f"ompmoe: compensation ({record['granularity']}, " in "\n".join(lines)
+    written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(source)
     experts = sum(layer.num_kept for layer in plan.layers)
     assert sum(name.endswith(".weight_packed") for name in written) == 3 * experts
+    down = [name for name in written if ".experts." in name and name.endswith("down_proj.weight_packed")]
+    kept = plan.kept_by_layer()
+    changed = 0
+    for name in down:
+        layer, _, rest = name.partition(".experts.")
+        number, _, tail = rest.partition(".")
+        source_name = f"{layer}.experts.{kept[layer][int(number)]}.{tail}"
+        changed += not (torch.equal(written[name], stored[source_name]) and torch.equal(
+            written[name.replace("_packed", "_scale")], stored[source_name.replace("_packed", "_scale")]))
+    assert down and changed == (len(down) if record["applied"] else 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = ompmoe.load_pruned(tmp_path / "run" / "model", trust_remote_code=True)
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
-    assert_both_commands_refuse_a_named_compensation(source, tmp_path / "run" / "stats.safetensors", tmp_path,
-                                                     capsys, "compressed-tensors")
 
     # pruned again: per-layer counts, which a skeleton cannot read, and stored quantized, which a resident run does
     # not prune; the refusal says what to do instead (both refusals used to point at each other)

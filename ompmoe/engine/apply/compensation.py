@@ -735,8 +735,8 @@ def corrected_rows(layer: MoELayer, kept: list[int], scale: torch.Tensor,
                    grid: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[None]:
     """Within the context, the **unpruned** ``layer``'s rows ``kept`` of its down projection (and bias) carry the
     correction (or the refit rows); restored bit for bit afterwards, also when the body raises. ``grid``: the values
-    corrected down projections are read back as once written quantized (:func:`~ompmoe.engine.stored_formats.grid_of`),
-    so a run measures what it writes."""
+    corrected down projections are read back as once written quantized again
+    (:meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.grid`), so a run measures what it writes."""
     saved: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():

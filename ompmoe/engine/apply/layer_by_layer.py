@@ -10,8 +10,8 @@ pruned layer (without compensation, with each candidate, the paper's plan) runs 
 and held-out text, as :func:`~.trial.pruned_view` and :func:`~.compensation.compensated_view` run them on a resident
 model. After the last layer the model's head gives each variant's loss; the choice is made as the resident run
 makes it (:func:`~.compensation_step.checked_choice`), and the streamed writer folds the chosen correction into the
-rows it writes. A block-FP8 checkpoint's corrected down projections are measured as they are written, quantized
-again (:func:`~ompmoe.engine.stored_formats.grid_of`).
+rows it writes. A quantized checkpoint's corrected down projections are measured as they are written, quantized
+again (:meth:`~ompmoe.engine.lazy_checkpoint.LazyCheckpoint.grid`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from ..collect.collector import as_model_inputs
 from ..collect.layerwise import LayerMajor
 from ..lazy_checkpoint import LazyCheckpoint
 from ..planning.plan import PruningPlan
-from ..stored_formats import grid_of
 from .compensation import (
     DEFAULT_RIDGE,
     Compensation,
@@ -195,12 +194,12 @@ class _MeasuringPass:
     def __init__(self, passes: LayerMajor, model: nn.Module, plan: PruningPlan, layers: list[MoELayer],
                  granularity: str | None, alphas: tuple[float, ...], variants: list[str],
                  paper_kept: dict[str, list[int]] | None, store: LayerStore,
-                 grid: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 grids: Mapping[str, Callable[[torch.Tensor], torch.Tensor] | None] | None = None) -> None:
         self.passes, self.granularity, self.alphas, self.variants, self.store = (passes, granularity, alphas,
                                                                                    variants, store)
-        self.grid = grid
-        """What a quantized checkpoint's corrected down projections read back as once written (``None``: as
-        computed)."""
+        self.grids = dict(grids or {})
+        """Per MoE layer, what its corrected down projections read back as once written quantized again (absent or
+        ``None``: as computed)."""
         self.spec = architecture_of(model)
         self.kept = {layer_plan.name: sorted(int(i) for i in layer_plan.kept) for layer_plan in plan.layers}
         self.paper_kept = paper_kept
@@ -223,7 +222,8 @@ class _MeasuringPass:
                     if variant not in (OFF, PAPER):
                         tensors = corrections[layer.name]
                         stack.enter_context(corrected_rows(layer, ids, tensors["scale"],
-                                                           _replacement(tensors, variant), self.grid))
+                                                           _replacement(tensors, variant),
+                                                           self.grids.get(layer.name)))
                     stack.enter_context(pruned_layer_view(layer, ids, self.spec.count_attributes,
                                                           self.spec.experts_arguments[1]))
                 if checked and variant != PAPER:
@@ -305,8 +305,10 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
     store = LayerStore(scratch)
     with LazyCheckpoint(source, model) as checkpoint, quiet_calls():
         passes = LayerMajor(checkpoint, device)
-        grid = grid_of(checkpoint.settings) if granularity else None  # block FP8: as written, quantized again
-        run = _MeasuringPass(passes, model, plan, layers, granularity, alphas, variants, paper_kept, store, grid)
+        names = {id(module): name for name, module in model.named_modules()}
+        grids = ({layer.name: checkpoint.grid(f"{names[id(layer.experts)]}.down_proj") for layer in layers}
+                 if granularity else {})  # a quantized checkpoint's corrected rows: as written, quantized again
+        run = _MeasuringPass(passes, model, plan, layers, granularity, alphas, variants, paper_kept, store, grids)
         if granularity:
             fit_batches, run.num_tokens = _fitting_batches(model, granularity, text, batch_size, passes.device)
             passes.add("fit", fit_batches)

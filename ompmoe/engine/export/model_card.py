@@ -204,18 +204,17 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
     """The card's weights row: the dtype, or a quantized checkpoint's format (its tensors as the source stores them)."""
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    compensated = _applied((config.get("ompmoe") or {}).get("compensation"))
+    stored = ("the kept experts' compensated down projections quantized again, the others the source's tensors as it "
+              "stores them" if compensated else "the source's tensors as it stores them")
     if method == "fp8":
         rows, cols = quantization.get("weight_block_size") or ("?", "?")
-        compensated = _applied((config.get("ompmoe") or {}).get("compensation"))
-        stored = ("the kept experts' compensated down projections quantized again, the others the source's tensors "
-                  "as it stores them" if compensated else "the source's tensors as it stores them")
         return f"FP8 (e4m3, one scale per {rows}x{cols} block; {stored}), the rest {dtype or 'not recorded'}"
     if method == "mxfp4":
         return (f"MXFP4 experts (e2m1, one power-of-two scale per 32 values; the source's tensors as it stores them), "
                 f"the rest {dtype or 'not recorded'}")
     if method == "compressed-tensors":
-        return (f"compressed-tensors ({describe(quantization)}; the source's tensors as it stores them), the rest "
-                f"{dtype or 'not recorded'}")
+        return f"compressed-tensors ({describe(quantization)}; {stored}), the rest {dtype or 'not recorded'}"
     return dtype or "not recorded"
 
 

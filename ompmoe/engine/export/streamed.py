@@ -115,7 +115,7 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                          timings: dict[str, float] | None = None, compensation: Compensation | None = None) -> int:
     """The pruned weight files of ``checkpoint``'s model under ``plan`` into ``directory``, layer by layer (the next
     layer read while this one is cut and written); ``compensation`` (fitted for ``plan``) folded into each layer's
-    kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it (a block-FP8 checkpoint's
+    kept rows as :meth:`~ompmoe.engine.apply.compensation.Compensation.apply` folds it (a quantized checkpoint's
     compensated down projections quantized again, the rest as stored). Returns the bytes written."""
     model = checkpoint.model
     if compensation is not None and checkpoint.stored and not requantizes(checkpoint.settings):
