@@ -150,3 +150,26 @@ def assert_pruned_layer_by_layer_as_resident(source: Path, dequantized: Path, bl
         each["ompmoe"]["plan"].pop("statistics_model_id", None)
     assert config == resident
     return plan
+
+
+def compensated_layer_by_layer(source: Path, blocks: list[torch.Tensor], granularity: str, tmp_path: Path):
+    """``source`` (quantized) planned at 0.5 from its statistics on ``blocks``, compensated (``granularity``, fitted
+    on ``blocks``) and measured on held-out tokens layer by layer, then written from its files to
+    ``tmp_path/written``. Returns (plan, held-out tokens, the measures)."""
+    import ompmoe
+    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+    from ompmoe.engine.collect.layerwise import collect_stats_layerwise
+    from ompmoe.engine.export.config import load_stock_config
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
+
+    plan = ompmoe.plan_pruning(collect_stats_layerwise(source, blocks, progress=False), 0.5, allocation="waterfill")
+    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
+    config = load_stock_config(source)
+    (tmp_path / "scratch").mkdir()
+    measured = measure_layer_by_layer(source, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
+                                      tmp_path / "scratch", granularity=granularity, text=torch.cat(blocks),
+                                      heldout={"set": heldout}, progress=False)
+    assert measured.compensation is not None
+    save_pruned_from_files(source, plan, tmp_path / "written", compensation=measured.compensation)
+    return plan, heldout, measured

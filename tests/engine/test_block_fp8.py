@@ -248,26 +248,16 @@ def test_a_compensated_block_fp8_checkpoint_is_written_as_the_run_measured_it(mo
     transformers' FP8 quantizer does: the written checkpoint, read back literally, has the perplexity the run
     reported, its compensated down projections are the resident compensated model's quantized, and every other
     tensor is the source's as stored (gemma4_text: fused experts tensors in the files)."""
-    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
-    from ompmoe.engine.export.config import load_stock_config
-    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
     from ompmoe.engine.perplexity import perplexity
+
+    from quantized_checkpoints import compensated_layer_by_layer
 
     block = (32, 16)
     fp8, _ = _fp8_source(model_type, tmp_path, block)
     if change is not None:
         rewrite(fp8, change)
     dequantized = dequantized_checkpoint(fp8, tmp_path / "dequantized-again")
-    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
-    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
-    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
-    config = load_stock_config(fp8)
-    (tmp_path / "scratch").mkdir()
-    measured = measure_layer_by_layer(fp8, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
-                                      tmp_path / "scratch", granularity=granularity, text=torch.cat(BLOCKS),
-                                      heldout={"set": heldout}, progress=False)
-    assert measured.compensation is not None
-    save_pruned_from_files(fp8, plan, tmp_path / "written", compensation=measured.compensation)
+    plan, heldout, measured = compensated_layer_by_layer(fp8, BLOCKS, granularity, tmp_path)
     written, stored = read_tensors(tmp_path / "written"), read_tensors(fp8)
 
     with warnings.catch_warnings():

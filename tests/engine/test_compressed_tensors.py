@@ -95,24 +95,13 @@ def test_a_compensated_compressed_tensors_checkpoint_is_written_as_the_run_measu
     INT4 per group, FP8 per channel); the writer quantizes the resident compensated rows exactly as llm-compressor
     does (compressed-tensors' own functions, its packing); read back by compressed-tensors itself, the checkpoint
     has the perplexity the run reported, and every other tensor is the source's as stored."""
-    from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
-    from ompmoe.engine.export.config import load_stock_config
-    from ompmoe.engine.export.streamed import save_pruned_from_files
-    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
     from ompmoe.engine.perplexity import perplexity
 
     from compressed_tensors_reference import compress_as_llm_compressor
+    from quantized_checkpoints import compensated_layer_by_layer
 
     source, dequantized = _source(kind, tmp_path)
-    stats = collect_stats_layerwise(source, BLOCKS, progress=False)
-    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
-    heldout = torch.randint(3, 250, (4, 16), generator=torch.Generator().manual_seed(7))
-    config = load_stock_config(source)
-    (tmp_path / "scratch").mkdir()
-    measured = measure_layer_by_layer(source, build_skeleton(config, dtype=checkpoint_dtype(config)), plan,
-                                      tmp_path / "scratch", granularity=granularity, text=torch.cat(BLOCKS),
-                                      heldout={"set": heldout}, progress=False)
-    save_pruned_from_files(source, plan, tmp_path / "written", compensation=measured.compensation)
+    plan, heldout, measured = compensated_layer_by_layer(source, BLOCKS, granularity, tmp_path)
     written, stored = read_tensors(tmp_path / "written"), read_tensors(source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
