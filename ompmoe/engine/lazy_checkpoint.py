@@ -194,7 +194,10 @@ class LazyCheckpoint:
                 raise QuantizedCheckpointError(f"{self.path}: {target} rows {list(values.shape[-2:])} are not "
                                                f"{weights[0]} {list(shape)}; they cannot be quantized again as "
                                                "stored.")
-            return read_back(values)
+            rounded = torch.empty_like(values)  # one matrix at a time: float32 copies of one expert's, not all
+            for matrix, out in zip(values.reshape(-1, *shape), rounded.view(-1, *shape)):
+                out.copy_(read_back(matrix))
+            return rounded
 
         return grid
 

@@ -129,21 +129,17 @@ def stored_again(weight: str, source: str, values: torch.Tensor, parts: dict[str
 
 
 def regrid(source: str, parts: dict[str, Any], settings: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What values ``[..., rows, cols]`` (each ``[rows, cols]`` a weight stored as ``source``, with ``parts``) are
-    read back as once :func:`stored_again` has written them: what a run measures for weights it writes quantized."""
+    """What values ``[rows, cols]`` (block FP8: ``[..., rows, cols]``) of a weight stored as ``source`` (with
+    ``parts``) are read back as once :func:`stored_again` has written them: what a run measures for weights it
+    writes quantized."""
     if settings["quant_method"] == "fp8":
         block, scale_fmt = block_size(settings), settings.get("scale_fmt")
         return lambda values: round_to_grid(values, block, scale_fmt)
     scheme = scheme_of(source[:-len(".weight")], settings)
     scale_dtype = SCALE_TORCH_DTYPES[parts[CT_SCALE].get_dtype()]
 
-    def read_back(values: torch.Tensor) -> torch.Tensor:
-        matrices = values.reshape(-1, *values.shape[-2:])
-        rounded = [compressed_dequantize(*compressed_quantize(matrix, scheme, scale_dtype), scheme)
-                   for matrix in matrices]
-        return torch.stack(rounded).reshape(values.shape).to(values.dtype)
-
-    return read_back
+    return lambda values: compressed_dequantize(*compressed_quantize(values, scheme, scale_dtype), scheme).to(
+        values.dtype)
 
 
 def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any] | None,
