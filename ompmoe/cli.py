@@ -606,8 +606,9 @@ def _load_model(name: str, statistics: Any) -> Any:
     method = quant_method(model.config)
     if method is not None:  # loaded quantized (a block-FP8 checkpoint on a GPU): refused before any forward
         raise QuantizedModelError(f"--model {name} was loaded quantized (quant_method={method!r}); prune computes "
-                                  "on full-precision weights: pass --layer_by_layer true, which reads a block-FP8 or "
-                                  "MXFP4 checkpoint's weights dequantized and writes the kept ones as stored.")
+                                  "on full-precision weights: pass --layer_by_layer true, which reads a block-FP8, "
+                                  "MXFP4 or compressed-tensors checkpoint's weights dequantized and writes the kept "
+                                  "ones as stored.")
     statistics.check_compatible(model)
     return model
 

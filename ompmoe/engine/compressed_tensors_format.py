@@ -8,7 +8,8 @@ Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic req
 
 Layer-by-layer runs compute on the weights as compressed-tensors dequantizes them (``value * scale`` in the scale's
 dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
-stored. Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
+stored; a compensation's down projections are quantized again as llm-compressor quantizes (:func:`quantize`,
+:func:`pack`). Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
 shapes; where compressed-tensors and transformers would read a weight differently ompmoe refuses, and so where a
 layer's routed experts are not all stored alike (a kept expert renumbered could then be read with another scheme).
 What would be read wrong (zero points, activation-ordered groups, static activation scales, sparsity, transforms, a
@@ -322,9 +323,9 @@ def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], setti
 
 
 def _mixed_experts(headers: dict[str, str]) -> list[str]:
-    """The projections whose routed experts are stored some quantized (packed or FP8), some in full precision:
-    transformers reads a layer's experts with one scheme (such a checkpoint does not load), and a kept expert
-    renumbered would be read under another number's scheme."""
+    """Routed experts stored some quantized (packed or FP8), some in full precision, by expert, by projection or by
+    layer: transformers reads a layer's experts with one scheme (such a checkpoint does not load, or loads a
+    projection unfilled), and a kept expert renumbered would be read under another number's scheme."""
     stored: dict[tuple[str, str], dict[int, bool]] = {}
     for name, dtype in headers.items():
         found = re.match(r"(.*\.experts)\.(\d+)\.(.+)\.weight(_packed)?$", name)
@@ -332,12 +333,28 @@ def _mixed_experts(headers: dict[str, str]) -> list[str]:
             quantized = name.endswith(PACKED) or dtype.startswith("F8_")
             stored.setdefault((found[1], found[3]), {})[int(found[2])] = quantized
     problems = []
+    alike: dict[str, dict[str, bool]] = {}  # experts module -> projection -> whether all its experts are quantized
     for (experts, projection), quantized in sorted(stored.items()):
         plain = sorted(number for number, is_quantized in quantized.items() if not is_quantized)
         if plain and len(plain) < len(quantized):
             problems.append(f"{experts}.{{{', '.join(map(str, plain[:3]))}{', ...' if len(plain) > 3 else ''}}}."
                             f"{projection} are stored in full precision and the layer's other experts quantized "
                             "(transformers reads a layer's experts with one scheme)")
+        else:
+            alike.setdefault(experts, {})[projection] = not plain
+    for experts, projections in alike.items():
+        plain = sorted(projection for projection, quantized in projections.items() if not quantized)
+        if plain and len(plain) < len(projections):
+            problems.append(f"{experts}.*.{plain[0]} are stored in full precision and the layer's other projections "
+                            "quantized (transformers reads a layer's experts with one scheme: stock from_pretrained "
+                            f"would leave {plain[0]} unloaded)")
+    whole = {experts: all(projections.values()) for experts, projections in alike.items()
+             if len(set(projections.values())) == 1}
+    plain_layers = sorted(experts for experts, quantized in whole.items() if not quantized)
+    if plain_layers and len(plain_layers) < len(whole):
+        problems.append(f"{plain_layers[0]}{' and others' if len(plain_layers) > 1 else ''} are stored in full "
+                        "precision and other layers' experts quantized (transformers' compressed-tensors loading "
+                        "fails on such a checkpoint)")
     return problems
 
 

@@ -116,9 +116,10 @@ class RunOptions:
             printed), the correction folded into the rows as they are written. What needs the whole model at once
             is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
             setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
-            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused. A block-FP8
-            checkpoint (DeepSeek-V3's format) or MXFP4 experts (gpt-oss's) are read dequantized and written as
-            stored, with no compensation (:mod:`ompmoe.engine.stored_formats`).
+            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused. A quantized
+            checkpoint (block FP8, MXFP4 experts, compressed-tensors) is read dequantized and written in its format,
+            the kept tensors as stored; a compensation's down projections are quantized again, except MXFP4's,
+            which gets none (:mod:`ompmoe.engine.stored_formats`).
     """
 
     strategy: Strategy | None = None

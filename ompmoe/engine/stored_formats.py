@@ -4,8 +4,8 @@ gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thin
 requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
 compensation changes the kept experts' down projections: a block-FP8 or compressed-tensors checkpoint's are quantized
-again (:func:`requantizes`, :func:`stored_again`); MXFP4's would move the shared exponents its release chose, so a
-compensation of it is refused."""
+again (:func:`requantizes`, :func:`stored_again`); MXFP4 is not written again (its experts are transposed relative
+to the files, and transformers' MXFP4 quantizer needs a GPU), so a compensation of it is refused."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def stored_quantization(model: Any) -> dict[str, Any] | None:
 def requantizes(settings: dict[str, Any] | None) -> bool:
     """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
     full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, or compressed-tensors (its
-    compensated down projections quantized again, :func:`stored_again`). MXFP4's shared exponents are not."""
+    compensated down projections quantized again, :func:`stored_again`). MXFP4 is not written again."""
     if settings is None:
         return True
     method = settings["quant_method"]

@@ -160,7 +160,8 @@ def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint
     assert sum(_requantized(written, stored, name, plan) for name in down) == (len(down) if record["applied"] else 0)
     card = (tmp_path / "run" / "model" / "README.md").read_text()
     row = ("| Weights dtype | FP8 (e4m3, one scale per 64x64 block; the kept experts' compensated down projections "
-           "quantized again, the others the source's tensors as it stores them), the rest bfloat16 |")
+           "quantized again where the source quantizes them, the others the source's tensors as it stores them), the "
+           "rest bfloat16 |")
     assert (row in card) == record["applied"]
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
@@ -532,5 +533,6 @@ def test_ompmoe_prune_refuses_a_model_loaded_quantized_before_any_forward(tmp_pa
         _load_model("tiny:qwen3_moe", stats)
     assert str(refused.value) == (
         "--model tiny:qwen3_moe was loaded quantized (quant_method='fp8'); prune computes on full-precision weights: "
-        "pass --layer_by_layer true, which reads a block-FP8 or MXFP4 checkpoint's weights dequantized and writes the "
+        "pass --layer_by_layer true, which reads a block-FP8, MXFP4 or compressed-tensors checkpoint's weights "
+        "dequantized and writes the "
         "kept ones as stored.")

@@ -131,7 +131,8 @@ def test_a_compensated_compressed_tensors_checkpoint_is_written_as_the_run_measu
         origin = f"{layer}.experts.{kept[layer][int(number)]}.{projection}" if ".experts." in name else name
         for suffix in suffixes:
             assert torch.equal(written[name + suffix].view(torch.uint8), stored[origin + suffix].view(torch.uint8))
-    row = "; the kept experts' compensated down projections quantized again, the others the source's tensors as it "
+    row = ("; the kept experts' compensated down projections quantized again where the source quantizes them, the "
+           "others the source's tensors as it stores them), the rest bfloat16 |")
     assert row in (tmp_path / "written" / "README.md").read_text()
 
 
@@ -425,7 +426,9 @@ def test_what_compressed_tensors_leaves_aside_is_read(tmp_path):
 def test_experts_stored_partly_quantized_or_quantized_but_ignored_are_refused_when_opened(tmp_path):
     """An ignore list naming experts by number: experts 0 and 1's down projections kept in bf16 among INT4 ones
     (transformers does not load such a layer, and a kept expert renumbered into 0 or 1 would be read as full
-    precision from its packed tensors), or a quantized expert the ignore list names."""
+    precision from its packed tensors); every expert's down projection in bf16 beside INT4 gate and up projections
+    (stock from_pretrained leaves the down projections random); one layer's experts in bf16 among INT4 layers
+    (stock loading fails); or a quantized expert the ignore list names."""
     source, dequantized = _source("int4_experts", tmp_path)
     plain = read_tensors(dequantized)
 
@@ -443,6 +446,28 @@ def test_experts_stored_partly_quantized_or_quantized_but_ignored_are_refused_wh
     problems = "; ".join(f"{layer}.{{0, 1}}.down_proj are stored in full precision and the layer's other experts "
                          "quantized (transformers reads a layer's experts with one scheme)" for layer in layers)
     assert str(refused.value) == f"{source} stores compressed-tensors weights ompmoe cannot read: {problems}. {FIX}"
+
+    for case, (kept_plain, problem) in enumerate((
+            ("re:.*experts\\.\\d+\\.down_proj$",
+             "; ".join(f"{layer}.*.down_proj are stored in full precision and the layer's other projections quantized "
+                       "(transformers reads a layer's experts with one scheme: stock from_pretrained would leave "
+                       "down_proj unloaded)" for layer in layers)),
+            ("re:model\\.layers\\.2\\.mlp\\.experts\\..*",
+             "model.layers.2.mlp.experts are stored in full precision and other layers' experts quantized "
+             "(transformers' compressed-tensors loading fails on such a checkpoint)"))):
+        source, _ = _source("int4_experts", tmp_path / f"case{case}")
+
+        def in_full_precision(tensors: dict, config: dict, pattern: str = kept_plain) -> None:
+            config["quantization_config"]["ignore"].append(pattern)
+            for name in [name for name in tensors if re.match(pattern[3:].removesuffix("$") + r"\.weight_", name)]:
+                base = name[:name.index(".weight_") + len(".weight")]
+                tensors.pop(name)
+                tensors[base] = plain[base]
+
+        rewrite(source, in_full_precision)
+        with pytest.raises(QuantizedCheckpointError) as refused:
+            collect_stats_layerwise(source, BLOCKS, progress=False)
+        assert str(refused.value) == f"{source} stores compressed-tensors weights ompmoe cannot read: {problem}. {FIX}"
 
     ignored = tmp_path / "ignored"
     shutil.rmtree(source)

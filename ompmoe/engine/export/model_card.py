@@ -205,8 +205,9 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     compensated = _applied((config.get("ompmoe") or {}).get("compensation"))
-    stored = ("the kept experts' compensated down projections quantized again, the others the source's tensors as it "
-              "stores them" if compensated else "the source's tensors as it stores them")
+    stored = ("the kept experts' compensated down projections quantized again where the source quantizes them, the "
+              "others the source's tensors as it stores them" if compensated else
+              "the source's tensors as it stores them")
     if method == "fp8":
         rows, cols = quantization.get("weight_block_size") or ("?", "?")
         return f"FP8 (e4m3, one scale per {rows}x{cols} block; {stored}), the rest {dtype or 'not recorded'}"
