@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ..engine.adapters import architecture_of
 from ..engine.apply.plan_choice import PlanChoice
-from ..engine.collect.collector import as_model_inputs, loader_epoch, real_sample_count
+from ..engine.collect.collector import LoaderPosition, as_model_inputs
 from ..engine.collect.statistics import MoEStats
 from ..engine.io import local_inputs
 from ..engine.planning.plan import PruningPlan
@@ -149,23 +149,18 @@ class FabricCalibration(RunResults):
             ext.standalone()  # the forward's output is dropped: no step reuses its graph
         self.sharded = any(isinstance(p, DTensor) for p in self.hf_model.parameters())
         """Whether the weights are FSDP2-sharded (every forward is then a collective)."""
-        self._pass: Any = None  # (loader, its epoch) the position counts in
-        self._position = 0
-        self._real_samples: int | None = None
+        self._loader = LoaderPosition()  # where each batch lies in its loader's pass
 
     def update(self, batch: Any, dataloader: Any = None) -> None:
         """Run the model on one batch (input ids, or a dict with ``input_ids`` and ``attention_mask``) and add it.
 
         Pass the ``dataloader`` the batch comes from so the samples its ``DistributedSampler`` repeats (in each
-        epoch: :func:`~ompmoe.engine.collect.collector.loader_epoch`) are not counted. Under DDP the forward is local
+        pass: :class:`~ompmoe.engine.collect.collector.LoaderPosition`) are not counted. Under DDP the forward is local
         (ranks may call this unequally often); under FSDP2 a collective: call it equally often, or use :meth:`run`.
         """
-        if dataloader is not None and self._pass != (dataloader, loader_epoch(dataloader)):
-            self._pass, self._position = (dataloader, loader_epoch(dataloader)), 0
-            self._real_samples = real_sample_count(getattr(dataloader, "sampler", None))
         inputs = as_model_inputs(batch, self.fabric.device)
-        self.pruning.forward(inputs, self._position, self._real_samples, self.fabric.autocast())
-        self._position += int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0])
+        first, real = self._loader.batch(dataloader, int(inputs.get("input_ids", inputs.get("inputs_embeds")).shape[0]))
+        self.pruning.forward(inputs, first, real, self.fabric.autocast())
 
     def run(self, dataloader: Iterable[Any]) -> int:
         """:meth:`update` on every batch of ``dataloader``; returns the number of batches of this rank.

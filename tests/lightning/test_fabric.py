@@ -342,7 +342,7 @@ def test_a_second_epoch_over_the_same_loader_counts_as_the_first_whatever_the_sa
     """Rank 1 of 2 over 5 blocks gets blocks 1 and 3 and a padded repeat of block 0. A second epoch over the same
     loader kept counting positions from the first: every sample of it was taken for a repeat and left out, on 2
     processes only (one process counted it). Each epoch now counts its real samples, and a Fabric loader's own
-    epochs too."""
+    epochs too; a loop that never calls ``set_epoch`` starts a new pass once a pass's samples are used up."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ompmoe.lightning.fabric import FabricCalibration
@@ -352,8 +352,10 @@ def test_a_second_epoch_over_the_same_loader_counts_as_the_first_whatever_the_sa
     def rank_one() -> DataLoader:
         return DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
 
-    # a plain loader whose sampler the loop moves to each epoch; a Fabric loader, which does that itself
-    loaders = {"set_epoch": rank_one(), "fabric": fabric.setup_dataloaders(rank_one(), use_distributed_sampler=False)}
+    # a plain loader whose sampler the loop moves to each epoch; one whose loop never does (each pass then yields
+    # the rank's samples in the same order); a Fabric loader, which does that itself
+    loaders = {"set_epoch": rank_one(), "no_set_epoch": rank_one(),
+               "fabric": fabric.setup_dataloaders(rank_one(), use_distributed_sampler=False)}
     expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), [data[[1, 3]], data[[1, 3]]])
     for name, loader in loaders.items():
         model = fabric.setup(tiny_model("qwen3_moe"))

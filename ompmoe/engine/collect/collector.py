@@ -7,6 +7,7 @@ block still gets exactly ``sum_k g_k F_{e_k}(x)``. No atom outlives the batch.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -538,6 +539,37 @@ def loader_epoch(dataloader: Any) -> tuple[Any, Any]:
     ``DistributedSampler``'s ``set_epoch``): a new one counts from its first sample again, so every epoch counts
     alike on any number of processes (the last one's samples were taken for repeats on 2)."""
     return getattr(dataloader, "_num_iter_calls", None), getattr(getattr(dataloader, "sampler", None), "epoch", None)
+
+
+class LoaderPosition:
+    """Where each batch of a loader lies in the pass over it that gives it (its first sample's position on this rank)
+    and how many of the pass's samples are real (the rest: a ``DistributedSampler``'s repeats). A new pass starts with
+    a new epoch (:func:`loader_epoch`) or once a pass's samples are used up (:func:`samples_per_pass`)."""
+
+    def __init__(self) -> None:
+        self._pass: Any = None
+        self.position = 0
+        self.real_samples: int | None = None
+
+    def batch(self, dataloader: Any, num_samples: int) -> tuple[int, int | None]:
+        """``(first sample's position, real samples of the pass)`` of a batch of ``num_samples`` from
+        ``dataloader`` (``None``: the last loader's pass goes on); then past it."""
+        if dataloader is not None and (self._pass != (dataloader, loader_epoch(dataloader))
+                                       or self.position >= (samples_per_pass(dataloader) or math.inf)):
+            self._pass, self.position = (dataloader, loader_epoch(dataloader)), 0
+            self.real_samples = real_sample_count(getattr(dataloader, "sampler", None))
+        first, self.position = self.position, self.position + num_samples
+        return first, self.real_samples
+
+
+def samples_per_pass(dataloader: Any) -> int | None:
+    """How many samples one pass over ``dataloader`` gives this rank when its ``DistributedSampler`` pads them
+    (``None``: otherwise): once that many are counted, the next batch starts a new pass, whether or not the loop
+    called ``set_epoch`` (PyTorch's docs ask for it; a loop without it still gets a new pass of the same samples)."""
+    sampler = getattr(dataloader, "sampler", None)
+    if real_sample_count(sampler) is None:
+        return None
+    return int(sampler.num_samples)
 
 
 def batch_token_weight(inputs: Mapping[str, torch.Tensor], first_sample: int, real_samples: int | None
