@@ -320,7 +320,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     """The granularity given, else none for a named method (as published), else the one the fit fitted (``down``
     also when its choice was the linear map); refused, before any work, where it cannot be done (``from_files``: the
     model may be written from its files, which a quantized checkpoint's are as stored)."""
-    from .engine.apply.compensation import GRANULARITIES, CompensationError
+    from .engine.apply.compensation import GRANULARITIES, CompensationError, without_fix
     from .engine.quantized_files import QuantizedCheckpointError
     from .engine.stored_formats import COMPENSATION_STORED, format_name, requantizes, with_article
 
@@ -350,9 +350,10 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))
         return _Refit(source=f"none for {with_article(stored)} checkpoint")
-    if stored is not None and (why := _not_requantizable(model)) is not None:  # before the pass reads a layer
+    if stored is not None and (obstacle := _compensation_obstacle(model)) is not None:  # before a layer is read
+        why = without_fix(obstacle).rstrip(".")
         if given is not None:
-            raise CompensationError(f"{why} Run without compensation (--compensation off).")
+            raise CompensationError(f"{why}. Run without compensation (--compensation off).")
         return _Refit(source=f"none: {why}")
     data = fit_data(fit)
     if data is None:
@@ -367,21 +368,14 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     return _Refit(granularity, data, record.get("check_blocks"), source)
 
 
-def _not_requantizable(model: str) -> str | None:
-    """Why the quantized checkpoint ``model``'s compensated down projections cannot be quantized again (transposed
-    experts: :func:`~ompmoe.engine.apply.compensation.check_regridable`), from its weightless skeleton; ``None``:
-    they can."""
-    from .engine.adapters import find_moe_layers
-    from .engine.apply.compensation import CompensationError, check_regridable
+def _compensation_obstacle(model: str) -> Any:
+    """:func:`~ompmoe.engine.apply.compensation.compensation_obstacle` of the checkpoint ``model``'s weightless
+    skeleton, as a run asks it of the model it starts on."""
+    from .engine.apply.compensation import compensation_obstacle
     from .engine.export.config import load_stock_config
     from .engine.lazy_checkpoint import build_skeleton
 
-    try:
-        for layer in find_moe_layers(build_skeleton(load_stock_config(model))):
-            check_regridable(layer)
-    except CompensationError as error:
-        return str(error).removesuffix(" Run without compensation.")
-    return None
+    return compensation_obstacle(build_skeleton(load_stock_config(model)))
 
 
 def fit_data(fit: Any) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
-                             pair_stored, regrid, requantizes, stored_again, stored_settings)
+                             pair_stored, regrid, stored_again, stored_settings)
 from .model_classes import default_model_class
 
 
@@ -167,11 +167,9 @@ class LazyCheckpoint:
     def requantize(self, targets: set[str]) -> None:
         """Fill the quantized weights that load into the model tensors ``targets`` with their dequantized values, and
         write them quantized again from what the model then holds (a compensation's down projections; the writer's
-        other quantized weights stay as stored). Refused for a format ompmoe does not quantize again."""
+        other quantized weights stay as stored; a format ompmoe does not quantize again is refused by
+        :func:`~ompmoe.engine.stored_formats.stored_again`)."""
         weights = {key for key in self.stored if self.target[key] in targets}
-        if weights and not requantizes(self.settings):
-            raise QuantizedCheckpointError(f"ompmoe does not quantize {format_name(self.settings)} weights again "
-                                           f"({sorted(weights)[0]}, ...).")
         for weight in weights:
             self.slices[weight] = dequantized_slice(weight, self._parts(weight), self.settings)
         self.requantized |= weights
@@ -183,9 +181,6 @@ class LazyCheckpoint:
         weights = sorted(key for key in self.stored if self.target[key] == target)
         if not weights:
             return None
-        if not requantizes(self.settings):
-            raise QuantizedCheckpointError(f"ompmoe does not quantize {format_name(self.settings)} weights again "
-                                           f"({weights[0]}, ...).")
         shape, read_back = self.stored_shapes[weights[0]][-2:], regrid(weights[0], self._parts(weights[0]),
                                                                         self.settings)
 

@@ -22,8 +22,7 @@ from torch import nn
 
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
-from .apply.compensation import (Compensation, CompensationError, check_foldable, check_regridable,
-                                 check_single_pass, record_compensation)
+from .apply.compensation import Compensation, compensation_obstacle, record_compensation, without_fix
 from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
@@ -451,25 +450,19 @@ class PruningRun:
         return "off"
 
     def _compensation_for_experts(self, model: nn.Module, mode: str, strategy: Strategy) -> str:
-        """``mode``, but none where the experts' down projection, which every correction folds into, cannot take one
-        (each expert's output normalized after it: MuseSpark), or a layer run twice per forward (Inkling2-Loop):
-        ``auto`` then fits none and
+        """``mode``, but none where a correction cannot be folded or written
+        (:func:`~.apply.compensation.compensation_obstacle`: MuseSpark's normalized expert outputs, Inkling2-Loop's
+        repeated layers, a quantized checkpoint's transposed experts): ``auto`` then fits none and
         :attr:`no_compensation_line` says so; one named is refused here, before any work."""
         if compensation_granularity(mode, strategy) is None:
             return mode
-        try:
-            check_single_pass(model)
-            for layer in find_moe_layers(model):
-                check_foldable(layer)
-                if stored_quantization(model) is not None:  # its down projections are quantized again
-                    check_regridable(layer)
-        except CompensationError as error:
-            if mode != "auto":
-                raise
-            why = str(error).removesuffix("; run without compensation.").removesuffix(" Run without compensation.")
-            self.no_compensation_line = f"ompmoe: auto fits no compensation: {why}"
-            return "off"
-        return mode
+        obstacle = compensation_obstacle(model)
+        if obstacle is None:
+            return mode
+        if mode != "auto":
+            raise obstacle
+        self.no_compensation_line = f"ompmoe: auto fits no compensation: {without_fix(obstacle)}"
+        return "off"
 
     @staticmethod
     def _model_name(model: nn.Module) -> str:

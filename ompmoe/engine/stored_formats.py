@@ -106,14 +106,19 @@ def requantizes(settings: dict[str, Any] | None) -> bool:
     return method == "compressed-tensors" or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS)
 
 
+def _check_requantizes(settings: dict[str, Any]) -> None:
+    """Refuse quantizing a weight again in a format :func:`requantizes` says ompmoe does not write."""
+    if not requantizes(settings):
+        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings)} weight again.")
+
+
 def stored_again(weight: str, source: str, values: torch.Tensor, parts: dict[str, Any], settings: dict[str, Any]
                  ) -> dict[str, torch.Tensor]:
     """``{file tensor: tensor}`` storing ``values`` (the files' layout) as ``weight``, a weight the files store as
     ``source`` with ``parts`` (``{suffix: safetensors slice}``), quantized again as the checkpoint's format quantizes
     (block FP8: transformers' ``Fp8Quantize``; compressed-tensors: llm-compressor's min-max round to nearest, in the
     stored scales' dtype and layout)."""
-    if settings is None or not requantizes(settings):
-        raise QuantizedCheckpointError(f"ompmoe does not quantize {with_article(settings or {})} weight again.")
+    _check_requantizes(settings)
     if settings["quant_method"] == "fp8":
         fp8, scale_inv = quantize(values, block_size(settings), settings.get("scale_fmt"))
         return {weight: fp8, weight + SCALE_SUFFIX: scale_inv}
@@ -132,6 +137,7 @@ def regrid(source: str, parts: dict[str, Any], settings: dict[str, Any]) -> Call
     """What values ``[rows, cols]`` (block FP8: ``[..., rows, cols]``) of a weight stored as ``source`` (with
     ``parts``) are read back as once :func:`stored_again` has written them: what a run measures for weights it
     writes quantized."""
+    _check_requantizes(settings)
     if settings["quant_method"] == "fp8":
         block, scale_fmt = block_size(settings), settings.get("scale_fmt")
         return lambda values: round_to_grid(values, block, scale_fmt)

@@ -24,6 +24,7 @@ from ..collect.collector import as_model_inputs, check_calibration_inputs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
 from ..record import CONFIG_KEY, last_pruning_kept, pruning_info
+from ..stored_formats import stored_quantization
 from .adaptive import adaptive_paused
 from .pruning import require_plan_model, slice_router, validate_plan
 from .trial import pruned_view
@@ -748,7 +749,6 @@ def corrected_rows(layer: MoELayer, kept: list[int], scale: torch.Tensor,
                 saved.append((parameter, rows, original))
                 corrected = _corrected(layer, original, scale) if rows_in is None else rows_in.to(original)
                 if grid is not None and position == 0:  # the weight; a bias stays full precision
-                    check_regridable(layer)
                     corrected = grid(corrected)
                 parameter.data.index_copy_(0, rows, corrected)
         yield
@@ -756,6 +756,27 @@ def corrected_rows(layer: MoELayer, kept: list[int], scale: torch.Tensor,
         with torch.no_grad():
             for parameter, rows, original in reversed(saved):
                 parameter.data.index_copy_(0, rows, original)
+
+
+def compensation_obstacle(model: nn.Module) -> CompensationError | None:
+    """Why no correction can be folded into ``model``'s experts, or written (``None``: it can): a layer run twice per
+    forward (:func:`check_single_pass`), a down projection a correction does not reach (:func:`check_foldable`), or,
+    for a skeleton of a quantized checkpoint, one that cannot be quantized again in the files' layout
+    (:func:`check_regridable`). Every front door asks it before any work."""
+    try:
+        check_single_pass(model)
+        for layer in find_moe_layers(model):
+            check_foldable(layer)
+            if stored_quantization(model) is not None:  # its down projections are quantized again
+                check_regridable(layer)
+    except CompensationError as error:
+        return error
+    return None
+
+
+def without_fix(error: CompensationError) -> str:
+    """``error``'s reason without its closing advice to run without compensation (the caller says what it does)."""
+    return str(error).removesuffix("; run without compensation.").removesuffix(" Run without compensation.")
 
 
 def check_regridable(layer: MoELayer) -> None:
@@ -853,7 +874,7 @@ def compensate(model: nn.Module, plan: PruningPlan, blocks: torch.Tensor | Itera
 
 __all__ = ["Compensation", "CompensationError", "CompensationSums", "check_foldable", "check_single_pass", "DEFAULT_GRANULARITY", "DEFAULT_RIDGE",
            "EXPERT_RIDGE", "GRANULARITIES", "SUM_GRANULARITIES", "LayerSums", "MAX_SUM_BYTES", "TOKENS_PER_DIMENSION",
-           "apply_compensation", "check_compensable", "check_regridable", "check_sum_budget", "compensate", "compensate_layer",
+           "apply_compensation", "check_compensable", "check_regridable", "compensation_obstacle", "without_fix", "check_sum_budget", "compensate", "compensate_layer",
            "compensated_view", "compensation_record", "corrected_rows", "layer_summary", "record_compensation",
            "record_of_summaries", "compensation_sums", "effective_ridge", "fit_scales", "fitting_tokens",
            "heldout_losses", "layer_factor", "linear_sum_bytes", "spread_blocks", "spread_rows"]

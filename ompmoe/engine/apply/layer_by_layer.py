@@ -42,6 +42,7 @@ from .compensation import (
     _fit_layer,
     _LayerPass,
     check_compensable,
+    check_regridable,
     corrected_rows,
     layer_summary,
     record_of_summaries,
@@ -308,6 +309,9 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
         names = {id(module): name for name, module in model.named_modules()}
         grids = ({layer.name: checkpoint.grid(f"{names[id(layer.experts)]}.down_proj") for layer in layers}
                  if granularity else {})  # a quantized checkpoint's corrected rows: as written, quantized again
+        for layer in layers:
+            if grids.get(layer.name) is not None:
+                check_regridable(layer)
         run = _MeasuringPass(passes, model, plan, layers, granularity, alphas, variants, paper_kept, store, grids)
         if granularity:
             fit_batches, run.num_tokens = _fitting_batches(model, granularity, text, batch_size, passes.device)
