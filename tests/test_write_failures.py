@@ -85,10 +85,10 @@ def test_a_file_size_limit_ends_prune_in_one_line_and_keeps_the_previous_output(
     done = ompmoe_command(["prune", "--stats", str(shipped_stats), "--ratio", "0.5", "--model", "shipped:tiny-moe",
                            "--output_dir", str(out), "--overwrite", "--quiet"], tmp_path, limit=LIMIT)
     assert done.returncode == 2, done.stderr[-3000:]
-    # safetensors' SafetensorError ("File too large (os error 27)") is no OSError: converted where outputs are written.
+    # the weights' writer names the shard it stopped in (written from the files layer by layer: a part's name)
     assert done.stderr.splitlines() == [
         f"error: [Errno 27] cannot write {out}: File too large (this process may write files of at most 2 MiB: "
-        "ulimit -f) while writing model-0.5 (reported by safetensors.SafetensorError); the previous output is "
+        "ulimit -f) while writing model-0.5/model-00001.part.safetensors; the previous output is "
         "unchanged. Raise the limit (ulimit -f) or choose another output path."]
     assert snapshot(out) == before and names(tmp_path) == ["out"]  # no temporary, no lock file left
 
@@ -103,7 +103,7 @@ def test_a_file_size_limit_ends_fit_in_one_line_and_keeps_the_previous_output(tm
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
         f"error: [Errno 27] cannot write {out}: File too large (this process may write files of at most 2 MiB: "
-        "ulimit -f) while writing model (reported by safetensors.SafetensorError); the previous output is "
+        "ulimit -f) while writing model/model.safetensors; the previous output is "
         "unchanged. Raise the limit (ulimit -f) or choose another output path."]
     # no temporary, no lock file left (Lightning's default_root_dir, outputs/, may be there)
     assert snapshot(out) == before and "out" in names(tmp_path) and not [n for n in names(tmp_path) if ".out." in n]
@@ -140,9 +140,9 @@ def test_a_full_file_system_ends_prune_in_one_line_and_keeps_the_previous_output
                            "--output_dir", str(out), "--overwrite", "--quiet"], small_file_system.parent)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
-        f"error: [Errno 28] cannot write {out}: No space left on device while writing model-0.5 (reported by "
-        "safetensors.SafetensorError); the previous output is unchanged. Free space on that file system or choose "
-        "another output path."]
+        f"error: [Errno 28] cannot write {out}: No space left on device while writing "
+        "model-0.5/model-00001.part.safetensors; the previous output is unchanged. Free space on that file system or "
+        "choose another output path."]
     assert snapshot(out) == before and names(small_file_system) == ["out"]
     assert os.statvfs(small_file_system).f_bavail == free  # the partial output is gone, not just hidden
 

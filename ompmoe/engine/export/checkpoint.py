@@ -24,6 +24,7 @@ from .config import load_tokenizer
 from .hub_code import write_remote_code
 from ..hub import is_hub_id
 from .model_card import model_card
+from .safetensors_writer import parallel_pretrained_writes
 
 TOKENIZER_HINT = (
     "pass tokenizer=<hub id, path or tokenizer> to save_pruned (CLI: ompmoe prune --tokenizer ...; "
@@ -127,7 +128,7 @@ def save_checkpoint(
     else:
         if cast:
             save_kwargs["state_dict"] = _cast_state_dict(model, target)
-        with quiet_calls():  # no "Writing model shards" bar; the caller's own saves keep theirs
+        with quiet_calls(), parallel_pretrained_writes():  # no "Writing model shards" bar; shards from threads
             model.save_pretrained(directory, **save_kwargs)
     written_tokenizer = resolve_tokenizer(tokenizer, model)
     if written_tokenizer is not None:

@@ -29,6 +29,7 @@ from ..planning.plan import PruningPlan
 from .checkpoint import save_checkpoint
 from .config import load_stock_config
 from .load import check_checkpoint_files
+from .safetensors_writer import write_safetensors
 
 SHARD_BYTES = 512 * 1024**2
 """A shard is written once it holds this much (whole decoder layers: a big model's layers get a shard each, a small
@@ -80,14 +81,12 @@ class _ShardWriter:
             self._flush()
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         while len([future for future in self.pending if not future.done()]) >= self.pool._max_workers:
             next(future for future in self.pending if not future.done()).result()  # one shard in memory at a time
         index = len(self.shards)
         self.shards.append(list(self.current))
         path = self.directory / f"model-{index + 1:05d}.part.safetensors"
-        self.pending.append(self.pool.submit(save_file, self.current, str(path), metadata={"format": "pt"}))
+        self.pending.append(self.pool.submit(write_safetensors, self.current, str(path), metadata={"format": "pt"}))
         self.current, self.size = {}, 0
 
     def finish(self) -> int:

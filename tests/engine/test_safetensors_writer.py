@@ -1,0 +1,144 @@
+"""The parallel safetensors writer writes what ``safetensors.torch.save_file`` writes, byte for byte, and
+``save_pruned`` writes its shards with it."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+import transformers.modeling_utils as modeling_utils
+from safetensors.torch import load_file, save_file
+
+import ompmoe
+from ompmoe.engine.export import safetensors_writer
+from ompmoe.engine.export.safetensors_writer import (SAFETENSORS_DTYPES, parallel_pretrained_writes,
+                                                     write_safetensors)
+from ompmoe.engine.tiny import tiny_model
+
+
+def every_kind_of_tensor() -> dict[str, torch.Tensor]:
+    """One tensor of each dtype written here, and the shapes and names that test the layout: a scalar, an empty
+    tensor, a transposed (non-contiguous) one, one larger than a piece, a non-ASCII name, names out of order."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for position, dtype in enumerate(SAFETENSORS_DTYPES):
+        values = torch.randint(0, 120, (5, 7), generator=generator)
+        tensors[f"z{position:02d}.{str(dtype)[6:]}"] = values > 60 if dtype == torch.bool else values.to(dtype)
+    tensors["scalar"] = torch.tensor(3.5)
+    tensors["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    tensors["transposed"] = torch.randn(20, 30, generator=generator).t()
+    tensors["large"] = torch.randn(400, 333, generator=generator).to(torch.bfloat16)
+    tensors["a.gewichtsmatrix.ü"] = torch.randn(3, generator=generator)
+    return tensors
+
+
+def stock_bytes(tensors: dict[str, torch.Tensor], path, metadata) -> bytes:
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path), metadata=metadata)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["from_memory", "through_buffers"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("metadata", [{"format": "pt"}, None], ids=["format_pt", "no_metadata"])
+def test_the_file_is_byte_for_byte_what_save_file_writes(tmp_path, monkeypatch, staged, threads, metadata):
+    """Pieces of 100 bytes and buffers of 1000 cut the large tensors across threads and runs; ``staged`` sends
+    every piece through the host buffers, as an accelerator's tensors go."""
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 100)
+    monkeypatch.setattr(safetensors_writer, "STAGING_BYTES", 1000)
+    if staged:
+        monkeypatch.setattr(safetensors_writer, "needs_staging", lambda tensor: True)
+    tensors = every_kind_of_tensor()
+    write_safetensors(tensors, tmp_path / "ours.safetensors", metadata, threads=threads)
+    assert (tmp_path / "ours.safetensors").read_bytes() == stock_bytes(tensors, tmp_path / "stock.safetensors",
+                                                                       metadata)
+    loaded = load_file(tmp_path / "ours.safetensors")
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_default_sizes_and_an_empty_file_match_save_file(tmp_path):
+    tensors = every_kind_of_tensor()
+    write_safetensors(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == stock_bytes(tensors, tmp_path / "stock.safetensors",
+                                                                       {"format": "pt"})
+    write_safetensors({}, tmp_path / "empty.safetensors", {"format": "pt"})
+    assert (tmp_path / "empty.safetensors").read_bytes() == stock_bytes({}, tmp_path / "stock_empty.safetensors",
+                                                                        {"format": "pt"})
+
+
+def test_a_file_already_there_is_replaced_whole(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x" * 10_000)
+    write_safetensors({"a": torch.ones(2)}, path, {"format": "pt"})
+    assert path.read_bytes() == stock_bytes({"a": torch.ones(2)}, tmp_path / "stock.safetensors", {"format": "pt"})
+
+
+def test_several_metadata_keys_are_the_same_header(tmp_path):
+    """safetensors orders several metadata keys by its own hash map, so only the header's meaning can be equal."""
+    metadata = {"z": "1", "a": "2", "format": "pt"}
+    tensors = {"w": torch.arange(6.0).reshape(2, 3)}
+    write_safetensors(tensors, tmp_path / "ours.safetensors", metadata)
+    stock = stock_bytes(tensors, tmp_path / "stock.safetensors", metadata)
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+
+    def header(data: bytes) -> dict:
+        return json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+
+    assert header(ours) == header(stock) and len(ours) == len(stock)
+    assert ours[-24:] == stock[-24:]
+
+
+def test_a_dtype_outside_the_table_is_written_by_save_file(tmp_path):
+    dtype = torch.float8_e8m0fnu
+    assert dtype not in SAFETENSORS_DTYPES
+    tensors = {"scales": torch.ones(4, dtype=dtype), "w": torch.ones(2, 2)}
+    write_safetensors(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == stock_bytes(tensors, tmp_path / "stock.safetensors",
+                                                                       {"format": "pt"})
+
+
+def test_bad_input_is_refused_before_a_file_is_made(tmp_path):
+    with pytest.raises(ValueError, match=r"^Tensor 'w' is on the meta device: it has no data to write$"):
+        write_safetensors({"w": torch.empty(2, device="meta")}, tmp_path / "meta.safetensors")
+    with pytest.raises(ValueError, match=r"^safetensors metadata must map strings to strings; got \{'n': 1\}$"):
+        write_safetensors({"w": torch.ones(2)}, tmp_path / "meta.safetensors", {"n": 1})  # type: ignore[dict-item]
+    assert not (tmp_path / "meta.safetensors").exists()
+
+
+@pytest.mark.filterwarnings("ignore::ompmoe.engine.export.checkpoint.MissingTokenizerWarning")
+def test_save_pruned_writes_its_shards_with_the_parallel_writer_and_the_bytes_of_save_pretrained(tmp_path,
+                                                                                                monkeypatch):
+    """The files equal stock ``save_pretrained``'s (one shard and several), and they were written by
+    :func:`write_safetensors`: a transformers that stops calling ``safe_save_file`` fails here, not silently slow."""
+    model = tiny_model("qwen3_moe")
+    calls = []
+
+    def spy(tensors, filename, metadata=None):
+        calls.append(filename)
+        write_safetensors(tensors, filename, metadata)
+
+    monkeypatch.setattr(safetensors_writer, "write_safetensors", spy)
+    for shard_size in (None, "200KB"):
+        kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
+        stock, ours = tmp_path / f"stock-{shard_size}", tmp_path / f"ours-{shard_size}"
+        model.save_pretrained(stock, **kwargs)
+        before = len(calls)
+        ompmoe.save_pruned(model, ours, **kwargs)
+        weights = sorted(path.name for path in stock.iterdir() if path.name.startswith("model"))
+        assert len(calls) - before == len([name for name in weights if name.endswith(".safetensors")])
+        assert (len(weights) > 2) == (shard_size is not None)
+        for name in weights:
+            assert (ours / name).read_bytes() == (stock / name).read_bytes(), name
+    assert modeling_utils.safe_save_file is not spy and modeling_utils.safe_save_file.__module__ == "safetensors.torch"
+
+
+def test_the_stock_writer_is_put_back_when_the_save_fails():
+    original = modeling_utils.safe_save_file
+    with pytest.raises(RuntimeError, match="^disk gone$"):
+        with parallel_pretrained_writes():
+            assert modeling_utils.safe_save_file is write_safetensors
+            raise RuntimeError("disk gone")
+    assert modeling_utils.safe_save_file is original
