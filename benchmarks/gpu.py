@@ -27,7 +27,9 @@ measured):
 ``job``    the rest of the whole job as ``ompmoe fit`` runs it by default (``method=auto, allocation=auto``, ratio
            0.5): the statistics ``auto`` needs for this layout (for Qwen3-MoE the loss-aware sums: one backward per
            batch), plan (every candidate), choose (each candidate tried on one held-out block), prune, save (to
-           ``/dev/shm`` when it has room, else a temporary directory on disk; ``--save_dir`` to choose). Then the
+           ``/dev/shm`` when it has room, else a temporary directory on disk; ``--save_dir`` to choose), then the
+           same model saved again by stock ``save_pretrained`` for the ratio and a byte comparison of the weight
+           files (``--no_stock_save`` skips it). Then the
            pruned model's end-to-end forwards with OMP-MoE+ off and at epsilon 0.1. The breakdown per step and the
            two totals (``auto``, and the paper's setting with the ``full`` section's statistics) are printed last.
 
@@ -597,6 +599,8 @@ def section_job(args, device, dtype, results, save, state) -> None:
             job["saved_bytes"] = dir_bytes(target)
             print(f"[job] save {job['save_s']:.2f} s: {job['saved_bytes'] / GiB:.1f} GiB to {job['save_target']}",
                   flush=True)
+            if not args.no_stock_save:
+                stock_save(model, target, base, need, job)
         except Exception as error:
             job["save_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             print(f"[job] save failed after {time.perf_counter() - started:.1f} s: {job['save_error']}", flush=True)
@@ -608,6 +612,31 @@ def section_job(args, device, dtype, results, save, state) -> None:
     job["paper_setting_total_s"] = (full["load_s"] + full["stats_s"] + full["paper_plan_s"] + job["prune_s"]
                                     + job.get("save_s", 0.0))
     save()
+
+
+def stock_save(model, saved: Path, base: Path, need: float, job: dict[str, Any]) -> None:
+    """The same model saved by stock ``save_pretrained`` (safetensors' own single-threaded writer) beside
+    ``save_pruned``'s copy: its time, the ratio, and whether the weight files are the same bytes."""
+    import filecmp
+
+    from ompmoe._quiet import quiet_calls
+
+    if shutil.disk_usage(base).free < need:
+        job["stock_save"] = f"skipped: {base} has no room for a second copy"
+        return
+    target = base / "ompmoe_gpu_job_model_stock"
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        started = time.perf_counter()
+        with quiet_calls():
+            model.save_pretrained(target)
+        job["stock_save_s"] = time.perf_counter() - started
+        weights = sorted(path.name for path in target.iterdir() if path.name.startswith("model"))
+        job["stock_save_same_bytes"] = all(filecmp.cmp(target / name, saved / name, shallow=False) for name in weights)
+        print(f"[job] stock save_pretrained {job['stock_save_s']:.2f} s ({job['stock_save_s'] / job['save_s']:.2f}x "
+              f"save_pruned's); weight files the same bytes: {job['stock_save_same_bytes']}", flush=True)
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def summary(results: dict[str, Any]) -> None:
@@ -652,6 +681,9 @@ def summary(results: dict[str, Any]) -> None:
         print(f"whole job (auto: {job['chosen']}): {parts}; total {job.get('total_s', float('nan')):.1f} s; "
               f"paper setting (omp/waterfill) total {job.get('paper_setting_total_s', float('nan')):.1f} s; "
               f"save to {job.get('save_target', job.get('save'))}")
+        if "stock_save_s" in job:
+            print(f"save: save_pruned {job['save_s']:.2f} s, stock save_pretrained {job['stock_save_s']:.2f} s "
+                  f"({job['stock_save_s'] / job['save_s']:.2f}x); same bytes: {job['stock_save_same_bytes']}")
 
 
 def tables(results: dict[str, Any]) -> str:
@@ -746,6 +778,8 @@ def main() -> None:
     parser.add_argument("--e2e_repeats", type=int, default=3)
     parser.add_argument("--save_dir", default=None, help="where the job saves the pruned model (then deleted)")
     parser.add_argument("--no_save", action="store_true")
+    parser.add_argument("--no_stock_save", action="store_true",
+                        help="skip the job's second save by stock save_pretrained (time ratio and byte comparison)")
     parser.add_argument("--out", default=None, help="directory for gpu.json")
     parser.add_argument("--tables", default=None, metavar="GPU_JSON",
                         help="print docs/performance.md's Markdown tables from a gpu.json and stop")

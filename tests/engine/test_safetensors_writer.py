@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import struct
+import threading
 
 import pytest
 import torch
@@ -69,11 +73,62 @@ def test_default_sizes_and_an_empty_file_match_save_file(tmp_path):
                                                                         {"format": "pt"})
 
 
-def test_a_file_already_there_is_replaced_whole(tmp_path):
+def test_a_file_already_there_is_replaced_whole_with_save_files_permissions(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"x" * 10_000)
     write_safetensors({"a": torch.ones(2)}, path, {"format": "pt"})
     assert path.read_bytes() == stock_bytes({"a": torch.ones(2)}, tmp_path / "stock.safetensors", {"format": "pt"})
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE((tmp_path / "stock.safetensors").stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "stock.safetensors"]
+
+
+def test_tensors_read_from_the_file_written_back_over_it_keep_their_values(tmp_path):
+    """``load_file`` maps the file: writing in place over it would read the bytes being overwritten."""
+    path = tmp_path / "model.safetensors"
+    values = {"w": torch.randn(100_000), "b": torch.randn(7).to(torch.bfloat16)}
+    save_file(values, str(path))
+    write_safetensors(load_file(path), path, threads=3)
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[name], values[name]) for name in values)
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    save_file({"old": torch.ones(3)}, str(path))
+    before = path.read_bytes()
+    writes = []
+
+    def full_after_the_header(descriptor, data, offset):
+        writes.append(offset)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(descriptor, data) if offset == 0 else len(data)
+
+    monkeypatch.setattr(safetensors_writer.os, "pwrite", full_after_the_header)
+    with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device: '.*model\.safetensors'$"):
+        write_safetensors({"new": torch.randn(1000)}, path, {"format": "pt"}, threads=1)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_save_files_refusals_and_views_are_kept(tmp_path):
+    shared = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="Some tensors share memory"):
+        write_safetensors({"a": shared, "b": shared[:2]}, tmp_path / "shared.safetensors")
+    with pytest.raises(TypeError, match=r"^safetensors tensor names must be strings; got 1$"):
+        write_safetensors({1: torch.ones(2)}, tmp_path / "key.safetensors")  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=rf"^{tmp_path} is not a regular file; safetensors files are written as new "
+                                         "files that replace the one at their path. Choose a file path.$"):
+        write_safetensors({"w": torch.ones(2)}, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    rows = torch.arange(12.0).reshape(3, 4)  # disjoint rows of one storage are no sharing
+    complex_values = torch.randn(3, dtype=torch.complex64)
+    views = {"row0": rows[0], "row2": rows[2], "conj": complex_values.conj(), "neg": torch._neg_view(rows[1])}
+    write_safetensors(views, tmp_path / "views.safetensors", threads=2)
+    loaded = load_file(tmp_path / "views.safetensors")
+    assert all(torch.equal(loaded[name], views[name].resolve_conj().resolve_neg()) for name in views)
+    scales = torch.ones(2, 3, dtype=torch.float8_e8m0fnu).t()  # outside the table, not contiguous
+    write_safetensors({"scales": scales}, tmp_path / "scales.safetensors")
+    assert load_file(tmp_path / "scales.safetensors")["scales"].float().equal(scales.float())
 
 
 def test_several_metadata_keys_are_the_same_header(tmp_path):
@@ -139,6 +194,42 @@ def test_the_stock_writer_is_put_back_when_the_save_fails():
     original = modeling_utils.safe_save_file
     with pytest.raises(RuntimeError, match="^disk gone$"):
         with parallel_pretrained_writes():
-            assert modeling_utils.safe_save_file is write_safetensors
+            assert modeling_utils.safe_save_file is not original
             raise RuntimeError("disk gone")
     assert modeling_utils.safe_save_file is original
+
+
+def test_overlapping_saves_in_two_threads_leave_stock_behind_and_other_threads_use_stock(tmp_path, monkeypatch):
+    """A enters, B enters, A leaves, B leaves: stock is back; meanwhile a third thread's save_file is stock's."""
+    original = modeling_utils.safe_save_file
+    used = []
+    monkeypatch.setattr(safetensors_writer, "write_safetensors",
+                        lambda tensors, filename, metadata=None: used.append(threading.current_thread().name))
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def save_a():
+        with parallel_pretrained_writes():
+            a_in.set()
+            b_in.wait()
+            modeling_utils.safe_save_file({"w": torch.ones(1)}, str(tmp_path / "a.safetensors"), metadata=None)
+        a_out.set()
+
+    def save_b():
+        a_in.wait()
+        with parallel_pretrained_writes():
+            b_in.set()
+            a_out.wait()
+            seen["patched_after_a_left"] = modeling_utils.safe_save_file is not original
+
+    def plain():
+        b_in.wait()
+        modeling_utils.safe_save_file({"w": torch.ones(1)}, str(tmp_path / "plain.safetensors"), metadata=None)
+
+    threads = [threading.Thread(target=f, name=f.__name__) for f in (save_a, save_b, plain)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert used == ["save_a"] and (tmp_path / "plain.safetensors").is_file()
+    assert seen == {"patched_after_a_left": True} and modeling_utils.safe_save_file is original

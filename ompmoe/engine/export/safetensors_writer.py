@@ -6,20 +6,26 @@ moved those bytes into pinned host memory in 0.6 s and onto its disk from 8 thre
 is cut into pieces that a pool of threads writes at their offsets (``os.pwrite`` releases the GIL); the pieces of an
 accelerator's tensors go through a host buffer per thread (pinned for CUDA, copied on the thread's own stream).
 The header and the data layout are safetensors' own (tensors sorted by dtype, then name), so a file is byte for byte
-the one ``save_file`` writes; a tensor of a dtype not in :data:`SAFETENSORS_DTYPES` leaves the file to ``save_file``.
+the one ``save_file`` writes, and it is made as ``save_file`` makes it (checked by its checks, written beside the
+target and renamed over it); a tensor of a dtype not in :data:`SAFETENSORS_DTYPES`, or a system without ``pwrite``,
+leaves the file to ``save_file``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
 import struct
 import sys
+import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -60,38 +66,58 @@ def needs_staging(tensor: torch.Tensor) -> bool:
 def write_safetensors(tensors: dict[str, torch.Tensor], filename: str | os.PathLike,
                       metadata: dict[str, str] | None = None, *, threads: int | None = None) -> None:
     """``safetensors.torch.save_file(tensors, filename, metadata)``, written by ``threads`` threads (default:
-    :func:`default_threads`); tensors may live on any device and need not be contiguous."""
+    :func:`default_threads`); tensors may live on any device and need not be contiguous. As ``save_file`` does,
+    the file is written beside ``filename`` and renamed over it once complete (a failed or interrupted write leaves
+    any file there as it was), and tensors sharing memory are refused with its error."""
+    from safetensors import torch as safetensors_torch
+
+    check = getattr(safetensors_torch, "_evaluate_tensors_for_save", None)  # its refusals, word for word
+    for name, tensor in tensors.items() if isinstance(tensors, dict) else ():
+        if not isinstance(name, str):
+            raise TypeError(f"safetensors tensor names must be strings; got {name!r}")
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+            raise ValueError(f"Tensor {name!r} is on the meta device: it has no data to write")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError(f"safetensors metadata must map strings to strings; got {metadata!r}")
-    for name, tensor in tensors.items():
-        if tensor.device.type == "meta":
-            raise ValueError(f"Tensor {name!r} is on the meta device: it has no data to write")
-    if sys.byteorder != "little" or any(tensor.dtype not in _ORDER or tensor.layout != torch.strided
-                                        for tensor in tensors.values()):
-        from safetensors.torch import save_file
-
-        save_file(tensors, filename, metadata=metadata)
+    if check is not None:
+        check(tensors)
+    if (check is None or sys.byteorder != "little" or not hasattr(os, "pwrite")
+            or any(tensor.dtype not in _ORDER for tensor in tensors.values())):
+        safetensors_torch.save_file({name: _plain(tensor) for name, tensor in tensors.items()}, filename,
+                                    metadata=metadata)
         return
-    tensors = {name: tensor if tensor.is_contiguous() else tensor.contiguous() for name, tensor in tensors.items()}
-    prefix, pieces, total = _layout(tensors, metadata)
+    tensors = {name: _plain(tensor) for name, tensor in tensors.items()}
+    prefix, pieces = _layout(tensors, metadata)
     for device in {tensor.device for tensor in tensors.values() if tensor.device.type == "cuda"}:
         torch.cuda.synchronize(device)  # the threads copy on their own streams: the producers' work must be done
-    descriptor = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    target = Path(filename)
+    if target.exists() and not target.is_file():  # renaming over it would put a file where a device or pipe was
+        raise ValueError(f"{target} is not a regular file; safetensors files are written as new files that replace "
+                         "the one at their path. Choose a file path.")
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        os.ftruncate(descriptor, total)
-        _write_at(descriptor, memoryview(prefix), 0)
-        _write_pieces(descriptor, pieces, threads or default_threads())
-    except OSError as error:  # pwrite's errors name no file: a full disk must say which file it stopped
-        if error.filename is not None:
-            raise
-        raise OSError(error.errno, error.strerror, os.fspath(filename)) from error
-    finally:
-        os.close(descriptor)
+        try:
+            _write_at(descriptor, memoryview(prefix), 0)
+            _write_pieces(descriptor, pieces, threads or default_threads())
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, target)
+    except BaseException as error:
+        Path(temporary).unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:  # pwrite names no file: say which one stopped
+            raise OSError(error.errno, error.strerror, os.fspath(filename)) from error
+        raise
 
 
-def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[_Piece], int]:
-    """The file's first bytes (header length and header, padded with spaces to 8 bytes as safetensors pads it),
-    the data as pieces at their offsets, and the file's size."""
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as memory holding its values in order: conjugate and negative views resolved, made contiguous."""
+    tensor = tensor.resolve_conj().resolve_neg()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[_Piece]]:
+    """The file's first bytes (header length and header, padded with spaces to 8 bytes as safetensors pads it) and
+    the data as pieces at their offsets."""
     header: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
     order = sorted(tensors, key=lambda name: (-_ORDER[tensors[name].dtype], name))
     offset = 0
@@ -109,7 +135,7 @@ def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -
         tensor, (begin, end) = tensors[name], header[name]["data_offsets"]  # type: ignore[index]
         pieces += [_Piece(len(prefix) + begin + start, tensor, start, min(start + PIECE_BYTES, end - begin))
                    for start in range(0, end - begin, PIECE_BYTES)]
-    return prefix, pieces, len(prefix) + offset
+    return prefix, pieces
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,32 +146,41 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 def _write_at(descriptor: int, data: memoryview, offset: int) -> None:
     while data:  # pwrite may write less than asked
         written = os.pwrite(descriptor, data, offset)
+        if written == 0:
+            raise OSError(errno.EIO, "the file system accepted no bytes")
         data, offset = data[written:], offset + written
 
 
 class _StagingSlot:
     """One thread's host buffer and, per CUDA device, the stream its copies from that device run on."""
 
-    def __init__(self, size: int, pinned: bool) -> None:
-        self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+    def __init__(self, size: int, pinned: bool, lock: threading.Lock) -> None:
+        try:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        except RuntimeError:  # no page-locked memory to be had: copies wait for the device, the writes still overlap
+            self.buffer = torch.empty(size, dtype=torch.uint8)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.lock = lock
 
     def fill(self, run: list[_Piece]) -> memoryview:
-        """The run's bytes in the buffer: from CUDA, copied on this slot's stream (overlapping the other threads'
-        copies and writes) and waited for; from other devices, copied as torch copies them."""
+        """The run's bytes in the buffer. From CUDA, copied on this slot's stream (overlapping the other threads'
+        copies and writes) and waited for, also when a copy fails (the buffer goes back to the pool); from other
+        accelerators, one thread at a time (MPS crashes when two threads use it at once)."""
         device = run[0].tensor.device
         stream = None
         if device.type == "cuda":
             stream = self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))
         filled = 0
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for piece in run:
-                size = piece.stop - piece.start
-                self.buffer[filled:filled + size].copy_(_bytes_of(piece.tensor)[piece.start:piece.stop],
-                                                        non_blocking=stream is not None)
-                filled += size
-        if stream is not None:
-            stream.synchronize()
+        with torch.cuda.stream(stream) if stream is not None else self.lock:
+            try:
+                for piece in run:
+                    size = piece.stop - piece.start
+                    self.buffer[filled:filled + size].copy_(_bytes_of(piece.tensor)[piece.start:piece.stop],
+                                                            non_blocking=stream is not None)
+                    filled += size
+            finally:
+                if stream is not None:
+                    stream.synchronize()
         return memoryview(self.buffer[:filled].numpy())
 
 
@@ -156,8 +191,9 @@ def _write_pieces(descriptor: int, pieces: list[_Piece], threads: int) -> None:
     if staged:
         size = max(sum(piece.stop - piece.start for piece in run) for run in staged)
         pinned = any(run[0].tensor.device.type == "cuda" for run in staged)
+        lock = threading.Lock()
         for _ in range(min(threads, len(staged))):
-            slots.put(_StagingSlot(size, pinned))
+            slots.put(_StagingSlot(size, pinned, lock))
 
     def write_direct(piece: _Piece) -> None:
         _write_at(descriptor, memoryview(_bytes_of(piece.tensor)[piece.start:piece.stop].numpy()), piece.offset)
@@ -194,22 +230,50 @@ def _staging_runs(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
         yield run
 
 
+_patch_lock = threading.Lock()
+_patch_users = 0
+_in_parallel_writes = threading.local()
+
+
 @contextmanager
 def parallel_pretrained_writes() -> Iterator[None]:
-    """``save_pretrained`` writes its shards with :func:`write_safetensors` while inside: everything else it does
-    (tied weights, the file format's names, shards, index) stays its own. It reads the writer from its module's
-    ``safe_save_file``; a transformers without that name saves as it always does."""
+    """``save_pretrained`` calls in this thread write their shards with :func:`write_safetensors` while inside:
+    everything else it does (tied weights, the file format's names, shards, index) stays its own. transformers
+    reads its writer from its module's ``safe_save_file``; while any thread is inside, that name holds a writer
+    that sends this thread's calls here and every other thread's to safetensors, and the last to leave puts
+    safetensors' back. A transformers without the name saves as it always does."""
+    global _patch_users
     import transformers.modeling_utils as modeling_utils
 
-    original = getattr(modeling_utils, "safe_save_file", None)
-    if original is None:
-        yield
-        return
-    modeling_utils.safe_save_file = write_safetensors
+    with _patch_lock:
+        if _patch_users == 0:
+            stock = getattr(modeling_utils, "safe_save_file", None)
+            if stock is not None:
+                modeling_utils.safe_save_file = _dispatching_writer(stock)
+        _patch_users += 1
+    depth = getattr(_in_parallel_writes, "depth", 0)
+    _in_parallel_writes.depth = depth + 1
     try:
         yield
     finally:
-        modeling_utils.safe_save_file = original
+        _in_parallel_writes.depth = depth
+        with _patch_lock:
+            _patch_users -= 1
+            current = getattr(modeling_utils, "safe_save_file", None)
+            if _patch_users == 0 and current is not None and hasattr(current, "stock"):
+                modeling_utils.safe_save_file = current.stock
+
+
+def _dispatching_writer(stock):
+    """transformers' ``safe_save_file`` while :func:`parallel_pretrained_writes` is in use somewhere."""
+
+    def safe_save_file(tensors, filename, metadata=None):
+        if getattr(_in_parallel_writes, "depth", 0):
+            return write_safetensors(tensors, filename, metadata)
+        return stock(tensors, filename, metadata=metadata)
+
+    safe_save_file.stock = stock  # type: ignore[attr-defined]
+    return safe_save_file
 
 
 __all__ = ["PIECE_BYTES", "SAFETENSORS_DTYPES", "STAGING_BYTES", "default_threads", "parallel_pretrained_writes",
