@@ -1,7 +1,7 @@
 """GPU figures: statistics pass and OMP-MoE+ at real layer shapes, a full-depth Qwen3-30B-A3B, the whole pruning job.
 
     python benchmarks/gpu.py --out DIR                 # on a CUDA machine, about 4 minutes on an H100/H200
-    python benchmarks/gpu.py --small --device cpu      # smoke test of the script itself (a minute)
+    python benchmarks/gpu.py --small --device cpu      # smoke test of the script itself (seconds to a minute)
 
 Sections (``--sections``, in this order; ``DIR/gpu.json`` is rewritten after each, so a run cut short keeps what it
 measured):
@@ -787,6 +787,12 @@ def main() -> None:
     if args.tables:
         print(tables(json.loads(Path(args.tables).read_text())))
         return
+    if args.small:  # the token counts too, so a smoke test on CPU takes seconds, not the full run's hours
+        args.sequences, args.seq_len, args.full_layers = min(args.sequences, 4), min(args.seq_len, 64), 4
+        args.e2e_tokens, args.e2e_sequences_per_call, args.e2e_repeats = min(args.e2e_tokens, 256), [1], 1
+        args.layer_tokens = [min(tokens, 256) for tokens in args.layer_tokens][:1]
+        args.graph_tokens = [min(tokens, 256) for tokens in args.graph_tokens][:1]
+        args.repeats, args.adaptive_min_tokens = min(args.repeats, 3), min(args.adaptive_min_tokens, 64)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":

@@ -9,6 +9,7 @@ import os
 import stat
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -205,7 +206,7 @@ def test_overlapping_saves_in_two_threads_leave_stock_behind_and_other_threads_u
     used = []
     monkeypatch.setattr(safetensors_writer, "write_safetensors",
                         lambda tensors, filename, metadata=None: used.append(threading.current_thread().name))
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    a_in, b_in, a_out, plain_done = (threading.Event() for _ in range(4))
     seen = {}
 
     def save_a():
@@ -220,11 +221,13 @@ def test_overlapping_saves_in_two_threads_leave_stock_behind_and_other_threads_u
         with parallel_pretrained_writes():
             b_in.set()
             a_out.wait()
+            plain_done.wait()
             seen["patched_after_a_left"] = modeling_utils.safe_save_file is not original
 
     def plain():
         b_in.wait()
         modeling_utils.safe_save_file({"w": torch.ones(1)}, str(tmp_path / "plain.safetensors"), metadata=None)
+        plain_done.set()
 
     threads = [threading.Thread(target=f, name=f.__name__) for f in (save_a, save_b, plain)]
     for thread in threads:
@@ -233,3 +236,92 @@ def test_overlapping_saves_in_two_threads_leave_stock_behind_and_other_threads_u
         thread.join()
     assert used == ["save_a"] and (tmp_path / "plain.safetensors").is_file()
     assert seen == {"patched_after_a_left": True} and modeling_utils.safe_save_file is original
+
+
+def test_contexts_that_end_out_of_order_count_and_a_writer_put_there_meanwhile_stays(monkeypatch):
+    original = modeling_utils.safe_save_file
+    used = []
+    monkeypatch.setattr(safetensors_writer, "write_safetensors", lambda *args, **kwargs: used.append("ours"))
+
+    def inside():
+        with parallel_pretrained_writes():
+            yield
+
+    first, second = inside(), inside()
+    next(first)
+    next(second)
+    first.close()  # the second context is still open: its saves stay ours
+    modeling_utils.safe_save_file({"w": torch.ones(1)}, "unused", metadata=None)
+    assert used == ["ours"]
+    second.close()
+    assert modeling_utils.safe_save_file is original
+    replaced = object()
+    with parallel_pretrained_writes():
+        monkeypatch.setattr(modeling_utils, "safe_save_file", replaced)  # someone else's, put there meanwhile
+    assert modeling_utils.safe_save_file is replaced
+
+
+def test_without_pwrite_the_file_is_left_to_save_file(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "pwrite")
+    tensors = every_kind_of_tensor()
+    write_safetensors(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == stock_bytes(tensors, tmp_path / "stock.safetensors",
+                                                                       {"format": "pt"})
+
+
+def test_the_first_failed_piece_stops_the_pieces_not_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 100)
+    calls = []
+
+    def full(descriptor, data, offset):
+        calls.append(offset)
+        if offset == 0:
+            return os.write(descriptor, data)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_writer.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_safetensors({"w": torch.randn(10_000)}, tmp_path / "m.safetensors", threads=2)  # 400 pieces
+    assert len(calls) <= 1 + 2 + 2  # the header, and at most what the two threads had started
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_copies_from_other_accelerators_run_one_at_a_time_across_threads_and_saves(tmp_path, monkeypatch):
+    """Staged pieces of a non-CUDA device (CPU tensors sent through the buffers here) never copy at once."""
+    monkeypatch.setattr(safetensors_writer, "PIECE_BYTES", 400)
+    monkeypatch.setattr(safetensors_writer, "STAGING_BYTES", 400)
+    monkeypatch.setattr(safetensors_writer, "needs_staging", lambda tensor: True)
+    active, most = [0], [0]
+    plain_bytes = safetensors_writer._bytes_of
+
+    def slow_bytes(tensor):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        time.sleep(0.002)
+        active[0] -= 1
+        return plain_bytes(tensor)
+
+    monkeypatch.setattr(safetensors_writer, "_bytes_of", slow_bytes)
+    tensors = {"w": torch.randn(4_000), "v": torch.randn(2_000)}
+    saves = [threading.Thread(target=write_safetensors, args=(tensors, tmp_path / f"{i}.safetensors"),
+                              kwargs={"threads": 4}) for i in range(2)]
+    for save in saves:
+        save.start()
+    for save in saves:
+        save.join()
+    assert most == [1]
+    expected = stock_bytes(tensors, tmp_path / "stock.safetensors", None)
+    assert all((tmp_path / f"{i}.safetensors").read_bytes() == expected for i in range(2))
+
+
+def test_long_names_odd_arguments_and_the_metadata_name(tmp_path):
+    long_name = tmp_path / ("x" * 240 + ".safetensors")  # the temporary file's name must still fit
+    write_safetensors({"w": torch.ones(2)}, long_name)
+    assert long_name.read_bytes() == stock_bytes({"w": torch.ones(2)}, tmp_path / "stock.safetensors", None)
+    with pytest.raises(ValueError, match=r"^No tensor can be named '__metadata__': safetensors keeps a file's "
+                                         r"metadata under it$"):
+        write_safetensors({"__metadata__": torch.ones(1)}, tmp_path / "m.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=r"^threads must be a positive whole number \(or None: one per core up to "
+                                         r"8\); got 2\.5$"):
+        write_safetensors({"w": torch.ones(1)}, tmp_path / "t.safetensors", threads=2.5)  # type: ignore[arg-type]
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "t.safetensors").exists()

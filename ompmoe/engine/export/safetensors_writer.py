@@ -21,10 +21,12 @@ import struct
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -75,10 +77,18 @@ def write_safetensors(tensors: dict[str, torch.Tensor], filename: str | os.PathL
     for name, tensor in tensors.items() if isinstance(tensors, dict) else ():
         if not isinstance(name, str):
             raise TypeError(f"safetensors tensor names must be strings; got {name!r}")
+        if name == "__metadata__":
+            raise ValueError("No tensor can be named '__metadata__': safetensors keeps a file's metadata under it")
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
             raise ValueError(f"Tensor {name!r} is on the meta device: it has no data to write")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError(f"safetensors metadata must map strings to strings; got {metadata!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive whole number (or None: one per core up to 8); got {threads!r}")
+    target = Path(filename)
+    if target.exists() and not target.is_file():  # renaming over it would put a file where a device or pipe was
+        raise ValueError(f"{target} is not a regular file; safetensors files are written as new files that replace "
+                         "the one at their path. Choose a file path.")
     if check is not None:
         check(tensors)
     if (check is None or sys.byteorder != "little" or not hasattr(os, "pwrite")
@@ -86,21 +96,17 @@ def write_safetensors(tensors: dict[str, torch.Tensor], filename: str | os.PathL
         safetensors_torch.save_file({name: _plain(tensor) for name, tensor in tensors.items()}, filename,
                                     metadata=metadata)
         return
-    tensors = {name: _plain(tensor) for name, tensor in tensors.items()}
-    prefix, pieces = _layout(tensors, metadata)
-    for device in {tensor.device for tensor in tensors.values() if tensor.device.type == "cuda"}:
-        torch.cuda.synchronize(device)  # the threads copy on their own streams: the producers' work must be done
-    target = Path(filename)
-    if target.exists() and not target.is_file():  # renaming over it would put a file where a device or pipe was
-        raise ValueError(f"{target} is not a regular file; safetensors files are written as new files that replace "
-                         "the one at their path. Choose a file path.")
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    descriptor, temporary = tempfile.mkstemp(prefix=".tmp", dir=target.parent)  # before any copy: it may fail
     try:
         try:
+            tensors = {name: _plain(tensor) for name, tensor in tensors.items()}
+            prefix, pieces = _layout(tensors, metadata)
+            for device in {tensor.device for tensor in tensors.values() if tensor.device.type == "cuda"}:
+                torch.cuda.synchronize(device)  # the threads copy on their own streams: the producers must be done
             _write_at(descriptor, memoryview(prefix), 0)
             _write_pieces(descriptor, pieces, threads or default_threads())
         finally:
-            os.close(descriptor)
+            os.close(descriptor)  # the writer threads are done with it (see _write_pieces)
         os.replace(temporary, target)
     except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
@@ -154,13 +160,12 @@ def _write_at(descriptor: int, data: memoryview, offset: int) -> None:
 class _StagingSlot:
     """One thread's host buffer and, per CUDA device, the stream its copies from that device run on."""
 
-    def __init__(self, size: int, pinned: bool, lock: threading.Lock) -> None:
+    def __init__(self, size: int, pinned: bool) -> None:
         try:
             self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         except RuntimeError:  # no page-locked memory to be had: copies wait for the device, the writes still overlap
             self.buffer = torch.empty(size, dtype=torch.uint8)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.lock = lock
 
     def fill(self, run: list[_Piece]) -> memoryview:
         """The run's bytes in the buffer. From CUDA, copied on this slot's stream (overlapping the other threads'
@@ -171,7 +176,7 @@ class _StagingSlot:
         if device.type == "cuda":
             stream = self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))
         filled = 0
-        with torch.cuda.stream(stream) if stream is not None else self.lock:
+        with torch.cuda.stream(stream) if stream is not None else _ACCELERATOR_COPIES:
             try:
                 for piece in run:
                     size = piece.stop - piece.start
@@ -185,19 +190,35 @@ class _StagingSlot:
 
 
 def _write_pieces(descriptor: int, pieces: list[_Piece], threads: int) -> None:
+    """Every piece written at its offset by ``threads`` threads. On the first failure (or an interrupt) the pieces
+    not started are dropped, and this returns only once no thread can write to ``descriptor`` any more: the caller
+    closes it, and a later ``open`` may reuse its number."""
     direct = [piece for piece in pieces if not needs_staging(piece.tensor)]
     staged = list(_staging_runs([piece for piece in pieces if needs_staging(piece.tensor)]))
     slots: queue.SimpleQueue[_StagingSlot] = queue.SimpleQueue()
     if staged:
         size = max(sum(piece.stop - piece.start for piece in run) for run in staged)
         pinned = any(run[0].tensor.device.type == "cuda" for run in staged)
-        lock = threading.Lock()
         for _ in range(min(threads, len(staged))):
-            slots.put(_StagingSlot(size, pinned, lock))
+            slots.put(_StagingSlot(size, pinned))
+    stop = threading.Event()
 
+    def stopping_on_failure(write: Callable[[Any], None]) -> Callable[[Any], None]:
+        def guarded(work: Any) -> None:
+            if stop.is_set():
+                return
+            try:
+                write(work)
+            except BaseException:
+                stop.set()  # the other threads start no further piece
+                raise
+        return guarded
+
+    @stopping_on_failure
     def write_direct(piece: _Piece) -> None:
         _write_at(descriptor, memoryview(_bytes_of(piece.tensor)[piece.start:piece.stop].numpy()), piece.offset)
 
+    @stopping_on_failure
     def write_staged(run: list[_Piece]) -> None:
         slot = slots.get()  # as many slots as threads: a thread never waits here
         try:
@@ -205,10 +226,33 @@ def _write_pieces(descriptor: int, pieces: list[_Piece], threads: int) -> None:
         finally:
             slots.put(slot)
 
-    with ThreadPoolExecutor(max_workers=threads) as pool:
+    pool = ThreadPoolExecutor(max_workers=threads)
+    futures = []
+    try:
         futures = [pool.submit(write_staged, run) for run in staged] + [pool.submit(write_direct, p) for p in direct]
         for future in futures:
             future.result()
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        _wait_for(futures)  # each running thread ends its one piece
+        pool.shutdown(wait=False)
+
+
+def _wait_for(futures: list[Future]) -> None:
+    """Wait until every one of ``futures`` not cancelled is done, also through further interrupts (each thread has at
+    most one piece left)."""
+    for future in futures:
+        while True:
+            try:
+                future.exception()  # waits, raises nothing the piece raised
+                break
+            except CancelledError:
+                break
+            except KeyboardInterrupt:
+                continue
 
 
 def _staging_runs(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
@@ -230,45 +274,55 @@ def _staging_runs(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
         yield run
 
 
-_patch_lock = threading.Lock()
+_ACCELERATOR_COPIES = threading.Lock()
+"""Copies from accelerators other than CUDA, one at a time in the whole process (MPS crashes when two threads use
+it at once, also from two saves)."""
+_patch_lock = threading.RLock()
 _patch_users = 0
-_in_parallel_writes = threading.local()
+_installed: Callable[..., None] | None = None
+"""The writer put in transformers' module while any context is inside :func:`parallel_pretrained_writes`."""
+_inside: ContextVar[int] = ContextVar("ompmoe_parallel_pretrained_writes", default=0)
+"""How deep this thread or task is in :func:`parallel_pretrained_writes` (a task's, or a generator's, own count)."""
 
 
 @contextmanager
 def parallel_pretrained_writes() -> Iterator[None]:
-    """``save_pretrained`` calls in this thread write their shards with :func:`write_safetensors` while inside:
+    """``save_pretrained`` calls in this context write their shards with :func:`write_safetensors` while inside:
     everything else it does (tied weights, the file format's names, shards, index) stays its own. transformers
-    reads its writer from its module's ``safe_save_file``; while any thread is inside, that name holds a writer
-    that sends this thread's calls here and every other thread's to safetensors, and the last to leave puts
-    safetensors' back. A transformers without the name saves as it always does."""
-    global _patch_users
+    reads its writer from its module's ``safe_save_file``; while any thread or task is inside, that name holds a
+    writer that sends calls from inside here and every other caller's to safetensors, and the last to leave puts
+    safetensors' back (unless someone else replaced it meanwhile). A transformers without the name saves as it
+    always does."""
+    global _patch_users, _installed
     import transformers.modeling_utils as modeling_utils
 
     with _patch_lock:
         if _patch_users == 0:
             stock = getattr(modeling_utils, "safe_save_file", None)
-            if stock is not None:
-                modeling_utils.safe_save_file = _dispatching_writer(stock)
+            _installed = None if stock is None else _dispatching_writer(stock)
+            if _installed is not None:
+                modeling_utils.safe_save_file = _installed
         _patch_users += 1
-    depth = getattr(_in_parallel_writes, "depth", 0)
-    _in_parallel_writes.depth = depth + 1
     try:
-        yield
+        _inside.set(_inside.get() + 1)
+        try:
+            yield
+        finally:
+            _inside.set(_inside.get() - 1)  # a count, not a saved value: contexts may end out of order
     finally:
-        _in_parallel_writes.depth = depth
         with _patch_lock:
             _patch_users -= 1
-            current = getattr(modeling_utils, "safe_save_file", None)
-            if _patch_users == 0 and current is not None and hasattr(current, "stock"):
-                modeling_utils.safe_save_file = current.stock
+            if _patch_users == 0:
+                if _installed is not None and getattr(modeling_utils, "safe_save_file", None) is _installed:
+                    modeling_utils.safe_save_file = _installed.stock  # type: ignore[attr-defined]
+                _installed = None
 
 
-def _dispatching_writer(stock):
+def _dispatching_writer(stock: Callable[..., None]) -> Callable[..., None]:
     """transformers' ``safe_save_file`` while :func:`parallel_pretrained_writes` is in use somewhere."""
 
     def safe_save_file(tensors, filename, metadata=None):
-        if getattr(_in_parallel_writes, "depth", 0):
+        if _inside.get() > 0:
             return write_safetensors(tensors, filename, metadata)
         return stock(tensors, filename, metadata=metadata)
 
