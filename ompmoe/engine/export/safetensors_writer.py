@@ -227,9 +227,10 @@ def _write_pieces(descriptor: int, pieces: list[_Piece], threads: int) -> None:
             slots.put(slot)
 
     pool = ThreadPoolExecutor(max_workers=threads)
-    futures = []
+    futures: list[Future] = []
     try:
-        futures = [pool.submit(write_staged, run) for run in staged] + [pool.submit(write_direct, p) for p in direct]
+        for write, work in [(write_staged, run) for run in staged] + [(write_direct, piece) for piece in direct]:
+            futures.append(pool.submit(write, work))  # one by one: an interrupt here still waits for those sent
         for future in futures:
             future.result()
     except BaseException:
