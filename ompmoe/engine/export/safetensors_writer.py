@@ -26,8 +26,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,8 +46,10 @@ STAGING_BYTES = 256 * 2**20
 
 
 def default_threads() -> int:
-    """Writer threads: one per core up to 8 (8 saturated an H200 machine's disk; more only adds pinned memory)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Writer threads: one per core this process may use, up to 8 (8 saturated an H200 machine's disk; more only
+    adds pinned memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,9 @@ class _StagingSlot:
         device = run[0].tensor.device
         stream = None
         if device.type == "cuda":
-            stream = self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))
+            if device not in self.streams:
+                self.streams[device] = torch.cuda.Stream(device)
+            stream = self.streams[device]
         filled = 0
         with torch.cuda.stream(stream) if stream is not None else _ACCELERATOR_COPIES:
             try:
