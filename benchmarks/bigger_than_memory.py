@@ -1,7 +1,7 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
     python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down]
-        [--fp8 | --mxfp4 | --int4 [--experts E]]
+        [--loss_aware] [--fp8 | --mxfp4 | --int4 [--experts E]]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
@@ -14,7 +14,10 @@ directory) and folded into the rows as they are written; a check that it loads w
 a 2-layer slice of the same files keeps the same experts in those layers, then ``DIR/pruned`` is deleted. The peak
 anonymous memory is sampled from ``/proc/self/status`` (RssAnon) every 20 ms; the write step is compared with ``cp``
 of the pruned files' bytes on the same disk (two shards copied, scaled). The last line printed is one JSON object.
-With ``--fp8`` the checkpoint (``DIR/source-fp8``) stores its linear weights in block FP8 as DeepSeek-V3's and
+With ``--loss_aware`` the statistics include the
+loss-aware sums (a backward down the layers after the forward sweep, each layer read again; the layers' inputs kept
+in memory or, past half the memory available, in ``DIR``), the plan is ``omp_normalized`` + ``loss`` and the
+resident slice check is skipped (the loss needs the whole model). With ``--fp8`` the checkpoint (``DIR/source-fp8``) stores its linear weights in block FP8 as DeepSeek-V3's and
 Qwen3's -FP8 releases do (128 x 128 blocks, one float32 multiplier each): each layer is dequantized as it is read,
 the pruned checkpoint keeps the kept experts' FP8 tensors as stored, and the resident check loads the 2-layer slice
 through transformers' own FP8 dequantization. With ``--mxfp4`` the checkpoint (``DIR/source-mxfp4``) has
@@ -354,6 +357,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--compensation", choices=("off", "down"), default="off")
+    parser.add_argument("--loss_aware", action="store_true",
+                        help="also the loss-aware sums (a backward down the layers) and plan omp_normalized + loss")
     stored = parser.add_mutually_exclusive_group()
     stored.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint (DeepSeek-V3's format)")
     stored.add_argument("--mxfp4", action="store_true", help="gpt-oss-120b's shape, its experts in MXFP4")
@@ -386,11 +391,13 @@ def main() -> None:
     timings: dict[str, float] = {}
     with AnonymousPeak() as memory:
         tick = time.perf_counter()
-        stats = ompmoe.collect_stats_layerwise(source, blocks, timings=timings)
+        stats = ompmoe.collect_stats_layerwise(source, blocks, timings=timings, scratch=args.out,
+                                               statistics=["loss_aware"] if args.loss_aware else [])
         steps["calibrate"] = time.perf_counter() - tick
         peaks["calibrate"] = memory.peak / 2**30
         tick = time.perf_counter()
-        plan = ompmoe.plan_pruning(stats, 0.5, method="omp", allocation="waterfill")
+        setting = ("omp_normalized", "loss") if args.loss_aware else ("omp", "waterfill")
+        plan = ompmoe.plan_pruning(stats, 0.5, method=setting[0], allocation=setting[1])
         steps["plan"] = time.perf_counter() - tick
     compensation, scratch = None, tempfile.TemporaryDirectory(dir=args.out)
     if args.compensation == "down":
@@ -420,7 +427,7 @@ def main() -> None:
         loaded = ompmoe.load_pruned(pruned, device_map="meta")
     kept_counts = [layer.num_experts for layer in ompmoe.find_moe_layers(loaded)]
     loads = kept_counts == [len(layer.kept) for layer in plan.layers]
-    same_plan = resident_slice_agrees(source, blocks, stats)
+    same_plan = None if args.loss_aware else resident_slice_agrees(source, blocks, stats)  # a slice has no loss
     shutil.rmtree(pruned)
     if args.int4:  # what a layer computes on, in bf16 (its experts dequantized)
         from ompmoe.engine.export.config import load_stock_config
@@ -438,6 +445,7 @@ def main() -> None:
     hidden_gib = sum(block.numel() for block in blocks) * width * 2 / 2**30
     print(json.dumps({
         "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
+        "loss_aware": args.loss_aware, "plan": f"{plan.method} + {plan.allocation}",
         "fp8": args.fp8, "mxfp4": args.mxfp4, "int4": args.int4,
         "shape": ("gpt-oss-120b" if args.mxfp4 else f"kimi-k2-thinking ({args.experts} experts)" if args.int4
                   else "qwen3-30b-a3b"),

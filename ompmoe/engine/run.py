@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import tempfile
+import time
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from torch import nn
 from .adapters import find_moe_layers
 from .apply.adaptive import enable_adaptive
 from .apply.compensation import Compensation, compensation_obstacle, record_compensation, without_fix
-from .apply.layer_by_layer import LayerByLayerMeasures, measure_layer_by_layer
+from .apply.layer_by_layer import LayerByLayerMeasures, choose_plan_layer_by_layer, measure_layer_by_layer
 from .apply.compensation_step import (
     calibration_data,
     check_compensation_mode,
@@ -112,10 +113,12 @@ class RunOptions:
             the files layer by layer (:func:`ompmoe.save_pruned_from_files`; the same tensors). Compensation, its
             check on the choice blocks and ``evaluate_on``'s held-out perplexity run in one more pass over the layers
             (:func:`~ompmoe.engine.apply.layer_by_layer.measure_layer_by_layer`; the same fit and figures, its time
-            printed), the correction folded into the rows as they are written. What needs the whole model at once
-            is left out, said in one line and recorded in ``plan.json`` and the card: ``auto`` takes its first
-            setting that needs no loss-aware statistics (the paper's ``omp`` + ``waterfill`` on most layouts),
-            without the trial of its settings; loss-aware statistics and a ``dtype`` are refused. A quantized
+            printed), the correction folded into the rows as they are written. Loss-aware statistics are collected
+            by a backward down the layers after the forward sweep, each layer read once more and recomputed from its
+            input (the same sums; the inputs of every layer kept meanwhile, on disk beside the output when they
+            would take more than half the memory available), and ``auto``'s trial of its settings runs in a pass of
+            its own (:func:`~ompmoe.engine.apply.layer_by_layer.choose_plan_layer_by_layer`; the same losses and
+            choice, its time printed). Recorded in ``plan.json`` and the card; a ``dtype`` is refused. A quantized
             checkpoint (block FP8, MXFP4 experts, compressed-tensors) is read dequantized and written in its format,
             the kept tensors as stored; a compensation's down projections are quantized again, except MXFP4's,
             which gets none (:mod:`ompmoe.engine.stored_formats`).
@@ -186,32 +189,9 @@ LAYER_BY_LAYER = "layer by layer"
 
 def refuse_whole_model_options(options: RunOptions) -> None:
     """Refuse, before any work, what ``layer_by_layer`` cannot run (it needs the whole model), saying what runs."""
-    whole = "needs the whole model in memory, which layer_by_layer never holds"
-    if options.loss_aware or "loss_aware" in (options.statistics or []):
-        raise ValueError(f"layer_by_layer cannot collect loss-aware statistics: their backward {whole}. Remove "
-                         "loss_aware (auto then takes the paper's omp + waterfill), or calibrate resident.")
     if options.dtype is not None:
         raise ValueError(f"layer_by_layer writes the checkpoint's tensors as its files store them; got "
                          f"dtype={options.dtype!r}. Remove dtype (save_dtype), or calibrate resident.")
-
-
-def layer_by_layer_strategy(strategy: Strategy, model_type: str | None) -> tuple[Strategy, str | None]:
-    """``strategy`` as layer-by-layer calibration runs it, and the line that says what it left out (``None``:
-    nothing): ``auto`` becomes its first setting needing no loss-aware statistics (the trial of its settings needs
-    the whole model)."""
-    if not isinstance(strategy, PruningStrategy) or AUTO not in (strategy.method, strategy.allocation):
-        return strategy, None
-    settings = strategy.settings(model_type)
-    usable = [(m, a) for m, a in settings if "loss_aware" not in required_statistics(m, a)]
-    if not usable:
-        raise ValueError(f"layer_by_layer: every setting auto tries for {model_type} needs loss-aware statistics; "
-                         "name a method and allocation that need none (e.g. method='omp', allocation='waterfill').")
-    method, allocation = usable[0]
-    left = [f"{m} + {a}" for m, a in settings if (m, a) not in usable]
-    dropped = f"; auto's {', '.join(left)} needs loss-aware statistics" if left else ""
-    trial = "; no trial of its settings: it needs the whole model" if len(settings) > 1 else ""
-    return (dataclasses.replace(strategy, method=method, allocation=allocation),
-            f"ompmoe: calibrated {LAYER_BY_LAYER}: auto takes {method} + {allocation}{dropped}{trial}")
 
 
 Step = typing.TypeVar("Step", bound=Callable[..., Any])
@@ -304,6 +284,7 @@ class PruningRun:
         self.source: str | None = None
         """The checkpoint a layer-by-layer run reads its layers from (:meth:`collect_layer_by_layer`)."""
         self.layer_by_layer_line: str | None = None
+        """How long a layer-by-layer run's trial of ``auto``'s settings took (its own pass over the layers)."""
         self.no_compensation_line: str | None = None
         """What a quantized checkpoint's run leaves out (:meth:`_compensation_for_files`)."""
         self.layer_device: torch.device | str = "cpu"
@@ -351,9 +332,6 @@ class PruningRun:
                              "PruningRun.collect_layer_by_layer on ompmoe.engine.lazy_checkpoint.build_skeleton); this "
                              "model holds its weights: calibrate it resident (layer_by_layer=False).")
         asked = self.strategy_asked  # compensation follows what was asked (auto's), whatever layer by layer runs
-        if options.layer_by_layer:  # before the statistics are settled: auto's loss-aware settings are left out
-            self.strategy, self.layer_by_layer_line = layer_by_layer_strategy(asked, self.model_type)
-            self.strategy_used = self.strategy
         self.statistics = self._validate_strategies(routings)
         self.data = data
         if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
@@ -509,7 +487,7 @@ class PruningRun:
             raise RuntimeError(f"{self.owner}: collect_layer_by_layer needs layer_by_layer=True.")
         self.source, self.layer_device = str(source), device
         return collect_layerwise(self._collector(), source, batches, device=device, progress=show_progress,
-                                 timings=self.timings)
+                                 timings=self.timings, scratch=self.scratch_parent())
 
     def _collector(self) -> StatisticsCollector:
         if self.collector is None:
@@ -610,12 +588,16 @@ class PruningRun:
         """Where a layer-by-layer run keeps its per-layer corrections until they are written: beside the output
         (``output_dir``, else the run's: the disk the user chose for a big model), removed when the run ends, also
         when it fails."""
-        parent = None
+        with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=self.scratch_parent(output_dir)) as scratch:
+            yield Path(scratch)
+
+    def scratch_parent(self, output_dir: str | os.PathLike | None = None) -> Path | None:
+        """Where a layer-by-layer run's temporary files go: beside the output (``output_dir``, else the run's: the
+        disk the user chose for a big model); ``None`` (the system's temporary directory) without one."""
         output_dir = output_dir if output_dir is not None else self.options.output_dir
         if output_dir is not None and Path(output_dir).parent.is_dir():
-            parent = Path(output_dir).parent
-        with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=parent) as scratch:
-            yield Path(scratch)
+            return Path(output_dir).parent
+        return None
 
     def _measure_layer_by_layer(self, model: nn.Module, blocks: torch.Tensor | None, batch_size: int,
                                 heldout: dict[str, torch.Tensor], scratch: Path) -> LayerByLayerMeasures:
@@ -723,7 +705,14 @@ class PruningRun:
         if blocks is None or not tries_candidates(self.strategy, stats.model_type):
             return on_rank_zero(context, lambda: self.strategy.plan(stats))
         candidates = self.strategy.candidates(stats)  # type: ignore[attr-defined]
-        self.choice = on_rank_zero(context, lambda: choose_plan(model, candidates, blocks, batch_size))
+        if self.options.layer_by_layer:  # the skeleton's layers read from the files, one at a time
+            started = time.perf_counter()
+            self.choice = choose_plan_layer_by_layer(self.source, model, candidates, blocks, batch_size,
+                                                     self.layer_device)
+            self.layer_by_layer_line = (f"ompmoe: auto's trial of its settings ran {LAYER_BY_LAYER} in one more pass "
+                                        f"over the layers: {time.perf_counter() - started:.1f} s")
+        else:
+            self.choice = on_rank_zero(context, lambda: choose_plan(model, candidates, blocks, batch_size))
         plan = candidates[self.choice.index]
         self.strategy_used = dataclasses.replace(self.strategy, method=plan.method,  # type: ignore[type-var]
                                                  allocation=plan.allocation)

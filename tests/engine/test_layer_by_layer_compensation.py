@@ -5,6 +5,7 @@ checkpoint written from the files with the correction folded in equal to ``save_
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import torch
 import ompmoe
 from ompmoe.engine.apply.compensation import CompensationError
 from ompmoe.engine.apply.compensation_step import fit_compensation
-from ompmoe.engine.apply.layer_by_layer import measure_layer_by_layer
+from ompmoe.engine.apply.layer_by_layer import choose_plan_layer_by_layer, measure_layer_by_layer
+from ompmoe.engine.apply.plan_choice import choose_plan, kept_key
 from ompmoe.engine.apply.trial import pruned_view
 from ompmoe.engine.export.streamed import save_pruned_from_files
 from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_dtype
@@ -96,6 +98,27 @@ def test_the_layer_by_layer_pass_equals_the_resident_fit_check_and_perplexity(mo
         torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED if t not in NOT_LAYER_BY_LAYER])
+def test_the_layer_by_layer_trial_of_plans_equals_choose_plan(model_type, tmp_path, monkeypatch):
+    """``auto``'s trial one decoder layer at a time: the same losses (to float rounding) and choice as the resident
+    ``choose_plan``; candidates keeping the same experts run once (one stream each)."""
+    import ompmoe.engine.apply.layer_by_layer as layer_by_layer
+
+    model, stats = saved_tiny(model_type, tmp_path)
+    candidates = [ompmoe.plan_pruning(stats, 0.5, method=method, allocation=allocation)
+                  for method, allocation in (("omp", "waterfill"), ("reap", "uniform"), ("omp", "waterfill"),
+                                             ("frequency", "uniform"))]
+    candidates[2] = dataclasses.replace(candidates[2], method="omp_normalized")  # the same experts, another name
+    streams, add = [], layer_by_layer.LayerMajor.add
+    monkeypatch.setattr(layer_by_layer.LayerMajor, "add",
+                        lambda passes, name, batches: (streams.append(name), add(passes, name, batches))[1])
+    ours = choose_plan_layer_by_layer(tmp_path / "source", skeleton(tmp_path / "source"), candidates, CHECK, 3)
+    theirs = choose_plan(model, candidates, CHECK, 3)
+    assert streams == [f"trial/{i}" for i in range(len({kept_key(plan) for plan in candidates}))]
+    assert list(ours.losses) == list(theirs.losses) and ours.index == theirs.index and ours.plan is theirs.plan
+    assert ours.losses == {name: pytest.approx(loss, rel=1e-6) for name, loss in theirs.losses.items()}
+
+
 def test_the_streamed_writer_folds_a_compensation_bit_for_bit(tmp_path):
     """Given the same fitted compensation, the checkpoint written from the files is the one ``save_pruned`` writes of
     the pruned and compensated model: tensors, config (its compensation record) and files; the down projections
@@ -121,7 +144,8 @@ def test_the_streamed_writer_folds_a_compensation_bit_for_bit(tmp_path):
 
 
 def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_literal_gives(tmp_path):
-    """``PruningRun(layer_by_layer=True)`` with ``auto``: its plan is the resident paper plan's, its compensation
+    """``PruningRun(layer_by_layer=True)`` with ``auto``: its trial of auto's settings (from loss-aware statistics,
+    whose backward runs down the layers) is the resident ``choose_plan``'s, its compensation
     record the literal ``fit_compensation`` (refit and map fitted, checked on the choice blocks), its held-out figures
     the literal perplexities, its written checkpoint ``save_pruned`` of the literal prune + apply; its lines say it."""
     from types import SimpleNamespace
@@ -146,8 +170,11 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
         warnings.simplefilter("ignore")
         run.finish(context)
 
-    stats = ompmoe.collect_stats(model, TEXT.split(4), model_id=str(source), progress=False)
-    plan = ompmoe.PruningStrategy(ratio=0.5, min_kept_fraction=0.25).plan(stats)
+    stats = ompmoe.collect_stats(model, TEXT.split(4), model_id=str(source), progress=False, loss_aware=True)
+    choice = choose_plan(model, auto.candidates(stats), CHECK, 4)  # the resident trial of auto's settings
+    assert run.choice.index == choice.index and list(run.choice.losses) == list(choice.losses)
+    assert run.choice.losses == {name: pytest.approx(loss, rel=1e-6) for name, loss in choice.losses.items()}
+    plan = choice.plan
     assert run.plan.kept_by_layer() == plan.kept_by_layer()
     compensation, record = fit_compensation(model, plan, TEXT, 4, "down", CHECK, None, "")
     ours = dict(run.plan.extra["compensation"])
@@ -155,15 +182,17 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
     assert_same_record(ours, record)
     assert (run.compensation is None) == (compensation is None)
     original = {name: perplexity(model, blocks, 4) for name, blocks in HELDOUT.items()}
-    with pruned_view(model, plan):
+    with pruned_view(model, ompmoe.PruningStrategy(ratio=0.5, method="omp", allocation="waterfill",
+                                                   min_kept_fraction=0.25).plan(stats)):
         paper = {name: perplexity(model, blocks, 4) for name, blocks in HELDOUT.items()}
     pruned = ompmoe.prune(model, plan)
     if compensation is not None:
         compensation.apply(pruned)
     for name, blocks in HELDOUT.items():
         assert run.heldout_perplexity[name] == pytest.approx((original[name], perplexity(pruned, blocks, 4)), rel=1e-5)
+    measured_against_paper = compensation is not None or (plan.method, plan.allocation) != ("omp", "waterfill")
     assert run.heldout_paper == ({name: pytest.approx(value, rel=1e-5) for name, value in paper.items()}
-                                 if compensation is not None else {})
+                                 if measured_against_paper else {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ompmoe.save_pruned(pruned, tmp_path / "expected", tokenizer=str(shipped_model_path()))
@@ -178,8 +207,8 @@ def test_a_layer_by_layer_run_fits_checks_measures_and_writes_what_the_resident_
         assert saved["compensation"]["check_blocks"] == record["check_blocks"]
         assert saved["compensation"]["loss_with"] == pytest.approx(record["loss_with"], rel=1e-5)
     assert saved["plan"]["calibration_mode"] == "layer by layer"
-    assert lines[2] == ("ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss "
-                        "needs loss-aware statistics; no trial of its settings: it needs the whole model")
+    assert lines[2].startswith("ompmoe: auto's trial of its settings ran layer by layer in one more pass over the "
+                               "layers: ")
     assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in one "
                                "more pass over the layers: ")
     assert lines[3].endswith("; the pruned perplexity is without OMP-MoE+'s per-token skipping (adaptive_epsilon "

@@ -72,7 +72,8 @@ def test_layer_by_layer_statistics_and_the_streamed_checkpoint_equal_the_residen
         warnings.simplefilter("ignore")
         model = tiny_model(model_type, dtype=torch.bfloat16)
         model.save_pretrained(tmp_path / "source")
-        resident = ompmoe.collect_stats(model, BLOCKS, model_id=str(tmp_path / "source"), progress=False)
+        resident = ompmoe.collect_stats(model, BLOCKS, model_id=str(tmp_path / "source"), progress=False,
+                                        loss_aware=True)
         plan = ompmoe.plan_pruning(resident, 0.5, allocation="waterfill")
         tokenizer = str(shipped_model_path())  # the same tokenizer files in both
         ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
@@ -83,9 +84,13 @@ def test_layer_by_layer_statistics_and_the_streamed_checkpoint_equal_the_residen
             collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
         assert str(refused.value).startswith(NOT_LAYER_BY_LAYER[model_type])
         return
-    layered = collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False)
+    layered = collect_stats_layerwise(tmp_path / "source", BLOCKS, progress=False, statistics=["loss_aware"])
+    assert "gram_loss" in resident.layers[0].tensors()  # the loss-aware sums, from a backward down the layers
     assert_same_statistics(resident, layered)
     assert ompmoe.plan_pruning(layered, 0.5, allocation="waterfill").kept_by_layer() == plan.kept_by_layer()
+    loss_plan = ompmoe.plan_pruning(resident, 0.5, method="omp_normalized", allocation="loss")
+    assert ompmoe.plan_pruning(layered, 0.5, method="omp_normalized", allocation="loss").kept_by_layer() == (
+        loss_plan.kept_by_layer())
 
 
 def test_a_model_that_runs_a_layer_again_is_refused_layer_by_layer(tmp_path):
@@ -238,21 +243,101 @@ def test_token_ids_past_the_vocabulary_are_refused_layer_by_layer_as_resident(tm
                                   "model's tokenizer.")
 
 
-def test_what_needs_the_whole_model_is_refused_layer_by_layer_before_any_work(tmp_path):
-    tiny_model("qwen3_moe").save_pretrained(tmp_path)
-    with pytest.raises(ValueError) as refused:
-        collect_stats_layerwise(tmp_path, BLOCKS, statistics=["loss_aware"], progress=False)
+def test_statistics_whose_backward_cannot_run_layer_by_layer_are_refused_before_any_work(tmp_path, monkeypatch):
+    """An extension that runs a backward and has no layer-by-layer pass of its own (the base class's) is refused
+    before the checkpoint is opened."""
+    from ompmoe.engine.collect import extensions
+    from ompmoe.engine.methods.loss.statistics import LossAwareStatistics
+
+    class WholeModelOnly(LossAwareStatistics):
+        name = "whole_model_only"
+        collect_layer_by_layer = extensions.StatisticsExtension.collect_layer_by_layer
+
+    from ompmoe.engine.collect.collector import StatisticsCollector
+    from ompmoe.engine.collect.layerwise import collect_layerwise
+
+    monkeypatch.setitem(extensions.STATISTICS, WholeModelOnly.name, WholeModelOnly)
+    collector = StatisticsCollector(tiny_model("qwen3_moe"), statistics=["whole_model_only"])
+    with pytest.raises(ValueError) as refused:  # refused before it looks for the files
+        collect_layerwise(collector, tmp_path / "no checkpoint here", BLOCKS, progress=False)
     assert str(refused.value) == (
-        "layer-by-layer calibration cannot collect 'loss_aware' statistics: loss-aware statistics need a backward "
-        "through the whole model; collect them resident (or plan with the paper's setting, which needs none).")
+        "layer-by-layer calibration cannot collect 'whole_model_only' statistics: loss-aware statistics need a "
+        "backward through the whole model; collect them resident.")
 
 
-def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left_out(tmp_path, caplog, capsys):
-    """``ompmoe fit --layer_by_layer true`` on the default config: the statistics and plan of the resident fit with
-    the setting it takes (auto's omp + waterfill: its loss-aware setting and the trial need the whole model, said in
-    its line), compensation and held-out perplexity measured in one more pass (its time in a line); with
-    ``--compensation off`` the held-out line of the resident fit and its written tensors; ``ompmoe prune --model``
-    on those statistics writes from the files too, the same tensors as loading."""
+def test_each_layer_hands_its_freed_memory_back_once_emptied(tmp_path, monkeypatch):
+    """After each layer of a pass (forward, then the loss-aware backward from the top down to the first MoE layer),
+    once its weights are emptied, the C allocator's free pages go back to the system (glibc's malloc_trim); without
+    it resident memory crept up with depth (docs/performance.md)."""
+    import ompmoe.engine.collect.layerwise as layerwise
+
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    events: list[tuple] = []
+    empty = layerwise.LazyCheckpoint.empty
+
+    def emptied(checkpoint, module):
+        events.append(("emptied", list(checkpoint.model.model.layers).index(module)))
+        return empty(checkpoint, module)
+
+    monkeypatch.setattr(layerwise.LazyCheckpoint, "empty", emptied)
+    monkeypatch.setattr(layerwise, "_malloc_trim", lambda: lambda pad: events.append(("trimmed", pad)) or 1)
+    collect_stats_layerwise(tmp_path, BLOCKS, progress=False, statistics=["loss_aware"])
+    first = layerwise.first_moe_layer("model.layers.", ompmoe.find_moe_layers(model))
+    layers = [*range(model.config.num_hidden_layers), *reversed(range(first, model.config.num_hidden_layers))]
+    assert events == [event for index in layers for event in (("emptied", index), ("trimmed", 0))]
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_when_memory_is_short(on_disk, tmp_path, monkeypatch):
+    """The backward down the layers recomputes each from its input, kept from the forward sweep: in host memory, or
+    (more than half the memory available) one file per layer in a temporary directory of ``scratch``, each read once
+    and removed. Both give the resident sums bit for bit."""
+    import ompmoe.engine.collect.layerwise as layerwise
+    from ompmoe.engine.collect.collector import StatisticsCollector
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
+
+    model = tiny_model("glm4_moe")  # a dense first layer: inputs kept from the first MoE layer's (1) up
+    model.save_pretrained(tmp_path / "source")
+    resident = ompmoe.collect_stats(model, BLOCKS, progress=False, loss_aware=True)
+    hidden_bytes = sum(block.numel() for block in BLOCKS) * model.config.hidden_size * 4
+    monkeypatch.setattr(layerwise, "available_memory", lambda: 2 * hidden_bytes * (3 - 1) - (1 if on_disk else -1))
+    taken, take = [], layerwise.LayerMajor.take_kept
+
+    def take_kept(passes, name, index):
+        kept = passes.kept[name][index]
+        taken.append((index, kept if isinstance(kept, Path) else type(kept).__name__,
+                      sorted(path.name for path in (tmp_path / "scratch").rglob("*.pt"))))
+        return take(passes, name, index)
+
+    monkeypatch.setattr(layerwise.LayerMajor, "take_kept", take_kept)
+    (tmp_path / "scratch").mkdir()
+    collector = StatisticsCollector(build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32),
+                                    statistics=["loss_aware"])
+    timings: dict[str, float] = {}
+    layerwise.collect_layerwise(collector, tmp_path / "source", BLOCKS, scratch=tmp_path / "scratch",
+                                timings=timings)
+    layered = collector.result()
+    for ours, theirs in zip(layered.layers, resident.layers):
+        assert all(torch.equal(ours.tensors()[key], value) for key, value in theirs.tensors().items())
+    assert timings["kept_inputs_bytes"] == hidden_bytes * (3 - 1)
+    assert timings["kept_inputs_on_disk"] == float(on_disk)
+    if on_disk:
+        directory = taken[0][1].parent
+        assert directory.parent == tmp_path / "scratch" and directory.name.startswith(".ompmoe-layer-inputs-")
+        assert taken == [(2, directory / "calibration-2.pt", ["calibration-1.pt", "calibration-2.pt"]),
+                         (1, directory / "calibration-1.pt", ["calibration-1.pt"])]
+    else:
+        assert taken == [(2, "list", []), (1, "list", [])]
+    assert list((tmp_path / "scratch").iterdir()) == []  # the temporary directory is gone
+
+
+def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_how_it_ran(tmp_path, caplog, capsys):
+    """``ompmoe fit --layer_by_layer true`` on the default config: the statistics (loss-aware ones too, from a
+    backward down the layers), auto's trial of its settings (one more pass, its time in a line: the same losses and
+    choice) and the plan of the resident fit, compensation and held-out perplexity measured in one more pass (its
+    time in a line); with ``--compensation off`` the lines of the resident fit and its written tensors; ``ompmoe prune
+    --model`` on those statistics writes from the files too, the same tensors as loading."""
     from ompmoe.cli import main
 
     from test_cli import tiny_config
@@ -267,12 +352,12 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
     layered_plan = ompmoe.PruningPlan.load(layered / "plan.json")
     record = layered_plan.extra["compensation"]
     assert record["fitted"] == "down" and record["checked"] == "held-out calibration loss"
-    assert lines[:3] == [  # the whole of what the run says
-        f"ompmoe: method omp, allocation waterfill, compensation {record['granularity']}, risk_weight 3, "
-        "min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06",
-        f"ompmoe: {ompmoe.kept_summary(layered_plan)}",
-        "ompmoe: calibrated layer by layer: auto takes omp + waterfill; auto's omp_normalized + loss needs "
-        "loss-aware statistics; no trial of its settings: it needs the whole model"]
+    assert lines[0].startswith(f"ompmoe: method {layered_plan.method}, allocation {layered_plan.allocation}, "
+                               f"compensation {record['granularity']}, risk_weight 3, min_kept_fraction 0.375, "
+                               "max_kept_fraction 0.875, zeta 1e-06 (method and allocation 'auto': chose ")
+    assert lines[1] == f"ompmoe: {ompmoe.kept_summary(layered_plan)}"  # the whole of what the run says
+    assert re.fullmatch(r"ompmoe: auto's trial of its settings ran layer by layer in one more pass over the layers: "
+                        r"\d+\.\d s", lines[2])
     assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in "
                                "one more pass over the layers: ") and lines[3].endswith(" s)")
     assert lines[4].startswith(f"ompmoe: compensation ({record['granularity']}")
@@ -332,12 +417,13 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
           "--compensation", "off"])
     layered_lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     caplog.clear()
-    main(["fit", "-c", str(tiny_config(tmp_path / "c")), "--trainer.enable_progress_bar=false", "--method", "omp",
-          "--allocation", "waterfill"])
+    main(["fit", "-c", str(tiny_config(tmp_path / "c")), "--trainer.enable_progress_bar=false", "--compensation",
+          "off"])
     resident_lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     layered, resident = tmp_path / "b" / "run", tmp_path / "c" / "run"
-    assert [line for line in layered_lines if "held-out perplexity on" in line] == [
-        line for line in resident_lines if "held-out perplexity on" in line]
+    assert [line for line in layered_lines if " layer by layer " not in line] == [
+        line.replace(str(resident), str(layered)) for line in resident_lines]  # the trial's losses, to 4 decimals
+    assert lines[0] == resident_lines[0].replace("compensation off", f"compensation {record['granularity']}")
     assert_same_statistics(ompmoe.MoEStats.load(resident / "stats.safetensors"),
                            ompmoe.MoEStats.load(layered / "stats.safetensors"))
     plan = ompmoe.PruningPlan.load(layered / "plan.json")
@@ -357,9 +443,6 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_what_it_left
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (dict(loss_aware=True), "layer_by_layer cannot collect loss-aware statistics: their backward needs the whole "
-                            "model in memory, which layer_by_layer never holds. Remove loss_aware (auto then takes "
-                            "the paper's omp + waterfill), or calibrate resident."),
     (dict(dtype="float32"), "layer_by_layer writes the checkpoint's tensors as its files store them; got "
                             "dtype='float32'. Remove dtype (save_dtype), or calibrate resident."),
 ])

@@ -55,6 +55,7 @@ from .compensation_step import (
     unchecked_refit,
 )
 from .down_refit import SWEEPS, _joined, _RefitPass, check_down_refit, refit_record
+from .plan_choice import PlanChoice, check_choice_arguments, chosen, kept_key
 from .trial import pruned_layer_view
 
 OFF, PAPER, LINEAR = "off", "paper", "linear"
@@ -352,4 +353,36 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
     return measures
 
 
-__all__ = ["LayerByLayerMeasures", "LayerStore", "measure_layer_by_layer"]
+def choose_plan_layer_by_layer(source: str | os.PathLike, model: nn.Module, candidates: list[PruningPlan],
+                               blocks: torch.Tensor, batch_size: int = 4, device: torch.device | str = "cpu",
+                               progress: bool | None = None) -> PlanChoice:
+    """:func:`~.plan_choice.choose_plan` on the unpruned skeleton ``model`` of the checkpoint at ``source``, one
+    decoder layer at a time: each distinct set of kept experts runs ``blocks`` through its pruned layers (as
+    :func:`~.trial.pruned_view` prunes them) in one layer-major pass over the files, and the model's own head gives
+    its loss; the same choice and losses as the resident trial."""
+    check_choice_arguments(candidates, blocks)
+    streams = {key: f"trial/{position}" for position, key in enumerate(dict.fromkeys(map(kept_key, candidates)))}
+    kept = {streams[kept_key(plan)]: {layer.name: sorted(int(i) for i in layer.kept) for layer in plan.layers}
+            for plan in candidates}
+    spec, layers = architecture_of(model), find_moe_layers(model)
+    with LazyCheckpoint(source, model) as checkpoint, quiet_calls():
+        passes = LayerMajor(checkpoint, device)
+        moe = {index: [layer for layer in layers if f"{layer.name}.".startswith(f"{passes.prefix}{index}.")]
+               for index in range(len(passes.layers))}
+        for stream in kept:
+            passes.add(stream, blocks.split(batch_size))
+        for index, _ in passes.each_layer(progress, "ompmoe trial of auto's settings (layer by layer)"):
+            for stream, experts in kept.items():
+                with ExitStack() as stack:
+                    for layer in moe[index]:
+                        stack.enter_context(pruned_layer_view(layer, experts[layer.name], spec.count_attributes,
+                                                              spec.experts_arguments[1]))
+                    passes.run(stream, index)
+        losses = {stream: passes.next_token_loss(stream) for stream in kept}
+        passes.close()
+    # perplexity()'s rounding: the log of the exponential of the mean loss
+    measured = {key: math.log(math.exp(losses[stream][0] / losses[stream][1])) for key, stream in streams.items()}
+    return chosen(candidates, measured)
+
+
+__all__ = ["LayerByLayerMeasures", "LayerStore", "choose_plan_layer_by_layer", "measure_layer_by_layer"]

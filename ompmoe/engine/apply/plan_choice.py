@@ -49,21 +49,35 @@ def choose_plan(model: nn.Module, candidates: Sequence[PruningPlan], blocks: tor
                 batch_size: int = 4) -> PlanChoice:
     """The candidate whose pruned model has the lowest mean next-token loss on ``blocks`` (``(num_blocks, seq_len)``
     held-out token ids; first on ties). Candidates with the same kept experts are measured once."""
+    check_choice_arguments(candidates, blocks)
+    measured: dict[tuple, float] = {}
+    for plan in candidates:
+        key = kept_key(plan)
+        if key not in measured:
+            with pruned_view(model, plan):
+                measured[key] = math.log(perplexity(model, blocks, batch_size))
+    return chosen(candidates, measured)
+
+
+def check_choice_arguments(candidates: Sequence[PruningPlan], blocks: torch.Tensor) -> None:
     if not candidates:
         raise ValueError("choose_plan needs at least one candidate plan.")
     if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] < 2:
         raise ValueError(f"choose_plan needs (num_blocks, seq_len) token ids with seq_len >= 2; got shape "
                          f"{tuple(blocks.shape)}.")
-    measured: dict[tuple, float] = {}
-    losses: dict[str, float] = {}
-    for plan in candidates:
-        key = tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
-        if key not in measured:
-            with pruned_view(model, plan):
-                measured[key] = math.log(perplexity(model, blocks, batch_size))
-        losses[setting_name(plan)] = measured[key]
+
+
+def kept_key(plan: PruningPlan) -> tuple[tuple[int, ...], ...]:
+    """What tells two candidates' pruned models apart: their kept experts, per layer (measured once each)."""
+    return tuple(tuple(sorted(layer.kept)) for layer in plan.layers)
+
+
+def chosen(candidates: Sequence[PruningPlan], measured: dict[tuple, float]) -> PlanChoice:
+    """The candidate with the lowest loss in ``measured`` (by :func:`kept_key`), first on ties."""
+    losses = {setting_name(plan): measured[kept_key(plan)] for plan in candidates}
     best = min(range(len(candidates)), key=lambda i: losses[setting_name(candidates[i])])
     return PlanChoice(candidates[best], best, losses)
 
 
-__all__ = ["CHOICE_TOKENS", "PlanChoice", "choose_plan", "default_choice_blocks", "setting_name"]
+__all__ = ["CHOICE_TOKENS", "PlanChoice", "check_choice_arguments", "choose_plan", "chosen", "default_choice_blocks",
+           "kept_key", "setting_name"]

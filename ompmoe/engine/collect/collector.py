@@ -377,21 +377,44 @@ class StatisticsCollector:
         return self
 
     def __enter__(self) -> StatisticsCollector:
+        self._instrument(list(self.extensions.values()))
+        return self
+
+    @contextmanager
+    def forward_only(self) -> Iterator[StatisticsCollector]:
+        """The collector's context without the extensions that run a backward: layer by layer runs those in a
+        pass of their own after the forward one (:meth:`StatisticsExtension.collect_layer_by_layer`)."""
+        self._instrument([ext for ext in self.extensions.values() if not ext.needs_gradients])
+        try:
+            yield self
+        finally:
+            self.__exit__(None, None, None)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inference-time hooks (OMP-MoE+) off meanwhile, as in the collector's context, with nothing instrumented."""
+        with ExitStack() as stack:
+            self._pause(stack)
+            yield
+
+    def _pause(self, stack: ExitStack) -> None:
+        for pause, warning in CALIBRATION_PAUSES:
+            if stack.enter_context(pause(self.model)) and not self._warned:
+                warnings.warn(warning, stacklevel=4)
+                self._warned = True
+
+    def _instrument(self, extensions: list[StatisticsExtension]) -> None:
         with ExitStack() as stack:  # left in reverse: extensions detached, expert calls restored, adaptive resumed
-            for pause, warning in CALIBRATION_PAUSES:
-                if stack.enter_context(pause(self.model)) and not self._warned:
-                    warnings.warn(warning, stacklevel=2)
-                    self._warned = True
+            self._pause(stack)
             update = self.metric.update
             # Extensions that run a backward wrap outermost: they silence the chain during checkpoint recomputes.
-            for ext in sorted(self.extensions.values(), key=lambda ext: ext.needs_gradients):
+            for ext in sorted(extensions, key=lambda ext: ext.needs_gradients):
                 update = ext.wrap(update)
             stack.enter_context(expose_expert_outputs(self.layers, update))
-            for ext in self.extensions.values():
+            for ext in extensions:
                 stack.callback(ext.detach)
                 ext.attach()
             self._context = stack.pop_all()
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         context, self._context = self._context, None

@@ -17,6 +17,8 @@ from ..registry import Registry
 if TYPE_CHECKING:
     from torchmetrics import Metric
 
+    from .layerwise import LayerMajor
+
 
 class FilledLayer(Protocol):
     """What an extension fills: a layer's statistics (``LayerStats``, which imports this module) that return a copy
@@ -79,6 +81,20 @@ class StatisticsExtension:
 
     def standalone(self) -> None:
         """Called by :func:`~ompmoe.engine.collect.collector.collect_stats`: no training step follows the forward."""
+
+    def layer_by_layer_refusal(self) -> str | None:
+        """Why these sums cannot be gathered one decoder layer at a time (``None``: they can, in the forward sweep's
+        hooks or, for an extension that runs a backward, in its own :meth:`collect_layer_by_layer`)."""
+        own = type(self).collect_layer_by_layer is not StatisticsExtension.collect_layer_by_layer
+        if self.needs_gradients and not own:
+            return f"{self.kind} statistics need a backward through the whole model"
+        return None
+
+    def collect_layer_by_layer(self, passes: LayerMajor, stream: str, token_weights: list[torch.Tensor | None],
+                               progress: bool | None = None) -> None:
+        """Gather the sums of an extension that runs a backward after layer by layer's forward sweep over
+        ``stream`` (whose layer inputs ``passes`` kept); ``token_weights`` per batch as the forward sweep used them."""
+        raise NotImplementedError(f"{type(self).__name__} gathers its sums in the forward sweep's hooks.")
 
     def fill(self, layers: list[Layer]) -> list[Layer]:
         """``layers`` with this extension's tensors filled in."""

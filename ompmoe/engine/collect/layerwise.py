@@ -8,28 +8,28 @@ with the state a layer hands the next one beside its hidden states: :data:`CARRI
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..._quiet import quiet_calls
+from ..adapters import MoELayer
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_config, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs
 from .statistics import MoEStats
 
-LAYERWISE_REFUSED_STATISTICS = {
-    "loss_aware": "loss-aware statistics need a backward through the whole model; collect them resident (or "
-                  "plan with the paper's setting, which needs none)",
-}
-"""Optional statistics layer-by-layer calibration cannot gather, with why and what runs instead."""
 
 
 CARRIED_STATE = ("prev_topk_indices", "prev_router_hidden_states")
@@ -231,6 +231,11 @@ class LayerMajor:
         self.calls: dict[str, list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = {}
         self.hidden: dict[str, list[torch.Tensor]] = {}
         self.state: dict[str, list[Any]] = {}  # per stream and batch: what the last layer run hands the next
+        self.kept: dict[str, dict[int, list[tuple[torch.Tensor, Any]] | Path]] = {}
+        """Per stream (:meth:`keep_inputs`), per decoder layer, each batch's ``(hidden states, carried state)`` as
+        that layer took them: what a backward through the layers recomputes each one from."""
+        self._keep_from: dict[str, int] = {}
+        self._keep_in: dict[str, Path | None] = {}
 
     def add(self, name: str, batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
         """A stream of ``batches`` (token ids or model inputs): their layer calls recorded, the first layer's input
@@ -244,19 +249,49 @@ class LayerMajor:
         self.state[name] = [None] * len(inputs)
         return inputs
 
-    def each_layer(self, progress: bool | None = None, description: str = "ompmoe (layer by layer)"
-                   ) -> Iterator[tuple[int, nn.Module]]:
-        """``(index, layer)`` for every decoder layer, its weights on the device while the caller has it (the next
-        layer read meanwhile), emptied after."""
+    def keep_inputs(self, name: str, first_layer: int, directory: Path | None = None) -> None:
+        """From decoder layer ``first_layer`` on, keep what :meth:`run` feeds each layer of stream ``name`` in host
+        memory, or in one file per layer in ``directory`` (:meth:`take_kept`), for a backward that goes through the
+        layers again from the top."""
+        self._keep_from[name], self._keep_in[name] = first_layer, directory
+        self.kept[name] = {}
+
+    def take_kept(self, name: str, index: int) -> list[tuple[torch.Tensor, Any]]:
+        """What :meth:`run` fed decoder layer ``index`` of stream ``name`` (per batch: hidden states, carried state),
+        handed over once (its file removed)."""
+        kept = self.kept[name].pop(index)
+        if isinstance(kept, Path):
+            path, kept = kept, torch.load(kept, weights_only=True)
+            path.unlink()
+        return kept
+
+    def each_layer(self, progress: bool | None = None, description: str = "ompmoe (layer by layer)",
+                   order: Iterable[int] | None = None) -> Iterator[tuple[int, nn.Module]]:
+        """``(index, layer)`` for every decoder layer (or those of ``order``, in its order), its weights on the device
+        while the caller has it (the next layer read meanwhile), emptied after."""
         fill, prefix, layers = self.checkpoint.fill, self.prefix, self.layers
+        indices = list(range(len(layers)) if order is None else order)
+        if not indices:
+            return
         with ThreadPoolExecutor(max_workers=1) as reader:
-            pending: Future | None = reader.submit(fill, (f"{prefix}0.",), self.device, self.dtype)
-            for index in progress_bar(range(len(layers)), description, progress, unit="layer"):
+            pending: Future | None = reader.submit(fill, (f"{prefix}{indices[0]}.",), self.device, self.dtype)
+            for step in progress_bar(range(len(indices)), description, progress, unit="layer"):
+                index = indices[step]
                 pending.result()  # type: ignore[union-attr]
-                pending = (reader.submit(fill, (f"{prefix}{index + 1}.",), self.device, self.dtype)
-                           if index + 1 < len(layers) else None)
+                pending = (reader.submit(fill, (f"{prefix}{indices[step + 1]}.",), self.device, self.dtype)
+                           if step + 1 < len(indices) else None)
                 yield index, layers[index]
                 self.checkpoint.empty(layers[index])
+                release_freed_memory()
+
+    def call(self, name: str, index: int, position: int, hidden: torch.Tensor, state: Any = None
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of decoder layer ``index``'s call on stream ``name``'s batch ``position`` as the model's
+        forward makes it, with ``hidden`` as its hidden states and ``state`` as what the layer before handed it."""
+        call, argument = self.calls[name][position][index], self.carried[index]
+        if argument is not None and index > 0:  # the first layer's is the model's own, as recorded
+            call = _with_state(call, argument, _to(state, self.device))
+        return _with_hidden(call, hidden)
 
     @torch.no_grad()
     def run(self, name: str, index: int, before: Callable[[int, dict[str, torch.Tensor]], None] | None = None
@@ -264,42 +299,51 @@ class LayerMajor:
         """Stream ``name``'s batches through decoder layer ``index`` as the model's forward calls it (``before``: called
         with each batch's position and inputs first); their outputs become the next layer's inputs."""
         layer, hidden, state, argument = self.layers[index], self.hidden[name], self.state[name], self.carried[index]
+        keep = self.kept[name].setdefault(index, []) if index >= self._keep_from.get(name, len(self.layers)) else None
         for position, inputs in enumerate(self.inputs[name]):
             if before is not None:
                 before(position, inputs)
-            call = self.calls[name][position][index]
-            if argument is not None and index > 0:  # the first layer's is the model's own, as recorded
-                call = _with_state(call, argument, _to(state[position], self.device))
-            args, kwargs = _with_hidden(call, hidden[position].to(self.device))
+            if keep is not None:
+                keep.append((hidden[position].to("cpu"), _to(state[position], torch.device("cpu"))))
+            args, kwargs = self.call(name, index, position, hidden[position].to(self.device), state[position])
             output = layer(*args, **kwargs)
             hidden[position] = (output[0] if isinstance(output, tuple) else output).to(self.hidden_device)
             if argument is not None:
                 state[position] = _to(output[1], self.hidden_device)
+        if keep is not None and self._keep_in.get(name) is not None:
+            path = self._keep_in[name] / f"{name}-{index}.pt"  # type: ignore[operator]
+            torch.save(keep, path)
+            self.kept[name][index] = path  # type: ignore[assignment]
+
+    def head_logits(self, inputs: dict[str, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
+        """The model's logits for a batch whose last decoder layer gave ``final``: its own final norm and head, run
+        by its own forward with every layer handing ``final`` on (under the caller's gradient mode)."""
+        if self.head and any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
+            self.checkpoint.fill(self.head, self.device, self.dtype)
+            if any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
+                self.model.tie_weights()  # a head tied to the embeddings: no tensor of its own in the files
+
+        def first(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
+            return (final, None) if carries else final
+
+        def passed(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
+            return (_hidden_of((args, kwargs)), None) if carries else _hidden_of((args, kwargs))
+
+        for index, layer in enumerate(self.layers):
+            layer.forward = functools.partial(first if index == 0 else passed, carries=self.carried[index] is not None)
+        try:
+            return self.model(**inputs, use_cache=False).logits
+        finally:
+            for layer in self.layers:
+                del layer.forward
 
     @torch.no_grad()
     def next_token_loss(self, name: str) -> tuple[float, int]:
         """``(summed next-token loss in nats, predicted tokens)`` of stream ``name`` (token-id batches) after its last
         layer, through the model's own final norm and head (as :func:`~ompmoe.engine.perplexity.perplexity` counts)."""
-        if self.head and any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
-            self.checkpoint.fill(self.head, self.device, self.dtype)
-            if any(p.device.type == "meta" for p in self.model.get_output_embeddings().parameters()):
-                self.model.tie_weights()  # a head tied to the embeddings: no tensor of its own in the files
         total, count = 0.0, 0
         for inputs, final in zip(self.inputs[name], self.hidden[name]):
-            def first(*args: Any, final: torch.Tensor = final, carries: bool = False, **kwargs: Any) -> Any:
-                return (final.to(self.device), None) if carries else final.to(self.device)
-
-            def passed(*args: Any, carries: bool = False, **kwargs: Any) -> Any:
-                return (_hidden_of((args, kwargs)), None) if carries else _hidden_of((args, kwargs))
-
-            for index, layer in enumerate(self.layers):
-                layer.forward = functools.partial(first if index == 0 else passed,
-                                                  carries=self.carried[index] is not None)
-            try:
-                logits = self.model(**inputs, use_cache=False).logits[:, :-1].float()
-            finally:
-                for layer in self.layers:
-                    del layer.forward
+            logits = self.head_logits(inputs, final.to(self.device))[:, :-1].float()
             targets = inputs["input_ids"][:, 1:]
             total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                                        reduction="sum"))
@@ -318,24 +362,46 @@ def _to(value: Any, device: torch.device) -> Any:
 def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, batches: Iterable[Any], *,
                       device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                       progress: bool | None = None, hidden_device: torch.device | str | None = None,
-                      timings: dict[str, float] | None = None) -> int:
+                      timings: dict[str, float] | None = None, scratch: str | os.PathLike | None = None,
+                      inputs_on_disk: bool | None = None) -> int:
     """Feed ``collector`` (built on a weightless skeleton of the checkpoint at ``path``) the calibration ``batches``
     one decoder layer at a time: the skeleton's modules outside the layers are filled first, then each layer on
     ``device`` (the next one read while it computes) and emptied after. ``hidden_device`` keeps the calibration
     hidden states (default ``device``; ``"cpu"`` when they do not fit). Returns the number of batches;
-    ``timings`` receives seconds per step."""
-    for name in collector.extensions:
-        if name in LAYERWISE_REFUSED_STATISTICS:
-            raise ValueError(f"layer-by-layer calibration cannot collect {name!r} statistics: "
-                             f"{LAYERWISE_REFUSED_STATISTICS[name]}.")
+    ``timings`` receives seconds per step.
+
+    Statistics that need the loss's gradient (loss-aware) run a backward down the layers after the forward sweep
+    (:meth:`~ompmoe.engine.collect.extensions.StatisticsExtension.collect_layer_by_layer`), which recomputes each
+    layer from its input: those inputs are kept meanwhile, in host memory, or in a temporary directory in ``scratch``
+    (default: the system's) when ``inputs_on_disk`` or, left ``None``, when they would take more than
+    :data:`KEPT_INPUTS_MEMORY_SHARE` of the memory available."""
+    for name, ext in collector.extensions.items():
+        refusal = ext.layer_by_layer_refusal()
+        if refusal is not None:
+            raise ValueError(f"layer-by-layer calibration cannot collect {name!r} statistics: {refusal}; collect "
+                             "them resident.")
+    backward = [ext for ext in collector.extensions.values() if ext.needs_gradients]
     started = time.perf_counter()
     times = timings if timings is not None else {}
-    with LazyCheckpoint(path, collector.model) as checkpoint, quiet_calls():  # no Loading-weights bar per layer
+    with ExitStack() as stack:
+        checkpoint = stack.enter_context(LazyCheckpoint(path, collector.model))
+        stack.enter_context(quiet_calls())  # no Loading-weights bar per layer
         passes = LayerMajor(checkpoint, device, dtype, hidden_device)
         collector.to(passes.device)
         blocks = passes.add("calibration", batches)
         if not blocks:
             raise ValueError("No calibration batches were given; pass at least one non-empty batch.")
+        if backward:  # each layer's input from the lowest MoE block's layer up, for the backward down the layers
+            first = first_moe_layer(passes.prefix, collector.layers)
+            hidden = sum(h.numel() * h.element_size() for h in passes.hidden["calibration"])
+            kept = (len(passes.layers) - first) * hidden
+            if inputs_on_disk is None:
+                inputs_on_disk = kept > KEPT_INPUTS_MEMORY_SHARE * available_memory()
+            directory = (Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".ompmoe-layer-inputs-",
+                                                                               dir=scratch)))
+                         if inputs_on_disk else None)
+            passes.keep_inputs("calibration", first, directory)
+            times["kept_inputs_bytes"], times["kept_inputs_on_disk"] = float(kept), float(bool(inputs_on_disk))
         weights = [batch_token_weight(inputs, 0, None) for inputs in blocks]
         times["embed"] = time.perf_counter() - started
         compute = 0.0
@@ -345,12 +411,18 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             def weigh(position: int, inputs: dict[str, torch.Tensor], index: int = index) -> None:
                 _set_token_weight(collector, inputs, weights[position], first_layer=index == 0)
 
-            with collector:
+            with collector.forward_only():
                 passes.run("calibration", index, weigh)
             collector.metric.token_weight = None
             compute += time.perf_counter() - tick
+        times["layers"] = compute
+        if backward:
+            tick = time.perf_counter()
+            with collector.paused():
+                for ext in backward:
+                    ext.collect_layer_by_layer(passes, "calibration", weights, progress)
+            times["backward"] = time.perf_counter() - tick
         passes.close()
-    times["layers"] = compute
     for inputs in blocks:
         if inputs.get("input_ids") is not None:
             collector.token_batches.append({key: inputs[key].detach().cpu()
@@ -359,6 +431,46 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
                                default=collector.batch_size)
     times["total"] = time.perf_counter() - started
     return len(blocks)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (AttributeError, OSError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing). A pass over
+    the layers frees each layer's tensors once it is done; glibc keeps freed chunks of the sizes it served last in its
+    heaps (its mmap threshold grows with them), so resident memory would creep up with depth: from 4.2 to 6.3 GiB over
+    the 24 layers of a loss-aware backward (docs/performance.md), flat with this after each layer."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+KEPT_INPUTS_MEMORY_SHARE = 0.5
+"""Layer inputs a layer-by-layer backward keeps go to disk when they would take more than this share of the memory
+available (:func:`available_memory`)."""
+
+
+def available_memory() -> int:
+    """Bytes of host memory available to new allocations (Linux's ``MemAvailable``; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def first_moe_layer(prefix: str, layers: list[MoELayer]) -> int:
+    """The index of the lowest decoder layer holding one of ``layers`` (MoE blocks under ``prefix``)."""
+    return min(int(layer.name[len(prefix):].split(".", 1)[0]) for layer in layers)
 
 
 def _set_token_weight(collector: StatisticsCollector, inputs: dict[str, torch.Tensor], weight: torch.Tensor | None,
@@ -377,18 +489,20 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
                             dtype: torch.dtype | None = None, model_id: str | None = None, source: str | None = None,
                             progress: bool | None = None, statistics: Iterable[str] = (),
                             hidden_device: torch.device | str | None = None,
-                            timings: dict[str, float] | None = None) -> MoEStats:
+                            timings: dict[str, float] | None = None,
+                            scratch: str | os.PathLike | None = None) -> MoEStats:
     """:func:`~ompmoe.collect_stats` on the local safetensors checkpoint at ``path`` without ever holding its
-    weights (:func:`collect_layerwise`): the same sums, one decoder layer in memory at a time. ``dtype``: the
-    checkpoint's unless given."""
+    weights (:func:`collect_layerwise`): the same sums, one decoder layer in memory at a time (``statistics=
+    ["loss_aware"]`` too, by a backward down the layers; ``scratch``: where their layer inputs go when they do not
+    fit in memory). ``dtype``: the checkpoint's unless given."""
     config = checkpoint_config(path)
     model = build_skeleton(config, dtype=dtype or checkpoint_dtype(config))
     collector = StatisticsCollector(model, model_id=model_id or str(path), sources=[source] if source else None,
                                     statistics=statistics)
     collect_layerwise(collector, path, batches, device=device, progress=progress, hidden_device=hidden_device,
-                      timings=timings)
+                      timings=timings, scratch=scratch)
     return collector.result()
 
 
-__all__ = ["CARRIED_STATE", "LAYERWISE_REFUSED_STATISTICS", "LayerMajor", "LayerwiseUnsupportedError", "carried_state", "collect_layerwise",
-           "collect_stats_layerwise"]
+__all__ = ["CARRIED_STATE", "LayerMajor", "LayerwiseUnsupportedError", "available_memory", "carried_state",
+           "collect_layerwise", "collect_stats_layerwise", "first_moe_layer", "release_freed_memory"]

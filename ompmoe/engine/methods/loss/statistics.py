@@ -18,6 +18,7 @@ from ...adapters import MoELayer
 from ...collect.extensions import StatisticsExtension, register_statistics
 
 if TYPE_CHECKING:
+    from ...collect.layerwise import LayerMajor
     from .metric import LossStatsMetric
 
 LOSS_TENSORS = ("gram_grad", "gram_loss", "gram_fisher", "loss_first_order")
@@ -39,6 +40,16 @@ def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight:
     weight = token_weight.view(batch, seq).to(losses.device, losses.dtype)
     pair_weight = weight[:, :-1] * weight[:, 1:]
     return torch.where(pair_weight > 0, losses * pair_weight, 0.0).sum()
+
+
+def routed_atoms(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                 atoms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k_index, atoms (T, k, d))`` of one MoE call, detached: ``atoms`` as the block summed them, else ``g F``
+    formed in the outputs' dtype."""
+    num_tokens, top_k = top_k_index.shape
+    if atoms is None or atoms.dtype != outputs.dtype:
+        atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
+    return top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1)
 
 
 class LossGradientRecorder:
@@ -86,10 +97,7 @@ class LossGradientRecorder:
             if self._in_backward:
                 return
             update(index, top_k_index, top_k_weights, outputs, atoms)
-            num_tokens, top_k = top_k_index.shape
-            if atoms is None or atoms.dtype != outputs.dtype:
-                atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
-            self._pending[index] = (top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1))
+            self._pending[index] = routed_atoms(top_k_index, top_k_weights, outputs, atoms)
 
         return chained
 
@@ -174,3 +182,10 @@ class LossAwareStatistics(StatisticsExtension):
 
     def standalone(self) -> None:
         self.recorder.retain_graph = False  # no training step reuses the graph
+
+    def collect_layer_by_layer(self, passes: LayerMajor, stream: str, token_weights: list[torch.Tensor | None],
+                               progress: bool | None = None) -> None:
+        """The resident pass's sums by a backward down the layers after the forward sweep (:mod:`.layerwise`)."""
+        from .layerwise import collect_loss_layer_by_layer
+
+        collect_loss_layer_by_layer(passes, stream, self.metric, self.layers, token_weights, progress)

@@ -1,0 +1,139 @@
+"""Loss-aware sums of a model bigger than memory, one decoder layer at a time.
+
+After layer by layer's forward sweep (which kept each layer's input, :meth:`~ompmoe.engine.collect.layerwise.LayerMajor.
+keep_inputs`), the next-token loss's gradient at the last layer's output goes down the layers in reverse: each layer is
+read again and recomputed from its kept input with gradients on, as activation checkpointing recomputes a layer, and
+one ``torch.autograd.grad`` per batch gives the gradient at its MoE blocks' routed outputs (``d_x``) and at its input
+(handed to the layer below). With the routed atoms of that recompute, these are the resident pass's sums
+(:class:`~.statistics.LossGradientRecorder`): the same products of the same tensors, memory holding one layer's graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ...adapters import MoELayer
+from ...collect.collector import expose_expert_outputs
+
+if TYPE_CHECKING:
+    from ...collect.layerwise import LayerMajor
+    from .metric import LossStatsMetric
+
+
+def moe_blocks_by_layer(prefix: str, layers: list[MoELayer]) -> dict[int, list[int]]:
+    """Decoder layer index -> the indices (in ``layers``) of the MoE blocks inside it; ``prefix`` is the decoder
+    layer list's (``model.layers.``)."""
+    blocks: dict[int, list[int]] = {}
+    for position, layer in enumerate(layers):
+        blocks.setdefault(int(layer.name[len(prefix):].split(".", 1)[0]), []).append(position)
+    return blocks
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+@contextmanager
+def frozen(module: nn.Module) -> Iterator[None]:
+    """``module``'s parameters without gradients meanwhile: the backward computes no weight gradient and the
+    forward keeps nothing for one (as the resident pass freezes them)."""
+    thawed = [parameter for parameter in module.parameters() if parameter.requires_grad]
+    for parameter in thawed:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in thawed:
+            parameter.requires_grad_(True)
+
+
+class _RoutedCapture:
+    """One recomputed layer's routed pairs ``(top_k_index, atoms)`` and experts outputs, per MoE block index."""
+
+    def __init__(self, layers: list[MoELayer], blocks: list[int]) -> None:
+        self.layers, self.blocks = layers, blocks
+        self.pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        from .statistics import routed_atoms
+
+        def pairs(position: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+                  atoms: torch.Tensor | None = None) -> None:
+            self.pairs[self.blocks[position]] = routed_atoms(top_k_index, top_k_weights, outputs, atoms)
+
+        def output(index: int, module: nn.Module, args: Any, result: torch.Tensor) -> None:
+            self.outputs[index] = result
+
+        handles = [self.layers[index].experts.register_forward_hook(
+            lambda module, args, result, index=index: output(index, module, args, result)) for index in self.blocks]
+        try:
+            with expose_expert_outputs([self.layers[index] for index in self.blocks], pairs):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def clear(self) -> None:
+        self.pairs, self.outputs = {}, {}
+
+
+def collect_loss_layer_by_layer(passes: LayerMajor, stream: str, metric: LossStatsMetric, layers: list[MoELayer],
+                                token_weights: list[torch.Tensor | None], progress: bool | None = None) -> None:
+    """Add stream ``stream``'s loss-aware sums to ``metric``, from the top layer down to the lowest MoE block's, after
+    the forward sweep (``passes.kept[stream]`` holds the layers' inputs, consumed here)."""
+    from .statistics import next_token_loss
+
+    blocks = moe_blocks_by_layer(passes.prefix, layers)
+    lowest, device, hidden_device = min(blocks), passes.device, passes.hidden_device
+    weights = [None if weight is None else weight.reshape(-1).to(metric.loss_sum.device, torch.float64)
+               for weight in token_weights]
+    grads: list[torch.Tensor] = []
+    with frozen(passes.model), torch.enable_grad():  # the loss, and its gradient at the last layer's output
+        for position, inputs in enumerate(passes.inputs[stream]):
+            final = passes.hidden[stream][position].to(device).detach().requires_grad_(True)
+            loss = next_token_loss(passes.head_logits(inputs, final), inputs["input_ids"], weights[position])
+            (grad,) = torch.autograd.grad(loss, final)
+            metric.loss_sum += loss.detach().to(metric.loss_sum.device, torch.float64)
+            grads.append(grad.to(hidden_device))
+    state_grads: list[torch.Tensor | None] = [None] * len(grads)  # at the carried state a layer handed the next
+    order = range(len(passes.layers) - 1, lowest - 1, -1)
+    for index, layer in passes.each_layer(progress, "ompmoe loss-aware statistics (layer by layer)", order):
+        kept = passes.take_kept(stream, index)
+        capture = _RoutedCapture(layers, blocks.get(index, []))
+        with frozen(layer), capture.active(), torch.enable_grad():
+            for position in range(len(kept)):
+                hidden, state = kept[position]
+                kept[position] = None  # type: ignore[call-overload]  # each input freed once used
+                hidden = hidden.to(device).detach().requires_grad_(True)
+                if _differentiable(state) and index > 0:  # a float state (Zaya's router's): the loss flows through it
+                    state = state.to(device).detach().requires_grad_(True)
+                args, kwargs = passes.call(stream, index, position, hidden, state)
+                output = layer(*args, **kwargs)
+                handed = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+                outputs = [output[0] if isinstance(output, tuple) else output]
+                upstream = [grads[position].to(device)]
+                if _differentiable(handed) and handed.requires_grad and state_grads[position] is not None:
+                    outputs.append(handed)
+                    upstream.append(state_grads[position].to(device))  # type: ignore[union-attr]
+                inputs = [hidden] + ([state] if index > lowest and _differentiable(state) else [])
+                wanted = [capture.outputs[block] for block in capture.blocks] + (inputs if index > lowest else [])
+                found = torch.autograd.grad(outputs, wanted, grad_outputs=upstream, materialize_grads=True)
+                for block, grad in zip(capture.blocks, found):
+                    top_k_index, atoms = capture.pairs[block]
+                    metric.update(block, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weights[position])
+                if index > lowest:
+                    below = found[len(capture.blocks):]
+                    grads[position] = below[0].to(hidden_device)
+                    state_grads[position] = below[1].to(hidden_device) if len(below) > 1 else None
+                capture.clear()
+    passes.kept.pop(stream, None)
+
+
+__all__ = ["collect_loss_layer_by_layer", "frozen", "moe_blocks_by_layer"]
