@@ -115,8 +115,8 @@ class RunOptions:
             (:func:`~ompmoe.engine.apply.layer_by_layer.measure_layer_by_layer`; the same fit and figures, its time
             printed), the correction folded into the rows as they are written. Loss-aware statistics are collected
             by a backward down the layers after the forward sweep, each layer read once more and recomputed from its
-            input (the same sums; the inputs of every layer kept meanwhile, on disk beside the output when they
-            would take more than half the memory available), and ``auto``'s trial of its settings runs in a pass of
+            input (the same sums; the inputs of every layer kept meanwhile, past half the memory available on disk
+            beside the output), and ``auto``'s trial of its settings runs in a pass of
             its own (:func:`~ompmoe.engine.apply.layer_by_layer.choose_plan_layer_by_layer`; the same losses and
             choice, its time printed). Recorded in ``plan.json`` and the card; a ``dtype`` is refused. A quantized
             checkpoint (block FP8, MXFP4 experts, compressed-tensors) is read dequantized and written in its format,

@@ -277,7 +277,8 @@ def test_each_layer_hands_its_freed_memory_back_once_emptied(tmp_path, monkeypat
     empty = layerwise.LazyCheckpoint.empty
 
     def emptied(checkpoint, module):
-        events.append(("emptied", list(checkpoint.model.model.layers).index(module)))
+        layers = list(checkpoint.model.model.layers)
+        events.append(("emptied", layers.index(module) if module in layers else type(module).__name__))
         return empty(checkpoint, module)
 
     monkeypatch.setattr(layerwise.LazyCheckpoint, "empty", emptied)
@@ -285,14 +286,19 @@ def test_each_layer_hands_its_freed_memory_back_once_emptied(tmp_path, monkeypat
     collect_stats_layerwise(tmp_path, BLOCKS, progress=False, statistics=["loss_aware"])
     first = layerwise.first_moe_layer("model.layers.", ompmoe.find_moe_layers(model))
     layers = [*range(model.config.num_hidden_layers), *reversed(range(first, model.config.num_hidden_layers))]
-    assert events == [event for index in layers for event in (("emptied", index), ("trimmed", 0))]
+    head = [("emptied", "Linear")]  # the output head, once the loss's gradient at the top is taken
+    forward = [event for index in layers[:model.config.num_hidden_layers] for event in (("emptied", index),
+                                                                                          ("trimmed", 0))]
+    backward = [event for index in layers[model.config.num_hidden_layers:] for event in (("emptied", index),
+                                                                                          ("trimmed", 0))]
+    assert events == forward + head + backward
 
 
-@pytest.mark.parametrize("on_disk", [False, True])
-def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_when_memory_is_short(on_disk, tmp_path, monkeypatch):
-    """The backward down the layers recomputes each from its input, kept from the forward sweep: in host memory, or
-    (more than half the memory available) one file per layer in a temporary directory of ``scratch``, each read once
-    and removed. Both give the resident sums bit for bit."""
+@pytest.mark.parametrize("in_memory", [2, 1, 0])
+def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_past_half_the_memory(in_memory, tmp_path, monkeypatch):
+    """The backward down the layers recomputes each from its input, kept from the forward sweep: in host memory up to
+    half the memory available, the layers past it one file each in a temporary directory of ``scratch``, each read
+    once and removed. All give the resident sums bit for bit."""
     import ompmoe.engine.collect.layerwise as layerwise
     from ompmoe.engine.collect.collector import StatisticsCollector
     from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
@@ -300,8 +306,8 @@ def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_when_memory_is_shor
     model = tiny_model("glm4_moe")  # a dense first layer: inputs kept from the first MoE layer's (1) up
     model.save_pretrained(tmp_path / "source")
     resident = ompmoe.collect_stats(model, BLOCKS, progress=False, loss_aware=True)
-    hidden_bytes = sum(block.numel() for block in BLOCKS) * model.config.hidden_size * 4
-    monkeypatch.setattr(layerwise, "available_memory", lambda: 2 * hidden_bytes * (3 - 1) - (1 if on_disk else -1))
+    layer_bytes = sum(block.numel() for block in BLOCKS) * model.config.hidden_size * 4
+    monkeypatch.setattr(layerwise, "available_memory", lambda: 2 * layer_bytes * in_memory)
     taken, take = [], layerwise.LayerMajor.take_kept
 
     def take_kept(passes, name, index):
@@ -320,16 +326,42 @@ def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_when_memory_is_shor
     layered = collector.result()
     for ours, theirs in zip(layered.layers, resident.layers):
         assert all(torch.equal(ours.tensors()[key], value) for key, value in theirs.tensors().items())
-    assert timings["kept_inputs_bytes"] == hidden_bytes * (3 - 1)
-    assert timings["kept_inputs_on_disk"] == float(on_disk)
-    if on_disk:
-        directory = taken[0][1].parent
-        assert directory.parent == tmp_path / "scratch" and directory.name.startswith(".ompmoe-layer-inputs-")
+    assert timings["kept_inputs_bytes"] == 2 * layer_bytes
+    assert timings["kept_inputs_layers_on_disk"] == 2 - in_memory
+    directory = next((kept.parent for _, kept, _ in taken if isinstance(kept, Path)), None)
+    assert directory is None or (directory.parent == tmp_path / "scratch"
+                                 and directory.name.startswith(".ompmoe-layer-inputs-"))
+    if in_memory == 2:
+        assert taken == [(2, "list", []), (1, "list", [])]
+    elif in_memory == 1:  # the first kept layer's inputs fit in memory, the second's go to disk
+        assert taken == [(2, directory / "calibration-2.pt", ["calibration-2.pt"]), (1, "list", [])]
+    else:
         assert taken == [(2, directory / "calibration-2.pt", ["calibration-1.pt", "calibration-2.pt"]),
                          (1, directory / "calibration-1.pt", ["calibration-1.pt"])]
-    else:
-        assert taken == [(2, "list", []), (1, "list", [])]
     assert list((tmp_path / "scratch").iterdir()) == []  # the temporary directory is gone
+
+
+def test_loss_aware_statistics_refuse_batches_without_token_ids_before_any_layer_runs(tmp_path, monkeypatch):
+    """The loss needs token ids: a batch of ``inputs_embeds`` is refused as the resident pass refuses it, before the
+    forward sweep (not after every layer of a model bigger than memory ran)."""
+    import ompmoe.engine.collect.layerwise as layerwise
+    from ompmoe.engine.methods.loss.statistics import LossAwareError
+
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    embeds = [{"inputs_embeds": model.get_input_embeddings()(block).detach()} for block in BLOCKS]
+    with pytest.raises(LossAwareError) as resident:
+        ompmoe.collect_stats(model, embeds, loss_aware=True, progress=False)
+    filled, fill = [], layerwise.LazyCheckpoint.fill
+    monkeypatch.setattr(layerwise.LazyCheckpoint, "fill",
+                        lambda checkpoint, prefixes, *a, **k: (filled.extend(prefixes), fill(checkpoint, prefixes,
+                                                                                              *a, **k))[1])
+    with pytest.raises(LossAwareError) as refused:
+        collect_stats_layerwise(tmp_path, embeds, statistics=["loss_aware"], progress=False)
+    assert str(refused.value) == str(resident.value) == (
+        "Loss-aware statistics need input_ids (the next-token loss is computed on them); this batch passes only "
+        "inputs_embeds. Pass token ids, or collect without loss_aware.")
+    assert not [prefix for prefix in filled if re.fullmatch(r"model\.layers\.\d+\.", prefix)]
 
 
 def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_how_it_ran(tmp_path, caplog, capsys):

@@ -20,7 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,13 +371,14 @@ def choose_plan_layer_by_layer(source: str | os.PathLike, model: nn.Module, cand
                for index in range(len(passes.layers))}
         for stream in kept:
             passes.add(stream, blocks.split(batch_size))
-        for index, _ in passes.each_layer(progress, "ompmoe trial of auto's settings (layer by layer)"):
-            for stream, experts in kept.items():
-                with ExitStack() as stack:
-                    for layer in moe[index]:
-                        stack.enter_context(pruned_layer_view(layer, experts[layer.name], spec.count_attributes,
-                                                              spec.experts_arguments[1]))
-                    passes.run(stream, index)
+        with closing(passes.each_layer(progress, "ompmoe trial of auto's settings (layer by layer)")) as sweep:
+            for index, _ in sweep:  # closed before the checkpoint, also on an error (its read-ahead waited for)
+                for stream, experts in kept.items():
+                    with ExitStack() as stack:
+                        for layer in moe[index]:
+                            stack.enter_context(pruned_layer_view(layer, experts[layer.name], spec.count_attributes,
+                                                                  spec.experts_arguments[1]))
+                        passes.run(stream, index)
         losses = {stream: passes.next_token_loss(stream) for stream in kept}
         passes.close()
     # perplexity()'s rounding: the log of the exponential of the mean loss

@@ -90,6 +90,10 @@ class StatisticsExtension:
             return f"{self.kind} statistics need a backward through the whole model"
         return None
 
+    def check_layer_by_layer_inputs(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        """Refuse, before layer by layer's forward sweep, batches :meth:`collect_layer_by_layer` could not use (the
+        resident pass refuses them at their forward)."""
+
     def collect_layer_by_layer(self, passes: LayerMajor, stream: str, token_weights: list[torch.Tensor | None],
                                progress: bool | None = None) -> None:
         """Gather the sums of an extension that runs a backward after layer by layer's forward sweep over

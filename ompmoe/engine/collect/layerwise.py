@@ -11,12 +11,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import math
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -234,8 +235,10 @@ class LayerMajor:
         self.kept: dict[str, dict[int, list[tuple[torch.Tensor, Any]] | Path]] = {}
         """Per stream (:meth:`keep_inputs`), per decoder layer, each batch's ``(hidden states, carried state)`` as
         that layer took them: what a backward through the layers recomputes each one from."""
+        self.kept_bytes: dict[str, dict[str, int]] = {}
+        """Per stream, the bytes kept so far: ``{"memory": ..., "disk": ...}`` (and ``"disk_layers"``)."""
         self._keep_from: dict[str, int] = {}
-        self._keep_in: dict[str, Path | None] = {}
+        self._keep_budget: dict[str, tuple[float, Callable[[], Path] | None]] = {}
 
     def add(self, name: str, batches: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
         """A stream of ``batches`` (token ids or model inputs): their layer calls recorded, the first layer's input
@@ -249,12 +252,14 @@ class LayerMajor:
         self.state[name] = [None] * len(inputs)
         return inputs
 
-    def keep_inputs(self, name: str, first_layer: int, directory: Path | None = None) -> None:
-        """From decoder layer ``first_layer`` on, keep what :meth:`run` feeds each layer of stream ``name`` in host
-        memory, or in one file per layer in ``directory`` (:meth:`take_kept`), for a backward that goes through the
-        layers again from the top."""
-        self._keep_from[name], self._keep_in[name] = first_layer, directory
-        self.kept[name] = {}
+    def keep_inputs(self, name: str, first_layer: int, budget: float = math.inf,
+                    spill: Callable[[], Path] | None = None) -> None:
+        """From decoder layer ``first_layer`` on, keep what :meth:`run` feeds each layer of stream ``name`` (hidden
+        states and carried state), for a backward that goes through the layers again from the top (:meth:`take_kept`):
+        in host memory up to ``budget`` bytes, the layers past it in one file each in the directory ``spill()``
+        gives."""
+        self._keep_from[name], self._keep_budget[name] = first_layer, (budget, spill)
+        self.kept[name], self.kept_bytes[name] = {}, {"memory": 0, "disk": 0, "disk_layers": 0}
 
     def take_kept(self, name: str, index: int) -> list[tuple[torch.Tensor, Any]]:
         """What :meth:`run` fed decoder layer ``index`` of stream ``name`` (per batch: hidden states, carried state),
@@ -310,10 +315,20 @@ class LayerMajor:
             hidden[position] = (output[0] if isinstance(output, tuple) else output).to(self.hidden_device)
             if argument is not None:
                 state[position] = _to(output[1], self.hidden_device)
-        if keep is not None and self._keep_in.get(name) is not None:
-            path = self._keep_in[name] / f"{name}-{index}.pt"  # type: ignore[operator]
-            torch.save(keep, path)
-            self.kept[name][index] = path  # type: ignore[assignment]
+        if keep is not None:
+            self._settle_kept(name, index, keep)
+
+    def _settle_kept(self, name: str, index: int, keep: list[tuple[torch.Tensor, Any]]) -> None:
+        """Layer ``index``'s kept inputs stay in memory within the stream's budget, else go to a file."""
+        size, (budget, spill), counts = _nbytes(keep), self._keep_budget[name], self.kept_bytes[name]
+        if spill is None or counts["memory"] + size <= budget:
+            counts["memory"] += size
+            return
+        path = spill() / f"{name}-{index}.pt"
+        torch.save(keep, path)
+        self.kept[name][index] = path  # type: ignore[assignment]
+        counts["disk"] += size
+        counts["disk_layers"] += 1
 
     def head_logits(self, inputs: dict[str, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
         """The model's logits for a batch whose last decoder layer gave ``final``: its own final norm and head, run
@@ -337,6 +352,14 @@ class LayerMajor:
             for layer in self.layers:
                 del layer.forward
 
+    def empty_head(self) -> None:
+        """Free the output head's weights until a loss needs them again (:meth:`head_logits` reads them again); a
+        head tied to the embeddings stays (it is theirs)."""
+        head = self.model.get_output_embeddings() if self.head else None
+        embeddings = self.model.get_input_embeddings()
+        if head is not None and not any(p is q for p in head.parameters() for q in embeddings.parameters()):
+            self.checkpoint.empty(head)
+
     @torch.no_grad()
     def next_token_loss(self, name: str) -> tuple[float, int]:
         """``(summed next-token loss in nats, predicted tokens)`` of stream ``name`` (token-id batches) after its last
@@ -353,6 +376,15 @@ class LayerMajor:
     def close(self) -> None:
         """Free everything filled outside the decoder layers (embeddings, norm, head)."""
         self.checkpoint.empty_outside(self.prefix)
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (nested tuples and lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(map(_nbytes, value))
+    return 0
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -372,9 +404,9 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
 
     Statistics that need the loss's gradient (loss-aware) run a backward down the layers after the forward sweep
     (:meth:`~ompmoe.engine.collect.extensions.StatisticsExtension.collect_layer_by_layer`), which recomputes each
-    layer from its input: those inputs are kept meanwhile, in host memory, or in a temporary directory in ``scratch``
-    (default: the system's) when ``inputs_on_disk`` or, left ``None``, when they would take more than
-    :data:`KEPT_INPUTS_MEMORY_SHARE` of the memory available."""
+    layer from its input: those inputs are kept meanwhile, in host memory up to :data:`KEPT_INPUTS_MEMORY_SHARE` of
+    the memory available at the start, the layers past it in a temporary directory in ``scratch`` (default: the
+    system's); ``inputs_on_disk`` ``True`` or ``False`` puts them all on disk or all in memory."""
     for name, ext in collector.extensions.items():
         refusal = ext.layer_by_layer_refusal()
         if refusal is not None:
@@ -391,21 +423,18 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
         blocks = passes.add("calibration", batches)
         if not blocks:
             raise ValueError("No calibration batches were given; pass at least one non-empty batch.")
+        for ext in backward:  # before any layer runs: what the backward will refuse
+            ext.check_layer_by_layer_inputs(blocks)
         if backward:  # each layer's input from the lowest MoE block's layer up, for the backward down the layers
-            first = first_moe_layer(passes.prefix, collector.layers)
-            hidden = sum(h.numel() * h.element_size() for h in passes.hidden["calibration"])
-            kept = (len(passes.layers) - first) * hidden
-            if inputs_on_disk is None:
-                inputs_on_disk = kept > KEPT_INPUTS_MEMORY_SHARE * available_memory()
-            directory = (Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".ompmoe-layer-inputs-",
-                                                                               dir=scratch)))
-                         if inputs_on_disk else None)
-            passes.keep_inputs("calibration", first, directory)
-            times["kept_inputs_bytes"], times["kept_inputs_on_disk"] = float(kept), float(bool(inputs_on_disk))
+            budget = {None: KEPT_INPUTS_MEMORY_SHARE * available_memory(), True: 0.0, False: math.inf}[inputs_on_disk]
+            spill = functools.cache(lambda: Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix=".ompmoe-layer-inputs-", dir=scratch))))
+            passes.keep_inputs("calibration", first_moe_layer(passes.prefix, collector.layers), budget, spill)
         weights = [batch_token_weight(inputs, 0, None) for inputs in blocks]
         times["embed"] = time.perf_counter() - started
         compute = 0.0
-        for index, _ in passes.each_layer(progress, "ompmoe statistics (layer by layer)"):
+        layers = stack.enter_context(closing(passes.each_layer(progress, "ompmoe statistics (layer by layer)")))
+        for index, _ in layers:  # closed before the checkpoint, also on an error (its read-ahead waited for)
             tick = time.perf_counter()
 
             def weigh(position: int, inputs: dict[str, torch.Tensor], index: int = index) -> None:
@@ -417,6 +446,9 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             compute += time.perf_counter() - tick
         times["layers"] = compute
         if backward:
+            kept = passes.kept_bytes["calibration"]
+            times["kept_inputs_bytes"] = float(kept["memory"] + kept["disk"])
+            times["kept_inputs_layers_on_disk"] = float(kept["disk_layers"])
             tick = time.perf_counter()
             with collector.paused():
                 for ext in backward:
@@ -437,7 +469,7 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc's
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # another C library; Windows (no CDLL(None))
         return None
 
 

@@ -11,7 +11,7 @@ one ``torch.autograd.grad`` per batch gives the gradient at its MoE blocks' rout
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,41 +98,47 @@ def collect_loss_layer_by_layer(passes: LayerMajor, stream: str, metric: LossSta
     with frozen(passes.model), torch.enable_grad():  # the loss, and its gradient at the last layer's output
         for position, inputs in enumerate(passes.inputs[stream]):
             final = passes.hidden[stream][position].to(device).detach().requires_grad_(True)
+            passes.hidden[stream][position] = None  # type: ignore[call-overload]  # its gradient takes its place
             loss = next_token_loss(passes.head_logits(inputs, final), inputs["input_ids"], weights[position])
             (grad,) = torch.autograd.grad(loss, final)
             metric.loss_sum += loss.detach().to(metric.loss_sum.device, torch.float64)
             grads.append(grad.to(hidden_device))
-    state_grads: list[torch.Tensor | None] = [None] * len(grads)  # at the carried state a layer handed the next
+    passes.empty_head()
+    state_grads: list[torch.Tensor | None] = [None] * len(grads)  # at the carried state the last carrier handed on
     order = range(len(passes.layers) - 1, lowest - 1, -1)
-    for index, layer in passes.each_layer(progress, "ompmoe loss-aware statistics (layer by layer)", order):
-        kept = passes.take_kept(stream, index)
-        capture = _RoutedCapture(layers, blocks.get(index, []))
-        with frozen(layer), capture.active(), torch.enable_grad():
-            for position in range(len(kept)):
-                hidden, state = kept[position]
-                kept[position] = None  # type: ignore[call-overload]  # each input freed once used
-                hidden = hidden.to(device).detach().requires_grad_(True)
-                if _differentiable(state) and index > 0:  # a float state (Zaya's router's): the loss flows through it
-                    state = state.to(device).detach().requires_grad_(True)
-                args, kwargs = passes.call(stream, index, position, hidden, state)
-                output = layer(*args, **kwargs)
-                handed = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-                outputs = [output[0] if isinstance(output, tuple) else output]
-                upstream = [grads[position].to(device)]
-                if _differentiable(handed) and handed.requires_grad and state_grads[position] is not None:
-                    outputs.append(handed)
-                    upstream.append(state_grads[position].to(device))  # type: ignore[union-attr]
-                inputs = [hidden] + ([state] if index > lowest and _differentiable(state) else [])
-                wanted = [capture.outputs[block] for block in capture.blocks] + (inputs if index > lowest else [])
-                found = torch.autograd.grad(outputs, wanted, grad_outputs=upstream, materialize_grads=True)
-                for block, grad in zip(capture.blocks, found):
-                    top_k_index, atoms = capture.pairs[block]
-                    metric.update(block, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weights[position])
-                if index > lowest:
-                    below = found[len(capture.blocks):]
-                    grads[position] = below[0].to(hidden_device)
-                    state_grads[position] = below[1].to(hidden_device) if len(below) > 1 else None
-                capture.clear()
+    with closing(passes.each_layer(progress, "ompmoe loss-aware statistics (layer by layer)", order)) as sweep:
+        for index, layer in sweep:
+            kept = passes.take_kept(stream, index)
+            capture = _RoutedCapture(layers, blocks.get(index, []))
+            carries = passes.carried[index] is not None  # takes the state the last carrier handed on, hands its own
+            with frozen(layer), capture.active(), torch.enable_grad():
+                for position in range(len(kept)):
+                    hidden, state = kept[position]
+                    kept[position] = None  # type: ignore[call-overload]  # each input freed once used
+                    hidden = hidden.to(device).detach().requires_grad_(True)
+                    through_state = carries and index > 0 and _differentiable(state)  # Zaya's router state
+                    if through_state:
+                        state = state.to(device).detach().requires_grad_(True)
+                    args, kwargs = passes.call(stream, index, position, hidden, state)
+                    output = layer(*args, **kwargs)
+                    outputs = [output[0] if isinstance(output, tuple) else output]
+                    upstream = [grads[position].to(device)]
+                    handed = output[1] if carries and isinstance(output, tuple) else None
+                    if _differentiable(handed) and handed.requires_grad and state_grads[position] is not None:
+                        outputs.append(handed)
+                        upstream.append(state_grads[position].to(device))  # type: ignore[union-attr]
+                    below = [hidden, *([state] if through_state else [])] if index > lowest else []
+                    wanted = [capture.outputs[block] for block in capture.blocks] + below
+                    found = torch.autograd.grad(outputs, wanted, grad_outputs=upstream, materialize_grads=True)
+                    for block, grad in zip(capture.blocks, found):
+                        top_k_index, atoms = capture.pairs[block]
+                        metric.update(block, top_k_index, atoms, grad.reshape(atoms.shape[0], -1), weights[position])
+                    if below:
+                        found = found[len(capture.blocks):]
+                        grads[position] = found[0].to(hidden_device)
+                        if carries:  # the state it took came from the carrier below (a layer between passes it on)
+                            state_grads[position] = found[1].to(hidden_device) if through_state else None
+                    capture.clear()
     passes.kept.pop(stream, None)
 
 

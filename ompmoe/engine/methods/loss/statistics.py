@@ -29,6 +29,10 @@ class LossAwareError(ValueError):
     """Loss-aware statistics cannot be collected from this forward (no gradient path, no token ids)."""
 
 
+NEEDS_INPUT_IDS = ("Loss-aware statistics need input_ids (the next-token loss is computed on them); this batch passes "
+                   "only inputs_embeds. Pass token ids, or collect without loss_aware.")
+
+
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
     """Summed next-token cross-entropy (nats); a prediction counts with the product of its two tokens' weights."""
     batch, seq = input_ids.shape
@@ -117,9 +121,7 @@ class LossGradientRecorder:
         self._clear()
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            raise LossAwareError("Loss-aware statistics need input_ids (the next-token loss is computed on them); "
-                                 "this batch passes only inputs_embeds. Pass token ids, or collect without "
-                                 "loss_aware.")
+            raise LossAwareError(NEEDS_INPUT_IDS)
         self._input_ids = ids
 
     def _model_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -182,6 +184,10 @@ class LossAwareStatistics(StatisticsExtension):
 
     def standalone(self) -> None:
         self.recorder.retain_graph = False  # no training step reuses the graph
+
+    def check_layer_by_layer_inputs(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        if any(batch.get("input_ids") is None for batch in batches):
+            raise LossAwareError(NEEDS_INPUT_IDS)
 
     def collect_layer_by_layer(self, passes: LayerMajor, stream: str, token_weights: list[torch.Tensor | None],
                                progress: bool | None = None) -> None:
