@@ -1,7 +1,7 @@
 """Prune a checkpoint bigger than this machine's memory, layer by layer: the figures of docs/performance.md.
 
     python benchmarks/bigger_than_memory.py --out DIR [--layers N] [--tokens T] [--compensation down]
-        [--loss_aware] [--fp8 | --mxfp4 | --int4 [--experts E]]
+        [--loss_aware] [--device cuda] [--fp8 | --mxfp4 | --int4 [--experts E]]
 
 Builds once (kept for later runs) a Qwen3-30B-A3B-shaped bf16 checkpoint of ``N`` decoder layers in ``DIR/source``
 (48 by default, about 57 GiB; per-expert tensors as the hub stores them, one shard per layer; a few random buffers
@@ -357,6 +357,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--compensation", choices=("off", "down"), default="off")
+    parser.add_argument("--device", default="cpu", help="where each layer computes (cuda: the GPU's peak is reported)")
     parser.add_argument("--loss_aware", action="store_true",
                         help="also the loss-aware sums (a backward down the layers) and plan omp_normalized + loss")
     stored = parser.add_mutually_exclusive_group()
@@ -391,7 +392,9 @@ def main() -> None:
     timings: dict[str, float] = {}
     with AnonymousPeak() as memory:
         tick = time.perf_counter()
-        stats = ompmoe.collect_stats_layerwise(source, blocks, timings=timings, scratch=args.out,
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        stats = ompmoe.collect_stats_layerwise(source, blocks, timings=timings, scratch=args.out, device=args.device,
                                                statistics=["loss_aware"] if args.loss_aware else [])
         steps["calibrate"] = time.perf_counter() - tick
         peaks["calibrate"] = memory.peak / 2**30
@@ -409,6 +412,7 @@ def main() -> None:
             tick = time.perf_counter()
             skeleton = build_skeleton(load_stock_config(source), dtype=torch.bfloat16)
             compensation = measure_layer_by_layer(source, skeleton, plan, scratch.name, granularity="down",
+                                                  device=args.device,
                                                   text=torch.cat(blocks), batch_size=len(blocks)).compensation
             steps["compensate"] = time.perf_counter() - tick
         peaks["compensate"] = fitting.peak / 2**30
@@ -445,7 +449,9 @@ def main() -> None:
     hidden_gib = sum(block.numel() for block in blocks) * width * 2 / 2**30
     print(json.dumps({
         "layers": args.layers, "tokens": sum(block.numel() for block in blocks), "compensation": args.compensation,
-        "loss_aware": args.loss_aware, "plan": f"{plan.method} + {plan.allocation}",
+        "loss_aware": args.loss_aware, "plan": f"{plan.method} + {plan.allocation}", "device": args.device,
+        **({"device_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+           if args.device.startswith("cuda") else {}),
         "fp8": args.fp8, "mxfp4": args.mxfp4, "int4": args.int4,
         "shape": ("gpt-oss-120b" if args.mxfp4 else f"kimi-k2-thinking ({args.experts} experts)" if args.int4
                   else "qwen3-30b-a3b"),

@@ -17,8 +17,6 @@ from ..registry import Registry
 if TYPE_CHECKING:
     from torchmetrics import Metric
 
-    from .layerwise import LayerMajor
-
 
 class FilledLayer(Protocol):
     """What an extension fills: a layer's statistics (``LayerStats``, which imports this module) that return a copy
@@ -94,10 +92,11 @@ class StatisticsExtension:
         """Refuse, before layer by layer's forward sweep, batches :meth:`collect_layer_by_layer` could not use (the
         resident pass refuses them at their forward)."""
 
-    def collect_layer_by_layer(self, passes: LayerMajor, stream: str, token_weights: list[torch.Tensor | None],
+    def collect_layer_by_layer(self, passes: Any, stream: str, token_weights: list[torch.Tensor | None],
                                progress: bool | None = None) -> None:
         """Gather the sums of an extension that runs a backward after layer by layer's forward sweep over
-        ``stream`` (whose layer inputs ``passes`` kept); ``token_weights`` per batch as the forward sweep used them."""
+        ``stream``, whose layer inputs ``passes`` (a :class:`~ompmoe.engine.collect.layerwise.LayerMajor`, which
+        imports this module) kept; ``token_weights`` per batch as the forward sweep used them."""
         raise NotImplementedError(f"{type(self).__name__} gathers its sums in the forward sweep's hooks.")
 
     def fill(self, layers: list[Layer]) -> list[Layer]:

@@ -31,8 +31,6 @@ from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs
 from .statistics import MoEStats
 
-
-
 CARRIED_STATE = ("prev_topk_indices", "prev_router_hidden_states")
 """Decoder-layer arguments that take the previous layer's second output, which such a layer returns beside its hidden
 states: the top-k of the DSA indexers a layer may reuse (GLM-5, GLM-5-Next, Mistral Large 4, HY-V4) and Zaya's

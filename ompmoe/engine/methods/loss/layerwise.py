@@ -19,6 +19,7 @@ from torch import nn
 
 from ...adapters import MoELayer
 from ...collect.collector import expose_expert_outputs
+from .terms import next_token_loss, routed_atoms
 
 if TYPE_CHECKING:
     from ...collect.layerwise import LayerMajor
@@ -62,8 +63,6 @@ class _RoutedCapture:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        from .statistics import routed_atoms
-
         def pairs(position: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
                   atoms: torch.Tensor | None = None) -> None:
             self.pairs[self.blocks[position]] = routed_atoms(top_k_index, top_k_weights, outputs, atoms)
@@ -88,8 +87,6 @@ def collect_loss_layer_by_layer(passes: LayerMajor, stream: str, metric: LossSta
                                 token_weights: list[torch.Tensor | None], progress: bool | None = None) -> None:
     """Add stream ``stream``'s loss-aware sums to ``metric``, from the top layer down to the lowest MoE block's, after
     the forward sweep (``passes.kept[stream]`` holds the layers' inputs, consumed here)."""
-    from .statistics import next_token_loss
-
     blocks = moe_blocks_by_layer(passes.prefix, layers)
     lowest, device, hidden_device = min(blocks), passes.device, passes.hidden_device
     weights = [None if weight is None else weight.reshape(-1).to(metric.loss_sum.device, torch.float64)

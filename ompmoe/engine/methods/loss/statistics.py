@@ -16,6 +16,7 @@ from torch import nn
 
 from ...adapters import MoELayer
 from ...collect.extensions import StatisticsExtension, register_statistics
+from .terms import next_token_loss, routed_atoms
 
 if TYPE_CHECKING:
     from ...collect.layerwise import LayerMajor
@@ -31,29 +32,6 @@ class LossAwareError(ValueError):
 
 NEEDS_INPUT_IDS = ("Loss-aware statistics need input_ids (the next-token loss is computed on them); this batch passes "
                    "only inputs_embeds. Pass token ids, or collect without loss_aware.")
-
-
-def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, token_weight: torch.Tensor | None) -> torch.Tensor:
-    """Summed next-token cross-entropy (nats); a prediction counts with the product of its two tokens' weights."""
-    batch, seq = input_ids.shape
-    losses = nn.functional.cross_entropy(
-        logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none"
-    ).view(batch, seq - 1)
-    if token_weight is None:
-        return losses.sum()
-    weight = token_weight.view(batch, seq).to(losses.device, losses.dtype)
-    pair_weight = weight[:, :-1] * weight[:, 1:]
-    return torch.where(pair_weight > 0, losses * pair_weight, 0.0).sum()
-
-
-def routed_atoms(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
-                 atoms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(top_k_index, atoms (T, k, d))`` of one MoE call, detached: ``atoms`` as the block summed them, else ``g F``
-    formed in the outputs' dtype."""
-    num_tokens, top_k = top_k_index.shape
-    if atoms is None or atoms.dtype != outputs.dtype:
-        atoms = outputs.detach() * top_k_weights.detach().reshape(-1, 1).to(outputs.dtype)
-    return top_k_index.detach(), atoms.detach().view(num_tokens, top_k, -1)
 
 
 class LossGradientRecorder:
