@@ -294,6 +294,82 @@ def test_each_layer_hands_its_freed_memory_back_once_emptied(tmp_path, monkeypat
     assert events == forward + head + backward
 
 
+def test_the_memory_available_is_the_systems_within_the_cgroups_limit(tmp_path, monkeypatch):
+    """What the kept inputs' budget is half of: Linux's MemAvailable, no more than what is left of a cgroup v2 limit
+    (a container, a Slurm job); without /proc/meminfo the free pages, else psutil's figure, else 0 (all to disk)."""
+    import sys
+
+    import ompmoe.engine.collect.layerwise as layerwise
+
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    cgroup.mkdir()
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:    8388608 kB\n")
+    monkeypatch.setattr(layerwise, "MEMINFO", meminfo)
+    monkeypatch.setattr(layerwise, "CGROUP", cgroup)
+    assert layerwise.available_memory() == 8 * 2**30  # no cgroup files: the system's
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text(f"{2**30}\n")
+    assert layerwise.available_memory() == 8 * 2**30  # no limit
+    (cgroup / "memory.max").write_text(f"{6 * 2**30}\n")
+    assert layerwise.available_memory() == 5 * 2**30  # 6 GiB allowed, 1 GiB used
+    meminfo.unlink()
+    monkeypatch.setattr(layerwise.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 1024, "SC_PAGE_SIZE": 4096}[name])
+    (cgroup / "memory.max").unlink()
+    assert layerwise.available_memory() == 4 * 2**20
+
+    def no_such_setting(name):
+        raise ValueError("unrecognized configuration name")  # macOS
+
+    monkeypatch.setattr(layerwise.os, "sysconf", no_such_setting)
+    monkeypatch.setitem(sys.modules, "psutil", None)  # not installed
+    assert layerwise.available_memory() == 0
+
+
+def test_layer_by_layer_runs_one_backward_down_the_layers(tmp_path, monkeypatch):
+    """Two extensions that each need a backward are refused before any work: the backward consumes the kept inputs."""
+    from ompmoe.engine.collect import extensions
+    from ompmoe.engine.collect.collector import StatisticsCollector
+    from ompmoe.engine.collect.layerwise import collect_layerwise
+    from ompmoe.engine.methods.loss.statistics import LossAwareStatistics
+
+    class AnotherBackward(LossAwareStatistics):
+        name = "another_backward"
+
+    monkeypatch.setitem(extensions.STATISTICS, AnotherBackward.name, AnotherBackward)
+    collector = StatisticsCollector(tiny_model("qwen3_moe"), statistics=["loss_aware", "another_backward"])
+    with pytest.raises(ValueError) as refused:
+        collect_layerwise(collector, tmp_path / "no checkpoint here", BLOCKS, progress=False)
+    assert str(refused.value) == ("layer-by-layer calibration runs one backward down the layers; 'loss_aware', "
+                                  "'another_backward' each need one. Collect them resident, or one of them at a time.")
+
+
+def test_a_failed_backward_leaves_no_weights_and_no_files(tmp_path, monkeypatch):
+    """An error in the middle of the backward down the layers: every weight of the skeleton is back on the meta
+    device (the layer computing, the one read ahead, the embeddings) and the kept inputs' files are gone."""
+    from ompmoe.engine.collect.collector import StatisticsCollector
+    from ompmoe.engine.collect.layerwise import collect_layerwise
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
+    from ompmoe.engine.methods.loss.metric import LossStatsMetric
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    updates, update = [], LossStatsMetric.update
+
+    def failing(metric, *args, **kwargs):
+        updates.append(1)
+        if len(updates) > 2:
+            raise RuntimeError("out of memory")
+        return update(metric, *args, **kwargs)
+
+    monkeypatch.setattr(LossStatsMetric, "update", failing)  # before the metric (torchmetrics wraps it then)
+    skeleton = build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32)
+    collector = StatisticsCollector(skeleton, statistics=["loss_aware"])
+    (tmp_path / "scratch").mkdir()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        collect_layerwise(collector, tmp_path / "source", BLOCKS, scratch=tmp_path / "scratch", inputs_on_disk=True)
+    assert [name for name, p in skeleton.named_parameters() if p.device.type != "meta"] == []
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
 @pytest.mark.parametrize("in_memory", [2, 1, 0])
 def test_layer_inputs_for_the_loss_aware_backward_go_to_disk_past_half_the_memory(in_memory, tmp_path, monkeypatch):
     """The backward down the layers recomputes each from its input, kept from the forward sweep: in host memory up to

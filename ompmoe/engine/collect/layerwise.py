@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
@@ -271,21 +271,32 @@ class LayerMajor:
     def each_layer(self, progress: bool | None = None, description: str = "ompmoe (layer by layer)",
                    order: Iterable[int] | None = None) -> Iterator[tuple[int, nn.Module]]:
         """``(index, layer)`` for every decoder layer (or those of ``order``, in its order), its weights on the device
-        while the caller has it (the next layer read meanwhile), emptied after."""
+        while the caller has it (the next layer read meanwhile), emptied after; closed early (an error), the layer
+        the caller had and the one read ahead are emptied too."""
         fill, prefix, layers = self.checkpoint.fill, self.prefix, self.layers
         indices = list(range(len(layers)) if order is None else order)
         if not indices:
             return
         with ThreadPoolExecutor(max_workers=1) as reader:
             pending: Future | None = reader.submit(fill, (f"{prefix}{indices[0]}.",), self.device, self.dtype)
-            for step in progress_bar(range(len(indices)), description, progress, unit="layer"):
-                index = indices[step]
-                pending.result()  # type: ignore[union-attr]
-                pending = (reader.submit(fill, (f"{prefix}{indices[step + 1]}.",), self.device, self.dtype)
-                           if step + 1 < len(indices) else None)
-                yield index, layers[index]
-                self.checkpoint.empty(layers[index])
-                release_freed_memory()
+            ahead = indices[0]
+            try:
+                for step in progress_bar(range(len(indices)), description, progress, unit="layer"):
+                    index = indices[step]
+                    pending.result()  # type: ignore[union-attr]
+                    pending = None
+                    if step + 1 < len(indices):
+                        ahead = indices[step + 1]
+                        pending = reader.submit(fill, (f"{prefix}{ahead}.",), self.device, self.dtype)
+                    try:
+                        yield index, layers[index]
+                    finally:
+                        self.checkpoint.empty(layers[index])
+                    release_freed_memory()
+            finally:
+                if pending is not None:  # a layer read ahead that nobody will take
+                    wait([pending])
+                    self.checkpoint.empty(layers[ahead])
 
     def call(self, name: str, index: int, position: int, hidden: torch.Tensor, state: Any = None
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -322,7 +333,7 @@ class LayerMajor:
         if spill is None or counts["memory"] + size <= budget:
             counts["memory"] += size
             return
-        path = spill() / f"{name}-{index}.pt"
+        path = spill() / f"{name.replace('/', '_')}-{index}.pt"
         torch.save(keep, path)
         self.kept[name][index] = path  # type: ignore[assignment]
         counts["disk"] += size
@@ -411,12 +422,17 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             raise ValueError(f"layer-by-layer calibration cannot collect {name!r} statistics: {refusal}; collect "
                              "them resident.")
     backward = [ext for ext in collector.extensions.values() if ext.needs_gradients]
+    if len(backward) > 1:  # each consumes the kept inputs and the last layer's hidden states
+        raise ValueError(f"layer-by-layer calibration runs one backward down the layers; "
+                         f"{', '.join(repr(ext.name) for ext in backward)} each need one. Collect them resident, or "
+                         "one of them at a time.")
     started = time.perf_counter()
     times = timings if timings is not None else {}
     with ExitStack() as stack:
         checkpoint = stack.enter_context(LazyCheckpoint(path, collector.model))
         stack.enter_context(quiet_calls())  # no Loading-weights bar per layer
         passes = LayerMajor(checkpoint, device, dtype, hidden_device)
+        stack.callback(passes.close)  # the embeddings and head freed also after an error
         collector.to(passes.device)
         blocks = passes.add("calibration", batches)
         if not blocks:
@@ -452,7 +468,6 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
                 for ext in backward:
                     ext.collect_layer_by_layer(passes, "calibration", weights, progress)
             times["backward"] = time.perf_counter() - tick
-        passes.close()
     for inputs in blocks:
         if inputs.get("input_ids") is not None:
             collector.token_batches.append({key: inputs[key].detach().cpu()
@@ -486,16 +501,37 @@ KEPT_INPUTS_MEMORY_SHARE = 0.5
 available (:func:`available_memory`)."""
 
 
+MEMINFO, CGROUP = Path("/proc/meminfo"), Path("/sys/fs/cgroup")
+"""Where Linux says how much memory is available, and where a cgroup v2 (a container, a Slurm job) sets its limit."""
+
+
 def available_memory() -> int:
-    """Bytes of host memory available to new allocations (Linux's ``MemAvailable``; else the free pages)."""
+    """Bytes of memory this process may still allocate: the system's available memory (Linux's ``MemAvailable``,
+    else the free pages, else psutil's), no more than what is left of its cgroup's limit; 0 where none of them can be
+    read (so that what could go to disk does)."""
+    known: list[int] = []
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        known += [int(line.split()[1]) * 1024 for line in MEMINFO.read_text().splitlines()
+                  if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if not known:
+        try:
+            known.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES, Windows no sysconf
+            try:
+                import psutil
+
+                known.append(int(psutil.virtual_memory().available))
+            except Exception:  # noqa: BLE001 - psutil missing or failing: nothing known
+                pass
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            known.append(max(0, int(limit) - int((CGROUP / "memory.current").read_text().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(known, default=0)
 
 
 def first_moe_layer(prefix: str, layers: list[MoELayer]) -> int:
