@@ -284,7 +284,7 @@ def test_each_layer_hands_its_freed_memory_back_once_emptied(tmp_path, monkeypat
     monkeypatch.setattr(layerwise.LazyCheckpoint, "empty", emptied)
     monkeypatch.setattr(layerwise, "_malloc_trim", lambda: lambda pad: events.append(("trimmed", pad)) or 1)
     collect_stats_layerwise(tmp_path, BLOCKS, progress=False, statistics=["loss_aware"])
-    first = layerwise.first_moe_layer("model.layers.", ompmoe.find_moe_layers(model))
+    first = min(layerwise.moe_blocks_by_layer("model.layers.", ompmoe.find_moe_layers(model)))
     layers = [*range(model.config.num_hidden_layers), *reversed(range(first, model.config.num_hidden_layers))]
     head = [("emptied", "Linear")]  # the output head, once the loss's gradient at the top is taken
     forward = [event for index in layers[:model.config.num_hidden_layers] for event in (("emptied", index),

@@ -32,7 +32,7 @@ from torch import nn
 from ..._quiet import quiet_calls
 from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..collect.collector import as_model_inputs
-from ..collect.layerwise import LayerMajor
+from ..collect.layerwise import LayerMajor, moe_blocks_by_layer
 from ..lazy_checkpoint import LazyCheckpoint
 from ..planning.plan import PruningPlan
 from .compensation import (
@@ -205,8 +205,8 @@ class _MeasuringPass:
         self.spec = architecture_of(model)
         self.kept = {layer_plan.name: sorted(int(i) for i in layer_plan.kept) for layer_plan in plan.layers}
         self.paper_kept = paper_kept
-        self.moe = {index: [layer for layer in layers if f"{layer.name}.".startswith(f"{passes.prefix}{index}.")]
-                    for index in range(len(passes.layers))}
+        positions = moe_blocks_by_layer(passes.prefix, layers)
+        self.moe = {index: [layers[p] for p in positions.get(index, [])] for index in range(len(passes.layers))}
         self.num_tokens = 0.0
         self.summaries: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, list[float]] = {}
@@ -367,8 +367,8 @@ def choose_plan_layer_by_layer(source: str | os.PathLike, model: nn.Module, cand
     spec, layers = architecture_of(model), find_moe_layers(model)
     with LazyCheckpoint(source, model) as checkpoint, quiet_calls():
         passes = LayerMajor(checkpoint, device)
-        moe = {index: [layer for layer in layers if f"{layer.name}.".startswith(f"{passes.prefix}{index}.")]
-               for index in range(len(passes.layers))}
+        positions = moe_blocks_by_layer(passes.prefix, layers)
+        moe = {index: [layers[p] for p in positions.get(index, [])] for index in range(len(passes.layers))}
         for stream in kept:
             passes.add(stream, blocks.split(batch_size))
         with closing(passes.each_layer(progress, "ompmoe trial of auto's settings (layer by layer)")) as sweep:

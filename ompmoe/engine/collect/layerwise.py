@@ -443,7 +443,7 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             budget = {None: KEPT_INPUTS_MEMORY_SHARE * available_memory(), True: 0.0, False: math.inf}[inputs_on_disk]
             spill = functools.cache(lambda: Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix=".ompmoe-layer-inputs-", dir=scratch))))
-            passes.keep_inputs("calibration", first_moe_layer(passes.prefix, collector.layers), budget, spill)
+            passes.keep_inputs("calibration", min(moe_blocks_by_layer(passes.prefix, collector.layers)), budget, spill)
         weights = [batch_token_weight(inputs, 0, None) for inputs in blocks]
         times["embed"] = time.perf_counter() - started
         compute = 0.0
@@ -534,9 +534,14 @@ def available_memory() -> int:
     return min(known, default=0)
 
 
-def first_moe_layer(prefix: str, layers: list[MoELayer]) -> int:
-    """The index of the lowest decoder layer holding one of ``layers`` (MoE blocks under ``prefix``)."""
-    return min(int(layer.name[len(prefix):].split(".", 1)[0]) for layer in layers)
+def moe_blocks_by_layer(prefix: str, layers: list[MoELayer]) -> dict[int, list[int]]:
+    """Decoder layer index -> the positions in ``layers`` of the MoE blocks inside it, for the decoder layer list
+    named ``prefix`` (``model.layers.``); layers without one are absent."""
+    blocks: dict[int, list[int]] = {}
+    for position, layer in enumerate(layers):
+        if layer.name.startswith(prefix):
+            blocks.setdefault(int(layer.name[len(prefix):].split(".", 1)[0]), []).append(position)
+    return blocks
 
 
 def _set_token_weight(collector: StatisticsCollector, inputs: dict[str, torch.Tensor], weight: torch.Tensor | None,
@@ -571,4 +576,4 @@ def collect_stats_layerwise(path: str | os.PathLike, batches: Iterable[Any], *, 
 
 
 __all__ = ["CARRIED_STATE", "LayerMajor", "LayerwiseUnsupportedError", "available_memory", "carried_state",
-           "collect_layerwise", "collect_stats_layerwise", "first_moe_layer", "release_freed_memory"]
+           "collect_layerwise", "collect_stats_layerwise", "moe_blocks_by_layer", "release_freed_memory"]

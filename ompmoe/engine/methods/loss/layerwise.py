@@ -19,20 +19,12 @@ from torch import nn
 
 from ...adapters import MoELayer
 from ...collect.collector import expose_expert_outputs
+from ...collect.layerwise import moe_blocks_by_layer
 from .terms import next_token_loss, routed_atoms
 
 if TYPE_CHECKING:
     from ...collect.layerwise import LayerMajor
     from .metric import LossStatsMetric
-
-
-def moe_blocks_by_layer(prefix: str, layers: list[MoELayer]) -> dict[int, list[int]]:
-    """Decoder layer index -> the indices (in ``layers``) of the MoE blocks inside it; ``prefix`` is the decoder
-    layer list's (``model.layers.``)."""
-    blocks: dict[int, list[int]] = {}
-    for position, layer in enumerate(layers):
-        blocks.setdefault(int(layer.name[len(prefix):].split(".", 1)[0]), []).append(position)
-    return blocks
 
 
 def _differentiable(value: Any) -> bool:
@@ -139,4 +131,4 @@ def collect_loss_layer_by_layer(passes: LayerMajor, stream: str, metric: LossSta
     passes.kept.pop(stream, None)
 
 
-__all__ = ["collect_loss_layer_by_layer", "frozen", "moe_blocks_by_layer"]
+__all__ = ["collect_loss_layer_by_layer", "frozen"]
