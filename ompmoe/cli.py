@@ -174,6 +174,8 @@ def replan(
               _streamable_source(model, dtype) if model is not None and not refit.granularity and not heldout else None)
     # A mismatched model is refused before anything is written.
     checked = _check_model(model, statistics, source) if model is not None else None
+    if model is not None:  # every ratio's model fits the disk, or nothing is written
+        _check_space(runs, output_dir, checked if checked is not None else _skeleton(source), source)  # type: ignore
     text, check = _calibration_text(refit.data, refit.check_blocks, tokenizer or model) if refit.granularity else (
         None, None)
     heldout_blocks, heldout_record = _heldout_blocks(heldout, tokenizer or model)
@@ -200,7 +202,8 @@ def replan(
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "heldout": heldout_record})
             if (heldout_record or refit.granularity) and refit_text is not None:  # and the text they came from
                 run.plan = dataclasses.replace(run.plan, extra={**run.plan.extra, "calibration_data": refit_text})
-            scratch = stack.enter_context(run.layer_by_layer_scratch(output_dir)) if layerwise else None
+            # inside the output's temporary: removed before the commit, and a killed run's with it by the next run
+            scratch = stack.enter_context(run.layer_by_layer_scratch(tmp)) if layerwise else None
             measured = None
             unchecked = f"applied as asked (compensation={refit.granularity!r})"
             if loaded is not None and refit.granularity:
@@ -533,6 +536,16 @@ def _streamable_source(name: str, dtype: str | None) -> Path | None:
     except (ValueError, FileNotFoundError):
         return None
     return None if non_uniform_config(source) is not None else source  # per-layer counts: load_pruned builds them
+
+
+def _check_space(runs: list[Any], output_dir: str, model: Any, source: Path | None = None) -> None:
+    """Refuse, before any model is pruned, an ``output_dir`` whose disk cannot hold every ratio's pruned model."""
+    from .engine.disk_space import require_free_space
+
+    needed = sum(run.pruned_model_bytes(model, source) for run in runs)
+    what = "the pruned model needs" if len(runs) == 1 else f"the {len(runs)} pruned models need"
+    require_free_space(output_dir, needed, what, "free space there, or choose another --output_dir (without --model, "
+                       "prune writes the plans only)")
 
 
 def _skeleton(source: Path, measured_as: str | None = None) -> Any:

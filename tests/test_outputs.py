@@ -118,14 +118,14 @@ def test_finetune_refuses_a_save_dir_holding_its_model_before_training(earlier_r
 
 # --------------------------------------------------------------------------- output paths (issue 26, item 9)
 def test_a_name_too_long_for_the_temporary_fails_up_front(tmp_path):
-    extra = len(f"..{ompmoe.engine.io._owner()}.01234567.lock")
+    extra = len(f"..{ompmoe.engine.io._owner()}.01234567.scratch")  # the longest sibling: a run's scratch
     fits, too_long = tmp_path / ("n" * (255 - extra)), tmp_path / ("n" * (256 - extra))
     check_writable(fits, overwrite=False, directory=True)
     with pytest.raises(OutputNotWritableError) as error:
         check_writable(too_long, overwrite=False, directory=True)
     assert str(error.value) == (
         f"[Errno 36] cannot write {too_long}: its name is {256 - extra} bytes long, and its temporary sibling "
-        f"(.<name>.{ompmoe.engine.io._owner()}.<random>.tmp) needs {extra} more than that, over the 255 bytes this "
+        f"(.<name>.{ompmoe.engine.io._owner()}.<random>.scratch) needs {extra} more than that, over the 255 bytes this "
         f"file system allows; choose an output name of at most {255 - extra} bytes"
     )
     with pytest.raises(SystemExit, match=r"^error: \[Errno 36\] cannot write .*choose an output name of at most"):

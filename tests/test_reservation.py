@@ -227,3 +227,63 @@ def test_the_reservation_of_a_killed_run_does_not_block(tmp_path):
     assert len(names(tmp_path)) == 1  # its lock file, no longer held by anyone
     assert seen_from_another_process(out) == "free"  # the next run cleans it
     assert names(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------- the run's scratch directory
+SCRATCHER = RESERVER.replace(
+    "print(reservation.lock.path.name, flush=True)",
+    "(reservation.scratch() / 'layer-3.pt').write_bytes(b'kept inputs')\nprint(reservation.lock.path.name, "
+    "flush=True)")
+
+
+def test_the_scratch_directory_is_private_beside_the_output_and_goes_with_the_reservation(tmp_path):
+    out = tmp_path / "out"
+    reservation = reserve(out, overwrite=False, directory=True)
+    scratch = reservation.scratch()
+    assert scratch == reservation.scratch() == tmp_path / reservation.lock.path.name.replace(".lock", ".scratch")
+    assert scratch.stat().st_mode & 0o777 == 0o700
+    (scratch / "spilled").mkdir()
+    (scratch / "spilled" / "layer-3.pt").write_bytes(b"kept inputs")
+    reservation.release()
+    assert names(tmp_path) == []
+
+
+def test_the_scratch_of_a_killed_run_is_removed_by_the_next_check_and_a_live_runs_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    live = subprocess.Popen([sys.executable, "-c", SCRATCHER, str(out), PACKAGE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    lock = live.stdout.readline().strip()
+    scratch = lock.removesuffix(".lock") + ".scratch"
+    assert seen_from_another_process(out) == in_use(out, live.pid)
+    assert names(tmp_path) == sorted([lock, scratch]) and names(tmp_path / scratch) == ["layer-3.pt"]
+    live.send_signal(signal.SIGKILL)  # as the kernel's OOM killer ends a run: no finalizer, no clean-up
+    live.wait()
+    assert names(tmp_path) == sorted([lock, scratch])
+    assert seen_from_another_process(out) == "free"  # the next run's check cleans what the dead one left
+    assert names(tmp_path) == []
+
+
+def test_a_layer_by_layer_run_keeps_its_temporary_files_in_its_scratch_directory(tmp_path, monkeypatch):
+    """The spilled layer inputs and the per-layer corrections live in the run's scratch directory beside the output,
+    gone once the run wrote it."""
+    import ompmoe.engine.collect.layerwise as layerwise
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    seen: list[tuple[str, list[str]]] = []
+    collect = layerwise.collect_layerwise
+
+    def recording(*args, scratch=None, **kwargs):
+        seen.append((Path(scratch).name, names(tmp_path)))
+        return collect(*args, scratch=scratch, **kwargs)
+
+    monkeypatch.setattr(layerwise, "collect_layerwise", recording)
+    out = tmp_path / "out"
+    run = PruningRun(output_dir=str(out), plots=False, layer_by_layer=True)
+    run.check_output(RunContext())
+    run.start(build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32), RunContext())
+    run.collect_layer_by_layer(tmp_path / "source", calibration_batches(), show_progress=False)
+    scratch = run.reservation.lock.path.name.replace(".lock", ".scratch")
+    assert seen == [(scratch, sorted([run.reservation.lock.path.name, scratch, "source"]))]
+    run.finish(RunContext(print=lambda line: None))
+    assert names(tmp_path) == ["out", "source"]

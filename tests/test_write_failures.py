@@ -111,40 +111,85 @@ def test_a_file_size_limit_ends_fit_in_one_line_and_keeps_the_previous_output(tm
 
 @pytest.fixture
 def small_file_system(tmp_path):
-    """A 6 MiB tmpfs mounted for the test (needs root or CAP_SYS_ADMIN, else the test is skipped: the
-    RLIMIT_FSIZE tests above cover a failing write everywhere)."""
+    """``mount(size)``: a tmpfs of ``size`` bytes mounted for the test (needs root or CAP_SYS_ADMIN, else the test
+    is skipped: the RLIMIT_FSIZE tests above cover a failing write everywhere, and the disk-space tests at the end
+    the refusal before any work)."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     if sys.platform != "linux":
         pytest.skip("a tmpfs of a given size is mounted with Linux's mount(8)")
+
+    def mount(size: int) -> Path:
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mount_point)],
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as error:
+            pytest.skip(f"cannot run mount(8) here ({error}); the RLIMIT_FSIZE tests cover write failures")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}; "
+                        "the RLIMIT_FSIZE tests cover write failures")
+        return mount_point
+
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as error:
-        pytest.skip(f"cannot run mount(8) here ({error}); the RLIMIT_FSIZE tests cover write failures")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 6 MiB tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}; "
-                    "the RLIMIT_FSIZE tests cover write failures")
-    try:
-        yield mount_point
+        yield mount
     finally:
-        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode != 0:
+        if os.path.ismount(mount_point) and subprocess.run(["umount", str(mount_point)],
+                                                           capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
-def test_a_full_file_system_ends_prune_in_one_line_and_keeps_the_previous_output(small_file_system, shipped_stats):
-    out = small_file_system / "out"
+def pruned_model_sizes(stats: Path, tmp_path: Path) -> tuple[int, int]:
+    """``(the size ompmoe prune checks before any work, the bytes of the weights it then writes)`` for the shipped
+    model at ratio 0.5, from its files (bf16, as stored)."""
+    from ompmoe.engine.disk_space import stored_pruned_bytes_lower_bound
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config, checkpoint_files
+    from ompmoe.engine.names import shipped_model_path
+
+    source = shipped_model_path()
+    skeleton = build_skeleton(checkpoint_config(source), dtype=torch.bfloat16)
+    checked = stored_pruned_bytes_lower_bound(checkpoint_files(source), skeleton, 0.5)
+    main(["prune", "--stats", str(stats), "--ratio", "0.5", "--model", "shipped:tiny-moe", "--output_dir",
+          str(tmp_path / "reference"), "--quiet"])
+    return checked, sum(f.stat().st_size for f in (tmp_path / "reference" / "model-0.5").glob("*.safetensors"))
+
+
+def test_a_full_file_system_ends_prune_in_one_line_and_keeps_the_previous_output(
+        small_file_system, shipped_stats, tmp_path):
+    """A disk that passes the check before any work (the size checked is a lower bound) but not the write: a tmpfs
+    halfway between the two."""
+    checked, weights = pruned_model_sizes(shipped_stats, tmp_path)
+    assert weights - checked > 2**17  # the bound is tight, and the test has room either side
+    mount_point = small_file_system((checked + weights) // 2 + 2**14)  # the previous output's pages
+    out = mount_point / "out"
     before = previous_output(shipped_stats, out)
-    free = os.statvfs(small_file_system).f_bavail
+    free = os.statvfs(mount_point).f_bavail
     done = ompmoe_command(["prune", "--stats", str(shipped_stats), "--ratio", "0.5", "--model", "shipped:tiny-moe",
-                           "--output_dir", str(out), "--overwrite", "--quiet"], small_file_system.parent)
+                           "--output_dir", str(out), "--overwrite", "--quiet"], mount_point.parent)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
         f"error: [Errno 28] cannot write {out}: No space left on device while writing "
         "model-0.5/model-00001.part.safetensors; the previous output is unchanged. Free space on that file system or "
         "choose another output path."]
-    assert snapshot(out) == before and names(small_file_system) == ["out"]
-    assert os.statvfs(small_file_system).f_bavail == free  # the partial output is gone, not just hidden
+    assert snapshot(out) == before and names(mount_point) == ["out"]
+    assert os.statvfs(mount_point).f_bavail == free  # the partial output is gone, not just hidden
+
+
+def test_a_file_system_too_small_for_the_model_is_refused_before_any_work(small_file_system, shipped_stats, tmp_path):
+    from ompmoe.engine.disk_space import readable_size
+
+    checked, _ = pruned_model_sizes(shipped_stats, tmp_path)
+    mount_point = small_file_system(6 * 2**20)
+    out = mount_point / "out"
+    before = previous_output(shipped_stats, out)
+    usage = os.statvfs(mount_point)
+    done = ompmoe_command(["prune", "--stats", str(shipped_stats), "--ratio", "0.5", "--model", "shipped:tiny-moe",
+                           "--output_dir", str(out), "--overwrite", "--quiet"], mount_point.parent)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        f"error: not enough disk space at {out}: the pruned model needs at least {readable_size(checked)} and its file "
+        f"system has {readable_size(usage.f_bavail * usage.f_frsize)} free; free space there, or choose another "
+        "--output_dir (without --model, prune writes the plans only)"]
+    assert snapshot(out) == before and names(mount_point) == ["out"]
 
 
 # ------------------------------------------------------------------------- the conversion, in process
@@ -339,3 +384,62 @@ def test_report_exit_status_as_a_command(tmp_path):
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: {bad} is not JSON (Expecting value: line 1 column 12 (char 11)). Re-create it with `ompmoe validate` "
         "/ `ompmoe test` (LMEvalDataModule(output_path=...)), or restore that key."]
+
+
+# ------------------------------------------------------------------------- a disk too small, found before any work
+def test_prune_refuses_models_the_disk_cannot_hold_before_pruning_any(tmp_path, shipped_stats, monkeypatch, capsys):
+    """Every ratio's model must fit: two here, from the shipped model's files (bf16, as stored)."""
+    import collections
+    import shutil
+
+    from ompmoe.engine.disk_space import readable_size, stored_pruned_bytes_lower_bound
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config, checkpoint_files
+    from ompmoe.engine.names import shipped_model_path
+
+    source = shipped_model_path()
+    skeleton = build_skeleton(checkpoint_config(source), dtype=torch.bfloat16)
+    needed = sum(stored_pruned_bytes_lower_bound(checkpoint_files(source), skeleton, 1 - r) for r in (0.25, 0.5))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(
+        2**40, 0, needed - 1))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["prune", "--stats", str(shipped_stats), "--ratio", "[0.25,0.5]", "--model", "shipped:tiny-moe",
+              "--output_dir", str(out), "--quiet"])
+    message = (f"error: not enough disk space at {out}: the 2 pruned models need at least {readable_size(needed)} "
+               f"and its file system has {readable_size(needed - 1)} free; free space there, or choose another "
+               "--output_dir (without --model, prune writes the plans only)")
+    assert info.value.code == 2 and str(info.value) == message
+    assert capsys.readouterr().err.splitlines() == [message]
+    assert names(tmp_path) == []
+
+
+def test_fit_refuses_an_output_the_pruned_model_cannot_fit_before_calibrating(tmp_path, monkeypatch, capsys):
+    import collections
+    import re
+    import shutil
+
+    from ompmoe.lightning.calibration_module import CalibrationModule
+
+    forwards: list[int] = []
+    configure = CalibrationModule.configure_model
+
+    def counted(module):
+        configure(module)
+        module.model.register_forward_hook(lambda *args: forwards.append(1))
+
+    monkeypatch.setattr(CalibrationModule, "configure_model", counted)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(
+        2**40, 0, 2**20))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "-c", str(REPO / "configs" / "tiny.yaml"), "--data.num_blocks", "2", "--data.seq_len", "64",
+              "--output_dir", str(out), "--trainer.default_root_dir", str(tmp_path / "logs"), "--quiet"])
+    message = str(info.value)
+    assert info.value.code == 2 and re.fullmatch(
+        rf"error: not enough disk space at {re.escape(str(out))}: the pruned model needs at least [0-9.]+ MiB and its "
+        r"file system has 1 MiB free; free space there, or choose another output_dir \(save_model false writes the "
+        r"statistics and plan only\)", message), message
+    assert capsys.readouterr().err.splitlines()[-1:] == [message]
+    assert forwards == [] and not out.exists() and not [n for n in names(tmp_path) if ".out." in n]

@@ -164,7 +164,8 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
     if not path.parent.is_dir():
         return []
     pattern = re.compile(
-        rf"^\.{re.escape(path.name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\.(?P<kind>tmp|old|lock)$")
+        rf"^\.{re.escape(path.name)}\.(?P<owner>[A-Za-z0-9-]+-\d+)\.(?P<token>[a-f0-9]+)\."
+        r"(?P<kind>tmp|old|scratch|lock)$")
     runs: dict[tuple[str, str], dict[str, Path]] = {}
     for entry in sorted(path.parent.iterdir()):
         if (match := pattern.match(entry.name)) is not None:
@@ -179,7 +180,7 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
             continue
         try:
             with suppress(FileNotFoundError):  # other ranks of the same job may clean concurrently: losing is fine
-                for kind in ("old", "tmp"):
+                for kind in ("old", "tmp", "scratch"):
                     entry = entries.get(kind)
                     if entry is None or not os.path.lexists(entry):
                         continue
@@ -190,7 +191,7 @@ def clean_leftovers(path: str | os.PathLike, live: list[dict[str, str]] | None =
                         if os.path.lexists(entry):  # not removable (permissions): left for a later run
                             continue
                     handled.append(entry)
-                if not any(os.path.lexists(entries[kind]) for kind in ("old", "tmp") if kind in entries):
+                if not any(os.path.lexists(entries[kind]) for kind in ("old", "tmp", "scratch") if kind in entries):
                     entries["lock"].unlink(missing_ok=True)  # else kept: the next run tries again
         finally:
             os.close(fd)
@@ -294,7 +295,9 @@ class Reservation(AbstractContextManager):
         except BaseException:
             _remove_made(self._created)
             raise
-        self._finalizer = weakref.finalize(self, _release_reservation, self.lock, self._created, os.getpid())
+        self._scratch: list[Path] = []
+        self._finalizer = weakref.finalize(self, _release_reservation, self.lock, self._created, os.getpid(),
+                                           self._scratch)
         _RESERVATIONS.setdefault(_output_key(self.path), []).append(weakref.ref(self))
         try:  # two runs that checked at the same instant both hold a lock now: each sees the other's and backs off
             _refuse_in_use(self.path)
@@ -306,6 +309,15 @@ class Reservation(AbstractContextManager):
     def held(self) -> bool:
         """Whether the output is still reserved (neither written nor released)."""
         return self._finalizer.alive
+
+    def scratch(self) -> Path:
+        """A private directory beside the output for the run's temporary files (``.{name}.{owner}.{token}.scratch``),
+        made on the first call: removed with the reservation, and a killed run's by the next run's check."""
+        if not self._scratch:
+            path = self.lock.sibling(self.path, "scratch")
+            os.mkdir(path, 0o700)
+            self._scratch.append(path)
+        return self._scratch[0]
 
     def release(self, *, keep_directories: bool = False) -> None:
         """Give the output up: remove the lock file and, unless ``keep_directories`` (the output is in them now), the
@@ -343,10 +355,12 @@ def _held_reservations(key: tuple[int, int, str] | None = None) -> list[Reservat
     return [reservation for ref in refs if (reservation := ref()) is not None and reservation.held]
 
 
-def _release_reservation(lock: _RunLock, created: list[Path], pid: int) -> None:
+def _release_reservation(lock: _RunLock, created: list[Path], pid: int, scratch: list[Path]) -> None:
     """A reservation's release (also its finalizer: it must not refer to the reservation)."""
     if os.getpid() != pid:  # a forked child inherited the object: the lock is its parent's to release
         return
+    for path in scratch:  # before the lock: a scratch directory without it would be a dead run's
+        _remove(path)
     lock.release()
     _remove_made(created)
     for key, refs in list(_RESERVATIONS.items()):
@@ -403,12 +417,12 @@ def _check_name_lengths(path: Path) -> None:
                 f"cannot write {path}: the directory name {part!r} is longer than the {limit} bytes this file "
                 "system allows; choose a shorter output path",
             )
-    extra = len(os.fsencode(f"..{_owner()}.{'0' * 8}.lock"))
+    extra = len(os.fsencode(f"..{_owner()}.{'0' * 8}.scratch"))  # the longest sibling
     if len(os.fsencode(path.name)) + extra > limit:
         raise OutputNotWritableError(
             errno.ENAMETOOLONG,
             f"cannot write {path}: its name is {len(os.fsencode(path.name))} bytes long, and its temporary sibling "
-            f"(.<name>.{_owner()}.<random>.tmp) needs {extra} more than that, over the {limit} bytes this file "
+            f"(.<name>.{_owner()}.<random>.scratch) needs {extra} more than that, over the {limit} bytes this file "
             f"system allows; choose an output name of at most {limit - extra} bytes",
         )
 

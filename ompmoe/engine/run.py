@@ -46,10 +46,12 @@ from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, requantiz
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
-from .export.checkpoint import check_save_dtype, usable_tokenizer
+from .disk_space import pruned_bytes_lower_bound, require_free_space, stored_pruned_bytes_lower_bound
+from .export.checkpoint import check_save_dtype, usable_tokenizer, written_dtype
 from .export.plots import require_matplotlib, write_plots
 from .export.save import save_pruned
 from .io import Reservation, atomic_path, reserve
+from .lazy_checkpoint import checkpoint_files
 from .perplexity import heldout_block_count, perplexity
 from .planning.method_registry import check_statistics, required_statistics
 from .planning.plan import PruningPlan
@@ -333,6 +335,8 @@ class PruningRun:
                              "model holds its weights: calibrate it resident (layer_by_layer=False).")
         asked = self.strategy_asked  # compensation follows what was asked (auto's), whatever layer by layer runs
         self.statistics = self._validate_strategies(routings)
+        if not options.layer_by_layer:  # layer by layer: once the checkpoint is known (collect_layer_by_layer)
+            on_rank_zero(context, lambda: self.check_output_space(model))
         self.data = data
         if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
@@ -346,6 +350,23 @@ class PruningRun:
                                              statistics=self.statistics)
         self.choice_data = self._choice_data(context)
         return self.collector
+
+    def check_output_space(self, model: nn.Module, source: str | os.PathLike | None = None) -> None:
+        """Refuse, before calibration, an ``output_dir`` whose disk cannot hold the pruned model
+        (:meth:`pruned_model_bytes`); nothing without an output or a model to save."""
+        if self.options.output_dir is not None and self.options.save_model:
+            require_free_space(self.options.output_dir, self.pruned_model_bytes(model, source),
+                               "the pruned model needs", "free space there, or choose another output_dir (save_model "
+                               "false writes the statistics and plan only)")
+
+    def pruned_model_bytes(self, model: nn.Module, source: str | os.PathLike | None = None) -> int:
+        """At least the bytes of the pruned model this run writes: the experts its ratio keeps, in the dtype written
+        (``source``: the checkpoint a layer-by-layer run writes from, as stored; ``model`` its skeleton)."""
+        ratio = getattr(self.strategy, "ratio", None)
+        kept = None if ratio is None else 1.0 - float(ratio)
+        if source is not None:
+            return stored_pruned_bytes_lower_bound(checkpoint_files(source), model, kept)
+        return pruned_bytes_lower_bound(model, kept, written_dtype(model, self.options.dtype))
 
     def _validate_strategies(self, routings: Sequence[tuple[str, dict[str, int]]]) -> list[str]:
         """Refuse a ratio the model cannot meet or a strategy whose statistics are not collected; return the
@@ -486,6 +507,7 @@ class PruningRun:
         if not self.options.layer_by_layer:
             raise RuntimeError(f"{self.owner}: collect_layer_by_layer needs layer_by_layer=True.")
         self.source, self.layer_device = str(source), device
+        self.check_output_space(self._collector().model, source)
         return collect_layerwise(self._collector(), source, batches, device=device, progress=show_progress,
                                  timings=self.timings, scratch=self.scratch_parent())
 
@@ -584,17 +606,22 @@ class PruningRun:
         return plan
 
     @contextlib.contextmanager
-    def layer_by_layer_scratch(self, output_dir: str | os.PathLike | None = None) -> Iterator[Path]:
-        """Where a layer-by-layer run keeps its per-layer corrections until they are written: beside the output
-        (``output_dir``, else the run's: the disk the user chose for a big model), removed when the run ends, also
-        when it fails."""
-        with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=self.scratch_parent(output_dir)) as scratch:
+    def layer_by_layer_scratch(self, directory: str | os.PathLike | None = None) -> Iterator[Path]:
+        """Where a layer-by-layer run keeps its per-layer corrections until they are written: a temporary directory in
+        ``directory`` (default :meth:`scratch_parent`), removed when the run ends, also when it fails."""
+        parent = directory if directory is not None else self.scratch_parent()
+        with tempfile.TemporaryDirectory(prefix=".ompmoe-compensation-", dir=parent,
+                                         ignore_cleanup_errors=True) as scratch:  # gone with the reservation's
             yield Path(scratch)
 
-    def scratch_parent(self, output_dir: str | os.PathLike | None = None) -> Path | None:
-        """Where a layer-by-layer run's temporary files go: beside the output (``output_dir``, else the run's: the
-        disk the user chose for a big model); ``None`` (the system's temporary directory) without one."""
-        output_dir = output_dir if output_dir is not None else self.options.output_dir
+    def scratch_parent(self) -> Path | None:
+        """Where a layer-by-layer run's temporary files go: beside the output (the disk the user chose for a big
+        model), in the run's scratch directory while it holds ``output_dir`` (:meth:`Reservation.scratch`: a killed
+        run's is removed by the next run's check), else beside ``output_dir``; ``None`` (the system's temporary
+        directory) without one."""
+        if self.reservation is not None and self.reservation.held:
+            return self.reservation.scratch()
+        output_dir = self.options.output_dir
         if output_dir is not None and Path(output_dir).parent.is_dir():
             return Path(output_dir).parent
         return None

@@ -488,17 +488,21 @@ def test_ompmoe_fit_layer_by_layer_equals_the_resident_fit_and_says_how_it_ran(t
     capsys.readouterr()
     prune = ["prune", "--stats", str(layered / "stats.safetensors"), "--model", "shipped:tiny-moe", "--ratio",
              "0.25,0.5"]
-    measure, known = PruningRun.measure_from_files, []
+    measure, known, scratches = PruningRun.measure_from_files, [], []
 
     def measure_from_files(run, *args, original=None, **kwargs):
         known.append(dict(original or {}))
+        scratches.append(args[6].parent.name)  # where the ratio's per-layer corrections are kept
         return measure(run, *args, original=original, **kwargs)
 
     with mock.patch("ompmoe.lightning.models.load_model", side_effect=AssertionError("the model was loaded")), \
             mock.patch.object(PruningRun, "measure_from_files", measure_from_files):
         main([*prune, "--output_dir", str(tmp_path / "files")])
     from_files = capsys.readouterr().out.splitlines()
-    assert not list(tmp_path.glob(".ompmoe-compensation-*"))  # the corrections' scratch beside the output: gone
+    # the corrections' scratch is inside the output's temporary (a killed run's goes with it), and gone
+    assert len(scratches) == 2 and all(re.fullmatch(r"\.files\.[A-Za-z0-9-]+-\d+\.[a-f0-9]+\.tmp", name)
+                                       for name in scratches), scratches
+    assert not list(tmp_path.rglob(".ompmoe-compensation-*"))
     main([*prune, "--output_dir", str(tmp_path / "loaded"), "--layer_by_layer", "false"])
     loaded = capsys.readouterr().out.splitlines()
     passes = [line for line in from_files if " ran layer by layer " in line]
@@ -642,3 +646,33 @@ def test_a_non_uniform_pruned_checkpoint_is_refused_layer_by_layer_by_every_fron
                    enable_progress_bar=False, callbacks=[run_fit]).fit(
             ompmoe.CalibrationModule(str(tmp_path / "pruned")), [BLOCKS[0]])
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_layer_that_changes_its_input_in_place_is_refused_before_the_backward(tmp_path, monkeypatch):
+    """On the CPU the input kept for the backward down the layers is the very tensor the layer takes: a layer that
+    wrote to it would be recomputed from what it wrote. Its version counter tells, and the run stops there."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from ompmoe.engine.collect.collector import StatisticsCollector
+    from ompmoe.engine.collect.layerwise import collect_layerwise
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    forward = modeling_qwen3_moe.Qwen3MoeDecoderLayer.forward
+
+    def in_place(self, hidden_states, *args, **kwargs):
+        hidden_states.mul_(1.0)  # the same values: only the version counter shows it
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeDecoderLayer, "forward", in_place)
+    for statistics, refused in ((["loss_aware"], True), ([], False)):  # nothing kept, nothing to refuse
+        collector = StatisticsCollector(build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32),
+                                        statistics=statistics)
+        if not refused:
+            collect_layerwise(collector, tmp_path / "source", BLOCKS, progress=False)
+            continue
+        with pytest.raises(LayerwiseUnsupportedError) as error:
+            collect_layerwise(collector, tmp_path / "source", BLOCKS, progress=False)
+        assert str(error.value) == (  # the first layer whose input is kept: the first with a MoE block (0 is dense)
+            "Qwen3MoeDecoderLayer (decoder layer 1) changes its input in place, and the backward down the layers "
+            "recomputes each layer from its input as the forward sweep kept it. Calibrate it resident instead.")

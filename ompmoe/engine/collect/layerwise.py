@@ -26,6 +26,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import MoELayer
+from ..disk_space import readable_size, require_free_space
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_config, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs
@@ -314,17 +315,24 @@ class LayerMajor:
         with each batch's position and inputs first); their outputs become the next layer's inputs."""
         layer, hidden, state, argument = self.layers[index], self.hidden[name], self.state[name], self.carried[index]
         keep = self.kept[name].setdefault(index, []) if index >= self._keep_from.get(name, len(self.layers)) else None
+        versions: list[tuple[int, ...]] = []
         for position, inputs in enumerate(self.inputs[name]):
             if before is not None:
                 before(position, inputs)
-            if keep is not None:
+            if keep is not None:  # on the CPU the very tensor the layer takes: its version tells a change in place
                 keep.append((hidden[position].to("cpu"), _to(state[position], torch.device("cpu"))))
+                versions.append(_versions(keep[-1]))
             args, kwargs = self.call(name, index, position, hidden[position].to(self.device), state[position])
             output = layer(*args, **kwargs)
             hidden[position] = (output[0] if isinstance(output, tuple) else output).to(self.hidden_device)
             if argument is not None:
                 state[position] = _to(output[1], self.hidden_device)
         if keep is not None:
+            if [_versions(each) for each in keep] != versions:
+                raise LayerwiseUnsupportedError(
+                    f"{type(layer).__name__} (decoder layer {index}) changes its input in place, and the backward down "
+                    "the layers recomputes each layer from its input as the forward sweep kept it. Calibrate it "
+                    "resident instead.")
             self._settle_kept(name, index, keep)
 
     def _settle_kept(self, name: str, index: int, keep: list[tuple[torch.Tensor, Any]]) -> None:
@@ -387,6 +395,18 @@ class LayerMajor:
         self.checkpoint.empty_outside(self.prefix)
 
 
+def _check_spill_space(hidden: list[torch.Tensor], layers: int, budget: float, scratch: str | os.PathLike | None
+                       ) -> None:
+    """Refuse, before any layer runs, kept inputs whose share past ``budget`` (at least: the hidden states of
+    ``layers`` decoder layers) cannot fit the disk they go to."""
+    spilled = sum(map(_nbytes, hidden)) * layers - budget
+    if spilled > 0:
+        where = scratch if scratch is not None else tempfile.gettempdir()
+        require_free_space(where, spilled, "keeping the layer inputs for the loss-aware backward (past the "
+                           f"{readable_size(budget)} of memory they may take) needs",
+                           "free space there, or calibrate on fewer tokens")
+
+
 def _nbytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (nested tuples and lists)."""
     if isinstance(value, torch.Tensor):
@@ -394,6 +414,15 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, (tuple, list)):
         return sum(map(_nbytes, value))
     return 0
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    """The version counters of the tensors in ``value`` (nested tuples and lists): each write in place bumps one."""
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    if isinstance(value, (tuple, list)):
+        return tuple(version for each in value for version in _versions(each))
+    return ()
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -443,7 +472,9 @@ def collect_layerwise(collector: StatisticsCollector, path: str | os.PathLike, b
             budget = {None: KEPT_INPUTS_MEMORY_SHARE * available_memory(), True: 0.0, False: math.inf}[inputs_on_disk]
             spill = functools.cache(lambda: Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix=".ompmoe-layer-inputs-", dir=scratch))))
-            passes.keep_inputs("calibration", min(moe_blocks_by_layer(passes.prefix, collector.layers)), budget, spill)
+            first = min(moe_blocks_by_layer(passes.prefix, collector.layers))
+            _check_spill_space(passes.hidden["calibration"], len(passes.layers) - first, budget, scratch)
+            passes.keep_inputs("calibration", first, budget, spill)
         weights = [batch_token_weight(inputs, 0, None) for inputs in blocks]
         times["embed"] = time.perf_counter() - started
         compute = 0.0

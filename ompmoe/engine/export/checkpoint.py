@@ -115,7 +115,7 @@ def save_checkpoint(
     without weights, pruned from its source files tensor by tensor); config and the rest are written as for any
     model. Returns ``dtype``, ``tokenizer``, ``remote_code``."""
     directory = Path(directory)
-    target = _resolve_dtype(dtype) or source_dtype(model)
+    target = written_dtype(model, dtype)
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     cast = target is not None and current is not None and target != current and "state_dict" not in save_kwargs
     if write_weights is not None:  # the files' tensors as they are: the source's dtype, whatever the skeleton's
@@ -186,6 +186,11 @@ def _resolve_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> to
         raise ValueError(f"Unknown {option} {str(dtype)!r} for the saved weights; use e.g. 'bfloat16', 'float16' or "
                          "'float32' (or leave it out: the source's).")
     return resolved
+
+
+def written_dtype(model: nn.Module, dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype :func:`save_checkpoint` writes ``model``'s floating-point tensors in (``None``: each its own)."""
+    return _resolve_dtype(dtype) or source_dtype(model)
 
 
 def check_save_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> None:
