@@ -287,3 +287,19 @@ def test_a_layer_by_layer_run_keeps_its_temporary_files_in_its_scratch_directory
     assert seen == [(scratch, sorted([run.reservation.lock.path.name, scratch, "source"]))]
     run.finish(RunContext(print=lambda line: None))
     assert names(tmp_path) == ["out", "source"]
+
+
+def test_a_scratch_directory_that_cannot_be_removed_keeps_its_lock_file_so_the_next_run_removes_it(tmp_path,
+                                                                                                   monkeypatch):
+    out = tmp_path / "out"
+    reservation = reserve(out, overwrite=False, directory=True)
+    scratch = reservation.scratch()
+    (scratch / "layer-3.pt").write_bytes(b"kept inputs")
+    remove = io._remove
+    monkeypatch.setattr(io, "_remove", lambda path: None)  # busy (EBUSY on NFS): left where it is
+    reservation.release()
+    monkeypatch.setattr(io, "_remove", remove)
+    lock = reservation.lock.path.name
+    assert names(tmp_path) == sorted([lock, scratch.name])  # the lock file stays, its flock free
+    assert seen_from_another_process(out) == "free"
+    assert names(tmp_path) == []

@@ -111,9 +111,9 @@ def test_a_file_size_limit_ends_fit_in_one_line_and_keeps_the_previous_output(tm
 
 @pytest.fixture
 def small_file_system(tmp_path):
-    """``mount(size)``: a tmpfs of ``size`` bytes mounted for the test (needs root or CAP_SYS_ADMIN, else the test
-    is skipped: the RLIMIT_FSIZE tests above cover a failing write everywhere, and the disk-space tests at the end
-    the refusal before any work)."""
+    """``mount(size)``: a tmpfs of ``size`` bytes mounted for the test, resized when called again (needs root or
+    CAP_SYS_ADMIN, else the test is skipped: the RLIMIT_FSIZE tests above cover a failing write everywhere, and the
+    disk-space tests at the end the refusal before any work)."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     if sys.platform != "linux":
@@ -121,8 +121,9 @@ def small_file_system(tmp_path):
 
     def mount(size: int) -> Path:
         try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mount_point)],
-                                  capture_output=True, text=True, timeout=60)
+            again = "remount," if os.path.ismount(mount_point) else ""  # resized, its files kept
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{again}size={size // 1024}k", "tmpfs",
+                                   str(mount_point)], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as error:
             pytest.skip(f"cannot run mount(8) here ({error}); the RLIMIT_FSIZE tests cover write failures")
         if done.returncode != 0:
@@ -138,16 +139,26 @@ def small_file_system(tmp_path):
             subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
+def checked_size(stats: Path, ratios: list[float], tmp_path: Path) -> int:
+    """What ``ompmoe prune --model shipped:tiny-moe`` checks before any work: at least the bytes its plans' pruned
+    models take in the shipped model's files (bf16, as stored), summed over ``ratios`` (its plans made here first)."""
+    from ompmoe.engine.disk_space import stored_pruned_bytes_lower_bound
+    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config
+    from ompmoe.engine.names import shipped_model_path
+    from ompmoe.engine.planning.plan import PruningPlan
+
+    plans = tmp_path / "plans"
+    main(["prune", "--stats", str(stats), "--ratio", json.dumps(ratios), "--output_dir", str(plans), "--quiet"])
+    skeleton = build_skeleton(checkpoint_config(shipped_model_path()), dtype=torch.bfloat16)
+    kept = [{name: len(experts) for name, experts in PruningPlan.load(plans / f"plan-{r:g}.json").kept_by_layer()
+             .items()} for r in ratios]
+    return sum(stored_pruned_bytes_lower_bound(shipped_model_path(), skeleton, None, kept=each) for each in kept)
+
+
 def pruned_model_sizes(stats: Path, tmp_path: Path) -> tuple[int, int]:
     """``(the size ompmoe prune checks before any work, the bytes of the weights it then writes)`` for the shipped
-    model at ratio 0.5, from its files (bf16, as stored)."""
-    from ompmoe.engine.disk_space import stored_pruned_bytes_lower_bound
-    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config, checkpoint_files
-    from ompmoe.engine.names import shipped_model_path
-
-    source = shipped_model_path()
-    skeleton = build_skeleton(checkpoint_config(source), dtype=torch.bfloat16)
-    checked = stored_pruned_bytes_lower_bound(checkpoint_files(source), skeleton, 0.5)
+    model at ratio 0.5."""
+    checked = checked_size(stats, [0.5], tmp_path)
     main(["prune", "--stats", str(stats), "--ratio", "0.5", "--model", "shipped:tiny-moe", "--output_dir",
           str(tmp_path / "reference"), "--quiet"])
     return checked, sum(f.stat().st_size for f in (tmp_path / "reference" / "model-0.5").glob("*.safetensors"))
@@ -155,13 +166,17 @@ def pruned_model_sizes(stats: Path, tmp_path: Path) -> tuple[int, int]:
 
 def test_a_full_file_system_ends_prune_in_one_line_and_keeps_the_previous_output(
         small_file_system, shipped_stats, tmp_path):
-    """A disk that passes the check before any work (the size checked is a lower bound) but not the write: a tmpfs
-    halfway between the two."""
+    """A disk that passes the check before any work (its tensors' bytes, with two pages to spare) but not the write
+    (the file's header and the other files come on top): a write that still fails is clean."""
     checked, weights = pruned_model_sizes(shipped_stats, tmp_path)
-    assert weights - checked > 2**17  # the bound is tight, and the test has room either side
-    mount_point = small_file_system((checked + weights) // 2 + 2**14)  # the previous output's pages
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert weights - checked > 4 * page  # the safetensors header: room for the test either side
+    mount_point = small_file_system(64 * 2**20)
     out = mount_point / "out"
     before = previous_output(shipped_stats, out)
+    usage = os.statvfs(mount_point)
+    small_file_system((usage.f_blocks - usage.f_bavail) * usage.f_frsize + -(-checked // page) * page + 2 * page)
+    assert snapshot(out) == before
     free = os.statvfs(mount_point).f_bavail
     done = ompmoe_command(["prune", "--stats", str(shipped_stats), "--ratio", "0.5", "--model", "shipped:tiny-moe",
                            "--output_dir", str(out), "--overwrite", "--quiet"], mount_point.parent)
@@ -392,13 +407,9 @@ def test_prune_refuses_models_the_disk_cannot_hold_before_pruning_any(tmp_path, 
     import collections
     import shutil
 
-    from ompmoe.engine.disk_space import readable_size, stored_pruned_bytes_lower_bound
-    from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config, checkpoint_files
-    from ompmoe.engine.names import shipped_model_path
+    from ompmoe.engine.disk_space import readable_size
 
-    source = shipped_model_path()
-    skeleton = build_skeleton(checkpoint_config(source), dtype=torch.bfloat16)
-    needed = sum(stored_pruned_bytes_lower_bound(checkpoint_files(source), skeleton, 1 - r) for r in (0.25, 0.5))
+    needed = checked_size(shipped_stats, [0.25, 0.5], tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(
         2**40, 0, needed - 1))
     out = tmp_path / "out"
@@ -411,7 +422,7 @@ def test_prune_refuses_models_the_disk_cannot_hold_before_pruning_any(tmp_path, 
                "--output_dir (without --model, prune writes the plans only)")
     assert info.value.code == 2 and str(info.value) == message
     assert capsys.readouterr().err.splitlines() == [message]
-    assert names(tmp_path) == []
+    assert names(tmp_path) == ["plans"]  # the plans made above to size the check
 
 
 def test_fit_refuses_an_output_the_pruned_model_cannot_fit_before_calibrating(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from torch import nn
 
 from .adapters import MoELayer, block_expert_tensors, find_moe_layers
 from .io import OutputNotWritableError
-from .safetensors_header import read_header
+from .lazy_checkpoint import LazyCheckpoint
 
 
 class NotEnoughSpaceError(OutputNotWritableError):
@@ -64,65 +64,84 @@ def _written_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
     return tensor.numel() * size
 
 
-def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
-    return {id(t): t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 
-def _model_tensors(model: nn.Module) -> dict[int, torch.Tensor]:
-    """``model``'s tensors, each once: tied ones are one object, but a weightless skeleton's output embeddings are not
-    yet tied to its input embeddings (one tensor in the files)."""
-    tensors = _tensors(model)
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors by state-dict name, each once: tied ones are one object, but a weightless skeleton's output
+    embeddings are not yet tied to its input embeddings (one tensor in the files, and in what is written)."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in _named_tensors(model).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor
     config = getattr(model, "config", None)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    if getattr(text, "tie_word_embeddings", False) and callable(getattr(model, "get_output_embeddings", None)):
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None and callable(getattr(config, "get_text_config", None)):
+        tied = getattr(config.get_text_config(), "tie_word_embeddings", None)
+    if tied and callable(getattr(model, "get_output_embeddings", None)):
         output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
         if output is not None and embeddings is not None and output.weight is not embeddings.weight:
-            tensors.pop(id(output.weight), None)
+            tensors = {name: t for name, t in tensors.items() if t is not output.weight}
     return tensors
 
 
-def _per_expert_tensors(layer: MoELayer) -> dict[int, torch.Tensor]:
-    """What pruning cuts by expert in one sparse block: its experts, its router (all of it: a lower bound where some
-    rows are kept whatever is pruned) and the block's own per-expert tensors."""
-    tensors = {**_tensors(layer.experts), **_tensors(layer.router)}
+def _per_expert_names(model: nn.Module, layer: MoELayer) -> set[str]:
+    """The state-dict names of what pruning cuts by expert in one sparse block: its experts, its router (all of it: a
+    lower bound where some rows are kept whatever is pruned) and the block's own per-expert tensors."""
+    cut = {id(t) for t in [*_named_tensors(layer.experts).values(), *_named_tensors(layer.router).values()]}
     own = dict(layer.block.named_parameters(recurse=False)) | dict(layer.block.named_buffers(recurse=False))
-    tensors.update({id(own[name]): own[name] for name in block_expert_tensors(layer.block, layer.num_experts)})
-    return tensors
+    cut |= {id(own[name]) for name in block_expert_tensors(layer.block, layer.num_experts)}
+    return {name for name, tensor in _named_tensors(model).items() if id(tensor) in cut}
 
 
-def model_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[int, dict[str, int]]:
+def model_bytes(model: nn.Module, dtype: torch.dtype | None = None, sizes: dict[str, int] | None = None
+                ) -> tuple[int, dict[str, int]]:
     """``model``'s tensors in bytes as written (floating point in ``dtype`` when given; tied tensors counted once;
-    weightless (meta) models too), and per sparse block the bytes pruning cuts by expert."""
+    weightless (meta) models too; ``sizes``: each tensor's bytes by name instead, as a checkpoint's files store it),
+    and per sparse block the bytes pruning cuts by expert."""
     tensors = _model_tensors(model)
-    blocks = {layer.name: sum(_written_bytes(t, dtype) for key, t in _per_expert_tensors(layer).items()
-                              if key in tensors) for layer in find_moe_layers(model)}
-    return sum(_written_bytes(t, dtype) for t in tensors.values()), blocks
+    size = {name: sizes.get(name, 0) if sizes is not None else _written_bytes(t, dtype) for name, t in tensors.items()}
+    blocks = {layer.name: sum(size.get(name, 0) for name in _per_expert_names(model, layer))
+              for layer in find_moe_layers(model)}
+    return sum(size.values()), blocks
 
 
-def pruned_bytes_lower_bound(model: nn.Module, kept_fraction: float | None, dtype: torch.dtype | None = None) -> int:
-    """At least how many bytes ``model``'s tensors take once ``kept_fraction`` of its routed experts is kept (the
-    smallest expert of any layer counted for each kept one, a whole router group less for rounding); ``None``: no
-    expert counted."""
-    total, blocks = model_bytes(model, dtype)
+def kept_experts_lower_bound(layers: list[MoELayer], kept_fraction: float) -> int:
+    """At least how many routed experts a plan keeping ``kept_fraction`` of them keeps: the budget less one router
+    group for rounding, or fewer where every layer rounds its own share (the uniform allocation)."""
+    budget = round(kept_fraction * sum(layer.num_experts for layer in layers))
+    per_layer = sum(layer.num_groups * round(kept_fraction * layer.num_experts / layer.num_groups) for layer in layers)
+    return max(0, min(budget - max(layer.num_groups for layer in layers), per_layer))
+
+
+def pruned_bytes_lower_bound(model: nn.Module, kept_fraction: float | None, dtype: torch.dtype | None = None, *,
+                             kept: dict[str, int] | None = None, sizes: dict[str, int] | None = None) -> int:
+    """At least how many bytes ``model``'s tensors take (as :func:`model_bytes` counts them) once pruned: ``kept``
+    experts per sparse block (a plan's), else ``kept_fraction`` of them over the model (each counted as the smallest
+    expert of any layer; ``None``: none counted)."""
+    total, blocks = model_bytes(model, dtype, sizes)
     layers = find_moe_layers(model)
+    removable = total - sum(blocks.values())
+    if kept is not None:
+        return int(removable + sum(kept[layer.name] * blocks[layer.name] / layer.num_experts for layer in layers))
     if not layers or kept_fraction is None:
-        return total - sum(blocks.values())
-    experts = sum(layer.num_experts for layer in layers)
-    kept = max(0, round(kept_fraction * experts) - max(layer.num_groups for layer in layers))
+        return removable
     smallest = min(blocks[layer.name] / layer.num_experts for layer in layers)
-    return int(total - sum(blocks.values()) + kept * smallest)
+    return int(removable + kept_experts_lower_bound(layers, kept_fraction) * smallest)
 
 
-def stored_pruned_bytes_lower_bound(files: list[Path], skeleton: nn.Module, kept_fraction: float | None) -> int:
-    """At least how many bytes the pruned weight files of a checkpoint (its safetensors ``files``, ``skeleton`` its
-    weightless model) take, written as stored: the files' tensor bytes cut as the skeleton's are
-    (:func:`pruned_bytes_lower_bound`). A lower bound wherever the experts take no more bytes per weight in the files
-    than the rest does: exactly so in one dtype, and where the experts are quantized and the rest not."""
-    stored = sum(end - begin for file in files for begin, end in
-                 (entry["data_offsets"] for entry in read_header(file).values()))
-    total, _ = model_bytes(skeleton)
-    return int(stored * pruned_bytes_lower_bound(skeleton, kept_fraction) / total) if total else stored
+def stored_pruned_bytes_lower_bound(path: str | os.PathLike, skeleton: nn.Module, kept_fraction: float | None, *,
+                                    kept: dict[str, int] | None = None) -> int:
+    """:func:`pruned_bytes_lower_bound` of the pruned checkpoint written from the checkpoint at ``path`` as stored
+    (``skeleton`` its weightless model): each tensor's bytes in the files (a quantized weight's stored tensors), those
+    the model has no place for left out."""
+    with LazyCheckpoint(path, skeleton, dequantized=False) as checkpoint:
+        sizes = checkpoint.stored_bytes()
+    return pruned_bytes_lower_bound(skeleton, kept_fraction, kept=kept, sizes=sizes)
 
 
-__all__ = ["NotEnoughSpaceError", "free_bytes", "model_bytes", "pruned_bytes_lower_bound", "readable_size",
-           "require_free_space", "stored_pruned_bytes_lower_bound"]
+__all__ = ["NotEnoughSpaceError", "free_bytes", "kept_experts_lower_bound", "model_bytes", "pruned_bytes_lower_bound",
+           "readable_size", "require_free_space", "stored_pruned_bytes_lower_bound"]

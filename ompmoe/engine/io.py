@@ -145,9 +145,12 @@ class _RunLock:
         """``.{name}.{owner}.{token}.{kind}`` next to ``path``: a name the cleaner ties to this lock."""
         return path.parent / f".{path.name}.{_owner()}.{self.token}.{kind}"
 
-    def release(self) -> None:
+    def release(self, keep_file: bool = False) -> None:
+        """Drop the lock; ``keep_file``: leave its file, so that the next run takes this one's leftovers for a dead
+        run's and removes them."""
         if self.fd >= 0:
-            self.path.unlink(missing_ok=True)
+            if not keep_file:
+                self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = -1
 
@@ -359,9 +362,10 @@ def _release_reservation(lock: _RunLock, created: list[Path], pid: int, scratch:
     """A reservation's release (also its finalizer: it must not refer to the reservation)."""
     if os.getpid() != pid:  # a forked child inherited the object: the lock is its parent's to release
         return
-    for path in scratch:  # before the lock: a scratch directory without it would be a dead run's
+    for path in scratch:  # before the lock: a scratch directory without it would never be cleaned
         _remove(path)
-    lock.release()
+    # one left (not removable now, e.g. busy on NFS): its lock file stays, free, so the next run removes it
+    lock.release(keep_file=any(os.path.lexists(path) for path in scratch))
     _remove_made(created)
     for key, refs in list(_RESERVATIONS.items()):
         refs[:] = [ref for ref in refs if (reservation := ref()) is not None and reservation.held]

@@ -441,6 +441,20 @@ class LazyCheckpoint:
             if not f"{name}.".startswith(prefix):
                 _empty_own(module)
 
+    def stored_bytes(self) -> dict[str, int]:
+        """The bytes each model tensor takes in the files (a quantized weight: its stored tensors), by the name it
+        loads into; file tensors the model has no place for (multi-token-prediction layers) are left out."""
+        lengths = {key: length for key, (_, _, length) in self._ranges.items()}
+        expected = set(self.model.state_dict())
+        sizes: dict[str, int] = {}
+        for key in self.slices:
+            target = self.target[key]
+            if target in expected:
+                parts = self.stored.get(key)
+                size = sum(lengths[part] for part in parts.values()) if parts else lengths[key]
+                sizes[target] = sizes.get(target, 0) + size
+        return sizes
+
     def close(self) -> None:
         self._files.clear()
         self.slices.clear()

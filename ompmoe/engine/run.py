@@ -51,7 +51,6 @@ from .export.checkpoint import check_save_dtype, usable_tokenizer, written_dtype
 from .export.plots import require_matplotlib, write_plots
 from .export.save import save_pruned
 from .io import Reservation, atomic_path, reserve
-from .lazy_checkpoint import checkpoint_files
 from .perplexity import heldout_block_count, perplexity
 from .planning.method_registry import check_statistics, required_statistics
 from .planning.plan import PruningPlan
@@ -355,18 +354,22 @@ class PruningRun:
         """Refuse, before calibration, an ``output_dir`` whose disk cannot hold the pruned model
         (:meth:`pruned_model_bytes`); nothing without an output or a model to save."""
         if self.options.output_dir is not None and self.options.save_model:
+            plans_only = ("" if self.owner == "ompmoe-demo" else  # the demo has no save_model
+                          " (save_model false writes the statistics and plan only)")
             require_free_space(self.options.output_dir, self.pruned_model_bytes(model, source),
-                               "the pruned model needs", "free space there, or choose another output_dir (save_model "
-                               "false writes the statistics and plan only)")
+                               "the pruned model needs", f"free space there, or choose another output_dir{plans_only}")
 
     def pruned_model_bytes(self, model: nn.Module, source: str | os.PathLike | None = None) -> int:
-        """At least the bytes of the pruned model this run writes: the experts its ratio keeps, in the dtype written
-        (``source``: the checkpoint a layer-by-layer run writes from, as stored; ``model`` its skeleton)."""
+        """At least the bytes of the pruned model this run writes: the experts its plan keeps (before it plans: at
+        least those its ratio keeps), in the dtype written (``source``: the checkpoint written from, as stored;
+        ``model`` its skeleton)."""
         ratio = getattr(self.strategy, "ratio", None)
-        kept = None if ratio is None else 1.0 - float(ratio)
+        fraction = None if ratio is None else 1.0 - float(ratio)
+        kept = None if self.plan is None else {
+            name: len(experts) for name, experts in self.plan.kept_by_layer().items()}
         if source is not None:
-            return stored_pruned_bytes_lower_bound(checkpoint_files(source), model, kept)
-        return pruned_bytes_lower_bound(model, kept, written_dtype(model, self.options.dtype))
+            return stored_pruned_bytes_lower_bound(source, model, fraction, kept=kept)
+        return pruned_bytes_lower_bound(model, fraction, written_dtype(model, self.options.dtype), kept=kept)
 
     def _validate_strategies(self, routings: Sequence[tuple[str, dict[str, int]]]) -> list[str]:
         """Refuse a ratio the model cannot meet or a strategy whose statistics are not collected; return the

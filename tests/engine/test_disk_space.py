@@ -71,8 +71,11 @@ def test_the_sizes_checked_are_at_most_what_is_written_and_within_a_group_and_th
     written = tensor_bytes(tmp_path / "resident")
     assert bound <= written <= bound + slack
     skeleton = build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32)
-    stored = stored_pruned_bytes_lower_bound(checkpoint_files(tmp_path / "source"), skeleton, 1 - ratio)
+    stored = stored_pruned_bytes_lower_bound(tmp_path / "source", skeleton, 1 - ratio)
     assert stored == bound  # one dtype in the files and in the skeleton: the same bound
+    kept = {name: len(experts) for name, experts in plan.kept_by_layer().items()}  # the plan's counts: the same bytes
+    assert pruned_bytes_lower_bound(model, None, kept=kept) == stored_pruned_bytes_lower_bound(
+        tmp_path / "source", skeleton, None, kept=kept) == written
     assert stored <= tensor_bytes(tmp_path / "streamed") == written
 
 
@@ -87,8 +90,52 @@ def test_a_skeletons_output_embeddings_tied_to_its_input_embeddings_count_once(t
     stats = ompmoe.collect_stats(model, BLOCKS, progress=False)
     plan = ompmoe.plan_pruning(stats, 0.5, method="omp", allocation="waterfill", min_kept_fraction=0.25)
     quietly(save_pruned_from_files, tmp_path / "source", plan, tmp_path / "streamed")
-    bound = stored_pruned_bytes_lower_bound(checkpoint_files(tmp_path / "source"), skeleton, 0.5)
+    bound = stored_pruned_bytes_lower_bound(tmp_path / "source", skeleton, 0.5)
     assert bound == pruned_bytes_lower_bound(model, 0.5) <= tensor_bytes(tmp_path / "streamed")
+
+
+def test_each_layer_rounding_its_own_share_keeps_fewer_experts_than_the_budget_and_the_bound_counts_it(tmp_path):
+    """The uniform allocation rounds each layer's share: 32 layers of 8 experts at ratio 0.45 keep 4 each (4.4
+    rounded), 128 in all, against a budget of 141; the bound counts 128."""
+    from ompmoe.engine.disk_space import kept_experts_lower_bound
+
+    model = tiny_model("mixtral", num_hidden_layers=32)
+    layers = ompmoe.find_moe_layers(model)
+    stats = ompmoe.collect_stats(model, BLOCKS[:1], progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.45, allocation="uniform")
+    assert sum(layer.num_kept for layer in plan.layers) == kept_experts_lower_bound(layers, 0.55) == 128
+    quietly(ompmoe.prune(model, plan).save_pretrained, tmp_path / "pruned")
+    assert pruned_bytes_lower_bound(tiny_model("mixtral", num_hidden_layers=32), 0.55) <= tensor_bytes(
+        tmp_path / "pruned")
+
+
+def test_file_tensors_the_model_has_no_place_for_are_not_counted(tmp_path):
+    """A multi-token-prediction layer (DeepSeek-V3's layer 61, GLM-4.5's 46) in the files is never written."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("deepseek_v3")
+    quietly(model.save_pretrained, tmp_path / "source")
+    (file,) = checkpoint_files(tmp_path / "source")
+    tensors = load_file(file)
+    last = model.config.num_hidden_layers - 1
+    extra = {key.replace(f"layers.{last}.", "layers.61."): value.clone() for key, value in tensors.items()
+             if f"layers.{last}." in key}
+    save_file({**tensors, **extra}, file, metadata={"format": "pt"})
+    skeleton = build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32)
+    stats = ompmoe.collect_stats(model, BLOCKS, progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, min_kept_fraction=0.25)
+    quietly(save_pruned_from_files, tmp_path / "source", plan, tmp_path / "streamed")
+    assert stored_pruned_bytes_lower_bound(tmp_path / "source", skeleton, 0.5) == pruned_bytes_lower_bound(
+        model, 0.5) <= tensor_bytes(tmp_path / "streamed")
+
+
+def test_embeddings_tied_by_the_top_level_config_of_a_multimodal_model_count_once(tmp_path):
+    """Gemma 4 ties its embeddings in its top-level config while its text config says not."""
+    model = tiny_model("gemma4")
+    assert model.config.tie_word_embeddings and not model.config.get_text_config().tie_word_embeddings
+    quietly(model.save_pretrained, tmp_path / "source")
+    skeleton = build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32)
+    assert model_bytes(skeleton)[0] == model_bytes(model)[0] == tensor_bytes(tmp_path / "source")
 
 
 def test_the_dtype_written_counts_and_without_a_ratio_no_expert_does():
@@ -165,7 +212,7 @@ def test_a_layer_by_layer_run_is_refused_before_it_reads_a_layer(tmp_path, monke
 
     quietly(tiny_model("qwen3_moe").save_pretrained, tmp_path / "source")
     skeleton = build_skeleton(checkpoint_config(tmp_path / "source"), dtype=torch.float32)
-    needed = stored_pruned_bytes_lower_bound(checkpoint_files(tmp_path / "source"), skeleton, 0.5)
+    needed = stored_pruned_bytes_lower_bound(tmp_path / "source", skeleton, 0.5)
     run = resident_run(tmp_path, layer_by_layer=True)
     context = ompmoe.LocalContext()
     run.check_output(context)

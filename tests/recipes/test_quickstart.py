@@ -84,3 +84,21 @@ def test_main_job_refuses_existing_output_and_bad_ratio_before_work(tmp_path):
         prune_tiny_model(output_dir=str(fresh), ratio=0.9)
     assert not fresh.exists()
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_the_demo_refuses_an_output_its_disk_cannot_hold_before_calibrating(tmp_path, monkeypatch):
+    """Its line names what the demo takes (it has no save_model), and nothing is left."""
+    import collections
+    import re
+    import shutil
+
+    from ompmoe.engine.disk_space import NotEnoughSpaceError
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(
+        2**40, 0, 2**20))
+    with pytest.raises(NotEnoughSpaceError) as refused:
+        prune_tiny_model(output_dir=str(tmp_path / "out"), seq_len=64, num_blocks=4, batch_size=2)
+    assert re.fullmatch(rf"not enough disk space at {re.escape(str(tmp_path / 'out'))}: the pruned model needs at "
+                        r"least [0-9.]+ MiB and its file system has 1 MiB free; free space there, or choose another "
+                        r"output_dir", str(refused.value)), str(refused.value)
+    assert list(tmp_path.iterdir()) == []
