@@ -121,11 +121,11 @@ def pruned_bytes_lower_bound(model: nn.Module, kept_fraction: float | None, dtyp
                              kept: dict[str, int] | None = None, sizes: dict[str, int] | None = None) -> int:
     """At least how many bytes ``model``'s tensors take (as :func:`model_bytes` counts them) once pruned: ``kept``
     experts per sparse block (a plan's), else ``kept_fraction`` of them over the model (each counted as the smallest
-    expert of any layer; ``None``: none counted)."""
+    expert of any layer; ``None``: none counted; so too where ``kept`` names other blocks)."""
     total, blocks = model_bytes(model, dtype, sizes)
     layers = find_moe_layers(model)
     removable = total - sum(blocks.values())
-    if kept is not None:
+    if kept is not None and all(layer.name in kept for layer in layers):
         return int(removable + sum(kept[layer.name] * blocks[layer.name] / layer.num_experts for layer in layers))
     if not layers or kept_fraction is None:
         return removable
