@@ -190,7 +190,7 @@ def test_a_full_file_system_ends_prune_in_one_line_and_keeps_the_previous_output
 
 
 def test_a_file_system_too_small_for_the_model_is_refused_before_any_work(small_file_system, shipped_stats, tmp_path):
-    from ompmoe.engine.disk_space import readable_size
+    from ompmoe.engine.io import readable_size
 
     checked, _ = pruned_model_sizes(shipped_stats, tmp_path)
     mount_point = small_file_system(6 * 2**20)
@@ -407,7 +407,7 @@ def test_prune_refuses_models_the_disk_cannot_hold_before_pruning_any(tmp_path, 
     import collections
     import shutil
 
-    from ompmoe.engine.disk_space import readable_size
+    from ompmoe.engine.io import readable_size
 
     needed = checked_size(shipped_stats, [0.25, 0.5], tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .adapters import MoELayer, block_expert_tensors, find_moe_layers
-from .io import OutputNotWritableError
+from .io import OutputNotWritableError, existing_ancestor, readable_size
 from .lazy_checkpoint import LazyCheckpoint
 
 
@@ -31,22 +31,11 @@ class NotEnoughSpaceError(OutputNotWritableError):
 def free_bytes(path: str | os.PathLike) -> int | None:
     """Bytes an unprivileged user may still write on the file system ``path`` (or its nearest existing ancestor) is
     on; ``None`` when that cannot be told."""
-    ancestor = Path(path).absolute()
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    path = Path(path).absolute()
     try:
-        return shutil.disk_usage(ancestor).free
+        return shutil.disk_usage(path if path.exists() else existing_ancestor(path)).free
     except OSError:
         return None
-
-
-def readable_size(count: float) -> str:
-    """``512 bytes``, ``3.5 MiB``, ``12.3 GiB``, ``1.02 TiB``: three significant digits."""
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024:
-            return f"{int(count)} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
-        count /= 1024
-    return f"{count:.3g} TiB"
 
 
 def require_free_space(path: str | os.PathLike, needed: float, what: str, fix: str) -> None:
@@ -88,13 +77,14 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _per_expert_names(model: nn.Module, layer: MoELayer) -> set[str]:
-    """The state-dict names of what pruning cuts by expert in one sparse block: its experts, its router (all of it: a
-    lower bound where some rows are kept whatever is pruned) and the block's own per-expert tensors."""
-    cut = {id(t) for t in [*_named_tensors(layer.experts).values(), *_named_tensors(layer.router).values()]}
+def _per_expert_names(layer: MoELayer, names: dict[int, str]) -> set[str]:
+    """The state-dict names (``names``: the model's, by tensor) of what pruning cuts by expert in one sparse block: its
+    experts, its router (all of it: a lower bound where some rows are kept whatever is pruned) and the block's own
+    per-expert tensors."""
+    cut = [*_named_tensors(layer.experts).values(), *_named_tensors(layer.router).values()]
     own = dict(layer.block.named_parameters(recurse=False)) | dict(layer.block.named_buffers(recurse=False))
-    cut |= {id(own[name]) for name in block_expert_tensors(layer.block, layer.num_experts)}
-    return {name for name, tensor in _named_tensors(model).items() if id(tensor) in cut}
+    cut += [own[name] for name in block_expert_tensors(layer.block, layer.num_experts)]
+    return {names[id(tensor)] for tensor in cut if id(tensor) in names}
 
 
 def model_bytes(model: nn.Module, dtype: torch.dtype | None = None, sizes: dict[str, int] | None = None
@@ -104,7 +94,8 @@ def model_bytes(model: nn.Module, dtype: torch.dtype | None = None, sizes: dict[
     and per sparse block the bytes pruning cuts by expert."""
     tensors = _model_tensors(model)
     size = {name: sizes.get(name, 0) if sizes is not None else _written_bytes(t, dtype) for name, t in tensors.items()}
-    blocks = {layer.name: sum(size.get(name, 0) for name in _per_expert_names(model, layer))
+    names = {id(tensor): name for name, tensor in tensors.items()}
+    blocks = {layer.name: sum(size[name] for name in _per_expert_names(layer, names))
               for layer in find_moe_layers(model)}
     return sum(size.values()), blocks
 
@@ -144,4 +135,4 @@ def stored_pruned_bytes_lower_bound(path: str | os.PathLike, skeleton: nn.Module
 
 
 __all__ = ["NotEnoughSpaceError", "free_bytes", "kept_experts_lower_bound", "model_bytes", "pruned_bytes_lower_bound",
-           "readable_size", "require_free_space", "stored_pruned_bytes_lower_bound"]
+           "require_free_space", "stored_pruned_bytes_lower_bound"]

@@ -241,11 +241,17 @@ def _check_replaceable(path: Path, directory: bool | None, inputs: Iterable[str 
         )
 
 
-def _probe(path: Path) -> None:
-    """Create and delete a file in the nearest existing ancestor of ``path``; turn any OSError into a clear one."""
+def existing_ancestor(path: Path) -> Path:
+    """The nearest ancestor of ``path`` that exists (where an output not made yet will be written)."""
     ancestor = path.parent
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
+    return ancestor
+
+
+def _probe(path: Path) -> None:
+    """Create and delete a file in the nearest existing ancestor of ``path``; turn any OSError into a clear one."""
+    ancestor = existing_ancestor(path)
     probe = ancestor / f".ompmoe-probe.{_owner()}.{secrets.token_hex(4)}"
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -638,7 +644,7 @@ def _write_failure(error: BaseException, path: Path, tmp: Path | None, existed: 
     if code == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
-            reason += f" (this process may write files of at most {_size(limit)}: ulimit -f)"
+            reason += f" (this process may write files of at most {readable_size(limit)}: ulimit -f)"
         else:
             reason += " (larger than this file system allows)"
             fix = "Choose another output path, on a file system that allows larger files."
@@ -655,12 +661,13 @@ def _write_failure(error: BaseException, path: Path, tmp: Path | None, existed: 
     return failure
 
 
-def _size(count: float) -> str:
-    for unit in ("bytes", "KiB", "MiB"):
-        if count < 1024:
-            return f"{count} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
+def readable_size(count: float) -> str:
+    """``512 bytes``, ``3.5 MiB``, ``12.3 GiB``, ``1.02 TiB``: three significant digits."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{int(count)} {unit}" if unit == "bytes" else f"{count:.3g} {unit}"
         count /= 1024
-    return f"{count:.3g} GiB"
+    return f"{count:.3g} TiB"
 
 
 def _make_parents(directory: Path) -> list[Path]:

@@ -14,8 +14,9 @@ import torch
 
 import ompmoe
 from ompmoe.engine.disk_space import (NotEnoughSpaceError, free_bytes, model_bytes, pruned_bytes_lower_bound,
-                                      readable_size, require_free_space, stored_pruned_bytes_lower_bound)
+                                      require_free_space, stored_pruned_bytes_lower_bound)
 from ompmoe.engine.export.streamed import save_pruned_from_files
+from ompmoe.engine.io import readable_size
 from ompmoe.engine.lazy_checkpoint import build_skeleton, checkpoint_config, checkpoint_files
 from ompmoe.engine.safetensors_header import read_header
 from ompmoe.engine.tiny import tiny_model

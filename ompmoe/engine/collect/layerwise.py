@@ -26,7 +26,8 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import MoELayer
-from ..disk_space import readable_size, require_free_space
+from ..disk_space import require_free_space
+from ..io import readable_size
 from ..lazy_checkpoint import LazyCheckpoint, build_skeleton, checkpoint_config, checkpoint_dtype, decoder_layers
 from ..progress import progress as progress_bar
 from .collector import StatisticsCollector, as_model_inputs, batch_token_weight, check_calibration_inputs
