@@ -368,8 +368,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=KIMI_EXPERTS, help="with --int4: routed experts per layer")
     args = parser.parse_args()
     if (args.fp8 or args.mxfp4 or args.int4) and args.compensation != "off":
-        parser.error("--fp8, --mxfp4 and --int4 write the kept experts' tensors as stored, which a compensation would "
-                     "change (ompmoe refuses it); use --compensation off")
+        parser.error("--fp8, --mxfp4 and --int4 measure writing the kept experts' tensors as stored, which a "
+                     "compensation would change; use --compensation off")
     torch.set_num_threads(os.cpu_count() or 1)
     warnings.simplefilter("ignore")
     import ompmoe

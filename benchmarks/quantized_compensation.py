@@ -2,14 +2,15 @@
 
     python benchmarks/quantized_compensation.py                    # block FP8, 128 x 128 blocks, both shipped models
     python benchmarks/quantized_compensation.py --format int4      # compressed-tensors INT4 per group of 32
-    python benchmarks/quantized_compensation.py --format mxfp4     # MXFP4 (gpt-oss's experts), resident only
+    python benchmarks/quantized_compensation.py --format mxfp4     # MXFP4 (gpt-oss's format), resident only
     python benchmarks/quantized_compensation.py --models tiny-moe --block 64
 
 Per shipped model: its experts quantized (``--format block-fp8``: ``ompmoe.engine.block_fp8.quantize``, as
 transformers' ``Fp8Quantize`` quantizes; ``int4``: compressed-tensors ``pack-quantized`` INT4 per group of 32, Kimi K2
-Thinking's scheme, as llm-compressor's round to nearest quantizes; ``mxfp4``: one power-of-two scale per 32 inputs,
-each element to the nearest E2M1, measured resident only since ompmoe does not compensate MXFP4; routers, embeddings,
-norms, attention and head stay as they are), then two measurements on the first ``--eval_blocks`` blocks of 256 tokens of each held-out split:
+Thinking's scheme, as llm-compressor's round to nearest quantizes; ``mxfp4``: ``ompmoe.engine.mxfp4.round_to_grid``,
+as transformers' ``quantize_to_mxfp4`` quantizes, measured resident only since ompmoe reads MXFP4 files in gpt-oss's
+layout and the shipped models are not gpt-oss; routers, embeddings, norms, attention and head stay as they are), then
+two measurements on the first ``--eval_blocks`` blocks of 256 tokens of each held-out split:
 
 1. **the product's path**: ``ompmoe fit --layer_by_layer true`` on the quantized checkpoint with ``--compensation off`` and
    with the default (``auto``), as the run reports them (held-out perplexity of the model it writes: the compensated
@@ -52,29 +53,16 @@ INT4_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
 def on_grid(values: torch.Tensor, form: str, block: tuple[int, int]) -> torch.Tensor:
     """``values`` (``[..., rows, cols]``) as the format stores and reads them back."""
     from ompmoe.engine import compressed_tensors_format as ct
+    from ompmoe.engine import mxfp4
     from ompmoe.engine.block_fp8 import round_to_grid
 
     if form == "block-fp8":
         return round_to_grid(values, block)
     if form == "mxfp4":
-        return mxfp4_grid(values)
+        return mxfp4.round_to_grid(values)
     matrices = [ct.dequantize(*ct.quantize(matrix, INT4_SCHEME, values.dtype), INT4_SCHEME).to(values.dtype)
                 for matrix in values.reshape(-1, *values.shape[-2:])]
     return torch.stack(matrices).reshape(values.shape)
-
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-"""The magnitudes an MXFP4 element holds."""
-
-
-def mxfp4_grid(values: torch.Tensor) -> torch.Tensor:
-    """``values`` quantized to MXFP4 and back: per 32 inputs one power-of-two scale, rounded up so that no element
-    saturates (the largest magnitude over 6, E2M1's largest), each element to the nearest E2M1 magnitude."""
-    groups = values.float().reshape(*values.shape[:-1], -1, 32)
-    largest = groups.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
-    scale = torch.pow(2.0, torch.ceil(torch.log2(largest / 6.0)))
-    nearest = ((groups / scale).abs()[..., None] - E2M1).abs().argmin(-1)
-    return (E2M1[nearest] * torch.sign(groups) * scale).reshape(values.shape).to(values.dtype)
 
 
 def stored(name: str, weight: torch.Tensor, form: str, block: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -114,7 +102,7 @@ def quantized_checkpoint(name: str, form: str, block: tuple[int, int], directory
     for target in (dequantized, quantized):
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
-    if form == "mxfp4":  # resident only: no files in the format
+    if form == "mxfp4":  # resident only: ompmoe reads MXFP4 files in gpt-oss's layout
         return quantized, dequantized
     tensors = load_file(str(quantized / "model.safetensors"))
     for key in [key for key in tensors if QUANTIZED.search(key) and tensors[key].dim() == 2]:
@@ -154,7 +142,7 @@ def measure(name: str, form: str, block: tuple[int, int], eval_blocks: int, dire
     from transformers import AutoTokenizer
 
     quantized, dequantized = quantized_checkpoint(name, form, block, directory)
-    rows = {} if form == "mxfp4" else {  # ompmoe does not compensate MXFP4: measured resident only
+    rows = {} if form == "mxfp4" else {  # MXFP4 files are gpt-oss's: measured resident only
         "layer by layer, off": fit(quantized, directory / "lbl-off", eval_blocks, "--layer_by_layer", "true",
                                    "--trainer.callbacks.init_args.compensation", "off"),
         "layer by layer, auto (quantized again)": fit(quantized, directory / "lbl-auto", eval_blocks,

@@ -348,7 +348,7 @@ def _compensation(given: str | None, fit: Any, model: str | None, fit_plan: Path
     if granularity in (None, "off"):
         return _Refit(source=source)
     stored = _stored_quantization(model) if model is not None and from_files else None
-    if stored is not None and not requantizes(stored):  # MXFP4: its kept tensors are written as stored
+    if stored is not None and not requantizes(stored):  # its kept tensors are written as stored, never requantized
         if given is not None:  # a refit would change them
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=model, format=format_name(stored)).replace(
                 "compensation='off'", "--compensation off"))

@@ -7,6 +7,7 @@ is ``FP4[code] * 2 ** (scale - 127)``, one at a time."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -31,6 +32,34 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (scaled[..., None] - grid).abs().argmin(dim=-1).to(torch.uint8)  # the nearest of the 16 values
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def literal_requantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, exponents)`` (``uint8``, one code per value and one biased exponent per 32) of ``rows`` (``[rows,
+    in]``, the files' layout) as transformers' ``quantize_to_mxfp4`` writes them, one value at a time in Python
+    floats: the values in bfloat16; per group, its largest magnitude over 6 in float32 rounded up to a power of two,
+    at least the smallest normal float32 (none for a group of zeros); each value over it to the nearest E2M1
+    magnitude, a tie to the larger; the sign bit kept, -0 included."""
+    values = rows.to(torch.bfloat16).float()
+    codes = torch.empty(values.shape, dtype=torch.uint8)
+    exponents = torch.empty(values.shape[0], values.shape[1] // 32, dtype=torch.uint8)
+    magnitudes = E2M1[:8]
+    for r in range(values.shape[0]):
+        for g in range(values.shape[1] // 32):
+            group = [float(v) for v in values[r, 32 * g:32 * (g + 1)]]
+            largest = float(torch.tensor(max(abs(v) for v in group)) / torch.tensor(6.0))  # float32 division
+            if largest == 0:
+                power, exponents[r, g] = 0.0, 0
+            else:
+                mantissa, exponent = math.frexp(largest)  # largest = mantissa * 2 ** exponent, mantissa in [0.5, 1)
+                power = max(largest if mantissa == 0.5 else 2.0 ** exponent, 2.0 ** -126)
+                exponents[r, g] = int(math.log2(power)) + 127
+            for i, value in enumerate(group):
+                scaled = value / power if power else 0.0 * value
+                distances = [abs(abs(scaled) - m) for m in magnitudes]
+                nearest = max(k for k, d in enumerate(distances) if d == min(distances))  # a tie: the larger
+                codes[r, 32 * g + i] = nearest + (8 if math.copysign(1.0, scaled) < 0 else 0)
+    return codes, exponents
 
 
 def literal_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 weight ``<name>`` is ``<name>_blocks`` (``uint8`` ``[experts, out, in / 32, 16]``: two E2M1 codes per byte) beside
 ``<name>_scales`` (``uint8`` ``[experts, out, in / 32]``: one power-of-two exponent, biased by 127, per 32 values),
 the OCP Microscaling format. Layer-by-layer runs compute on the weights as transformers dequantizes them (exactly:
-every such value is a bfloat16; :func:`dequantize`) and write the kept experts' blocks and scales as stored."""
+every such value is a bfloat16; :func:`dequantize`) and write the kept experts' blocks and scales as stored; weights a
+compensation changed are quantized again as transformers quantizes (:func:`quantize`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,55 @@ def stored_names(saved: list[str]) -> set[str]:
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The value of each 4-bit E2M1 code (sign, two exponent bits, one mantissa bit)."""
+
+
+MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The magnitude of each E2M1 code's lower three bits; the fourth is the sign."""
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Halfway between consecutive magnitudes: a value on one rounds away from zero (the quantizer rounds its truncated
+mantissa half up)."""
+
+
+def _codes_and_exponents(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E2M1 codes (``uint8`` ``[..., in]``, one per value) and biased exponents (``uint8`` ``[..., in / 32]``) of
+    ``rows`` (``[..., in]``, groups of 32 along the last axis), as transformers' ``quantize_to_mxfp4`` quantizes
+    (triton_kernels' ``downcast_to_mxfp_torch``, its default rounding): the values taken in bfloat16, each group's
+    multiplier its largest magnitude over 6 rounded up to a power of two (nothing saturates; an all-zero group gets
+    exponent 0), each value over it to the nearest E2M1 magnitude, ties away from zero, its sign kept (-0 included)."""
+    if rows.shape[-1] % VALUES_PER_BLOCK:
+        raise QuantizedCheckpointError(f"MXFP4 groups {VALUES_PER_BLOCK} values along a row; these rows hold "
+                                       f"{rows.shape[-1]}, not a multiple of {VALUES_PER_BLOCK}.")
+    values = rows.to(torch.bfloat16).float()
+    if not bool(torch.isfinite(values).all()):
+        raise QuantizedCheckpointError("MXFP4 stores finite values only; these rows hold an infinity or NaN.")
+    groups = values.reshape(*values.shape[:-1], -1, VALUES_PER_BLOCK)
+    bits = (groups.abs().amax(dim=-1) / MAGNITUDES[-1]).view(torch.int32)
+    exponents = (bits + 0x7FFFFF) >> 23  # the float32 multiplier's exponent field, rounded up to a power of two
+    multipliers = (exponents << 23).view(torch.float32)
+    scaled = groups * torch.where(multipliers == 0, 0.0, 1.0 / multipliers)[..., None]
+    magnitude = torch.bucketize(scaled.abs(), torch.tensor(MIDPOINTS), right=True)
+    codes = magnitude + 8 * torch.signbit(scaled).to(magnitude.dtype)
+    return codes.reshape(values.shape).to(torch.uint8), exponents.to(torch.uint8)
+
+
+def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, scales)`` storing ``rows`` (``[..., out, in]``: the files' layout, groups of 32 along ``in``) as the
+    format stores them, quantized as transformers' ``quantize_to_mxfp4`` quantizes (:func:`_codes_and_exponents`):
+    ``blocks`` ``[..., out, in / 32, 16]`` (two codes per byte, the lower nibble first), ``scales`` ``[..., out,
+    in / 32]``."""
+    codes, exponents = _codes_and_exponents(rows)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.reshape(*exponents.shape, VALUES_PER_BLOCK // 2).contiguous(), exponents.contiguous()
+
+
+def round_to_grid(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[..., out, in]``) as they read back once :func:`quantize` has stored them, in their dtype (exact:
+    every such value is a bfloat16)."""
+    codes, exponents = _codes_and_exponents(rows)
+    magnitude = torch.tensor(MAGNITUDES)[(codes & 0x07).long()]
+    signed = torch.where(codes >= 8, -magnitude, magnitude).reshape(*exponents.shape, VALUES_PER_BLOCK)
+    multipliers = (exponents.to(torch.int32) << 23).view(torch.float32)
+    return (signed * multipliers[..., None]).reshape(rows.shape).to(rows.dtype)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -116,5 +166,5 @@ def pair_blocks(headers: dict[str, str], shapes: dict[str, list[int]], settings:
     return names
 
 
-__all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "Mxfp4Slice", "dequantize", "mxfp4_settings", "pair_blocks",
-           "stored_names"]
+__all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "Mxfp4Slice", "dequantize", "mxfp4_settings", "pair_blocks", "quantize",
+           "round_to_grid", "stored_names"]

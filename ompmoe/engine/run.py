@@ -121,8 +121,8 @@ class RunOptions:
             its own (:func:`~ompmoe.engine.apply.layer_by_layer.choose_plan_layer_by_layer`; the same losses and
             choice, its time printed). Recorded in ``plan.json`` and the card; a ``dtype`` is refused. A quantized
             checkpoint (block FP8, MXFP4 experts, compressed-tensors) is read dequantized and written in its format,
-            the kept tensors as stored; a compensation's down projections are quantized again, except MXFP4's,
-            which gets none (:mod:`ompmoe.engine.stored_formats`).
+            the kept tensors as stored; a compensation's down projections are quantized again in that format
+            (:mod:`ompmoe.engine.stored_formats`).
     """
 
     strategy: Strategy | None = None
@@ -417,10 +417,11 @@ class PruningRun:
 
     # -- collect -----------------------------------------------------------------------------------------------------
     def _compensation_for_files(self, model: nn.Module, strategy: Strategy) -> str:
-        """The compensation mode the run fits: the one asked, but none for an MXFP4 checkpoint, whose kept tensors are
+        """The compensation mode the run fits: the one asked, but none for a checkpoint whose weights ompmoe does not
+        quantize again (block FP8 with multipliers in a ``scale_fmt`` it does not write), whose kept tensors are
         written as stored (``auto`` then fits none and :attr:`no_compensation_line` says so; one named is refused
-        here, before any work); a block-FP8 or compressed-tensors one's compensated down projections are quantized
-        again. A model transformers loaded quantized is refused too (prune computes on full precision).
+        here, before any work); a block-FP8, MXFP4 or compressed-tensors one's compensated down projections are
+        quantized again. A model transformers loaded quantized is refused too (prune computes on full precision).
         """
         mode, stored = self.options.compensation, stored_quantization(model)
         method = quant_method(getattr(model, "config", None))
@@ -443,7 +444,7 @@ class PruningRun:
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")
         if stored is None or compensation_granularity(mode, strategy) is None or requantizes(stored):
-            return mode  # block FP8, compressed-tensors: its compensated down projections are quantized again
+            return mode  # block FP8, MXFP4, compressed-tensors: its compensated down projections quantized again
         if mode != "auto":
             raise QuantizedCheckpointError(COMPENSATION_STORED.format(source=self._model_name(model),
                                                                       format=format_name(stored)))

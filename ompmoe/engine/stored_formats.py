@@ -3,9 +3,9 @@ FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8), MXFP4 
 gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
 requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
-compensation changes the kept experts' down projections: a block-FP8 or compressed-tensors checkpoint's are quantized
-again (:func:`requantizes`, :func:`stored_again`); MXFP4 is not written again (its experts are transposed relative
-to the files, and transformers' MXFP4 quantizer needs a GPU), so a compensation of it is refused."""
+compensation changes the kept experts' down projections, which are quantized again in the checkpoint's format
+(:func:`requantizes`, :func:`stored_again`): block FP8 as transformers' ``Fp8Quantize``, MXFP4 as transformers'
+``quantize_to_mxfp4``, compressed-tensors as llm-compressor's round to nearest."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from .compressed_tensors_format import (CompressedSlice, compressed_tensors_sett
 from .compressed_tensors_format import dequantize as compressed_dequantize
 from .compressed_tensors_format import quantize as compressed_quantize
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
+from .mxfp4 import quantize as mxfp4_quantize
+from .mxfp4 import round_to_grid as mxfp4_round_to_grid
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
 FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an", mxfp4_settings),
@@ -38,8 +40,9 @@ STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
 COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
                        "the kept experts' weights, which would have to be quantized again (ompmoe quantizes again "
-                       "block-FP8 and compressed-tensors ones only). Prune it with compensation='off' (the paper's "
-                       "setting), or compensate its full-precision checkpoint.")
+                       "block-FP8 weights with float32 or ue8m0 multipliers, MXFP4 and compressed-tensors ones). "
+                       "Prune it with compensation='off' (the paper's setting), or compensate its full-precision "
+                       "checkpoint.")
 """Why a compensation is refused for a quantized source (``format``: :func:`format_name`) ompmoe does not
 quantize again."""
 
@@ -98,12 +101,19 @@ def stored_quantization(model: Any) -> dict[str, Any] | None:
 
 def requantizes(settings: dict[str, Any] | None) -> bool:
     """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
-    full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, or compressed-tensors (its
-    compensated down projections quantized again, :func:`stored_again`). MXFP4 is not written again."""
+    full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, MXFP4 or compressed-tensors
+    (its compensated down projections quantized again, :func:`stored_again`)."""
     if settings is None:
         return True
     method = settings["quant_method"]
-    return method == "compressed-tensors" or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS)
+    return method in ("compressed-tensors", "mxfp4") or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS)
+
+
+def quantized_in_model_layout(settings: dict[str, Any]) -> bool:
+    """Whether the format of ``settings`` reads its weights into the model's layout, transposed or not (MXFP4 reads
+    gpt-oss's transposed experts), so that a compensated weight is quantized again from the model's layout whatever
+    it is; the others store a weight as the model holds an untransposed one."""
+    return settings["quant_method"] == "mxfp4"
 
 
 def _check_requantizes(settings: dict[str, Any]) -> None:
@@ -116,9 +126,13 @@ def stored_again(weight: str, source: str, values: torch.Tensor, parts: dict[str
                  ) -> dict[str, torch.Tensor]:
     """``{file tensor: tensor}`` storing ``values`` (the files' layout) as ``weight``, a weight the files store as
     ``source`` with ``parts`` (``{suffix: safetensors slice}``), quantized again as the checkpoint's format quantizes
-    (block FP8: transformers' ``Fp8Quantize``; compressed-tensors: llm-compressor's min-max round to nearest, in the
+    (block FP8: transformers' ``Fp8Quantize``; MXFP4: transformers' ``quantize_to_mxfp4``, the model's ``[experts,
+    in, out]`` stored as ``[experts, out, in]``; compressed-tensors: llm-compressor's min-max round to nearest, in the
     stored scales' dtype and layout)."""
     _check_requantizes(settings)
+    if settings["quant_method"] == "mxfp4":
+        blocks, scales = mxfp4_quantize(values.transpose(-1, -2))
+        return {weight + BLOCKS_SUFFIX: blocks, weight + SCALES_SUFFIX: scales}
     if settings["quant_method"] == "fp8":
         fp8, scale_inv = quantize(values, block_size(settings), settings.get("scale_fmt"))
         return {weight: fp8, weight + SCALE_SUFFIX: scale_inv}
@@ -136,8 +150,10 @@ def stored_again(weight: str, source: str, values: torch.Tensor, parts: dict[str
 def regrid(source: str, parts: dict[str, Any], settings: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     """What values ``[rows, cols]`` (block FP8: ``[..., rows, cols]``) of a weight stored as ``source`` (with
     ``parts``) are read back as once :func:`stored_again` has written them: what a run measures for weights it
-    writes quantized."""
+    writes quantized (MXFP4: values ``[in, out]`` in the model's layout)."""
     _check_requantizes(settings)
+    if settings["quant_method"] == "mxfp4":
+        return lambda values: mxfp4_round_to_grid(values.transpose(-1, -2)).transpose(-1, -2)
     if settings["quant_method"] == "fp8":
         block, scale_fmt = block_size(settings), settings.get("scale_fmt")
         return lambda values: round_to_grid(values, block, scale_fmt)
@@ -177,5 +193,5 @@ def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, An
 
 
 __all__ = ["COMPENSATION_STORED", "QuantizedCheckpointError", "checkpoint_stored_settings", "compute_config",
-           "dequantized_slice", "format_name", "pair_stored", "regrid", "requantizes", "stored_again",
-           "stored_quantization", "stored_settings", "with_article"]
+           "dequantized_slice", "format_name", "pair_stored", "quantized_in_model_layout", "regrid", "requantizes",
+           "stored_again", "stored_quantization", "stored_settings", "with_article"]

@@ -178,6 +178,39 @@ def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint
     assert down and changed == (len(down) if replanned.extra["compensation"]["applied"] else 0)
 
 
+def test_a_block_fp8_checkpoint_whose_multipliers_ompmoe_does_not_write_is_not_compensated(tmp_path, caplog,
+                                                                                          capsys):
+    """A ``scale_fmt`` :func:`~ompmoe.engine.block_fp8.quantize` does not write: its weights are read and written as
+    stored, auto fits no compensation and says why, and one named is refused by both commands and the API before any
+    work, with the fix."""
+    from ompmoe.cli import main
+    from ompmoe.engine.apply.compensation import Compensation
+
+    from quantized_checkpoints import assert_both_commands_refuse_a_named_compensation
+    from test_cli import tiny_config
+
+    fp8 = to_block_fp8(shipped_model_path(), tmp_path / "fp8", (64, 64))
+    rewrite(fp8, lambda tensors, config: config["quantization_config"].update(scale_fmt="e4m3"))
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--model.model", str(fp8)])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    assert ("ompmoe: the checkpoint stores block-FP8 weights, written as stored: auto fits no compensation (its refit "
+            "would change them)") in lines
+    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    assert "compensation" not in plan.extra
+    written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(fp8)
+    down = [name for name in written if ".experts." in name and name.endswith("down_proj.weight")]
+    assert down and not any(_requantized(written, stored, name, plan) for name in down)
+
+    refusal = assert_both_commands_refuse_a_named_compensation(fp8, tmp_path / "run" / "stats.safetensors",
+                                                               tmp_path, capsys, "block-FP8")
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        save_pruned_from_files(fp8, plan, tmp_path / "out", compensation=Compensation(scales={}, kept={}))
+    assert str(refused.value) == refusal
+    assert not (tmp_path / "out").exists()
+
+
 def _requantized(written: dict, stored: dict, name: str, plan: ompmoe.PruningPlan) -> bool:
     """Whether the written FP8 weight ``name`` (or its scales) is not its source's as stored."""
     source = _source_name(name, plan)

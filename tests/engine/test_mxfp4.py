@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import ompmoe
-from ompmoe.engine.apply.compensation import Compensation
 from ompmoe.engine.collect.layerwise import collect_stats_layerwise
 from ompmoe.engine.export.streamed import save_pruned_from_files
 from ompmoe.engine.mxfp4 import dequantize
@@ -23,8 +22,7 @@ from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.tiny import tiny_model
 
 from mxfp4_reference import dequantized_checkpoint, literal_dequantize, quantize, to_mxfp4
-from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
-                                   assert_pruned_layer_by_layer_as_resident,
+from quantized_checkpoints import (assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 4000, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
@@ -62,6 +60,58 @@ def test_dequantize_is_the_code_by_code_product_and_transformers_own_bit_for_bit
     assert torch.equal(dequantize(codes, exponents).view(torch.int16), theirs.view(torch.int16))  # NaNs included
 
 
+def _hard_rows() -> torch.Tensor:
+    """Rows ``[6, 96]`` (3 groups each) that reach every rounding case: values of many sizes, every midpoint between
+    two magnitudes (a tie), groups whose largest over 6 is a power of two or just above one, a group of zeros and one
+    of negative zeros, bfloat16 subnormals, and values no bfloat16 holds (rounded to one first)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 96, generator=generator) * torch.logspace(-3, 3, 18).repeat_interleave(32).reshape(6, 96)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    rows[0, :32] = torch.cat([midpoints, -midpoints, midpoints, -midpoints]) * 2.0 ** -3  # multiplier 2 ** -3
+    rows[0, 32:64] = torch.cat([midpoints * 2, -midpoints, midpoints, midpoints * 0.5]) * 2.0 ** 5  # 2 ** 6
+    rows[0, 64:96] = rows[0, :32] * 1.01  # largest over 6 just above a power of two: the next one
+    rows[1, :32], rows[1, 32:64] = 0.0, -0.0
+    rows[2, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -131  # subnormal in bfloat16: largest over 6 too
+    rows[3, :32] = torch.randn(32, generator=generator) * (1 + 2.0 ** -20)  # rounded to bfloat16 first
+    return rows
+
+
+def test_quantize_is_transformers_quantizer_value_by_value_and_reads_back_as_its_grid():
+    """:func:`quantize` writes what transformers' ``quantize_to_mxfp4`` (triton_kernels' ``downcast_to_mxfp_torch``,
+    which needs the ``kernels`` hub here) writes, checked against a literal value-by-value reading of that rule;
+    :func:`round_to_grid` is what those bytes read back as; a release's own values quantize back to themselves."""
+    from ompmoe.engine.mxfp4 import quantize as ours
+    from ompmoe.engine.mxfp4 import round_to_grid
+
+    from mxfp4_reference import literal_requantize
+
+    rows = _hard_rows()
+    blocks, scales = ours(rows)
+    codes, exponents = literal_requantize(rows)
+    assert blocks.shape == (6, 3, 16) and blocks.dtype == scales.dtype == torch.uint8
+    assert torch.equal(scales, exponents)
+    assert torch.equal(blocks.reshape(6, 48), codes[:, 0::2] | (codes[:, 1::2] << 4))  # the lower nibble first
+    assert torch.equal(blocks[1].reshape(-1)[:16], torch.zeros(16, dtype=torch.uint8))  # zeros: code 0 ...
+    assert torch.equal(blocks[1].reshape(-1)[16:32], torch.full((16,), 0x88, dtype=torch.uint8))  # ... -0: code 8
+    read_back = literal_dequantize(blocks[None], scales[None])[0].t()  # [rows, in]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(round_to_grid(rows.to(dtype)), read_back.to(dtype))
+    assert (read_back - rows).abs().max() <= rows.abs().max() / 4
+    stacked = rows.reshape(2, 3, 96)  # any leading dimensions
+    assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(ours(stacked), (blocks, scales)))
+
+    released = torch.randint(0, 256, (2, 8, 3, 16), dtype=torch.uint8)  # a release's codes, realistic exponents
+    released_scales = torch.randint(100, 150, (2, 8, 3), dtype=torch.uint8)
+    values = dequantize(released, released_scales).transpose(1, 2)  # [experts, out, in]
+    assert torch.equal(round_to_grid(values), values)
+    assert torch.equal(dequantize(*ours(values)).view(torch.int16), values.transpose(1, 2).view(torch.int16))
+
+    with pytest.raises(QuantizedCheckpointError, match=r"^MXFP4 groups 32 values along a row; these rows hold 40, "):
+        ours(torch.ones(2, 40))
+    with pytest.raises(QuantizedCheckpointError, match=r"^MXFP4 stores finite values only; "):
+        ours(torch.full((1, 32), float("inf")))
+
+
 def test_an_mxfp4_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path):
     mxfp4, dequantized = _mxfp4_source(tmp_path)
     stored = read_tensors(mxfp4)
@@ -87,6 +137,54 @@ def test_an_mxfp4_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path)
     assert row in (tmp_path / "streamed" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("granularity", ["linear", "down", "expert"])
+def test_a_compensated_mxfp4_checkpoint_is_written_as_the_run_measured_it(granularity, tmp_path):
+    """The layer-by-layer pass fits the compensation and measures the pruned model with its corrected down projections
+    as they will be written (quantized again from gpt-oss's transposed experts); the streamed writer quantizes the
+    same values as transformers' ``quantize_to_mxfp4`` does: the written checkpoint, read back literally, has the
+    perplexity the run reported, its compensated down projections are the resident compensated model's quantized,
+    and every other tensor is the source's as stored, or ``save_pruned``'s (the biases: full precision)."""
+    from ompmoe.engine.mxfp4 import quantize as ours
+    from ompmoe.engine.perplexity import perplexity
+
+    from quantized_checkpoints import compensated_layer_by_layer
+
+    mxfp4, dequantized = _mxfp4_source(tmp_path)
+    plan, heldout, measured = compensated_layer_by_layer(mxfp4, BLOCKS, granularity, tmp_path)
+    written, stored = read_tensors(tmp_path / "written"), read_tensors(mxfp4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read_back = ompmoe.load_pruned(dequantized_checkpoint(tmp_path / "written", tmp_path / "read"))
+        resident = measured.compensation.apply(ompmoe.prune(ompmoe.load_pruned(dequantized), plan))
+        resident.save_pretrained(tmp_path / "resident")
+    assert perplexity(read_back, heldout) == pytest.approx(measured.heldout["set"][1], rel=1e-6)
+    expected, changed = read_tensors(tmp_path / "resident"), 0
+    for name, tensor in expected.items():
+        layer = name.split(".mlp.")[0] + ".mlp"
+        if name.endswith("experts.down_proj"):  # the resident compensated rows, quantized as transformers does
+            blocks, scales = ours(tensor.transpose(1, 2))
+            kept = torch.tensor(plan.kept_by_layer()[layer])
+            assert torch.equal(written[name + "_blocks"], blocks) and torch.equal(written[name + "_scales"], scales)
+            changed += not torch.equal(written[name + "_blocks"], stored[name + "_blocks"][kept])
+        elif name.endswith("experts.gate_up_proj"):  # the source's, as stored
+            kept = torch.tensor(plan.kept_by_layer()[layer])
+            for suffix in ("_blocks", "_scales"):
+                assert torch.equal(written[name + suffix], stored[name + suffix][kept]), name + suffix
+        else:
+            assert torch.equal(written[name], tensor), name
+    assert len(written) == len(expected) + 2 * len(plan.layers)
+    # the refit moved the written codes (an expert's scale within a few per cent of 1 can leave them as stored)
+    assert changed == len(plan.layers) if granularity != "expert" else changed > 0
+    if granularity == "linear":  # stock transformers (its remote code: per-layer counts) reads what was measured
+        from quantized_checkpoints import logits_in_a_fresh_process
+
+        ids = torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected_logits = read_back(ids).logits
+        logits = logits_in_a_fresh_process(tmp_path / "written", ids, tmp_path, remote_code=True)
+        assert torch.equal(logits, expected_logits)
+
+
 def test_stock_transformers_reads_the_pruned_mxfp4_checkpoint_in_a_fresh_process(tmp_path):
     """Pruned uniformly and non-uniformly: stock ``from_pretrained`` (uniform) and with the remote code
     (non-uniform), in a process that never imported ompmoe, dequantize it (no GPU) to the logits of the pruned
@@ -109,7 +207,7 @@ def test_load_pruned_reads_an_mxfp4_release_dequantized(tmp_path):
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
 
 
-def test_ompmoe_fit_layer_by_layer_prunes_an_mxfp4_checkpoint_and_says_what_auto_left_out(tmp_path, caplog, capsys):
+def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_an_mxfp4_checkpoint(tmp_path, caplog):
     from ompmoe.cli import main
 
     from test_cli import tiny_config
@@ -120,26 +218,40 @@ def test_ompmoe_fit_layer_by_layer_prunes_an_mxfp4_checkpoint_and_says_what_auto
           "--model.model", str(mxfp4)])
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    assert lines[0].startswith(  # auto fits its compensation: the down projections it changes are quantized again
+        f"ompmoe: method {plan.method}, allocation {plan.allocation}, compensation ")
     assert lines[2].startswith("ompmoe: auto's trial of its settings ran layer by layer in one more pass over the "
                                "layers: ")
-    assert lines[3] == ("ompmoe: the checkpoint stores MXFP4 weights, written as stored: auto fits no compensation "
-                        "(its refit would change them)")
-    assert "compensation" not in plan.extra
-    written = read_tensors(tmp_path / "run" / "model")
+    assert lines[3].startswith("ompmoe: compensation and its check and held-out perplexity ran layer by layer in ")
+    assert lines[4].startswith("ompmoe: compensation (")
+    assert lines[6:] == [f"ompmoe: wrote statistics, plan and pruned model to {tmp_path / 'run'}"]
+    record = plan.extra["compensation"]
+    written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(mxfp4)
     assert sum(name.endswith("_blocks") for name in written) == 2 * len(plan.layers)
+    down = [name for name in written if name.endswith("down_proj_blocks")]
+    changed = sum(not torch.equal(written[name], stored[name][torch.tensor(plan.kept_by_layer()[name.split(
+        ".mlp.")[0] + ".mlp"])]) for name in down)
+    assert (changed > 0) == record["applied"]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    row = ("| Weights dtype | MXFP4 experts (e2m1, one power-of-two scale per 32 values; the kept experts' compensated "
+           "down projections quantized again where the source quantizes them, the others the source's tensors as it "
+           "stores them), the rest bfloat16 |")
+    assert (row in card) == record["applied"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = ompmoe.load_pruned(tmp_path / "run" / "model", trust_remote_code=True)
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
 
-    # a compensation asked for by name is refused before any work, with the fix, by both commands and the API
-    refusal = assert_both_commands_refuse_a_named_compensation(mxfp4, tmp_path / "run" / "stats.safetensors",
-                                                               tmp_path, capsys, "MXFP4")
-    plan = ompmoe.plan_pruning(ompmoe.MoEStats.load(tmp_path / "run" / "stats.safetensors"), 0.5)
-    with pytest.raises(QuantizedCheckpointError) as refused:
-        save_pruned_from_files(mxfp4, plan, tmp_path / "out", compensation=Compensation(scales={}, kept={}))
-    assert str(refused.value) == refusal
-    assert not (tmp_path / "out").exists()
+    # ompmoe prune re-plans its statistics from the same files, MXFP4 in and out, refit by name
+    main(["prune", "--stats", str(tmp_path / "run" / "stats.safetensors"), "--ratio", "0.25", "--model", str(mxfp4),
+          "--output_dir", str(tmp_path / "pruned"), "--quiet", "true", "--compensation", "linear"])
+    written = read_tensors(tmp_path / "pruned" / "model-0.25")
+    replanned = ompmoe.PruningPlan.load(tmp_path / "pruned" / "plan-0.25.json")
+    assert replanned.extra["compensation"]["granularity"] == "linear"
+    kept = replanned.kept_by_layer()
+    changed = sum(not torch.equal(written[name], stored[name][torch.tensor(kept[name.split(".mlp.")[0] + ".mlp"])])
+                  for name in written if name.endswith("down_proj_blocks"))
+    assert changed == (len(kept) if replanned.extra["compensation"]["applied"] else 0)
 
 
 WEIGHT = "model.layers.1.mlp.experts.down_proj"

@@ -24,7 +24,7 @@ from ..collect.collector import as_model_inputs, check_calibration_inputs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
 from ..record import CONFIG_KEY, last_pruning_kept, pruning_info
-from ..stored_formats import stored_quantization
+from ..stored_formats import quantized_in_model_layout, stored_quantization
 from .adaptive import adaptive_paused
 from .pruning import require_plan_model, slice_router, validate_plan
 from .trial import pruned_view
@@ -767,8 +767,8 @@ def compensation_obstacle(model: nn.Module) -> CompensationError | None:
         check_single_pass(model)
         for layer in find_moe_layers(model):
             check_foldable(layer)
-            if stored_quantization(model) is not None:  # its down projections are quantized again
-                check_regridable(layer)
+            if (settings := stored_quantization(model)) is not None:  # its down projections are quantized again
+                check_regridable(layer, settings)
     except CompensationError as error:
         return error
     return None
@@ -779,10 +779,11 @@ def without_fix(error: CompensationError) -> str:
     return str(error).removesuffix("; run without compensation.").removesuffix(" Run without compensation.")
 
 
-def check_regridable(layer: MoELayer) -> None:
-    """Refuse quantizing a layer's corrected down projection again where the model's layout may not be the files'
-    (a transposed experts module: gpt-oss, Aria; none is released in block FP8)."""
-    if getattr(layer.experts, "is_transposed", False):
+def check_regridable(layer: MoELayer, settings: dict[str, Any]) -> None:
+    """Refuse quantizing a layer's corrected down projection again (the files' format ``settings``) where the model's
+    layout may not be the files' (a transposed experts module, as Aria's, in block FP8 or compressed-tensors; none is
+    released so). MXFP4 reads gpt-oss's transposed experts into the model's layout, and quantizes them back from it."""
+    if getattr(layer.experts, "is_transposed", False) and not quantized_in_model_layout(settings):
         raise CompensationError(f"{layer.name}.experts stores its down projection transposed; ompmoe quantizes "
                                 "compensated down projections again only in the files' layout. Run without "
                                 "compensation.")

@@ -312,7 +312,7 @@ def measure_layer_by_layer(source: str | os.PathLike, model: nn.Module, plan: Pr
                  if granularity else {})  # a quantized checkpoint's corrected rows: as written, quantized again
         for layer in layers:
             if grids.get(layer.name) is not None:
-                check_regridable(layer)
+                check_regridable(layer, checkpoint.settings)
         run = _MeasuringPass(passes, model, plan, layers, granularity, alphas, variants, paper_kept, store, grids)
         if granularity:
             fit_batches, run.num_tokens = _fitting_batches(model, granularity, text, batch_size, passes.device)

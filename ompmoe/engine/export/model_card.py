@@ -212,8 +212,7 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
         rows, cols = quantization.get("weight_block_size") or ("?", "?")
         return f"FP8 (e4m3, one scale per {rows}x{cols} block; {stored}), the rest {dtype or 'not recorded'}"
     if method == "mxfp4":
-        return (f"MXFP4 experts (e2m1, one power-of-two scale per 32 values; the source's tensors as it stores them), "
-                f"the rest {dtype or 'not recorded'}")
+        return f"MXFP4 experts (e2m1, one power-of-two scale per 32 values; {stored}), the rest {dtype or 'not recorded'}"
     if method == "compressed-tensors":
         return f"compressed-tensors ({describe(quantization)}; {stored}), the rest {dtype or 'not recorded'}"
     return dtype or "not recorded"

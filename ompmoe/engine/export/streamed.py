@@ -128,7 +128,7 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     names = {id(module): name for name, module in model.named_modules()}
     if compensation is not None and checkpoint.stored:  # the compensated down projections are quantized again
         for layer in moe_layers:
-            check_regridable(layer)
+            check_regridable(layer, checkpoint.settings)
         checkpoint.requantize({f"{names[id(layer.experts)]}.down_proj" for layer in moe_layers})
     only_experts = {names[id(layer.experts)]: sorted(kept[layer.name]) for layer in moe_layers}
     # the kept experts are read into tensors of their rows (slicing them then only sets counts); removed: never read
