@@ -622,23 +622,38 @@ def _load_model(name: str, statistics: Any) -> Any:
 
 def lightning_cli(args: list[str] | None = None) -> None:
     """``ompmoe fit``/``predict`` (LightningCLI on the calibration modules) and ``validate``/``test`` (the lm-eval
-    suite of :mod:`ompmoe.eval`); ``--quiet`` turns off Lightning's bars, model summary and info lines."""
+    suite of :mod:`ompmoe.eval`); ``--quiet`` turns off Lightning's bars, model summary and info lines for this
+    command."""
+    given = list(sys.argv[1:] if args is None else args)
+    args = class_paths(given)
+    if "--quiet" not in args:
+        return _lightning_cli(args, given)
+    args = [arg for arg in args if arg != "--quiet"]  # Lightning's own switches (:mod:`ompmoe._quiet` drops the rest)
+    args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    from transformers.utils import logging as hf_logging
+
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    levels, bars = [logger.level for logger in loggers], hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    hf_logging.disable_progress_bar()
+    try:
+        return _lightning_cli(args, given)
+    finally:  # for this command only: a later one in the same process (a notebook, a test) is not quiet
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _lightning_cli(args: list[str], given: list[str]) -> None:
+    """:func:`lightning_cli` on ``args`` (``given``: the command as typed)."""
     from unittest import mock
 
     from lightning.pytorch.cli import LightningCLI
 
     from .eval.cli import EVAL_SUBCOMMANDS, eval_cli
 
-    given = list(sys.argv[1:] if args is None else args)
-    args = class_paths(given)
-    if "--quiet" in args:  # as Lightning's own switches (:mod:`ompmoe._quiet` drops the rest)
-        args = [arg for arg in args if arg != "--quiet"]
-        args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
-        from transformers.utils import logging as hf_logging
-
-        for name in LIGHTNING_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
-        hf_logging.disable_progress_bar()
     # Lightning starts the other processes of a multi-device run by running sys.argv again: it holds this command
     # (as given: each process parses it itself) while the run goes on; only while LightningCLI parses ``args`` is it
     # bare (OneLineErrors.parse_arguments: it warns when both hold arguments; ``args`` are always meant).

@@ -52,6 +52,16 @@ MIXED = {  # two schemes, each group naming its modules: the routed experts in I
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
 
 
+NVFP4_EXPERTS = {  # llm-compressor's NVFP4A16 preset on the routed experts (FP4 per group of 16, FP8 group scales,
+    "config_groups": {"group_0": {  # one float32 global scale per weight); the rest bf16
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"dynamic": False, "group_size": 16, "num_bits": 4, "observer": "minmax",
+                    "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
+                    "type": "float"}}},
+    "format": "nvfp4-pack-quantized", "ignore": INT4_EXPERTS["ignore"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
 def scheme_for(name: str, tensor: torch.Tensor, settings: dict) -> tuple[dict, str] | None:
     """The scheme and format ``settings`` stores the weight ``name`` with, by a literal rule per setting (``None``:
     full precision): INT4_EXPERTS the routed experts, FP8_DYNAMIC every linear but the head and routers, MIXED the
@@ -64,7 +74,7 @@ def scheme_for(name: str, tensor: torch.Tensor, settings: dict) -> tuple[dict, s
     if settings == MIXED:
         group = "experts" if ".mlp.experts." in name else "attention" if ".self_attn." in name else None
         return (groups[group]["weights"], groups[group]["format"]) if group else None
-    if settings == INT4_EXPERTS and ".experts." not in name:
+    if settings in (INT4_EXPERTS, NVFP4_EXPERTS) and ".experts." not in name:
         return None
     if settings == LINEAR_PLUS_ATTENTION:
         group = "group_1" if ".self_attn." in name else "group_0"
@@ -83,6 +93,8 @@ def compress(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
     quantized range, in bfloat16."""
     rows, cols = weight.shape
     values = weight.float()
+    if scheme["type"] == "float" and scheme["num_bits"] == 4:
+        return compress_nvfp4(weight, scheme)
     if scheme["type"] == "int":
         size, bits = scheme["group_size"] if scheme["strategy"] == "group" else cols, scheme["num_bits"]
         top = 2 ** (bits - 1) - 1
@@ -93,6 +105,25 @@ def compress(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
                 "_shape": torch.tensor([rows, cols])}
     scale = (values.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-6).to(torch.bfloat16)
     return {"": (values / scale.float()).to(torch.float8_e4m3fn), "_scale": scale}
+
+
+def compress_nvfp4(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
+    """``weight`` stored in NVFP4 as llm-compressor stores it, by compressed-tensors' own functions: the weight's
+    global scale (``generate_gparam`` of its range), each group's FP8 scale (``calculate_qparams`` with that global
+    scale) and its ``NVFP4PackedCompressor``'s packing."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    args = QuantizationArgs(**{key: value for key, value in scheme.items() if key != "scale_dtype"},
+                            scale_dtype=torch.float8_e4m3fn)
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // scheme["group_size"], scheme["group_size"])
+    global_scale = generate_gparam(weight.amin(), weight.amax())
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=global_scale)
+    state = {"weight": weight, "weight_scale": scale, "weight_global_scale": global_scale}
+    stored = NVFP4PackedCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args))
+    return {name.removeprefix("weight"): tensor for name, tensor in stored.items()}
 
 
 def compress_as_llm_compressor(weight: torch.Tensor, scheme: dict) -> dict[str, torch.Tensor]:
@@ -145,7 +176,8 @@ def dequantized_checkpoint(source: Path, target: Path, original: Path) -> Path:
     originals = read_tensors(original)
     for name in quantized_names(originals, settings):
         scheme, format = scheme_for(name, originals[name], settings)
-        suffixes = ("_packed", "_scale", "_shape") if scheme["type"] == "int" else ("", "_scale")
+        suffixes = (("_packed", "_scale", "_shape") if scheme["type"] == "int" else
+                    ("_packed", "_scale", "_global_scale") if scheme["num_bits"] == 4 else ("", "_scale"))
         parts = {suffix: tensors.pop(name + suffix) for suffix in suffixes}
         tensors[name] = decompress(parts, scheme, format).to(torch.bfloat16)
     return write_checkpoint(source, target, tensors, config)

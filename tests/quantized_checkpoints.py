@@ -78,8 +78,8 @@ def assert_both_commands_refuse_a_named_compensation(source: Path, stats: Path, 
     assert not (tmp_path / "again" / "run").exists()
     refusal = (f"{source} stores {stored} weights, which ompmoe writes as stored; a compensation changes the kept "
                "experts' weights, which would have to be quantized again (ompmoe quantizes again block-FP8 weights "
-               "with float32 or ue8m0 multipliers, MXFP4 and compressed-tensors ones). Prune it with {off} (the "
-               "paper's setting), or compensate its full-precision checkpoint.")
+               "whose scale_fmt is none, 'float' or 'ue8m0', MXFP4 and compressed-tensors integer and FP8 ones). "
+               "Prune it with {off} (the paper's setting), or compensate its full-precision checkpoint.")
     assert refusal.format(off="compensation='off'") in capsys.readouterr().err
     try:
         main(["prune", "--stats", str(stats), "--ratio", "0.25", "--model", str(source), "--output_dir",

@@ -88,3 +88,37 @@ def warnings_file() -> str:
     import warnings
 
     return warnings.__file__
+
+
+def test_quiet_quiets_its_own_command_only(monkeypatch):
+    """``--quiet`` sets Lightning's info loggers to warnings and switches transformers' bars off while its command
+    runs, and puts both back after it, also when it fails: a later fit in the same process (a notebook, a test
+    worker) prints its ``ompmoe:`` lines again."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from ompmoe import cli
+    from ompmoe._quiet import LIGHTNING_LOGGERS
+
+    seen = []
+
+    def command(args: list[str], given: list[str]) -> None:
+        levels = [logging.getLogger(name).level for name in LIGHTNING_LOGGERS]
+        seen.append((levels, hf_logging.is_progress_bar_enabled(), args))
+        if "--fail" in given:
+            raise SystemExit(2)
+
+    monkeypatch.setattr(cli, "_lightning_cli", command)
+    before = [logging.getLogger(name).level for name in LIGHTNING_LOGGERS]
+    hf_logging.enable_progress_bar()
+    cli.lightning_cli(["fit", "--quiet"])
+    with pytest.raises(SystemExit):
+        cli.lightning_cli(["fit", "--quiet", "--fail"])
+    cli.lightning_cli(["fit"])
+    quiet = [logging.WARNING] * len(LIGHTNING_LOGGERS)
+    assert [levels for levels, _, _ in seen] == [quiet, quiet, before]
+    assert [bars for _, bars, _ in seen] == [False, False, True]
+    assert seen[0][2] == ["fit", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert [logging.getLogger(name).level for name in LIGHTNING_LOGGERS] == before
+    assert hf_logging.is_progress_bar_enabled()

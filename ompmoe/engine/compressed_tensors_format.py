@@ -1,19 +1,23 @@
 """Checkpoints in compressed-tensors' format (``quant_method`` ``compressed-tensors``, what llm-compressor writes:
-Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic requants). Two of its formats are read:
+Kimi K2 Thinking's INT4 experts, the community's W4A16 / W8A16 / FP8-dynamic / NVFP4A16 requants). Three of its
+formats are read:
 
 - ``pack-quantized``: a weight ``<m>.weight`` is ``<m>.weight_packed`` (``int32``, ``num_bits``-bit integers packed
   densely along each row, offset by ``2 ** (num_bits - 1)``) beside ``<m>.weight_scale`` (one multiplier per group
   of ``group_size`` inputs, per row, or for the tensor) and ``<m>.weight_shape`` (its ``[rows, cols]``);
-- ``float-quantized``: ``<m>.weight`` in FP8 (E4M3) beside ``<m>.weight_scale`` (per row or per tensor).
+- ``float-quantized``: ``<m>.weight`` in FP8 (E4M3) beside ``<m>.weight_scale`` (per row or per tensor);
+- ``nvfp4-pack-quantized`` (NVFP4): ``<m>.weight_packed`` (``uint8``, two FP4 (E2M1) codes per byte, the lower nibble
+  first) beside ``<m>.weight_scale`` (FP8, one per group of 16 inputs) and ``<m>.weight_global_scale`` (``float32``,
+  one per weight, dividing the group scales).
 
 Layer-by-layer runs compute on the weights as compressed-tensors dequantizes them (``value * scale`` in the scale's
 dtype; :func:`dequantize`, equal to its ``decompress`` bit for bit, tested) and write the kept experts' tensors as
 stored; a compensation's down projections are quantized again as llm-compressor quantizes (:func:`quantize`,
-:func:`pack`). Which scheme a weight has is its module's config group (:func:`scheme_of`), checked against the stored
-shapes; where compressed-tensors and transformers would read a weight differently ompmoe refuses, and so where a
-layer's routed experts are not all stored alike (a kept expert renumbered could then be read with another scheme).
-What would be read wrong (zero points, activation-ordered groups, static activation scales, sparsity, transforms, a
-KV-cache scheme, block-scaled FP8) is refused by name."""
+:func:`pack`), except NVFP4 ones, which are written as stored only. Which scheme a weight has is its module's config
+group (:func:`scheme_of`), checked against the stored shapes; where compressed-tensors and transformers would read a
+weight differently ompmoe refuses, and so where a layer's routed experts are not all stored alike (a kept expert
+renumbered could then be read with another scheme). What would be read wrong (zero points, activation-ordered groups,
+static activation scales, sparsity, transforms, a KV-cache scheme, block-scaled FP8) is refused by name."""
 
 from __future__ import annotations
 
@@ -27,14 +31,18 @@ import torch
 
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
-PACKED, SCALE, SHAPE = "_packed", "_scale", "_shape"
+PACKED, SCALE, SHAPE, GLOBAL_SCALE = "_packed", "_scale", "_shape", "_global_scale"
 """A weight ``<m>.weight`` is stored as ``<m>.weight_packed`` (or ``<m>.weight`` itself, FP8), ``<m>.weight_scale``
-and (packed) ``<m>.weight_shape``."""
-REFUSED_SUFFIXES = {"_zero_point": "asymmetric zero points", "_g_idx": "activation-ordered groups (g_idx)",
-                    "_global_scale": "a global scale (NVFP4)"}
+and (packed integers) ``<m>.weight_shape`` or (NVFP4) ``<m>.weight_global_scale``."""
+REFUSED_SUFFIXES = {"_zero_point": "asymmetric zero points", "_g_idx": "activation-ordered groups (g_idx)"}
 """Tensors beside a weight that ompmoe does not apply, so a weight that has one is refused (what each means)."""
-FORMATS = {"int": "pack-quantized", "float": "float-quantized"}
-"""The compressed-tensors format ompmoe reads for each weight type."""
+NVFP4 = "nvfp4-pack-quantized"
+FORMATS = {("int", None): "pack-quantized", ("float", 8): "float-quantized", ("float", 4): NVFP4}
+"""The compressed-tensors format ompmoe reads for each weight type and width (``None``: any of 1 to 8 bits)."""
+NVFP4_GROUP = 16
+"""Inputs sharing one FP8 scale in NVFP4."""
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The magnitude of an FP4 (E2M1) code's lower three bits; the fourth is the sign."""
 SCALE_DTYPES = ("BF16", "F16", "F32")
 """The scales' safetensors dtypes (the dequantized values take theirs)."""
 SCALE_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -71,8 +79,9 @@ def compressed_tensors_settings(settings: dict[str, Any]) -> dict[str, Any]:
     if wrong:
         raise QuantizedCheckpointError(
             f"The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {'; '.join(wrong)}. "
-            "ompmoe reads symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized "
-            f"FP8 weights (per channel or tensor), with dynamic or no activation quantization. {FIX}")
+            "ompmoe reads symmetric pack-quantized integer weights (per group, channel or tensor), float-quantized "
+            "FP8 weights (per channel or tensor) and nvfp4-pack-quantized NVFP4 weights (FP4 per group of 16 with a "
+            f"global scale), with dynamic or no activation quantization. {FIX}")
     return dict(settings)
 
 
@@ -84,15 +93,20 @@ def _group_problems(group: dict[str, Any], default_format: str | None) -> list[s
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     problems = []
     form = group.get("format") or default_format
-    if kind not in FORMATS or form != FORMATS[kind]:
-        problems.append(f"{kind} weights in format {form!r} (ompmoe reads int pack-quantized, float float-quantized)")
+    expected = FORMATS.get((kind, None if kind == "int" else bits))
+    if kind == "float" and bits not in (4, 8):
+        problems.append(f"{bits}-bit floats (ompmoe reads FP8 and NVFP4)")
+    elif expected is None or form != expected:
+        problems.append(f"{kind} weights of {bits} bits in format {form!r} (ompmoe reads int pack-quantized, 8-bit "
+                        f"float float-quantized, 4-bit float {NVFP4})")
     elif kind == "int" and not (isinstance(bits, int) and 1 <= bits <= 8):
         problems.append(f"{bits}-bit integers (pack-quantized stores 1 to 8)")
-    elif kind == "float" and bits != 8:
-        problems.append(f"{bits}-bit floats (ompmoe reads FP8)")
-    allowed = ("group", "channel", "tensor") if kind == "int" else ("channel", "tensor")
+    allowed = (("group", "channel", "tensor") if kind == "int" else ("tensor_group",) if bits == 4
+               else ("channel", "tensor"))
     if strategy not in allowed:  # block FP8: transformers 5.24 cannot read such experts
         problems.append(f"strategy {strategy!r}")
+    elif strategy == "tensor_group" and weights.get("group_size") != NVFP4_GROUP:
+        problems.append(f"FP4 groups of {weights.get('group_size')} (NVFP4's are {NVFP4_GROUP})")
     other = [target for target in group.get("targets") or [] if target != "Linear" and not target.startswith("re:")]
     if other:
         problems.append(f"target {other[0]!r} (ompmoe reads groups that target Linear or re: patterns)")
@@ -183,6 +197,19 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, scheme: dict[str, Any]
     return product * scale.reshape(rows, 1) if strategy == "channel" else product * scale.reshape(())
 
 
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 values ``[rows, 2 * bytes]`` of an NVFP4 weight, as compressed-tensors' ``decompress`` gives them
+    (bit for bit): each code's E2M1 value times its group's FP8 scale (in bfloat16) over the global scale, in the
+    dtype torch's promotion gives that quotient (float32 for a ``[1]`` global scale), as theirs computes it."""
+    rows = packed.shape[0]
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(rows, -1).long()  # the lower nibble first
+    magnitude = torch.tensor(E2M1)[codes & 0x07]
+    values = torch.where(codes >= 8, -magnitude, magnitude).to(torch.bfloat16)
+    multipliers = scale.to(torch.bfloat16).unsqueeze(-1) / global_scale
+    grouped = values.reshape(rows, -1, NVFP4_GROUP).to(multipliers.dtype) * multipliers
+    return grouped.reshape(rows, -1).to(torch.bfloat16)
+
+
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``values`` (``int8`` ``[rows, cols]``, each in ``bits`` signed bits) packed densely into ``int32`` words, the
     inverse of :func:`unpack` (compressed-tensors' ``pack_to_int32``)."""
@@ -232,9 +259,12 @@ class CompressedSlice(ComputedSlice):
 
     def get_shape(self) -> list[int]:
         """The weight's ``[rows, cols]``: a packed one's stored shape, checked against its words and scales (a
-        scheme that does not describe them would be read as other values)."""
+        scheme that does not describe them would be read as other values); an NVFP4 one's two values per byte."""
         if self._shape is None:
-            if PACKED in self.parts:
+            if GLOBAL_SCALE in self.parts:
+                rows, width = self.parts[PACKED].get_shape()
+                self._shape = [rows, 2 * width]
+            elif PACKED in self.parts:
                 shape = [int(size) for size in self.parts[SHAPE][:].tolist()]
                 problem = _unpacked_problem(self.weight, shape, self.parts, self.scheme)
                 if problem:
@@ -245,9 +275,11 @@ class CompressedSlice(ComputedSlice):
         return self._shape
 
     def get_dtype(self) -> str:
-        return self.parts[SCALE].get_dtype()
+        return "BF16" if GLOBAL_SCALE in self.parts else self.parts[SCALE].get_dtype()
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        if GLOBAL_SCALE in self.parts:
+            return dequantize_fp4(self.parts[PACKED][:], self.parts[SCALE][:], self.parts[GLOBAL_SCALE][:])[index]
         if PACKED in self.parts:
             values = unpack(self.parts[PACKED][:], int(self.scheme["num_bits"]), self.get_shape()[1])
         else:
@@ -311,7 +343,9 @@ def pair_compressed(headers: dict[str, str], shapes: dict[str, list[int]], setti
         if problem:
             wrong.append(problem)
             continue
-        pairs[weight] = ({PACKED: weight + PACKED, SCALE: weight + SCALE, SHAPE: weight + SHAPE} if weight in packed
+        pairs[weight] = ({PACKED: weight + PACKED, SCALE: weight + SCALE, GLOBAL_SCALE: weight + GLOBAL_SCALE}
+                         if weight in packed and _is_fp4(scheme) else
+                         {PACKED: weight + PACKED, SCALE: weight + SCALE, SHAPE: weight + SHAPE} if weight in packed
                          else {"": weight, SCALE: weight + SCALE})
     wrong.extend(_mixed_experts(headers))
     activations = sorted(name for name in headers if name.endswith(ACTIVATION_SCALES))
@@ -358,6 +392,29 @@ def _mixed_experts(headers: dict[str, str]) -> list[str]:
     return problems
 
 
+def _is_fp4(scheme: dict[str, Any]) -> bool:
+    """Whether ``scheme`` (a config group's ``weights``) is NVFP4's: 4-bit floats."""
+    return scheme.get("type") == "float" and scheme.get("num_bits") == 4
+
+
+def _fp4_problem(weight: str, headers: dict[str, str], shapes: dict[str, list[int]]) -> str | None:
+    """What is wrong with how the files store the NVFP4 ``weight`` (``None``: nothing)."""
+    stored, scale, overall = weight + PACKED, weight + SCALE, weight + GLOBAL_SCALE
+    if headers[stored] != "U8" or len(shapes[stored]) != 2:
+        return f"{stored} is {headers[stored]} {shapes[stored]}, not 2-D uint8 (two FP4 codes per byte)"
+    for part in (scale, overall):
+        if part not in headers:
+            return f"{weight} has no {part}"
+    rows, width = shapes[stored]
+    expected = [rows, 2 * width // NVFP4_GROUP]
+    if headers[scale] != "F8_E4M3" or list(shapes[scale]) != expected or (2 * width) % NVFP4_GROUP:
+        return (f"{scale} is {headers[scale]} {shapes[scale]}, not FP8 (E4M3) scales {expected}: one per "
+                f"{NVFP4_GROUP} of {weight}'s {2 * width} columns")
+    if headers[overall] != "F32" or math.prod(shapes[overall]) != 1:
+        return f"{overall} is {headers[overall]} {shapes[overall]}, not one float32 global scale"
+    return None
+
+
 def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list[int]], scheme: dict[str, Any],
                     packed: bool, settings: dict[str, Any]) -> str | None:
     """What is wrong with how the files store ``weight`` for ``scheme`` (``None``: nothing)."""
@@ -366,9 +423,14 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
             return f"{weight}{suffix} ({what})"
     if ignored(weight.removesuffix(".weight"), settings):
         return f"{weight} is stored quantized, but the quantization_config's ignore list names it"
-    if (scheme.get("type") == "int") != packed:
-        stored = "packed integers" if packed else f"FP8 ({headers[weight]})"
-        return f"{weight} is stored as {stored} but its config group quantizes {scheme.get('type')} weights"
+    if (scheme.get("type") == "int" or _is_fp4(scheme)) != packed:
+        stored = "packed values" if packed else f"FP8 ({headers[weight]})"
+        return (f"{weight} is stored as {stored} but its config group quantizes {scheme.get('num_bits')}-bit "
+                f"{scheme.get('type')} weights")
+    if _is_fp4(scheme):
+        return _fp4_problem(weight, headers, shapes)
+    if weight + GLOBAL_SCALE in headers:
+        return f"{weight}{GLOBAL_SCALE} (a global scale, which only NVFP4 weights have)"
     scale = weight + SCALE
     if scale not in headers:
         return f"{weight} has no {scale}"
@@ -408,7 +470,8 @@ def _stored_problem(weight: str, headers: dict[str, str], shapes: dict[str, list
 
 def stored_names(saved: list[str]) -> set[str]:
     """The integer tensor names a compressed-tensors checkpoint may store for the model tensors ``saved`` (as
-    ``save_pretrained`` names them): each weight's packed values, shape, zero points and group indices."""
+    ``save_pretrained`` names them): each weight's packed values (NVFP4's too), shape, zero points and group
+    indices."""
     return {name + suffix for name in saved if name.endswith(".weight")
             for suffix in (PACKED, SHAPE, "_zero_point", "_g_idx")}
 
@@ -418,13 +481,20 @@ def describe(settings: dict[str, Any]) -> str:
     described = []
     for group in (settings.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
-        kind = f"int{weights.get('num_bits')}" if weights.get("type") == "int" else "fp8 e4m3"
+        kind = (f"int{weights.get('num_bits')}" if weights.get("type") == "int" else
+                "NVFP4 (fp4 e2m1" if _is_fp4(weights) else "fp8 e4m3")
         strategy = weights.get("strategy")
         how = {"group": f"per group of {weights.get('group_size')}", "channel": "per channel",
-               "tensor": "per tensor"}.get(strategy, f"per {strategy}")
+               "tensor": "per tensor", "tensor_group": f"per group of {weights.get('group_size')}, fp8 scales, "
+               "a global scale)"}.get(strategy, f"per {strategy}")
         described.append(f"{kind} {how}")
     return "; ".join(dict.fromkeys(described))
 
 
-__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "describe", "ignored", "pack",
-           "pair_compressed", "quantize", "scheme_of", "stored_names", "unpack"]
+def stores_fp4(settings: dict[str, Any]) -> bool:
+    """Whether a config group of ``settings`` stores NVFP4 weights (which ompmoe does not quantize again)."""
+    return any(_is_fp4(group.get("weights") or {}) for group in (settings.get("config_groups") or {}).values())
+
+
+__all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "dequantize_fp4", "describe", "ignored",
+           "pack", "pair_compressed", "quantize", "scheme_of", "stored_names", "stores_fp4", "unpack"]

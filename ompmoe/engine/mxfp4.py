@@ -54,7 +54,7 @@ def _codes_and_exponents(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if rows.shape[-1] % VALUES_PER_BLOCK:
         raise QuantizedCheckpointError(f"MXFP4 groups {VALUES_PER_BLOCK} values along a row; these rows hold "
                                        f"{rows.shape[-1]}, not a multiple of {VALUES_PER_BLOCK}.")
-    values = rows.to(torch.bfloat16).float()
+    values = rows.to(torch.bfloat16).float().contiguous()  # a transposed view: searched row by row
     if not bool(torch.isfinite(values).all()):
         raise QuantizedCheckpointError("MXFP4 stores finite values only; these rows hold an infinity or NaN.")
     groups = values.reshape(*values.shape[:-1], -1, VALUES_PER_BLOCK)
@@ -62,7 +62,7 @@ def _codes_and_exponents(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     exponents = (bits + 0x7FFFFF) >> 23  # the float32 multiplier's exponent field, rounded up to a power of two
     multipliers = (exponents << 23).view(torch.float32)
     scaled = groups * torch.where(multipliers == 0, 0.0, 1.0 / multipliers)[..., None]
-    magnitude = torch.bucketize(scaled.abs(), torch.tensor(MIDPOINTS), right=True)
+    magnitude = torch.bucketize(scaled.abs(), torch.tensor(MIDPOINTS, device=scaled.device), right=True)
     codes = magnitude + 8 * torch.signbit(scaled).to(magnitude.dtype)
     return codes.reshape(values.shape).to(torch.uint8), exponents.to(torch.uint8)
 
@@ -81,7 +81,7 @@ def round_to_grid(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (``[..., out, in]``) as they read back once :func:`quantize` has stored them, in their dtype (exact:
     every such value is a bfloat16)."""
     codes, exponents = _codes_and_exponents(rows)
-    magnitude = torch.tensor(MAGNITUDES)[(codes & 0x07).long()]
+    magnitude = torch.tensor(MAGNITUDES, device=codes.device)[(codes & 0x07).long()]
     signed = torch.where(codes >= 8, -magnitude, magnitude).reshape(*exponents.shape, VALUES_PER_BLOCK)
     multipliers = (exponents.to(torch.int32) << 23).view(torch.float32)
     return (signed * multipliers[..., None]).reshape(rows.shape).to(rows.dtype)

@@ -5,7 +5,8 @@ requants). A run computes on the weights dequantized and writes the kept experts
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
 compensation changes the kept experts' down projections, which are quantized again in the checkpoint's format
 (:func:`requantizes`, :func:`stored_again`): block FP8 as transformers' ``Fp8Quantize``, MXFP4 as transformers'
-``quantize_to_mxfp4``, compressed-tensors as llm-compressor's round to nearest."""
+``quantize_to_mxfp4``, compressed-tensors integers and FP8 as llm-compressor's round to nearest; compressed-tensors'
+NVFP4 is written as stored only, so a compensation of it is refused."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .compressed_tensors_format import SCALE as CT_SCALE
 from .compressed_tensors_format import SCALE_TORCH_DTYPES
 from .compressed_tensors_format import SHAPE as CT_SHAPE
 from .compressed_tensors_format import (CompressedSlice, compressed_tensors_settings, pack, pair_compressed,
-                                        scheme_of)
+                                        scheme_of, stores_fp4)
 from .compressed_tensors_format import dequantize as compressed_dequantize
 from .compressed_tensors_format import quantize as compressed_quantize
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
@@ -40,9 +41,9 @@ STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
 COMPENSATION_STORED = ("{source} stores {format} weights, which ompmoe writes as stored; a compensation changes "
                        "the kept experts' weights, which would have to be quantized again (ompmoe quantizes again "
-                       "block-FP8 weights with float32 or ue8m0 multipliers, MXFP4 and compressed-tensors ones). "
-                       "Prune it with compensation='off' (the paper's setting), or compensate its full-precision "
-                       "checkpoint.")
+                       "block-FP8 weights whose scale_fmt is none, 'float' or 'ue8m0', MXFP4 and compressed-tensors "
+                       "integer and FP8 ones). Prune it with compensation='off' (the paper's setting), or compensate "
+                       "its full-precision checkpoint.")
 """Why a compensation is refused for a quantized source (``format``: :func:`format_name`) ompmoe does not
 quantize again."""
 
@@ -75,7 +76,10 @@ def checkpoint_stored_settings(path: str | os.PathLike) -> dict[str, Any] | None
 
 
 def format_name(settings: dict[str, Any]) -> str:
-    """How messages and the model card name the format of ``settings`` (``"block-FP8"``, ``"MXFP4"``)."""
+    """How messages and the model card name the format of ``settings`` (``"block-FP8"``, ``"MXFP4"``,
+    ``"compressed-tensors NVFP4"``)."""
+    if settings["quant_method"] == "compressed-tensors" and stores_fp4(settings):
+        return "compressed-tensors NVFP4"
     return FORMATS[settings["quant_method"]][0]
 
 
@@ -102,11 +106,13 @@ def stored_quantization(model: Any) -> dict[str, Any] | None:
 def requantizes(settings: dict[str, Any] | None) -> bool:
     """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
     full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, MXFP4 or compressed-tensors
-    (its compensated down projections quantized again, :func:`stored_again`)."""
+    integers and FP8 (its compensated down projections quantized again, :func:`stored_again`); not compressed-tensors
+    NVFP4, which ompmoe writes as stored only."""
     if settings is None:
         return True
     method = settings["quant_method"]
-    return method in ("compressed-tensors", "mxfp4") or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS)
+    return (method == "mxfp4" or (method == "compressed-tensors" and not stores_fp4(settings))
+            or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS))
 
 
 def quantized_in_model_layout(settings: dict[str, Any]) -> bool:

@@ -22,18 +22,28 @@ from ompmoe.engine.names import shipped_model_path
 from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.tiny import tiny_model
 
-from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, LINEAR_PLUS_ATTENTION, MIXED, decompress,
-                                          dequantized_checkpoint, quantized_names, scheme_for, to_compressed)
+from compressed_tensors_reference import (FP8_DYNAMIC, INT4_EXPERTS, LINEAR_PLUS_ATTENTION, MIXED, NVFP4_EXPERTS,
+                                          decompress, dequantized_checkpoint, quantized_names, scheme_for,
+                                          to_compressed)
 from quantized_checkpoints import (assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
 SOURCES = {"int4_experts": ("deepseek_v3", INT4_EXPERTS, {"n_routed_experts": 32}),
            "fp8_dynamic": ("qwen3_moe", FP8_DYNAMIC, {}), "mixed": ("deepseek_v3", MIXED, {"n_routed_experts": 32}),
-           "linear_plus_attention": ("qwen3_moe", LINEAR_PLUS_ATTENTION, {})}
+           "linear_plus_attention": ("qwen3_moe", LINEAR_PLUS_ATTENTION, {}),
+           "nvfp4_experts": ("qwen3_moe", NVFP4_EXPERTS, {"num_experts": 32})}
 """Kimi K2 Thinking's format on its architecture (DeepSeek-V3's; 32 experts, so that its plan's counts differ by
-layer), llm-compressor's FP8_DYNAMIC on Qwen3-MoE, two schemes in one checkpoint (INT4 experts, FP8 attention), and
-a recipe whose second group takes attention from the first (INT8 per channel among INT4 per group)."""
+layer), llm-compressor's FP8_DYNAMIC on Qwen3-MoE, two schemes in one checkpoint (INT4 experts, FP8 attention), a
+recipe whose second group takes attention from the first (INT8 per channel among INT4 per group), and llm-compressor's
+NVFP4A16 on the routed experts."""
+SUFFIXES = {"int": ("_packed", "_scale", "_shape"), "fp4": ("_packed", "_scale", "_global_scale"),
+            "fp8": ("", "_scale")}
+"""The file tensors that store a weight, by its scheme (:func:`_kind`)."""
+
+
+def _kind(scheme: dict) -> str:
+    return "int" if scheme["type"] == "int" else "fp4" if scheme["num_bits"] == 4 else "fp8"
 
 
 def _source(kind: str, tmp_path: Path) -> tuple[Path, Path]:
@@ -73,6 +83,29 @@ def test_unpack_and_dequantize_equal_compressed_tensors_own_reading_bit_for_bit(
     ours = dequantize(unpack(packed, bits, cols), scale, scheme)
     theirs = decompress(parts, scheme, "pack-quantized")
     assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+
+
+def test_nvfp4_weights_dequantize_as_compressed_tensors_reads_them_bit_for_bit():
+    """Every code (both nibbles, both signs), FP8 group scales over a float32 global scale, as compressed-tensors'
+    ``NVFP4PackedCompressor.decompress`` reads them; and a weight llm-compressor's way stores reads back close."""
+    from ompmoe.engine.compressed_tensors_format import dequantize_fp4
+
+    from compressed_tensors_reference import compress_nvfp4
+
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (6, 48), generator=generator, dtype=torch.uint8)  # [rows, 96 values / 2]
+    scale = (torch.rand(6, 6, generator=generator) * 400).to(torch.float8_e4m3fn)
+    scheme = NVFP4_EXPERTS["config_groups"]["group_0"]["weights"]
+    for global_scale in (torch.tensor([2688.0]), torch.tensor([37.3])):
+        parts = {"_packed": packed, "_scale": scale, "_global_scale": global_scale}
+        ours = dequantize_fp4(packed, scale, global_scale)
+        theirs = decompress(parts, scheme, "nvfp4-pack-quantized")
+        assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    weight = torch.randn(6, 96, generator=generator).to(torch.bfloat16)
+    stored = compress_nvfp4(weight, scheme)
+    read = dequantize_fp4(stored["_packed"], stored["_scale"], stored["_global_scale"])
+    assert torch.equal(read, decompress(stored, scheme, "nvfp4-pack-quantized"))
+    assert (read.float() - weight.float()).abs().max() <= weight.float().abs().max() / 4
 
 
 @pytest.mark.parametrize(("strategy", "dtype"), [("channel", torch.bfloat16), ("channel", torch.float32),
@@ -145,11 +178,10 @@ def test_a_compressed_tensors_checkpoint_prunes_layer_by_layer_into_its_own_form
     expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
     settings = SOURCES[kind][1]
     schemes = {name: scheme_for(name, tensor, settings) for name, tensor in expected.items()}
-    suffixes = {name: ("_packed", "_scale", "_shape") if scheme[0]["type"] == "int" else ("", "_scale")
-                for name, scheme in schemes.items() if scheme is not None}
+    suffixes = {name: SUFFIXES[_kind(scheme[0])] for name, scheme in schemes.items() if scheme is not None}
     quantized = set(quantized_names(expected, settings))
     assert quantized == suffixes.keys() and any(".experts." in name for name in quantized)
-    assert (kind == "int4_experts") == all(".experts." in name for name in quantized)
+    assert (kind in ("int4_experts", "nvfp4_experts")) == all(".experts." in name for name in quantized)
     assert written.keys() == (expected.keys() - quantized) | {name + suffix for name in quantized
                                                               for suffix in suffixes[name]}
     kept = plan.kept_by_layer()
@@ -166,7 +198,8 @@ def test_a_compressed_tensors_checkpoint_prunes_layer_by_layer_into_its_own_form
                 assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), name + suffix
     described = {"int4_experts": "int4 per group of 32", "fp8_dynamic": "fp8 e4m3 per channel",
                  "mixed": "fp8 e4m3 per channel; int4 per group of 32",
-                 "linear_plus_attention": "int4 per group of 32; int8 per channel"}[kind]
+                 "linear_plus_attention": "int4 per group of 32; int8 per channel",
+                 "nvfp4_experts": "NVFP4 (fp4 e2m1 per group of 16, fp8 scales, a global scale)"}[kind]
     row = (f"| Weights dtype | compressed-tensors ({described}; the source's tensors as it stores them), the rest "
            "bfloat16 |")
     assert row in (tmp_path / "streamed" / "README.md").read_text()
@@ -219,7 +252,89 @@ def test_stock_transformers_runs_the_pruned_fp8_dynamic_checkpoint_as_the_source
         assert any(tensor.dtype == torch.float8_e4m3fn for tensor in read_tensors(written).values())
 
 
-@pytest.mark.parametrize("kind", SOURCES)
+def test_nvfp4_experts_which_transformers_reads_without_their_global_scale_are_not_loaded(tmp_path):
+    """transformers reads NVFP4 routed experts stored per expert without their ``weight_global_scale``
+    (huggingface/transformers#48371; the first assertion fails once it reads them right, and the refusal can go):
+    ``ompmoe.load_pruned`` (every resident front door, ``ompmoe validate``) refuses the release and its pruned
+    checkpoint by name, before any tensor is read; layer by layer prunes it (the tests above)."""
+    import transformers
+
+    from ompmoe.engine.export.streamed import save_pruned_from_files
+
+    source, dequantized = _source("nvfp4_experts", tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(source).state_dict()
+        expected = ompmoe.load_pruned(dequantized).state_dict()
+    name, scale = "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.0.down_proj.weight_global_scale"
+    times = read_tensors(source)[scale].float()  # transformers' values: the right ones times the global scale
+    assert torch.allclose(theirs[name][0].float(), expected[name][0].float() * times, rtol=1e-2, atol=1e-3)
+    assert not torch.allclose(theirs[name][0].float(), expected[name][0].float(), rtol=0.5)
+    plan = ompmoe.plan_pruning(collect_stats_layerwise(source, BLOCKS, progress=False), 0.5)
+    pruned = save_pruned_from_files(source, plan, tmp_path / "pruned")
+    for path in (source, pruned):
+        scales = sorted(name for name in read_tensors(path)
+                        if ".experts." in name and name.endswith(".weight_global_scale"))
+        with pytest.raises(QuantizedCheckpointError) as refused:
+            ompmoe.load_pruned(path)
+        assert str(refused.value) == (
+            f"{path} stores its routed experts in NVFP4 (compressed-tensors: {', '.join(scales[:5])} and "
+            f"{len(scales) - 5} more), "
+            f"which transformers {transformers.__version__} loads without their weight_global_scale "
+            "(huggingface/transformers#48371): every expert would be read wrong, silently. Calibrate and prune it "
+            "with layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads them as compressed-tensors "
+            "does, and run the pruned checkpoint with an engine that reads NVFP4 (vLLM).")
+
+
+def test_ompmoe_fit_layer_by_layer_prunes_an_nvfp4_checkpoint_uncompensated(tmp_path, caplog, capsys):
+    """NVFP4 is written as stored only: auto fits no compensation and says why; one named is refused by both commands
+    before any work; the written experts are the source's NVFP4 tensors; W4A4's calibrated activation global scales
+    are refused by name."""
+    from ompmoe.cli import main
+
+    from quantized_checkpoints import assert_both_commands_refuse_a_named_compensation
+    from test_cli import tiny_config
+
+    source, _ = _source("nvfp4_experts", tmp_path)
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--model.model", str(source)])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    assert ("ompmoe: the checkpoint stores compressed-tensors NVFP4 weights, written as stored: auto fits no "
+            "compensation (its refit would change them)") in lines
+    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    assert "compensation" not in plan.extra
+    written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(source)
+    kept = plan.kept_by_layer()
+    scales = [name for name in written if ".experts." in name and name.endswith("weight_global_scale")]
+    assert len(scales) == 3 * sum(len(ids) for ids in kept.values())
+    for name in scales:  # each kept expert's NVFP4 tensors, its source expert's
+        layer, _, rest = name.partition(".experts.")
+        number, _, projection = rest.partition(".")
+        origin = f"{layer}.experts.{kept[layer][int(number)]}.{projection}".removesuffix("_global_scale")
+        for suffix in ("_packed", "_scale", "_global_scale"):
+            part = name.removesuffix("_global_scale") + suffix
+            assert torch.equal(written[part].view(torch.uint8), stored[origin + suffix].view(torch.uint8)), part
+    refusal = assert_both_commands_refuse_a_named_compensation(source, tmp_path / "run" / "stats.safetensors",
+                                                               tmp_path, capsys, "compressed-tensors NVFP4")
+    assert refusal.startswith(f"{source} stores compressed-tensors NVFP4 weights, which ompmoe writes as stored")
+
+    def w4a4(tensors: dict, config: dict) -> None:  # llm-compressor's NVFP4 preset: activations in FP4 too
+        config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+            "dynamic": "local", "group_size": 16, "num_bits": 4, "strategy": "tensor_group", "symmetric": True,
+            "type": "float"}
+        for name in [name for name in tensors if name.endswith(".weight_global_scale")]:
+            tensors[name.replace(".weight_global_scale", ".input_global_scale")] = torch.ones(1)
+
+    rewrite(source, w4a4)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(source, BLOCKS, progress=False)
+    first = min(name for name in read_tensors(source) if name.endswith(".input_global_scale"))
+    assert str(refused.value) == FILES.format(f"{first} (an activation scale calibrated for the unpruned "
+                                              "model)").format(source=source)
+
+
+@pytest.mark.parametrize("kind", [kind for kind in SOURCES if kind != "nvfp4_experts"])
 def test_load_pruned_reads_a_compressed_tensors_release_dequantized(kind, tmp_path):
     """The resident front doors load through ``ompmoe.load_pruned``: the release's packed int32 values and shapes are
     the format's, not wrong weights, and transformers (with compressed-tensors) reads every weight as
@@ -292,9 +407,10 @@ MODULE = EXPERT.removesuffix(".weight")
 GATE = "model.layers.1.mlp.experts.0.gate_proj.weight"  # [32, 64]: two groups of 32 per row
 GROUP = "config_groups.group_0: "
 SETTINGS = ("The checkpoint is quantized with compressed-tensors in a way ompmoe does not read: {}. ompmoe reads "
-            "symmetric pack-quantized integer weights (per group, channel or tensor) and float-quantized FP8 weights "
-            "(per channel or tensor), with dynamic or no activation quantization. Prune the full-precision "
-            "checkpoint, then quantize the pruned model (llm-compressor's oneshot).")
+            "symmetric pack-quantized integer weights (per group, channel or tensor), float-quantized FP8 weights "
+            "(per channel or tensor) and nvfp4-pack-quantized NVFP4 weights (FP4 per group of 16 with a global "
+            "scale), with dynamic or no activation quantization. Prune the full-precision checkpoint, then quantize "
+            "the pruned model (llm-compressor's oneshot).")
 FIX = "Prune the full-precision checkpoint, then quantize the pruned model (llm-compressor's oneshot)."
 FILES = ("{{source}} stores compressed-tensors weights ompmoe cannot read: {}. Prune the full-precision checkpoint, "
          "then quantize the pruned model (llm-compressor's oneshot).")
@@ -313,8 +429,8 @@ def _weights(config: dict) -> dict:
         input_activations={"dynamic": False, "num_bits": 8, "type": "float", "strategy": "tensor"}),
      SETTINGS.format(GROUP + "static input_activations (scales calibrated for the unpruned model)")),
     (lambda tensors, config: config["quantization_config"].update(format="nvfp4-pack-quantized"),
-     SETTINGS.format(GROUP + "int weights in format 'nvfp4-pack-quantized' (ompmoe reads int pack-quantized, float "
-                     "float-quantized)")),
+     SETTINGS.format(GROUP + "int weights of 4 bits in format 'nvfp4-pack-quantized' (ompmoe reads int "
+                     "pack-quantized, 8-bit float float-quantized, 4-bit float nvfp4-pack-quantized)")),
     (lambda tensors, config: config["quantization_config"].update(
         kv_cache_scheme={"num_bits": 8, "type": "float"}, quantization_status="frozen"),
      SETTINGS.format("quantization_status='frozen' (its files do not store the compressed weights); a "

@@ -253,7 +253,7 @@ def test_linear_sums_over_the_budget_make_auto_fit_per_expert_and_a_linear_asked
     with pytest.raises(ompmoe.CompensationError) as caught:
         run.start(model, ompmoe.LocalContext())
     assert str(caught.value) == (
-        f"granularity='linear' needs {2 * d * d * 8 * layers / 1024:.1f} KiB of float64 sums on cpu (two {d} x {d} per "
+        f"granularity='linear' needs {2 * d * d * 8 * layers / 1024:.3g} KiB of float64 sums on cpu (two {d} x {d} per "
         "MoE layer), over max_sum_bytes=1000 (1000 bytes); pass compensation='expert' (or 'off').")
     assert run.collector is None  # refused before the model was instrumented
     run, model, original = run_once(blocks, token_blocks(4, seed=1), strategy=auto)

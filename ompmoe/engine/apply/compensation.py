@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..io import readable_size
 from ..model_classes import text_config
 from ..collect.collector import as_model_inputs, check_calibration_inputs
 from ..perplexity import eval_mode, perplexity
@@ -458,16 +459,9 @@ def check_sum_budget(layers: list[MoELayer], max_sum_bytes: int | None) -> None:
         if size > max_sum_bytes:
             d = _hidden_size(layers[0])
             raise CompensationError(
-                f"granularity='linear' needs {_format_bytes(size)} of float64 sums on {device} (two {d} x {d} per "
-                f"MoE layer), over max_sum_bytes={max_sum_bytes} ({_format_bytes(max_sum_bytes)}); pass "
+                f"granularity='linear' needs {readable_size(size)} of float64 sums on {device} (two {d} x {d} per "
+                f"MoE layer), over max_sum_bytes={max_sum_bytes} ({readable_size(max_sum_bytes)}); pass "
                 "granularity='expert' or a larger max_sum_bytes.")
-
-
-def _format_bytes(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} bytes"
 
 
 def _reduce_layer(sums: LayerSums, reduce: Callable[[dict[str, torch.Tensor]], None] | None) -> LayerSums:

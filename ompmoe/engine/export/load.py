@@ -18,6 +18,7 @@ from torch import nn
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers
 from ..block_fp8 import SCALE_SUFFIX, block_size
+from ..compressed_tensors_format import GLOBAL_SCALE, stores_fp4
 from ..compressed_tensors_format import stored_names as compressed_stored_names
 from ..hub import cache_only_where_unreachable, is_hub_id
 from ..mxfp4 import stored_names as mxfp4_stored_names
@@ -81,6 +82,27 @@ def _refuse_partial_fp8_blocks(path: str | os.PathLike, config: Any) -> None:
             "transformers dequantizes them as if they were and would load them wrong. Calibrate and prune it with "
             "layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads partial blocks as DeepSeek's "
             "reference does, or load it on a GPU.")
+
+
+def _refuse_nvfp4_experts(path: str | os.PathLike, config: Any) -> None:
+    """transformers (5.24 included) dequantizes compressed-tensors NVFP4 routed experts stored per expert without
+    their ``weight_global_scale`` (huggingface/transformers#48371): no error, every expert off by that constant.
+    Refused here by name, before any tensor is read; ``layer_by_layer`` reads them as compressed-tensors does."""
+    try:
+        settings = stored_settings(config)
+    except QuantizedCheckpointError:  # another format: transformers loads it as it loads it
+        return
+    if settings is None or settings["quant_method"] != "compressed-tensors" or not stores_fp4(settings):
+        return
+    experts = [name for file in weight_files(path) for name in read_header(file)
+               if ".experts." in name and name.endswith(".weight" + GLOBAL_SCALE)]
+    if experts:
+        raise QuantizedCheckpointError(
+            f"{path} stores its routed experts in NVFP4 (compressed-tensors: {_names(experts)}), which transformers "
+            f"{transformers.__version__} loads without their weight_global_scale (huggingface/transformers#48371): "
+            "every expert would be read wrong, silently. Calibrate and prune it with layer_by_layer=True (ompmoe fit "
+            "--layer_by_layer true), which reads them as compressed-tensors does, and run the pruned checkpoint "
+            "with an engine that reads NVFP4 (vLLM).")
 
 
 def own_expert_count(experts: nn.Module, count: int, config: Any, attributes: tuple[str, ...]) -> None:
@@ -171,6 +193,7 @@ def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.M
     base = _model_class(config)
     check_weight_files(path, lambda: _integer_tensors(base, config))
     _refuse_partial_fp8_blocks(path, config)
+    _refuse_nvfp4_experts(path, config)
     record = pruning_info(config)
     cls = base
     if record is not None:
