@@ -90,7 +90,7 @@ def warnings_file() -> str:
     return warnings.__file__
 
 
-def test_quiet_quiets_its_own_command_only(monkeypatch):
+def test_quiet_quiets_its_own_command_only(monkeypatch, capsys):
     """``--quiet`` sets Lightning's info loggers to warnings and switches transformers' bars off while its command
     runs, and puts both back after it, also when it fails: a later fit in the same process (a notebook, a test
     worker) prints its ``ompmoe:`` lines again."""
@@ -101,24 +101,24 @@ def test_quiet_quiets_its_own_command_only(monkeypatch):
     from ompmoe import cli
     from ompmoe._quiet import LIGHTNING_LOGGERS
 
-    seen = []
-
-    def command(args: list[str], given: list[str]) -> None:
-        levels = [logging.getLogger(name).level for name in LIGHTNING_LOGGERS]
-        seen.append((levels, hf_logging.is_progress_bar_enabled(), args))
-        if "--fail" in given:
-            raise SystemExit(2)
-
-    monkeypatch.setattr(cli, "_lightning_cli", command)
-    before = [logging.getLogger(name).level for name in LIGHTNING_LOGGERS]
+    levels = lambda: [logging.getLogger(name).level for name in LIGHTNING_LOGGERS]  # noqa: E731
+    bars, before = hf_logging.is_progress_bar_enabled(), levels()
     hf_logging.enable_progress_bar()
-    cli.lightning_cli(["fit", "--quiet"])
-    with pytest.raises(SystemExit):
-        cli.lightning_cli(["fit", "--quiet", "--fail"])
-    cli.lightning_cli(["fit"])
-    quiet = [logging.WARNING] * len(LIGHTNING_LOGGERS)
-    assert [levels for levels, _, _ in seen] == [quiet, quiet, before]
-    assert [bars for _, bars, _ in seen] == [False, False, True]
-    assert seen[0][2] == ["fit", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
-    assert [logging.getLogger(name).level for name in LIGHTNING_LOGGERS] == before
-    assert hf_logging.is_progress_bar_enabled()
+    try:
+        with pytest.raises(SystemExit):  # the real command, refused while parsing
+            cli.main(["fit", "--quiet", "--no_such_option", "1"])
+        assert "no_such_option" in capsys.readouterr().err
+        assert levels() == before  # (main itself turns the bars off where stderr is no terminal)
+
+        hf_logging.enable_progress_bar()
+        seen = []
+        monkeypatch.setattr(cli, "_lightning_cli", lambda args, given: seen.append(
+            (levels(), hf_logging.is_progress_bar_enabled(), args)))
+        cli.lightning_cli(["fit", "--quiet"])
+        cli.lightning_cli(["fit"])
+        assert seen == [([logging.WARNING] * len(LIGHTNING_LOGGERS), False,
+                         ["fit", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]),
+                        (before, True, ["fit"])]
+        assert levels() == before and hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()

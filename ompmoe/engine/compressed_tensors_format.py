@@ -410,7 +410,7 @@ def _fp4_problem(weight: str, headers: dict[str, str], shapes: dict[str, list[in
     if headers[scale] != "F8_E4M3" or list(shapes[scale]) != expected or (2 * width) % NVFP4_GROUP:
         return (f"{scale} is {headers[scale]} {shapes[scale]}, not FP8 (E4M3) scales {expected}: one per "
                 f"{NVFP4_GROUP} of {weight}'s {2 * width} columns")
-    if headers[overall] != "F32" or math.prod(shapes[overall]) != 1:
+    if headers[overall] != "F32" or list(shapes[overall]) != [1]:  # compressed-tensors' [1] (transformers' too)
         return f"{overall} is {headers[overall]} {shapes[overall]}, not one float32 global scale"
     return None
 
@@ -492,9 +492,21 @@ def describe(settings: dict[str, Any]) -> str:
 
 
 def stores_fp4(settings: dict[str, Any]) -> bool:
-    """Whether a config group of ``settings`` stores NVFP4 weights (which ompmoe does not quantize again)."""
+    """Whether a config group of ``settings`` stores NVFP4 weights."""
     return any(_is_fp4(group.get("weights") or {}) for group in (settings.get("config_groups") or {}).values())
 
 
+def experts_fp4(settings: dict[str, Any]) -> bool:
+    """Whether the routed experts of ``settings`` are NVFP4 (which ompmoe does not quantize again): the scheme of the
+    group transformers reads every routed expert with (the first whose ``re:`` targets name experts, else the one
+    that targets ``Linear``), as :func:`scheme_of` picks it."""
+    groups = settings.get("config_groups") or {}
+    named = [name for name, group in groups.items()
+             if any(target.startswith("re:") and "experts" in target for target in group.get("targets", []))]
+    chosen = named[0] if named else next((name for name, group in groups.items()
+                                          if "Linear" in group.get("targets", [])), None)
+    return chosen is not None and _is_fp4(groups[chosen].get("weights") or {})
+
+
 __all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "dequantize_fp4", "describe", "ignored",
-           "pack", "pair_compressed", "quantize", "scheme_of", "stored_names", "stores_fp4", "unpack"]
+           "experts_fp4", "pack", "pair_compressed", "quantize", "scheme_of", "stored_names", "stores_fp4", "unpack"]

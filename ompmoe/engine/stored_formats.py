@@ -26,7 +26,7 @@ from .compressed_tensors_format import SCALE as CT_SCALE
 from .compressed_tensors_format import SCALE_TORCH_DTYPES
 from .compressed_tensors_format import SHAPE as CT_SHAPE
 from .compressed_tensors_format import (CompressedSlice, compressed_tensors_settings, pack, pair_compressed,
-                                        scheme_of, stores_fp4)
+                                        experts_fp4, scheme_of)
 from .compressed_tensors_format import dequantize as compressed_dequantize
 from .compressed_tensors_format import quantize as compressed_quantize
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
@@ -78,7 +78,7 @@ def checkpoint_stored_settings(path: str | os.PathLike) -> dict[str, Any] | None
 def format_name(settings: dict[str, Any]) -> str:
     """How messages and the model card name the format of ``settings`` (``"block-FP8"``, ``"MXFP4"``,
     ``"compressed-tensors NVFP4"``)."""
-    if settings["quant_method"] == "compressed-tensors" and stores_fp4(settings):
+    if settings["quant_method"] == "compressed-tensors" and experts_fp4(settings):
         return "compressed-tensors NVFP4"
     return FORMATS[settings["quant_method"]][0]
 
@@ -107,11 +107,11 @@ def requantizes(settings: dict[str, Any] | None) -> bool:
     """Whether a compensation of a checkpoint stored as ``settings`` says (``None``: full precision) is written:
     full precision, block FP8 with a scale format :func:`~.block_fp8.quantize` writes, MXFP4 or compressed-tensors
     integers and FP8 (its compensated down projections quantized again, :func:`stored_again`); not compressed-tensors
-    NVFP4, which ompmoe writes as stored only."""
+    NVFP4 experts, which ompmoe writes as stored only."""
     if settings is None:
         return True
     method = settings["quant_method"]
-    return (method == "mxfp4" or (method == "compressed-tensors" and not stores_fp4(settings))
+    return (method == "mxfp4" or (method == "compressed-tensors" and not experts_fp4(settings))
             or (method == "fp8" and settings.get("scale_fmt") in SCALE_FORMATS))
 
 

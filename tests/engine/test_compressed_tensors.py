@@ -281,9 +281,26 @@ def test_nvfp4_experts_which_transformers_reads_without_their_global_scale_are_n
             f"{path} stores its routed experts in NVFP4 (compressed-tensors: {', '.join(scales[:5])} and "
             f"{len(scales) - 5} more), "
             f"which transformers {transformers.__version__} loads without their weight_global_scale "
-            "(huggingface/transformers#48371): every expert would be read wrong, silently. Calibrate and prune it "
-            "with layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads them as compressed-tensors "
-            "does, and run the pruned checkpoint with an engine that reads NVFP4 (vLLM).")
+            "(huggingface/transformers#48371): every expert would be read wrong, silently. ompmoe prunes such a "
+            "checkpoint layer by layer (ompmoe fit --layer_by_layer true, ompmoe prune --model), which reads them as "
+            "compressed-tensors does; run what it writes with an engine that reads NVFP4 (vLLM, which takes a "
+            "uniform plan only: allocation uniform).")
+    card = (pruned / "README.md").read_text()
+    assert ("**NVFP4 experts.** transformers " + transformers.__version__ + " reads NVFP4 routed experts") in card
+
+
+def test_only_nvfp4_experts_stop_a_compensation():
+    """Whether a compensation is written follows the scheme transformers reads the routed experts with: NVFP4 experts
+    are not quantized again, INT4 experts beside NVFP4 attention are (their down projections are INT4)."""
+    from ompmoe.engine.stored_formats import format_name, requantizes
+
+    fp4 = NVFP4_EXPERTS["config_groups"]["group_0"]
+    attention = {**MIXED, "config_groups": {"attention": {**fp4, "format": "nvfp4-pack-quantized",
+                                                          "targets": ["re:.*self_attn\\..*"]},
+                                            "experts": MIXED["config_groups"]["experts"]}}
+    assert not requantizes(NVFP4_EXPERTS) and format_name(NVFP4_EXPERTS) == "compressed-tensors NVFP4"
+    assert requantizes(attention) and format_name(attention) == "compressed-tensors"
+    assert requantizes(INT4_EXPERTS) and requantizes(FP8_DYNAMIC)
 
 
 def test_ompmoe_fit_layer_by_layer_prunes_an_nvfp4_checkpoint_uncompensated(tmp_path, caplog, capsys):
@@ -325,6 +342,18 @@ def test_ompmoe_fit_layer_by_layer_prunes_an_nvfp4_checkpoint_uncompensated(tmp_
             "type": "float"}
         for name in [name for name in tensors if name.endswith(".weight_global_scale")]:
             tensors[name.replace(".weight_global_scale", ".input_global_scale")] = torch.ones(1)
+
+    def scalar_global_scale(tensors: dict, config: dict) -> None:  # compressed-tensors and transformers take [1]
+        tensors["model.layers.1.mlp.experts.0.up_proj.weight_global_scale"] = torch.tensor(448.0)
+
+    scalar = tmp_path / "scalar"
+    shutil.copytree(source, scalar)
+    rewrite(scalar, scalar_global_scale)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(scalar, BLOCKS, progress=False)
+    weight = "model.layers.1.mlp.experts.0.up_proj.weight"
+    assert str(refused.value) == FILES.format(f"{weight}_global_scale is F32 [], not one float32 global "
+                                              "scale").format(source=scalar)
 
     rewrite(source, w4a4)
     with pytest.raises(QuantizedCheckpointError) as refused:

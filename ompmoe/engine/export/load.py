@@ -100,9 +100,9 @@ def _refuse_nvfp4_experts(path: str | os.PathLike, config: Any) -> None:
         raise QuantizedCheckpointError(
             f"{path} stores its routed experts in NVFP4 (compressed-tensors: {_names(experts)}), which transformers "
             f"{transformers.__version__} loads without their weight_global_scale (huggingface/transformers#48371): "
-            "every expert would be read wrong, silently. Calibrate and prune it with layer_by_layer=True (ompmoe fit "
-            "--layer_by_layer true), which reads them as compressed-tensors does, and run the pruned checkpoint "
-            "with an engine that reads NVFP4 (vLLM).")
+            "every expert would be read wrong, silently. ompmoe prunes such a checkpoint layer by layer (ompmoe fit "
+            "--layer_by_layer true, ompmoe prune --model), which reads them as compressed-tensors does; run what it "
+            "writes with an engine that reads NVFP4 (vLLM, which takes a uniform plan only: allocation uniform).")
 
 
 def own_expert_count(experts: nn.Module, count: int, config: Any, attributes: tuple[str, ...]) -> None:

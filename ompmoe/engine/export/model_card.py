@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..hub import is_hub_id
-from ..compressed_tensors_format import describe
+from ..compressed_tensors_format import describe, experts_fp4
 from ..model_classes import auto_class_of
 from ..names import CORPUS_DOMAINS, SHIPPED_TEXT_RECORD, corpus_record
 from ..record import ADAPTIVE_KEY, EARLIER_KEY, within_tolerance
@@ -323,6 +323,19 @@ def model_card(
             "`ignore_mismatched_sizes=True`) instead of loading wrongly sized experts. Serving stacks that only "
             "take the original architecture (e.g. vLLM) need a uniform plan: prune again with "
             "`allocation: uniform`.",
+        ]
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors" and experts_fp4(
+            quantization):
+        import transformers
+
+        lines += [
+            "",
+            f"**NVFP4 experts.** transformers {transformers.__version__} reads NVFP4 routed experts stored per expert "
+            "without their `weight_global_scale` (huggingface/transformers#48371): loaded with transformers or "
+            "lm-eval's `hf` model, every expert is off by that constant, silently, and `ompmoe.load_pruned` refuses "
+            "this checkpoint. Run it with an engine that reads NVFP4 (vLLM), which takes equal expert counts in every "
+            "layer only (`allocation: uniform`).",
         ]
     lines.append("")
     return "\n".join(lines)
