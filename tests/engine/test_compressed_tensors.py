@@ -93,7 +93,7 @@ def test_nvfp4_weights_dequantize_as_compressed_tensors_reads_them_bit_for_bit()
     from compressed_tensors_reference import compress_nvfp4
 
     generator = torch.Generator().manual_seed(0)
-    packed = torch.randint(0, 256, (6, 48), generator=generator, dtype=torch.uint8)  # [rows, 96 values / 2]
+    packed = (torch.arange(6 * 48) % 256).to(torch.uint8).reshape(6, 48)  # every byte; [rows, 96 values / 2]
     scale = (torch.rand(6, 6, generator=generator) * 400).to(torch.float8_e4m3fn)
     scheme = NVFP4_EXPERTS["config_groups"]["group_0"]["weights"]
     for global_scale in (torch.tensor([2688.0]), torch.tensor([37.3])):
