@@ -143,10 +143,7 @@ def scheme_of(module: str, settings: dict[str, Any]) -> dict[str, Any]:
         raise QuantizedCheckpointError(f"{module} is stored quantized but no config_groups target of the checkpoint's "
                                        "quantization_config names it; the files and config.json disagree.")
     if ".experts." in f".{module}.":  # transformers dequantizes a layer's routed experts with one group
-        named = [name for name, group in groups.items()
-                 if any(target.startswith("re:") and "experts" in target for target in group.get("targets", []))]
-        theirs = named[0] if named else next((name for name, group in groups.items()
-                                              if "Linear" in group.get("targets", [])), next(iter(groups)))
+        theirs = _experts_group(groups) or next(iter(groups))
         if theirs != chosen:
             raise QuantizedCheckpointError(
                 f"{module} is stored with config group {chosen!r}, but transformers reads every routed expert with "
@@ -498,14 +495,19 @@ def stores_fp4(settings: dict[str, Any]) -> bool:
 
 def experts_fp4(settings: dict[str, Any]) -> bool:
     """Whether the routed experts of ``settings`` are NVFP4 (which ompmoe does not quantize again): the scheme of the
-    group transformers reads every routed expert with (the first whose ``re:`` targets name experts, else the one
-    that targets ``Linear``), as :func:`scheme_of` picks it."""
+    group transformers reads every routed expert with (:func:`_experts_group`, as :func:`scheme_of` checks it)."""
     groups = settings.get("config_groups") or {}
+    chosen = _experts_group(groups)
+    return chosen is not None and _is_fp4(groups[chosen].get("weights") or {})
+
+
+def _experts_group(groups: dict[str, Any]) -> str | None:
+    """The config group transformers reads every routed expert with: the first whose ``re:`` targets name experts,
+    else the one that targets ``Linear`` (``None``: neither)."""
     named = [name for name, group in groups.items()
              if any(target.startswith("re:") and "experts" in target for target in group.get("targets", []))]
-    chosen = named[0] if named else next((name for name, group in groups.items()
-                                          if "Linear" in group.get("targets", [])), None)
-    return chosen is not None and _is_fp4(groups[chosen].get("weights") or {})
+    return named[0] if named else next((name for name, group in groups.items()
+                                        if "Linear" in group.get("targets", [])), None)
 
 
 __all__ = ["CompressedSlice", "compressed_tensors_settings", "dequantize", "dequantize_fp4", "describe", "ignored",
