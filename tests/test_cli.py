@@ -203,6 +203,7 @@ def test_fit_and_prune_with_a_method_named_make_the_same_plan_and_say_where_each
 @pytest.mark.parametrize(("model_type", "model_class"), [
     ("minimax_m2", "MiniMaxM2ForCausalLM"),  # its routing bias on the block
     ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),  # a multimodal container, pruned in its text decoder
+    ("llama4_text", "Llama4ForCausalLM"),  # routing weights on the experts' input: auto's trial and refit too
 ])
 def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path, model_type, model_class):
     """``ompmoe fit --model.model tiny:<type>`` on a type no spec registers: the whole default job, then a reload
@@ -214,6 +215,34 @@ def test_fit_runs_on_a_type_recognized_by_its_modules(tmp_path, model_type, mode
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert model.config.model_type == model_type and type(model).__name__ == model_class
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [l.num_kept for l in plan.layers]
+
+
+@pytest.mark.filterwarnings("ignore:No tokenizer was found")
+def test_a_checkpoint_without_tokenizer_files_calibrated_on_bytes_is_written_and_a_named_one_refused_first(
+        tmp_path, capsys):
+    """The model's folder is where the saved tokenizer would come from: without tokenizer files it is passed over
+    (the model is written, with the warning a tiny model gets), not refused once all the work is done; a tokenizer
+    named outright that does not load is refused before any work."""
+    import warnings
+
+    from ompmoe.engine.tiny import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny_model("qwen3_moe").save_pretrained(tmp_path / "checkpoint")
+    capsys.readouterr()  # transformers' bar for that save
+    options = ["fit", "-c", str(tiny_config(tmp_path)), "--model.model", str(tmp_path / "checkpoint"),
+               "--data.tokenizer", "bytes", "--trainer.enable_progress_bar=false"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*options, "--trainer.callbacks.init_args.tokenizer", str(tmp_path / "checkpoint")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[0].startswith(f"error: tokenizer={str(tmp_path / 'checkpoint')!r} could not be loaded (")
+    assert len(error) == 1  # the first line: refused before calibration and planning ("ompmoe: kept ..." lines)
+    assert not (tmp_path / "run").exists()
+    main(options)
+    assert ompmoe.load_pruned(tmp_path / "run" / "model").config.model_type == "qwen3_moe"
+    assert not (tmp_path / "run" / "model" / "tokenizer.json").exists()
 
 
 def test_fit_on_two_devices_starts_the_second_process_with_the_same_command(tmp_path):

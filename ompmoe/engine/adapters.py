@@ -40,6 +40,9 @@ class ArchitectureSpec:
     softmax routers: the best with a few large experts and with many small ones (docs/quality/intervals.md)."""
     tiny_config: tuple[str, dict[str, Any]] | None = field(default=None, compare=False)
     """``(transformers config class name, overrides)`` of a tiny random test model (:mod:`ompmoe.engine.tiny`)."""
+    input_weighted: bool = False
+    """Llama 4's layout: the routing weights scale the experts' input, and the experts take the hidden states alone
+    (:mod:`ompmoe.engine.input_weighted`)."""
 
 
 def _never(router: nn.Module) -> bool:
@@ -148,6 +151,9 @@ class MoELayer:
     topk_group: int
     """Number of groups the router keeps per token (equals ``num_groups`` when not grouped)."""
     group_score_topk: int
+    input_weighted: bool = False
+    """The routing weights scale the experts' input (Llama 4): a pair's atom is ``F_e(g x)``
+    (:mod:`ompmoe.engine.input_weighted`)."""
 
     @property
     def routing(self) -> dict[str, int]:
@@ -294,10 +300,10 @@ def _zeros_for_meta(value: Any) -> Any:
     return value
 
 
-def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str | None:
+def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any], scores_of: int | None = None) -> str | None:
     """Why ``router`` does not route as the collector expects (``(logits, weights, indices, ...)`` from the hidden states
-    and the block's expert-indexed tensors ``extra``), or ``None``; one token on the router's own device and dtype (a
-    skeleton's meta tensors too)."""
+    and the block's expert-indexed tensors ``extra``; with ``scores_of``, Llama 4's ``(scores, logits)`` of that many
+    experts), or ``None``; one token on the router's own device and dtype (a skeleton's meta tensors too)."""
     import torch
 
     weight = next(iter(router.parameters()), None)
@@ -314,6 +320,13 @@ def _probe_router(router: nn.Module, hidden_size: int, extra: list[Any]) -> str 
     except Exception as error:  # noqa: BLE001 - any failure is the reason
         inputs = "the hidden states and the block's tensors" if extra else "the hidden states alone"
         return f"{type(router).__name__} cannot route {inputs} ({type(error).__name__}: {error})"
+    if scores_of is not None:
+        if not (isinstance(output, tuple) and len(output) == 2
+                and all(tensor.is_floating_point() and tuple(tensor.shape) == (1, scores_of) for tensor in output)):
+            shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
+            return (f"{type(router).__name__} returns {shape}, not (scores, logits) of its {scores_of} experts, which "
+                    "experts taking the hidden states alone need")
+        return None
     if not (isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point()
             and tuple(output[2].shape) == (1, router_top_k(router))):
         shape = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
@@ -332,6 +345,17 @@ def _sibling_blocks(names: list[str]) -> tuple[str, list[str]] | None:
     return next(((clean_module_name(parent), found) for parent, found in children.items() if len(found) > 1), None)
 
 
+BROKEN_STOCK_CLASSES = {
+    "Llama4ForConditionalGeneration": (
+        "transformers {version}'s Llama4ForConditionalGeneration fails on every forward (it reads image_outputs, which "
+        "its language model's output does not have), so no calibration can run it. Load its text model with "
+        "transformers.AutoModelForCausalLM.from_pretrained(path) (Llama4ForCausalLM, without the vision tower) and "
+        "prune that model"),
+}
+"""Stock classes whose own forward fails in the installed transformers, with what to do instead (a test checks that
+each still fails: when it passes, the entry goes)."""
+
+
 def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     """The facts of an unregistered model type, read off its modules: the sparse blocks (a router and a fused
     ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
@@ -342,6 +366,10 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
     fix = (f"; if the model has routed experts, register the fact with ompmoe.register_architecture({model_type!r}, "
            "ompmoe.ArchitectureSpec(...)) (docs/methods.md, \"How an architecture is recognized\")")
+    if (broken := BROKEN_STOCK_CLASSES.get(type(model).__name__)) is not None:
+        import transformers
+
+        raise UnsupportedModelError(cannot + broken.format(version=transformers.__version__))
     named = [(name, module) for name, module in text_decoder_modules(model)
              if _is_fused_experts(getattr(module, "experts", None))]
     fused = [module for _, module in named]
@@ -381,7 +409,10 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
             "router state) is not supported yet" + fix)
     arguments = [parameter.name for parameter in inspect.signature(experts.forward).parameters.values()
                  if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
-    if len(arguments) != 3:
+    input_weighted = len(arguments) == 1 and not outside
+    if input_weighted:  # Llama 4: the scores scale the experts' input, the experts run on the hidden states alone
+        arguments = list(ArchitectureSpec.experts_arguments)
+    elif len(arguments) != 3:
         raise UnsupportedModelError(
             cannot + f"{type(experts).__name__}.forward takes ({', '.join(arguments)}), not (hidden states, expert "
             "indices, routing weights): the router's weights are not applied inside the experts" + fix)
@@ -390,7 +421,8 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         raise UnsupportedModelError(cannot + "cannot tell which config attribute holds the number of routed experts "
                                     f"({count}; none of {', '.join(EXPERT_COUNT_KEYS)})" + fix)
     if (problem := _probe_router(router, int(getattr(config, "hidden_size", 0) or 0),
-                                 [getattr(block, name) for name in outside])) is not None:
+                                 [getattr(block, name) for name in outside], count if input_weighted else None)
+            ) is not None:
         raise UnsupportedModelError(cannot + problem + fix)
     groups, kept_groups = _group_count(router)
     text_type = getattr(config, "model_type", None)  # a container's text decoder type (glm4v_moe_text)
@@ -401,7 +433,7 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     grouped = text_type in GROUP_SCORE_TOPK
     return ArchitectureSpec(routers[0], keys[0], _declares_groups, group_score_topk=GROUP_SCORE_TOPK.get(text_type, 1),
                             experts_arguments=tuple(arguments),  # type: ignore[arg-type]
-                            **({"auto": SIGMOID_SHARED_GROUPED} if grouped else {}))
+                            input_weighted=input_weighted, **({"auto": SIGMOID_SHARED_GROUPED} if grouped else {}))
 
 
 RECOGNIZED: dict[str, ArchitectureSpec] = {}
@@ -481,7 +513,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         layers.append(MoELayer(
             name=clean_module_name(name), block=module, router=router, experts=experts,
             num_experts=int(experts.num_experts), top_k=int(router_top_k(router)),  # type: ignore[arg-type]
-            num_groups=num_groups, topk_group=topk_group, group_score_topk=spec.group_score_topk if grouped else 1))
+            num_groups=num_groups, topk_group=topk_group, group_score_topk=spec.group_score_topk if grouped else 1,
+            input_weighted=spec.input_weighted))
     if not layers:
         raise ValueError(f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
                          f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "

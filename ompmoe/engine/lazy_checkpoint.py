@@ -537,6 +537,8 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(prefix, layers)`` of the text decoder's layer list (``model.layers`` of a causal LM, the language model's
     in a multimodal container): what layer-by-layer calibration runs one at a time."""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    if decoder is model and isinstance(getattr(model, "model", None), nn.Module):  # Llama4ForCausalLM's answers
+        decoder = model.model  # itself (its base_model_prefix names a language_model it does not have)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no decoder layer list (`.layers` of {type(decoder).__name__}); "

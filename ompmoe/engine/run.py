@@ -47,7 +47,7 @@ from .collect.collector import StatisticsCollector, WeightsChangedError, weights
 from .collect.extensions import selected_statistics
 from .collect.statistics import MoEStats
 from .disk_space import pruned_bytes_lower_bound, require_free_space, stored_pruned_bytes_lower_bound
-from .export.checkpoint import check_save_dtype, usable_tokenizer, written_dtype
+from .export.checkpoint import check_save_dtype, resolve_tokenizer, usable_tokenizer, written_dtype
 from .export.plots import require_matplotlib, write_plots
 from .export.save import save_pruned
 from .io import Reservation, atomic_path, reserve
@@ -340,6 +340,8 @@ class PruningRun:
         if options.evaluate_on and not callable(getattr(data, "heldout_blocks", None)):
             raise ValueError(f"{self.owner}(evaluate_on=...) needs a data module with heldout_blocks (e.g. "
                              "ompmoe.CalibrationDataModule) to cut the held-out text; remove evaluate_on or use one.")
+        if isinstance(options.tokenizer, (str, os.PathLike)):  # named outright: it must load, before any work
+            resolve_tokenizer(options.tokenizer, model)
         self.tokenizer = usable_tokenizer([options.tokenizer, *tokenizers])
         mode = self._compensation_for_experts(model, self._compensation_for_files(model, asked), asked)
         self.compensation_granularity = run_granularity(mode, asked, model, per_layer=options.layer_by_layer)

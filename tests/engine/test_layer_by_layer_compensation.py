@@ -98,9 +98,11 @@ def test_the_layer_by_layer_pass_equals_the_resident_fit_check_and_perplexity(mo
         torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
-TRIAL_TYPES = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mixtral", "zaya", "glm_moe_dsa", "qwen3_vl_moe"]
+TRIAL_TYPES = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mixtral", "zaya", "glm_moe_dsa", "qwen3_vl_moe",
+               "llama4_text"]
 """Layouts for the trial: softmax and grouped sigmoid routers, a dense first layer, shared experts, biased and
-transposed experts, a float and an integer carried state, a multimodal container (all of them ran it alike)."""
+transposed experts, a float and an integer carried state, a multimodal container, routing weights on the experts' input
+(all of them ran it alike)."""
 
 
 @pytest.mark.parametrize("model_type", TRIAL_TYPES)

@@ -55,14 +55,22 @@ def literal_reroute_grams(layer, hidden: torch.Tensor, rerouted) -> tuple[torch.
             new_weights, new_ids = rerouted(layer, hidden[t], removed)
             y_new = sum(float(g) * expert_output(layer, hidden[t], e) for g, e in zip(new_weights, new_ids))
             deltas[removed] = y - y_new
-        energy = float(y @ y)
-        valid = energy > CANCELLED_TOKEN * sum(float(a @ a) for a in atoms)
-        for e in experts:
-            for f in experts:
-                product = float(deltas[e] @ deltas[f])
-                gram[e, f] += product
-                normalized[e, f] += product / energy if valid else 0.0
+        add_removal_products(gram, normalized, atoms, deltas)
     return gram, normalized
+
+
+def add_removal_products(gram: torch.Tensor, normalized: torch.Tensor, atoms: list[torch.Tensor],
+                         deltas: dict[int, torch.Tensor]) -> None:
+    """Add one token's ``D_e D_f`` (``deltas`` by removed expert, its routed experts) to ``gram`` and, over
+    ``||Y_x||^2`` (``Y_x`` the sum of ``atoms``; 0 for a cancelled token), to ``normalized``."""
+    y = sum(atoms)
+    energy = float(y @ y)
+    valid = energy > CANCELLED_TOKEN * sum(float(a @ a) for a in atoms)
+    for e in deltas:
+        for f in deltas:
+            product = float(deltas[e] @ deltas[f])
+            gram[e, f] += product
+            normalized[e, f] += product / energy if valid else 0.0
 
 
 def by_pruned_router(layer, hidden_row: torch.Tensor, removed: int) -> tuple[list[float], list[int]]:

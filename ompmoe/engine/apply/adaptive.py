@@ -22,6 +22,7 @@ from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, find_moe_layers
 from ..collect import replay as _replay
 from ..collect.collector import pause_during_calibration
 from ..collect.statistics import MoEStats
+from ..input_weighted import enter_routed_form, leave_routed_form
 from ..record import ADAPTIVE_KEY, EARLIER_KEY, last_pruning_kept, pruning_info
 
 CONFIG_KEY = ADAPTIVE_KEY
@@ -73,6 +74,7 @@ class _AdaptiveState:
     pending: tuple[torch.Tensor, int, torch.dtype] | None = None  # compact path: hook -> post-hook
     keep: torch.Tensor | None = None  # masked path: pre-hook -> masked forward
     forward: Any = None  # masked path: the bound forward installed on the experts module
+    routed_form: bool = False  # its block was put in the routed form for it (Llama 4's), left when switched off
     _device_alphas: torch.Tensor | None = None
 
     def alphas_on(self, device: torch.device) -> torch.Tensor:
@@ -304,6 +306,7 @@ def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, A
     for layer in layers:
         state = _AdaptiveState(layer.name, alphas[layer.name], epsilon, float(zeta), layer.top_k, path=path,
                                masked_ok=masked_path_supported(layer.experts))
+        state.routed_form = enter_routed_form(layer)  # Llama 4's experts see ids and weights only in that form
         setattr(layer.experts, STATE_ATTR, state)
         weight = next(layer.experts.parameters(), None)
         if weight is not None:  # now, so that no call copies them to the device (a host sync on a GPU)
@@ -323,10 +326,13 @@ def _states(model: nn.Module) -> dict[nn.Module, _AdaptiveState]:
 
 def disable_adaptive(model: nn.Module) -> nn.Module:
     """Remove adaptive inference (hooks, counters and ``config.ompmoe_adaptive``); plain model again."""
+    layers = {layer.experts: layer for layer in find_moe_layers(model)} if _states(model) else {}
     for module, state in _states(model).items():
         _set_hooks(module, state, on=False)
         if state.forward is not None and module.__dict__.get("forward") is state.forward:
             del module.forward  # the class forward (and its implementation dispatch) is back
+        if state.routed_form and module in layers:
+            leave_routed_form(layers[module])
         delattr(module, STATE_ATTR)
     if hasattr(getattr(model, "config", None), CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)

@@ -22,6 +22,7 @@ from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..io import readable_size
 from ..model_classes import text_config
 from ..collect.collector import as_model_inputs, check_calibration_inputs
+from ..input_weighted import pair_outputs, routed_form, routed_pairs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
 from ..record import CONFIG_KEY, last_pruning_kept, pruning_info
@@ -203,14 +204,18 @@ class _LayerPass:
     @contextmanager
     def attached(self) -> Iterator[None]:
         experts = self.layer.experts
-        handle = self.layer.router.register_forward_hook(self._router_hook, with_kwargs=True)
-        experts.forward = self._forward(type(experts).forward.__get__(experts))
-        try:
-            yield
-        finally:
-            del experts.forward
-            handle.remove()
-            self._routing = None
+        with routed_form([self.layer]):  # Llama 4's experts take ids only in the routed form
+            handle = self.layer.router.register_forward_hook(self._router_hook, with_kwargs=True)
+            previous = experts.__dict__.get("forward")
+            experts.forward = self._forward(type(experts).forward.__get__(experts))
+            try:
+                yield
+            finally:
+                del experts.forward
+                if previous is not None:
+                    experts.forward = previous
+                handle.remove()
+                self._routing = None
 
     def _router_hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         self.router.train(module.training)
@@ -218,7 +223,11 @@ class _LayerPass:
         args = (args[0], *(self._kept_only(value) for value in args[1:]))
         kwargs = {name: self._kept_only(value) for name, value in kwargs.items()}
         routed = self.router(*args, **kwargs)
-        self._routing = (routed[2].detach(), routed[1].detach())  # (ids among the kept, weights)
+        if self.layer.input_weighted:  # (scores, logits) of the kept experts
+            ids, weights = routed_pairs(routed[0], routed[1], self.layer.top_k)
+            self._routing = (ids.detach(), weights.detach())
+        else:
+            self._routing = (routed[2].detach(), routed[1].detach())  # (ids among the kept, weights)
 
     def _kept_only(self, value: Any) -> Any:
         count = self.layer.num_experts
@@ -240,9 +249,8 @@ class _LayerPass:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
             ids, weights = self._take_routing()
-            outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, self.kept_on_device.to(ids.device)[ids])
-            target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)  # the unpruned routed output
-            contributions = pruned.float() * weights.float().unsqueeze(-1)  # c = g' F, (T, k', d)
+            target, contributions, _ = routed_and_pruned(self.layer, native, hidden_states, top_k_index, top_k_weights,
+                                                         self.kept_on_device.to(ids.device)[ids], weights)
             self._add(ids, contributions, target.float())
             result = target
             if self.fit is not None:  # sequential: this batch holds every fitting token, so the correction is final
@@ -281,6 +289,28 @@ class _LayerPass:
             pruned, target = contributions.sum(1).to(dtype), target.to(dtype)
             sums.output_gram += (pruned.T @ pruned).to(device)
             sums.output_cross += (target.T @ pruned).to(device)
+
+
+def routed_and_pruned(layer: MoELayer, native: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, pruned_ids: torch.Tensor, pruned_weights: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(target, contributions, pruned)`` of one experts call: the unpruned routed output ``(T, d)``, the pruned
+    routing's contributions ``g' F`` in float32 ``(T, k', d)``, and its pairs' expert outputs ``F`` ``(T, k', d)``
+    (original ids ``pruned_ids``). Where the weights scale the experts' input (Llama 4) a contribution is ``F(g' x)``
+    itself, and so are the pairs' outputs."""
+    if layer.input_weighted:
+        target = pair_outputs(layer.experts, hidden, top_k_index, top_k_weights).sum(1)
+        pruned = pair_outputs(layer.experts, hidden, pruned_ids, pruned_weights)
+        return target, pruned.float(), pruned
+    outputs, pruned = _pair_outputs(native, hidden, top_k_index, pruned_ids)
+    target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+    return target, pruned.float() * pruned_weights.float().unsqueeze(-1), pruned
+
+
+def transposed(layer: MoELayer) -> bool:
+    """Whether the layer's experts store their projections as ``(E, in, out)`` (``out = h @ W``): transformers'
+    ``is_transposed`` experts (gpt-oss), and Llama 4's."""
+    return bool(getattr(layer.experts, "is_transposed", False)) or layer.input_weighted
 
 
 def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pruned_ids: torch.Tensor
@@ -352,7 +382,7 @@ def _down_projection(layer: MoELayer) -> tuple[nn.Parameter, nn.Parameter | None
 
 def _hidden_size(layer: MoELayer) -> int:
     """The output width of the experts: ``down_proj`` is ``(E, d, inner)``, or ``(E, inner, d)`` when transposed."""
-    return int(_down_projection(layer)[0].shape[2 if getattr(layer.experts, "is_transposed", False) else 1])
+    return int(_down_projection(layer)[0].shape[2 if transposed(layer) else 1])
 
 
 def _corrected(layer: MoELayer, parameter: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
@@ -364,7 +394,7 @@ def _corrected(layer: MoELayer, parameter: torch.Tensor, correction: torch.Tenso
         return (value * c.view((-1,) + (1,) * (value.dim() - 1))).to(parameter.dtype)
     if value.dim() == 2:  # bias (K, d): M b
         return (value @ c.T).to(parameter.dtype)
-    if getattr(layer.experts, "is_transposed", False):  # out = h @ W, W (K, inner, d): M out = h @ (W M^T)
+    if transposed(layer):  # out = h @ W, W (K, inner, d): M out = h @ (W M^T)
         return torch.einsum("kfj,ij->kfi", value, c).to(parameter.dtype)
     return torch.einsum("ij,kjf->kif", c, value).to(parameter.dtype)  # out = W h, W (K, d, inner)
 
@@ -777,7 +807,7 @@ def check_regridable(layer: MoELayer, settings: dict[str, Any]) -> None:
     """Refuse quantizing a layer's corrected down projection again (the files' format ``settings``) where the model's
     layout may not be the files' (a transposed experts module, as Aria's, in block FP8 or compressed-tensors; none is
     released so). MXFP4 reads gpt-oss's transposed experts into the model's layout, and quantizes them back from it."""
-    if getattr(layer.experts, "is_transposed", False) and not quantized_in_model_layout(settings):
+    if transposed(layer) and not quantized_in_model_layout(settings):
         raise CompensationError(f"{layer.name}.experts stores its down projection transposed; ompmoe quantizes "
                                 "compensated down projections again only in the files' layout. Run without "
                                 "compensation.")

@@ -38,13 +38,15 @@ from .compensation import (
     _down_projection,
     _fit_layer,
     _LayerPass,
-    _pair_outputs,
     _Stop,
     check_compensable,
     layer_summary,
     record_of_summaries,
+    routed_and_pruned,
     spread_blocks,
+    transposed,
 )
+from ..input_weighted import pair_intermediates
 
 DOWN_ALPHAS = (0.1,)
 """The ridge strengths ``alpha`` a run tries (toward the ``linear`` map's weights; large: the map itself), the map
@@ -81,6 +83,8 @@ def check_down_refit(layer: MoELayer) -> None:
     """Refuse a layer whose experts the refit cannot take apart into intermediate activation and down projection:
     those not built on transformers' experts interface (``has_gate``, ``gate_up_proj`` or ``up_proj``, ``act_fn``)."""
     _down_projection(layer)
+    if layer.input_weighted:  # Llama 4's experts: their intermediate activation is computed as they compute it
+        return
     experts = layer.experts
     inner = "gate_up_proj" if getattr(experts, "has_gate", None) else "up_proj"
     if (not hasattr(experts, "has_gate") or not isinstance(getattr(experts, inner, None), nn.Parameter)
@@ -115,7 +119,7 @@ def _down_rows(layer: MoELayer, kept: torch.Tensor) -> tuple[torch.Tensor, torch
     """The kept experts' down projections as ``(K, d, m)`` float32 (whatever the storage layout) and biases."""
     weight, bias = _down_projection(layer)
     rows = weight.detach().index_select(0, kept.to(weight.device)).float()
-    if getattr(layer.experts, "is_transposed", False):
+    if transposed(layer):
         rows = rows.transpose(1, 2)
     return rows.contiguous(), None if bias is None else bias.detach().index_select(0, kept.to(bias.device)).float()
 
@@ -123,7 +127,7 @@ def _down_rows(layer: MoELayer, kept: torch.Tensor) -> tuple[torch.Tensor, torch
 def stored_rows(layer: MoELayer, rows: torch.Tensor) -> torch.Tensor:
     """``(K, d, m)`` rows back in the experts' layout and dtype."""
     weight = _down_projection(layer)[0]
-    if getattr(layer.experts, "is_transposed", False):
+    if transposed(layer):
         rows = rows.transpose(1, 2)
     return rows.to(weight.dtype).contiguous()
 
@@ -218,10 +222,9 @@ class _RefitPass(_LayerPass):
                     top_k_weights: torch.Tensor) -> torch.Tensor:
             ids, weights = self._take_routing()
             kept = self.kept_on_device.to(ids.device)
-            outputs, pruned = _pair_outputs(native, hidden_states, top_k_index, kept[ids])
-            target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1).float()
-            del outputs
-            contributions = pruned.float() * weights.float().unsqueeze(-1)
+            target, contributions, pruned = routed_and_pruned(self.layer, native, hidden_states, top_k_index,
+                                                              top_k_weights, kept[ids], weights)
+            target = target.float()
             self._add(ids, contributions, target)
             del contributions
             self._refit(hidden_states, ids, weights, pruned, target)
@@ -238,7 +241,11 @@ class _RefitPass(_LayerPass):
         token_of_pair = torch.arange(tokens, device=ids.device).repeat_interleave(top)
         positions = ids.reshape(-1)
         kept = self.kept_on_device.to(ids.device)
-        inner = expert_intermediate(layer.experts, hidden, token_of_pair, kept[positions]).float()
+        if layer.input_weighted:  # h_e(g' x): the weight is inside it, so the pairs' inputs are not scaled again
+            inner = pair_intermediates(layer.experts, hidden, kept[ids], weights).float()
+            weights = torch.ones_like(weights)
+        else:
+            inner = expert_intermediate(layer.experts, hidden, token_of_pair, kept[positions]).float()
         down, bias = _down_rows(layer, self.kept)
         down, bias = down.to(inner.device), None if bias is None else bias.to(inner.device)
         segments = expert_segments(positions, len(self.sums.kept))

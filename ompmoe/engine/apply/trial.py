@@ -13,6 +13,7 @@ from torch import nn
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..planning.plan import PruningPlan
+from ..input_weighted import routed_form
 from .pruning import restore_module, slice_routing, validate_plan
 
 
@@ -38,6 +39,8 @@ def pruned_layer_view(layer: MoELayer, kept: list[int], count_attributes: tuple[
     index = torch.tensor(kept, dtype=torch.long)
     restore: list[tuple[nn.Module, dict[str, Any]]] = []
     hook = None
+    form = routed_form([layer])  # Llama 4's experts take ids only in their routed form
+    form.__enter__()
     try:
         restore.extend(slice_routing(layer, index, count_attributes))
         hook = layer.experts.register_forward_pre_hook(partial(_original_ids, kept=index, name=ids_argument),
@@ -48,6 +51,7 @@ def pruned_layer_view(layer: MoELayer, kept: list[int], count_attributes: tuple[
             hook.remove()
         for module, saved in restore:
             restore_module(module, saved)
+        form.__exit__(None, None, None)
 
 
 def _original_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, kept: torch.Tensor,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..input_weighted import pair_outputs, routed_form
 from ..perplexity import eval_mode
 from ..progress import progress as progress_bar
 from .errors import CalibrationInputError
@@ -36,16 +37,37 @@ if TYPE_CHECKING:
 
 @contextmanager
 def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Iterator[None]:
-    """Within the context, every expert call reports unweighted per-pair outputs to ``callback``."""
-    patched: list[nn.Module] = []
-    try:
-        for index, layer in enumerate(layers):
-            layer.experts.forward = _flattened_forward(layer.experts.forward, index, callback)
-            patched.append(layer.experts)
-        yield
-    finally:
-        for experts in patched:
-            del experts.forward  # the class forward (and its implementation dispatch) is back
+    """Within the context, every expert call reports unweighted per-pair outputs to ``callback`` (Llama 4's blocks in
+    their routed form, :mod:`ompmoe.engine.input_weighted`)."""
+    patched: list[tuple[nn.Module, Any]] = []
+    with routed_form(layers):
+        try:
+            for index, layer in enumerate(layers):
+                patched.append((layer.experts, layer.experts.__dict__.get("forward")))
+                wrap = _input_weighted_forward if layer.input_weighted else _flattened_forward
+                layer.experts.forward = wrap(layer.experts.forward, index, callback)
+            yield
+        finally:
+            for experts, previous in patched:
+                del experts.forward  # the class forward (and its implementation dispatch) is back
+                if previous is not None:  # or the routed form's
+                    experts.forward = previous
+
+
+def _input_weighted_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
+    """The routed form's experts call reporting each pair's ``F_e(g x)`` as its atom, and ``F_e(g x) / g`` as its
+    output: the routing weight scales the input, so there is no unweighted output to call for."""
+    experts = native_forward.__self__
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        atoms = pair_outputs(experts, hidden_states, top_k_index, top_k_weights)
+        gates = top_k_weights.detach().unsqueeze(-1).float()
+        outputs = torch.where(gates > 0, atoms.detach().float() / torch.where(gates > 0, gates, 1.0), 0.0)
+        flat = atoms.shape[0] * atoms.shape[1]
+        callback(index, top_k_index, top_k_weights, outputs.view(flat, -1), atoms.detach().reshape(flat, -1))
+        return atoms.sum(dim=1).to(hidden_states.dtype)
+
+    return forward
 
 
 def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:

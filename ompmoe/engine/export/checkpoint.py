@@ -198,12 +198,20 @@ def check_save_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> 
     _resolve_dtype(dtype, option)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Files of which a local directory holding a tokenizer has at least one."""
+
+
 def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
     """The first candidate that is a tokenizer object, or a hub id or path naming one, to save with the model, else
     ``None`` (then :func:`ompmoe.save_pruned` tries the model's source and warns when nothing is found). ``bytes``
-    and ``tiny:`` names do not count: they have no files to save."""
+    and ``tiny:`` names do not count: they have no files to save; nor does a local directory without tokenizer files
+    (a checkpoint calibrated on bytes), which would fail only when the model is saved, after all the work."""
     for value in candidates:
         named = isinstance(value, str) and value not in ("", "bytes") and not value.startswith("tiny:")
+        if named and os.path.isdir(value) and not any(os.path.exists(os.path.join(value, name))
+                                                      for name in TOKENIZER_FILES):
+            continue
         if named or hasattr(value, "save_pretrained"):
             return value
     return None

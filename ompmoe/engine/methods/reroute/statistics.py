@@ -16,6 +16,7 @@ from torch import nn
 
 from ...adapters import MoELayer
 from ...collect.extensions import StatisticsExtension, register_statistics
+from ...input_weighted import pair_outputs, routed_pairs
 
 if TYPE_CHECKING:
     from .metric import RerouteStatsMetric
@@ -94,7 +95,11 @@ class RerouteRecorder:
                 extended = module.forward(*args)
         finally:
             module.top_k -= 1
-        self._extended[index] = (extended[2].detach(), extended[1].detach())  # (logits, weights, ids, ...)
+        if self.layers[index].input_weighted:  # Llama 4's (scores, logits): its top k + 1 by logit
+            ids, weights = routed_pairs(extended[0], extended[1], module.top_k + 1)
+            self._extended[index] = (ids.detach(), weights.detach())
+        else:
+            self._extended[index] = (extended[2].detach(), extended[1].detach())  # (logits, weights, ids, ...)
 
     def _experts_pre_hook(self, index: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self._hidden[index] = (args[0] if args else next(iter(kwargs.values()))).detach()
@@ -118,8 +123,13 @@ class RerouteRecorder:
         outside = ~(ext_ids.unsqueeze(-1) == ids.unsqueeze(-2)).any(-1)  # (T, k + 1): the next expert's slot
         next_ids = (ext_ids * outside).sum(-1)
         experts = self.layers[index].experts
-        unit = torch.ones(num_tokens, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-        next_out = type(experts).forward(experts, hidden, next_ids.view(-1, 1), unit)
+        if self.layers[index].input_weighted:  # F_n(g_n x) / g_n: the next expert's output as the others' are given
+            next_weight = (ext_weights * outside).sum(-1, keepdim=True)
+            atom = pair_outputs(experts, hidden, next_ids.view(-1, 1), next_weight)[:, 0].float()
+            next_out = torch.where(next_weight > 0, atom / torch.where(next_weight > 0, next_weight, 1.0), 0.0)
+        else:
+            unit = torch.ones(num_tokens, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+            next_out = type(experts).forward(experts, hidden, next_ids.view(-1, 1), unit)
         expert_out = outputs.detach().view(num_tokens, top_k, -1).float()
         weight = self.token_weight()
         gates, ext_w, next_out = top_k_weights.detach().float(), ext_weights.float(), next_out.float()
