@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .model_classes import default_model_class, text_config
+from .model_classes import TEXT_MODEL_INSTEAD, default_model_class, text_config
 
 
 class UnsupportedModelError(ValueError):
@@ -345,17 +345,6 @@ def _sibling_blocks(names: list[str]) -> tuple[str, list[str]] | None:
     return next(((clean_module_name(parent), found) for parent, found in children.items() if len(found) > 1), None)
 
 
-BROKEN_STOCK_CLASSES = {
-    "Llama4ForConditionalGeneration": (
-        "transformers {version}'s Llama4ForConditionalGeneration fails on every forward (it reads image_outputs, which "
-        "its language model's output does not have), so no calibration can run it. Load its text model with "
-        "transformers.AutoModelForCausalLM.from_pretrained(path) (Llama4ForCausalLM, without the vision tower) and "
-        "prune that model"),
-}
-"""Stock classes whose own forward fails in the installed transformers, with what to do instead (a test checks that
-each still fails: when it passes, the entry goes)."""
-
-
 def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     """The facts of an unregistered model type, read off its modules: the sparse blocks (a router and a fused
     ``.experts``), the router's attribute, the experts' arguments and the config key of the expert count. Raises
@@ -366,10 +355,13 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     cannot = f"ompmoe cannot prune model_type={model_type!r} ({type(model).__name__}): "
     fix = (f"; if the model has routed experts, register the fact with ompmoe.register_architecture({model_type!r}, "
            "ompmoe.ArchitectureSpec(...)) (docs/methods.md, \"How an architecture is recognized\")")
-    if (broken := BROKEN_STOCK_CLASSES.get(type(model).__name__)) is not None:
+    if (broken := TEXT_MODEL_INSTEAD.get(type(model).__name__)) is not None:
         import transformers
 
-        raise UnsupportedModelError(cannot + broken.format(version=transformers.__version__))
+        raise UnsupportedModelError(
+            cannot + f"{type(model).__name__}: " + broken.format(version=transformers.__version__) + ", so no "
+            "calibration can run it. Read its text model instead: ompmoe.load_pruned(path) and every ompmoe command "
+            "do for such a checkpoint, as transformers.AutoModelForCausalLM.from_pretrained(path) does")
     named = [(name, module) for name, module in text_decoder_modules(model)
              if _is_fused_experts(getattr(module, "experts", None))]
     fused = [module for _, module in named]

@@ -19,7 +19,7 @@ from torch import nn
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
                              pair_stored, regrid, stored_again, stored_settings)
-from .model_classes import default_model_class
+from .model_classes import default_model_class, runnable_config
 
 
 @contextlib.contextmanager
@@ -47,7 +47,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def checkpoint_config(path: str | os.PathLike) -> Any:
     """The transformers config of the checkpoint at ``path``, without running remote code; a type transformers knows
-    under another name (:data:`~ompmoe.engine.adapters.MODEL_TYPE_ALIASES`: Kimi K2) as that name's."""
+    under another name (:data:`~ompmoe.engine.adapters.MODEL_TYPE_ALIASES`: Kimi K2) as that name's; a container
+    whose class cannot run as its text model's (:func:`~ompmoe.engine.model_classes.runnable_config`)."""
     import transformers
 
     from .adapters import with_stock_type
@@ -55,7 +56,7 @@ def checkpoint_config(path: str | os.PathLike) -> Any:
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path)
     stock = with_stock_type(config_dict)
     if stock is config_dict:
-        return transformers.AutoConfig.from_pretrained(path)
+        return runnable_config(transformers.AutoConfig.from_pretrained(path))
     return transformers.CONFIG_MAPPING[stock["model_type"]].from_dict(stock, name_or_path=str(path))
 
 

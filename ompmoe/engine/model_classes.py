@@ -28,6 +28,64 @@ def text_config_attribute(config: Any) -> str | None:
                 None) if inner is not config else None
 
 
+TEXT_MODEL_INSTEAD = {
+    "Llama4ForConditionalGeneration": "fails on every forward in transformers {version} (it reads image_outputs, "
+                                      "which its language model's output does not have)",
+}
+"""Multimodal container classes that cannot run in the installed transformers, with why: a checkpoint that is one is
+read as its text model (its causal LM, as ``AutoModelForCausalLM`` reads it), without its other towers; a model object
+of one is refused. A test checks that each still fails: when it passes, its entry goes."""
+
+
+class TextModelInsteadWarning(UserWarning):
+    """A multimodal checkpoint is read as its text model, since its container class cannot run."""
+
+
+def broken_container(config: Any) -> tuple[str, str] | None:
+    """``(container class name, why it cannot run)`` for a container config whose class is in
+    :data:`TEXT_MODEL_INSTEAD` and whose type has a causal LM to read instead; ``None`` otherwise."""
+    import transformers
+
+    if text_config_attribute(config) is None:
+        return None
+    registered = _registered(type(config))
+    containers = [cls for name, cls in registered.items() if name != "AutoModelForCausalLM"]
+    reason = TEXT_MODEL_INSTEAD.get(containers[0].__name__) if containers else None
+    if reason is None or "AutoModelForCausalLM" not in registered:
+        return None
+    return containers[0].__name__, reason.format(version=transformers.__version__)
+
+
+_TOLD: set[str] = set()
+"""Checkpoints :func:`runnable_config` warned about in this process."""
+
+
+def runnable_config(config: Any) -> Any:
+    """``config``, or for a checkpoint whose container class cannot run (:func:`broken_container`) its text config,
+    which builds the causal LM that reads the same files, with the checkpoint's name, dtype and quantization (and a
+    :class:`TextModelInsteadWarning` saying so)."""
+    import copy
+    import warnings
+
+    broken = broken_container(config)
+    if broken is None:
+        return config
+    text = copy.deepcopy(text_config(config))
+    text._name_or_path = getattr(config, "_name_or_path", "")
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    if getattr(config, "quantization_config", None) is not None:
+        text.quantization_config = config.quantization_config
+    causal = _registered(type(config))["AutoModelForCausalLM"].__name__
+    if text._name_or_path in _TOLD:  # once per checkpoint and process: a run reads its config several times
+        return text
+    _TOLD.add(text._name_or_path)
+    warnings.warn(f"{text._name_or_path or 'this checkpoint'} is a {broken[0]}, which {broken[1]}: ompmoe reads its "
+                  f"text model, {causal}, from the same files (as AutoModelForCausalLM does) and writes that, without "
+                  "the vision tower.", TextModelInsteadWarning, stacklevel=2)
+    return text
+
+
 def _registered(config_type: type) -> dict[str, type]:
     """``{auto class name: model class}`` for every mapping of :data:`AUTO_CLASSES` that knows ``config_type``."""
     import transformers.models.auto.modeling_auto as auto

@@ -62,6 +62,7 @@ def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str 
 
     from ..engine.adapters import UnsupportedModelError, architecture_for_config
     from ..engine.adapters import with_stock_type
+    from ..engine.model_classes import TextModelInsteadWarning, runnable_config
     from ..engine.tiny import tiny_config
 
     config = with_stock_type(config)
@@ -69,8 +70,14 @@ def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str 
     if model_type not in transformers.CONFIG_MAPPING:
         return f"the installed transformers has no model_type {model_type!r}"
     try:
-        built = (tiny_config(model_type) if isinstance(model, str) and is_tiny(model)
-                 else transformers.CONFIG_MAPPING[model_type].from_dict(config))
+        if isinstance(model, str) and is_tiny(model):
+            built = tiny_config(model_type)
+        else:  # a checkpoint whose container class cannot run is read as its text model (warned when it loads)
+            built = transformers.CONFIG_MAPPING[model_type].from_dict(config)
+            if isinstance(model, str):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", TextModelInsteadWarning)
+                    built = runnable_config(built)
         architecture_for_config(built)
     except UnsupportedModelError as error:
         return str(error).split("): ", 1)[-1]

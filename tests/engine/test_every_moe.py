@@ -21,7 +21,7 @@ from reference import assert_gram_close
 REFUSED = {
     "dbrx": "no module holds a transformers-5 fused experts module",
     "jetmoe": "no module holds a transformers-5 fused experts module",
-    "llama4": "Llama4ForConditionalGeneration fails on every forward (it reads image_outputs",
+    "llama4": "Llama4ForConditionalGeneration: fails on every forward in transformers",
     "longcat_flash": "no module holds a transformers-5 fused experts module",
 }
 """Types ompmoe refuses, with the reason it gives (docs/methods.md says what each would need)."""
@@ -146,7 +146,7 @@ def test_each_moe_type_prunes_and_reloads_or_is_refused_by_name(model_type, tmp_
 
 def test_the_stock_llama4_container_still_fails_on_every_forward():
     """``llama4`` is refused because transformers' own ``Llama4ForConditionalGeneration`` cannot run a forward
-    (``BROKEN_STOCK_CLASSES``): when a transformers release fixes it, this fails and the refusal goes."""
+    (``TEXT_MODEL_INSTEAD``): when a transformers release fixes it, this fails and the entry goes."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tiny_model("llama4")

@@ -3,11 +3,12 @@ count, refusing (by name and shape) whatever stock loading would fill silently."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..apply.quantized import quant_method
 from ..planning.plan import PlanMismatchError
 from ..record import pruning_info
 from ..safetensors_header import read_header
-from .config import load_stock_config
+from .config import load_stock_config, read_as_text_model
 from .weights import FIX, CheckpointWeightsError, _names, check_loading_info, check_weight_files
 
 
@@ -218,12 +219,33 @@ def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.M
     _check_weight_shapes(path, cls, config)
     # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
     kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
-    model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    text_model = read_as_text_model(path)  # the container's other towers are in the files, not in its text model
+    with _towers_unreported(text_model):
+        model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    if text_model:
+        children = {name for name, _ in model.named_children()}
+        info = {**info, "unexpected_keys": [key for key in info.get("unexpected_keys") or ()
+                                            if key.split(".")[0] in children]}
     check_loading_info(path, info)
     model.__class__ = base
     decompress_now(model)
     restore_adaptive(model)
     return model
+
+
+@contextlib.contextmanager
+def _towers_unreported(text_model: bool) -> Iterator[None]:
+    """transformers' loading report off while a container's text model is read (it would list every tensor of the
+    towers left out as unexpected; the warning that the text model is read says so once)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    if text_model:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def decompress_now(model: nn.Module) -> None:

@@ -10,6 +10,7 @@ import os
 from functools import cache
 from typing import Any
 
+import transformers
 import yaml
 
 from ..hub import is_hub_id
@@ -218,6 +219,17 @@ def weights_dtype(config: dict[str, Any], dtype: str | None) -> str:
     return dtype or "not recorded"
 
 
+def _text_model_of(model_id: str) -> bool:
+    """Whether ``model_id`` (its config from local files or the cache, nothing downloaded) is a checkpoint ompmoe
+    reads as its text model; ``False`` where its config cannot be read."""
+    from .config import read_as_text_model
+
+    try:
+        return read_as_text_model(model_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - a name whose config is not here: nothing to say
+        return False
+
+
 def model_card(
     config: dict[str, Any], model_id: str | None, calibration: str | None, info: dict[str, Any]
 ) -> str:
@@ -240,6 +252,10 @@ def model_card(
     lines = ["---", meta, "---", "", title, ""]
     if model_id and not _is_hub_id(model_id):
         lines += [f"Base model: `{model_id}` (not a Hugging Face Hub id, so no `base_model` above).", ""]
+    if model_id and _text_model_of(model_id):
+        lines += [f"This is the text model of `{model_id}`, whose multimodal class cannot run in transformers "
+                  f"{transformers.__version__}: ompmoe read and pruned its text model, and the vision tower is not in "
+                  "this checkpoint.", ""]
     if plan.get("statistics_model_id"):
         lines += [f"Statistics collected as `{plan['statistics_model_id']}`.", ""]
     lines += [
@@ -327,8 +343,6 @@ def model_card(
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors" and experts_fp4(
             quantization):
-        import transformers
-
         lines += [
             "",
             f"**NVFP4 experts.** transformers {transformers.__version__} reads NVFP4 routed experts stored per expert "
