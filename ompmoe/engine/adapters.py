@@ -359,7 +359,7 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         import transformers
 
         raise UnsupportedModelError(
-            cannot + f"{type(model).__name__}: " + broken.format(version=transformers.__version__) + ", so no "
+            cannot + f"{type(model).__name__}: " + broken[1].format(version=transformers.__version__) + ", so no "
             "calibration can run it. Read its text model instead: ompmoe.load_pruned(path) and every ompmoe command "
             "do for such a checkpoint, as transformers.AutoModelForCausalLM.from_pretrained(path) does")
     named = [(name, module) for name, module in text_decoder_modules(model)
@@ -379,7 +379,9 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
         raise UnsupportedModelError(
             cannot + "no module holds a transformers-5 fused experts module (`.experts` with 3-D expert weights and "
             f"an int `num_experts`). Registered architectures: {', '.join(supported_model_types())}.")
-    block = blocks[0]
+    # the block with the most experts (the first of them): a checkpoint with per-layer counts loaded through its
+    # remote code stores the largest count in its config, which the count is matched with
+    block = max(blocks, key=lambda module: int(module.experts.num_experts))
     routers = [attr for attr in ROUTER_ATTRS if isinstance(getattr(block, attr, None), nn.Module)]
     if not routers:
         raise UnsupportedModelError(cannot + f"cannot tell which module of {type(block).__name__} is its router "

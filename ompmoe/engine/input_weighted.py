@@ -17,13 +17,15 @@ from __future__ import annotations
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 ROUTED_FORM = "_ompmoe_routed_form"
-"""Attribute set on a block while it is in the routed form (nested uses leave it to the outermost)."""
+"""Attribute of a block in the routed form: its :class:`_Form` (the last of its users gives the stock forwards
+back)."""
 
 
 def routed_pairs(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +53,7 @@ def pair_outputs(experts: nn.Module, hidden_states: torch.Tensor, ids: torch.Ten
                  ) -> torch.Tensor:
     """``F_e(g x)`` of every routed pair, ``(T, k, d)``: :func:`intermediate` times ``down_proj`` (``(E, i, d)``),
     expert by expert on its scaled tokens only."""
-    return _by_expert(experts, hidden_states, ids, weights, down=True).view(*ids.shape, -1)
+    return _by_expert(experts, hidden_states, ids, weights, down=True).view(*ids.shape, experts.down_proj.shape[-1])
 
 
 def _by_expert(experts: nn.Module, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -90,39 +92,61 @@ def _block_forward(block: nn.Module, router_attr: str, top_k: int, hidden_states
     return output, logits
 
 
+@dataclass
+class _Form:
+    """A block in the routed form: how many users hold it, and the forwards put on the block and its experts."""
+
+    users: int
+    block_forward: Any
+    experts_forward: Any
+
+
 def enter_routed_form(layer: Any) -> bool:
-    """Put an input-weighted block (``MoELayer``) in its routed form; whether this call did (``False``: not such a
-    block, or in the form already, which its first caller ends)."""
+    """Put an input-weighted block (``MoELayer``) in its routed form, or count one more user of the form it is in;
+    whether it is such a block (then :func:`leave_routed_form` once for each call)."""
     block = layer.block
-    if not getattr(layer, "input_weighted", False) or getattr(block, ROUTED_FORM, False):
+    if not getattr(layer, "input_weighted", False):
         return False
+    form = getattr(block, ROUTED_FORM, None)
+    if form is not None:
+        form.users += 1
+        return True
     router_attr = next(name for name, module in block.named_children() if module is layer.router)
-    block.forward = types.MethodType(
-        lambda self, hidden, attr=router_attr, k=layer.top_k: _block_forward(self, attr, k, hidden), block)
-    layer.experts.forward = types.MethodType(_experts_forward, layer.experts)
-    setattr(block, ROUTED_FORM, True)
+    form = _Form(1, types.MethodType(
+        lambda self, hidden, attr=router_attr, k=layer.top_k: _block_forward(self, attr, k, hidden), block),
+        types.MethodType(_experts_forward, layer.experts))
+    block.forward, layer.experts.forward = form.block_forward, form.experts_forward
+    setattr(block, ROUTED_FORM, form)
     return True
 
 
 def leave_routed_form(layer: Any) -> None:
-    """The stock forwards of a block :func:`enter_routed_form` put in the routed form."""
-    for module in (layer.block, layer.experts):
-        module.__dict__.pop("forward", None)
-    layer.block.__dict__.pop(ROUTED_FORM, None)
+    """One user of the routed form is done; the last gives the block and its experts their stock forwards back
+    (a forward something else put there since is left to it)."""
+    form = getattr(layer.block, ROUTED_FORM, None)
+    if form is None:
+        return
+    form.users -= 1
+    if form.users > 0:
+        return
+    for module, installed in ((layer.block, form.block_forward), (layer.experts, form.experts_forward)):
+        if module.__dict__.get("forward") is installed:
+            del module.forward
+    del layer.block.__dict__[ROUTED_FORM]
 
 
 @contextmanager
 def routed_form(layers: Iterable[Any]) -> Iterator[None]:
     """Within the context, every input-weighted block of ``layers`` (``MoELayer``) routes through ``(hidden_states,
-    ids, weights)`` experts; the stock forwards are back after it (a block in the form already stays so)."""
-    changed: list[Any] = []
+    ids, weights)`` experts; the stock forwards are back after it unless another user still holds the form."""
+    held: list[Any] = []
     try:
         for layer in layers:
             if enter_routed_form(layer):
-                changed.append(layer)
+                held.append(layer)
         yield
     finally:
-        for layer in changed:
+        for layer in held:
             leave_routed_form(layer)
 
 

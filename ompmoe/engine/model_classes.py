@@ -29,61 +29,95 @@ def text_config_attribute(config: Any) -> str | None:
 
 
 TEXT_MODEL_INSTEAD = {
-    "Llama4ForConditionalGeneration": "fails on every forward in transformers {version} (it reads image_outputs, "
-                                      "which its language model's output does not have)",
+    "Llama4ForConditionalGeneration": ("language_model", "fails on every forward in transformers {version} (it reads "
+                                       "image_outputs, which its language model's output does not have)"),
 }
-"""Multimodal container classes that cannot run in the installed transformers, with why: a checkpoint that is one is
-read as its text model (its causal LM, as ``AutoModelForCausalLM`` reads it), without its other towers; a model object
-of one is refused. A test checks that each still fails: when it passes, its entry goes."""
+"""Multimodal container classes that cannot run in the installed transformers: ``(the attribute holding the text
+model, why)``. A checkpoint that is one is read as its text model (its causal LM, as ``AutoModelForCausalLM`` reads
+it), without its other towers; a model object of one is refused. A test checks that each still fails: when it passes,
+its entry goes."""
 
 
 class TextModelInsteadWarning(UserWarning):
     """A multimodal checkpoint is read as its text model, since its container class cannot run."""
 
 
-def broken_container(config: Any) -> tuple[str, str] | None:
-    """``(container class name, why it cannot run)`` for a container config whose class is in
-    :data:`TEXT_MODEL_INSTEAD` and whose type has a causal LM to read instead; ``None`` otherwise."""
+def broken_container(config: Any) -> tuple[type, str, str] | None:
+    """``(container class, attribute holding its text model, why it cannot run)`` for a container config whose class
+    is in :data:`TEXT_MODEL_INSTEAD` and whose type has a causal LM to read instead; ``None`` otherwise."""
     import transformers
 
     if text_config_attribute(config) is None:
         return None
     registered = _registered(type(config))
     containers = [cls for name, cls in registered.items() if name != "AutoModelForCausalLM"]
-    reason = TEXT_MODEL_INSTEAD.get(containers[0].__name__) if containers else None
-    if reason is None or "AutoModelForCausalLM" not in registered:
+    entry = TEXT_MODEL_INSTEAD.get(containers[0].__name__) if containers else None
+    if entry is None or "AutoModelForCausalLM" not in registered:
         return None
-    return containers[0].__name__, reason.format(version=transformers.__version__)
+    return containers[0], entry[0], entry[1].format(version=transformers.__version__)
+
+
+def left_out_towers(config: Any) -> tuple[str, ...]:
+    """The container's parts beside its text model (Llama 4's ``vision_model``, ``multi_modal_projector``): their
+    tensors are in the files and not in the text model read instead; ``()`` for any other config."""
+    import warnings
+
+    import torch
+
+    broken = broken_container(config)
+    if broken is None:
+        return ()
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        container = broken[0]._from_config(config)
+    return tuple(name for name, _ in container.named_children() if name != broken[1])
 
 
 _TOLD: set[str] = set()
 """Checkpoints :func:`runnable_config` warned about in this process."""
 
 
-def runnable_config(config: Any) -> Any:
+def runnable_config(config: Any, warn: bool = True) -> Any:
     """``config``, or for a checkpoint whose container class cannot run (:func:`broken_container`) its text config,
-    which builds the causal LM that reads the same files, with the checkpoint's name, dtype and quantization (and a
-    :class:`TextModelInsteadWarning` saying so)."""
+    which builds the causal LM that reads the same files, with the checkpoint's name, dtype and quantization (its
+    modules named as in the text model), and a :class:`TextModelInsteadWarning` saying so (with ``warn``, once per
+    checkpoint and process: a run reads its config several times)."""
     import copy
     import warnings
 
     broken = broken_container(config)
     if broken is None:
         return config
+    container, attribute, reason = broken
     text = copy.deepcopy(text_config(config))
     text._name_or_path = getattr(config, "_name_or_path", "")
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(config, "dtype", None)
     if getattr(config, "quantization_config", None) is not None:
-        text.quantization_config = config.quantization_config
-    causal = _registered(type(config))["AutoModelForCausalLM"].__name__
-    if text._name_or_path in _TOLD:  # once per checkpoint and process: a run reads its config several times
-        return text
-    _TOLD.add(text._name_or_path)
-    warnings.warn(f"{text._name_or_path or 'this checkpoint'} is a {broken[0]}, which {broken[1]}: ompmoe reads its "
-                  f"text model, {causal}, from the same files (as AutoModelForCausalLM does) and writes that, without "
-                  "the vision tower.", TextModelInsteadWarning, stacklevel=2)
+        text.quantization_config = _in_text_model(copy.deepcopy(config.quantization_config), attribute)
+    if warn and text._name_or_path not in _TOLD:
+        if text._name_or_path:
+            _TOLD.add(text._name_or_path)
+        causal = _registered(type(config))["AutoModelForCausalLM"].__name__
+        warnings.warn(f"{text._name_or_path or 'this checkpoint'} is a {container.__name__}, which {reason}: ompmoe "
+                      f"reads its text model, {causal}, from the same files (as AutoModelForCausalLM does) and writes "
+                      "that, without the vision tower.", TextModelInsteadWarning, stacklevel=2)
     return text
+
+
+def _in_text_model(quantization: Any, attribute: str) -> Any:
+    """A container's quantization config with the modules it leaves unquantized named as in its text model (without
+    the ``attribute.`` prefix)."""
+    prefix = attribute + "."
+    get = quantization.get if isinstance(quantization, dict) else lambda key: getattr(quantization, key, None)
+    names = get("modules_to_not_convert")
+    if isinstance(names, list):
+        renamed = [name.removeprefix(prefix) if isinstance(name, str) else name for name in names]
+        if isinstance(quantization, dict):
+            quantization["modules_to_not_convert"] = renamed
+        else:
+            quantization.modules_to_not_convert = renamed
+    return quantization
 
 
 def _registered(config_type: type) -> dict[str, type]:

@@ -62,7 +62,7 @@ def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str 
 
     from ..engine.adapters import UnsupportedModelError, architecture_for_config
     from ..engine.adapters import with_stock_type
-    from ..engine.model_classes import TextModelInsteadWarning, runnable_config
+    from ..engine.model_classes import runnable_config
     from ..engine.tiny import tiny_config
 
     config = with_stock_type(config)
@@ -75,9 +75,7 @@ def _recognition_problem(config: dict[str, Any], model: str | nn.Module) -> str 
         else:  # a checkpoint whose container class cannot run is read as its text model (warned when it loads)
             built = transformers.CONFIG_MAPPING[model_type].from_dict(config)
             if isinstance(model, str):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", TextModelInsteadWarning)
-                    built = runnable_config(built)
+                built = runnable_config(built, warn=False)
         architecture_for_config(built)
     except UnsupportedModelError as error:
         return str(error).split("): ", 1)[-1]

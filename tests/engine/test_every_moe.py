@@ -266,6 +266,31 @@ def test_a_pruned_checkpoint_loads_in_stock_transformers_in_a_fresh_process(mode
         assert ("lm_eval --model hf-multimodal" in card) == (auto_class != "AutoModelForCausalLM")
 
 
+@pytest.mark.parametrize("model_type", ["llama4_text", "phimoe"])
+def test_a_per_layer_checkpoint_loaded_through_its_remote_code_is_recognized_and_calibrated_again(model_type,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """A type recognized by its modules, loaded with per-layer counts through the checkpoint's own remote code (each
+    layer cut before ompmoe sees it; the config holds the largest count): the same facts, and statistics of it."""
+    import transformers
+
+    import ompmoe.engine.adapters as adapters
+
+    model = tiny_model(model_type)
+    stats = ompmoe.collect_stats(model, [IDS], progress=False)
+    plan = ompmoe.plan_pruning(stats, 0.5, allocation="waterfill")
+    assert len(plan.layers[0].kept) < max(len(layer.kept) for layer in plan.layers)  # the first is not the largest
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ompmoe.save_pruned(ompmoe.prune(tiny_model(model_type), plan), tmp_path / "pruned")
+        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+        monkeypatch.setattr(adapters, "RECOGNIZED", {})
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
+    assert [layer.num_experts for layer in ompmoe.find_moe_layers(loaded)] == [len(layer.kept) for layer in plan.layers]
+    again = ompmoe.collect_stats(loaded, [IDS], progress=False)
+    assert [layer.routing["num_experts"] for layer in again.layers] == [len(layer.kept) for layer in plan.layers]
+
+
 @pytest.mark.parametrize("model_type", [t for t in TYPES + MULTIMODAL
                                         if t not in {*REFUSED, *MULTIMODAL_REFUSED}])
 def test_each_moe_type_is_recognized_on_its_skeleton_as_on_the_model(model_type, monkeypatch):

@@ -440,6 +440,20 @@ def test_a_source_without_tokenizer_files_gives_no_made_up_tokenizer(tmp_path):
     assert not (tmp_path / "named").exists()
 
 
+def test_the_saved_tokenizers_source_is_the_first_that_has_one_a_path_object_too(tmp_path):
+    """The candidates a run hands ``usable_tokenizer`` (the option, then the model's and the data's): a path given as
+    a ``Path`` counts as the same path as a string; a folder without tokenizer files (a checkpoint calibrated on bytes)
+    is passed over; ``bytes`` and ``tiny:`` names never count."""
+    from pathlib import Path
+
+    from ompmoe.engine.export.checkpoint import usable_tokenizer
+
+    (tmp_path / "empty").mkdir()
+    assert usable_tokenizer([Path(SHIPPED), "org/other"]) == str(SHIPPED)
+    assert usable_tokenizer([None, str(tmp_path / "empty"), "bytes", "tiny:qwen3_moe", str(SHIPPED)]) == str(SHIPPED)
+    assert usable_tokenizer([None, tmp_path / "empty", "bytes"]) is None
+
+
 def test_model_card_front_matter_and_contents(shipped_pruned):
     card = (shipped_pruned["root"] / "bf16" / "README.md").read_text()
     _, front, body = card.split("---\n", 2)

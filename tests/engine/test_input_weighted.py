@@ -230,3 +230,35 @@ def test_omp_moe_plus_keeps_the_literal_rules_experts_and_switched_off_is_the_st
     disable_adaptive(model)
     assert not any("forward" in vars(module) for layer in layers for module in (layer.block, layer.experts))
     assert torch.equal(model(ids).logits, stock)
+
+
+def test_a_block_without_tokens_gives_no_pairs():
+    model = model_of()
+    layer = ompmoe.find_moe_layers(model)[0]
+    empty = torch.zeros(0, model.config.hidden_size)
+    ids, weights = torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K)
+    assert pair_outputs(layer.experts, empty, ids, weights).shape == (0, TOP_K, model.config.hidden_size)
+
+
+@torch.no_grad()
+def test_nested_users_of_the_routed_form_leave_it_to_the_last():
+    """Statistics collected while OMP-MoE+ is on, and OMP-MoE+ switched on or off while statistics are collected:
+    each holds the routed form until it is done, and the stock forwards come back when the last is."""
+    from ompmoe.engine.collect.collector import StatisticsCollector
+
+    model = model_of()
+    layers = ompmoe.find_moe_layers(model)
+    ids = random_ids(seed=8)
+    stock = model(ids).logits
+    stats = ompmoe.collect_stats(model, [ids], progress=False)
+    collector = StatisticsCollector(model)
+    with collector:  # switched on inside: still on after
+        enable_adaptive(model, stats, 0.3)
+    on = model(ids).logits
+    assert not torch.equal(on, stock) and adaptive_report(model)[layers[0].name]["tokens"] == ids.numel()
+    with collector:  # switched off inside: the statistics still see this forward, and the context ends cleanly
+        disable_adaptive(model)
+        collector.forward({"input_ids": ids})
+    assert float(collector.result().num_tokens) == ids.numel()
+    assert not any("forward" in vars(module) for layer in layers for module in (layer.block, layer.experts))
+    assert torch.equal(model(ids).logits, stock)

@@ -59,6 +59,34 @@ def test_a_text_tensor_missing_from_the_files_is_still_refused(tmp_path):
         ompmoe.load_pruned(path)
 
 
+def test_a_text_tensor_the_model_does_not_have_is_still_refused(tmp_path):
+    """Only the vision tower's tensors may be left over: one more decoder layer's tensor under the text model is not
+    in the model, and refused as in any checkpoint."""
+    path = container_checkpoint(tmp_path / "llama4")
+    tensors = load_file(f"{path}/model.safetensors")
+    extra = "language_model.model.layers.7.feed_forward.router.weight"
+    tensors[extra] = next(tensor for name, tensor in tensors.items()
+                          if name.endswith("feed_forward.router.weight")).clone()
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointWeightsError, match=rf"does not match the model: tensors not in the model: {extra}"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ompmoe.load_pruned(path)
+
+
+def test_the_warning_is_given_once_per_checkpoint_and_a_silent_read_does_not_count(tmp_path):
+    from ompmoe.engine.model_classes import runnable_config
+
+    path = container_checkpoint(tmp_path / "llama4")
+    config = transformers.AutoConfig.from_pretrained(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert runnable_config(config, warn=False).model_type == "llama4_text"  # the CLI's check before loading
+        runnable_config(config)
+        runnable_config(config)
+    assert [w.category for w in caught] == [TextModelInsteadWarning]
+
+
 def test_layer_by_layer_reads_the_text_model_and_writes_what_the_resident_run_writes(tmp_path):
     path = container_checkpoint(tmp_path / "llama4")
     with warnings.catch_warnings():

@@ -74,7 +74,7 @@ class _AdaptiveState:
     pending: tuple[torch.Tensor, int, torch.dtype] | None = None  # compact path: hook -> post-hook
     keep: torch.Tensor | None = None  # masked path: pre-hook -> masked forward
     forward: Any = None  # masked path: the bound forward installed on the experts module
-    routed_form: bool = False  # its block was put in the routed form for it (Llama 4's), left when switched off
+    routed_form: bool = False  # it holds its block's routed form (Llama 4's), left when switched off
     _device_alphas: torch.Tensor | None = None
 
     def alphas_on(self, device: torch.device) -> torch.Tensor:

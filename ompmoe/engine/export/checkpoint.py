@@ -208,6 +208,7 @@ def usable_tokenizer(candidates: Iterable[Any]) -> Any | None:
     and ``tiny:`` names do not count: they have no files to save; nor does a local directory without tokenizer files
     (a checkpoint calibrated on bytes), which would fail only when the model is saved, after all the work."""
     for value in candidates:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
         named = isinstance(value, str) and value not in ("", "bytes") and not value.startswith("tiny:")
         if named and os.path.isdir(value) and not any(os.path.exists(os.path.join(value, name))
                                                       for name in TOKENIZER_FILES):

@@ -13,7 +13,7 @@ from ..hub import cache_only_where_unreachable
 from ..adapters import MODEL_TYPE_ALIASES, ArchitectureSpec, UnsupportedModelError, architecture_for_config, known_spec
 from ..record import CONFIG_KEY, FINETUNE_CONFIG_KEY, FINETUNE_KEY
 from ..lazy_checkpoint import checkpoint_config
-from ..model_classes import broken_container, runnable_config
+from ..model_classes import broken_container, left_out_towers, runnable_config
 from .hub_code import is_non_uniform, stock_config_dict
 
 
@@ -80,14 +80,16 @@ def load_stock_config(path: str | os.PathLike, trust_remote_code: bool = False) 
         return runnable_config(transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
 
-def read_as_text_model(path: str | os.PathLike, local_files_only: bool = False) -> bool:
-    """Whether the checkpoint at ``path`` is a container ompmoe reads as its text model (:func:`runnable_config`):
-    its other towers' tensors are in the files and not in the model."""
+def read_as_text_model(path: str | os.PathLike, local_files_only: bool = False) -> tuple[str, ...] | None:
+    """For a checkpoint at ``path`` that is a container ompmoe reads as its text model (:func:`runnable_config`), the
+    container's other parts (:func:`~ompmoe.engine.model_classes.left_out_towers`), whose tensors are in the files
+    and not in the model; ``None`` for any other checkpoint."""
     config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path, local_files_only=local_files_only)
     model_type = config_dict.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING or model_type in MODEL_TYPE_ALIASES:
-        return False
-    return broken_container(transformers.CONFIG_MAPPING[model_type].from_dict(config_dict)) is not None
+        return None
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(config_dict)
+    return left_out_towers(config) if broken_container(config) is not None else None
 
 
 def non_uniform_config(path: str | os.PathLike) -> Any | None:

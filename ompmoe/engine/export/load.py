@@ -219,13 +219,12 @@ def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.M
     _check_weight_shapes(path, cls, config)
     # Missing, unexpected or mis-shaped tensors raise (by name and shape) instead of being logged.
     kwargs = {**from_pretrained_kwargs, "ignore_mismatched_sizes": True}
-    text_model = read_as_text_model(path)  # the container's other towers are in the files, not in its text model
-    with _towers_unreported(text_model):
+    towers = read_as_text_model(path)  # a container read as its text model: its other towers are in the files
+    with _towers_unreported(towers is not None):
         model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
-    if text_model:
-        children = {name for name, _ in model.named_children()}
+    if towers:  # only their tensors are expected to be left over
         info = {**info, "unexpected_keys": [key for key in info.get("unexpected_keys") or ()
-                                            if key.split(".")[0] in children]}
+                                            if key.split(".")[0] not in towers]}
     check_loading_info(path, info)
     model.__class__ = base
     decompress_now(model)

@@ -225,7 +225,7 @@ def _text_model_of(model_id: str) -> bool:
     from .config import read_as_text_model
 
     try:
-        return read_as_text_model(model_id, local_files_only=True)
+        return read_as_text_model(model_id, local_files_only=True) is not None
     except Exception:  # noqa: BLE001 - a name whose config is not here: nothing to say
         return False
 
