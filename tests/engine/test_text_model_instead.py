@@ -135,3 +135,17 @@ def test_ompmoe_fit_prunes_a_llama4_checkpoint_as_its_text_model(layer_by_layer,
     model = ompmoe.load_pruned(tmp_path / "run" / "model")
     assert type(model).__name__ == "Llama4ForCausalLM"
     assert [layer.num_experts for layer in ompmoe.find_moe_layers(model)] == [layer.num_kept for layer in plan.layers]
+
+
+def test_a_quantized_containers_unconverted_modules_are_named_as_in_its_text_model(tmp_path):
+    """transformers matches ``modules_to_not_convert`` against the model's own module names: the text model's have no
+    ``language_model.`` before them (the vision tower's entries stay, matching nothing)."""
+    from ompmoe.engine.model_classes import runnable_config
+
+    config = transformers.AutoConfig.from_pretrained(container_checkpoint(tmp_path / "llama4"))
+    config.quantization_config = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": [
+        "language_model.model.layers.0.feed_forward.router", "vision_model", "language_model.lm_head"]}
+    text = runnable_config(config, warn=False)
+    assert text.quantization_config["modules_to_not_convert"] == [
+        "model.layers.0.feed_forward.router", "vision_model", "lm_head"]
+    assert config.quantization_config["modules_to_not_convert"][0].startswith("language_model.")  # a copy changed
