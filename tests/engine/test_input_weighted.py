@@ -262,3 +262,22 @@ def test_nested_users_of_the_routed_form_leave_it_to_the_last():
     assert float(collector.result().num_tokens) == ids.numel()
     assert not any("forward" in vars(module) for layer in layers for module in (layer.block, layer.experts))
     assert torch.equal(model(ids).logits, stock)
+
+
+def test_the_benchmark_runs_the_three_passes_and_the_routed_form_gives_the_stock_logits(tmp_path, capsys):
+    """benchmarks/llama4_routed_form.py on a small shape: every pass timed, the table printed, the JSON written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import llama4_routed_form
+
+    result = llama4_routed_form.main(["--experts", "4", "--layers", "1", "--hidden", "64", "--intermediate", "64",
+                                      "--tokens", "64", "--seq_len", "32", "--repeats", "1",
+                                      "--output", str(tmp_path / "result.json")])
+    assert json.loads((tmp_path / "result.json").read_text()) == result
+    run = result["runs"][0]
+    assert run["experts"] == 4 and set(run["cpu_s"]) == {"stock", "routed", "stats"}
+    assert run["routed_logits_max_abs_difference"] < 1e-5
+    assert "| 4 |" in capsys.readouterr().out
