@@ -173,3 +173,19 @@ def compensated_layer_by_layer(source: Path, blocks: list[torch.Tensor], granula
     assert measured.compensation is not None
     save_pruned_from_files(source, plan, tmp_path / "written", compensation=measured.compensation)
     return plan, heldout, measured
+
+
+def fit_layer_by_layer(source: Path, tmp_path: Path, caplog) -> tuple[list[str], object]:
+    """``ompmoe fit -c`` the tiny config ``--layer_by_layer true`` on the checkpoint ``source``: its ``ompmoe:`` lines
+    and the plan it wrote (``tmp_path / "run"``)."""
+    import ompmoe
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
+    caplog.set_level("INFO")
+    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
+          "--model.model", str(source)])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    return lines, ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+

@@ -131,14 +131,10 @@ def test_a_non_uniform_fp8_checkpoint_loads_each_layer_at_its_own_count_in_fp8(t
 def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_a_block_fp8_checkpoint(tmp_path, caplog):
     from ompmoe.cli import main
 
-    from test_cli import tiny_config
+    from quantized_checkpoints import fit_layer_by_layer
 
     fp8 = to_block_fp8(shipped_model_path(), tmp_path / "fp8", (64, 64))
-    caplog.set_level("INFO")
-    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
-          "--model.model", str(fp8)])
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
-    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    lines, plan = fit_layer_by_layer(fp8, tmp_path, caplog)
     assert lines[0].startswith(  # auto fits its compensation: the down projections it changes are quantized again
         f"ompmoe: method {plan.method}, allocation {plan.allocation}, compensation linear, risk_weight 3, "
         "min_kept_fraction 0.375, max_kept_fraction 0.875, zeta 1e-06 (method and allocation 'auto': chose ")

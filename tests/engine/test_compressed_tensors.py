@@ -307,19 +307,12 @@ def test_ompmoe_fit_layer_by_layer_prunes_an_nvfp4_checkpoint_uncompensated(tmp_
     """NVFP4 is written as stored only: auto fits no compensation and says why; one named is refused by both commands
     before any work; the written experts are the source's NVFP4 tensors; W4A4's calibrated activation global scales
     are refused by name."""
-    from ompmoe.cli import main
-
-    from quantized_checkpoints import assert_both_commands_refuse_a_named_compensation
-    from test_cli import tiny_config
+    from quantized_checkpoints import assert_both_commands_refuse_a_named_compensation, fit_layer_by_layer
 
     source, _ = _source("nvfp4_experts", tmp_path)
-    caplog.set_level("INFO")
-    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
-          "--model.model", str(source)])
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    lines, plan = fit_layer_by_layer(source, tmp_path, caplog)
     assert ("ompmoe: the checkpoint stores compressed-tensors NVFP4 weights, written as stored: auto fits no "
             "compensation (its refit would change them)") in lines
-    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
     assert "compensation" not in plan.extra
     written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(source)
     kept = plan.kept_by_layer()
@@ -381,6 +374,7 @@ def test_load_pruned_reads_a_compressed_tensors_release_dequantized(kind, tmp_pa
 def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_path, caplog, capsys):
     from ompmoe.cli import main
 
+    from quantized_checkpoints import fit_layer_by_layer
     from test_cli import tiny_config
 
     source, _ = _source("int4_experts", tmp_path)
@@ -392,12 +386,8 @@ def test_ompmoe_fit_layer_by_layer_prunes_a_compressed_tensors_checkpoint(tmp_pa
         "full-precision weights: pass layer_by_layer=True (ompmoe fit --layer_by_layer true): it reads a quantized "
         "checkpoint's weights dequantized and writes the kept ones as stored.")
     assert not (tmp_path / "run" / "model").exists()
-    caplog.set_level("INFO")
-    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
-          "--model.model", str(source)])
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
+    lines, plan = fit_layer_by_layer(source, tmp_path, caplog)
     assert not any("fits no compensation" in line for line in lines)
-    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
     record = plan.extra["compensation"]  # auto fits and checks one; its down projections are quantized again
     assert f"ompmoe: compensation ({record['granularity']}, " in "\n".join(lines)
     written, stored = read_tensors(tmp_path / "run" / "model"), read_tensors(source)

@@ -210,14 +210,10 @@ def test_load_pruned_reads_an_mxfp4_release_dequantized(tmp_path):
 def test_ompmoe_fit_layer_by_layer_prunes_and_compensates_an_mxfp4_checkpoint(tmp_path, caplog):
     from ompmoe.cli import main
 
-    from test_cli import tiny_config
+    from quantized_checkpoints import fit_layer_by_layer
 
     mxfp4, _ = _mxfp4_source(tmp_path)
-    caplog.set_level("INFO")
-    main(["fit", "-c", str(tiny_config(tmp_path)), "--trainer.enable_progress_bar=false", "--layer_by_layer", "true",
-          "--model.model", str(mxfp4)])
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
-    plan = ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
+    lines, plan = fit_layer_by_layer(mxfp4, tmp_path, caplog)
     assert lines[0].startswith(  # auto fits its compensation: the down projections it changes are quantized again
         f"ompmoe: method {plan.method}, allocation {plan.allocation}, compensation ")
     assert lines[2].startswith("ompmoe: auto's trial of its settings ran layer by layer in one more pass over the "
