@@ -35,6 +35,13 @@ def routed_pairs(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> tupl
     return ids, scores.gather(1, ids)
 
 
+def per_unit_weight(atoms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``F_e(g x) / g`` in float32 (0 where ``g`` is 0): a pair's output as the other layouts give their unweighted
+    ``F_e(x)``, which the per-expert sums (``alpha_e``, REAP, rerouting) read; ``weights`` shaped as ``atoms[..., 0]``."""
+    gates = weights.detach().float().unsqueeze(-1)
+    return torch.where(gates > 0, atoms.detach().float() / torch.where(gates > 0, gates, 1.0), 0.0)
+
+
 def intermediate(experts: nn.Module, rows: torch.Tensor, expert: int) -> torch.Tensor:
     """The down projection's input for ``rows`` (already scaled by their routing weights) of one expert, as the stock
     experts compute it: ``gate_up_proj`` of shape ``(E, d, 2 * i)``, gate then up, ``act(gate) * up``."""
@@ -151,4 +158,4 @@ def routed_form(layers: Iterable[Any]) -> Iterator[None]:
 
 
 __all__ = ["enter_routed_form", "intermediate", "leave_routed_form", "pair_intermediates", "pair_outputs",
-           "routed_form", "routed_pairs"]
+           "per_unit_weight", "routed_form", "routed_pairs"]

@@ -76,16 +76,16 @@ def _literal_sums(layer, router_args, experts_args):
 @torch.no_grad()
 def _literal_input_weighted_sums(layer, hidden):
     """Llama 4's sums the slow way: the router's scores of every expert, and each routed pair run alone through the
-    stock experts call on a stack that holds the pair's scaled token at its expert and zeros elsewhere."""
+    stock experts call (``stock_atom``: a stack holding only the pair's scaled token)."""
+    from test_input_weighted import stock_atom
+
     scores, logits = layer.router(hidden)
     count = layer.num_experts
     atoms = torch.zeros(count, hidden.shape[0], hidden.shape[-1], dtype=torch.float64)
     mass = torch.zeros(count, dtype=torch.float64)
     for token in range(hidden.shape[0]):
         for expert in torch.topk(logits[token], layer.top_k).indices.tolist():
-            stack = torch.zeros(count, hidden.shape[-1], dtype=hidden.dtype)
-            stack[expert] = hidden[token] * scores[token, expert]
-            atoms[expert, token] = layer.experts(stack)[expert].double()
+            atoms[expert, token] = stock_atom(layer, hidden[token], expert, scores[token, expert])
             mass[expert] += float(scores[token, expert])
     flat = atoms.reshape(count, -1)
     return flat @ flat.T, mass

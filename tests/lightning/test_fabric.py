@@ -208,20 +208,21 @@ def test_fsdp1_is_refused_with_the_fsdp2_alternative():
 
 
 @pytest.mark.filterwarnings("ignore:No tokenizer was found")  # the random tiny model has none
-def test_one_process_equals_collect_stats_and_writes_like_the_callback(tmp_path, fabric):
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama4_text"])  # llama4_text: calibrated in its routed form
+def test_one_process_equals_collect_stats_and_writes_like_the_callback(model_type, tmp_path, fabric):
     calibration_class = ompmoe.FabricCalibration  # the lazy export
-    model = fabric.setup(tiny_model("qwen3_moe"))
+    model = fabric.setup(tiny_model(model_type))
     data = blocks(4)
     calibration = calibration_class(fabric, model, ompmoe.PruningStrategy(ratio=0.5), output_dir=tmp_path / "run",
                                     plots=False, extra_ratios=[0.25])
     assert calibration.run(fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=2))) == 2
     plan = calibration.finish()
-    expected = ompmoe.collect_stats(tiny_model("qwen3_moe"), [data[:2], data[2:]])
+    expected = ompmoe.collect_stats(tiny_model(model_type), [data[:2], data[2:]])
     assert_stats_equal(calibration.stats, expected, rtol=1e-12)
     assert plan == ompmoe.plan_pruning(expected, 0.5) == ompmoe.PruningPlan.load(tmp_path / "run" / "plan.json")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         ".ompmoe-output", "model", "plan-0.25.json", "plan.json", "stats.safetensors"]
-    reference = ompmoe.prune(tiny_model("qwen3_moe"), plan)
+    reference = ompmoe.prune(tiny_model(model_type), plan)
     with torch.no_grad():
         torch.testing.assert_close(ompmoe.load_pruned(tmp_path / "run" / "model")(data[:1]).logits,
                                    reference(data[:1]).logits, rtol=0, atol=0)

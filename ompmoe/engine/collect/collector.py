@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
-from ..input_weighted import pair_outputs, routed_form
+from ..input_weighted import pair_outputs, per_unit_weight, routed_form
 from ..perplexity import eval_mode
 from ..progress import progress as progress_bar
 from .errors import CalibrationInputError
@@ -61,8 +61,7 @@ def _input_weighted_forward(native_forward: Callable, index: int, callback: Pair
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         atoms = pair_outputs(experts, hidden_states, top_k_index, top_k_weights)
-        gates = top_k_weights.detach().unsqueeze(-1).float()
-        outputs = torch.where(gates > 0, atoms.detach().float() / torch.where(gates > 0, gates, 1.0), 0.0)
+        outputs = per_unit_weight(atoms, top_k_weights)
         flat = atoms.shape[0] * atoms.shape[1]
         callback(index, top_k_index, top_k_weights, outputs.view(flat, -1), atoms.detach().reshape(flat, -1))
         return atoms.sum(dim=1).to(hidden_states.dtype)

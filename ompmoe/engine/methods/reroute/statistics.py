@@ -16,7 +16,7 @@ from torch import nn
 
 from ...adapters import MoELayer
 from ...collect.extensions import StatisticsExtension, register_statistics
-from ...input_weighted import pair_outputs, routed_pairs
+from ...input_weighted import pair_outputs, per_unit_weight, routed_pairs
 
 if TYPE_CHECKING:
     from .metric import RerouteStatsMetric
@@ -125,8 +125,8 @@ class RerouteRecorder:
         experts = self.layers[index].experts
         if self.layers[index].input_weighted:  # F_n(g_n x) / g_n: the next expert's output as the others' are given
             next_weight = (ext_weights * outside).sum(-1, keepdim=True)
-            atom = pair_outputs(experts, hidden, next_ids.view(-1, 1), next_weight)[:, 0].float()
-            next_out = torch.where(next_weight > 0, atom / torch.where(next_weight > 0, next_weight, 1.0), 0.0)
+            next_out = per_unit_weight(pair_outputs(experts, hidden, next_ids.view(-1, 1), next_weight),
+                                       next_weight)[:, 0]
         else:
             unit = torch.ones(num_tokens, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
             next_out = type(experts).forward(experts, hidden, next_ids.view(-1, 1), unit)
