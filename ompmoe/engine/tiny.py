@@ -87,6 +87,9 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
                           expert_ffn_hidden_size=32),
     "mistral4": {key: value for key, value in _MLA.items() if key != "head_dim"},
     "qwen3_5_moe_text": dict(layer_types=_HYBRID),
+    # Step 3.7's text decoder: MoE from layer 3 on by default (none of three), a sliding layer needs its window
+    "step3p5": dict(mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # Its modeling code reads vision_start_token_id, which the thinker's own config class lacks (real checkpoints'
     # config.json carries it): a forward with an attention mask needs it.
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=151652),

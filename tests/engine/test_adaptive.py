@@ -481,10 +481,11 @@ def test_epsilon_zero_skips_the_rule_and_counts_every_pair(monkeypatch):
         assert entry["histogram"] == [0] * top_k + [32]
 
 
-@pytest.mark.parametrize("model_type", ["minimax_m2", "qwen3_vl_moe", "deepseek_v4", "inkling_text"])
+@pytest.mark.parametrize("model_type", ["minimax_m2", "qwen3_vl_moe", "deepseek_v4", "inkling_text", "step3p7"])
 def test_types_recognized_by_their_modules_follow_the_literal_rule(model_type):
     """OMP-MoE+ on types no spec registers (a routing bias on the block, a multimodal container, hash-routed layers
-    left whole, router rows past the experts): every routed layer's output is the literal per-token rule's."""
+    left whole, router rows past the experts, experts with their own forward): every routed layer's output is the
+    literal per-token rule's."""
     from ompmoe.engine.tiny import tiny_model
 
     model = tiny_model(model_type)

@@ -19,7 +19,7 @@ from ompmoe.engine.apply.down_refit import (
     gauss_seidel,
     refit_down,
 )
-from ompmoe.engine.tiny import tiny_model
+from ompmoe.engine.tiny import tiny_config, tiny_model
 
 from test_every_moe import REFUSED, TYPES
 
@@ -78,6 +78,22 @@ def test_the_refit_runs_on_every_supported_architecture_and_does_not_raise_the_f
     assert record["routed_error_after"] <= max(record["routed_error_linear"], 0.0) + 1e-6
 
 
+def test_the_refit_runs_on_experts_with_their_own_forward_that_clamp():
+    """Step 3.7's experts compute their own forward, clamping gate and up (bound 7 on two released layers; 0.05 here,
+    which most activations pass): the refit computes the activation as they do, or its check would refuse."""
+    model = tiny_model("step3p7", text_config=dict(tiny_config("step3p5").to_dict(), swiglu_limits=[0, 0.05, 0.05]))
+    layers = ompmoe.find_moe_layers(model)
+    assert [layer.experts.limit for layer in layers] == [0.05, 0.05] and not hasattr(layers[0].experts, "has_gate")
+    experts, hidden = layers[0].experts, torch.randn(64, model.config.text_config.hidden_size)
+    gate, up = (hidden @ experts.gate_up_proj[0].T).chunk(2, dim=-1)
+    assert not torch.allclose(experts._apply_gate(torch.cat([gate, up], -1)), experts.act_fn(gate) * up)  # it bites
+    plan = ompmoe.plan_pruning(ompmoe.collect_stats(model, [BLOCKS], progress=False), 0.5, allocation="waterfill")
+    linear, refits = refit_down(model, plan, BLOCKS, alphas=(0.1,))
+    record = refits[0.1].record
+    assert record["granularity"] == "down" and record["num_tokens"] == BLOCKS.numel()
+    assert record["routed_error_after"] <= max(record["routed_error_linear"], 0.0) + 1e-6
+
+
 def test_a_huge_ridge_gives_back_the_linear_map_and_the_map_is_compensates_own():
     model = tiny_model("qwen3_moe")
     plan = ompmoe.plan_pruning(ompmoe.collect_stats(model, BLOCKS.split(4), progress=False), 0.5,
@@ -98,6 +114,8 @@ def test_experts_off_transformers_interface_are_refused_naming_the_fix():
     model = tiny_model("qwen3_moe")
     layer = ompmoe.find_moe_layers(model)[0]
     del layer.experts.has_gate
+    check_down_refit(layer)  # gate_up_proj and _apply_gate (experts with their own forward) say it gates
+    layer.experts._apply_gate = None
     with pytest.raises(CompensationError) as refused:
         check_down_refit(layer)
     assert str(refused.value) == (

@@ -86,13 +86,26 @@ def check_down_refit(layer: MoELayer) -> None:
     if layer.input_weighted:  # Llama 4's experts: their intermediate activation is computed as they compute it
         return
     experts = layer.experts
-    inner = "gate_up_proj" if getattr(experts, "has_gate", None) else "up_proj"
-    if (not hasattr(experts, "has_gate") or not isinstance(getattr(experts, inner, None), nn.Parameter)
-            or (not experts.has_gate and not callable(getattr(experts, "act_fn", None)))):
+    gated = has_gate(experts)
+    inner = "gate_up_proj" if gated else "up_proj"
+    if (gated is None or not isinstance(getattr(experts, inner, None), nn.Parameter)
+            or (not gated and not callable(getattr(experts, "act_fn", None)))):
         raise CompensationError(
             f"compensation='down' computes each expert's intermediate activation itself, for experts built on "
             f"transformers' experts interface (has_gate, gate_up_proj or up_proj); {layer.name}.experts "
             f"({type(experts).__name__}) is not. Use compensation='linear'.")
+
+
+def has_gate(experts: nn.Module) -> bool | None:
+    """Whether the experts gate their up projection (``gate_up_proj`` through ``_apply_gate``): transformers' experts
+    interface says so in ``has_gate``; experts with their own forward (Step 3.7's, which clamps) by having both;
+    ``None`` when it cannot be told."""
+    if hasattr(experts, "has_gate"):
+        return bool(experts.has_gate)
+    if isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter) and callable(getattr(experts, "_apply_gate",
+                                                                                             None)):
+        return True
+    return None
 
 
 def expert_intermediate(experts: nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor,
@@ -100,9 +113,10 @@ def expert_intermediate(experts: nn.Module, hidden: torch.Tensor, token_ids: tor
     """``h_e(x)``, the down projection's input, for each pair ``(x, e)``: the token ``hidden[token_ids]`` and its
     expert ``expert_ids`` (both ``(P,)``), computed as transformers' experts compute the up (and gate) projection and
     activation; the pairs' inputs are gathered one expert at a time (never ``(P, d)`` at once)."""
-    gated = bool(experts.has_gate)
+    gated = bool(has_gate(experts))
     weight = experts.gate_up_proj if gated else experts.up_proj
-    bias = getattr(experts, "gate_up_proj_bias" if gated else "up_proj_bias", None) if experts.has_bias else None
+    bias = getattr(experts, "gate_up_proj_bias" if gated else "up_proj_bias", None) if getattr(
+        experts, "has_bias", False) else None
     transposed = bool(getattr(experts, "is_transposed", False))
     width = weight.shape[2] if transposed else weight.shape[1]
     projected = hidden.new_empty(token_ids.shape[0], width)
