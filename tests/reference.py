@@ -131,6 +131,77 @@ def assert_gram_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float 
     torch.testing.assert_close(actual.to(torch.float64), expected, rtol=rtol, atol=rtol * scale)
 
 
+def router_inputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each MoE block's router input ``(T, d)`` in a plain forward of ``model`` on ``ids``."""
+    from ompmoe import find_moe_layers
+
+    seen: list[torch.Tensor] = []
+    handles = [layer.router.register_forward_pre_hook(lambda module, args: seen.append(
+        args[0].reshape(-1, args[0].shape[-1]).detach())) for layer in find_moe_layers(model)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def output_gradients(model: torch.nn.Module, ids: torch.Tensor, modules: list[torch.nn.Module],
+                     output_of=lambda output: output) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per module, its input ``(T, d)`` and the gradient of the literal next-token loss (cross-entropy summed token by
+    token in float64) at its output (``output_of`` picks the tensor from what it returns), ``(T, d)`` float64."""
+    captured, handles = [], []
+
+    def keep(module, args, output):
+        output = output_of(output)
+        output.retain_grad()
+        captured.append((args[0].reshape(-1, args[0].shape[-1]).detach(), output))
+
+    handles = [module.register_forward_hook(keep) for module in modules]
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    loss = sum(torch.nn.functional.cross_entropy(logits[b, t].float(), ids[b, t + 1]).double()
+               for b in range(ids.shape[0]) for t in range(ids.shape[1] - 1))
+    loss.backward()
+    return [(hidden, output.grad.reshape(-1, output.shape[-1]).double()) for hidden, output in captured]
+
+
+def assert_loss_sums(layer_stats, token_atoms: list[torch.Tensor], grad: torch.Tensor) -> None:
+    """``gram_loss`` and ``loss_first_order`` of ``layer_stats`` against the literal sums of ``a = atoms @ d_x`` over
+    tokens (``token_atoms``: each token's ``(N, d)`` atoms, zero for unrouted experts)."""
+    n = token_atoms[0].shape[0]
+    gram_loss = torch.zeros(n, n, dtype=torch.float64)
+    first_order = torch.zeros(n, dtype=torch.float64)
+    for atoms, token_grad in zip(token_atoms, grad):
+        a = atoms @ token_grad
+        gram_loss += torch.outer(a, a)
+        first_order += a
+    scale = float(gram_loss.abs().max())
+    torch.testing.assert_close(layer_stats.gram_loss, gram_loss, rtol=1e-4, atol=1e-4 * scale)
+    torch.testing.assert_close(layer_stats.loss_first_order, first_order, rtol=1e-4,
+                               atol=1e-4 * float(first_order.abs().max()))
+
+
+def assert_compensation_sums(layer_sums, tokens: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A compensation pass's ``gram``, ``cross`` and ``target_energy`` against the literal sums over ``tokens``: each
+    token's kept contributions ``(K, d)`` (zero for experts it does not reach) and its target ``(d,)``."""
+    import pytest
+
+    k = tokens[0][0].shape[0]
+    gram, cross, energy = torch.zeros(k, k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64), 0.0
+    for contributions, target in tokens:
+        gram += contributions @ contributions.T
+        cross += contributions @ target
+        energy += float(target @ target)
+    assert_gram_close(layer_sums.gram, gram, rtol=1e-4)
+    torch.testing.assert_close(layer_sums.cross, cross, rtol=1e-4, atol=1e-4 * float(cross.abs().max()))
+    assert float(layer_sums.target_energy) == pytest.approx(energy, rel=1e-4)
+
+
 # ------------------------------------------------------------------ Lightning test helpers
 def batches(num_blocks: int, seq_len: int = 32) -> list[dict[str, torch.Tensor]]:
     blocks = token_blocks(byte_tokens(shipped_text()), seq_len, num_blocks)

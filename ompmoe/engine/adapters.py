@@ -33,7 +33,7 @@ class ArchitectureSpec:
     """How many experts per group score a group (DeepSeek-V3 sums its top-2)."""
     experts_arguments: tuple[str, str, str] = ("hidden_states", "top_k_index", "top_k_weights")
     """Names of the fused experts' ``forward`` arguments (GPT-OSS: ``router_indices``, ``routing_weights``)."""
-    count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
+    count_attributes: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts", "num_routed_experts")
     """Attributes of the router and experts modules that hold the expert count (updated by pruning)."""
     auto: tuple[tuple[str, str], ...] = ("omp_normalized", "loss"), ("omp", "waterfill")
     """``(method, allocation)`` settings ``method="auto"`` tries for this layout (the first without held-out blocks);
@@ -154,6 +154,9 @@ class MoELayer:
     input_weighted: bool = False
     """The routing weights scale the experts' input (Llama 4): a pair's atom is ``F_e(g x)``
     (:mod:`ompmoe.engine.input_weighted`)."""
+    identity_experts: int = 0
+    """Zero-computation experts past the routed ones (LongCat-Flash's: ids ``num_experts ..``, each returning its
+    input): never pruned nor measured, like shared experts (:mod:`ompmoe.engine.identity_experts`)."""
 
     @property
     def routing(self) -> dict[str, int]:
@@ -227,18 +230,20 @@ def _router_of(block: nn.Module) -> nn.Module | None:
 def hash_routed_blocks(model: nn.Module) -> dict[str, int]:
     """``{name: expert count}`` of the text decoder's sparse blocks routed by token id, which keep every expert: the
     stored expert count must still build them whole."""
-    return {clean_module_name(name): int(module.experts.num_experts) for name, module in text_decoder_modules(model)
+    return {clean_module_name(name): int(experts_count(module.experts)) for name, module in text_decoder_modules(model)
             if _is_fused_experts(getattr(module, "experts", None)) and (router := _router_of(module)) is not None
             and routes_by_token_id(router)}
 
 
-EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes")
-"""Router attributes counting its score rows when rows past the routed experts belong to something else (Inkling's
-shared experts, Zaya's skip class): those trailing rows are kept whole when experts are pruned."""
+EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes", "n_routed_experts", "total_experts")
+"""Router (or experts) attributes counting its rows when rows past the routed experts belong to something else
+(Inkling's shared experts, Zaya's skip class, LongCat-Flash's identity experts, whose router's ``n_routed_experts`` and
+experts' ``total_experts`` count them): those trailing rows are kept whole when experts are pruned. A key counts only
+where it exceeds the routed experts (DeepSeek's ``n_routed_experts`` equals them)."""
 
 
 def router_extra_rows(router: nn.Module, count: int) -> int:
-    """How many score rows ``router`` has past its ``count`` routed experts (0 for most routers)."""
+    """How many rows ``router`` (or a fused experts module) has past its ``count`` routed experts (0 for most)."""
     for module in router.modules():
         for key in EXTRA_CLASS_KEYS:
             if isinstance(value := getattr(module, key, None), int) and value > count:
@@ -246,9 +251,29 @@ def router_extra_rows(router: nn.Module, count: int) -> int:
     return 0
 
 
+EXPERTS_COUNT_ATTRS = ("num_experts", "num_routed_experts")
+"""Attributes of a fused experts module holding its expert count (LongCat-Flash's: ``num_routed_experts``)."""
+
+
+def experts_count(module: Any) -> int | None:
+    """The expert count a fused experts module holds (its first int of :data:`EXPERTS_COUNT_ATTRS`), or ``None``."""
+    return next((value for attr in EXPERTS_COUNT_ATTRS if isinstance(value := getattr(module, attr, None), int)
+                 and not isinstance(value, bool)), None)
+
+
+IDENTITY_EXPERT_KEYS = ("zero_expert_num",)
+"""Attributes of a fused experts module counting zero-computation (identity) experts past its routed ones."""
+
+
+def identity_expert_count(experts: nn.Module) -> int:
+    """How many identity experts follow ``experts``' routed ones (0 for every type but LongCat-Flash)."""
+    return next((int(value) for key in IDENTITY_EXPERT_KEYS if isinstance(value := getattr(experts, key, None), int)
+                 and value > 0), 0)
+
+
 def _is_fused_experts(module: Any) -> bool:
-    """A transformers 5.x fused experts module: an int ``num_experts`` and 3-D weights indexed by expert."""
-    return (isinstance(module, nn.Module) and isinstance(getattr(module, "num_experts", None), int)
+    """A transformers 5.x fused experts module: an int expert count and 3-D weights indexed by expert."""
+    return (isinstance(module, nn.Module) and experts_count(module) is not None
             and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
@@ -381,7 +406,7 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
             f"an int `num_experts`). Registered architectures: {', '.join(supported_model_types())}.")
     # the block with the most experts (the first of them): a checkpoint with per-layer counts loaded through its
     # remote code stores the largest count in its config, which the count is matched with
-    block = max(blocks, key=lambda module: int(module.experts.num_experts))
+    block = max(blocks, key=lambda module: int(experts_count(module.experts)))  # type: ignore[arg-type]
     routers = [attr for attr in ROUTER_ATTRS if isinstance(getattr(block, attr, None), nn.Module)]
     if not routers:
         raise UnsupportedModelError(cannot + f"cannot tell which module of {type(block).__name__} is its router "
@@ -390,7 +415,7 @@ def recognize_architecture(model: nn.Module) -> ArchitectureSpec:
     if router_top_k(router) is None:
         raise UnsupportedModelError(cannot + f"cannot tell how many experts {type(router).__name__} picks per token "
                                     f"(it has no int `top_k` nor a config with one of {', '.join(TOP_K_KEYS)})" + fix)
-    count = experts.num_experts
+    count = int(experts_count(experts))  # type: ignore[arg-type]
     outside = block_expert_tensors(block, count)
     positional = [parameter for parameter in inspect.signature(router.forward).parameters.values()
                   if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
@@ -500,15 +525,15 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
     layers: list[MoELayer] = []
     for name, module, router, experts in sparse_blocks(model):
         fused = any(p.dim() == 3 for p in experts.parameters(recurse=False))
-        if not (isinstance(getattr(experts, "num_experts", None), int) and fused):
+        if not (experts_count(experts) is not None and fused):
             continue
         grouped = spec.is_group_limited(router)
         num_groups, topk_group = _group_count(router) if grouped else (1, 1)  # what recognition read, the same way
         layers.append(MoELayer(
             name=clean_module_name(name), block=module, router=router, experts=experts,
-            num_experts=int(experts.num_experts), top_k=int(router_top_k(router)),  # type: ignore[arg-type]
+            num_experts=int(experts_count(experts)), top_k=int(router_top_k(router)),  # type: ignore[arg-type]
             num_groups=num_groups, topk_group=topk_group, group_score_topk=spec.group_score_topk if grouped else 1,
-            input_weighted=spec.input_weighted))
+            input_weighted=spec.input_weighted, identity_experts=identity_expert_count(experts)))
     if not layers:
         raise ValueError(f"No MoE layer found in {type(model).__name__}: expected sparse blocks with "
                          f"`.{spec.router_attr}` and fused `.experts` (transformers>=5). Check that every layer "

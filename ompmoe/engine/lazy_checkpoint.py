@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapters import experts_count
 from .quantized_files import ComputedSlice, QuantizedCheckpointError, UnreadSlice
 from .stored_formats import (STORED_ATTR, checkpoint_stored_settings, compute_config, dequantized_slice, format_name,
                              pair_stored, regrid, stored_again, stored_settings)
@@ -302,6 +303,8 @@ class LazyCheckpoint:
         module_name, _, name = target.rpartition(".")
         module = self.model.get_submodule(module_name)
         empty = module._parameters[name]
+        if empty.shape[0] != experts_count(module):  # rows past the routed experts (LongCat's identity experts'):
+            experts = None  # read whole, for the caller to slice (a cut one could pass for the uncut size)
         rows = list(range(empty.shape[0])) if experts is None else list(experts)
         fused = torch.empty((len(rows), *empty.shape[1:]), dtype=empty.dtype, device=device)
         axis, offset = _stack_then_concat(converter), 0  # the concatenation's axis within one expert's tensor

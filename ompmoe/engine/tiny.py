@@ -83,8 +83,9 @@ GENERIC_EXTRAS: dict[str, dict[str, Any]] = {
                   mamba_d_state=8, mamba_dt_rank=8),
     "kimi_linear": dict(_MLA, layer_types=_HYBRID, num_experts_per_token=2),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_dense_layers=1),
+    # its router's std-0.02 weights under the randomized correction bias would route every token to one expert
     "longcat_flash": dict(_MLA, num_layers=2, ffn_hidden_size=64, moe_topk=2, zero_expert_num=2,
-                          expert_ffn_hidden_size=32),
+                          expert_ffn_hidden_size=32, initializer_range=0.1),
     "mistral4": {key: value for key, value in _MLA.items() if key != "head_dim"},
     "qwen3_5_moe_text": dict(layer_types=_HYBRID),
     # Step 3.7's text decoder: MoE from layer 3 on by default (none of three), a sliding layer needs its window

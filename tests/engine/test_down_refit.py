@@ -114,8 +114,8 @@ def test_experts_off_transformers_interface_are_refused_naming_the_fix():
     model = tiny_model("qwen3_moe")
     layer = ompmoe.find_moe_layers(model)[0]
     del layer.experts.has_gate
-    check_down_refit(layer)  # gate_up_proj and _apply_gate (experts with their own forward) say it gates
-    layer.experts._apply_gate = None
+    check_down_refit(layer)  # gate_up_proj and _apply_gate or act_fn (experts with their own forward) say it gates
+    layer.experts._apply_gate = layer.experts.act_fn = None
     with pytest.raises(CompensationError) as refused:
         check_down_refit(layer)
     assert str(refused.value) == (

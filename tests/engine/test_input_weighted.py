@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import ompmoe
@@ -16,7 +15,7 @@ from ompmoe.engine.apply.compensation import compensation_sums
 from ompmoe.engine.input_weighted import pair_intermediates, pair_outputs, routed_form
 from ompmoe.engine.tiny import tiny_model
 
-from reference import assert_gram_close, random_ids
+from reference import assert_compensation_sums, assert_gram_close, assert_loss_sums, output_gradients, random_ids, router_inputs
 from test_reroute import add_removal_products
 
 TOP_K = 3
@@ -34,21 +33,6 @@ def stock_atom(layer, hidden_row: torch.Tensor, expert: int, weight: torch.Tenso
     stack = torch.zeros(layer.num_experts, hidden_row.shape[-1], dtype=hidden_row.dtype)
     stack[expert] = hidden_row * weight
     return type(layer.experts).forward(layer.experts, stack)[expert].double()
-
-
-def router_inputs(model, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Each MoE block's router input in a stock forward."""
-    layers = ompmoe.find_moe_layers(model)
-    seen: list[torch.Tensor] = []
-    handles = [layer.router.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
-               for layer in layers]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
 
 
 def test_pair_outputs_and_intermediates_are_the_stock_experts_call_pair_by_pair():
@@ -128,38 +112,18 @@ def test_loss_aware_sums_equal_literal_autograd():
     ids = random_ids(seed=4)
     stats = ompmoe.collect_stats(model, [ids], loss_aware=True, progress=False)
     layers = ompmoe.find_moe_layers(model)
-    outputs, handles = [], []
-    for layer in layers:
-        def keep_grad(module, args, output):
-            output[0].retain_grad()
-            outputs.append((args[0].reshape(-1, args[0].shape[-1]).detach(), output[0]))
-        handles.append(layer.block.register_forward_hook(keep_grad))
-    try:
-        logits = model(input_ids=ids, use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    loss = sum(torch.nn.functional.cross_entropy(logits[b, t].float(), ids[b, t + 1]).double()
-               for b in range(ids.shape[0]) for t in range(ids.shape[1] - 1))
-    loss.backward()
-    for layer, layer_stats, (hidden, output) in zip(layers, stats.layers, outputs):
-        grad = output.grad.reshape(-1, output.shape[-1]).double()
+    gradients = output_gradients(model, ids, [layer.block for layer in layers], output_of=lambda output: output[0])
+    for layer, layer_stats, (hidden, grad) in zip(layers, stats.layers, gradients):
         n = layer.num_experts
-        gram_loss = torch.zeros(n, n, dtype=torch.float64)
-        first_order = torch.zeros(n, dtype=torch.float64)
+        token_atoms = []
         with torch.no_grad():
             scores, router_logits = layer.router(hidden)
             for token in range(hidden.shape[0]):
                 atoms = torch.zeros(n, hidden.shape[1], dtype=torch.float64)
                 for e in torch.topk(router_logits[token], TOP_K).indices.tolist():
                     atoms[e] = stock_atom(layer, hidden[token], e, scores[token, e])
-                a = atoms @ grad[token]
-                gram_loss += torch.outer(a, a)
-                first_order += a
-        scale = float(gram_loss.abs().max())
-        torch.testing.assert_close(layer_stats.gram_loss, gram_loss, rtol=1e-4, atol=1e-4 * scale)
-        torch.testing.assert_close(layer_stats.loss_first_order, first_order, rtol=1e-4,
-                                   atol=1e-4 * float(first_order.abs().max()))
+                token_atoms.append(atoms)
+        assert_loss_sums(layer_stats, token_atoms, grad)
 
 
 @torch.no_grad()
@@ -178,20 +142,15 @@ def test_compensation_sums_equal_the_literal_pruned_block():
         router.weight = torch.nn.Parameter(router.weight.detach()[kept])
         scores, logits = layer.router(hidden)
         pruned_scores, pruned_logits = router(hidden)
-        k = len(kept)
-        gram, cross, energy = torch.zeros(k, k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64), 0.0
+        tokens = []
         for token in range(hidden.shape[0]):
             target = sum(stock_atom(layer, hidden[token], e, scores[token, e])
                          for e in torch.topk(logits[token], TOP_K).indices.tolist())
-            contributions = torch.zeros(k, hidden.shape[1], dtype=torch.float64)
+            contributions = torch.zeros(len(kept), hidden.shape[1], dtype=torch.float64)
             for j in torch.topk(pruned_logits[token], TOP_K).indices.tolist():
                 contributions[j] = stock_atom(layer, hidden[token], kept[j], pruned_scores[token, j])
-            gram += contributions @ contributions.T
-            cross += contributions @ target
-            energy += float(target @ target)
-        assert_gram_close(layer_sums.gram, gram, rtol=1e-4)
-        torch.testing.assert_close(layer_sums.cross, cross, rtol=1e-4, atol=1e-4 * float(cross.abs().max()))
-        assert float(layer_sums.target_energy) == pytest.approx(energy, rel=1e-4)
+            tokens.append((contributions, target))
+        assert_compensation_sums(layer_sums, tokens)
 
 
 @torch.no_grad()

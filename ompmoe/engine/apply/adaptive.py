@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, find_moe_layers
+from ..adapters import ARCHITECTURES, RECOGNIZED, MoELayer, experts_count, find_moe_layers
 from ..collect import replay as _replay
 from ..collect.collector import pause_during_calibration
 from ..collect.statistics import MoEStats
+from ..identity_experts import first_identity, identity_slot
 from ..input_weighted import enter_routed_form, leave_routed_form
 from ..record import ADAPTIVE_KEY, EARLIER_KEY, last_pruning_kept, pruning_info
 
@@ -75,12 +76,15 @@ class _AdaptiveState:
     keep: torch.Tensor | None = None  # masked path: pre-hook -> masked forward
     forward: Any = None  # masked path: the bound forward installed on the experts module
     routed_form: bool = False  # it holds its block's routed form (Llama 4's), left when switched off
+    identity_experts: int = 0  # LongCat-Flash's: always run (they cost nothing), outside the energy rule
     _device_alphas: torch.Tensor | None = None
 
     def alphas_on(self, device: torch.device) -> torch.Tensor:
+        """The alphas on ``device``, with a zero per identity expert (their pairs weigh nothing in the rule)."""
         if self._device_alphas is None or self._device_alphas.device != device:
             dtype = torch.float32 if device.type == "mps" else torch.float64
-            self._device_alphas = self.alphas.to(device=device, dtype=dtype)
+            alphas = torch.cat([self.alphas, self.alphas.new_zeros(self.identity_experts)])
+            self._device_alphas = alphas.to(device=device, dtype=dtype)
         return self._device_alphas
 
     def record(self, kept_per_token: torch.Tensor) -> None:
@@ -176,14 +180,17 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     state.pending = None
     state.keep = None
     hidden, index, weights = _split_args(args, kwargs)
-    if state.alphas.numel() != module.num_experts:
-        raise RuntimeError(f"ompmoe adaptive inference: layer {state.name} has {module.num_experts} experts but its "
+    count = experts_count(module)
+    if state.alphas.numel() != count:
+        raise RuntimeError(f"ompmoe adaptive inference: layer {state.name} has {count} experts but its "
                            f"alphas have {state.alphas.numel()} (was the model pruned after enable_adaptive?). Call "
                            "ompmoe.enable_adaptive(model, stats) again.")
     if state.epsilon == 0.0:  # no prefix can qualify: every token keeps all K, the native call
         state.record(torch.full((index.shape[0],), index.shape[1], dtype=torch.long, device=index.device))
         return None
     keep = adaptive_keep_mask(index, weights, state.alphas_on(index.device), state.epsilon, state.zeta)
+    if state.identity_experts:  # the rule over the experts' pairs; identity pairs always run
+        keep = keep | (index >= state.alphas.numel())
     state.record(keep.sum(dim=1))
     if state.path_on(index.device) == MASKED:
         if state.forward is not None and module.__dict__.get("forward") is state.forward:
@@ -199,8 +206,9 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     state.pending = (token_ids, hidden.shape[0], hidden.dtype)
     compact = (
         hidden.index_select(0, token_ids),  # index_select: several times faster than hidden[token_ids] on CPU
-        index.reshape(-1).index_select(0, pairs).unsqueeze(1),
-        weights.reshape(-1).index_select(0, pairs).unsqueeze(1),
+        *identity_slot(index.reshape(-1).index_select(0, pairs).unsqueeze(1),
+                       weights.reshape(-1).index_select(0, pairs).unsqueeze(1),
+                       first_identity(state.alphas.numel(), state.identity_experts)),
     )
     return compact, {}
 
@@ -305,7 +313,7 @@ def enable_adaptive(model: nn.Module, stats_or_alphas: MoEStats | Mapping[str, A
     disable_adaptive(model)
     for layer in layers:
         state = _AdaptiveState(layer.name, alphas[layer.name], epsilon, float(zeta), layer.top_k, path=path,
-                               masked_ok=masked_path_supported(layer.experts))
+                               masked_ok=masked_path_supported(layer.experts), identity_experts=layer.identity_experts)
         state.routed_form = enter_routed_form(layer)  # Llama 4's experts see ids and weights only in that form
         setattr(layer.experts, STATE_ATTR, state)
         weight = next(layer.experts.parameters(), None)

@@ -22,6 +22,7 @@ from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..io import readable_size
 from ..model_classes import text_config
 from ..collect.collector import as_model_inputs, check_calibration_inputs
+from ..identity_experts import first_identity, original_ids, pair_call, split_identity_pairs
 from ..input_weighted import pair_outputs, routed_form, routed_pairs
 from ..perplexity import eval_mode, perplexity
 from ..planning.plan import PruningPlan
@@ -249,9 +250,10 @@ class _LayerPass:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
             ids, weights = self._take_routing()
-            target, contributions, _ = routed_and_pruned(self.layer, native, hidden_states, top_k_index, top_k_weights,
-                                                         self.kept_on_device.to(ids.device)[ids], weights)
-            self._add(ids, contributions, target.float())
+            target, contributions, pruned = routed_and_pruned(
+                self.layer, native, hidden_states, top_k_index, top_k_weights, self.original_ids(ids), weights)
+            ids, fixed, contributions, _, _ = self.identity_split(ids, contributions, pruned)
+            self._add(ids, contributions, target.float() - fixed)
             result = target
             if self.fit is not None:  # sequential: this batch holds every fitting token, so the correction is final
                 correction = self.fit(self.sums).to(contributions.device)
@@ -259,11 +261,24 @@ class _LayerPass:
                     result = contributions.sum(1).double() @ correction.T
                 else:
                     result = (contributions * correction[ids].unsqueeze(-1).to(contributions.dtype)).sum(1)
+                result = result + fixed.to(result.dtype)
             if self.last:
                 raise _Stop
             return result.to(hidden_states.dtype)
 
         return forward
+
+    def original_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The sliced router's ids as the unpruned layer's (identity experts' too)."""
+        return original_ids(self.kept_on_device, ids, self.layer.num_experts)
+
+    def identity_split(self, ids: torch.Tensor, contributions: torch.Tensor, pruned: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:func:`~ompmoe.engine.identity_experts.split_identity_pairs` on a layer with identity experts; else the
+        pairs as they are, with nothing fixed (``fixed`` 0, ``measured`` ``None``)."""
+        if not self.layer.identity_experts:
+            return ids, contributions.new_zeros(()), contributions, pruned, None
+        return split_identity_pairs(ids, len(self.sums.kept), contributions, pruned)
 
     def _add(self, ids: torch.Tensor, contributions: torch.Tensor, target: torch.Tensor) -> None:
         """Add one batch: ``ids`` ``(T, k')`` positions among the kept experts, ``contributions`` ``(T, k', d)``,
@@ -302,7 +317,8 @@ def routed_and_pruned(layer: MoELayer, native: Callable, hidden: torch.Tensor, t
         target = pair_outputs(layer.experts, hidden, top_k_index, top_k_weights).sum(1)
         pruned = pair_outputs(layer.experts, hidden, pruned_ids, pruned_weights)
         return target, pruned.float(), pruned
-    outputs, pruned = _pair_outputs(native, hidden, top_k_index, pruned_ids)
+    outputs, pruned = _pair_outputs(native, hidden, top_k_index, pruned_ids,
+                                    first_identity(layer.num_experts, layer.identity_experts))
     target = (outputs * top_k_weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
     return target, pruned.float() * pruned_weights.float().unsqueeze(-1), pruned
 
@@ -313,8 +329,8 @@ def transposed(layer: MoELayer) -> bool:
     return bool(getattr(layer.experts, "is_transposed", False)) or layer.input_weighted
 
 
-def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pruned_ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pruned_ids: torch.Tensor,
+                  identity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unweighted expert outputs ``F`` of the native pairs ``(T, k, d)`` and of the pruned routing's pairs
     ``(T, k', d)`` (original ids), from one flattened call of the experts: a pruned pair whose expert the token had
     already is not evaluated again, so only the replacements cost a second expert call."""
@@ -324,7 +340,7 @@ def _pair_outputs(native: Callable, hidden: torch.Tensor, ids: torch.Tensor, pru
     rows = torch.cat([hidden.repeat_interleave(top_k, dim=0), hidden[missing[0]]])
     experts = torch.cat([ids.reshape(-1), pruned_ids[missing]]).view(-1, 1)
     unit = torch.ones(rows.shape[0], 1, dtype=hidden.dtype, device=hidden.device)
-    flat = native(rows, experts, unit)
+    flat = pair_call(native, rows, experts, unit, identity)
     outputs = flat[: num_tokens * top_k].view(num_tokens, top_k, -1)
     slot = matches.to(torch.uint8).argmax(-1)  # where a kept pair's output already is
     pruned = outputs.gather(1, slot.unsqueeze(-1).expand(-1, -1, outputs.shape[-1]))

@@ -97,15 +97,25 @@ def check_down_refit(layer: MoELayer) -> None:
 
 
 def has_gate(experts: nn.Module) -> bool | None:
-    """Whether the experts gate their up projection (``gate_up_proj`` through ``_apply_gate``): transformers' experts
-    interface says so in ``has_gate``; experts with their own forward (Step 3.7's, which clamps) by having both;
-    ``None`` when it cannot be told."""
+    """Whether the experts gate their up projection (``gate_up_proj``): transformers' experts interface says so in
+    ``has_gate``; experts with their own forward by a ``gate_up_proj`` and an ``_apply_gate`` (Step 3.7's, which
+    clamps) or an ``act_fn`` (LongCat-Flash's, ``act(gate) * up`` of its halves, as the interface's); ``None`` when it
+    cannot be told. The refit checks what it computes against the experts' own outputs either way."""
     if hasattr(experts, "has_gate"):
         return bool(experts.has_gate)
-    if isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter) and callable(getattr(experts, "_apply_gate",
-                                                                                             None)):
+    if isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter) and any(
+            callable(getattr(experts, name, None)) for name in ("_apply_gate", "act_fn")):
         return True
     return None
+
+
+def gated_activation(experts: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """The experts' activation of their ``gate_up_proj`` output: their own ``_apply_gate``, else ``act(gate) * up``
+    of its halves, as transformers' experts interface computes it."""
+    if callable(getattr(experts, "_apply_gate", None)):
+        return experts._apply_gate(projected)
+    gate, up = projected.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
 
 def expert_intermediate(experts: nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor,
@@ -126,7 +136,7 @@ def expert_intermediate(experts: nn.Module, hidden: torch.Tensor, token_ids: tor
         if bias is not None:
             out = out + bias[expert]
         projected[where] = out.to(projected.dtype)
-    return experts._apply_gate(projected) if gated else experts.act_fn(projected)
+    return gated_activation(experts, projected) if gated else experts.act_fn(projected)
 
 
 def _down_rows(layer: MoELayer, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -235,21 +245,23 @@ class _RefitPass(_LayerPass):
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
             ids, weights = self._take_routing()
-            kept = self.kept_on_device.to(ids.device)
             target, contributions, pruned = routed_and_pruned(self.layer, native, hidden_states, top_k_index,
-                                                              top_k_weights, kept[ids], weights)
-            target = target.float()
+                                                              top_k_weights, self.original_ids(ids), weights)
+            output = target
+            ids, fixed, contributions, pruned, measured = self.identity_split(ids, contributions, pruned)
+            target = target.float() - fixed  # what the kept experts' down projections can correct
             self._add(ids, contributions, target)
             del contributions
-            self._refit(hidden_states, ids, weights, pruned, target)
+            self._refit(hidden_states, ids, weights, pruned, target, measured)
             if self.last:
                 raise _Stop
-            return target.to(hidden_states.dtype)
+            return output.to(hidden_states.dtype)
 
         return forward
 
     def _refit(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pruned: torch.Tensor,
-               target: torch.Tensor) -> None:
+               target: torch.Tensor, measured: torch.Tensor | None = None) -> None:
+        """``measured``: the pairs that are experts' (the others, identity pairs under a kept id, fit nothing)."""
         layer = self.layer
         tokens, top = ids.shape
         token_of_pair = torch.arange(tokens, device=ids.device).repeat_interleave(top)
@@ -265,6 +277,11 @@ class _RefitPass(_LayerPass):
         segments = expert_segments(positions, len(self.sums.kept))
         # the experts' own outputs against down(h) on up to CHECKED_PAIRS pairs spread over all (memory: no (P, d))
         sample = torch.linspace(0, inner.shape[0] - 1, min(inner.shape[0], CHECKED_PAIRS), device=inner.device).long()
+        if measured is not None:  # experts' pairs only
+            weights = weights.masked_fill(~measured, 0)
+            rows = measured.reshape(-1).nonzero().squeeze(-1)
+            sample = rows[torch.linspace(0, rows.numel() - 1, min(rows.numel(), CHECKED_PAIRS),
+                                         device=rows.device).long()] if rows.numel() else rows
         own = _own_outputs(inner[sample], positions[sample], down, bias)
         expected = pruned.reshape(-1, pruned.shape[-1])[sample].float()
         mismatch = float((own - expected).norm() / expected.norm().clamp(min=1e-30))

@@ -88,9 +88,11 @@ def slice_routing(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[
 
 
 def _slice_layer(layer: MoELayer, index: torch.Tensor, count_attributes: tuple[str, ...]) -> None:
-    """Keep experts ``index`` (ascending) in the router, the block's routing tensors and the experts of ``layer``."""
+    """Keep experts ``index`` (ascending) in the router, the block's routing tensors and the experts of ``layer``
+    (with their rows past the routed experts: LongCat-Flash's identity experts)."""
     slice_routing(layer, index, count_attributes)
-    slice_module(layer.experts, index, layer.num_experts, count_attributes)
+    slice_module(layer.experts, index, layer.num_experts, count_attributes,
+                 router_extra_rows(layer.experts, layer.num_experts))
     layer.num_experts = int(index.numel())
 
 

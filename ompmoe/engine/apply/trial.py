@@ -13,6 +13,7 @@ from torch import nn
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
 from ..planning.plan import PruningPlan
+from ..identity_experts import original_ids
 from ..input_weighted import routed_form
 from .pruning import restore_module, slice_routing, validate_plan
 
@@ -43,8 +44,8 @@ def pruned_layer_view(layer: MoELayer, kept: list[int], count_attributes: tuple[
     form.__enter__()
     try:
         restore.extend(slice_routing(layer, index, count_attributes))
-        hook = layer.experts.register_forward_pre_hook(partial(_original_ids, kept=index, name=ids_argument),
-                                                       with_kwargs=True)
+        hook = layer.experts.register_forward_pre_hook(partial(_original_ids, kept=index, name=ids_argument,
+                                                               count=layer.num_experts), with_kwargs=True)
         yield layer
     finally:
         if hook is not None:
@@ -55,12 +56,13 @@ def pruned_layer_view(layer: MoELayer, kept: list[int], count_attributes: tuple[
 
 
 def _original_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, kept: torch.Tensor,
-                  name: str) -> tuple[tuple, dict[str, Any]]:
-    """Experts pre-hook: the sliced router's ids ``0..K-1`` (argument ``name``) -> the kept experts' original ids."""
+                  name: str, count: int) -> tuple[tuple, dict[str, Any]]:
+    """Experts pre-hook: the sliced router's ids ``0..K-1`` (argument ``name``) -> the kept experts' original ids
+    (identity experts' ``K..`` -> ``count..``)."""
     if name in kwargs:
-        kwargs[name] = kept.to(kwargs[name].device)[kwargs[name]]
+        kwargs[name] = original_ids(kept, kwargs[name], count)
     else:
-        args = (args[0], kept.to(args[1].device)[args[1]], *args[2:])
+        args = (args[0], original_ids(kept, args[1], count), *args[2:])
     return args, kwargs
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ..adapters import MoELayer, architecture_of, find_moe_layers
+from ..identity_experts import as_unmeasured, first_identity, pair_call
 from ..input_weighted import pair_outputs, per_unit_weight, routed_form
 from ..perplexity import eval_mode
 from ..progress import progress as progress_bar
@@ -38,20 +39,34 @@ if TYPE_CHECKING:
 @contextmanager
 def expose_expert_outputs(layers: list[MoELayer], callback: PairCallback) -> Iterator[None]:
     """Within the context, every expert call reports unweighted per-pair outputs to ``callback`` (Llama 4's blocks in
-    their routed form, :mod:`ompmoe.engine.input_weighted`)."""
+    their routed form, :mod:`ompmoe.engine.input_weighted`; LongCat-Flash's identity pairs as "no expert" pairs,
+    :mod:`ompmoe.engine.identity_experts`)."""
     patched: list[tuple[nn.Module, Any]] = []
     with routed_form(layers):
         try:
             for index, layer in enumerate(layers):
                 patched.append((layer.experts, layer.experts.__dict__.get("forward")))
-                wrap = _input_weighted_forward if layer.input_weighted else _flattened_forward
-                layer.experts.forward = wrap(layer.experts.forward, index, callback)
+                if layer.input_weighted:
+                    layer.experts.forward = _input_weighted_forward(layer.experts.forward, index, callback)
+                else:
+                    identity = first_identity(layer.num_experts, layer.identity_experts)
+                    report = callback if identity is None else _without_identity_pairs(callback, identity)
+                    layer.experts.forward = _flattened_forward(layer.experts.forward, index, report, identity)
             yield
         finally:
             for experts, previous in patched:
                 del experts.forward  # the class forward (and its implementation dispatch) is back
                 if previous is not None:  # or the routed form's
                     experts.forward = previous
+
+
+def _without_identity_pairs(callback: PairCallback, num_experts: int) -> PairCallback:
+    """``callback`` given a layer's identity pairs as "no expert" pairs that add nothing to any sum."""
+    def report(index: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, outputs: torch.Tensor,
+               atoms: torch.Tensor) -> None:
+        callback(index, *as_unmeasured(top_k_index, top_k_weights, outputs, atoms, num_experts))
+
+    return report
 
 
 def _input_weighted_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
@@ -69,7 +84,8 @@ def _input_weighted_forward(native_forward: Callable, index: int, callback: Pair
     return forward
 
 
-def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback) -> Callable:
+def _flattened_forward(native_forward: Callable, index: int, callback: PairCallback, identity: int | None = None
+                       ) -> Callable:
     experts = getattr(native_forward, "__self__", None)
     replay = replayable(experts) if experts is not None else None
 
@@ -81,11 +97,11 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
         num_tokens, top_k = top_k_index.shape
         graph_inputs = (hidden_states, top_k_weights, *(experts.parameters() if experts is not None else ()))
         if torch.is_grad_enabled() and any(t.requires_grad for t in graph_inputs):
-            outputs = _per_expert_forward(native_forward, hidden_states, top_k_index, top_k_weights.dtype)
+            outputs = _per_expert_forward(native_forward, hidden_states, top_k_index, top_k_weights.dtype, identity)
         else:
             pairs_hidden = hidden_states.repeat_interleave(top_k, dim=0)
             unit_weights = torch.ones(num_tokens * top_k, 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-            outputs = native_forward(pairs_hidden, top_k_index.reshape(-1, 1), unit_weights)
+            outputs = pair_call(native_forward, pairs_hidden, top_k_index.reshape(-1, 1), unit_weights, identity)
         weighted = outputs.view(num_tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(outputs.dtype)
         callback(index, top_k_index, top_k_weights, outputs, weighted.detach().view(num_tokens * top_k, -1))
         return weighted.sum(dim=1).to(hidden_states.dtype)
@@ -94,7 +110,7 @@ def _flattened_forward(native_forward: Callable, index: int, callback: PairCallb
 
 
 def _per_expert_forward(native_forward: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                        weight_dtype: torch.dtype) -> torch.Tensor:
+                        weight_dtype: torch.dtype, identity: int | None = None) -> torch.Tensor:
     """The flattened call's per-pair outputs ``(tokens * top_k, d)``, one native call per expert's pairs.
 
     Used under autograd: one call over all pairs makes each per-expert gather's backward add a zero
@@ -107,7 +123,8 @@ def _per_expert_forward(native_forward: Callable, hidden_states: torch.Tensor, t
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.unique_consecutive(sorted_ids, return_counts=True)[1].tolist()
     pairs = _GatherRows.apply(hidden_states, order.div(top_k, rounding_mode="floor"), inverse.view(num_tokens, top_k))
-    chunks = [native_forward(h, ids.view(-1, 1), torch.ones(len(ids), 1, dtype=weight_dtype, device=ids.device))
+    chunks = [pair_call(native_forward, h, ids.view(-1, 1), torch.ones(len(ids), 1, dtype=weight_dtype,
+                                                                        device=ids.device), identity)
               for h, ids in zip(pairs.split(counts), sorted_ids.split(counts))]
     return _GatherRows.apply(torch.cat(chunks), inverse, order)
 

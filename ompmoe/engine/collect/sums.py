@@ -13,6 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from ..adapters import MoELayer
+from ..identity_experts import measured_ids
 from .errors import CalibrationInputError
 from .statistics import PER_EXPERT_SUMS, LayerStats
 
@@ -107,7 +108,7 @@ class MoEStatsMetric(LayerSumsMetric):
         gates = top_k_weights.detach().to(device, torch.float32)
         exact = atoms is not None and outputs.dtype == top_k_weights.dtype == atoms.dtype == torch.float32
         atoms = atoms.detach().view(num_tokens, top_k, -1).to(device) if exact else None
-        ids = top_k_index.to(device)
+        ids, measured = measured_ids(top_k_index.to(device), n)  # LongCat's identity pairs: zeros, not counted
         weight = self.token_weight
         if weight is not None:
             if weight.numel() != num_tokens:
@@ -116,7 +117,7 @@ class MoEStatsMetric(LayerSumsMetric):
             # Drop padding outright (its hidden states may be non-finite); weights are 0/1, so the rest weigh 1.
             keep = weight.to(device) > 0
             if not bool(keep.all()):
-                expert_out, gates, ids = expert_out[keep], gates[keep], ids[keep]
+                expert_out, gates, ids, measured = expert_out[keep], gates[keep], ids[keep], measured[keep]
                 atoms = atoms[keep] if atoms is not None else None
         if atoms is None:
             atoms = expert_out * gates.unsqueeze(-1)  # V = g * F, alive for this batch only
@@ -133,7 +134,7 @@ class MoEStatsMetric(LayerSumsMetric):
         gram.view(-1).index_add_(0, flat_gram_index, pair_products.reshape(-1))
         normalized = (pair_products * inverse_energy.view(-1, 1, 1)).reshape(-1)
         getattr(self, f"gram_normalized_{index}").view(-1).index_add_(0, flat_gram_index, normalized)
-        sums = {"routing_mass": gates64, "token_count": torch.ones_like(gates64), "sq_norm_sum": sq_norm,
+        sums = {"routing_mass": gates64, "token_count": measured.to(torch.float64), "sq_norm_sum": sq_norm,
                 "norm_sum": norm, "weighted_norm_sum": gates64 * norm}
         stacked = torch.stack([sums[key] for key in PER_EXPERT_SUMS]).reshape(len(PER_EXPERT_SUMS), -1)
         getattr(self, f"expert_sums_{index}").index_add_(1, ids.reshape(-1), stacked)

@@ -90,8 +90,9 @@ from transformers import {base_model} as _BaseForCausalLM
 from .configuration_ompmoe_pruned import {config_class}
 
 ROUTER_ATTR = {router_attr!r}
-COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts")
-EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes")  # a router's rows past its experts, kept whole
+COUNT_ATTRIBUTES = ("num_experts", "n_routed_experts", "num_local_experts", "num_routed_experts")
+# a router's (or experts') rows past the routed experts, kept whole: shared, skip or identity experts
+EXTRA_CLASS_KEYS = ("n_total_experts", "num_router_classes", "n_routed_experts", "total_experts")
 
 
 def _axis(tensor, old, extra=0):
@@ -165,7 +166,8 @@ class {model_class}(_BaseForCausalLM):
         kept = (getattr(config, "ompmoe", None) or {{}}).get("kept_experts") or {{}}
         for name, ids in kept.items():
             block = self.get_submodule(name)
-            old = int(block.experts.num_experts)
+            old = int(next(value for attr in ("num_experts", "num_routed_experts")
+                           if isinstance(value := getattr(block.experts, attr, None), int)))
             if len(ids) > old:
                 raise ValueError(
                     f"config.ompmoe keeps {{len(ids)}} experts in {{name}} but the config builds {{old}}; "
@@ -175,7 +177,7 @@ class {model_class}(_BaseForCausalLM):
             extra = _extra_rows(router, old)
             for module in router.modules():
                 _shrink(module, old, len(ids), extra=extra)
-            _shrink(block.experts, old, len(ids))
+            _shrink(block.experts, old, len(ids), extra=_extra_rows(block.experts, old))
             if getattr(config, "quantization_config", None):  # FP8 experts are rebuilt from module.config
                 _own_count(block.experts, len(ids), config)
             _shrink(block, old, len(ids), ())  # a routing bias the block keeps and passes into its router

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ...adapters import MoELayer
+from ...identity_experts import measured_ids
 from ...collect.sums import LayerSumsMetric, outside_autocast
 
 
@@ -28,7 +29,7 @@ class LossStatsMetric(LayerSumsMetric):
         device = self.loss_sum.device
         atoms = atoms.detach().to(device, torch.float32)
         grad = grad.detach().to(device, torch.float32)
-        ids = top_k_index.to(device)
+        ids = measured_ids(top_k_index.to(device), n)[0]  # LongCat's identity pairs: zero atoms
         weight = None
         if token_weight is not None:
             keep = token_weight.to(device) > 0

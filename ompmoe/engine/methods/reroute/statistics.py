@@ -35,6 +35,10 @@ def check_reroutable(layers: list[MoELayer]) -> None:
         if not isinstance(getattr(layer.router, "top_k", None), int):
             raise RerouteError(f"reroute=True needs a router with an integer `top_k` attribute; the router of "
                                f"{layer.name} ({type(layer.router).__name__}) has none. Collect without reroute.")
+        if layer.identity_experts:
+            raise RerouteError(f"reroute=True is not supported on zero-computation (identity) experts: {layer.name} "
+                               f"has {layer.identity_experts}, which may take a pruned expert's slot. Collect without "
+                               "reroute.")
         if layer.num_experts <= layer.top_k:
             raise RerouteError(f"reroute=True needs more experts than top_k in every layer; {layer.name} has "
                                f"{layer.num_experts} experts and top_k {layer.top_k}. Collect without reroute.")
