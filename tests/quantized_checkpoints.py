@@ -119,11 +119,12 @@ def assert_stock_transformers_reads_it_pruned(source: Path, dequantized: Path, s
 
 
 def assert_pruned_layer_by_layer_as_resident(source: Path, dequantized: Path, blocks: list, tmp_path: Path,
-                                             tokenizer: str | None = None):
+                                             tokenizer: str | None = None, quantization_config: dict | None = None):
     """The layer-by-layer statistics of ``source`` (quantized) equal the resident pass on ``dequantized`` (the
     full-precision checkpoint it stands for), with the same plan at 0.5 (``waterfill``); both pruned checkpoints are
     written, ``save_pruned``'s to ``tmp_path/resident`` and the files' to ``tmp_path/streamed``, whose config is
-    ``save_pruned``'s plus the source's ``quantization_config``. Returns the plan."""
+    ``save_pruned``'s plus the source's ``quantization_config`` (or ``quantization_config``: a container's, renamed
+    for its text model). Returns the plan."""
     import warnings
 
     import ompmoe
@@ -143,7 +144,8 @@ def assert_pruned_layer_by_layer_as_resident(source: Path, dequantized: Path, bl
         ompmoe.save_pruned(ompmoe.prune(model, plan), tmp_path / "resident", tokenizer=tokenizer)
         save_pruned_from_files(source, plan, tmp_path / "streamed", tokenizer=tokenizer)
     config = json.loads((tmp_path / "streamed" / "config.json").read_text())
-    assert config.pop("quantization_config") == json.loads((source / "config.json").read_text())["quantization_config"]
+    assert config.pop("quantization_config") == (
+        quantization_config or json.loads((source / "config.json").read_text())["quantization_config"])
     resident = json.loads((tmp_path / "resident" / "config.json").read_text())
     for each in (config, resident):  # the checkpoint each was read from (the resident one: the dequantized)
         del each["ompmoe"]["plan"]["model_id"]

@@ -15,11 +15,8 @@ from typing import Any
 
 import torch
 
-from .quantized_files import ComputedSlice, QuantizedCheckpointError
+from .quantized_files import ComputedSlice, QuantizedCheckpointError, refuse_other_fp8, refuse_unscaled
 
-FP8_FILE_DTYPE = "F8_E4M3"
-"""The safetensors dtype of block-FP8 weights (E4M3, the format of every such release); other 8-bit float dtypes
-(E5M2, E8M0) are refused by name."""
 SCALE_FILE_DTYPE = "F32"
 """The safetensors dtype of their scales (one float32 multiplier per block)."""
 E4M3_MAX = 448.0
@@ -119,12 +116,7 @@ def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings:
     pairing checked: an FP8 tensor without a ``quantization_config`` (its values would be read unscaled), without
     its scales, or with a scale grid that does not cover it in ``weight_block_size`` blocks is refused by name."""
     fp8 = sorted(name for name, dtype in headers.items() if dtype.startswith("F8_") and not name.endswith(SCALE_SUFFIX))
-    other = [f"{name} ({headers[name]})" for name in fp8 if headers[name] != FP8_FILE_DTYPE]
-    if other:
-        raise QuantizedCheckpointError(
-            f"{source} stores {len(other)} weights in an 8-bit float other than E4M3 ({', '.join(other[:2])}"
-            f"{', ...' if len(other) > 2 else ''}); ompmoe reads block-FP8 checkpoints in E4M3 (DeepSeek-V3's "
-            "format). Prune the full-precision checkpoint instead.")
+    refuse_other_fp8(headers, fp8, source, "ompmoe reads block-FP8 checkpoints in E4M3 (DeepSeek-V3's format)")
     if fp8 and settings is None:
         raise QuantizedCheckpointError(
             f"{source} stores {len(fp8)} tensors in FP8 ({fp8[0]}, ...) but its config.json has no "
@@ -150,10 +142,7 @@ def pair_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings:
             wrong.append(f"{scale} {list(shapes[scale])} does not cover {name} {shapes[name]} in {list(block)} "
                          f"blocks (expected {expected})")
         pairs[name] = scale
-    if wrong:
-        raise QuantizedCheckpointError(f"{source} stores FP8 weights ompmoe cannot scale: {'; '.join(wrong[:3])}"
-                                       f"{'; ...' if len(wrong) > 3 else ''}. Its files are incomplete or in "
-                                       "another FP8 layout.")
+    refuse_unscaled(source, wrong)
     return pairs
 
 

@@ -159,6 +159,12 @@ class LazyCheckpoint:
                 renamed, pattern = key, None
             self.target[key], self.pattern[key] = renamed, pattern
         self.converters = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+        sources: dict[str, list[str]] = {}
+        for key, target in self.target.items():
+            if key != target:
+                sources.setdefault(target, []).append(key)
+        self.renamed_from = {target: keys[0] for target, keys in sources.items() if len(keys) == 1}
+        """Model tensor -> the one file tensor renamed into it (a container read as its text model)."""
         self._refuse_quantized_routers()
         self.used: list[Any] = []
         self.stacked_files: dict[str, list[tuple[list[str], int | None, int, int]]] = {}
@@ -303,8 +309,9 @@ class LazyCheckpoint:
         module_name, _, name = target.rpartition(".")
         module = self.model.get_submodule(module_name)
         empty = module._parameters[name]
-        if empty.shape[0] != experts_count(module):  # rows past the routed experts (LongCat's identity experts'):
-            experts = None  # read whole, for the caller to slice (a cut one could pass for the uncut size)
+        whole = experts is not None and empty.shape[0] != experts_count(module)
+        if whole:  # rows past the routed experts (LongCat's identity experts'): read whole, for the caller to slice
+            experts = None  # (a cut one could pass for the uncut size); its rows are the caller's to renumber
         rows = list(range(empty.shape[0])) if experts is None else list(experts)
         fused = torch.empty((len(rows), *empty.shape[1:]), dtype=empty.dtype, device=device)
         axis, offset = _stack_then_concat(converter), 0  # the concatenation's axis within one expert's tensor
@@ -325,7 +332,8 @@ class LazyCheckpoint:
                                      f"{target} {list(empty.shape)}.")
                 if not self._read_into(where, key):
                     where.copy_(self.slices[key][:])
-                self.written_from[keys[row]] = key
+                if not whole:
+                    self.written_from[keys[row]] = key
             layout.append((keys[:len(rows)], axis, offset, size))
             offset += size
         self.stacked_files[target] = layout
@@ -380,6 +388,8 @@ class LazyCheckpoint:
             shape, rows = self.stored_shapes[source], None
             if list(value.shape) != shape:  # a fused experts tensor of the files, cut to the kept experts
                 rows = kept.get(self.target[source].rpartition(".")[0])
+                if rows is not None and len(rows) > value.shape[0]:  # the rows past the experts (identity
+                    rows = rows[:value.shape[0]]  # experts') are on tensors that have them only
                 if rows is None or len(rows) != value.shape[0] or shape[1:] != list(value.shape[1:]):
                     raise ValueError(f"{self.path}: {name} {list(value.shape)} is not {source} {shape} cut to kept "
                                      "experts; it cannot be written as stored.")
@@ -392,7 +402,11 @@ class LazyCheckpoint:
 
     def _source_of(self, name: str, kept: dict[str, list[int]]) -> str:
         """The file tensor a written tensor was read from: for a per-expert name under an experts module cut to
-        ``kept``, the kept expert it renumbers (the plan's, checked against what the fill read); else itself."""
+        ``kept``, the kept expert it renumbers (the plan's, checked against what the fill read); for a model tensor
+        the files name otherwise (a container read as its text model: ``language_model.model.*`` -> ``model.*``),
+        the file tensor renamed into it; else itself."""
+        if name not in self.target and name in self.renamed_from:
+            return self.renamed_from[name]
         expert, target = _expert_of(name), self.target.get(name)
         module = next((module for module in kept if target is not None and target.startswith(f"{module}.")), None)
         if expert is None or module is None:

@@ -47,4 +47,26 @@ class UnreadSlice(ComputedSlice):
         return torch.full((), float("nan"), dtype=torch.bfloat16).expand(self.shape)[index]
 
 
-__all__ = ["ComputedSlice", "QuantizedCheckpointError", "UnreadSlice"]
+E4M3_FILE_DTYPE = "F8_E4M3"
+"""The safetensors dtype of FP8 weights (E4M3, the format of every FP8 release); other 8-bit float dtypes (E5M2,
+E8M0) are refused by name."""
+
+
+def refuse_other_fp8(headers: dict[str, str], fp8: list[str], source: Any, fix: str) -> None:
+    """Refuse the files' 8-bit float weights ``fp8`` stored in anything but E4M3 (``fix``: what the format reads)."""
+    other = [f"{name} ({headers[name]})" for name in fp8 if headers[name] != E4M3_FILE_DTYPE]
+    if other:
+        raise QuantizedCheckpointError(
+            f"{source} stores {len(other)} weights in an 8-bit float other than E4M3 ({', '.join(other[:2])}"
+            f"{', ...' if len(other) > 2 else ''}); {fix}. Prune the full-precision checkpoint instead.")
+
+
+def refuse_unscaled(source: Any, wrong: list[str]) -> None:
+    """Refuse FP8 weights whose scales are missing or do not fit them (``wrong``: each one's reason)."""
+    if wrong:
+        raise QuantizedCheckpointError(f"{source} stores FP8 weights ompmoe cannot scale: {'; '.join(wrong[:3])}"
+                                       f"{'; ...' if len(wrong) > 3 else ''}. Its files are incomplete or in "
+                                       "another FP8 layout.")
+
+
+__all__ = ["ComputedSlice", "QuantizedCheckpointError", "UnreadSlice", "refuse_other_fp8", "refuse_unscaled"]

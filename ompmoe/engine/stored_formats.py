@@ -1,12 +1,12 @@
 """The quantized formats a checkpoint's files may store its weights in, and which ompmoe reads layer by layer: block
 FP8 (:mod:`.block_fp8`: DeepSeek-V3/R1, Kimi K2, MiniMax-M2, Qwen3 -FP8), MXFP4 experts (:mod:`.mxfp4`:
-gpt-oss) and compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
-requants). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
+gpt-oss), compressed-tensors (:mod:`.compressed_tensors_format`: Kimi K2 Thinking's INT4 experts, llm-compressor's
+requants) and FBGEMM's row-wise FP8 (:mod:`.fbgemm_fp8`: Llama 4 Maverick's -FP8 release). A run computes on the weights dequantized and writes the kept experts' tensors as the files store them,
 so the pruned checkpoint keeps its source's format; any other quantization is refused before anything is read. A
 compensation changes the kept experts' down projections, which are quantized again in the checkpoint's format
 (:func:`requantizes`, :func:`stored_again`): block FP8 as transformers' ``Fp8Quantize``, MXFP4 as transformers'
 ``quantize_to_mxfp4``, compressed-tensors integers and FP8 as llm-compressor's round to nearest; compressed-tensors'
-NVFP4 is written as stored only, so a compensation of it is refused."""
+NVFP4 and FBGEMM's row-wise FP8 are written as stored only, so a compensation of them is refused."""
 
 from __future__ import annotations
 
@@ -29,13 +29,16 @@ from .compressed_tensors_format import (CompressedSlice, compressed_tensors_sett
                                         experts_fp4, scheme_of)
 from .compressed_tensors_format import dequantize as compressed_dequantize
 from .compressed_tensors_format import quantize as compressed_quantize
+from .fbgemm_fp8 import SCALE_SUFFIX as ROWWISE_SCALE
+from .fbgemm_fp8 import RowwiseSlice, fbgemm_fp8_settings, pair_channel_scales
 from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Slice, mxfp4_settings, pair_blocks
 from .mxfp4 import quantize as mxfp4_quantize
 from .mxfp4 import round_to_grid as mxfp4_round_to_grid
 from .quantized_files import ComputedSlice, QuantizedCheckpointError
 
 FORMATS = {"fp8": ("block-FP8", "a", block_fp8_settings), "mxfp4": ("MXFP4", "an", mxfp4_settings),
-           "compressed-tensors": ("compressed-tensors", "a", compressed_tensors_settings)}
+           "compressed-tensors": ("compressed-tensors", "a", compressed_tensors_settings),
+           "fbgemm_fp8": ("row-wise FP8 (fbgemm_fp8)", "a", fbgemm_fp8_settings)}
 """``quant_method`` -> (its name in messages, that name's article, the check of its settings)."""
 STORED_ATTR = "_ompmoe_stored_quantization"
 """Attribute of a skeleton built from a quantized checkpoint: its ``quantization_config`` (the files' format)."""
@@ -64,7 +67,8 @@ def stored_settings(config: Any) -> dict[str, Any] | None:
             f"The checkpoint is quantized (quant_method={method!r}); ompmoe reads block-FP8 checkpoints (quant_method "
             "'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, Qwen3's -FP8 releases), MXFP4 experts "
             "(quant_method 'mxfp4': gpt-oss), compressed-tensors ones (quant_method 'compressed-tensors': "
-            "pack-quantized integers, FP8) and full-precision ones. Prune the full-precision checkpoint, then "
+            "pack-quantized integers, FP8), row-wise FP8 (quant_method 'fbgemm_fp8': Llama 4 Maverick's -FP8 "
+            "release) and full-precision ones. Prune the full-precision checkpoint, then "
             "quantize the pruned model.")
     return FORMATS[method][2]({**settings, "quant_method": method})
 
@@ -178,6 +182,9 @@ def pair_stored(headers: dict[str, str], shapes: dict[str, list[int]], settings:
     pairing checked by its format (:func:`.block_fp8.pair_scales`, :func:`.mxfp4.pair_blocks`,
     :func:`.compressed_tensors_format.pair_compressed`)."""
     method = settings["quant_method"] if settings is not None else None
+    if method == "fbgemm_fp8":  # its FP8 weights are scaled per output channel
+        return {weight: {"": weight, ROWWISE_SCALE: scale}
+                for weight, scale in pair_channel_scales(headers, shapes, settings, source).items()}
     compressed = pair_compressed(headers, shapes, settings if method == "compressed-tensors" else None, source)
     if method == "compressed-tensors":  # its FP8 weights are its own (scaled per row, tensor or block)
         return compressed
@@ -195,6 +202,8 @@ def dequantized_slice(weight: str, parts: dict[str, Any], settings: dict[str, An
         return CompressedSlice(weight, parts, scheme_of(weight[:-len(".weight")], settings))
     if settings["quant_method"] == "fp8":
         return DequantizedSlice(parts[""], parts[SCALE_SUFFIX], block_size(settings))
+    if settings["quant_method"] == "fbgemm_fp8":
+        return RowwiseSlice(parts[""], parts[ROWWISE_SCALE])
     return Mxfp4Slice(parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX])
 
 

@@ -26,9 +26,10 @@ from quantized_checkpoints import (assert_pruned_layer_by_layer_as_resident,
                                    assert_stock_transformers_reads_it_pruned, read_tensors, rewrite)
 
 BLOCKS = [torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
-RELEASED_IN_FP8 = ["deepseek_v3", "qwen3_moe", "minimax_m2", "glm4_moe", "qwen3_next", "gemma4_text"]
-"""Types with block-FP8 releases (DeepSeek-V3 and Kimi K2, Qwen3 -FP8, MiniMax-M2, GLM-4.5 -FP8, Qwen3-Next -FP8),
-and gemma4_text, whose files store fused experts tensors (their FP8 form has ``[experts, ...]`` scales)."""
+RELEASED_IN_FP8 = ["deepseek_v3", "qwen3_moe", "minimax_m2", "glm4_moe", "qwen3_next", "gemma4_text", "longcat_flash"]
+"""Types with block-FP8 releases (DeepSeek-V3 and Kimi K2, Qwen3 -FP8, MiniMax-M2, GLM-4.5 -FP8, Qwen3-Next -FP8,
+LongCat-Flash -FP8, whose identity experts' rows are written after the kept ones), and gemma4_text, whose files store
+fused experts tensors (their FP8 form has ``[experts, ...]`` scales)."""
 
 
 def test_dequantize_is_the_block_by_block_product_partial_blocks_included():
@@ -469,7 +470,8 @@ def _full_precision_files(tensors: dict, config: dict) -> None:
                                    "checkpoints (quant_method 'fp8' with a weight_block_size: DeepSeek-V3, Kimi K2, "
                                    "Qwen3's -FP8 releases), MXFP4 experts (quant_method 'mxfp4': gpt-oss), "
                                    "compressed-tensors ones (quant_method 'compressed-tensors': pack-quantized "
-                                   "integers, FP8) and full-precision ones. Prune the full-precision checkpoint, then "
+                                   "integers, FP8), row-wise FP8 (quant_method 'fbgemm_fp8': Llama 4 Maverick's -FP8 "
+                                   "release) and full-precision ones. Prune the full-precision checkpoint, then "
                                    "quantize the pruned model."),
     (_setting(weight_block_size=None), "The checkpoint is quantized in FP8 without blocks (weight_block_size=None); "
                                        "ompmoe reads block-FP8 checkpoints (a weight_block_size, as DeepSeek-V3, Kimi "

@@ -20,6 +20,7 @@ import ompmoe
 from ompmoe.engine.apply.adaptive import adaptive_report, enable_adaptive
 from ompmoe.engine.apply.compensation import compensation_sums
 from ompmoe.engine.apply.trial import pruned_view
+from ompmoe.engine.export.plots import high_contribution_experts
 from ompmoe.engine.methods.reroute.statistics import RerouteError
 from ompmoe.engine.tiny import tiny_model
 
@@ -87,6 +88,9 @@ def test_statistics_measure_the_routed_experts_pairs_and_leave_the_identity_pair
         torch.testing.assert_close(layer_stats.token_count, count, rtol=0, atol=0)
         torch.testing.assert_close(layer_stats.sq_norm_sum, energy, rtol=1e-4, atol=1e-6)
     assert identity_pairs > 0 and stats.num_tokens == ids.numel()
+    rows = high_contribution_experts(stats, threshold=1.1)  # every layer: the share of tokens of its first expert
+    assert [row.token_share for row in rows] == [
+        float(stats.layer(row.layer).token_count[row.expert]) / stats.num_tokens for row in rows] and len(rows) == 2
 
 
 def test_loss_aware_sums_equal_literal_autograd_over_the_routed_experts_atoms():
@@ -243,10 +247,12 @@ def test_omp_moe_plus_runs_every_identity_pair_and_the_literal_rule_over_the_rou
         for handle in handles:
             handle.remove()
     skipped = identity_kept = 0
+    report = adaptive_report(model)
     for layer, ((hidden, index, weights), output) in zip(layers, calls):
         alphas = stats.layer(layer.name).alpha.tolist()
         n = layer.num_experts
-        kept_pairs = 0
+        kept_pairs = native_pairs = 0
+        per_token = []
         for token in range(hidden.shape[0]):
             routed = [s for s in range(index.shape[1]) if int(index[token, s]) < n]
             identity = [s for s in range(index.shape[1]) if int(index[token, s]) >= n]
@@ -255,11 +261,18 @@ def test_omp_moe_plus_runs_every_identity_pair_and_the_literal_rule_over_the_rou
                     ] if routed else []
             skipped += len(routed) - len(kept)
             identity_kept += len(identity)
-            kept_pairs += len(kept) + len(identity)
+            kept_pairs += len(kept)
+            native_pairs += len(routed)
+            per_token.append(len(kept))
             expected = sum((float(weights[token, s]) * literal_output(layer, hidden[token], int(index[token, s]))
                             for s in [*kept, *identity]), torch.zeros(hidden.shape[1], dtype=torch.float64))
             torch.testing.assert_close(output[token].double(), expected, rtol=1e-5, atol=1e-6)
-        assert adaptive_report(model)[layer.name]["kept_pairs"] == kept_pairs
+        # the counters count the routed experts' pairs: identity pairs cost nothing, kept or native
+        counts = report[layer.name]
+        assert (counts["kept_pairs"], counts["native_pairs"], counts["tokens"]) == (kept_pairs, native_pairs,
+                                                                                   hidden.shape[0])
+        assert counts["flops_ratio"] == pytest.approx(kept_pairs / native_pairs)
+        assert counts["histogram"] == torch.bincount(torch.tensor(per_token), minlength=layer.top_k + 1).tolist()
     assert skipped > 0 and identity_kept > 0
 
 

@@ -94,7 +94,7 @@ def test_high_contribution_table_lists_exactly_the_layers_below_0_1():
         _diagonal_layer(5, [0.01] * 6 + [0.93, 0.01], mixing=0.02),  # r(1) = 0.091: listed, expert 6
         _diagonal_layer(6, [0.2] * 5 + [0.0] * 3, mixing=0.3),
     ]
-    stats = MoEStats(layers=layers, num_tokens=100, fingerprint="synthetic")
+    stats = MoEStats(layers=layers, num_tokens=18, fingerprint="synthetic")  # 36 routed pairs of top-2 in each
     expected = []
     for layer in layers:
         residuals = literal_first_residuals(layer)
@@ -107,7 +107,7 @@ def test_high_contribution_table_lists_exactly_the_layers_below_0_1():
     for row, (_, _, residual) in zip(rows, expected):
         assert row.residual == pytest.approx(residual, rel=1e-12)
     assert [row.layer_index for row in rows] == [1, 5]
-    assert rows[0].token_share == pytest.approx(1 / (36 / 2))  # expert 0 has 1 of the 18 routed tokens
+    assert rows[0].token_share == pytest.approx(1 / 18)  # expert 0 has 1 of the 18 tokens
     # The threshold is strict and configurable.
     assert [row.layer for row in high_contribution_experts(stats, threshold=0.12)] == [
         "model.layers.1.mlp", "model.layers.3.mlp", "model.layers.5.mlp"

@@ -87,17 +87,25 @@ class _AdaptiveState:
             self._device_alphas = alphas.to(device=device, dtype=dtype)
         return self._device_alphas
 
-    def record(self, kept_per_token: torch.Tensor) -> None:
+    def record(self, kept_per_token: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Add one call's kept counts to the histogram on the layer's device, in place (no host read, so also inside
-        a captured CUDA graph); the host reads it only when a report asks."""
+        a captured CUDA graph); the host reads it only when a report asks. With identity experts (``index``: the
+        call's routing), the histogram counts the routed experts' pairs only and one slot more holds the identity
+        pairs the routing had, which cost nothing (:func:`layer_counts`)."""
         device = kept_per_token.device
         if self.histogram is None or self.histogram.device != device:
             previous = self.histogram
-            self.histogram = torch.zeros(self.top_k + 1, dtype=torch.long, device=device)
+            self.histogram = torch.zeros(self.slots(), dtype=torch.long, device=device)
             if previous is not None:
                 self.histogram += previous.to(device)
         # scatter_add_ rather than bincount, which reads the maximum back to the host (a GPU sync).
         self.histogram.scatter_add_(0, kept_per_token.long(), torch.ones_like(kept_per_token, dtype=torch.long))
+        if self.identity_experts and index is not None:
+            self.histogram[-1:] += (index >= self.alphas.numel()).sum()
+
+    def slots(self) -> int:
+        """The histogram's length: tokens per kept count ``0..K``, and the identity pairs' count where there are."""
+        return self.top_k + 1 + (1 if self.identity_experts else 0)
 
     def path_on(self, device: torch.device) -> str:
         if not self.masked_ok or self.path == COMPACT:
@@ -106,7 +114,7 @@ class _AdaptiveState:
 
     def counts(self) -> torch.Tensor:
         """The kept-experts histogram since the last reset (``histogram = None``; zeros before the first call)."""
-        return self.histogram.clone() if self.histogram is not None else torch.zeros(self.top_k + 1, dtype=torch.long)
+        return self.histogram.clone() if self.histogram is not None else torch.zeros(self.slots(), dtype=torch.long)
 
 
 def _split_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,12 +194,16 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
                            f"alphas have {state.alphas.numel()} (was the model pruned after enable_adaptive?). Call "
                            "ompmoe.enable_adaptive(model, stats) again.")
     if state.epsilon == 0.0:  # no prefix can qualify: every token keeps all K, the native call
-        state.record(torch.full((index.shape[0],), index.shape[1], dtype=torch.long, device=index.device))
+        state.record((index < count).sum(dim=1) if state.identity_experts else torch.full(
+            (index.shape[0],), index.shape[1], dtype=torch.long, device=index.device), index)
         return None
     keep = adaptive_keep_mask(index, weights, state.alphas_on(index.device), state.epsilon, state.zeta)
-    if state.identity_experts:  # the rule over the experts' pairs; identity pairs always run
-        keep = keep | (index >= state.alphas.numel())
-    state.record(keep.sum(dim=1))
+    if state.identity_experts:  # the rule over the experts' pairs; identity pairs always run, counted apart
+        identity = index >= count
+        state.record((keep & ~identity).sum(dim=1), index)
+        keep = keep | identity
+    else:
+        state.record(keep.sum(dim=1))
     if state.path_on(index.device) == MASKED:
         if state.forward is not None and module.__dict__.get("forward") is state.forward:
             state.keep = keep  # the masked forward runs this call: no host read
@@ -384,7 +396,8 @@ def restore_adaptive(model: nn.Module) -> bool:
 
 def adaptive_report(model: nn.Module, reset: bool = False) -> dict[str, dict[str, Any]]:
     """Counters since the last reset per MoE layer: ``tokens``, ``top_k``, ``kept_pairs`` (expert executions),
-    ``avg_experts_per_token``, ``skip_ratio`` (of the ``tokens * top_k`` native ones), ``flops_ratio`` (``E[m] / K``),
+    ``native_pairs`` (``tokens * top_k``, less identity experts' pairs), ``avg_experts_per_token``, ``skip_ratio`` (of
+    the native ones), ``flops_ratio`` (kept over native),
     ``histogram`` (tokens that kept ``m = 0..K`` experts) and ``epsilon``."""
     report = {state.name: layer_counts(state.counts(), state.top_k, epsilon=state.epsilon)
               for state in _states(model).values()}
@@ -402,19 +415,24 @@ def _ratios(tokens: int, kept: int, total: int) -> dict[str, float]:
 
 
 def layer_counts(histogram: torch.Tensor, top_k: int, epsilon: float | None = None) -> dict[str, Any]:
-    """Counters of one layer from its kept-experts histogram (also after summing ranks)."""
+    """Counters of one layer from its kept-experts histogram (also after summing ranks). A histogram one slot longer
+    (a layer with identity experts) counts the routed experts' pairs only, and its last slot the identity pairs of
+    the routing: those are neither native expert executions nor kept ones (``native_pairs``)."""
     histogram = histogram.reshape(-1).to(torch.long).cpu()
+    identity = int(histogram[top_k + 1:].sum())
+    histogram = histogram[:top_k + 1]
     tokens = int(histogram.sum())
     kept = int((histogram * torch.arange(histogram.numel())).sum())
-    return {"tokens": tokens, "top_k": top_k, "kept_pairs": kept, **_ratios(tokens, kept, tokens * top_k),
-            "histogram": histogram.tolist(), "epsilon": epsilon}
+    native = tokens * top_k - identity
+    return {"tokens": tokens, "top_k": top_k, "kept_pairs": kept, "native_pairs": native,
+            **_ratios(tokens, kept, native), "histogram": histogram.tolist(), "epsilon": epsilon}
 
 
 def adaptive_totals(report: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """All layers together: ``avg_experts_per_token`` (per token and layer), ``skip_ratio``, ``flops_ratio``."""
     tokens = sum(entry["tokens"] for entry in report.values())
     kept = sum(entry["kept_pairs"] for entry in report.values())
-    total = sum(entry["tokens"] * entry["top_k"] for entry in report.values())
+    total = sum(entry.get("native_pairs", entry["tokens"] * entry["top_k"]) for entry in report.values())
     return {"tokens": float(tokens), **_ratios(tokens, kept, total)}
 
 

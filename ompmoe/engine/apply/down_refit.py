@@ -98,13 +98,15 @@ def check_down_refit(layer: MoELayer) -> None:
 
 def has_gate(experts: nn.Module) -> bool | None:
     """Whether the experts gate their up projection (``gate_up_proj``): transformers' experts interface says so in
-    ``has_gate``; experts with their own forward by a ``gate_up_proj`` and an ``_apply_gate`` (Step 3.7's, which
-    clamps) or an ``act_fn`` (LongCat-Flash's, ``act(gate) * up`` of its halves, as the interface's); ``None`` when it
-    cannot be told. The refit checks what it computes against the experts' own outputs either way."""
+    ``has_gate``; transformers' own experts with their own forward by a ``gate_up_proj`` and an ``_apply_gate``
+    (Step 3.7's, which clamps) or an ``act_fn`` (LongCat-Flash's, ``act(gate) * up`` of its halves, as the
+    interface's), which the matrix checks type by type; ``None`` when it cannot be told (a module of remote code
+    must say ``has_gate``). The refit checks what it computes against the experts' own outputs either way."""
     if hasattr(experts, "has_gate"):
         return bool(experts.has_gate)
-    if isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter) and any(
-            callable(getattr(experts, name, None)) for name in ("_apply_gate", "act_fn")):
+    if (type(experts).__module__.startswith("transformers.models.")
+            and isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter)
+            and any(callable(getattr(experts, name, None)) for name in ("_apply_gate", "act_fn"))):
         return True
     return None
 

@@ -91,7 +91,7 @@ def high_contribution_experts(
         residual = float(result.residual[1])
         if residual < threshold:
             expert = int(result.order[0])
-            tokens = float(layer.token_count.sum()) / max(layer.top_k, 1)
+            tokens = float(stats.num_tokens)  # token_count counts routed experts' pairs (not identity experts')
             share = float(layer.token_count[expert]) / tokens if tokens > 0 else 0.0
             rows.append(HighContributionExpert(layer.name, layer_index(layer.name, position), expert, residual, share))
     return rows

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..._quiet import quiet_calls
-from ..adapters import architecture_of, find_moe_layers
+from ..adapters import architecture_of, find_moe_layers, router_extra_rows
 from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, check_regridable,
                                   compensate_layer, record_compensation)
 from ..apply.pruning import _slice_layer, prune
@@ -131,6 +131,10 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
             check_regridable(layer, checkpoint.settings)
         checkpoint.requantize({f"{names[id(layer.experts)]}.down_proj" for layer in moe_layers})
     only_experts = {names[id(layer.experts)]: sorted(kept[layer.name]) for layer in moe_layers}
+    # what each written experts row holds: a kept expert, then the rows past them (LongCat's identity experts')
+    written_rows = {names[id(layer.experts)]: sorted(kept[layer.name]) + list(range(
+        layer.num_experts, layer.num_experts + router_extra_rows(layer.experts, layer.num_experts)))
+        for layer in moe_layers}
     # the kept experts are read into tensors of their rows (slicing them then only sets counts); removed: never read
     writer = _ShardWriter(directory, shard_bytes, workers)
     times = timings if timings is not None else {}
@@ -155,7 +159,7 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
                                          _replacements(compensation.weights, layer.name))
             stacked = {name: checkpoint.stacked_files.pop(name) for name in list(checkpoint.stacked_files)
                        if name.startswith(part) != outside}
-            tensors = checkpoint.as_stored(_file_tensors(model, part, outside, stacked), only_experts)
+            tensors = checkpoint.as_stored(_file_tensors(model, part, outside, stacked), written_rows)
             writer.add({name: tensor.cpu() for name, tensor in tensors.items()})
             if outside:
                 checkpoint.empty_outside(part)

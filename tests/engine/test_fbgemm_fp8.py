@@ -1,0 +1,159 @@
+"""Row-wise FP8 checkpoints (``quant_method`` ``fbgemm_fp8``: Llama 4 Maverick's -FP8 release, a ``llama4`` container
+read as its text model): read layer by layer dequantized as the row-wise kernels multiply, pruned into their own
+format (the kept experts' FP8 tensors and multipliers as stored), and refused by name where ompmoe would read them
+wrong. Stock transformers loads this format only on a GPU with FBGEMM, so no fresh-process load here."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ompmoe.engine.collect.layerwise import collect_stats_layerwise
+from ompmoe.engine.fbgemm_fp8 import RowwiseSlice, dequantize
+from ompmoe.engine.names import shipped_model_path
+from ompmoe.engine.quantized_files import QuantizedCheckpointError
+from ompmoe.engine.tiny import tiny_config, tiny_model
+
+from fbgemm_fp8_reference import dequantized_checkpoint, literal_dequantize, quantize, to_fbgemm_fp8
+from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
+                                   assert_pruned_layer_by_layer_as_resident, fit_layer_by_layer, read_tensors, rewrite)
+
+BLOCKS = [torch.randint(3, 4000, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+FORMAT = "row-wise FP8 (fbgemm_fp8)"
+
+
+def _source(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny ``llama4`` container checkpoint in row-wise FP8 (with the shipped model's tokenizer), and the
+    full-precision checkpoint it stands for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = dict(tiny_config("llama4").text_config.to_dict(), vocab_size=4096)  # the shipped tokenizer's ids
+        tiny_model("llama4", dtype=torch.bfloat16, text_config=text).save_pretrained(tmp_path / "original")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(shipped_model_path() / name, tmp_path / "original" / name)
+    fp8 = to_fbgemm_fp8(tmp_path / "original", tmp_path / "fp8")
+    return fp8, dequantized_checkpoint(fp8, tmp_path / "dequantized")
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("model.layers.0.feed_forward.shared_expert.up_proj.weight", (6, 5)),
+    ("model.layers.0.feed_forward.experts.gate_up_proj", (3, 5, 8)),
+    ("model.layers.0.feed_forward.experts.down_proj", (3, 4, 5)),
+    ("model.layers.0.feed_forward.experts.down_proj", (3, 5, 5)),  # square: the output is the last axis still
+])
+def test_dequantize_multiplies_each_output_channel_by_its_own_multiplier(name, shape):
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    weight, scale = quantize(name, values)
+    expected = literal_dequantize(name, weight, scale)
+    assert torch.equal(dequantize(weight, scale), expected)
+    torch.testing.assert_close(expected, values, rtol=0.07, atol=0.0)  # E4M3 keeps 3 bits of mantissa
+
+    class Slice:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def get_shape(self):
+            return list(self.tensor.shape)
+
+        def __getitem__(self, index):
+            return self.tensor[index]
+
+    assert torch.equal(RowwiseSlice(Slice(weight), Slice(scale))[:], expected)
+
+
+def test_a_row_wise_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp_path):
+    fp8, dequantized = _source(tmp_path)
+    stored = read_tensors(fp8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = assert_pruned_layer_by_layer_as_resident(fp8, dequantized, BLOCKS, tmp_path, quantization_config={
+            "activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
+            "modules_to_not_convert": ["model.layers.0.self_attn"]})  # the text model's names
+    expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
+    scales = {name for name in written if name.endswith("_scale")}
+    assert written.keys() - scales == expected.keys()
+    assert {name for name, tensor in written.items() if tensor.dtype == torch.float8_e4m3fn} == {
+        name.removesuffix("_scale") for name in scales}
+    kept = plan.kept_by_layer()
+    for name, tensor in expected.items():  # the resident model's values, read back from the written format
+        if name + "_scale" not in written:
+            assert torch.equal(written[name], tensor), name
+            continue
+        ours = literal_dequantize(name, written[name], written[name + "_scale"]).to(tensor.dtype)
+        assert torch.equal(ours, tensor), name
+        source = "language_model." + name  # the container's name in the source
+        if written[name].dim() == 3:  # the kept experts' rows of the source, its bytes and multipliers
+            rows = torch.tensor(kept[next(layer for layer in kept if name.startswith(layer + "."))])
+            assert torch.equal(written[name].view(torch.uint8), stored[source].view(torch.uint8)[rows]), name
+            assert torch.equal(written[name + "_scale"], stored[source + "_scale"][rows]), name
+        else:
+            assert torch.equal(written[name].view(torch.uint8), stored[source].view(torch.uint8)), name
+            assert torch.equal(written[name + "_scale"], stored[source + "_scale"]), name
+
+
+def test_a_compensation_is_refused_by_both_commands_and_auto_writes_it_as_stored(tmp_path, capsys, caplog):
+    fp8, _ = _source(tmp_path)
+    stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    stats.save(tmp_path / "stats.pt")
+    refusal = assert_both_commands_refuse_a_named_compensation(fp8, tmp_path / "stats.pt", tmp_path, capsys, FORMAT)
+    assert "row-wise FP8 (fbgemm_fp8)" in refusal
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (tmp_path / "fit").mkdir()
+        lines, plan = fit_layer_by_layer(fp8, tmp_path / "fit", caplog)
+    assert (f"ompmoe: the checkpoint stores {FORMAT} weights, written as stored: auto fits no compensation"
+            in "\n".join(lines))
+    written = read_tensors(tmp_path / "fit" / "run" / "model")
+    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in written.values())
+    assert plan.achieved_ratio == 0.5
+
+
+def _e5m2(tensors: dict, config: dict) -> None:
+    name = next(name for name, tensor in tensors.items() if tensor.dtype == torch.float8_e4m3fn)
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+
+
+def _without_a_scale(tensors: dict, config: dict) -> None:
+    del tensors[next(name for name in sorted(tensors) if name.endswith("experts.down_proj_scale"))]
+
+
+def _bf16_scales(tensors: dict, config: dict) -> None:
+    name = next(name for name in sorted(tensors) if name.endswith("_scale"))
+    tensors[name] = tensors[name].to(torch.bfloat16)
+
+
+def _per_input_scales(tensors: dict, config: dict) -> None:
+    name = next(name for name in sorted(tensors) if name.endswith("experts.gate_up_proj_scale"))
+    tensors[name] = tensors[name][:, :, :64].reshape(tensors[name].shape[0], 64, 1).contiguous()
+
+
+def _full_precision_files(tensors: dict, config: dict) -> None:
+    for name in [name for name, tensor in tensors.items() if tensor.dtype == torch.float8_e4m3fn]:
+        tensors[name] = tensors.pop(name).float().to(torch.bfloat16)
+        del tensors[name + "_scale"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_e5m2, "stores 1 weights in an 8-bit float other than E4M3 (language_model.model.layers.0.feed_forward.experts."
+            "down_proj (F8_E5M2)); FBGEMM's row-wise FP8 is E4M3."),
+    (_without_a_scale, "stores FP8 weights ompmoe cannot scale: language_model.model.layers.0.feed_forward.experts."
+                       "down_proj has no language_model.model.layers.0.feed_forward.experts.down_proj_scale."),
+    (_bf16_scales, "stores FP8 weights ompmoe cannot scale: language_model.model.layers.0.feed_forward.experts."
+                   "down_proj_scale is BF16, not float32 multipliers (F32)."),
+    (_per_input_scales, "stores FP8 weights ompmoe cannot scale: language_model.model.layers.0.feed_forward.experts."
+                        "gate_up_proj_scale [8, 64, 1] is not one multiplier per output channel of "
+                        "language_model.model.layers.0.feed_forward.experts.gate_up_proj [8, 64, 128]."),
+    (_full_precision_files, "config.json says its weights are FP8 (quantization_config, quant_method 'fbgemm_fp8'), "
+                            "but no tensor of its files is FP8"),
+])
+def test_what_ompmoe_cannot_read_right_is_refused_by_name_before_any_layer_runs(change, message, tmp_path):
+    fp8, _ = _source(tmp_path)
+    rewrite(fp8, change)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        collect_stats_layerwise(fp8, BLOCKS, progress=False)
+    assert message in str(refused.value)
+    assert str(refused.value).startswith(str(fp8))
