@@ -65,8 +65,12 @@ def to_fbgemm_fp8(source: Path, target: Path) -> Path:
         else:
             tensors[name] = tensor
     config = json.loads((source / "config.json").read_text())
+    layers = config["text_config"]["num_hidden_layers"]
+    kept_full = [f"language_model.model.layers.{i}.{part}" for i in range(layers)
+                 for part in ("self_attn", "feed_forward.router")]  # what stays bf16, as the release lists it
     config["quantization_config"] = {"activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
-                                     "modules_to_not_convert": ["language_model.model.layers.0.self_attn"]}
+                                     "modules_to_not_convert": [*kept_full, "language_model.lm_head", "vision_model",
+                                                                "multi_modal_projector"]}
     return write_checkpoint(source, target, tensors, config)
 
 

@@ -53,6 +53,30 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale.float().reshape(shape)
 
 
+ONE_COUNT = ("{source} stores row-wise FP8 (fbgemm_fp8) weights, which transformers builds at the config's expert "
+             "count in every layer (FbgemmFp8Llama4TextExperts), so a plan with per-layer counts would be written "
+             "unloadable. Plan with allocation uniform (ompmoe fit --allocation uniform, ompmoe prune --allocation "
+             "uniform).")
+"""Why a plan with per-layer counts is refused for a row-wise FP8 source (``source``: its path)."""
+GPU_ONLY = ("{path} stores row-wise FP8 (fbgemm_fp8) weights, which transformers loads only on a GPU with fbgemm_gpu. "
+            "ompmoe prunes such a checkpoint layer by layer (ompmoe fit --layer_by_layer true, ompmoe prune --model), "
+            "which reads its weights dequantized on any machine.")
+"""Why loading a row-wise FP8 checkpoint whole is refused where transformers cannot load it."""
+
+
+def check_uniform(counts: list[int], source: Any) -> None:
+    """Refuse per-layer expert ``counts`` for the row-wise FP8 checkpoint ``source`` (:data:`ONE_COUNT`)."""
+    if len(set(counts)) > 1:
+        raise QuantizedCheckpointError(ONE_COUNT.format(source=source))
+
+
+def loadable_here() -> bool:
+    """Whether transformers can load row-wise FP8 weights in this process (a GPU and fbgemm_gpu)."""
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("fbgemm_gpu") is not None
+
+
 class RowwiseSlice(ComputedSlice):
     """A row-wise FP8 tensor of the files read as its dequantized float32 values (what transformers' loading reads
     from a safetensors slice: ``slice[...]``, its shape and dtype)."""
@@ -67,7 +91,13 @@ class RowwiseSlice(ComputedSlice):
         return "F32"
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return dequantize(self.weight[:], self.scale[:])[index]
+        weight, scale = self.weight[:], self.scale[:]
+        if weight.dim() < 3:
+            return dequantize(weight, scale)[index]
+        out = torch.empty(weight.shape, dtype=torch.float32)  # one expert at a time: one float32 copy, not two
+        for expert in range(weight.shape[0]):
+            out[expert] = dequantize(weight[expert:expert + 1], scale[expert:expert + 1])[0]
+        return out[index]
 
 
 def pair_channel_scales(headers: dict[str, str], shapes: dict[str, list[int]], settings: dict[str, Any],
@@ -83,6 +113,10 @@ def pair_channel_scales(headers: dict[str, str], shapes: dict[str, list[int]], s
             "no tensor of its files is FP8; remove the quantization_config from config.json if the weights are full "
             "precision.")
     pairs, wrong = {}, []
+    for name in sorted(headers):  # multipliers beside a weight that is not FP8 would be left unread
+        base = name.removesuffix(SCALE_SUFFIX)
+        if base != name and base in headers and not headers[base].startswith("F8_"):
+            wrong.append(f"{name} scales {base}, which is {headers[base]}, not FP8")
     for name in fp8:
         scale = name + SCALE_SUFFIX
         if scale not in headers:
@@ -98,5 +132,5 @@ def pair_channel_scales(headers: dict[str, str], shapes: dict[str, list[int]], s
     return pairs
 
 
-__all__ = ["SCALE_SUFFIX", "RowwiseSlice", "channel_scales", "dequantize", "fbgemm_fp8_settings",
-           "pair_channel_scales"]
+__all__ = ["GPU_ONLY", "ONE_COUNT", "SCALE_SUFFIX", "RowwiseSlice", "channel_scales", "check_uniform", "dequantize",
+           "fbgemm_fp8_settings", "loadable_here", "pair_channel_scales"]

@@ -42,6 +42,7 @@ from .apply.quantized import QuantizedModelError, quant_method
 from .apply.trial import pruned_view
 from .quantized_files import QuantizedCheckpointError
 from .record import CONFIG_KEY
+from .fbgemm_fp8 import ONE_COUNT
 from .stored_formats import COMPENSATION_STORED, FORMATS, format_name, requantizes, stored_quantization
 from .collect.collector import StatisticsCollector, WeightsChangedError, weights_changed_message
 from .collect.extensions import selected_statistics
@@ -445,6 +446,9 @@ class PruningRun:
                    "prune the full-precision model, then quantize the pruned one (docs/recipes.md)")
             raise QuantizedModelError(f"{self.owner}: the model was loaded quantized (quant_method={method!r}); "
                                       f"pruning computes on full-precision weights: {fix}.")
+        if stored is not None and stored["quant_method"] == "fbgemm_fp8" and getattr(strategy, "allocation",
+                                                                                   "uniform") != "uniform":
+            raise QuantizedCheckpointError(ONE_COUNT.format(source=self._model_name(model)))  # before any work
         if stored is None or compensation_granularity(mode, strategy) is None or requantizes(stored):
             return mode  # block FP8, MXFP4, compressed-tensors: its compensated down projections quantized again
         if mode != "auto":

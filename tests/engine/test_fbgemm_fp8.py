@@ -5,6 +5,7 @@ wrong. Stock transformers loads this format only on a GPU with FBGEMM, so no fre
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ompmoe
 from ompmoe.engine.collect.layerwise import collect_stats_layerwise
 from ompmoe.engine.fbgemm_fp8 import RowwiseSlice, dequantize
 from ompmoe.engine.names import shipped_model_path
@@ -19,8 +21,7 @@ from ompmoe.engine.quantized_files import QuantizedCheckpointError
 from ompmoe.engine.tiny import tiny_config, tiny_model
 
 from fbgemm_fp8_reference import dequantized_checkpoint, literal_dequantize, quantize, to_fbgemm_fp8
-from quantized_checkpoints import (assert_both_commands_refuse_a_named_compensation,
-                                   assert_pruned_layer_by_layer_as_resident, fit_layer_by_layer, read_tensors, rewrite)
+from quantized_checkpoints import assert_pruned_layer_by_layer_as_resident, read_tensors, rewrite
 
 BLOCKS = [torch.randint(3, 4000, (2, 16), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
 FORMAT = "row-wise FP8 (fbgemm_fp8)"
@@ -70,12 +71,14 @@ def test_a_row_wise_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp
     stored = read_tensors(fp8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        settings = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+        text_names = [name.removeprefix("language_model.") for name in settings["modules_to_not_convert"]]
         plan = assert_pruned_layer_by_layer_as_resident(fp8, dequantized, BLOCKS, tmp_path, quantization_config={
-            "activation_scale_ub": 1200.0, "quant_method": "fbgemm_fp8",
-            "modules_to_not_convert": ["model.layers.0.self_attn"]})  # the text model's names
+            **settings, "modules_to_not_convert": text_names})  # the text model's names
     expected, written = read_tensors(tmp_path / "resident"), read_tensors(tmp_path / "streamed")
     scales = {name for name in written if name.endswith("_scale")}
     assert written.keys() - scales == expected.keys()
+    assert len({len(ids) for ids in plan.kept_by_layer().values()}) == 1  # transformers reads one count only
     assert {name for name, tensor in written.items() if tensor.dtype == torch.float8_e4m3fn} == {
         name.removesuffix("_scale") for name in scales}
     kept = plan.kept_by_layer()
@@ -95,21 +98,61 @@ def test_a_row_wise_fp8_checkpoint_prunes_layer_by_layer_into_its_own_format(tmp
             assert torch.equal(written[name + "_scale"], stored[source + "_scale"]), name
 
 
-def test_a_compensation_is_refused_by_both_commands_and_auto_writes_it_as_stored(tmp_path, capsys, caplog):
+def test_per_layer_counts_and_a_compensation_are_refused_before_any_work_and_uniform_is_written_as_stored(
+        tmp_path, capsys, caplog):
+    """transformers builds every layer's row-wise FP8 experts at the config's count, so a plan with per-layer counts
+    would be written unloadable: refused before calibrating (fit) or writing (prune), as a compensation is; a uniform
+    plan is written in the source's format, auto fitting no compensation."""
+    from ompmoe.cli import main
+
+    from test_cli import tiny_config
+
     fp8, _ = _source(tmp_path)
+    one_count = (f"{fp8} stores row-wise FP8 (fbgemm_fp8) weights, which transformers builds at the config's expert "
+                 "count in every layer (FbgemmFp8Llama4TextExperts), so a plan with per-layer counts would be written "
+                 "unloadable. Plan with allocation uniform (ompmoe fit --allocation uniform, ompmoe prune "
+                 "--allocation uniform).")
+    (tmp_path / "auto").mkdir()
+    fit = ["fit", "-c", str(tiny_config(tmp_path / "auto")), "--trainer.enable_progress_bar=false", "--layer_by_layer",
+           "true", "--model.model", str(fp8)]
+    for extra, refusal in (([], one_count), (["--allocation", "uniform", "--compensation", "down"], (
+            f"{fp8} stores row-wise FP8 (fbgemm_fp8) weights, which ompmoe writes as stored; a compensation changes "
+            "the kept experts' weights"))):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main([*fit, *extra])
+        assert refusal in capsys.readouterr().err
+        assert not (tmp_path / "auto" / "run").exists()
     stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
     stats.save(tmp_path / "stats.pt")
-    refusal = assert_both_commands_refuse_a_named_compensation(fp8, tmp_path / "stats.pt", tmp_path, capsys, FORMAT)
-    assert "row-wise FP8 (fbgemm_fp8)" in refusal
+    assert len({len(ids) for ids in ompmoe.plan_pruning(stats, 0.3, allocation="waterfill", min_kept_fraction=0.125,
+                                                         max_kept_fraction=1.0).kept_by_layer().values()}) > 1
+    with pytest.raises(SystemExit):
+        main(["prune", "--stats", str(tmp_path / "stats.pt"), "--ratio", "0.3", "--model", str(fp8), "--output_dir",
+              str(tmp_path / "pruned"), "--allocation", "waterfill", "--min_kept_fraction", "0.125",
+              "--max_kept_fraction", "1.0"])
+    assert one_count in capsys.readouterr().err and not (tmp_path / "pruned").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (tmp_path / "fit").mkdir()
-        lines, plan = fit_layer_by_layer(fp8, tmp_path / "fit", caplog)
+        caplog.set_level("INFO")
+        main([*fit, "--allocation", "uniform"])
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("ompmoe")]
     assert (f"ompmoe: the checkpoint stores {FORMAT} weights, written as stored: auto fits no compensation"
             in "\n".join(lines))
-    written = read_tensors(tmp_path / "fit" / "run" / "model")
+    written = read_tensors(tmp_path / "auto" / "run" / "model")
     assert any(tensor.dtype == torch.float8_e4m3fn for tensor in written.values())
-    assert plan.achieved_ratio == 0.5
+    plan = ompmoe.PruningPlan.load(tmp_path / "auto" / "run" / "plan.json")
+    assert plan.achieved_ratio == 0.5 and len({layer.num_kept for layer in plan.layers}) == 1
+
+
+def test_loading_it_whole_without_fbgemm_on_a_gpu_is_refused_with_the_layer_by_layer_route(tmp_path):
+    fp8, _ = _source(tmp_path)
+    with pytest.raises(QuantizedCheckpointError) as refused:
+        ompmoe.load_pruned(fp8)
+    assert str(refused.value) == (
+        f"{fp8} stores row-wise FP8 (fbgemm_fp8) weights, which transformers loads only on a GPU with fbgemm_gpu. "
+        "ompmoe prunes such a checkpoint layer by layer (ompmoe fit --layer_by_layer true, ompmoe prune --model), "
+        "which reads its weights dequantized on any machine.")
 
 
 def _e5m2(tensors: dict, config: dict) -> None:
@@ -131,6 +174,11 @@ def _per_input_scales(tensors: dict, config: dict) -> None:
     tensors[name] = tensors[name][:, :, :64].reshape(tensors[name].shape[0], 64, 1).contiguous()
 
 
+def _leftover_scale(tensors: dict, config: dict) -> None:
+    name = next(name for name in sorted(tensors) if name.endswith("shared_expert.up_proj.weight"))
+    tensors[name] = tensors[name].float().to(torch.bfloat16)
+
+
 def _full_precision_files(tensors: dict, config: dict) -> None:
     for name in [name for name, tensor in tensors.items() if tensor.dtype == torch.float8_e4m3fn]:
         tensors[name] = tensors.pop(name).float().to(torch.bfloat16)
@@ -147,6 +195,9 @@ def _full_precision_files(tensors: dict, config: dict) -> None:
     (_per_input_scales, "stores FP8 weights ompmoe cannot scale: language_model.model.layers.0.feed_forward.experts."
                         "gate_up_proj_scale [8, 64, 1] is not one multiplier per output channel of "
                         "language_model.model.layers.0.feed_forward.experts.gate_up_proj [8, 64, 128]."),
+    (_leftover_scale, "stores FP8 weights ompmoe cannot scale: language_model.model.layers.0.feed_forward."
+                      "shared_expert.up_proj.weight_scale scales language_model.model.layers.0.feed_forward."
+                      "shared_expert.up_proj.weight, which is BF16, not FP8."),
     (_full_precision_files, "config.json says its weights are FP8 (quantization_config, quant_method 'fbgemm_fp8'), "
                             "but no tensor of its files is FP8"),
 ])

@@ -21,6 +21,7 @@ from ..adapters import architecture_of, find_moe_layers
 from ..block_fp8 import SCALE_SUFFIX, block_size
 from ..compressed_tensors_format import GLOBAL_SCALE, stores_fp4
 from ..compressed_tensors_format import stored_names as compressed_stored_names
+from ..fbgemm_fp8 import GPU_ONLY, loadable_here
 from ..hub import cache_only_where_unreachable, is_hub_id
 from ..mxfp4 import stored_names as mxfp4_stored_names
 from ..quantized_files import QuantizedCheckpointError
@@ -83,6 +84,17 @@ def _refuse_partial_fp8_blocks(path: str | os.PathLike, config: Any) -> None:
             "transformers dequantizes them as if they were and would load them wrong. Calibrate and prune it with "
             "layer_by_layer=True (ompmoe fit --layer_by_layer true), which reads partial blocks as DeepSeek's "
             "reference does, or load it on a GPU.")
+
+
+def _refuse_rowwise_fp8(path: str | os.PathLike, config: Any) -> None:
+    """Row-wise FP8 (``fbgemm_fp8``, Llama 4 Maverick's -FP8 release) loads only on a GPU with fbgemm_gpu: refused
+    elsewhere by name, with the layer-by-layer route, before transformers' own import error."""
+    try:
+        settings = stored_settings(config)
+    except QuantizedCheckpointError:  # another format: transformers loads it as it loads it
+        return
+    if settings is not None and settings["quant_method"] == "fbgemm_fp8" and not loadable_here():
+        raise QuantizedCheckpointError(GPU_ONLY.format(path=path))
 
 
 def _refuse_nvfp4_experts(path: str | os.PathLike, config: Any) -> None:
@@ -195,6 +207,7 @@ def _load_pruned(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.M
     check_weight_files(path, lambda: _integer_tensors(base, config))
     _refuse_partial_fp8_blocks(path, config)
     _refuse_nvfp4_experts(path, config)
+    _refuse_rowwise_fp8(path, config)
     record = pruning_info(config)
     cls = base
     if record is not None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..._quiet import quiet_calls
 from ..adapters import architecture_of, find_moe_layers, router_extra_rows
+from ..fbgemm_fp8 import check_uniform
 from ..apply.compensation import (Compensation, _replacements, check_compensation_fits, check_regridable,
                                   compensate_layer, record_compensation)
 from ..apply.pruning import _slice_layer, prune
@@ -123,6 +124,8 @@ def write_pruned_weights(checkpoint: LazyCheckpoint, plan: PruningPlan, director
     prefix, layers = decoder_layers(model)
     spec = architecture_of(model)
     kept = plan.kept_by_layer()
+    if checkpoint.settings is not None and checkpoint.settings["quant_method"] == "fbgemm_fp8":
+        check_uniform([len(ids) for ids in kept.values()], checkpoint.path)
     moe_layers = find_moe_layers(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     names = {id(module): name for name, module in model.named_modules()}
@@ -211,6 +214,8 @@ def save_pruned_from_files(source: str | os.PathLike, plan: PruningPlan, path: s
     one ``save_pruned(prune(load(source), plan))`` writes (config, tokenizer, remote code, card; the same tensors);
     with ``compensation`` (fitted for ``plan``), the one ``save_pruned(compensation.apply(prune(...)))`` writes."""
     config = load_stock_config(source)
+    if (stored := stored_settings(config)) is not None and stored["quant_method"] == "fbgemm_fp8":
+        check_uniform([len(kept) for kept in plan.kept_by_layer().values()], source)
     pruned = prune(build_skeleton(config, dtype=checkpoint_dtype(config)), plan)  # config and record, no weights
     if compensation is not None and not requantizes(quantization := stored_settings(config)):
         assert quantization is not None
