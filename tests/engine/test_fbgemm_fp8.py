@@ -117,11 +117,14 @@ def test_per_layer_counts_and_a_compensation_are_refused_before_any_work_and_uni
            "true", "--model.model", str(fp8)]
     for extra, refusal in (([], one_count), (["--allocation", "uniform", "--compensation", "down"], (
             f"{fp8} stores row-wise FP8 (fbgemm_fp8) weights, which ompmoe writes as stored; a compensation changes "
-            "the kept experts' weights"))):
+            "the kept experts' weights, which would have to be quantized again (ompmoe quantizes again block-FP8 "
+            "weights whose scale_fmt is none, 'float' or 'ue8m0', MXFP4 and compressed-tensors integer and FP8 "
+            "ones). Prune it with compensation='off' (the paper's setting), or compensate its full-precision "
+            "checkpoint."))):
         capsys.readouterr()
         with pytest.raises(SystemExit):
             main([*fit, *extra])
-        assert refusal in capsys.readouterr().err
+        assert capsys.readouterr().err == f"error: {refusal}\n"  # the one line, before any work
         assert not (tmp_path / "auto" / "run").exists()
     stats = collect_stats_layerwise(fp8, BLOCKS, progress=False)
     stats.save(tmp_path / "stats.pt")
@@ -131,7 +134,7 @@ def test_per_layer_counts_and_a_compensation_are_refused_before_any_work_and_uni
         main(["prune", "--stats", str(tmp_path / "stats.pt"), "--ratio", "0.3", "--model", str(fp8), "--output_dir",
               str(tmp_path / "pruned"), "--allocation", "waterfill", "--min_kept_fraction", "0.125",
               "--max_kept_fraction", "1.0"])
-    assert one_count in capsys.readouterr().err and not (tmp_path / "pruned").exists()
+    assert capsys.readouterr().err == f"error: {one_count}\n" and not (tmp_path / "pruned").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         caplog.set_level("INFO")
